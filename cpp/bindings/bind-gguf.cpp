@@ -1,0 +1,7 @@
+#include "bindings/bindings.h"
+
+namespace kvcmas::py {
+
+void bind_gguf(nanobind::module_ & m) { (void) m; }
+
+}  // namespace kvcmas::py

@@ -1,0 +1,12 @@
+// Each bind_*.cpp adds one part of the core to the `_core` extension module.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace kvcmas::py {
+
+void bind_gguf(nanobind::module_ & m);     // bind-gguf.cpp: GgufFile
+void bind_kernels(nanobind::module_ & m);  // bind-kernels.cpp: dequantize / matmul entry points for tests
+void bind_engine(nanobind::module_ & m);   // bind-engine.cpp: Model, sequences, batches
+
+}  // namespace kvcmas::py

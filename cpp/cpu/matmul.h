@@ -1,0 +1,32 @@
+// Matrix products of a weight matrix stored in any supported GGUF type with f32 activations.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/ggml-types.h"
+#include "cpu/threadpool.h"
+
+namespace kvcmas::cpu {
+
+// A weight matrix as GGUF stores it: n_out rows, each of n_in elements of `type` (ggml shape [n_in, n_out]),
+// rows row_bytes apart. n_in is a multiple of the type's block size.
+struct WeightView {
+    GgmlType     type;
+    const void * data;
+    int64_t      n_in;
+    int64_t      n_out;
+    size_t       row_bytes;
+};
+
+// y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
+// Splits the work over the pool. Small n_tok (decode) runs dot products straight from the stored format;
+// large n_tok (prefill) dequantizes tiles of w once and runs a register-blocked f32 kernel over all tokens.
+// Results agree with (dequantize_row(w) · x) within f32 rounding for float weights; for quantized weights the
+// activations may be quantized to 8 bits on the decode path, as llama.cpp does.
+void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
+
+// Same contract, plain reference implementation (dequantize each row, f64 accumulation); for tests.
+void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok);
+
+}  // namespace kvcmas::cpu

@@ -1,0 +1,27 @@
+"""Loads the compiled core. KVCMAS_CORE_PATH may name a `_core` module built elsewhere (developer builds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+
+def _load() -> ModuleType:
+    override = os.environ.get("KVCMAS_CORE_PATH")
+    if override:
+        spec = importlib.util.spec_from_file_location("kvcmas_cpp._core", override)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"KVCMAS_CORE_PATH={override!r} is not a loadable extension module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kvcmas_cpp._core"] = module
+        spec.loader.exec_module(module)
+        return module
+    from . import _core  # type: ignore[attr-defined]
+
+    return _core
+
+
+core = _load()
+KvcmasError = core.KvcmasError
