@@ -1,0 +1,93 @@
+// Body of the attention kernel, compiled twice: portable (attention.cpp) and with AVX2/FMA (attention-avx2.cpp).
+// Written so the compiler vectorizes it: 8 independent accumulators per dot product.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu/attention.h"
+
+namespace kvcmas::cpu::KC_ATTN_NS {
+
+static inline float dot(const float * a, const float * b, int n) {
+    float acc[8] = { 0, 0, 0, 0, 0, 0, 0, 0 };
+    int   i      = 0;
+    for (; i + 8 <= n; i += 8) {
+        for (int l = 0; l < 8; ++l) {
+            acc[l] += a[i + l] * b[i + l];
+        }
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; ++i) {
+        s += a[i] * b[i];
+    }
+    return s;
+}
+
+static inline void axpy(float a, const float * x, float * y, int n) {
+    for (int i = 0; i < n; ++i) {
+        y[i] += a * x[i];
+    }
+}
+
+static void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
+                   int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+    const int hd    = shape.head_dim;
+    const int group = shape.n_head / shape.n_head_kv;
+    float *   q_rot = scratch;                                       // [n_head * hd], q re-rotated for a shift
+    float *   score = scratch + static_cast<int64_t>(shape.n_head) * hd;  // [n_visible]
+    for (int h = h_begin; h < h_end; ++h) {
+        const int64_t kv_off = static_cast<int64_t>(h / group) * hd;
+        // Pass 1: scores of every visible key.
+        int64_t       seen   = 0;
+        int32_t       cached_shift = 0;
+        bool          have_rot     = false;
+        const float * qh     = q + static_cast<int64_t>(h) * hd;
+        for (int r = 0; r < n_runs && seen < n_visible; ++r) {
+            const KvRun & run = runs[r];
+            const float * qq  = qh;
+            if (run.shift != 0) {
+                if (!have_rot || run.shift != cached_shift) {
+                    std::memcpy(q_rot, qh, sizeof(float) * static_cast<size_t>(hd));
+                    rope.apply(q_rot, 1, hd, -static_cast<double>(run.shift));
+                    cached_shift = run.shift;
+                    have_rot     = true;
+                }
+                qq = q_rot;
+            }
+            const int64_t n = std::min<int64_t>(run.n, n_visible - seen);
+            for (int64_t j = 0; j < n; ++j) {
+                score[seen + j] = dot(qq, run.k + j * shape.row_stride + kv_off, hd) * shape.scale;
+            }
+            seen += n;
+        }
+        // Softmax.
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < seen; ++j) {
+            mx = std::max(mx, score[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < seen; ++j) {
+            score[j] = std::exp(score[j] - mx);
+            sum += score[j];
+        }
+        const float inv = 1.0f / sum;
+        // Pass 2: weighted sum of values.
+        float *     oh  = out + static_cast<int64_t>(h) * hd;
+        std::memset(oh, 0, sizeof(float) * static_cast<size_t>(hd));
+        seen = 0;
+        for (int r = 0; r < n_runs && seen < n_visible; ++r) {
+            const KvRun & run = runs[r];
+            const int64_t n   = std::min<int64_t>(run.n, n_visible - seen);
+            for (int64_t j = 0; j < n; ++j) {
+                axpy(score[seen + j], run.v + j * shape.row_stride + kv_off, oh, hd);
+            }
+            seen += n;
+        }
+        for (int i = 0; i < hd; ++i) {
+            oh[i] *= inv;
+        }
+    }
+}
+
+}  // namespace kvcmas::cpu::KC_ATTN_NS

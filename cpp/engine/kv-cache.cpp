@@ -1,0 +1,182 @@
+#include "engine/kv-cache.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace kvcmas {
+
+KvBlockPool::KvBlockPool(KvLayout layout, size_t budget_bytes)
+    : layout_(layout),
+      block_floats_(static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * static_cast<size_t>(layout.n_kv_dim)),
+      budget_bytes_(budget_bytes) {
+    KC_CHECK(layout.n_layer > 0 && layout.n_kv_dim > 0, "KV layout needs layers and a row width");
+}
+
+int32_t KvBlockPool::allocate() {
+    KC_CHECK((n_used_ + 1) * block_bytes() <= budget_bytes_,
+             "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", bytes_in_use(),
+             budget_bytes_, block_bytes());
+    int32_t id;
+    if (!free_.empty()) {
+        id = free_.back();
+        free_.pop_back();
+    } else {
+        id = static_cast<int32_t>(blocks_.size());
+        blocks_.emplace_back(new float[block_floats_]);
+    }
+    ++n_used_;
+    return id;
+}
+
+void KvBlockPool::release(int32_t block) {
+    free_.push_back(block);
+    --n_used_;
+}
+
+KvSpan::~KvSpan() {
+    for (int32_t b : blocks_) {
+        pool_.release(b);
+    }
+}
+
+void KvSpan::resize(int32_t n) {
+    const size_t need = static_cast<size_t>((n + kKvBlockRows - 1) / kKvBlockRows);
+    while (blocks_.size() < need) {
+        blocks_.push_back(pool_.allocate());
+    }
+    while (blocks_.size() > need) {
+        pool_.release(blocks_.back());
+        blocks_.pop_back();
+    }
+    n_rows_ = n;
+}
+
+float * KvSpan::k_row(int layer, int32_t row) {
+    float * block = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]);
+    return block + layer * pool_.layer_stride() + static_cast<int64_t>(row % kKvBlockRows) * pool_.layout().n_kv_dim;
+}
+
+float * KvSpan::v_row(int layer, int32_t row) { return k_row(layer, row) + pool_.v_offset(); }
+
+void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, std::vector<cpu::KvRun> & out) const {
+    int32_t row = begin;
+    while (row < begin + n) {
+        const int32_t in_block = row % kKvBlockRows;
+        const int32_t take     = std::min(kKvBlockRows - in_block, begin + n - row);
+        const float * k        = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]) +
+                          layer * pool_.layer_stride() + static_cast<int64_t>(in_block) * pool_.layout().n_kv_dim;
+        out.push_back(cpu::KvRun{ k, k + pool_.v_offset(), take, shift });
+        row += take;
+    }
+}
+
+KvCache::KvCache(KvLayout layout, size_t budget_bytes, int32_t n_ctx_max)
+    : pool_(layout, budget_bytes), n_ctx_max_(n_ctx_max) {}
+
+std::vector<KvSegment> & KvCache::segments(int32_t seq) {
+    auto it = seqs_.find(seq);
+    KC_CHECK(it != seqs_.end(), "no sequence with id %d", seq);
+    return it->second;
+}
+
+const std::vector<KvSegment> & KvCache::segments(int32_t seq) const {
+    auto it = seqs_.find(seq);
+    KC_CHECK(it != seqs_.end(), "no sequence with id %d", seq);
+    return it->second;
+}
+
+int32_t KvCache::seq_new() {
+    const int32_t id = next_id_++;
+    seqs_[id];
+    return id;
+}
+
+int32_t KvCache::seq_fork(int32_t src) {
+    std::vector<KvSegment> copy = segments(src);
+    const int32_t          id   = next_id_++;
+    seqs_[id]                   = std::move(copy);
+    return id;
+}
+
+int32_t KvCache::seq_length(int32_t seq) const {
+    int32_t n = 0;
+    for (const KvSegment & s : segments(seq)) {
+        n += s.n;
+    }
+    return n;
+}
+
+void KvCache::seq_truncate(int32_t seq, int32_t n) {
+    std::vector<KvSegment> & segs = segments(seq);
+    const int32_t            len  = seq_length(seq);
+    KC_CHECK(n >= 0 && n <= len, "cannot truncate sequence %d of length %d to %d", seq, len, n);
+    int32_t kept = 0;
+    size_t  i    = 0;
+    for (; i < segs.size() && kept + segs[i].n <= n; ++i) {
+        kept += segs[i].n;
+    }
+    if (i < segs.size() && kept < n) {
+        segs[i].n = n - kept;
+        ++i;
+    }
+    segs.resize(i);
+}
+
+void KvCache::seq_remove(int32_t seq) {
+    KC_CHECK(seqs_.erase(seq) == 1, "no sequence with id %d", seq);
+}
+
+std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
+    std::vector<KvSegment> & segs = segments(seq);
+    const int32_t            len  = seq_length(seq);
+    KC_CHECK(n >= 0 && static_cast<int64_t>(len) + n <= n_ctx_max_,
+             "sequence %d would hold %lld tokens, over the context size %d", seq,
+             static_cast<long long>(len) + n, n_ctx_max_);
+    std::vector<KvSlot> slots;
+    if (n == 0) {
+        return slots;
+    }
+    bool in_place = false;
+    if (!segs.empty()) {
+        KvSegment & last = segs.back();
+        KvSpan &    span = *last.span;
+        const bool  at_end = last.begin + last.n == span.n_rows();
+        if (span.writer == seq && at_end) {
+            in_place = true;
+        } else if (last.span.use_count() == 1 && (span.writer == seq || span.writer == -1) &&
+                   span.frame0() + last.begin == len - last.n) {
+            // Sole reader whose frame matches its positions: drop rows past its view and keep writing there.
+            span.resize(last.begin + last.n);
+            span.writer = seq;
+            in_place    = true;
+        }
+    }
+    if (!in_place) {
+        auto span    = std::make_shared<KvSpan>(pool_, len);  // frame = positions, so keys need no shift
+        span->writer = seq;
+        segs.push_back(KvSegment{ std::move(span), 0, 0 });
+    }
+    KvSegment & last  = segs.back();
+    KvSpan &    span  = *last.span;
+    const int32_t row0 = span.n_rows();
+    span.resize(row0 + n);  // may throw: nothing else changed yet except a new empty segment
+    last.n += n;
+    for (int32_t i = 0; i < n; ++i) {
+        slots.push_back(KvSlot{ &span, row0 + i, span.frame0() + row0 + i });
+    }
+    return slots;
+}
+
+void KvCache::runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const {
+    out.clear();
+    int32_t pos0 = 0;
+    for (const KvSegment & s : segments(seq)) {
+        // A row r of the span sits at position pos0 + (r - begin) and was rotated at frame0 + r.
+        const int32_t shift = pos0 - s.begin - s.span->frame0();
+        s.span->append_runs(layer, s.begin, s.n, shift, out);
+        pos0 += s.n;
+    }
+}
+
+}  // namespace kvcmas

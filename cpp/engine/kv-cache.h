@@ -1,0 +1,126 @@
+// KV cache: fixed-size blocks from one pool, spans of rows stored once, and sequences that read spans through a
+// table of segments. Attention never sees a contiguous per-sequence buffer: it reads the runs a sequence's
+// segments point at (see cpu/attention.h), which is what lets a span be shared by many sequences at different
+// positions (forks now, cross-agent shared context next).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "cpu/attention.h"
+
+namespace kvcmas {
+
+constexpr int32_t kKvBlockRows = 32;  // rows (tokens) per block
+
+struct KvLayout {
+    int n_layer  = 0;
+    int n_kv_dim = 0;  // n_head_kv * head_dim: floats in one K (or V) row
+};
+
+// Blocks of KV memory: block b holds, for every layer il, K rows then V rows:
+// [n_layer][2][kKvBlockRows][n_kv_dim] f32. Allocation fails with kvcmas::Error once the byte budget is used up.
+class KvBlockPool {
+  public:
+    KvBlockPool(KvLayout layout, size_t budget_bytes);
+    int32_t allocate();
+    void    release(int32_t block);
+    float * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
+    size_t  block_bytes() const { return block_floats_ * sizeof(float); }
+    size_t  bytes_in_use() const { return n_used_ * block_bytes(); }
+    size_t  budget_bytes() const { return budget_bytes_; }
+    int64_t layer_stride() const { return 2LL * kKvBlockRows * layout_.n_kv_dim; }  // floats between layers
+    int64_t v_offset() const { return static_cast<int64_t>(kKvBlockRows) * layout_.n_kv_dim; }
+    const KvLayout & layout() const { return layout_; }
+
+  private:
+    KvLayout                              layout_;
+    size_t                                block_floats_;
+    size_t                                budget_bytes_;
+    size_t                                n_used_ = 0;
+    std::vector<std::unique_ptr<float[]>> blocks_;  // index = block id; freed blocks keep their memory for reuse
+    std::vector<int32_t>                  free_;
+};
+
+// Rows of KV stored once. Row i holds keys rotated at frame position frame0 + i. Destroyed (blocks returned to
+// the pool) when the last segment referring to it goes.
+class KvSpan {
+  public:
+    KvSpan(KvBlockPool & pool, int32_t frame0) : pool_(pool), frame0_(frame0) {}
+    ~KvSpan();
+    KvSpan(const KvSpan &)             = delete;
+    KvSpan & operator=(const KvSpan &) = delete;
+
+    int32_t n_rows() const { return n_rows_; }
+    int32_t frame0() const { return frame0_; }
+    // Grows the span to n rows (allocating blocks) or shrinks it (releasing whole unused blocks).
+    void    resize(int32_t n);
+    float * k_row(int layer, int32_t row);
+    float * v_row(int layer, int32_t row);
+    // Appends the runs covering rows [begin, begin + n) of layer il to out, with the given shift.
+    void    append_runs(int layer, int32_t begin, int32_t n, int32_t shift, std::vector<cpu::KvRun> & out) const;
+
+    int32_t writer = -1;  // the sequence that may append to this span in place; -1: nobody (frozen)
+
+  private:
+    KvBlockPool &        pool_;
+    int32_t              frame0_;
+    int32_t              n_rows_ = 0;
+    std::vector<int32_t> blocks_;
+};
+
+// Rows [begin, begin + n) of a span, read by a sequence at positions [pos0, pos0 + n), where pos0 is the number of
+// rows of the segments before it.
+struct KvSegment {
+    std::shared_ptr<KvSpan> span;
+    int32_t                 begin = 0;
+    int32_t                 n     = 0;
+};
+
+// Where one new row of a sequence goes.
+struct KvSlot {
+    KvSpan * span;
+    int32_t  row;
+    int32_t  frame_pos;  // the position its key is rotated at
+};
+
+// Sequences (ids >= 0) over a block pool. Positions of a sequence are 0..length-1, in segment order.
+class KvCache {
+  public:
+    KvCache(KvLayout layout, size_t budget_bytes, int32_t n_ctx_max);
+
+    int32_t seq_new();
+    // A new sequence reading the same rows as src (no copy); both can grow independently afterwards.
+    int32_t seq_fork(int32_t src);
+    // Keeps the first n rows of seq (n <= length).
+    void    seq_truncate(int32_t seq, int32_t n);
+    void    seq_remove(int32_t seq);
+    bool    seq_exists(int32_t seq) const { return seqs_.count(seq) != 0; }
+    int32_t seq_length(int32_t seq) const;
+    size_t  n_seqs() const { return seqs_.size(); }
+    int32_t n_ctx_max() const { return n_ctx_max_; }
+
+    // Extends seq by n rows and returns where each goes (positions length..length+n-1). Rows are written in place
+    // at the end of a span the sequence alone may append to; otherwise a new span starts (a fork never writes
+    // into rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
+    std::vector<KvSlot> append(int32_t seq, int32_t n);
+
+    // The runs of layer il that seq reads, in position order.
+    void runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const;
+
+    const KvBlockPool & pool() const { return pool_; }
+
+  private:
+    std::vector<KvSegment> &       segments(int32_t seq);
+    const std::vector<KvSegment> & segments(int32_t seq) const;
+
+    KvBlockPool                                 pool_;
+    int32_t                                     n_ctx_max_;
+    int32_t                                     next_id_ = 0;
+    std::map<int32_t, std::vector<KvSegment>>   seqs_;
+};
+
+}  // namespace kvcmas
