@@ -1,7 +1,149 @@
+// Test and benchmark entry points for the CPU kernels: dequantize, matmul, matmul_reference, cpu_features.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
 #include "bindings/bindings.h"
+#include "common/error.h"
+#include "common/ggml-types.h"
+#include "cpu/cpu-features.h"
+#include "cpu/matmul.h"
+#include "cpu/quants.h"
+#include "cpu/threadpool.h"
+
+namespace nb = nanobind;
 
 namespace kvcmas::py {
+namespace {
 
-void bind_kernels(nanobind::module_ & m) { (void) m; }
+using FloatMatrix = nb::ndarray<const float, nb::shape<-1, -1>, nb::c_contig, nb::device::cpu>;
+using NumpyArray  = nb::ndarray<nb::numpy, float>;
+
+const GgmlTypeTraits & weight_traits(uint32_t type_id, const char * what) {
+    const GgmlTypeTraits * t = ggml_type_traits(type_id);
+    KC_CHECK(t != nullptr && t->weight, "%s: %s is not a supported weight type", what, ggml_type_name(type_id));
+    return *t;
+}
+
+// A new float32 array of the given shape that owns its memory.
+NumpyArray new_array(size_t rows, size_t cols, bool two_d, float ** data) {
+    const size_t count = rows * cols;
+    std::unique_ptr<float[]> buf(new float[count > 0 ? count : 1]);
+    *data = buf.get();
+    nb::capsule owner(buf.get(), [](void * p) noexcept { delete[] static_cast<float *>(p); });
+    float * raw = buf.release();
+    if (two_d) {
+        size_t shape[2] = { rows, cols };
+        return NumpyArray(raw, 2, shape, owner);
+    }
+    size_t shape[1] = { count };
+    return NumpyArray(raw, 1, shape, owner);
+}
+
+cpu::WeightView weight_view(uint32_t type_id, const nb::bytes & weight, int64_t n_in, int64_t n_out,
+                            const FloatMatrix & x, const char * what) {
+    const GgmlTypeTraits & t = weight_traits(type_id, what);
+    KC_CHECK(n_in > 0 && n_out >= 0, "%s: bad shape n_in=%lld n_out=%lld", what, static_cast<long long>(n_in),
+             static_cast<long long>(n_out));
+    const size_t row_bytes = ggml_row_bytes(static_cast<GgmlType>(type_id), n_in);
+    KC_CHECK(weight.size() == row_bytes * static_cast<size_t>(n_out),
+             "%s: weight has %zu bytes, expected %zu for %lld rows of %lld %s elements", what, weight.size(),
+             row_bytes * static_cast<size_t>(n_out), static_cast<long long>(n_out), static_cast<long long>(n_in),
+             t.name);
+    KC_CHECK(x.shape(1) == static_cast<size_t>(n_in), "%s: x has %zu columns, expected n_in=%lld", what, x.shape(1),
+             static_cast<long long>(n_in));
+    return { static_cast<GgmlType>(type_id), weight.c_str(), n_in, n_out, row_bytes };
+}
+
+NumpyArray py_dequantize(uint32_t type_id, const nb::bytes & data, int64_t n) {
+    const GgmlTypeTraits & t = weight_traits(type_id, "dequantize");
+    KC_CHECK(n >= 0, "dequantize: bad element count %lld", static_cast<long long>(n));
+    const size_t bytes = ggml_row_bytes(static_cast<GgmlType>(type_id), n);
+    KC_CHECK(data.size() == bytes, "dequantize: %lld %s elements take %zu bytes, got %zu", static_cast<long long>(n),
+             t.name, bytes, data.size());
+    float *    out;
+    NumpyArray result = new_array(1, static_cast<size_t>(n), false, &out);
+    {
+        nb::gil_scoped_release release;
+        cpu::dequantize_row(static_cast<GgmlType>(type_id), data.c_str(), out, n);
+    }
+    return result;
+}
+
+NumpyArray py_matmul(uint32_t type_id, const nb::bytes & weight, int64_t n_in, int64_t n_out, const FloatMatrix & x,
+                     int n_threads) {
+    const cpu::WeightView w = weight_view(type_id, weight, n_in, n_out, x, "matmul");
+    const int64_t         n_tok = static_cast<int64_t>(x.shape(0));
+    float *               out;
+    NumpyArray            result = new_array(static_cast<size_t>(n_tok), static_cast<size_t>(n_out), true, &out);
+    {
+        nb::gil_scoped_release release;
+        cpu::ThreadPool        pool(n_threads);
+        cpu::matmul(w, x.data(), out, n_tok, pool);
+    }
+    return result;
+}
+
+NumpyArray py_matmul_reference(uint32_t type_id, const nb::bytes & weight, int64_t n_in, int64_t n_out,
+                               const FloatMatrix & x) {
+    const cpu::WeightView w = weight_view(type_id, weight, n_in, n_out, x, "matmul_reference");
+    const int64_t         n_tok = static_cast<int64_t>(x.shape(0));
+    float *               out;
+    NumpyArray            result = new_array(static_cast<size_t>(n_tok), static_cast<size_t>(n_out), true, &out);
+    {
+        nb::gil_scoped_release release;
+        cpu::matmul_reference(w, x.data(), out, n_tok);
+    }
+    return result;
+}
+
+// Times `repeats` calls of matmul on one pool (created once), for benchmarks: returns seconds per call (best of).
+double py_matmul_bench(uint32_t type_id, const nb::bytes & weight, int64_t n_in, int64_t n_out, const FloatMatrix & x,
+                       int n_threads, int repeats) {
+    const cpu::WeightView w = weight_view(type_id, weight, n_in, n_out, x, "matmul_bench");
+    KC_CHECK(repeats >= 1, "matmul_bench: repeats must be >= 1");
+    const int64_t      n_tok = static_cast<int64_t>(x.shape(0));
+    std::vector<float> out(static_cast<size_t>(n_tok * n_out));
+    double             best = 1e30;
+    {
+        nb::gil_scoped_release release;
+        cpu::ThreadPool        pool(n_threads);
+        for (int i = 0; i < repeats; ++i) {
+            const auto t0 = std::chrono::steady_clock::now();
+            cpu::matmul(w, x.data(), out.data(), n_tok, pool);
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            best           = s < best ? s : best;
+        }
+    }
+    return best;
+}
+
+}  // namespace
+
+void bind_kernels(nb::module_ & m) {
+    m.def("dequantize", &py_dequantize, nb::arg("type_id"), nb::arg("data"), nb::arg("n"),
+          "Dequantizes n elements of GGUF type `type_id` (raw bytes, whole blocks) to a float32 array.");
+    m.def("matmul", &py_matmul, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"), nb::arg("n_out"), nb::arg("x"),
+          nb::arg("n_threads") = 1,
+          "y = x @ W.T for W stored as n_out rows of n_in elements of `type_id`; x float32 (n_tok, n_in), "
+          "returns (n_tok, n_out). The engine's kernels (8-bit activations on the decode path for quantized W).");
+    m.def("matmul_reference", &py_matmul_reference, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"),
+          nb::arg("n_out"), nb::arg("x"), "Same as matmul, plain reference code (dequantize, f64 sums).");
+    m.def("matmul_bench", &py_matmul_bench, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"), nb::arg("n_out"),
+          nb::arg("x"), nb::arg("n_threads") = 1, nb::arg("repeats") = 10,
+          "Best wall time in seconds of `repeats` matmul calls on one thread pool (benchmarks).");
+    m.def(
+        "cpu_features",
+        [] {
+            nb::dict d;
+            d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
+            return d;
+        },
+        "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");
+}
 
 }  // namespace kvcmas::py

@@ -1,0 +1,552 @@
+// AVX2 + FMA + F16C matrix-product kernels (compiled with -mavx2 -mfma -mf16c; called only after the run-time
+// check): 8-bit activation quantization, decode dot products straight from the stored blocks (integer products
+// via maddubs / madd, as llama.cpp does), and the f32 register-blocked tile kernel of the prefill path.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu/matmul-impl.h"
+
+namespace kvcmas::cpu::detail {
+namespace {
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s        = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s        = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s         = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s         = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+inline __m256i loadu256(const void * p) { return _mm256_loadu_si256(static_cast<const __m256i *>(p)); }
+
+// Σ over pairs of u8 × s8 -> 8 int32 lanes (no saturation for |u| < 128 or u·s pair sums below 2^15).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+inline __m256i unpack_nibbles_32(const uint8_t * qs) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i expand_bits_32(const uint8_t * qh_bytes) {
+    uint32_t qh;
+    std::memcpy(&qh, qh_bytes, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i       v    = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
+    const __m256i bit  = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    v                  = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+// ---- activation quantization --------------------------------------------------------------------------------------
+
+// Rounds 32 floats (4 vectors, already scaled) to nearest-even int8, in element order.
+inline __m256i round_pack_32(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256i i0 = _mm256_cvtps_epi32(v0), i1 = _mm256_cvtps_epi32(v1);
+    const __m256i i2 = _mm256_cvtps_epi32(v2), i3 = _mm256_cvtps_epi32(v3);
+    const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+    const __m256i p   = _mm256_packs_epi16(p01, p23);
+    // pack works per 128-bit lane: fix the order of the 32-bit groups
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float amax_32(const float * x, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256       m    = _mm256_setzero_ps();
+    for (int p = 0; p < 4; ++p) {
+        v[p] = _mm256_loadu_ps(x + 8 * p);
+        m    = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[p]));
+    }
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s        = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s        = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Sums of the int8 values in each 16-byte half of q (as two int32s).
+inline void sum_halves_i8(__m256i q, int & lo, int & hi) {
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    __m128i       a   = _mm256_castsi256_si128(s32), b = _mm256_extracti128_si256(s32, 1);
+    a                 = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    a                 = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    b                 = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0x4E));
+    b                 = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0xB1));
+    lo                = _mm_cvtsi128_si32(a);
+    hi                = _mm_cvtsi128_si32(b);
+}
+
+}  // namespace
+
+void quantize_act_q8_avx2(const float * x, void * dst, int64_t n) {
+    auto * out = static_cast<ActQ8 *>(dst);
+    for (int64_t i = 0; i < n / 32; ++i, x += 32) {
+        __m256      v[4];
+        const float amax = amax_32(x, v);
+        const float d    = amax / 127.0f;
+        const float id   = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 s   = _mm256_set1_ps(id);
+        const __m256i q  = round_pack_32(_mm256_mul_ps(v[0], s), _mm256_mul_ps(v[1], s), _mm256_mul_ps(v[2], s),
+                                         _mm256_mul_ps(v[3], s));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out[i].q), q);
+        int lo, hi;
+        sum_halves_i8(q, lo, hi);
+        out[i].d  = d;
+        out[i].ds = d * static_cast<float>(lo + hi);
+    }
+}
+
+void quantize_act_q8k_avx2(const float * x, void * dst, int64_t n) {
+    auto * out = static_cast<ActQ8K *>(dst);
+    for (int64_t i = 0; i < n / 256; ++i, x += 256) {
+        float amax = 0.0f;
+        for (int c = 0; c < 8; ++c) {
+            __m256 v[4];
+            amax = std::fmax(amax, amax_32(x + 32 * c, v));
+        }
+        const float  d  = amax / 127.0f;
+        const float  id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 s  = _mm256_set1_ps(id);
+        for (int c = 0; c < 8; ++c) {
+            const float * xc = x + 32 * c;
+            const __m256i q  = round_pack_32(
+                _mm256_mul_ps(_mm256_loadu_ps(xc), s), _mm256_mul_ps(_mm256_loadu_ps(xc + 8), s),
+                _mm256_mul_ps(_mm256_loadu_ps(xc + 16), s), _mm256_mul_ps(_mm256_loadu_ps(xc + 24), s));
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(out[i].q + 32 * c), q);
+            int lo, hi;
+            sum_halves_i8(q, lo, hi);
+            out[i].bsums[2 * c]     = static_cast<int16_t>(lo);
+            out[i].bsums[2 * c + 1] = static_cast<int16_t>(hi);
+        }
+        out[i].d = d;
+    }
+}
+
+namespace {
+
+// ---- decode dot products: one weight row × NT activation rows -------------------------------------------------------
+
+template <typename A, int NT>
+struct ActRows {
+    const A * a[NT];
+    ActRows(const void * act, size_t stride) {
+        for (int t = 0; t < NT; ++t) {
+            a[t] = reinterpret_cast<const A *>(static_cast<const char *>(act) + t * stride);
+        }
+    }
+};
+
+template <int NT>
+void dot_f32(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *          w = static_cast<const float *>(w_row);
+    ActRows<float, NT>    x(act, stride);
+    constexpr int         U = NT == 1 ? 4 : 2;  // independent accumulators per token to cover FMA latency
+    __m256                acc[NT][U];
+    for (int t = 0; t < NT; ++t) {
+        for (int u = 0; u < U; ++u) {
+            acc[t][u] = _mm256_setzero_ps();
+        }
+    }
+    int64_t i = 0;
+    for (; i + 8 * U <= n; i += 8 * U) {
+        for (int u = 0; u < U; ++u) {
+            const __m256 wv = _mm256_loadu_ps(w + i + 8 * u);
+            for (int t = 0; t < NT; ++t) {
+                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i + 8 * u), acc[t][u]);
+            }
+        }
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + i);
+        for (int t = 0; t < NT; ++t) {
+            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i), acc[t][0]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        for (int u = 1; u < U; ++u) {
+            acc[t][0] = _mm256_add_ps(acc[t][0], acc[t][u]);
+        }
+        float s = hsum(acc[t][0]);
+        for (int64_t k = i; k < n; ++k) {
+            s += w[k] * x.a[t][k];
+        }
+        out[t * os] = s;
+    }
+}
+
+// F16 and BF16 rows: widen 8 elements at a time to f32, then as dot_f32.
+inline __m256 load_f16x8(const uint16_t * p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+inline __m256 load_bf16x8(const uint16_t * p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+inline float f16_scalar(uint16_t h) { return _cvtsh_ss(h); }
+inline float bf16_scalar(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float          f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+template <int NT, bool BF>
+void dot_half(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *       w = static_cast<const uint16_t *>(w_row);
+    ActRows<float, NT> x(act, stride);
+    constexpr int      U = NT == 1 ? 4 : 2;
+    __m256             acc[NT][U];
+    for (int t = 0; t < NT; ++t) {
+        for (int u = 0; u < U; ++u) {
+            acc[t][u] = _mm256_setzero_ps();
+        }
+    }
+    int64_t i = 0;
+    for (; i + 8 * U <= n; i += 8 * U) {
+        for (int u = 0; u < U; ++u) {
+            const __m256 wv = BF ? load_bf16x8(w + i + 8 * u) : load_f16x8(w + i + 8 * u);
+            for (int t = 0; t < NT; ++t) {
+                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i + 8 * u), acc[t][u]);
+            }
+        }
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 wv = BF ? load_bf16x8(w + i) : load_f16x8(w + i);
+        for (int t = 0; t < NT; ++t) {
+            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i), acc[t][0]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        for (int u = 1; u < U; ++u) {
+            acc[t][0] = _mm256_add_ps(acc[t][0], acc[t][u]);
+        }
+        float s = hsum(acc[t][0]);
+        for (int64_t k = i; k < n; ++k) {
+            s += (BF ? bf16_scalar(w[k]) : f16_scalar(w[k])) * x.a[t][k];
+        }
+        out[t * os] = s;
+    }
+}
+template <int NT>
+void dot_f16(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_half<NT, false>(w, a, s, n, o, os);
+}
+template <int NT>
+void dot_bf16(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_half<NT, true>(w, a, s, n, o, os);
+}
+
+template <int NT>
+void dot_q8_0(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *       b = static_cast<const BlockQ8_0 *>(w_row);
+    ActRows<ActQ8, NT> x(act, stride);
+    __m256             acc[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / 32; ++i) {
+        const __m256i w  = loadu256(b[i].qs);
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as u8 (|-128| = 128 fits)
+        const float   dw = h2f(b[i].d);
+        for (int t = 0; t < NT; ++t) {
+            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(loadu256(x.a[t][i].q), w));
+            acc[t]          = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(acc[t]);
+    }
+}
+
+// The 4/5-bit 32-blocks: unsigned q (0..15 / 0..31) times activations, plus a per-block offset term folded into
+// a scalar: Q4_0/Q5_0 subtract off·d·ds, Q4_1/Q5_1 add m·ds.
+template <typename Block, bool HasMin, bool HasHigh, int Offset, int NT>
+void dot_q4q5(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *       b = static_cast<const Block *>(w_row);
+    ActRows<ActQ8, NT> x(act, stride);
+    __m256             acc[NT];
+    float              corr[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t]  = _mm256_setzero_ps();
+        corr[t] = 0.0f;
+    }
+    for (int64_t i = 0; i < n / 32; ++i) {
+        __m256i q = unpack_nibbles_32(b[i].qs);
+        if constexpr (HasHigh) {
+            q = _mm256_or_si256(q, expand_bits_32(b[i].qh));
+        }
+        const float dw = h2f(b[i].d);
+        float       off;
+        if constexpr (HasMin) {
+            off = h2f(b[i].m);
+        } else {
+            off = -static_cast<float>(Offset) * dw;
+        }
+        for (int t = 0; t < NT; ++t) {
+            const __m256i p = dot_u8s8(q, loadu256(x.a[t][i].q));
+            acc[t]          = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t]);
+            corr[t] += off * x.a[t][i].ds;
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(acc[t]) + corr[t];
+    }
+}
+template <int NT>
+void dot_q4_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_q4q5<BlockQ4_0, false, false, 8, NT>(w, a, s, n, o, os);
+}
+template <int NT>
+void dot_q4_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_q4q5<BlockQ4_1, true, false, 0, NT>(w, a, s, n, o, os);
+}
+template <int NT>
+void dot_q5_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_q4q5<BlockQ5_0, false, true, 16, NT>(w, a, s, n, o, os);
+}
+template <int NT>
+void dot_q5_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_q4q5<BlockQ5_1, true, true, 0, NT>(w, a, s, n, o, os);
+}
+
+// Q4_K / Q5_K: integer sums Σ_j sc_j·(q_j·x_j) over a super-block, mins via the activation block sums.
+template <typename Block, bool HasHigh, int NT>
+void dot_k4(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *        b = static_cast<const Block *>(w_row);
+    ActRows<ActQ8K, NT> x(act, stride);
+    const __m256i       mask = _mm256_set1_epi8(0x0F);
+    __m256              acc[NT];
+    float               corr[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t]  = _mm256_setzero_ps();
+        corr[t] = 0.0f;
+    }
+    for (int64_t i = 0; i < n / 256; ++i) {
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) {
+            get_scale_min_k4(j, b[i].scales, sc[j], mn[j]);
+        }
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (HasHigh) {
+            qh = loadu256(b[i].qh);
+        }
+        __m256i sumi[NT];
+        for (int t = 0; t < NT; ++t) {
+            sumi[t] = _mm256_setzero_si256();
+        }
+        for (int c = 0; c < 4; ++c) {
+            const __m256i qs = loadu256(b[i].qs + 32 * c);
+            __m256i       q[2] = { _mm256_and_si256(qs, mask), _mm256_and_si256(_mm256_srli_epi16(qs, 4), mask) };
+            for (int s = 0; s < 2; ++s) {
+                const int j = 2 * c + s;
+                if constexpr (HasHigh) {
+                    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+                    const __m256i hb  = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                    q[s]              = _mm256_or_si256(q[s], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
+                }
+                const __m256i scv = _mm256_set1_epi16(sc[j]);
+                for (int t = 0; t < NT; ++t) {
+                    const __m256i p16 = _mm256_maddubs_epi16(q[s], loadu256(x.a[t][i].q + 32 * j));
+                    sumi[t]           = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, scv));
+                }
+            }
+        }
+        const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
+        for (int t = 0; t < NT; ++t) {
+            const ActQ8K & a    = x.a[t][i];
+            int            summ = 0;
+            for (int j = 0; j < 8; ++j) {
+                summ += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(d * a.d), acc[t]);
+            corr[t] += dmin * a.d * static_cast<float>(summ);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(acc[t]) - corr[t];
+    }
+}
+template <int NT>
+void dot_q4_k(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ4_K, false, NT>(w, a, s, n, o, os);
+}
+template <int NT>
+void dot_q5_k(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ5_K, true, NT>(w, a, s, n, o, os);
+}
+
+// Q6_K: unsigned 6-bit q times activations with the int8 group scales in madd; the -32 offset via block sums.
+template <int NT>
+void dot_q6_k(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *        b = static_cast<const BlockQ6_K *>(w_row);
+    ActRows<ActQ8K, NT> x(act, stride);
+    const __m256i       mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    __m256              acc[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / 256; ++i) {
+        __m256i sumi[NT];
+        for (int t = 0; t < NT; ++t) {
+            sumi[t] = _mm256_setzero_si256();
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql0 = loadu256(b[i].ql + 64 * h), ql1 = loadu256(b[i].ql + 64 * h + 32);
+            const __m256i qh  = loadu256(b[i].qh + 32 * h);
+            const __m256i lo[4] = { _mm256_and_si256(ql0, mask), _mm256_and_si256(ql1, mask),
+                                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask),
+                                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask) };
+            for (int s = 0; s < 4; ++s) {
+                const __m256i hi  = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three);
+                const __m256i q   = _mm256_or_si256(lo[s], _mm256_slli_epi16(hi, 4));
+                const int     g   = 8 * h + 2 * s;
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(b[i].scales[g + 1]), _mm_set1_epi16(b[i].scales[g]));
+                for (int t = 0; t < NT; ++t) {
+                    const __m256i p16 = _mm256_maddubs_epi16(q, loadu256(x.a[t][i].q + 128 * h + 32 * s));
+                    sumi[t]           = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, scv));
+                }
+            }
+        }
+        const float d = h2f(b[i].d);
+        for (int t = 0; t < NT; ++t) {
+            const ActQ8K & a    = x.a[t][i];
+            int            offs = 0;
+            for (int g = 0; g < 16; ++g) {
+                offs += b[i].scales[g] * a.bsums[g];
+            }
+            const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(sumi[t]),
+                                           _mm256_setr_ps(32.0f * static_cast<float>(offs), 0, 0, 0, 0, 0, 0, 0));
+            acc[t]         = _mm256_fmadd_ps(v, _mm256_set1_ps(d * a.d), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(acc[t]);
+    }
+}
+
+#define KC_ROW_DOT(name)                                                                                         \
+    void name##_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {      \
+        switch (nt) {                                                                                            \
+            case 1: name<1>(w, a, s, n, o, os); break;                                                           \
+            case 2: name<2>(w, a, s, n, o, os); break;                                                           \
+            case 3: name<3>(w, a, s, n, o, os); break;                                                           \
+            default: name<4>(w, a, s, n, o, os); break;                                                          \
+        }                                                                                                        \
+    }
+KC_ROW_DOT(dot_f32)
+KC_ROW_DOT(dot_f16)
+KC_ROW_DOT(dot_bf16)
+KC_ROW_DOT(dot_q8_0)
+KC_ROW_DOT(dot_q4_0)
+KC_ROW_DOT(dot_q4_1)
+KC_ROW_DOT(dot_q5_0)
+KC_ROW_DOT(dot_q5_1)
+KC_ROW_DOT(dot_q4_k)
+KC_ROW_DOT(dot_q5_k)
+KC_ROW_DOT(dot_q6_k)
+#undef KC_ROW_DOT
+
+// ---- prefill tile kernel ----------------------------------------------------------------------------------------
+
+// NT tokens × NR weight rows, dot-product form: NT·NR vector accumulators over k, horizontal sums at the end.
+template <int NT, int NR>
+void gemm_micro(const float * w, int64_t ldw, const float * x, int64_t ldx, int64_t n, float * y, int64_t ldy) {
+    __m256 acc[NT][NR];
+    for (int t = 0; t < NT; ++t) {
+        for (int r = 0; r < NR; ++r) {
+            acc[t][r] = _mm256_setzero_ps();
+        }
+    }
+    const int64_t n8 = n & ~int64_t(7);
+    for (int64_t k = 0; k < n8; k += 8) {
+        __m256 wv[NR];
+        for (int r = 0; r < NR; ++r) {
+            wv[r] = _mm256_loadu_ps(w + r * ldw + k);
+        }
+        for (int t = 0; t < NT; ++t) {
+            const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
+            for (int r = 0; r < NR; ++r) {
+                acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        for (int r = 0; r < NR; ++r) {
+            float s = hsum(acc[t][r]);
+            for (int64_t k = n8; k < n; ++k) {
+                s += x[t * ldx + k] * w[r * ldw + k];
+            }
+            y[t * ldy + r] = s;
+        }
+    }
+}
+
+using MicroFn = void (*)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+
+constexpr int kTileT = 4;  // tokens per micro tile
+constexpr int kTileR = 3;  // weight rows per micro tile
+
+template <int NT>
+constexpr MicroFn micro_for_rows(int nr) {
+    return nr == 1 ? gemm_micro<NT, 1> : nr == 2 ? gemm_micro<NT, 2> : gemm_micro<NT, 3>;
+}
+
+MicroFn micro_for(int nt, int nr) {
+    switch (nt) {
+        case 1: return micro_for_rows<1>(nr);
+        case 2: return micro_for_rows<2>(nr);
+        case 3: return micro_for_rows<3>(nr);
+        default: return micro_for_rows<4>(nr);
+    }
+}
+
+}  // namespace
+
+void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
+                    float * y, int64_t ldy) {
+    // Tokens outer: the kTileT activation rows stay in L1 while the (L2-resident) weight tile streams past them.
+    for (int t0 = 0; t0 < nt; t0 += kTileT) {
+        const int tn = nt - t0 < kTileT ? nt - t0 : kTileT;
+        int       r0 = 0;
+        for (; r0 + kTileR <= nr; r0 += kTileR) {
+            if (tn == kTileT) {
+                gemm_micro<kTileT, kTileR>(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+            } else {
+                micro_for(tn, kTileR)(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+            }
+        }
+        if (r0 < nr) {
+            micro_for(tn, nr - r0)(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+        }
+    }
+}
+
+RowDotFn row_dot_fn_avx2(GgmlType type) {
+    switch (type) {
+        case GgmlType::F32: return dot_f32_rows;
+        case GgmlType::F16: return dot_f16_rows;
+        case GgmlType::BF16: return dot_bf16_rows;
+        case GgmlType::Q4_0: return dot_q4_0_rows;
+        case GgmlType::Q4_1: return dot_q4_1_rows;
+        case GgmlType::Q5_0: return dot_q5_0_rows;
+        case GgmlType::Q5_1: return dot_q5_1_rows;
+        case GgmlType::Q8_0: return dot_q8_0_rows;
+        case GgmlType::Q4_K: return dot_q4_k_rows;
+        case GgmlType::Q5_K: return dot_q5_k_rows;
+        case GgmlType::Q6_K: return dot_q6_k_rows;
+        default: return nullptr;
+    }
+}
+
+}  // namespace kvcmas::cpu::detail

@@ -1,0 +1,95 @@
+// Private to cpu/: the GGUF block structs, the 8-bit activation formats of the decode path, and the kernel entry
+// points shared by the portable files (quants.cpp, matmul.cpp) and the AVX2 files (quants-avx2.cpp,
+// matmul-avx2.cpp). The *_avx2 functions exist only on x86 builds (KC_X86) and may only be called once
+// cpu_features().avx2_fma_f16c is true.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/ggml-types.h"
+
+namespace kvcmas::cpu::detail {
+
+// ---- weight blocks (ggml layouts; f16 scales stored as raw bits) -------------------------------------------------
+// Elements j < 16 of a 32-block live in the low nibbles of qs[j], elements j >= 16 in the high nibbles of qs[j-16];
+// for 5-bit types bit j of the little-endian 32-bit qh is element j's bit 4.
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };                      // x = d·(q - 8)
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };                   // x = d·q + m
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };       // x = d·(q - 16)
+struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };    // x = d·q + m
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };                       // x = d·q
+// 256-element super-blocks of 8 sub-blocks of 32, each with a 6-bit scale and min packed into scales[12]
+// (see get_scale_min_k4). qs[32c + l] holds sub-block 2c (low nibble) and 2c+1 (high nibble), element l.
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };               // x = d·sc·q - dmin·m
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };  // bit j of qh[l]: sub-block j
+// Two halves of 128; in half h element l takes ql[64h + l%64] (nibble l/64) and qh[32h + l%32] (bits 2·(l/32)).
+// 16 groups of 16 elements with an int8 scale each; x = d·scale·(q - 32).
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22, "block layout");
+static_assert(sizeof(BlockQ5_1) == 24 && sizeof(BlockQ8_0) == 34, "block layout");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block layout");
+
+// Scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+inline void get_scale_min_k4(int j, const uint8_t * s, uint8_t & sc, uint8_t & m) {
+    if (j < 4) {
+        sc = s[j] & 63;
+        m  = s[j + 4] & 63;
+    } else {
+        sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        m  = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// ---- activations quantized to 8 bits (decode path) ----------------------------------------------------------------
+// For the 32-element block types: x ≈ d·q, ds = d·Σq (folds the weight offsets / mins into one multiply).
+struct ActQ8 {
+    float  d;
+    float  ds;
+    int8_t q[32];
+};
+// For the K-quants: one scale per 256 elements (so sub-block products add up in integers), bsums = Σq per 16.
+struct ActQ8K {
+    float   d;
+    int16_t bsums[16];
+    int8_t  q[256];
+};
+
+// Which activation format a type's decode dot product takes.
+enum class ActKind { F32, Q8, Q8K };
+ActKind act_kind(GgmlType type);
+
+// ---- kernel signatures ---------------------------------------------------------------------------------------------
+// n elements (whole blocks) of a weight row to f32.
+using DequantFn = void (*)(const void * src, float * dst, int64_t n);
+// n f32 activations (whole blocks of 32 / 256) to ActQ8[n/32] or ActQ8K[n/256].
+using QuantizeActFn = void (*)(const float * x, void * dst, int64_t n);
+// Decode: one weight row of n elements against nt (1..4) activation rows act + t·act_stride bytes (f32 or 8-bit
+// format per act_kind); writes out[t·out_stride].
+using RowDotFn = void (*)(const void * w_row, const void * act, size_t act_stride, int nt, int64_t n, float * out,
+                          int64_t out_stride);
+// Prefill: y[t·ldy + r] = Σ_k x[t·ldx + k]·w[r·ldw + k] for t < nt, r < nr, k < n (w rows 32-byte aligned when
+// ldw % 8 == 0).
+using GemmTileFn = void (*)(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
+                            float * y, int64_t ldy);
+
+// Portable kernels (quants.cpp / matmul.cpp). nullptr for unsupported types.
+DequantFn dequant_fn_scalar(GgmlType type);
+RowDotFn  row_dot_fn_scalar(GgmlType type);
+void      quantize_act_q8_scalar(const float * x, void * dst, int64_t n);
+void      quantize_act_q8k_scalar(const float * x, void * dst, int64_t n);
+void      gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
+                           float * y, int64_t ldy);
+
+#if defined(KC_X86)
+// AVX2 + FMA + F16C kernels (quants-avx2.cpp / matmul-avx2.cpp).
+DequantFn dequant_fn_avx2(GgmlType type);
+RowDotFn  row_dot_fn_avx2(GgmlType type);
+void      quantize_act_q8_avx2(const float * x, void * dst, int64_t n);
+void      quantize_act_q8k_avx2(const float * x, void * dst, int64_t n);
+void      gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
+                         float * y, int64_t ldy);
+#endif
+
+}  // namespace kvcmas::cpu::detail

@@ -1,0 +1,466 @@
+// The matrix-product driver (decode / prefill paths, work split over the pool), the portable kernels it falls back
+// on, and the reference implementation.
+#include "cpu/matmul.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common/error.h"
+#include "cpu/cpu-features.h"
+#include "cpu/matmul-impl.h"
+#include "cpu/quants.h"
+
+namespace kvcmas::cpu {
+namespace detail {
+
+ActKind act_kind(GgmlType type) {
+    switch (type) {
+        case GgmlType::Q4_0:
+        case GgmlType::Q4_1:
+        case GgmlType::Q5_0:
+        case GgmlType::Q5_1:
+        case GgmlType::Q8_0: return ActKind::Q8;
+        case GgmlType::Q4_K:
+        case GgmlType::Q5_K:
+        case GgmlType::Q6_K: return ActKind::Q8K;
+        default: return ActKind::F32;
+    }
+}
+
+// ---- portable kernels ---------------------------------------------------------------------------------------------
+// Same arithmetic as the AVX2 kernels (identical 8-bit activations, exact integer products); only the order of the
+// f32 additions differs.
+
+void quantize_act_q8_scalar(const float * x, void * dst, int64_t n) {
+    auto * out = static_cast<ActQ8 *>(dst);
+    for (int64_t i = 0; i < n / 32; ++i, x += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            amax = std::fmax(amax, std::fabs(x[j]));
+        }
+        const float d   = amax / 127.0f;
+        const float id  = d != 0.0f ? 1.0f / d : 0.0f;
+        int         sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            out[i].q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+            sum += out[i].q[j];
+        }
+        out[i].d  = d;
+        out[i].ds = d * static_cast<float>(sum);
+    }
+}
+
+void quantize_act_q8k_scalar(const float * x, void * dst, int64_t n) {
+    auto * out = static_cast<ActQ8K *>(dst);
+    for (int64_t i = 0; i < n / 256; ++i, x += 256) {
+        float amax = 0.0f;
+        for (int j = 0; j < 256; ++j) {
+            amax = std::fmax(amax, std::fabs(x[j]));
+        }
+        const float d  = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int g = 0; g < 16; ++g) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; ++j) {
+                out[i].q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+                sum += out[i].q[j];
+            }
+            out[i].bsums[g] = static_cast<int16_t>(sum);
+        }
+        out[i].d = d;
+    }
+}
+
+namespace {
+
+// Float rows: converts a weight row chunk to f32, then plain dot products.
+template <typename Conv>
+void dot_float_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out,
+                    int64_t os, Conv conv) {
+    for (int t = 0; t < nt; ++t) {
+        const auto * x = reinterpret_cast<const float *>(static_cast<const char *>(act) + t * stride);
+        float        s[4] = { 0, 0, 0, 0 };
+        int64_t      k    = 0;
+        for (; k + 4 <= n; k += 4) {
+            for (int u = 0; u < 4; ++u) {
+                s[u] += conv(w_row, k + u) * x[k + u];
+            }
+        }
+        for (; k < n; ++k) {
+            s[0] += conv(w_row, k) * x[k];
+        }
+        out[t * os] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+}
+
+void dot_f32_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, s, nt, n, o, os, [](const void * p, int64_t k) { return static_cast<const float *>(p)[k]; });
+}
+void dot_f16_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, s, nt, n, o, os,
+                   [](const void * p, int64_t k) { return fp16_to_fp32(static_cast<const uint16_t *>(p)[k]); });
+}
+void dot_bf16_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, s, nt, n, o, os,
+                   [](const void * p, int64_t k) { return bf16_to_fp32(static_cast<const uint16_t *>(p)[k]); });
+}
+
+template <typename A>
+const A * act_row(const void * act, size_t stride, int t) {
+    return reinterpret_cast<const A *>(static_cast<const char *>(act) + t * stride);
+}
+
+// 32-element block types: unpack q (unsigned, 0..31 or int8 for Q8_0), integer dot, then the offset / min term.
+// Kind 0: x = d·(q - off); kind 1: x = d·q + m; Q8_0 is kind 0 with off 0 and signed q.
+template <typename Block, int Kind, int Off, typename Unpack>
+void dot_q32_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os,
+                  Unpack unpack) {
+    const auto * b = static_cast<const Block *>(w_row);
+    for (int t = 0; t < nt; ++t) {
+        const ActQ8 * x   = act_row<ActQ8>(act, stride, t);
+        float         acc = 0.0f, corr = 0.0f;
+        for (int64_t i = 0; i < n / 32; ++i) {
+            int q[32];
+            unpack(b[i], q);
+            int sumi = 0;
+            for (int j = 0; j < 32; ++j) {
+                sumi += q[j] * x[i].q[j];
+            }
+            const float d = fp16_to_fp32(b[i].d);
+            acc += static_cast<float>(sumi) * (d * x[i].d);
+            if constexpr (Kind == 1) {
+                corr += fp16_to_fp32(b[i].m) * x[i].ds;
+            } else {
+                corr -= static_cast<float>(Off) * d * x[i].ds;
+            }
+        }
+        out[t * os] = acc + corr;
+    }
+}
+
+template <typename Block>
+void unpack_nibbles(const Block & b, int * q) {
+    for (int j = 0; j < 16; ++j) {
+        q[j]      = b.qs[j] & 0x0F;
+        q[j + 16] = b.qs[j] >> 4;
+    }
+}
+template <typename Block>
+void unpack_5bit(const Block & b, int * q) {
+    uint32_t qh;
+    std::memcpy(&qh, b.qh, 4);
+    unpack_nibbles(b, q);
+    for (int j = 0; j < 32; ++j) {
+        q[j] |= static_cast<int>((qh >> j) & 1) << 4;
+    }
+}
+
+void dot_q4_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ4_0, 0, 8>(w, a, s, nt, n, o, os, unpack_nibbles<BlockQ4_0>);
+}
+void dot_q4_1_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ4_1, 1, 0>(w, a, s, nt, n, o, os, unpack_nibbles<BlockQ4_1>);
+}
+void dot_q5_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ5_0, 0, 16>(w, a, s, nt, n, o, os, unpack_5bit<BlockQ5_0>);
+}
+void dot_q5_1_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ5_1, 1, 0>(w, a, s, nt, n, o, os, unpack_5bit<BlockQ5_1>);
+}
+void dot_q8_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ8_0, 0, 0>(w, a, s, nt, n, o, os, [](const BlockQ8_0 & b, int * q) {
+        for (int j = 0; j < 32; ++j) {
+            q[j] = b.qs[j];
+        }
+    });
+}
+
+template <typename Block, bool HasHigh>
+void dot_k4_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const Block *>(w_row);
+    for (int t = 0; t < nt; ++t) {
+        const ActQ8K * x   = act_row<ActQ8K>(act, stride, t);
+        float          acc = 0.0f, corr = 0.0f;
+        for (int64_t i = 0; i < n / 256; ++i) {
+            int sumi = 0, summ = 0;
+            for (int j = 0; j < 8; ++j) {
+                uint8_t sc, m;
+                get_scale_min_k4(j, b[i].scales, sc, m);
+                const uint8_t * q    = b[i].qs + 32 * (j / 2);
+                int             dotj = 0;
+                for (int l = 0; l < 32; ++l) {
+                    int v = (q[l] >> (4 * (j % 2))) & 0x0F;
+                    if constexpr (HasHigh) {
+                        v |= ((b[i].qh[l] >> j) & 1) << 4;
+                    }
+                    dotj += v * x[i].q[32 * j + l];
+                }
+                sumi += sc * dotj;
+                summ += m * (x[i].bsums[2 * j] + x[i].bsums[2 * j + 1]);
+            }
+            acc += static_cast<float>(sumi) * (fp16_to_fp32(b[i].d) * x[i].d);
+            corr += fp16_to_fp32(b[i].dmin) * x[i].d * static_cast<float>(summ);
+        }
+        out[t * os] = acc - corr;
+    }
+}
+void dot_q4_k_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_k4_rows<BlockQ4_K, false>(w, a, s, nt, n, o, os);
+}
+void dot_q5_k_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
+    dot_k4_rows<BlockQ5_K, true>(w, a, s, nt, n, o, os);
+}
+
+void dot_q6_k_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockQ6_K *>(w_row);
+    for (int t = 0; t < nt; ++t) {
+        const ActQ8K * x   = act_row<ActQ8K>(act, stride, t);
+        float          acc = 0.0f;
+        for (int64_t i = 0; i < n / 256; ++i) {
+            int sumi = 0;
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t * ql = b[i].ql + 64 * h;
+                const uint8_t * qh = b[i].qh + 32 * h;
+                for (int g = 0; g < 8; ++g) {
+                    int dotg = 0;
+                    for (int l = 16 * g; l < 16 * g + 16; ++l) {
+                        const int q = ((ql[l % 64] >> (4 * (l / 64))) & 0x0F) | (((qh[l % 32] >> (2 * (l / 32))) & 3) << 4);
+                        dotg += (q - 32) * x[i].q[128 * h + l];
+                    }
+                    sumi += b[i].scales[8 * h + g] * dotg;
+                }
+            }
+            acc += static_cast<float>(sumi) * (fp16_to_fp32(b[i].d) * x[i].d);
+        }
+        out[t * os] = acc;
+    }
+}
+
+}  // namespace
+
+RowDotFn row_dot_fn_scalar(GgmlType type) {
+    switch (type) {
+        case GgmlType::F32: return dot_f32_rows;
+        case GgmlType::F16: return dot_f16_rows;
+        case GgmlType::BF16: return dot_bf16_rows;
+        case GgmlType::Q4_0: return dot_q4_0_rows;
+        case GgmlType::Q4_1: return dot_q4_1_rows;
+        case GgmlType::Q5_0: return dot_q5_0_rows;
+        case GgmlType::Q5_1: return dot_q5_1_rows;
+        case GgmlType::Q8_0: return dot_q8_0_rows;
+        case GgmlType::Q4_K: return dot_q4_k_rows;
+        case GgmlType::Q5_K: return dot_q5_k_rows;
+        case GgmlType::Q6_K: return dot_q6_k_rows;
+        default: return nullptr;
+    }
+}
+
+void gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
+                      float * y, int64_t ldy) {
+    for (int t = 0; t < nt; ++t) {
+        for (int r = 0; r < nr; ++r) {
+            const float * wr   = w + r * ldw;
+            const float * xt   = x + t * ldx;
+            float         s[4] = { 0, 0, 0, 0 };
+            int64_t       k    = 0;
+            for (; k + 4 <= n; k += 4) {
+                for (int u = 0; u < 4; ++u) {
+                    s[u] += wr[k + u] * xt[k + u];
+                }
+            }
+            for (; k < n; ++k) {
+                s[0] += wr[k] * xt[k];
+            }
+            y[t * ldy + r] = (s[0] + s[1]) + (s[2] + s[3]);
+        }
+    }
+}
+
+}  // namespace detail
+
+namespace {
+
+using namespace detail;
+
+// Token counts below this take the decode path (dot products from the stored format, weights read once per
+// row for up to 4 tokens); from here on dequantizing row tiles to f32 and the register-blocked kernel win.
+constexpr int64_t kDecodeMaxTokens = 8;
+
+struct Kernels {
+    DequantFn     dequant;
+    RowDotFn      row_dot;
+    QuantizeActFn quantize_q8;
+    QuantizeActFn quantize_q8k;
+    GemmTileFn    gemm_tile;
+};
+
+Kernels select_kernels(GgmlType type) {
+#if defined(KC_X86)
+    if (cpu_features().avx2_fma_f16c) {
+        return { dequant_fn_avx2(type), row_dot_fn_avx2(type), quantize_act_q8_avx2, quantize_act_q8k_avx2,
+                 gemm_tile_avx2 };
+    }
+#endif
+    return { dequant_fn_scalar(type), row_dot_fn_scalar(type), quantize_act_q8_scalar, quantize_act_q8k_scalar,
+             gemm_tile_scalar };
+}
+
+// A grow-only, 64-byte aligned scratch buffer; one per thread, reused across calls (no allocation per matmul).
+class ScratchBuffer {
+  public:
+    ~ScratchBuffer() { std::free(data_); }
+    void * get(size_t bytes) {
+        if (bytes > capacity_) {
+            std::free(data_);
+            capacity_ = (bytes + 63) & ~size_t(63);
+            data_     = std::aligned_alloc(64, capacity_);
+            if (data_ == nullptr) {
+                capacity_ = 0;
+                throw std::bad_alloc();
+            }
+        }
+        return data_;
+    }
+
+  private:
+    void * data_     = nullptr;
+    size_t capacity_ = 0;
+};
+
+thread_local ScratchBuffer tl_tile_buffer;  // prefill: dequantized weight tile
+thread_local ScratchBuffer tl_act_buffer;   // decode: quantized activations (caller thread)
+
+void check_weight(const WeightView & w, const char * what) {
+    const GgmlTypeTraits * t = ggml_type_traits(static_cast<uint32_t>(w.type));
+    KC_CHECK(t != nullptr && t->weight, "%s: %s is not a supported weight type", what,
+             ggml_type_name(static_cast<uint32_t>(w.type)));
+    KC_CHECK(w.n_in > 0 && w.n_out >= 0, "%s: bad weight shape [%lld, %lld]", what, static_cast<long long>(w.n_in),
+             static_cast<long long>(w.n_out));
+    KC_CHECK(w.n_in % t->block == 0, "%s: n_in %lld is not a multiple of the %s block size %lld", what,
+             static_cast<long long>(w.n_in), t->name, static_cast<long long>(t->block));
+    KC_CHECK(w.row_bytes >= ggml_row_bytes(w.type, w.n_in), "%s: row_bytes %zu is smaller than a %s row of %lld",
+             what, w.row_bytes, t->name, static_cast<long long>(w.n_in));
+    // Blocks are read through their structs: f32 needs 4-byte alignment, everything else 2.
+    const size_t align = w.type == GgmlType::F32 ? 4 : 2;
+    KC_CHECK(w.n_out == 0 || (w.data != nullptr && reinterpret_cast<uintptr_t>(w.data) % align == 0 &&
+                              w.row_bytes % align == 0),
+             "%s: %s weight data must be %zu-byte aligned", what, t->name, align);
+}
+
+void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
+                   const Kernels & k) {
+    const ActKind kind       = act_kind(w.type);
+    const void *  act        = x;
+    size_t        act_stride = static_cast<size_t>(w.n_in) * sizeof(float);
+    if (kind != ActKind::F32) {
+        const bool    k256 = kind == ActKind::Q8K;
+        act_stride         = k256 ? static_cast<size_t>(w.n_in / 256) * sizeof(ActQ8K)
+                                  : static_cast<size_t>(w.n_in / 32) * sizeof(ActQ8);
+        auto * buf         = static_cast<char *>(tl_act_buffer.get(act_stride * static_cast<size_t>(n_tok)));
+        for (int64_t t = 0; t < n_tok; ++t) {
+            (k256 ? k.quantize_q8k : k.quantize_q8)(x + t * w.n_in, buf + t * act_stride, w.n_in);
+        }
+        act = buf;
+    }
+    // Rows are handed out in chunks from a shared counter, so a thread that was descheduled does not hold up the rest.
+    constexpr int64_t    kChunk = 16;
+    std::atomic<int64_t> next{ 0 };
+    const auto *         base = static_cast<const char *>(w.data);
+    pool.run([&](int, int) {
+        for (;;) {
+            const int64_t r0 = next.fetch_add(kChunk, std::memory_order_relaxed);
+            if (r0 >= w.n_out) {
+                return;
+            }
+            const int64_t r1 = r0 + kChunk < w.n_out ? r0 + kChunk : w.n_out;
+            for (int64_t r = r0; r < r1; ++r) {
+                for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
+                    const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
+                    k.row_dot(base + r * w.row_bytes, static_cast<const char *>(act) + t0 * act_stride, act_stride, nt,
+                              w.n_in, y + t0 * w.n_out + r, w.n_out);
+                }
+            }
+        }
+    });
+}
+
+void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
+                    const Kernels & k) {
+    // Row tiles of about 128 KiB of f32 (a multiple of 3 rows, the micro tile height) stay in L2 while all tokens
+    // stream past; enough tiles for every thread to get several.
+    const int64_t ldw       = (w.n_in + 7) & ~int64_t(7);
+    int64_t       tile_rows = (128 * 1024 / 4) / ldw;
+    tile_rows               = tile_rows < 6 ? 6 : tile_rows - tile_rows % 3;
+    const int64_t per_thread = (w.n_out + pool.size() - 1) / pool.size();
+    if (tile_rows * 2 > per_thread && per_thread >= 6) {
+        tile_rows = ((per_thread + 1) / 2 + 2) / 3 * 3;
+    }
+    const bool           direct_f32 = w.type == GgmlType::F32;
+    std::atomic<int64_t> next{ 0 };
+    const auto *         base = static_cast<const char *>(w.data);
+    pool.run([&](int, int) {
+        float * tile = direct_f32 ? nullptr
+                                  : static_cast<float *>(tl_tile_buffer.get(static_cast<size_t>(tile_rows * ldw) *
+                                                                            sizeof(float)));
+        for (;;) {
+            const int64_t r0 = next.fetch_add(tile_rows, std::memory_order_relaxed);
+            if (r0 >= w.n_out) {
+                return;
+            }
+            const int     nr = static_cast<int>(r0 + tile_rows < w.n_out ? tile_rows : w.n_out - r0);
+            const float * wt;
+            int64_t       ld;
+            if (direct_f32) {
+                wt = reinterpret_cast<const float *>(base + r0 * w.row_bytes);
+                ld = static_cast<int64_t>(w.row_bytes / sizeof(float));
+            } else {
+                for (int r = 0; r < nr; ++r) {
+                    k.dequant(base + (r0 + r) * w.row_bytes, tile + r * ldw, w.n_in);
+                }
+                wt = tile;
+                ld = ldw;
+            }
+            k.gemm_tile(wt, ld, nr, x, w.n_in, static_cast<int>(n_tok), w.n_in, y + r0, w.n_out);
+        }
+    });
+}
+
+}  // namespace
+
+void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool) {
+    check_weight(w, "matmul");
+    KC_CHECK(n_tok >= 0 && n_tok <= (int64_t(1) << 30), "matmul: bad token count %lld", static_cast<long long>(n_tok));
+    if (n_tok == 0 || w.n_out == 0) {
+        return;
+    }
+    const Kernels k = select_kernels(w.type);
+    KC_CHECK(k.dequant != nullptr && k.row_dot != nullptr, "matmul: no kernel for %s",
+             ggml_type_name(static_cast<uint32_t>(w.type)));
+    if (n_tok < kDecodeMaxTokens) {
+        matmul_decode(w, x, y, n_tok, pool, k);
+    } else {
+        matmul_prefill(w, x, y, n_tok, pool, k);
+    }
+}
+
+void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok) {
+    check_weight(w, "matmul_reference");
+    KC_CHECK(n_tok >= 0, "matmul_reference: bad token count %lld", static_cast<long long>(n_tok));
+    const DequantFn    dequant = dequant_fn_scalar(w.type);
+    std::vector<float> row(static_cast<size_t>(w.n_in));
+    for (int64_t r = 0; r < w.n_out; ++r) {
+        dequant(static_cast<const char *>(w.data) + r * w.row_bytes, row.data(), w.n_in);
+        for (int64_t t = 0; t < n_tok; ++t) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < w.n_in; ++i) {
+                acc += static_cast<double>(row[static_cast<size_t>(i)]) * static_cast<double>(x[t * w.n_in + i]);
+            }
+            y[t * w.n_out + r] = static_cast<float>(acc);
+        }
+    }
+}
+
+}  // namespace kvcmas::cpu
