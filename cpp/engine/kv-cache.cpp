@@ -42,8 +42,17 @@ KvSpan::~KvSpan() {
 
 void KvSpan::resize(int32_t n) {
     const size_t need = static_cast<size_t>((n + kKvBlockRows - 1) / kKvBlockRows);
-    while (blocks_.size() < need) {
-        blocks_.push_back(pool_.allocate());
+    const size_t had  = blocks_.size();
+    try {
+        while (blocks_.size() < need) {
+            blocks_.push_back(pool_.allocate());
+        }
+    } catch (...) {
+        while (blocks_.size() > had) {  // all or nothing
+            pool_.release(blocks_.back());
+            blocks_.pop_back();
+        }
+        throw;
     }
     while (blocks_.size() > need) {
         pool_.release(blocks_.back());
@@ -121,6 +130,12 @@ void KvCache::seq_truncate(int32_t seq, int32_t n) {
         ++i;
     }
     segs.resize(i);
+    if (!segs.empty()) {
+        KvSegment & last = segs.back();
+        if (last.span.use_count() == 1 && last.span->writer == seq) {
+            last.span->resize(last.begin + last.n);  // give whole unused blocks back now
+        }
+    }
 }
 
 void KvCache::seq_remove(int32_t seq) {
@@ -157,10 +172,17 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
         span->writer = seq;
         segs.push_back(KvSegment{ std::move(span), 0, 0 });
     }
-    KvSegment & last  = segs.back();
-    KvSpan &    span  = *last.span;
+    KvSegment &   last = segs.back();
+    KvSpan &      span = *last.span;
     const int32_t row0 = span.n_rows();
-    span.resize(row0 + n);  // may throw: nothing else changed yet except a new empty segment
+    try {
+        span.resize(row0 + n);
+    } catch (...) {
+        if (!in_place) {
+            segs.pop_back();
+        }
+        throw;
+    }
     last.n += n;
     for (int32_t i = 0; i < n; ++i) {
         slots.push_back(KvSlot{ &span, row0 + i, span.frame0() + row0 + i });
