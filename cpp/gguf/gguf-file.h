@@ -39,25 +39,32 @@ const char * value_type_name(ValueType t);
 struct Value {
     ValueType                type       = ValueType::UINT8;
     ValueType                array_type = ValueType::UINT8;  // element type when type == ARRAY
-    int64_t                  i          = 0;                  // integer and bool scalars
-    double                   f          = 0.0;                // FLOAT32 / FLOAT64 scalars
-    std::string              str;                             // STRING scalar
-    std::vector<int64_t>     ints;                            // ARRAY of integers or bools
-    std::vector<double>      floats;                          // ARRAY of FLOAT32 / FLOAT64
-    std::vector<std::string> strings;                         // ARRAY of STRING
-    std::vector<Value>       arrays;                          // ARRAY of ARRAY
+    int64_t                  i          = 0;                 // integer and bool scalars
+    double                   f          = 0.0;               // FLOAT32 / FLOAT64 scalars
+    std::string              str;                            // STRING scalar
+    std::vector<int64_t>     ints;                           // ARRAY of integers or bools
+    std::vector<double>      floats;                         // ARRAY of FLOAT32 / FLOAT64
+    std::vector<std::string> strings;                        // ARRAY of STRING
+    std::vector<Value>       arrays;                         // ARRAY of ARRAY
 };
 
+// One tensor of the directory, validated: 1..4 dimensions, each >= 0 (zero is allowed, as ggml does, and gives an
+// empty tensor) with a product that fits int64; a known type with ne[0] a whole number of blocks; offset a multiple
+// of the alignment; data inside the file and not overlapping another tensor's.
 struct TensorInfo {
     std::string          name;
     GgmlType             type;
-    std::vector<int64_t> ne;        // ggml order: ne[0] is the fastest-varying (row length)
-    uint64_t             offset;    // from the start of the data section, as stored
-    size_t               n_bytes;   // whole tensor
-    const void *         data;      // points into the mapping; valid while the GgufFile lives
+    std::vector<int64_t> ne;       // ggml order: ne[0] is the fastest-varying (row length)
+    uint64_t             offset;   // from the start of the data section, as stored
+    size_t               n_bytes;  // whole tensor
+    const void *         data;     // points into the mapping; valid while the GgufFile lives
     int64_t              n_elements() const;
 };
 
+// Holds the read-only mapping for its lifetime (released in the destructor). Limits beyond the format's: metadata
+// arrays may nest at most 16 deep, general.alignment must be an integer power of two in [1, 2^30], bool bytes must
+// be 0 or 1, keys and tensor names must be unique and valid UTF-8. Parsed metadata takes memory proportional to the
+// metadata's size in the file; tensor data is never copied.
 class GgufFile {
   public:
     // Maps and parses `path`. Throws kvcmas::Error naming the file when it cannot be opened, is not GGUF, has an
@@ -71,10 +78,13 @@ class GgufFile {
     uint32_t            version() const { return version_; }
     size_t              alignment() const { return alignment_; }
     size_t              file_size() const { return size_; }
+    // File offset of the aligned data section (tensor offsets are relative to it); in a file without tensors it may
+    // equal or exceed file_size().
+    size_t data_offset() const { return data_offset_; }
 
     // Metadata in file order.
     const std::vector<std::pair<std::string, Value>> & metadata() const { return kv_; }
-    const Value *                                     find(const std::string & key) const;  // nullptr if absent
+    const Value *                                      find(const std::string & key) const;  // nullptr if absent
 
     // Typed access. The throwing forms name the file and key when the key is missing or has another kind
     // (integer getters accept every integer type; get_float accepts floats and integers).
@@ -90,10 +100,11 @@ class GgufFile {
 
   private:
     std::string                                path_;
-    uint32_t                                   version_   = 0;
-    size_t                                     alignment_ = 32;
-    void *                                     map_       = nullptr;
-    size_t                                     size_      = 0;
+    uint32_t                                   version_     = 0;
+    size_t                                     alignment_   = 32;
+    void *                                     map_         = nullptr;
+    size_t                                     size_        = 0;
+    size_t                                     data_offset_ = 0;
     std::vector<std::pair<std::string, Value>> kv_;
     std::map<std::string, size_t>              kv_index_;
     std::vector<TensorInfo>                    tensors_;
