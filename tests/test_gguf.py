@@ -302,6 +302,43 @@ def test_no_tensors(tmp_path: Path) -> None:
     assert f.tensors() == []
 
 
+def test_typed_getters(tmp_path: Path) -> None:
+    """The C++ getters the engine reads hyperparameters with: kinds accepted, fallbacks, and errors naming the key."""
+    path = tmp_path / "get.gguf"
+    write_with_gguf_py(path, tensors=False)
+    f = core.GgufFile(str(path))
+    values = {key: _expected_python(value, vtype, sub) for key, value, vtype, sub in WRITER_KVS}
+    for key in ("t.u8", "t.i8", "t.u16", "t.i16", "t.u32", "t.i32", "t.i64_min", "t.i64_neg"):
+        assert f.get_int(key) == values[key], key
+        assert f.get_int(key, 12345) == values[key], key
+        assert f.get_float(key) == float(values[key]), key  # integers widen to float
+    assert f.get_float("t.u64_max") == float(2**64 - 1)
+    assert f.get_float("t.f32") == values["t.f32"]
+    assert f.get_float("t.f64") == values["t.f64"]
+    assert f.get_string("general.architecture") == "llama"
+    assert f.get_string("t.unicode") == values["t.unicode"]
+    assert f.get_bool("t.true", False) is True
+    assert f.get_bool("t.false", True) is False
+    assert f.get_int("t.nope", 7) == 7
+    assert f.get_float("t.nope", 1.5) == 1.5
+    assert f.get_bool("t.nope", True) is True
+
+    def error(call: Any, pattern: str) -> None:
+        with pytest.raises(KvcmasError, match=pattern) as info:
+            call()
+        assert str(info.value).startswith(f"{path}: ")
+
+    error(lambda: f.get_int("t.nope"), "metadata key 't.nope' is missing")
+    error(lambda: f.get_float("t.nope"), "metadata key 't.nope' is missing")
+    error(lambda: f.get_string("t.nope"), "metadata key 't.nope' is missing")
+    error(lambda: f.get_int("t.u64_big"), "'t.u64_big' value 9223372036854775813 does not fit int64")
+    error(lambda: f.get_int("t.f32"), "'t.f32' has type float32, expected an integer")
+    error(lambda: f.get_int("t.true", 0), "'t.true' has type bool, expected an integer")
+    error(lambda: f.get_float("t.a_f32"), "'t.a_f32' has type array, expected a number")
+    error(lambda: f.get_string("t.u32"), "'t.u32' has type uint32, expected string")
+    error(lambda: f.get_bool("t.u8", False), "'t.u8' has type uint8, expected bool")
+
+
 def test_tensor_bytes_unknown_name(tmp_path: Path) -> None:
     path = tmp_path / "t.gguf"
     write_with_gguf_py(path)
@@ -398,6 +435,10 @@ def test_hand_encoded_file_matches_gguf_py(tmp_path: Path) -> None:
     f = assert_matches_reference(path)
     meta = f.metadata()
     assert meta["a.tokens"] == ["<s>", "a", "b\ufffd"]  # invalid UTF-8 is replaced, not an error
+    assert f.string_bytes("a.tokens") == [b"<s>", b"a", b"b\xff"]  # and kept as bytes for those who need it
+    assert f.string_bytes("general.architecture") == b"llama"
+    with pytest.raises(KvcmasError, match="'a.u32' is not a string or an array of strings"):
+        f.string_bytes("a.u32")
     assert meta["a.empty"] == [] and meta["a.empty_str"] == []
     assert meta["a.nested"] == [[0.5], []]
     assert f.value_types()["a.nested"] == "array[array]"

@@ -181,6 +181,33 @@ void bind_gguf(nb::module_ & m) {
                 return nb::bytes(static_cast<const char *>(t->data), t->n_bytes);
             },
             nb::arg("name"), "A copy of the tensor's raw bytes as stored in the file.")
+        .def(
+            "string_bytes",
+            [](const GgufFile & f, const std::string & key) -> nb::object {
+                const Value * v = f.find(key);
+                KC_CHECK(v != nullptr, "%s: metadata key '%s' is missing", f.path().c_str(), key.c_str());
+                const auto as_bytes = [](const std::string & s) { return nb::bytes(s.data(), s.size()); };
+                if (v->type == ValueType::STRING) {
+                    return as_bytes(v->str);
+                }
+                KC_CHECK(v->type == ValueType::ARRAY && v->array_type == ValueType::STRING,
+                         "%s: metadata key '%s' is not a string or an array of strings", f.path().c_str(), key.c_str());
+                return make_list(v->strings.size(), [&](size_t k) { return nb::object(as_bytes(v->strings[k])); });
+            },
+            nb::arg("key"),
+            "The undecoded bytes of a string (bytes) or array-of-strings (list[bytes]) value, for vocabularies whose "
+            "tokens are not valid UTF-8.")
+        // The typed getters the engine uses; without a fallback a missing key raises.
+        .def(
+            "get_string", [](const GgufFile & f, const std::string & key) { return to_str(f.get_string(key)); },
+            nb::arg("key"))
+        .def("get_int", nb::overload_cast<const std::string &>(&GgufFile::get_int, nb::const_), nb::arg("key"))
+        .def("get_int", nb::overload_cast<const std::string &, int64_t>(&GgufFile::get_int, nb::const_), nb::arg("key"),
+             nb::arg("fallback"))
+        .def("get_float", nb::overload_cast<const std::string &>(&GgufFile::get_float, nb::const_), nb::arg("key"))
+        .def("get_float", nb::overload_cast<const std::string &, double>(&GgufFile::get_float, nb::const_),
+             nb::arg("key"), nb::arg("fallback"))
+        .def("get_bool", &GgufFile::get_bool, nb::arg("key"), nb::arg("fallback"))
         .def("__repr__", [](const GgufFile & f) {
             return format("GgufFile('%s', version=%u, %zu keys, %zu tensors)", f.path().c_str(), f.version(),
                           f.metadata().size(), f.tensors().size());
