@@ -4,9 +4,12 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <new>
 #include <cstring>
 
 #include "cpu/matmul-impl.h"
+
 
 namespace kvcmas::cpu::detail {
 namespace {
@@ -459,75 +462,114 @@ KC_ROW_DOT(dot_q6_k)
 
 // ---- prefill tile kernel ----------------------------------------------------------------------------------------
 
-// NT tokens × NR weight rows, dot-product form: NT·NR vector accumulators over k, horizontal sums at the end.
-template <int NT, int NR>
-void gemm_micro(const float * w, int64_t ldw, const float * x, int64_t ldx, int64_t n, float * y, int64_t ldy) {
-    __m256 acc[NT][NR];
-    for (int t = 0; t < NT; ++t) {
-        for (int r = 0; r < NR; ++r) {
-            acc[t][r] = _mm256_setzero_ps();
+// Outer-product (broadcast) form, as BLIS does it: the weight tile is packed into panels of 16 rows laid out
+// [k][16], so one k step loads 2 vectors of weights (L1-resident panel) and broadcasts one activation per token
+// (streamed from L2): 12 FMAs per 8 loads, and only 6 floats per 12 FMAs come from L2.
+constexpr int     kPanelRows = 16;   // weight rows per packed panel (2 vectors)
+constexpr int     kMicroT    = 6;    // tokens per micro tile: 6 × 2 accumulators + 2 weights + 1 broadcast = 15 ymm
+constexpr int64_t kBlockK    = 256;  // k block: a 16-row panel of it is 16 KiB, half of L1
+
+// yt[r] (+)= [v0 v1][r] for r < nr.
+inline void store_row16(float * yt, __m256 v0, __m256 v1, int nr, bool accumulate) {
+    if (nr == 16) {
+        if (accumulate) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(yt));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(yt + 8));
         }
+        _mm256_storeu_ps(yt, v0);
+        _mm256_storeu_ps(yt + 8, v1);
+        return;
     }
-    const int64_t n8 = n & ~int64_t(7);
-    for (int64_t k = 0; k < n8; k += 8) {
-        __m256 wv[NR];
-        for (int r = 0; r < NR; ++r) {
-            wv[r] = _mm256_loadu_ps(w + r * ldw + k);
-        }
-        for (int t = 0; t < NT; ++t) {
-            const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
-            for (int r = 0; r < NR; ++r) {
-                acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
-            }
-        }
-    }
-    for (int t = 0; t < NT; ++t) {
-        for (int r = 0; r < NR; ++r) {
-            float s = hsum(acc[t][r]);
-            for (int64_t k = n8; k < n; ++k) {
-                s += x[t * ldx + k] * w[r * ldw + k];
-            }
-            y[t * ldy + r] = s;
-        }
+    alignas(32) float tmp[16];
+    _mm256_store_ps(tmp, v0);
+    _mm256_store_ps(tmp + 8, v1);
+    for (int r = 0; r < nr; ++r) {
+        yt[r] = accumulate ? yt[r] + tmp[r] : tmp[r];
     }
 }
 
-using MicroFn = void (*)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
-
-constexpr int kTileT = 4;  // tokens per micro tile
-constexpr int kTileR = 3;  // weight rows per micro tile
-
+// y[t·ldy + r] (+)= Σ_k x[t·ldx + k] · panel[k·16 + r] for t < NT, r < nr (≤ 16).
 template <int NT>
-constexpr MicroFn micro_for_rows(int nr) {
-    return nr == 1 ? gemm_micro<NT, 1> : nr == 2 ? gemm_micro<NT, 2> : gemm_micro<NT, 3>;
-}
-
-MicroFn micro_for(int nt, int nr) {
-    switch (nt) {
-        case 1: return micro_for_rows<1>(nr);
-        case 2: return micro_for_rows<2>(nr);
-        case 3: return micro_for_rows<3>(nr);
-        default: return micro_for_rows<4>(nr);
+void micro_bcast(const float * panel, const float * x, int64_t ldx, int64_t kn, float * y, int64_t ldy, int nr,
+                 bool accumulate) {
+    __m256 c0[NT], c1[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+        c0[t] = _mm256_setzero_ps();
+        c1[t] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kn; ++k) {
+        const __m256 b0 = _mm256_load_ps(panel + 16 * k), b1 = _mm256_load_ps(panel + 16 * k + 8);
+    #pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+            const __m256 a = _mm256_broadcast_ss(x + t * ldx + k);
+            c0[t]          = _mm256_fmadd_ps(a, b0, c0[t]);
+            c1[t]          = _mm256_fmadd_ps(a, b1, c1[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+        store_row16(y + t * ldy, c0[t], c1[t], nr, accumulate);
     }
 }
+
+using MicroFn = void (*)(const float *, const float *, int64_t, int64_t, float *, int64_t, int, bool);
+constexpr MicroFn kMicro[kMicroT + 1] = { nullptr,        micro_bcast<1>, micro_bcast<2>, micro_bcast<3>,
+                                          micro_bcast<4>, micro_bcast<5>, micro_bcast<6> };
+
+// A grow-only 64-byte aligned per-thread buffer for the packed panels.
+struct PanelBuffer {
+    float * data     = nullptr;
+    size_t  capacity = 0;
+    ~PanelBuffer() { std::free(data); }
+    float * get(size_t floats) {
+        if (floats > capacity) {
+            std::free(data);
+            capacity = (floats + 15) & ~size_t(15);
+            data     = static_cast<float *>(std::aligned_alloc(64, capacity * sizeof(float)));
+            if (data == nullptr) {
+                capacity = 0;
+                throw std::bad_alloc();
+            }
+        }
+        return data;
+    }
+};
+thread_local PanelBuffer tl_panels;
 
 }  // namespace
 
 void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                     float * y, int64_t ldy) {
-    // Tokens outer: the kTileT activation rows stay in L1 while the (L2-resident) weight tile streams past them.
-    for (int t0 = 0; t0 < nt; t0 += kTileT) {
-        const int tn = nt - t0 < kTileT ? nt - t0 : kTileT;
-        int       r0 = 0;
-        for (; r0 + kTileR <= nr; r0 += kTileR) {
-            if (tn == kTileT) {
-                gemm_micro<kTileT, kTileR>(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+    const int n_panels = (nr + kPanelRows - 1) / kPanelRows;
+    float *   packed   = tl_panels.get(static_cast<size_t>(n_panels) * kPanelRows * static_cast<size_t>(n));
+    // Pack: panel p holds rows 16p.. as [k][16], missing rows zero.
+    for (int p = 0; p < n_panels; ++p) {
+        float *   dst = packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n);
+        const int rn  = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
+        for (int r = 0; r < kPanelRows; ++r) {
+            if (r < rn) {
+                const float * src = w + (p * kPanelRows + r) * ldw;
+                for (int64_t k = 0; k < n; ++k) {
+                    dst[k * kPanelRows + r] = src[k];
+                }
             } else {
-                micro_for(tn, kTileR)(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+                for (int64_t k = 0; k < n; ++k) {
+                    dst[k * kPanelRows + r] = 0.0f;
+                }
             }
         }
-        if (r0 < nr) {
-            micro_for(tn, nr - r0)(w + r0 * ldw, ldw, x + t0 * ldx, ldx, n, y + t0 * ldy + r0, ldy);
+    }
+    // k blocks outer (panel slices stay in L1), then panels, then all tokens in micro tiles.
+    for (int64_t k0 = 0; k0 < n; k0 += kBlockK) {
+        const int64_t kn = n - k0 < kBlockK ? n - k0 : kBlockK;
+        for (int p = 0; p < n_panels; ++p) {
+            const float * panel = packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n) + k0 * kPanelRows;
+            const int     rn    = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
+            for (int t0 = 0; t0 < nt; t0 += kMicroT) {
+                const int tn = nt - t0 < kMicroT ? nt - t0 : kMicroT;
+                kMicro[tn](panel, x + t0 * ldx + k0, ldx, kn, y + t0 * ldy + p * kPanelRows, ldy, rn, k0 > 0);
+            }
         }
     }
 }

@@ -389,15 +389,10 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
 
 void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
                     const Kernels & k) {
-    // Row tiles of about 128 KiB of f32 (a multiple of 3 rows, the micro tile height) stay in L2 while all tokens
-    // stream past; enough tiles for every thread to get several.
+    // Row tiles of 32 rows (two 16-row panels of the AVX2 kernel); each tile is dequantized once and all tokens
+    // run against it. Tiles are handed out from a shared counter, so the threads stay balanced.
     const int64_t ldw       = (w.n_in + 7) & ~int64_t(7);
-    int64_t       tile_rows = (128 * 1024 / 4) / ldw;
-    tile_rows               = tile_rows < 6 ? 6 : tile_rows - tile_rows % 3;
-    const int64_t per_thread = (w.n_out + pool.size() - 1) / pool.size();
-    if (tile_rows * 2 > per_thread && per_thread >= 6) {
-        tile_rows = ((per_thread + 1) / 2 + 2) / 3 * 3;
-    }
+    const int64_t tile_rows = 32;
     const bool           direct_f32 = w.type == GgmlType::F32;
     std::atomic<int64_t> next{ 0 };
     const auto *         base = static_cast<const char *>(w.data);

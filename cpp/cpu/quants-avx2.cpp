@@ -27,15 +27,17 @@ inline __m256i expand_bits_32(uint32_t qh) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-// 32 signed / unsigned bytes -> 4 × 8 floats stored to dst[32].
-template <bool Signed>
+// 32 signed / unsigned bytes -> 4 × 8 floats q·scale (+ offset when HasOffset) stored to dst[32]. Without an
+// offset nothing is added, so that -0 stays -0 as in the reference.
+template <bool Signed, bool HasOffset = true>
 inline void bytes_to_f32(__m256i v, __m256 scale, __m256 offset, float * dst) {
     const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
     const __m128i parts[4] = { lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8) };
     for (int p = 0; p < 4; ++p) {
         const __m256i i32 = Signed ? _mm256_cvtepi8_epi32(parts[p]) : _mm256_cvtepu8_epi32(parts[p]);
         // d·q first, then the offset: the product is exact, so fusing or not gives the same value.
-        _mm256_storeu_ps(dst + 8 * p, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i32), scale), offset));
+        const __m256  y   = _mm256_mul_ps(_mm256_cvtepi32_ps(i32), scale);
+        _mm256_storeu_ps(dst + 8 * p, HasOffset ? _mm256_add_ps(y, offset) : y);
     }
 }
 
@@ -71,7 +73,7 @@ void dequant_q4_0(const void * src, float * dst, int64_t n) {
     const auto * b = static_cast<const BlockQ4_0 *>(src);
     for (int64_t i = 0; i < n / 32; ++i, dst += 32) {
         const __m256i q = _mm256_sub_epi8(unpack_nibbles_32(b[i].qs), _mm256_set1_epi8(8));
-        bytes_to_f32<true>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
+        bytes_to_f32<true, false>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
     }
 }
 
@@ -89,7 +91,7 @@ void dequant_q5_0(const void * src, float * dst, int64_t n) {
         std::memcpy(&qh, b[i].qh, 4);
         __m256i q = _mm256_or_si256(unpack_nibbles_32(b[i].qs), expand_bits_32(qh));
         q         = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-        bytes_to_f32<true>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
+        bytes_to_f32<true, false>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
     }
 }
 
@@ -107,7 +109,7 @@ void dequant_q8_0(const void * src, float * dst, int64_t n) {
     const auto * b = static_cast<const BlockQ8_0 *>(src);
     for (int64_t i = 0; i < n / 32; ++i, dst += 32) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[i].qs));
-        bytes_to_f32<true>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
+        bytes_to_f32<true, false>(q, _mm256_set1_ps(h2f(b[i].d)), _mm256_setzero_ps(), dst);
     }
 }
 

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -39,7 +40,9 @@ struct ThreadPool::Impl {
     // The job of the current generation; published before `generation` is bumped (release), read after it is seen.
     const std::function<void(int, int)> * job = nullptr;
     std::atomic<uint64_t>                 generation{ 0 };
-    std::atomic<int>                      pending{ 0 };  // workers still running the current job
+    std::atomic<int>                      remaining{ 0 };  // parts 1..n-1 of the current job not yet finished
+    // slot_taken[i] != 0 once someone (worker i, or the caller standing in for it) has taken part i of the job.
+    std::unique_ptr<std::atomic<int>[]> slot_taken;
     std::atomic<bool>                     stop{ false };  // set (under mu) before the final generation bump
 
     std::mutex              mu;  // guards sleeping (with cv) and stop
@@ -53,6 +56,20 @@ struct ThreadPool::Impl {
         if (!error) {
             error = std::move(e);
         }
+    }
+
+    // Runs part ith of the current job unless it was already taken; returns whether it ran it.
+    bool run_part(int ith) {
+        if (slot_taken[ith].exchange(1, std::memory_order_acq_rel) != 0) {
+            return false;
+        }
+        try {
+            (*job)(ith, n_threads);
+        } catch (...) {
+            record_error(std::current_exception());
+        }
+        remaining.fetch_sub(1, std::memory_order_acq_rel);
+        return true;
     }
 
     void worker_main(int ith) {
@@ -76,12 +93,7 @@ struct ThreadPool::Impl {
             if (stop.load(std::memory_order_acquire)) {
                 return;
             }
-            try {
-                (*job)(ith, n_threads);
-            } catch (...) {
-                record_error(std::current_exception());
-            }
-            pending.fetch_sub(1, std::memory_order_release);
+            run_part(ith);
         }
     }
 };
@@ -90,6 +102,10 @@ ThreadPool::ThreadPool(int n_threads) {
     KC_CHECK(n_threads >= 1 && n_threads <= 1024, "ThreadPool: n_threads must be in [1, 1024], got %d", n_threads);
     impl_            = new Impl;
     impl_->n_threads = n_threads;
+    impl_->slot_taken.reset(new std::atomic<int>[n_threads]);
+    for (int i = 0; i < n_threads; ++i) {
+        impl_->slot_taken[i].store(1);
+    }
     try {
         for (int i = 1; i < n_threads; ++i) {
             impl_->workers.emplace_back([this, i] { impl_->worker_main(i); });
@@ -127,7 +143,10 @@ void ThreadPool::run(const std::function<void(int ith, int nth)> & fn) {
     }
     p.error = nullptr;
     p.job   = &fn;
-    p.pending.store(p.n_threads - 1, std::memory_order_relaxed);
+    p.remaining.store(p.n_threads - 1, std::memory_order_relaxed);
+    for (int i = 1; i < p.n_threads; ++i) {
+        p.slot_taken[i].store(0, std::memory_order_release);
+    }
     {
         // Under the mutex so that a worker deciding to sleep cannot miss the bump.
         std::lock_guard<std::mutex> lock(p.mu);
@@ -140,8 +159,12 @@ void ThreadPool::run(const std::function<void(int ith, int nth)> & fn) {
     } catch (...) {
         p.record_error(std::current_exception());
     }
-    // Wait for the workers; yield after a while in case they were descheduled (shared or busy machine).
-    for (unsigned spins = 0; p.pending.load(std::memory_order_acquire) != 0; ++spins) {
+    // A worker that has not picked up its part by now is asleep or descheduled (busy machine): do its part here
+    // rather than wait for the scheduler. Parts already taken are waited for.
+    for (int i = 1; i < p.n_threads; ++i) {
+        p.run_part(i);
+    }
+    for (unsigned spins = 0; p.remaining.load(std::memory_order_acquire) != 0; ++spins) {
         if (spins < 4096) {
             cpu_relax();
         } else {

@@ -1,0 +1,98 @@
+"""Throughput of the CPU matmul kernels on SmolLM2-135M shapes (a tuning aid, not a test).
+
+Prints GFLOP/s for prefill-shaped products (n_tok x n_in x n_out, default 512 x 576 x 1536) and GB/s of weight
+bytes streamed for decode-shaped ones (1 token, all 30 layers' worth of distinct weight matrices so that the
+weights come from memory as in a real decode step, not from cache).
+
+With --threads 1 the figures use the thread's CPU time, so they hold on a busy machine; with more threads they are
+wall-clock and need a quiet one.
+
+Run: PYTHONPATH=python [KVCMAS_CORE_PATH=...] python bench/kernels_bench.py [--threads 2] [--types f16,q8_0,q4_1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from kvcmas_cpp._native import core
+
+TYPES = {
+    "f32": QT.F32,
+    "f16": QT.F16,
+    "bf16": QT.BF16,
+    "q8_0": QT.Q8_0,
+    "q4_0": QT.Q4_0,
+    "q4_1": QT.Q4_1,
+    "q5_0": QT.Q5_0,
+    "q5_1": QT.Q5_1,
+    "q4_k": QT.Q4_K,
+    "q5_k": QT.Q5_K,
+    "q6_k": QT.Q6_K,
+}
+K_QUANTS = {QT.Q4_K, QT.Q5_K, QT.Q6_K}
+
+
+def make_weight(qtype: QT, n_out: int, n_in: int, rng: np.random.Generator) -> bytes:
+    """Random weight bytes of the given type (valid blocks with small scales for the K-quants)."""
+    if qtype in K_QUANTS:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        n_blocks = n_out * n_in // block
+        raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+        scale = rng.uniform(-0.01, 0.01, n_blocks).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+        if qtype == QT.Q6_K:
+            raw[:, -2:] = scale
+        else:
+            raw[:, 0:2] = scale
+            raw[:, 2:4] = np.abs(scale.view(np.float16)).view(np.uint8).reshape(n_blocks, 2)
+        return raw.tobytes()
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, qtype).tobytes()
+
+
+def pick(times: tuple[float, float], threads: int) -> float:
+    """Wall time, or with one thread the CPU time (robust against other processes on a busy machine)."""
+    return times[1] if threads == 1 else times[0]
+
+
+def bench_prefill(qtype: QT, n_tok: int, n_in: int, n_out: int, threads: int, rng: np.random.Generator) -> float:
+    """GFLOP/s of one prefill-shaped product (best of several)."""
+    w = make_weight(qtype, n_out, n_in, rng)
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    sec = pick(core.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, 8), threads)
+    return 2.0 * n_tok * n_in * n_out / sec / 1e9
+
+
+def bench_decode(qtype: QT, n_in: int, n_out: int, threads: int, rng: np.random.Generator, copies: int = 30) -> float:
+    """GB/s of weight bytes read by single-token products over `copies` distinct matrices (one decode step)."""
+    weights = [make_weight(qtype, n_out, n_in, rng) for _ in range(copies)]
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    sec = pick(core.matmul_bench(int(qtype), weights, n_in, n_out, x, threads, 20), threads)
+    return len(weights[0]) * copies / sec / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--types", default="f16,q8_0,q4_1,q4_k,q6_k")
+    parser.add_argument("--n-tok", type=int, default=512)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"cpu features: {core.cpu_features()}, threads: {args.threads}")
+    shapes = [(576, 1536), (1536, 576), (576, 576)]
+    for name in args.types.split(","):
+        qtype = TYPES[name]
+        t0 = time.perf_counter()
+        pre = [bench_prefill(qtype, args.n_tok, n_in, n_out, args.threads, rng) for n_in, n_out in shapes]
+        dec = [bench_decode(qtype, n_in, n_out, args.threads, rng) for n_in, n_out in shapes[:2]]
+        pre_s = "  ".join(f"{n_in}x{n_out}: {g:6.1f}" for (n_in, n_out), g in zip(shapes, pre, strict=True))
+        dec_s = "  ".join(f"{n_in}x{n_out}: {g:5.1f}" for (n_in, n_out), g in zip(shapes[:2], dec, strict=True))
+        print(f"{name:5s} prefill GFLOP/s [{pre_s}]  decode GB/s [{dec_s}]  ({time.perf_counter() - t0:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
