@@ -214,7 +214,7 @@ def test_scalar_path_agrees_with_default_path() -> None:
     cases = []
     for qtype in ALL_TYPES:
         n_in = 512 if qtype in K_TYPES else (96 if qtype in BLOCK32_TYPES else 45)
-        for n_tok in (1, 3, 20):
+        for n_tok in (1, 3, 60):
             raw, _ = make_weight(qtype, 9, n_in, rng)
             x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
             cases.append({"type": int(qtype), "raw": raw.hex(), "n_in": n_in, "n_out": 9, "x": x.tolist()})

@@ -11,6 +11,7 @@
 #include "cpu/matmul-impl.h"
 
 
+
 namespace kvcmas::cpu::detail {
 namespace {
 
@@ -250,77 +251,98 @@ void dot_bf16(const void * w, const void * a, size_t s, int64_t n, float * o, in
     dot_half<NT, true>(w, a, s, n, o, os);
 }
 
-template <int NT>
-void dot_q8_0(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *       b = static_cast<const BlockQ8_0 *>(w_row);
-    ActRows<ActQ8, NT> x(act, stride);
-    __m256             acc[NT];
-    for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_setzero_ps();
-    }
-    for (int64_t i = 0; i < n / 32; ++i) {
-        const __m256i w  = loadu256(b[i].qs);
-        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as u8 (|-128| = 128 fits)
-        const float   dw = h2f(b[i].d);
-        for (int t = 0; t < NT; ++t) {
-            const __m256i p = dot_u8s8(aw, _mm256_sign_epi8(loadu256(x.a[t][i].q), w));
-            acc[t]          = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t]);
+// The 32-element block types. Per block: unsigned q (0..15 / 0..31; |w| with the sign moved onto the activations
+// for Q8_0) times the 8-bit activations, scaled by d_w·d_x; the weight offset (Q4_0/Q5_0: -off·d_w) or min
+// (Q4_1/Q5_1: m) times d_x·Σq_x is a scalar term. Two blocks per step with separate accumulators, so that the
+// FMA latency chains overlap.
+template <typename Block, int Kind, int Offset, bool HasHigh>
+struct Q32 {
+    static constexpr bool kHasOffset = Kind != 0;
+    // Kind 0: x = d·q (signed int8, Q8_0); 1: x = d·(q - Offset); 2: x = d·q + m.
+    static inline __m256i unsigned_q(const Block & b) {
+        if constexpr (Kind == 0) {
+            const __m256i w = loadu256(b.qs);
+            return _mm256_sign_epi8(w, w);
+        } else {
+            __m256i q = unpack_nibbles_32(b.qs);
+            if constexpr (HasHigh) {
+                q = _mm256_or_si256(q, expand_bits_32(b.qh));
+            }
+            return q;
         }
     }
+    static inline __m256i activations(const Block & b, const ActQ8 & a) {
+        const __m256i x = loadu256(a.q);
+        if constexpr (Kind == 0) {
+            return _mm256_sign_epi8(x, loadu256(b.qs));
+        } else {
+            return x;
+        }
+    }
+    static inline float offset(const Block & b, float dw) {
+        if constexpr (Kind == 2) {
+            return h2f(b.m);
+        } else {
+            return -static_cast<float>(Offset) * dw;
+        }
+    }
+};
+
+template <typename Q, typename Block, int NT>
+void dot_q32(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
+    const auto *       b = static_cast<const Block *>(w_row);
+    ActRows<ActQ8, NT> x(act, stride);
+    __m256             acc[NT][2];
+    __m128             corr[NT][2];  // scalar sums in lane 0, kept in registers (explicit intrinsics)
     for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(acc[t]);
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        corr[t][0] = corr[t][1] = _mm_setzero_ps();
+    }
+    const int64_t nb   = n / 32;
+    const auto    step = [&](int64_t i, int u) {
+        const __m256i q   = Q::unsigned_q(b[i]);
+        const float   dw  = h2f(b[i].d);
+        const float   off = Q::offset(b[i], dw);
+        for (int t = 0; t < NT; ++t) {
+            const __m256i p = dot_u8s8(q, Q::activations(b[i], x.a[t][i]));
+            acc[t][u]       = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t][u]);
+            if constexpr (Q::kHasOffset) {
+                corr[t][u] = _mm_fmadd_ss(_mm_set_ss(off), _mm_load_ss(&x.a[t][i].ds), corr[t][u]);
+            }
+        }
+    };
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        step(i, 0);
+        step(i + 1, 1);
+    }
+    if (i < nb) {
+        step(i, 0);
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + _mm_cvtss_f32(_mm_add_ss(corr[t][0], corr[t][1]));
     }
 }
 
-// The 4/5-bit 32-blocks: unsigned q (0..15 / 0..31) times activations, plus a per-block offset term folded into
-// a scalar: Q4_0/Q5_0 subtract off·d·ds, Q4_1/Q5_1 add m·ds.
-template <typename Block, bool HasMin, bool HasHigh, int Offset, int NT>
-void dot_q4q5(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *       b = static_cast<const Block *>(w_row);
-    ActRows<ActQ8, NT> x(act, stride);
-    __m256             acc[NT];
-    float              corr[NT];
-    for (int t = 0; t < NT; ++t) {
-        acc[t]  = _mm256_setzero_ps();
-        corr[t] = 0.0f;
-    }
-    for (int64_t i = 0; i < n / 32; ++i) {
-        __m256i q = unpack_nibbles_32(b[i].qs);
-        if constexpr (HasHigh) {
-            q = _mm256_or_si256(q, expand_bits_32(b[i].qh));
-        }
-        const float dw = h2f(b[i].d);
-        float       off;
-        if constexpr (HasMin) {
-            off = h2f(b[i].m);
-        } else {
-            off = -static_cast<float>(Offset) * dw;
-        }
-        for (int t = 0; t < NT; ++t) {
-            const __m256i p = dot_u8s8(q, loadu256(x.a[t][i].q));
-            acc[t]          = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t]);
-            corr[t] += off * x.a[t][i].ds;
-        }
-    }
-    for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(acc[t]) + corr[t];
-    }
+template <int NT>
+void dot_q8_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ8_0, 0, 0, false>, BlockQ8_0, NT>(w, a, s, n, o, os);
 }
 template <int NT>
 void dot_q4_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q4q5<BlockQ4_0, false, false, 8, NT>(w, a, s, n, o, os);
+    dot_q32<Q32<BlockQ4_0, 1, 8, false>, BlockQ4_0, NT>(w, a, s, n, o, os);
 }
 template <int NT>
 void dot_q4_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q4q5<BlockQ4_1, true, false, 0, NT>(w, a, s, n, o, os);
+    dot_q32<Q32<BlockQ4_1, 2, 0, false>, BlockQ4_1, NT>(w, a, s, n, o, os);
 }
 template <int NT>
 void dot_q5_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q4q5<BlockQ5_0, false, true, 16, NT>(w, a, s, n, o, os);
+    dot_q32<Q32<BlockQ5_0, 1, 16, true>, BlockQ5_0, NT>(w, a, s, n, o, os);
 }
 template <int NT>
 void dot_q5_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q4q5<BlockQ5_1, true, true, 0, NT>(w, a, s, n, o, os);
+    dot_q32<Q32<BlockQ5_1, 2, 0, true>, BlockQ5_1, NT>(w, a, s, n, o, os);
 }
 
 // Q4_K / Q5_K: integer sums Σ_j sc_j·(q_j·x_j) over a super-block, mins via the activation block sums.
@@ -465,57 +487,70 @@ KC_ROW_DOT(dot_q6_k)
 // Outer-product (broadcast) form, as BLIS does it: the weight tile is packed into panels of 16 rows laid out
 // [k][16], so one k step loads 2 vectors of weights (L1-resident panel) and broadcasts one activation per token
 // (streamed from L2): 12 FMAs per 8 loads, and only 6 floats per 12 FMAs come from L2.
-constexpr int     kPanelRows = 16;   // weight rows per packed panel (2 vectors)
-constexpr int     kMicroT    = 6;    // tokens per micro tile: 6 × 2 accumulators + 2 weights + 1 broadcast = 15 ymm
-constexpr int64_t kBlockK    = 256;  // k block: a 16-row panel of it is 16 KiB, half of L1
+constexpr int     kPanelVecs = 2;  // vectors of 8 weight rows per packed panel
+constexpr int     kPanelRows = 8 * kPanelVecs;
+constexpr int     kMicroT    = 6;  // tokens per micro tile: 6 × 2 accumulators + 2 weights + 1 broadcast = 15 ymm
+constexpr int64_t kBlockK    = 256;  // k block: a panel slice of it is 16 KiB, half of L1
+constexpr int     kBlockT    = 96;  // token block: its k-block slice of activations (96 KiB) stays in L2
 
-// yt[r] (+)= [v0 v1][r] for r < nr.
-inline void store_row16(float * yt, __m256 v0, __m256 v1, int nr, bool accumulate) {
-    if (nr == 16) {
-        if (accumulate) {
-            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(yt));
-            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(yt + 8));
+// yt[r] (+)= v[r / 8][r % 8] for r < nr.
+inline void store_panel_row(float * yt, const __m256 * v, int nr, bool accumulate) {
+    if (nr == kPanelRows) {
+#pragma GCC unroll 4
+        for (int i = 0; i < kPanelVecs; ++i) {
+            const __m256 r = accumulate ? _mm256_add_ps(v[i], _mm256_loadu_ps(yt + 8 * i)) : v[i];
+            _mm256_storeu_ps(yt + 8 * i, r);
         }
-        _mm256_storeu_ps(yt, v0);
-        _mm256_storeu_ps(yt + 8, v1);
         return;
     }
-    alignas(32) float tmp[16];
-    _mm256_store_ps(tmp, v0);
-    _mm256_store_ps(tmp + 8, v1);
+    alignas(32) float tmp[kPanelRows];
+#pragma GCC unroll 4
+    for (int i = 0; i < kPanelVecs; ++i) {
+        _mm256_store_ps(tmp + 8 * i, v[i]);
+    }
     for (int r = 0; r < nr; ++r) {
         yt[r] = accumulate ? yt[r] + tmp[r] : tmp[r];
     }
 }
 
-// y[t·ldy + r] (+)= Σ_k x[t·ldx + k] · panel[k·16 + r] for t < NT, r < nr (≤ 16).
+// y[t·ldy + r] (+)= Σ_k x[t·ldx + k] · panel[k·kPanelRows + r] for t < NT, r < nr (≤ kPanelRows).
 template <int NT>
 void micro_bcast(const float * panel, const float * x, int64_t ldx, int64_t kn, float * y, int64_t ldy, int nr,
                  bool accumulate) {
-    __m256 c0[NT], c1[NT];
+    __m256 c[NT][kPanelVecs];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-        c0[t] = _mm256_setzero_ps();
-        c1[t] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < kPanelVecs; ++i) {
+            c[t][i] = _mm256_setzero_ps();
+        }
     }
     for (int64_t k = 0; k < kn; ++k) {
-        const __m256 b0 = _mm256_load_ps(panel + 16 * k), b1 = _mm256_load_ps(panel + 16 * k + 8);
-    #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
+        __m256 b[kPanelVecs];
+#pragma GCC unroll 4
+        for (int i = 0; i < kPanelVecs; ++i) {
+            b[i] = _mm256_load_ps(panel + kPanelRows * k + 8 * i);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; ++t) {
             const __m256 a = _mm256_broadcast_ss(x + t * ldx + k);
-            c0[t]          = _mm256_fmadd_ps(a, b0, c0[t]);
-            c1[t]          = _mm256_fmadd_ps(a, b1, c1[t]);
+#pragma GCC unroll 4
+            for (int i = 0; i < kPanelVecs; ++i) {
+                c[t][i] = _mm256_fmadd_ps(a, b[i], c[t][i]);
+            }
         }
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
-        store_row16(y + t * ldy, c0[t], c1[t], nr, accumulate);
+        store_panel_row(y + t * ldy, c[t], nr, accumulate);
     }
 }
 
 using MicroFn = void (*)(const float *, const float *, int64_t, int64_t, float *, int64_t, int, bool);
-constexpr MicroFn kMicro[kMicroT + 1] = { nullptr,        micro_bcast<1>, micro_bcast<2>, micro_bcast<3>,
-                                          micro_bcast<4>, micro_bcast<5>, micro_bcast<6> };
+constexpr MicroFn kMicroAll[] = { nullptr,        micro_bcast<1>, micro_bcast<2>, micro_bcast<3>,
+                                  micro_bcast<4>, micro_bcast<5>, micro_bcast<6> };
+static_assert(kMicroT <= 6, "micro tiles of up to 6 tokens");
+const MicroFn * const kMicro = kMicroAll;
 
 // A grow-only 64-byte aligned per-thread buffer for the packed panels.
 struct PanelBuffer {
@@ -560,15 +595,20 @@ void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64
             }
         }
     }
-    // k blocks outer (panel slices stay in L1), then panels, then all tokens in micro tiles.
+    // k blocks outer, then token blocks (their activation slice stays in L2 across all panels), then panels (a
+    // panel slice stays in L1 across the token block), then micro tiles.
     for (int64_t k0 = 0; k0 < n; k0 += kBlockK) {
         const int64_t kn = n - k0 < kBlockK ? n - k0 : kBlockK;
-        for (int p = 0; p < n_panels; ++p) {
-            const float * panel = packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n) + k0 * kPanelRows;
-            const int     rn    = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
-            for (int t0 = 0; t0 < nt; t0 += kMicroT) {
-                const int tn = nt - t0 < kMicroT ? nt - t0 : kMicroT;
-                kMicro[tn](panel, x + t0 * ldx + k0, ldx, kn, y + t0 * ldy + p * kPanelRows, ldy, rn, k0 > 0);
+        for (int tb = 0; tb < nt; tb += kBlockT) {
+            const int te = nt - tb < kBlockT ? nt : tb + kBlockT;
+            for (int p = 0; p < n_panels; ++p) {
+                const float * panel =
+                    packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n) + k0 * kPanelRows;
+                const int rn = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
+                for (int t0 = tb; t0 < te; t0 += kMicroT) {
+                    const int tn = te - t0 < kMicroT ? te - t0 : kMicroT;
+                    kMicro[tn](panel, x + t0 * ldx + k0, ldx, kn, y + t0 * ldy + p * kPanelRows, ldy, rn, k0 > 0);
+                }
             }
         }
     }

@@ -287,7 +287,7 @@ using namespace detail;
 
 // Token counts below this take the decode path (dot products from the stored format, weights read once per
 // row for up to 4 tokens); from here on dequantizing row tiles to f32 and the register-blocked kernel win.
-constexpr int64_t kDecodeMaxTokens = 8;
+constexpr int64_t kDecodeMaxTokens = 48;
 
 struct Kernels {
     DequantFn     dequant;
@@ -389,10 +389,10 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
 
 void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
                     const Kernels & k) {
-    // Row tiles of 32 rows (two 16-row panels of the AVX2 kernel); each tile is dequantized once and all tokens
+    // Row tiles of 64 rows (four 16-row panels of the AVX2 kernel); each tile is dequantized once and all tokens
     // run against it. Tiles are handed out from a shared counter, so the threads stay balanced.
     const int64_t ldw       = (w.n_in + 7) & ~int64_t(7);
-    const int64_t tile_rows = 32;
+    const int64_t tile_rows = 64;
     const bool           direct_f32 = w.type == GgmlType::F32;
     std::atomic<int64_t> next{ 0 };
     const auto *         base = static_cast<const char *>(w.data);
