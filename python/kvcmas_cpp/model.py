@@ -263,8 +263,8 @@ class Model:
             tok.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=tok.special_text(tok.bos_id),
-            eos_token=tok.special_text(tok.eos_id),
+            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
         )
 
     # ---------------------------------------------------------------------------------------------- compute
