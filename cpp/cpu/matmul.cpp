@@ -285,9 +285,10 @@ namespace {
 
 using namespace detail;
 
-// Token counts below this take the decode path (dot products from the stored format, weights read once per
-// row for up to 4 tokens); from here on dequantizing row tiles to f32 and the register-blocked kernel win.
-constexpr int64_t kDecodeMaxTokens = 48;
+// Token counts below this take the decode path (dot products straight from the stored format, each weight row
+// read once per 4 tokens); from here on dequantizing row tiles to f32 for the packed GEMM wins (measured on Zen 3:
+// the crossover is near 32 tokens for float weights and near 48 for the 8-bit integer dot products).
+int64_t decode_max_tokens(GgmlType type) { return act_kind(type) == ActKind::F32 ? 32 : 48; }
 
 struct Kernels {
     DequantFn     dequant;
@@ -389,10 +390,17 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
 
 void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
                     const Kernels & k) {
-    // Row tiles of 64 rows (four 16-row panels of the AVX2 kernel); each tile is dequantized once and all tokens
-    // run against it. Tiles are handed out from a shared counter, so the threads stay balanced.
-    const int64_t ldw       = (w.n_in + 7) & ~int64_t(7);
-    const int64_t tile_rows = 64;
+    // Row tiles of up to 64 rows (four 16-row panels of the AVX2 kernel); each tile is dequantized once and all
+    // tokens run against it. Tiles are handed out from a shared counter; their size is picked so that every thread
+    // gets the same number of panels (192 rows on 2 threads: 4 tiles of 48, not 3 of 64).
+    const int64_t ldw              = (w.n_in + 7) & ~int64_t(7);
+    const int64_t panels           = (w.n_out + 15) / 16;
+    const int64_t panels_per_thread = (panels + pool.size() - 1) / pool.size();
+    int64_t       tile_panels      = 4;
+    while (tile_panels > 1 && panels_per_thread % tile_panels != 0) {
+        --tile_panels;
+    }
+    const int64_t tile_rows = 16 * tile_panels;
     const bool           direct_f32 = w.type == GgmlType::F32;
     std::atomic<int64_t> next{ 0 };
     const auto *         base = static_cast<const char *>(w.data);
@@ -434,7 +442,7 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     const Kernels k = select_kernels(w.type);
     KC_CHECK(k.dequant != nullptr && k.row_dot != nullptr, "matmul: no kernel for %s",
              ggml_type_name(static_cast<uint32_t>(w.type)));
-    if (n_tok < kDecodeMaxTokens) {
+    if (n_tok < decode_max_tokens(w.type)) {
         matmul_decode(w, x, y, n_tok, pool, k);
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
