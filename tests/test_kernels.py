@@ -118,7 +118,7 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-@pytest.mark.parametrize("n_tok", [1, 2, 5, 17, 64, 129])
+@pytest.mark.parametrize("n_tok", [1, 2, 5, 11, 17, 64, 129])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_numpy(qtype: QT, n_tok: int) -> None:
     rng = np.random.default_rng(1000 * int(qtype) + n_tok)
@@ -214,7 +214,7 @@ def test_scalar_path_agrees_with_default_path() -> None:
     cases = []
     for qtype in ALL_TYPES:
         n_in = 512 if qtype in K_TYPES else (96 if qtype in BLOCK32_TYPES else 45)
-        for n_tok in (1, 3, 60):
+        for n_tok in (1, 3, 13, 60):
             raw, _ = make_weight(qtype, 9, n_in, rng)
             x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
             cases.append({"type": int(qtype), "raw": raw.hex(), "n_in": n_in, "n_out": 9, "x": x.tolist()})

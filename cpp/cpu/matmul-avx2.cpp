@@ -572,6 +572,50 @@ struct PanelBuffer {
 };
 thread_local PanelBuffer tl_panels;
 
+// Transposes the 8×8 block v (rows) in place into columns.
+inline void transpose8(__m256 v[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    v[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    v[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    v[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    v[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    v[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    v[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    v[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    v[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// dst[k·16 + r] = rows[r·ld + k] for r < rn (≤ 16), zero for rn ≤ r < 16; k < n. Whole 8×8 blocks transposed in
+// registers (contiguous loads and stores), the k tail element by element.
+void pack_panel(const float * rows, int64_t ld, int rn, int64_t n, float * dst) {
+    const int64_t n8 = n & ~int64_t(7);
+    for (int h = 0; h < 2; ++h) {
+        for (int64_t k = 0; k < n8; k += 8) {
+            __m256 v[8];
+            for (int r = 0; r < 8; ++r) {
+                const int row = 8 * h + r;
+                v[r]          = row < rn ? _mm256_loadu_ps(rows + row * ld + k) : _mm256_setzero_ps();
+            }
+            transpose8(v);
+            for (int j = 0; j < 8; ++j) {
+                _mm256_store_ps(dst + (k + j) * kPanelRows + 8 * h, v[j]);
+            }
+        }
+    }
+    for (int64_t k = n8; k < n; ++k) {
+        for (int r = 0; r < kPanelRows; ++r) {
+            dst[k * kPanelRows + r] = r < rn ? rows[r * ld + k] : 0.0f;
+        }
+    }
+}
+
 }  // namespace
 
 void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
@@ -582,18 +626,7 @@ void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64
     for (int p = 0; p < n_panels; ++p) {
         float *   dst = packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n);
         const int rn  = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
-        for (int r = 0; r < kPanelRows; ++r) {
-            if (r < rn) {
-                const float * src = w + (p * kPanelRows + r) * ldw;
-                for (int64_t k = 0; k < n; ++k) {
-                    dst[k * kPanelRows + r] = src[k];
-                }
-            } else {
-                for (int64_t k = 0; k < n; ++k) {
-                    dst[k * kPanelRows + r] = 0.0f;
-                }
-            }
-        }
+        pack_panel(w + p * kPanelRows * ldw, ldw, rn, n, dst);
     }
     // k blocks outer, then token blocks (their activation slice stays in L2 across all panels), then panels (a
     // panel slice stays in L1 across the token block), then micro tiles.

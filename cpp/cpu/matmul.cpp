@@ -287,8 +287,8 @@ using namespace detail;
 
 // Token counts below this take the decode path (dot products straight from the stored format, each weight row
 // read once per 4 tokens); from here on dequantizing row tiles to f32 for the packed GEMM wins (measured on Zen 3:
-// the crossover is near 32 tokens for float weights and near 48 for the 8-bit integer dot products).
-int64_t decode_max_tokens(GgmlType type) { return act_kind(type) == ActKind::F32 ? 32 : 48; }
+// the crossover is near 12 tokens for float weights and near 16 for the 8-bit integer dot products).
+int64_t decode_max_tokens(GgmlType type) { return act_kind(type) == ActKind::F32 ? 12 : 16; }
 
 struct Kernels {
     DequantFn     dequant;

@@ -20,8 +20,8 @@ struct WeightView {
 };
 
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
-// Splits the output rows over the pool (chunks from a shared counter). Small n_tok (decode: below 32 tokens for
-// float weights, 48 for quantized ones) runs dot products straight from the stored format, up to 4 tokens per
+// Splits the output rows over the pool (chunks from a shared counter). Small n_tok (decode: below 12 tokens for
+// float weights, 16 for quantized ones) runs dot products straight from the stored format, up to 4 tokens per
 // pass over a row; larger n_tok (prefill) dequantizes tiles of w once into 16-row panels and runs a
 // register-blocked f32 kernel (6 tokens × 16 rows) over all tokens.
 // Results agree with (dequantize_row(w) · x) within f32 rounding for float weights; for quantized weights the
