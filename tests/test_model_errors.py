@@ -1,0 +1,129 @@
+"""Model files that parse as GGUF but do not describe a model kvcmas can run: each is a clear error, never a crash."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+
+E, F, H, HKV, V, L = 32, 64, 4, 2, 64, 2  # a very small llama
+HD = E // H
+
+
+def _write(path: Path, edit: Callable[[dict, dict], None] | None = None) -> Path:
+    """Writes a tiny random llama GGUF; `edit(keys, tensors)` may change the dicts before writing."""
+    rng = np.random.default_rng(0)
+    keys: dict = {
+        "general.architecture": "llama",
+        "llama.context_length": 128,
+        "llama.embedding_length": E,
+        "llama.block_count": L,
+        "llama.feed_forward_length": F,
+        "llama.attention.head_count": H,
+        "llama.attention.head_count_kv": HKV,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.freq_base": 10000.0,
+    }
+    tensors: dict[str, np.ndarray] = {
+        "token_embd.weight": rng.standard_normal((V, E)).astype(np.float32),
+        "output_norm.weight": np.ones(E, np.float32),
+    }
+    for il in range(L):
+        b = f"blk.{il}."
+        tensors.update(
+            {
+                b + "attn_norm.weight": np.ones(E, np.float32),
+                b + "ffn_norm.weight": np.ones(E, np.float32),
+                b + "attn_q.weight": rng.standard_normal((H * HD, E)).astype(np.float32) * 0.1,
+                b + "attn_k.weight": rng.standard_normal((HKV * HD, E)).astype(np.float32) * 0.1,
+                b + "attn_v.weight": rng.standard_normal((HKV * HD, E)).astype(np.float32) * 0.1,
+                b + "attn_output.weight": rng.standard_normal((E, H * HD)).astype(np.float32) * 0.1,
+                b + "ffn_gate.weight": rng.standard_normal((F, E)).astype(np.float32) * 0.1,
+                b + "ffn_up.weight": rng.standard_normal((F, E)).astype(np.float32) * 0.1,
+                b + "ffn_down.weight": rng.standard_normal((E, F)).astype(np.float32) * 0.1,
+            }
+        )
+    if edit is not None:
+        edit(keys, tensors)
+    writer = gguf.GGUFWriter(str(path), arch=str(keys.pop("general.architecture")))
+    for key, value in keys.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, int(value))
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_valid_tiny_model_runs(tmp_path: Path) -> None:
+    model = kc.Model(_write(tmp_path / "ok.gguf"), n_threads=1)
+    assert (model.arch, model.n_layer, model.n_embd, model.n_head_kv, model.n_vocab) == ("llama", L, E, HKV, V)
+    logits = model.logits([1, 2, 3])
+    assert logits.shape == (3, V) and np.all(np.isfinite(logits))
+
+
+def _drop(name: str) -> Callable[[dict, dict], None]:
+    return lambda keys, tensors: tensors.pop(name)
+
+
+def _set(key: str, value: object) -> Callable[[dict, dict], None]:
+    return lambda keys, tensors: keys.__setitem__(key, value)
+
+
+def _reshape(name: str, shape: tuple[int, ...]) -> Callable[[dict, dict], None]:
+    def edit(keys: dict, tensors: dict) -> None:
+        tensors[name] = np.zeros(shape, np.float32)
+
+    return edit
+
+
+def _rename_arch(keys: dict, tensors: dict) -> None:
+    for k in [k for k in keys if k.startswith("llama.")]:
+        keys["gptx." + k[len("llama.") :]] = keys.pop(k)
+    keys["general.architecture"] = "gptx"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_rename_arch, "unsupported architecture 'gptx'"),
+        (_drop("blk.1.ffn_down.weight"), "tensor 'blk.1.ffn_down.weight' is missing"),
+        (_drop("output_norm.weight"), "tensor 'output_norm.weight' is missing"),
+        (_reshape("blk.0.attn_k.weight", (HKV * HD + 1, E)), "'blk.0.attn_k.weight' should have shape"),
+        (_reshape("blk.0.attn_norm.weight", (E + 2,)), "'blk.0.attn_norm.weight' should have 32 elements"),
+        (_set("llama.attention.head_count_kv", 3), "not a valid grouping"),
+        (_set("llama.attention.head_count", 0), "not a valid grouping"),
+        (_set("llama.block_count", 100000), "block_count 100000 out of range"),
+        (_set("llama.attention.layer_norm_rms_epsilon", -1.0), "layer_norm_rms_epsilon"),
+        (_set("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
+        (lambda k, t: k.pop("llama.embedding_length"), "llama.embedding_length"),
+        (_set("llama.embedding_length", "wide"), "llama.embedding_length"),
+    ],
+)
+def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict], None], message: str) -> None:
+    path = _write(tmp_path / "bad.gguf", edit)
+    with pytest.raises(kc.KvcmasError) as info:
+        kc.Model(path, n_threads=1)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_non_model_files_raise(tmp_path: Path) -> None:
+    text = tmp_path / "notes.gguf"
+    text.write_text("this is not a model")
+    with pytest.raises(kc.KvcmasError, match="notes.gguf"):
+        kc.Model(text)
+    with pytest.raises(kc.KvcmasError, match="missing.gguf"):
+        kc.Model(tmp_path / "missing.gguf")
