@@ -171,6 +171,8 @@ def test_message_validation_and_text_parts() -> None:
     assert render_chat(None, [{"role": "user", "content": parts}], add_generation_prompt=False) == (
         "<|im_start|>user\nHello, world<|im_end|>\n"
     )
+    normalized = normalize_messages([{"role": "assistant", "content": None, "tool_calls": None, "name": "bot"}])
+    assert normalized == [{"role": "assistant", "content": "", "name": "bot"}]
     original = [{"role": "user", "content": parts}]
     render_chat(None, original)
     assert original[0]["content"] is parts  # the caller's messages are not modified

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvcmas_cpp._native import core
@@ -232,6 +233,11 @@ def test_end_of_generation_ids(smollm2: Tokenizer) -> None:
 
 def test_decode_rejects_bad_ids(smollm2: Tokenizer) -> None:
     n = smollm2.n_vocab
+    ids = smollm2.encode("numpy ids work too")
+    assert smollm2.decode(np.asarray(ids, dtype=np.int32)) == smollm2.decode(ids) == "numpy ids work too"
+    for not_an_id in (1.0, "3", None, True):
+        with pytest.raises(ValueError, match="not an integer"):
+            smollm2.decode([not_an_id])  # type: ignore[list-item]
     for bad in (n, -1, n + 1000):
         with pytest.raises(ValueError, match=str(bad)):
             smollm2.decode([1, bad])

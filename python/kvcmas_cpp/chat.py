@@ -173,7 +173,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 
     Each message needs a non-empty string ``role`` and a ``content`` that is a string, None (treated as ""), or a
     list of ``{"type": "text", "text": ...}`` parts (joined without separator). Other keys (``tool_calls``,
-    ``name``...) are passed through. Raises ChatTemplateError naming the message index and the problem.
+    ``name``...) are passed through unless they are None. Raises ChatTemplateError naming the message index and
+    the problem.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -206,17 +207,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise ChatTemplateError(
                 f"messages[{i}]['content'] must be a string or a list of text parts, got {type(content).__name__}"
             )
-        copy = dict(message)
+        # Like transformers, keys set to None (e.g. tool_calls=None from OpenAI-style clients) are left out, so that
+        # `is defined` tests in templates behave.
+        copy = {key: value for key, value in message.items() if value is not None}
         copy["content"] = text
         out.append(copy)
     return out
 
 
+_TEMPLATE_FILENAME = "<template>"  # what jinja2 names the code compiled by Environment.from_string
+
+
 class _Guard:
     """Render-time and output-size limits.
 
-    The time limit is checked by a per-thread trace hook on every line executed while rendering (the compiled
-    template is Python code, so loops in the template run Python lines); it is a no-op cost when not rendering.
+    The time limit is checked by a per-thread trace hook while rendering: on every function call, and on every line
+    of the compiled template itself (a template loop is a Python loop in that code, and may call nothing), so a
+    runaway template is stopped within a few hundred steps of the deadline. Jinja's own runtime code is not traced
+    line by line, which keeps the overhead low.
     """
 
     def __init__(self, deadline: float, max_chars: int) -> None:
@@ -225,11 +233,19 @@ class _Guard:
         self.chars = 0
         self._counter = 0
 
-    def trace(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+    def _tick(self) -> None:
         self._counter += 1
         if self._counter & 0xFF == 0 and time.monotonic() > self.deadline:
             raise _RenderTimeout
-        return self.trace
+
+    def trace(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        """Global trace function: sees each call; returns the line tracer for template code only."""
+        self._tick()
+        return self._trace_template_lines if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
+
+    def _trace_template_lines(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        self._tick()
+        return self._trace_template_lines
 
     def count(self, piece: str) -> None:
         self.chars += len(piece)

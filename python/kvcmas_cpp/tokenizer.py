@@ -19,6 +19,7 @@ searched first.
 from __future__ import annotations
 
 import codecs
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,7 +224,10 @@ class Tokenizer:
         else:
             if not isinstance(types, list) or len(types) < n_vocab:
                 raise TokenizerError(f"GGUF metadata 'tokenizer.ggml.token_type' must list at least {n_vocab} types")
-            token_types = [int(t) for t in types[:n_vocab]]
+            try:
+                token_types = [int(t) for t in types[:n_vocab]]
+            except (TypeError, ValueError):
+                raise TokenizerError("GGUF metadata 'tokenizer.ggml.token_type' must hold integers") from None
 
         pre = meta.get("tokenizer.ggml.pre")
         if pre is not None and not isinstance(pre, str):
@@ -253,7 +257,11 @@ class Tokenizer:
             if not isinstance(scores, list) or len(scores) < n_vocab:
                 raise TokenizerError(f"GGUF metadata 'tokenizer.ggml.scores' must list at least {n_vocab} scores")
             unk_text = tokens[unk_id] if unk_id is not None else None
-            hf = _build_spm_bpe(tokens, [float(s) for s in scores[:n_vocab]], unk_text)
+            try:
+                score_values = [float(s) for s in scores[:n_vocab]]
+            except (TypeError, ValueError):
+                raise TokenizerError("GGUF metadata 'tokenizer.ggml.scores' must hold numbers") from None
+            hf = _build_spm_bpe(tokens, score_values, unk_text)
             add_space_prefix = True
             add_bos_default = True
             add_eos_default = False
@@ -348,13 +356,11 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of a token (byte-level / "▁"-escaped form, as stored in the GGUF file)."""
-        self._check_id(token_id)
-        return self._tokens[token_id]
+        return self._tokens[self._check_id(token_id)]
 
     def token_type(self, token_id: int) -> int:
         """The GGUF token type of a token (see :class:`TokenType`)."""
-        self._check_id(token_id)
-        return self._types[token_id]
+        return self._types[self._check_id(token_id)]
 
     def special_text(self, token_id: int | None) -> str:
         """The literal text of a token as written in prompts (e.g. "<|im_start|>"), "" for None.
@@ -367,8 +373,7 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """True for CONTROL and UNKNOWN tokens (what ``decode(skip_special=True)`` leaves out)."""
-        self._check_id(token_id)
-        return self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN)
+        return self._types[self._check_id(token_id)] in (TokenType.CONTROL, TokenType.UNKNOWN)
 
     # --- encoding -------------------------------------------------------------------------------------------------
 
@@ -434,9 +439,17 @@ class Tokenizer:
 
     # --- decoding -------------------------------------------------------------------------------------------------
 
-    def _check_id(self, token_id: int) -> None:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(self._tokens):
-            raise ValueError(f"token id {token_id!r} is out of range for a vocabulary of {len(self._tokens)} tokens")
+    def _check_id(self, token_id: int) -> int:
+        """The id as a plain int (numpy integers are accepted); ValueError naming it when it is not a valid id."""
+        try:
+            index = operator.index(token_id) if not isinstance(token_id, bool) else None
+        except TypeError:
+            index = None
+        if index is None:
+            raise ValueError(f"token id {token_id!r} is not an integer")
+        if not 0 <= index < len(self._tokens):
+            raise ValueError(f"token id {index} is out of range for a vocabulary of {len(self._tokens)} tokens")
+        return index
 
     def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
         """The bytes a token stands for; may be part of a UTF-8 character (byte tokens, split byte-level tokens).
@@ -444,7 +457,7 @@ class Tokenizer:
         CONTROL / UNKNOWN tokens give their text when ``special`` is true and b"" otherwise. No leading space is
         removed (see :meth:`decode`).
         """
-        self._check_id(token_id)
+        token_id = self._check_id(token_id)
         if not special and self._types[token_id] in (TokenType.CONTROL, TokenType.UNKNOWN):
             return b""
         piece = self._piece_cache.get(token_id)
@@ -459,7 +472,8 @@ class Tokenizer:
         if ttype in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
             return text.encode("utf-8")
         if ttype == TokenType.BYTE:
-            return bytes([_parse_byte_token(text)])
+            byte = _parse_byte_token(text)
+            return text.encode("utf-8") if byte is None else bytes([byte])
         if ttype != TokenType.NORMAL:
             return b""  # UNUSED / UNDEFINED tokens render as nothing, as in llama.cpp
         if self._model == "llama":
@@ -478,8 +492,8 @@ class Tokenizer:
         removed (the first non-special piece loses one leading space)."""
         out = bytearray()
         strip_space = self._add_space_prefix
-        for token_id in ids:
-            self._check_id(token_id)
+        for raw_id in ids:
+            token_id = self._check_id(raw_id)
             piece = self.token_to_piece(token_id, special=not skip_special)
             if strip_space and self._types[token_id] not in (TokenType.CONTROL, TokenType.UNKNOWN):
                 if piece.startswith(b" "):
@@ -496,14 +510,14 @@ class Tokenizer:
         return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
 
 
-def _parse_byte_token(text: str) -> int:
-    """Byte value of a "<0xAB>" token."""
+def _parse_byte_token(text: str) -> int | None:
+    """Byte value of a "<0xAB>" token; None when the text has another form."""
     if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
         try:
             return int(text[3:5], 16)
         except ValueError:
-            pass
-    raise TokenizerError(f"byte token {text!r} is not of the form <0xXX>")
+            return None
+    return None
 
 
 def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
