@@ -62,15 +62,18 @@ _QWEN35 = (
 _FALCON_PUNCT = r"[\p{P}\$\+<=>\^~\|`]+"
 _DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
 
-# Pre-tokenizer name -> regexes applied in sequence. Every entry is checked against llama.cpp's test vectors
-# (tests/test_tokenizer.py) or, for "smollm", against transformers on SmolLM2.
+# Pre-tokenizer name -> regexes applied in sequence. Every split is checked against llama.cpp's test vectors
+# (tests/test_tokenizer.py) or, for "smollm", against transformers on SmolLM2; "llama3", "llama-v3", "falcon3" and
+# "deepseek-r1-qwen" are names llama.cpp treats exactly like "llama-bpe" / "qwen2".
 _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "gpt-2": [_GPT2],
     "mpt": [_GPT2],
     "llama-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
     "llama-v3": [_LLAMA3],
+    "falcon3": [_LLAMA3],
     "qwen2": [_QWEN2],
+    "deepseek-r1-qwen": [_QWEN2],
     "qwen35": [_QWEN35],
     "starcoder": [r"\p{N}", _GPT2],
     "refact": [r"\p{N}", _GPT2],
@@ -80,9 +83,9 @@ _PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "deepseek-coder": _DEEPSEEK_CODER,
 }
 # llama.cpp matches whole pre-tokenizer pieces against the vocabulary before merging for these.
-_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3"}
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
 # llama.cpp's default add_bos for BPE vocabularies without tokenizer.ggml.add_bos_token.
-_DEFAULT_ADD_BOS = {"llama-bpe", "llama3", "llama-v3"}
+_DEFAULT_ADD_BOS = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
 
 SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE_TOKENIZER_REGEXES))
 
