@@ -279,11 +279,16 @@ struct Q32 {
             return x;
         }
     }
-    static inline float offset(const Block & b, float dw) {
+    // dw = d in lane 0; off = the offset term's factor in lane 0 (m, or -Offset·d).
+    static inline void scales(const Block & b, __m128 & dw, __m128 & off) {
         if constexpr (Kind == 2) {
-            return h2f(b.m);
+            uint32_t dm;  // d and m are adjacent f16s
+            std::memcpy(&dm, &b.d, 4);
+            dw  = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+            off = _mm_movehdup_ps(dw);
         } else {
-            return -static_cast<float>(Offset) * dw;
+            dw  = _mm_cvtph_ps(_mm_cvtsi32_si128(b.d));
+            off = _mm_mul_ss(dw, _mm_set_ss(-static_cast<float>(Offset)));
         }
     }
 };
@@ -300,14 +305,16 @@ void dot_q32(const void * w_row, const void * act, size_t stride, int64_t n, flo
     }
     const int64_t nb   = n / 32;
     const auto    step = [&](int64_t i, int u) {
-        const __m256i q   = Q::unsigned_q(b[i]);
-        const float   dw  = h2f(b[i].d);
-        const float   off = Q::offset(b[i], dw);
+        const __m256i q = Q::unsigned_q(b[i]);
+        // d (and m) in vector lanes: one conversion, no round trips through scalar registers.
+        __m128 dw, off;
+        Q::scales(b[i], dw, off);
         for (int t = 0; t < NT; ++t) {
-            const __m256i p = dot_u8s8(q, Q::activations(b[i], x.a[t][i]));
-            acc[t][u]       = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * x.a[t][i].d), acc[t][u]);
+            const __m256i p     = dot_u8s8(q, Q::activations(b[i], x.a[t][i]));
+            const __m128  scale = _mm_mul_ss(dw, _mm_load_ss(&x.a[t][i].d));
+            acc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), acc[t][u]);
             if constexpr (Q::kHasOffset) {
-                corr[t][u] = _mm_fmadd_ss(_mm_set_ss(off), _mm_load_ss(&x.a[t][i].ds), corr[t][u]);
+                corr[t][u] = _mm_fmadd_ss(off, _mm_load_ss(&x.a[t][i].ds), corr[t][u]);
             }
         }
     };

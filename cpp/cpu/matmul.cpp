@@ -367,7 +367,8 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
         act = buf;
     }
     // Rows are handed out in chunks from a shared counter, so a thread that was descheduled does not hold up the rest.
-    constexpr int64_t    kChunk = 16;
+    constexpr int64_t    kChunk        = 16;
+    constexpr int64_t    kPrefetchRows = 4;
     std::atomic<int64_t> next{ 0 };
     const auto *         base = static_cast<const char *>(w.data);
     pool.run([&](int, int) {
@@ -378,6 +379,14 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
             }
             const int64_t r1 = r0 + kChunk < w.n_out ? r0 + kChunk : w.n_out;
             for (int64_t r = r0; r < r1; ++r) {
+                // Weights stream from memory once per token: ask for a row a few rows ahead, so that its cache
+                // lines are on the way while this one is computed (the hardware prefetcher alone lags here).
+                if (r + kPrefetchRows < w.n_out) {
+                    const char * ahead = base + (r + kPrefetchRows) * w.row_bytes;
+                    for (size_t off = 0; off < w.row_bytes; off += 64) {
+                        __builtin_prefetch(ahead + off);
+                    }
+                }
                 for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
                     const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
                     k.row_dot(base + r * w.row_bytes, static_cast<const char *>(act) + t0 * act_stride, act_stride, nt,
