@@ -13,8 +13,9 @@ float    fp16_to_fp32(uint16_t h);
 uint16_t fp32_to_fp16(float f);
 float    bf16_to_fp32(uint16_t h);
 
-// Converts n elements of `type` starting at src (whole blocks: n % block == 0) into dst[n] f32.
-// Supported: every type with GgmlTypeTraits::weight == true. Throws kvcmas::Error for others.
+// Converts n elements of `type` starting at src (whole blocks: n % block == 0) into dst[n] f32, bit-identical to
+// gguf-py's dequantize (and so to ggml's). Supported: every type with GgmlTypeTraits::weight == true. Throws
+// kvcmas::Error for others, for a partial block, or for src not 2-byte aligned (blocks hold f16 fields).
 void dequantize_row(GgmlType type, const void * src, float * dst, int64_t n);
 
 }  // namespace kvcmas::cpu
