@@ -162,6 +162,20 @@ def test_matmul_zero_tokens_and_rows() -> None:
     assert core.matmul(int(QT.Q8_0), b"", 64, 0, np.ones((3, 64), np.float32)).shape == (3, 0)
 
 
+# ---- thread pool ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 4])
+def test_thread_pool_runs_every_index_once_per_job(n_threads: int) -> None:
+    assert core.thread_pool_check(n_threads, 2000) == [2000] * n_threads
+
+
+@pytest.mark.parametrize("fail_ith", [0, 1, 3])
+def test_thread_pool_rethrows_errors_of_any_thread(fail_ith: int) -> None:
+    with pytest.raises(KvcmasError, match=f"failed in thread {fail_ith}"):
+        core.thread_pool_check(4, 50, fail_ith)
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 #include <time.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <vector>
@@ -141,9 +142,36 @@ std::pair<double, double> py_matmul_bench(uint32_t type_id, const std::vector<nb
     return { best, best_cpu };
 }
 
+// Thread-pool check for tests: runs `rounds` jobs on one pool of n_threads; each job records how often every ith
+// ran, and the thread with ith == fail_ith (if any) throws kvcmas::Error in the last round. Returns the counts.
+std::vector<int> py_thread_pool_check(int n_threads, int rounds, int fail_ith) {
+    std::vector<int> counts;
+    {
+        nb::gil_scoped_release release;
+        cpu::ThreadPool        pool(n_threads);
+        counts.assign(static_cast<size_t>(pool.size()), 0);
+        std::vector<std::atomic<int>> calls(static_cast<size_t>(pool.size()));
+        for (int r = 0; r < rounds; ++r) {
+            const bool last = r == rounds - 1;
+            pool.run([&](int ith, int nth) {
+                KC_CHECK(nth == pool.size(), "thread pool: nth %d != size %d", nth, pool.size());
+                calls[static_cast<size_t>(ith)].fetch_add(1);
+                KC_CHECK(!(last && ith == fail_ith), "thread pool: job failed in thread %d", ith);
+            });
+        }
+        for (size_t i = 0; i < counts.size(); ++i) {
+            counts[i] = calls[i].load();
+        }
+    }
+    return counts;
+}
+
 }  // namespace
 
 void bind_kernels(nb::module_ & m) {
+    m.def("thread_pool_check", &py_thread_pool_check, nb::arg("n_threads"), nb::arg("rounds"), nb::arg("fail_ith") = -1,
+          "Runs `rounds` jobs on a pool and returns how often each thread index ran (tests); with fail_ith, that "
+          "thread throws in the last round and the error surfaces here.");
     m.def("dequantize", &py_dequantize, nb::arg("type_id"), nb::arg("data"), nb::arg("n"),
           "Dequantizes n elements of GGUF type `type_id` (raw bytes, whole blocks) to a float32 array.");
     m.def("matmul", &py_matmul, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"), nb::arg("n_out"), nb::arg("x"),
