@@ -14,7 +14,7 @@ import io
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +52,28 @@ def default_model_path() -> Path:
     return path
 
 
+class _ReferenceModels(Mapping[str, Path]):
+    """Re-exports of the default model by type name; each file is written the first time it is looked up."""
+
+    def __init__(self, src: Path) -> None:
+        self._src = src
+
+    def __getitem__(self, type_name: str) -> Path:
+        if type_name not in mtm.REFERENCE_TYPES:
+            raise KeyError(type_name)
+        return mtm.ensure_reference_models(types=[type_name], src=self._src)[type_name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(mtm.REFERENCE_TYPES)
+
+    def __len__(self) -> int:
+        return len(mtm.REFERENCE_TYPES)
+
+
 @pytest.fixture(scope="session")
-def reference_models(default_model_path: Path) -> dict[str, Path]:
-    """Re-exports of the default model by weight type name (F32, F16, BF16, Q8_0); written on first use."""
-    return mtm.ensure_reference_models(src=default_model_path)
+def reference_models(default_model_path: Path) -> Mapping[str, Path]:
+    """Re-exports of the default model by weight type name (F32, F16, BF16, Q8_0); each written on first use."""
+    return _ReferenceModels(default_model_path)
 
 
 @pytest.fixture(scope="session")
