@@ -1,0 +1,358 @@
+"""Tokenizer export: Hugging Face tokenizer files to the standard GGUF ``tokenizer.*`` keys.
+
+Sources, in order of preference:
+
+* ``tokenizer.json`` with a byte-level BPE model -> ``tokenizer.ggml.model = "gpt2"``: tokens by id, merges, token
+  types (added special tokens CONTROL, other added tokens USER_DEFINED) and ``tokenizer.ggml.pre``, the name of the
+  pre-tokenizer, recognised from the pre-tokenizer description (``--vocab-pre`` overrides it).
+* ``tokenizer.model`` (SentencePiece) -> ``tokenizer.ggml.model = "llama"``: pieces, scores and types read from the
+  protobuf directly (the wire format is simple; no protobuf package needed), ``add_space_prefix`` from its
+  normalizer spec.
+
+Special token ids come from ``tokenizer_config.json`` (falling back to ``config.json``), ``add_bos``/``add_eos``
+from the tokenizer's post-processor (or ``tokenizer_config.json``), and the chat template from
+``tokenizer_config.json``, ``chat_template.jinja`` or ``chat_template.json``. The vocabulary is padded to
+``config.json``'s ``vocab_size`` with UNUSED ``[PAD<i>]`` tokens, as the embedding matrix has that many rows.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import constants as C
+from .constants import TokenType
+from .errors import ConvertError
+
+# Pre-tokenizer regexes as Hugging Face tokenizer.json files spell them, and llama.cpp's name for each.
+_HF_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_HF_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_PRE_NAMES = {_HF_LLAMA3_REGEX: "llama-bpe", _HF_QWEN2_REGEX: "qwen2"}
+
+
+@dataclass
+class VocabExport:
+    """The tokenizer keys to write, as (key, value) pairs with Python values (typed when written)."""
+
+    source: Path
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.values[C.KEY_TOKENS])
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable: {e}") from e
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _chat_template(model_dir: Path, tok_config: dict[str, Any]) -> str | None:
+    template = tok_config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        try:
+            template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{model_dir / 'chat_template.jinja'}: unreadable: {e}") from e
+    if template is None and (model_dir / "chat_template.json").is_file():
+        template = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: take "default", else the first
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise ConvertError(f"{model_dir}: the chat template must be a string")
+    return template
+
+
+def _pre_name(pre_tokenizer: Any, path: Path) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` name for a tokenizer.json pre-tokenizer description."""
+
+    def flatten(node: Any) -> list[dict[str, Any]]:
+        if not isinstance(node, dict):
+            return []
+        if node.get("type") == "Sequence":
+            return [leaf for child in node.get("pretokenizers", []) for leaf in flatten(child)]
+        return [node]
+
+    parts = flatten(pre_tokenizer)
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "starcoder"
+    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
+        pattern = parts[0].get("pattern", {})
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if regex in _REGEX_PRE_NAMES:
+            return _REGEX_PRE_NAMES[regex]
+    raise ConvertError(f"{path}: pre-tokenizer {json.dumps(pre_tokenizer)[:200]} is not recognised; pass "
+                       f"--vocab-pre NAME (a llama.cpp pre-tokenizer name such as gpt-2, llama-bpe, qwen2, starcoder)")
+
+
+def _special_flags(post: Any, bos_id: int | None, eos_id: int | None) -> tuple[bool | None, bool | None]:
+    """add_bos / add_eos from a TemplateProcessing post-processor (None when there is none to read)."""
+    if not isinstance(post, dict):
+        return None, None
+    if post.get("type") == "Sequence":
+        for child in post.get("processors", []):
+            flags = _special_flags(child, bos_id, eos_id)
+            if flags != (None, None):
+                return flags
+        return None, None
+    if post.get("type") != "TemplateProcessing":
+        return (False, False) if post.get("type") == "ByteLevel" else (None, None)
+    single = post.get("single", [])
+    specials = post.get("special_tokens", {})
+
+    def special_id(item: Any) -> int | None:
+        if not isinstance(item, dict) or "SpecialToken" not in item:
+            return None
+        ids = specials.get(item["SpecialToken"].get("id"), {}).get("ids", [])
+        return ids[0] if ids else None
+
+    add_bos = bool(single) and bos_id is not None and special_id(single[0]) == bos_id
+    add_eos = bool(single) and eos_id is not None and special_id(single[-1]) == eos_id
+    return add_bos, add_eos
+
+
+def _pad(tokens: list[str | None], types: list[int], n_vocab: int, path: Path) -> list[str]:
+    if len(tokens) > n_vocab:
+        raise ConvertError(f"{path}: the tokenizer has {len(tokens)} tokens, more than config.json's vocab_size "
+                           f"{n_vocab}")
+    out: list[str] = []
+    for i in range(n_vocab):
+        text = tokens[i] if i < len(tokens) else None
+        if text is None:
+            text = f"[PAD{i}]"
+            if i < len(types):
+                types[i] = TokenType.UNUSED
+            else:
+                types.append(TokenType.UNUSED)
+        out.append(text)
+    return out
+
+
+def _from_tokenizer_json(path: Path, n_vocab: int, pre_override: str | None) -> tuple[dict[str, Any], dict[str, int]]:
+    data = _read_json(path)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise ConvertError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE only; SentencePiece "
+                           f"vocabularies are read from tokenizer.model)")
+    if model.get("byte_fallback"):
+        raise ConvertError(f"{path}: a SentencePiece-style BPE (byte_fallback) needs its tokenizer.model file")
+    tokens: list[str | None] = [None] * n_vocab
+    types = [TokenType.NORMAL] * n_vocab
+    ids: dict[str, int] = {}
+    for text, i in model["vocab"].items():
+        if not isinstance(i, int) or not 0 <= i < n_vocab:
+            raise ConvertError(f"{path}: token {text!r} has id {i!r} outside [0, vocab_size {n_vocab})")
+        tokens[i], ids[text] = text, i
+    for added in data.get("added_tokens") or []:
+        i, text = added.get("id"), added.get("content")
+        if not isinstance(i, int) or not 0 <= i < n_vocab or not isinstance(text, str):
+            raise ConvertError(f"{path}: added token {added!r} is malformed or outside vocab_size {n_vocab}")
+        tokens[i], ids[text] = text, i
+        types[i] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+    merges = []
+    for m in model.get("merges") or []:
+        merges.append(m if isinstance(m, str) else " ".join(m))
+    values: dict[str, Any] = {
+        C.KEY_TOKENIZER_MODEL: C.TOKENIZER_MODEL_BPE,
+        C.KEY_TOKENIZER_PRE: pre_override or _pre_name(data.get("pre_tokenizer"), path),
+        C.KEY_TOKENS: _pad(tokens, types, n_vocab, path),
+        C.KEY_TOKEN_TYPE: types,
+        C.KEY_MERGES: merges,
+        "_post_processor": data.get("post_processor"),
+    }
+    return values, ids
+
+
+# --- SentencePiece model (protobuf wire format) ---------------------------------------------------------------------
+
+
+def _proto_fields(buf: bytes, path: Path) -> list[tuple[int, int, Any]]:
+    """(field number, wire type, value) of one protobuf message; bytes for length-delimited fields."""
+    out: list[tuple[int, int, Any]] = []
+    pos, n = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal pos
+        result = shift = 0
+        while True:
+            if pos >= n or shift > 63:
+                raise ConvertError(f"{path}: truncated or malformed SentencePiece model")
+            b = buf[pos]
+            pos += 1
+            result |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return result
+
+    while pos < n:
+        tag = varint()
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value: Any = varint()
+        elif wire == 1:
+            value, pos = buf[pos : pos + 8], pos + 8
+        elif wire == 2:
+            length = varint()
+            value, pos = buf[pos : pos + length], pos + length
+        elif wire == 5:
+            value, pos = buf[pos : pos + 4], pos + 4
+        else:
+            raise ConvertError(f"{path}: malformed SentencePiece model (wire type {wire})")
+        if pos > n:
+            raise ConvertError(f"{path}: truncated SentencePiece model")
+        out.append((number, wire, value))
+    return out
+
+
+def read_sentencepiece(path: Path) -> tuple[list[str], list[float], list[int], bool, int]:
+    """Pieces, scores, types, add_dummy_prefix and model type (1 unigram, 2 BPE) of a SentencePiece model file."""
+    try:
+        buf = path.read_bytes()
+    except OSError as e:
+        raise ConvertError(f"{path}: unreadable: {e}") from e
+    pieces: list[str] = []
+    scores: list[float] = []
+    types: list[int] = []
+    add_dummy_prefix, model_type = True, 1  # protobuf defaults of NormalizerSpec / TrainerSpec
+    for number, wire, value in _proto_fields(buf, path):
+        if number == 1 and wire == 2:  # repeated SentencePiece { piece = 1; score = 2; type = 3 }
+            piece, score, kind = "", 0.0, TokenType.NORMAL
+            for f, w, v in _proto_fields(value, path):
+                if f == 1 and w == 2:
+                    try:
+                        piece = v.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise ConvertError(f"{path}: piece {len(pieces)} is not UTF-8") from e
+                elif f == 2 and w == 5:
+                    (score,) = struct.unpack("<f", v)
+                elif f == 3 and w == 0:
+                    kind = v
+            pieces.append(piece)
+            scores.append(score)
+            types.append(kind)
+        elif number == 2 and wire == 2:  # TrainerSpec { model_type = 3 }
+            for f, w, v in _proto_fields(value, path):
+                if f == 3 and w == 0:
+                    model_type = v
+        elif number == 3 and wire == 2:  # NormalizerSpec { add_dummy_prefix = 3 }
+            for f, w, v in _proto_fields(value, path):
+                if f == 3 and w == 0:
+                    add_dummy_prefix = bool(v)
+    if not pieces:
+        raise ConvertError(f"{path}: not a SentencePiece model (no pieces)")
+    return pieces, scores, types, add_dummy_prefix, model_type
+
+
+def _from_sentencepiece(path: Path, n_vocab: int, tok_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    pieces, scores, types, add_dummy_prefix, model_type = read_sentencepiece(path)
+    if model_type != 2:
+        raise ConvertError(f"{path}: SentencePiece model type {model_type} is not supported (BPE only)")
+    tokens: list[str | None] = list(pieces)
+    all_scores = list(scores)
+    ids = {p: i for i, p in enumerate(pieces)}
+    # Tokens added on top of the SentencePiece model (tokenizer_config.json's added_tokens_decoder).
+    added = tok_config.get("added_tokens_decoder") or {}
+    for key, info in added.items():
+        i, text = int(key), _token_text(info)
+        if text is None or not 0 <= i < n_vocab:
+            raise ConvertError(f"{path.parent / 'tokenizer_config.json'}: added token {key} is malformed")
+        if i < len(pieces):
+            continue
+        while len(tokens) <= i:
+            tokens.append(None)
+            types.append(TokenType.UNUSED)
+            all_scores.append(-1000.0)
+        tokens[i], ids[text] = text, i
+        types[i] = TokenType.CONTROL if isinstance(info, dict) and info.get("special") else TokenType.USER_DEFINED
+    padded = _pad(tokens, types, n_vocab, path)
+    all_scores += [-1000.0] * (n_vocab - len(all_scores))
+    values: dict[str, Any] = {
+        C.KEY_TOKENIZER_MODEL: C.TOKENIZER_MODEL_SPM,
+        C.KEY_TOKENIZER_PRE: "default",
+        C.KEY_TOKENS: padded,
+        C.KEY_SCORES: all_scores,
+        C.KEY_TOKEN_TYPE: types,
+        C.KEY_ADD_SPACE_PREFIX: add_dummy_prefix,
+    }
+    unk = [i for i, t in enumerate(types) if t == TokenType.UNKNOWN]
+    if unk:
+        values[C.KEY_UNK_ID] = unk[0]
+    return values, ids
+
+
+def export_vocab(model_dir: Path, n_vocab: int, config: dict[str, Any], pre_override: str | None = None) -> VocabExport:
+    """Reads the tokenizer files of a checkpoint folder into GGUF tokenizer keys."""
+    tok_config_path = model_dir / "tokenizer_config.json"
+    tok_config = _read_json(tok_config_path) if tok_config_path.is_file() else {}
+    if not isinstance(tok_config, dict):
+        raise ConvertError(f"{tok_config_path}: expected a JSON object")
+    tj, spm = model_dir / "tokenizer.json", model_dir / "tokenizer.model"
+    use_spm = spm.is_file() and (not tj.is_file() or _is_spm_style(tj))
+    if use_spm:
+        values, ids = _from_sentencepiece(spm, n_vocab, tok_config)
+        source = spm
+    elif tj.is_file():
+        values, ids = _from_tokenizer_json(tj, n_vocab, pre_override)
+        source = tj
+    else:
+        raise ConvertError(f"{model_dir}: no tokenizer.json or tokenizer.model (pass --no-vocab to convert without "
+                           f"a tokenizer)")
+    post = values.pop("_post_processor", None)
+
+    def special(name: str, config_key: str) -> int | None:
+        text = _token_text(tok_config.get(name))
+        if text is not None:
+            if text not in ids:
+                raise ConvertError(f"{tok_config_path}: {name} {text!r} is not in the vocabulary")
+            return ids[text]
+        value = config.get(config_key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return value if isinstance(value, int) and 0 <= value < n_vocab else None
+
+    bos, eos = special("bos_token", "bos_token_id"), special("eos_token", "eos_token_id")
+    for key, token_id in ((C.KEY_BOS_ID, bos), (C.KEY_EOS_ID, eos), (C.KEY_UNK_ID, special("unk_token", "")),
+                          (C.KEY_PAD_ID, special("pad_token", "pad_token_id"))):  # fmt: skip
+        if token_id is not None:
+            values[key] = token_id
+    add_bos, add_eos = _special_flags(post, bos, eos)
+    if add_bos is None:
+        add_bos = bool(tok_config.get("add_bos_token", use_spm and bos is not None))
+    if add_eos is None:
+        add_eos = bool(tok_config.get("add_eos_token", False))
+    values[C.KEY_ADD_BOS] = bool(add_bos and bos is not None)
+    values[C.KEY_ADD_EOS] = bool(add_eos and eos is not None)
+    template = _chat_template(model_dir, tok_config)
+    if template is not None:
+        values[C.KEY_CHAT_TEMPLATE] = template
+    return VocabExport(source, values)
+
+
+def _is_spm_style(tokenizer_json: Path) -> bool:
+    """True when tokenizer.json is a SentencePiece conversion (byte fallback), so tokenizer.model is the source."""
+    data = _read_json(tokenizer_json)
+    model = data.get("model") if isinstance(data, dict) else None
+    return isinstance(model, dict) and bool(model.get("byte_fallback") or model.get("type") == "Unigram")
