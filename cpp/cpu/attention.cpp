@@ -11,7 +11,7 @@ void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * 
 #endif
 
 int64_t attention_scratch_floats(const AttentionShape & shape, int64_t n_visible) {
-    return static_cast<int64_t>(shape.n_head) * shape.head_dim + n_visible;
+    return static_cast<int64_t>(shape.n_head) * shape.head_dim + n_visible + 8;  // +8: vector tails
 }
 
 void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
