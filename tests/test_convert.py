@@ -258,6 +258,17 @@ def test_logits_match_transformers(checkpoints: dict[str, Path], tmp_path: Path,
         assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_pytorch_bin_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A pytorch_model.bin checkpoint (read with torch) converts to the same GGUF as its safetensors twin."""
+    folder = _copy(checkpoints["qwen2-f32-tied"], tmp_path / "bin")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    kc.convert(folder, tmp_path / "bin.gguf", outtype="f16", name="m", progress=False)
+    kc.convert(checkpoints["qwen2-f32-tied"], tmp_path / "st.gguf", outtype="f16", name="m", progress=False)
+    assert (tmp_path / "bin.gguf").read_bytes() == (tmp_path / "st.gguf").read_bytes()
+
+
 @pytest.mark.parametrize("outtype", list(WEIGHT_TOLERANCE))
 def test_weights_round_trip(checkpoints: dict[str, Path], tmp_path: Path, outtype: str) -> None:
     """Each GGUF tensor, dequantised by gguf-py and un-permuted, equals its checkpoint tensor within its type's
@@ -447,6 +458,24 @@ def test_kvcmas_keys_written_read_and_updated(checkpoints: dict[str, Path], tmp_
     assert convert_main(["gguf", "show", str(out)]) == 0
     shown = capsys.readouterr().out
     assert "kvcmas.rank_k" in shown and "blk.1.ffn_down.weight" in shown and "tokenizer.ggml.tokens" in shown
+
+
+def test_add_subcommands_on_another_cli(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """What kvcmas_cpp.cli does: register convert / gguf on its own parser and dispatch through ``func``."""
+    import argparse
+
+    from kvcmas_convert.cli import add_subcommands
+
+    parser = argparse.ArgumentParser(prog="kvcmas")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "c.gguf"
+    args = parser.parse_args(["convert", str(checkpoints["llama-f32"]), "-o", str(out), "--outtype", "q4_0",
+                              "--no-progress", "--kvcmas-first-layer", "3"])
+    assert args.func(args) == 0
+    args = parser.parse_args(["gguf", "set", str(out), "anchor_window=7"])
+    assert args.func(args) == 0
+    settings = kc.kvcmas_settings(kvcmas_cpp.Model(out, n_threads=1).metadata)
+    assert (settings["first_layer"], settings["anchor_window"]) == (3, 7)
 
 
 def test_dry_run_and_module_entry_point(checkpoints: dict[str, Path], tmp_path: Path) -> None:
