@@ -79,9 +79,11 @@ def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int) -> tupl
     t0 = time.perf_counter()
     llm.eval(ids)
     t1 = time.perf_counter()
+    n_vocab = llm.n_vocab()
     for _ in range(gen):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        llm.eval([token])
+        # eval() keeps no logits unless logits_all: read the last row from the context, as a sampler would.
+        last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+        llm.eval([int(np.argmax(last))])
     t2 = time.perf_counter()
     return prompt / (t1 - t0), gen / (t2 - t1) if gen else 0.0
 
