@@ -37,6 +37,7 @@ if importlib.util.find_spec("kvcmas_convert") is None:
 import kvcmas_convert as kc  # noqa: E402
 from kvcmas_convert import constants as C  # noqa: E402
 from kvcmas_convert.cli import main as convert_main  # noqa: E402
+from kvcmas_convert.vocab import export_vocab  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -378,6 +379,18 @@ def test_bpe_tokenizer_round_trip(checkpoints: dict[str, Path], tmp_path: Path, 
     model = kvcmas_cpp.Model(out, n_threads=1)
     assert model.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False,
                                                                          add_generation_prompt=True)
+
+
+def test_real_vocabulary_matches_llama_cpp_converter(default_model_path: Path, tmp_path: Path) -> None:
+    """SmolLM2's 49k vocabulary: GGUF (written by llama.cpp's converter) -> transformers -> save_pretrained -> our
+    export gives back the same tokens, types, merges, special ids and chat template."""
+    hf = transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name)
+    hf.save_pretrained(tmp_path)
+    original = core.GgufFile(str(default_model_path)).metadata()
+    exported = export_vocab(tmp_path, len(original[C.KEY_TOKENS]), {}).values
+    for key in (C.KEY_TOKENIZER_MODEL, C.KEY_TOKENS, C.KEY_TOKEN_TYPE, C.KEY_MERGES, C.KEY_BOS_ID, C.KEY_EOS_ID,
+                C.KEY_PAD_ID, C.KEY_ADD_BOS, C.KEY_CHAT_TEMPLATE):  # fmt: skip
+        assert exported.get(key) == original.get(key), key
 
 
 def test_sentencepiece_round_trip(checkpoints: dict[str, Path], tmp_path: Path) -> None:
