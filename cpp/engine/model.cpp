@@ -8,8 +8,11 @@
 
 #include "common/error.h"
 #include "cpu/quants.h"
+#include "engine/gguf-names.h"
 
 namespace kvcmas {
+
+namespace names = gguf_names;
 
 static int default_threads(int n_threads) {
     if (n_threads > 0) {
@@ -39,18 +42,18 @@ Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budge
 
 void Model::load_params() {
     const gguf::GgufFile & f = *file_;
-    p_.arch                  = f.get_string("general.architecture");
-    KC_CHECK(p_.arch == "llama" || p_.arch == "qwen2",
+    p_.arch                  = f.get_string(names::kKeyArchitecture);
+    KC_CHECK(p_.arch == names::kArchLlama || p_.arch == names::kArchQwen2,
              "%s: unsupported architecture '%s' (kvcmas runs llama and qwen2)", f.path().c_str(), p_.arch.c_str());
     const std::string a = p_.arch + ".";
-    p_.n_embd           = f.get_int(a + "embedding_length");
-    p_.n_layer          = f.get_int(a + "block_count");
-    p_.n_ff             = f.get_int(a + "feed_forward_length");
-    p_.n_head           = f.get_int(a + "attention.head_count");
-    p_.n_head_kv        = f.get_int(a + "attention.head_count_kv", p_.n_head);
-    p_.n_ctx_train      = f.get_int(a + "context_length", 0);
-    p_.rms_eps          = static_cast<float>(f.get_float(a + "attention.layer_norm_rms_epsilon"));
-    p_.rope_base        = f.get_float(a + "rope.freq_base", 10000.0);
+    p_.n_embd           = f.get_int(a + names::kArchKeyEmbeddingLength);
+    p_.n_layer          = f.get_int(a + names::kArchKeyBlockCount);
+    p_.n_ff             = f.get_int(a + names::kArchKeyFeedForwardLength);
+    p_.n_head           = f.get_int(a + names::kArchKeyHeadCount);
+    p_.n_head_kv        = f.get_int(a + names::kArchKeyHeadCountKv, p_.n_head);
+    p_.n_ctx_train      = f.get_int(a + names::kArchKeyContextLength, 0);
+    p_.rms_eps          = static_cast<float>(f.get_float(a + names::kArchKeyRmsEps));
+    p_.rope_base        = f.get_float(a + names::kArchKeyRopeFreqBase, 10000.0);
     const char * path   = f.path().c_str();
     KC_CHECK(p_.n_embd > 0 && p_.n_embd <= (1 << 16), "%s: embedding_length %lld out of range", path,
              static_cast<long long>(p_.n_embd));
@@ -61,11 +64,11 @@ void Model::load_params() {
     KC_CHECK(p_.n_head > 0 && p_.n_head <= 1024 && p_.n_head_kv > 0 && p_.n_head % p_.n_head_kv == 0,
              "%s: head_count %lld / head_count_kv %lld are not a valid grouping", path,
              static_cast<long long>(p_.n_head), static_cast<long long>(p_.n_head_kv));
-    p_.head_dim = f.get_int(a + "attention.key_length", p_.n_embd / p_.n_head);
-    KC_CHECK(p_.head_dim > 0 && p_.head_dim <= 1024 && f.get_int(a + "attention.value_length", p_.head_dim) == p_.head_dim,
+    p_.head_dim = f.get_int(a + names::kArchKeyKeyLength, p_.n_embd / p_.n_head);
+    KC_CHECK(p_.head_dim > 0 && p_.head_dim <= 1024 && f.get_int(a + names::kArchKeyValueLength, p_.head_dim) == p_.head_dim,
              "%s: head size %lld unsupported (keys and values must share it)", path,
              static_cast<long long>(p_.head_dim));
-    p_.n_rot = f.get_int(a + "rope.dimension_count", p_.head_dim);
+    p_.n_rot = f.get_int(a + names::kArchKeyRopeDimensionCount, p_.head_dim);
     KC_CHECK(p_.n_rot > 0 && p_.n_rot <= p_.head_dim && p_.n_rot % 2 == 0,
              "%s: rope.dimension_count %lld must be even and at most the head size %lld", path,
              static_cast<long long>(p_.n_rot), static_cast<long long>(p_.head_dim));
@@ -73,10 +76,10 @@ void Model::load_params() {
              "%s: layer_norm_rms_epsilon %g out of range", path, static_cast<double>(p_.rms_eps));
     KC_CHECK(std::isfinite(p_.rope_base) && p_.rope_base > 1.0, "%s: rope.freq_base %g out of range", path,
              p_.rope_base);
-    if (const gguf::Value * st = f.find(a + "rope.scaling.type")) {
+    if (const gguf::Value * st = f.find(a + names::kArchKeyRopeScalingType)) {
         const std::string type = st->type == gguf::ValueType::STRING ? st->str : std::string("?");
         if (type == "linear") {
-            const double factor = f.get_float(a + "rope.scaling.factor");
+            const double factor = f.get_float(a + names::kArchKeyRopeScalingFactor);
             KC_CHECK(std::isfinite(factor) && factor > 0.0, "%s: rope.scaling.factor %g out of range", path, factor);
             p_.rope_scale = 1.0 / factor;
         } else {
@@ -85,19 +88,19 @@ void Model::load_params() {
                      type.c_str());
         }
     }
-    p_.rope_neox    = p_.arch == "qwen2";
-    p_.has_qkv_bias = p_.arch == "qwen2";
-    const gguf::TensorInfo * emb = f.find_tensor("token_embd.weight");
-    KC_CHECK(emb != nullptr, "%s: tensor 'token_embd.weight' is missing", path);
-    KC_CHECK(emb->ne.size() == 2 && emb->ne[0] == p_.n_embd, "%s: tensor 'token_embd.weight' has the wrong shape",
-             path);
+    p_.rope_neox    = p_.arch == names::kArchQwen2;
+    p_.has_qkv_bias = p_.arch == names::kArchQwen2;
+    const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
+    KC_CHECK(emb != nullptr, "%s: tensor '%s' is missing", path, names::kTensorTokenEmbd);
+    KC_CHECK(emb->ne.size() == 2 && emb->ne[0] == p_.n_embd, "%s: tensor '%s' has the wrong shape", path,
+             names::kTensorTokenEmbd);
     p_.n_vocab = emb->ne[1];
-    p_.tied_output = f.find_tensor("output.weight") == nullptr;
+    p_.tied_output = f.find_tensor(names::kTensorOutput) == nullptr;
 
     rope_.n_rot = static_cast<int>(p_.n_rot);
     rope_.neox  = p_.rope_neox;
     rope_.inv_freq.resize(static_cast<size_t>(p_.n_rot / 2));
-    const std::vector<float> factors = vector_f32("rope_freqs.weight", p_.n_rot / 2, false);
+    const std::vector<float> factors = vector_f32(names::kTensorRopeFreqs, p_.n_rot / 2, false);
     for (int64_t j = 0; j < p_.n_rot / 2; ++j) {
         double inv = std::pow(p_.rope_base, -2.0 * static_cast<double>(j) / static_cast<double>(p_.n_rot));
         if (!factors.empty()) {
@@ -139,25 +142,25 @@ std::vector<float> Model::vector_f32(const std::string & name, int64_t n, bool r
 
 void Model::load_weights() {
     const int64_t E = p_.n_embd, qd = p_.n_head * p_.head_dim, kd = p_.n_head_kv * p_.head_dim;
-    tok_embd_       = weight("token_embd.weight", E, p_.n_vocab);
-    output_         = p_.tied_output ? tok_embd_ : weight("output.weight", E, p_.n_vocab);
-    output_norm_    = vector_f32("output_norm.weight", E, true);
+    tok_embd_       = weight(names::kTensorTokenEmbd, E, p_.n_vocab);
+    output_         = p_.tied_output ? tok_embd_ : weight(names::kTensorOutput, E, p_.n_vocab);
+    output_norm_    = vector_f32(names::kTensorOutputNorm, E, true);
     layers_.resize(static_cast<size_t>(p_.n_layer));
     for (int64_t il = 0; il < p_.n_layer; ++il) {
         Layer &           L  = layers_[static_cast<size_t>(il)];
-        const std::string bl = "blk." + std::to_string(il) + ".";
-        L.attn_norm          = vector_f32(bl + "attn_norm.weight", E, true);
-        L.ffn_norm           = vector_f32(bl + "ffn_norm.weight", E, true);
-        L.wq                 = weight(bl + "attn_q.weight", E, qd);
-        L.wk                 = weight(bl + "attn_k.weight", E, kd);
-        L.wv                 = weight(bl + "attn_v.weight", E, kd);
-        L.wo                 = weight(bl + "attn_output.weight", qd, E);
-        L.w_gate             = weight(bl + "ffn_gate.weight", E, p_.n_ff);
-        L.w_up               = weight(bl + "ffn_up.weight", E, p_.n_ff);
-        L.w_down             = weight(bl + "ffn_down.weight", p_.n_ff, E);
-        L.bq                 = vector_f32(bl + "attn_q.bias", qd, p_.has_qkv_bias);
-        L.bk                 = vector_f32(bl + "attn_k.bias", kd, p_.has_qkv_bias);
-        L.bv                 = vector_f32(bl + "attn_v.bias", kd, p_.has_qkv_bias);
+        const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
+        L.attn_norm          = vector_f32(bl + names::kBlkAttnNorm, E, true);
+        L.ffn_norm           = vector_f32(bl + names::kBlkFfnNorm, E, true);
+        L.wq                 = weight(bl + names::kBlkAttnQ, E, qd);
+        L.wk                 = weight(bl + names::kBlkAttnK, E, kd);
+        L.wv                 = weight(bl + names::kBlkAttnV, E, kd);
+        L.wo                 = weight(bl + names::kBlkAttnOutput, qd, E);
+        L.w_gate             = weight(bl + names::kBlkFfnGate, E, p_.n_ff);
+        L.w_up               = weight(bl + names::kBlkFfnUp, E, p_.n_ff);
+        L.w_down             = weight(bl + names::kBlkFfnDown, p_.n_ff, E);
+        L.bq                 = vector_f32(bl + names::kBlkAttnQBias, qd, p_.has_qkv_bias);
+        L.bk                 = vector_f32(bl + names::kBlkAttnKBias, kd, p_.has_qkv_bias);
+        L.bv                 = vector_f32(bl + names::kBlkAttnVBias, kd, p_.has_qkv_bias);
     }
 }
 

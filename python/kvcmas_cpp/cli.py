@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     pc = bench_sub.add_parser("core", help="prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)")
     add_core_arguments(pc)
     pc.set_defaults(func=cmd_bench)
+
+    from kvcmas_convert.cli import add_subcommands  # `convert` and `gguf show|set`
+
+    add_subcommands(sub)
     return parser
 
 
