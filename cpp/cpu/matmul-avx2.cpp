@@ -1,16 +1,14 @@
 // AVX2 + FMA + F16C matrix-product kernels (compiled with -mavx2 -mfma -mf16c; called only after the run-time
-// check): 8-bit activation quantization, decode dot products straight from the stored blocks (integer products
-// via maddubs / madd, as llama.cpp does), and the f32 register-blocked tile kernel of the prefill path.
+// check): decode dot products of f32 activations straight from the stored blocks, and the f32 register-blocked tile
+// kernel of the prefill path.
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstdlib>
-#include <new>
 #include <cstring>
+#include <new>
+#include <type_traits>
 
 #include "cpu/matmul-impl.h"
-
-
 
 namespace kvcmas::cpu::detail {
 namespace {
@@ -24,139 +22,30 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s         = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s         = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 inline __m256i loadu256(const void * p) { return _mm256_loadu_si256(static_cast<const __m256i *>(p)); }
 
-// Σ over pairs of u8 × s8 -> 8 int32 lanes (no saturation for |u| < 128 or u·s pair sums below 2^15).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
+// ---- decode dot products: one weight row × NT f32 activation rows ---------------------------------------------------
+// Quantized rows: each 32-element (sub-)block is unpacked to 4 × 8 f32 lanes of its integer quants (offsets such as
+// Q4_0's -8 applied in the integer domain, so the lanes hold the exact values), dotted with x in f32, and the block
+// sum is scaled by the block's f32 scale; a per-block min m adds m·Σx with Σx from DecodeActs::block_sums. This is
+// dequantize(w)·x up to the order of the f32 additions.
 
-inline __m256i unpack_nibbles_32(const uint8_t * qs) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-}
-
-inline __m256i expand_bits_32(const uint8_t * qh_bytes) {
-    uint32_t qh;
-    std::memcpy(&qh, qh_bytes, 4);
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
-    __m256i       v    = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), shuf);
-    const __m256i bit  = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-    v                  = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
-}
-
-// ---- activation quantization --------------------------------------------------------------------------------------
-
-// Rounds 32 floats (4 vectors, already scaled) to nearest-even int8, in element order.
-inline __m256i round_pack_32(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-    const __m256i i0 = _mm256_cvtps_epi32(v0), i1 = _mm256_cvtps_epi32(v1);
-    const __m256i i2 = _mm256_cvtps_epi32(v2), i3 = _mm256_cvtps_epi32(v3);
-    const __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
-    const __m256i p   = _mm256_packs_epi16(p01, p23);
-    // pack works per 128-bit lane: fix the order of the 32-bit groups
-    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-inline float amax_32(const float * x, __m256 v[4]) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256       m    = _mm256_setzero_ps();
-    for (int p = 0; p < 4; ++p) {
-        v[p] = _mm256_loadu_ps(x + 8 * p);
-        m    = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[p]));
-    }
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    s        = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s        = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// Sums of the int8 values in each 16-byte half of q (as two int32s).
-inline void sum_halves_i8(__m256i q, int & lo, int & hi) {
-    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
-    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-    __m128i       a   = _mm256_castsi256_si128(s32), b = _mm256_extracti128_si256(s32, 1);
-    a                 = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4E));
-    a                 = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xB1));
-    b                 = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0x4E));
-    b                 = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0xB1));
-    lo                = _mm_cvtsi128_si32(a);
-    hi                = _mm_cvtsi128_si32(b);
-}
-
-}  // namespace
-
-void quantize_act_q8_avx2(const float * x, void * dst, int64_t n) {
-    auto * out = static_cast<ActQ8 *>(dst);
-    for (int64_t i = 0; i < n / 32; ++i, x += 32) {
-        __m256      v[4];
-        const float amax = amax_32(x, v);
-        const float d    = amax / 127.0f;
-        const float id   = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m256 s   = _mm256_set1_ps(id);
-        const __m256i q  = round_pack_32(_mm256_mul_ps(v[0], s), _mm256_mul_ps(v[1], s), _mm256_mul_ps(v[2], s),
-                                         _mm256_mul_ps(v[3], s));
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(out[i].q), q);
-        int lo, hi;
-        sum_halves_i8(q, lo, hi);
-        out[i].d  = d;
-        out[i].ds = d * static_cast<float>(lo + hi);
-    }
-}
-
-void quantize_act_q8k_avx2(const float * x, void * dst, int64_t n) {
-    auto * out = static_cast<ActQ8K *>(dst);
-    for (int64_t i = 0; i < n / 256; ++i, x += 256) {
-        float amax = 0.0f;
-        for (int c = 0; c < 8; ++c) {
-            __m256 v[4];
-            amax = std::fmax(amax, amax_32(x + 32 * c, v));
-        }
-        const float  d  = amax / 127.0f;
-        const float  id = d != 0.0f ? 1.0f / d : 0.0f;
-        const __m256 s  = _mm256_set1_ps(id);
-        for (int c = 0; c < 8; ++c) {
-            const float * xc = x + 32 * c;
-            const __m256i q  = round_pack_32(
-                _mm256_mul_ps(_mm256_loadu_ps(xc), s), _mm256_mul_ps(_mm256_loadu_ps(xc + 8), s),
-                _mm256_mul_ps(_mm256_loadu_ps(xc + 16), s), _mm256_mul_ps(_mm256_loadu_ps(xc + 24), s));
-            _mm256_storeu_si256(reinterpret_cast<__m256i *>(out[i].q + 32 * c), q);
-            int lo, hi;
-            sum_halves_i8(q, lo, hi);
-            out[i].bsums[2 * c]     = static_cast<int16_t>(lo);
-            out[i].bsums[2 * c + 1] = static_cast<int16_t>(hi);
-        }
-        out[i].d = d;
-    }
-}
-
-namespace {
-
-// ---- decode dot products: one weight row × NT activation rows -------------------------------------------------------
-
-template <typename A, int NT>
-struct ActRows {
-    const A * a[NT];
-    ActRows(const void * act, size_t stride) {
+template <int NT>
+struct XRows {
+    const float * p[NT];
+    explicit XRows(const DecodeActs & a) {
         for (int t = 0; t < NT; ++t) {
-            a[t] = reinterpret_cast<const A *>(static_cast<const char *>(act) + t * stride);
+            p[t] = a.x + t * a.ldx;
         }
     }
 };
 
 template <int NT>
-void dot_f32(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *          w = static_cast<const float *>(w_row);
-    ActRows<float, NT>    x(act, stride);
-    constexpr int         U = NT == 1 ? 4 : 2;  // independent accumulators per token to cover FMA latency
-    __m256                acc[NT][U];
+void dot_f32(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
+    const auto *  w = static_cast<const float *>(w_row);
+    XRows<NT>     x(a);
+    constexpr int U = NT == 1 ? 4 : 2;  // independent accumulators per token to cover FMA latency
+    __m256        acc[NT][U];
     for (int t = 0; t < NT; ++t) {
         for (int u = 0; u < U; ++u) {
             acc[t][u] = _mm256_setzero_ps();
@@ -167,14 +56,14 @@ void dot_f32(const void * w_row, const void * act, size_t stride, int64_t n, flo
         for (int u = 0; u < U; ++u) {
             const __m256 wv = _mm256_loadu_ps(w + i + 8 * u);
             for (int t = 0; t < NT; ++t) {
-                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i + 8 * u), acc[t][u]);
+                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.p[t] + i + 8 * u), acc[t][u]);
             }
         }
     }
     for (; i + 8 <= n; i += 8) {
         const __m256 wv = _mm256_loadu_ps(w + i);
         for (int t = 0; t < NT; ++t) {
-            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i), acc[t][0]);
+            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.p[t] + i), acc[t][0]);
         }
     }
     for (int t = 0; t < NT; ++t) {
@@ -183,7 +72,7 @@ void dot_f32(const void * w_row, const void * act, size_t stride, int64_t n, flo
         }
         float s = hsum(acc[t][0]);
         for (int64_t k = i; k < n; ++k) {
-            s += w[k] * x.a[t][k];
+            s += w[k] * x.p[t][k];
         }
         out[t * os] = s;
     }
@@ -197,7 +86,6 @@ inline __m256 load_bf16x8(const uint16_t * p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
-inline float f16_scalar(uint16_t h) { return _cvtsh_ss(h); }
 inline float bf16_scalar(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
     float          f;
@@ -206,11 +94,11 @@ inline float bf16_scalar(uint16_t h) {
 }
 
 template <int NT, bool BF>
-void dot_half(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *       w = static_cast<const uint16_t *>(w_row);
-    ActRows<float, NT> x(act, stride);
-    constexpr int      U = NT == 1 ? 4 : 2;
-    __m256             acc[NT][U];
+void dot_half(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
+    const auto *  w = static_cast<const uint16_t *>(w_row);
+    XRows<NT>     x(a);
+    constexpr int U = NT == 1 ? 4 : 2;
+    __m256        acc[NT][U];
     for (int t = 0; t < NT; ++t) {
         for (int u = 0; u < U; ++u) {
             acc[t][u] = _mm256_setzero_ps();
@@ -221,14 +109,14 @@ void dot_half(const void * w_row, const void * act, size_t stride, int64_t n, fl
         for (int u = 0; u < U; ++u) {
             const __m256 wv = BF ? load_bf16x8(w + i + 8 * u) : load_f16x8(w + i + 8 * u);
             for (int t = 0; t < NT; ++t) {
-                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i + 8 * u), acc[t][u]);
+                acc[t][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.p[t] + i + 8 * u), acc[t][u]);
             }
         }
     }
     for (; i + 8 <= n; i += 8) {
         const __m256 wv = BF ? load_bf16x8(w + i) : load_f16x8(w + i);
         for (int t = 0; t < NT; ++t) {
-            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.a[t] + i), acc[t][0]);
+            acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.p[t] + i), acc[t][0]);
         }
     }
     for (int t = 0; t < NT; ++t) {
@@ -237,84 +125,144 @@ void dot_half(const void * w_row, const void * act, size_t stride, int64_t n, fl
         }
         float s = hsum(acc[t][0]);
         for (int64_t k = i; k < n; ++k) {
-            s += (BF ? bf16_scalar(w[k]) : f16_scalar(w[k])) * x.a[t][k];
+            s += (BF ? bf16_scalar(w[k]) : h2f(w[k])) * x.p[t][k];
         }
         out[t * os] = s;
     }
 }
 template <int NT>
-void dot_f16(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_half<NT, false>(w, a, s, n, o, os);
+void dot_f16(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_half<NT, false>(w, a, n, o, os);
 }
 template <int NT>
-void dot_bf16(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_half<NT, true>(w, a, s, n, o, os);
+void dot_bf16(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_half<NT, true>(w, a, n, o, os);
 }
 
-// The 32-element block types. Per block: unsigned q (0..15 / 0..31; |w| with the sign moved onto the activations
-// for Q8_0) times the 8-bit activations, scaled by d_w·d_x; the weight offset (Q4_0/Q5_0: -off·d_w) or min
-// (Q4_1/Q5_1: m) times d_x·Σq_x is a scalar term. Two blocks per step with separate accumulators, so that the
-// FMA latency chains overlap.
-template <typename Block, int Kind, int Offset, bool HasHigh>
+// ---- quantized rows: unpacking ----------------------------------------------------------------------------------
+// The quants are widened straight from memory, 8 bytes to 8 dword lanes (one shuffle per 8 elements, the scarce
+// resource here); nibbles and high bits are then picked out with shifts and masks in the dword lanes, which every
+// integer pipe runs.
+
+// Bytes p[0..7] zero- / sign-extended to 8 dwords.
+inline __m256i u8x8_epi32(const uint8_t * p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+}
+inline __m256i i8x8_epi32(const int8_t * p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+}
+inline __m256 u8x8_to_ps(const uint8_t * p) { return _mm256_cvtepi32_ps(u8x8_epi32(p)); }
+
+// Bit `Bit` of every dword of v moved to bit 4 (0x10 or 0).
+template <int Bit>
+inline __m256i bit_to_0x10(__m256i v) {
+    const __m256i moved = Bit >= 4 ? _mm256_srli_epi32(v, Bit - 4) : _mm256_slli_epi32(v, 4 - Bit);
+    return _mm256_and_si256(moved, _mm256_set1_epi32(0x10));
+}
+
+// Elements 0..31 of a nibble block (element j < 16: low nibble of qs[j], j >= 16: high nibble of qs[j - 16]) as
+// dwords in element order, 8 per vector.
+inline void nibbles_epi32(const uint8_t * qs, __m256i q[4]) {
+    const __m256i lo = u8x8_epi32(qs), hi = u8x8_epi32(qs + 8), mask = _mm256_set1_epi32(0x0F);
+    q[0]             = _mm256_and_si256(lo, mask);
+    q[1]             = _mm256_and_si256(hi, mask);
+    q[2]             = _mm256_srli_epi32(lo, 4);
+    q[3]             = _mm256_srli_epi32(hi, 4);
+}
+
+// Bit j of the little-endian 32 bits at qh, for j = 8p + lane, moved to bit 4 of q[p]'s lanes and or-ed in.
+inline void or_high_bits(const uint8_t * qh, __m256i q[4]) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i b      = _mm256_set1_epi32(static_cast<int>(bits << 4));  // bit j at bit j + 4 (j < 28)
+    const __m256i b_hi   = _mm256_set1_epi32(static_cast<int>(bits >> 4));  // bit j at bit j - 4 (j >= 4)
+    const __m256i m      = _mm256_set1_epi32(0x10);
+    q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_srlv_epi32(b, shifts), m));
+    q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_srlv_epi32(b_hi, shifts), m));
+    q[2] = _mm256_or_si256(q[2], _mm256_and_si256(_mm256_srlv_epi32(b_hi, _mm256_add_epi32(shifts, _mm256_set1_epi32(8))), m));
+    q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srlv_epi32(b_hi, _mm256_add_epi32(shifts, _mm256_set1_epi32(16))), m));
+}
+
+// Integer dwords minus Offset, to f32 (exact: small integers).
+template <int Offset>
+inline __m256 epi32_to_ps_minus(__m256i q) {
+    return _mm256_cvtepi32_ps(Offset != 0 ? _mm256_sub_epi32(q, _mm256_set1_epi32(Offset)) : q);
+}
+template <int Offset>
+inline void epi32_to_ps(const __m256i q[4], __m256 f[4]) {
+    for (int p = 0; p < 4; ++p) {
+        f[p] = epi32_to_ps_minus<Offset>(q[p]);
+    }
+}
+
+// Σ_l q[l]·x[l] over 32 elements as 8 lanes, per token; x rows offset by k.
+template <int NT>
+inline void dot32(const __m256 q[4], const XRows<NT> & x, int64_t k, __m256 s[NT]) {
+    for (int t = 0; t < NT; ++t) {
+        const float * xt = x.p[t] + k;
+        const __m256  a  = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xt + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xt)));
+        const __m256  b  = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xt + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xt + 16)));
+        s[t]             = _mm256_add_ps(a, b);
+    }
+}
+
+// ---- quantized rows: the 32-element block types -------------------------------------------------------------------
+// quants() gives the 32 integer values of (w - m)/d as f32 (m = 0 without a min; offsets applied as integers).
+template <typename Block, int Offset, bool HasHigh, bool HasMin>
 struct Q32 {
-    static constexpr bool kHasOffset = Kind != 0;
-    // Kind 0: x = d·q (signed int8, Q8_0); 1: x = d·(q - Offset); 2: x = d·q + m.
-    static inline __m256i unsigned_q(const Block & b) {
-        if constexpr (Kind == 0) {
-            const __m256i w = loadu256(b.qs);
-            return _mm256_sign_epi8(w, w);
-        } else {
-            __m256i q = unpack_nibbles_32(b.qs);
-            if constexpr (HasHigh) {
-                q = _mm256_or_si256(q, expand_bits_32(b.qh));
+    static constexpr bool kHasMin = HasMin;
+    static inline void    quants(const Block & b, __m256 f[4]) {
+        if constexpr (std::is_same_v<Block, BlockQ8_0>) {
+            for (int p = 0; p < 4; ++p) {
+                f[p] = _mm256_cvtepi32_ps(i8x8_epi32(b.qs + 8 * p));
             }
-            return q;
-        }
-    }
-    static inline __m256i activations(const Block & b, const ActQ8 & a) {
-        const __m256i x = loadu256(a.q);
-        if constexpr (Kind == 0) {
-            return _mm256_sign_epi8(x, loadu256(b.qs));
         } else {
-            return x;
+            __m256i q[4];
+            nibbles_epi32(b.qs, q);
+            if constexpr (HasHigh) {
+                or_high_bits(b.qh, q);
+            }
+            epi32_to_ps<Offset>(q, f);
         }
     }
-    // dw = d in lane 0; off = the offset term's factor in lane 0 (m, or -Offset·d).
-    static inline void scales(const Block & b, __m128 & dw, __m128 & off) {
-        if constexpr (Kind == 2) {
-            uint32_t dm;  // d and m are adjacent f16s
+    // d in lane 0; the min in lane 0 of `m` (d and m are adjacent f16s, converted in one op).
+    static inline __m128 scales(const Block & b, __m128 & m) {
+        if constexpr (HasMin) {
+            uint32_t dm;
             std::memcpy(&dm, &b.d, 4);
-            dw  = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
-            off = _mm_movehdup_ps(dw);
+            const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+            m              = _mm_movehdup_ps(v);
+            return v;
         } else {
-            dw  = _mm_cvtph_ps(_mm_cvtsi32_si128(b.d));
-            off = _mm_mul_ss(dw, _mm_set_ss(-static_cast<float>(Offset)));
+            m = _mm_setzero_ps();
+            return _mm_cvtph_ps(_mm_cvtsi32_si128(b.d));
         }
     }
 };
 
+// Two blocks per step with separate accumulators (and min sums), so that the FMA latency chains overlap.
 template <typename Q, typename Block, int NT>
-void dot_q32(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *       b = static_cast<const Block *>(w_row);
-    ActRows<ActQ8, NT> x(act, stride);
-    __m256             acc[NT][2];
-    __m128             corr[NT][2];  // scalar sums in lane 0, kept in registers (explicit intrinsics)
+void dot_q32(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const Block *>(w_row);
+    XRows<NT>    x(a);
+    __m256       acc[NT][2];
+    __m128       corr[NT][2];  // Σ m·Σx in lane 0
     for (int t = 0; t < NT; ++t) {
         acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         corr[t][0] = corr[t][1] = _mm_setzero_ps();
     }
     const int64_t nb   = n / 32;
     const auto    step = [&](int64_t i, int u) {
-        const __m256i q = Q::unsigned_q(b[i]);
-        // d (and m) in vector lanes: one conversion, no round trips through scalar registers.
-        __m128 dw, off;
-        Q::scales(b[i], dw, off);
+        __m256 q[4], s[NT];
+        Q::quants(b[i], q);
+        __m128       m;
+        const __m256 d = _mm256_broadcastss_ps(Q::scales(b[i], m));
+        dot32<NT>(q, x, 32 * i, s);
         for (int t = 0; t < NT; ++t) {
-            const __m256i p     = dot_u8s8(q, Q::activations(b[i], x.a[t][i]));
-            const __m128  scale = _mm_mul_ss(dw, _mm_load_ss(&x.a[t][i].d));
-            acc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), acc[t][u]);
-            if constexpr (Q::kHasOffset) {
-                corr[t][u] = _mm_fmadd_ss(off, _mm_load_ss(&x.a[t][i].ds), corr[t][u]);
+            acc[t][u] = _mm256_fmadd_ps(s[t], d, acc[t][u]);
+            if constexpr (Q::kHasMin) {
+                corr[t][u] = _mm_fmadd_ss(m, _mm_load_ss(a.block_sums + t * a.ld_sums + i), corr[t][u]);
             }
         }
     };
@@ -332,148 +280,160 @@ void dot_q32(const void * w_row, const void * act, size_t stride, int64_t n, flo
 }
 
 template <int NT>
-void dot_q8_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q32<Q32<BlockQ8_0, 0, 0, false>, BlockQ8_0, NT>(w, a, s, n, o, os);
+void dot_q8_0(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ8_0, 0, false, false>, BlockQ8_0, NT>(w, a, n, o, os);
 }
 template <int NT>
-void dot_q4_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q32<Q32<BlockQ4_0, 1, 8, false>, BlockQ4_0, NT>(w, a, s, n, o, os);
+void dot_q4_0(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ4_0, 8, false, false>, BlockQ4_0, NT>(w, a, n, o, os);
 }
 template <int NT>
-void dot_q4_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q32<Q32<BlockQ4_1, 2, 0, false>, BlockQ4_1, NT>(w, a, s, n, o, os);
+void dot_q4_1(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ4_1, 0, false, true>, BlockQ4_1, NT>(w, a, n, o, os);
 }
 template <int NT>
-void dot_q5_0(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q32<Q32<BlockQ5_0, 1, 16, true>, BlockQ5_0, NT>(w, a, s, n, o, os);
+void dot_q5_0(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ5_0, 16, true, false>, BlockQ5_0, NT>(w, a, n, o, os);
 }
 template <int NT>
-void dot_q5_1(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_q32<Q32<BlockQ5_1, 2, 0, true>, BlockQ5_1, NT>(w, a, s, n, o, os);
+void dot_q5_1(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q32<BlockQ5_1, 0, true, true>, BlockQ5_1, NT>(w, a, n, o, os);
 }
 
-// Q4_K / Q5_K: integer sums Σ_j sc_j·(q_j·x_j) over a super-block, mins via the activation block sums.
+// ---- quantized rows: K-quants ---------------------------------------------------------------------------------------
+
+// Q4_K / Q5_K: sub-block j's dot is scaled by d·sc_j (the f32 product dequantization uses); the mins add
+// -(dmin·m_j)·Σx_j, eight sub-blocks at once in vector lanes.
+template <typename Block, bool HasHigh, int NT, int C>
+inline void k4_chunk(const Block & blk, const __m256i * qh, const float * dsc, const XRows<NT> & x, int64_t k0,
+                     __m256 acc[NT][2]) {
+    // qs[32C + l]: low nibble = sub-block 2C, high nibble = sub-block 2C + 1, element l.
+    __m256i raw[4], q[2][4];
+    for (int p = 0; p < 4; ++p) {
+        raw[p]  = u8x8_epi32(blk.qs + 32 * C + 8 * p);
+        q[0][p] = _mm256_and_si256(raw[p], _mm256_set1_epi32(0x0F));
+        q[1][p] = _mm256_srli_epi32(raw[p], 4);
+        if constexpr (HasHigh) {
+            q[0][p] = _mm256_or_si256(q[0][p], bit_to_0x10<2 * C>(qh[p]));
+            q[1][p] = _mm256_or_si256(q[1][p], bit_to_0x10<2 * C + 1>(qh[p]));
+        }
+    }
+    for (int u = 0; u < 2; ++u) {
+        __m256 f[4], s[NT];
+        epi32_to_ps<0>(q[u], f);
+        dot32<NT>(f, x, k0 + 32 * (2 * C + u), s);
+        const __m256 scale = _mm256_broadcast_ss(dsc + 2 * C + u);
+        for (int t = 0; t < NT; ++t) {
+            acc[t][u] = _mm256_fmadd_ps(s[t], scale, acc[t][u]);
+        }
+    }
+}
+
 template <typename Block, bool HasHigh, int NT>
-void dot_k4(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *        b = static_cast<const Block *>(w_row);
-    ActRows<ActQ8K, NT> x(act, stride);
-    const __m256i       mask = _mm256_set1_epi8(0x0F);
-    __m256              acc[NT];
-    float               corr[NT];
+void dot_k4(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const Block *>(w_row);
+    XRows<NT>    x(a);
+    __m256       acc[NT][2], corr[NT];
     for (int t = 0; t < NT; ++t) {
-        acc[t]  = _mm256_setzero_ps();
-        corr[t] = 0.0f;
+        acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
-        uint8_t sc[8], mn[8];
+        alignas(8) uint8_t sc[8], mn[8];
         for (int j = 0; j < 8; ++j) {
             get_scale_min_k4(j, b[i].scales, sc[j], mn[j]);
         }
-        __m256i qh = _mm256_setzero_si256();
+        alignas(32) float dsc[8];
+        _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), u8x8_to_ps(sc)));
+        const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)), u8x8_to_ps(mn));
+        __m256i      qh[4];  // qh[l] for l = 8p + lane, bit j = sub-block j's bit 4
         if constexpr (HasHigh) {
-            qh = loadu256(b[i].qh);
-        }
-        __m256i sumi[NT];
-        for (int t = 0; t < NT; ++t) {
-            sumi[t] = _mm256_setzero_si256();
-        }
-        for (int c = 0; c < 4; ++c) {
-            const __m256i qs = loadu256(b[i].qs + 32 * c);
-            __m256i       q[2] = { _mm256_and_si256(qs, mask), _mm256_and_si256(_mm256_srli_epi16(qs, 4), mask) };
-            for (int s = 0; s < 2; ++s) {
-                const int j = 2 * c + s;
-                if constexpr (HasHigh) {
-                    const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
-                    const __m256i hb  = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-                    q[s]              = _mm256_or_si256(q[s], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-                }
-                const __m256i scv = _mm256_set1_epi16(sc[j]);
-                for (int t = 0; t < NT; ++t) {
-                    const __m256i p16 = _mm256_maddubs_epi16(q[s], loadu256(x.a[t][i].q + 32 * j));
-                    sumi[t]           = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, scv));
-                }
+            for (int p = 0; p < 4; ++p) {
+                qh[p] = u8x8_epi32(b[i].qh + 8 * p);
             }
         }
-        const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
+        const int64_t k0 = 256 * i;
+        k4_chunk<Block, HasHigh, NT, 0>(b[i], qh, dsc, x, k0, acc);
+        k4_chunk<Block, HasHigh, NT, 1>(b[i], qh, dsc, x, k0, acc);
+        k4_chunk<Block, HasHigh, NT, 2>(b[i], qh, dsc, x, k0, acc);
+        k4_chunk<Block, HasHigh, NT, 3>(b[i], qh, dsc, x, k0, acc);
         for (int t = 0; t < NT; ++t) {
-            const ActQ8K & a    = x.a[t][i];
-            int            summ = 0;
-            for (int j = 0; j < 8; ++j) {
-                summ += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
-            }
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(d * a.d), acc[t]);
-            corr[t] += dmin * a.d * static_cast<float>(summ);
+            corr[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(a.block_sums + t * a.ld_sums + 8 * i), corr[t]);
         }
     }
     for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(acc[t]) - corr[t];
+        out[t * os] = hsum(_mm256_sub_ps(_mm256_add_ps(acc[t][0], acc[t][1]), corr[t]));
     }
 }
 template <int NT>
-void dot_q4_k(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_k4<BlockQ4_K, false, NT>(w, a, s, n, o, os);
+void dot_q4_k(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ4_K, false, NT>(w, a, n, o, os);
 }
 template <int NT>
-void dot_q5_k(const void * w, const void * a, size_t s, int64_t n, float * o, int64_t os) {
-    dot_k4<BlockQ5_K, true, NT>(w, a, s, n, o, os);
+void dot_q5_k(const void * w, const DecodeActs & a, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ5_K, true, NT>(w, a, n, o, os);
 }
 
-// Q6_K: unsigned 6-bit q times activations with the int8 group scales in madd; the -32 offset via block sums.
-template <int NT>
-void dot_q6_k(const void * w_row, const void * act, size_t stride, int64_t n, float * out, int64_t os) {
-    const auto *        b = static_cast<const BlockQ6_K *>(w_row);
-    ActRows<ActQ8K, NT> x(act, stride);
-    const __m256i       mask = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
-    __m256              acc[NT];
+// Q6_K, half h, 32-element chunk C (elements 128h + 32C + l): low 4 bits from the nibble C/2 of ql[64h + 32(C%2) + l],
+// high 2 bits from bits 2C of qh[32h + l]; value q - 32. Its two 16-element groups have scales d·scale[8h + 2C + 0/1].
+template <int NT, int C>
+inline void q6_chunk(const uint8_t * ql, const __m256i * qh, const float * dsc, const XRows<NT> & x, int64_t k,
+                     __m256 acc[NT][2]) {
+    __m256 f[4];
+    for (int p = 0; p < 4; ++p) {
+        const __m256i l  = u8x8_epi32(ql + 32 * (C % 2) + 8 * p);
+        const __m256i lo = C / 2 == 0 ? _mm256_and_si256(l, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(l, 4);
+        const __m256i hi = _mm256_and_si256(C <= 2 ? _mm256_slli_epi32(qh[p], 4 - 2 * C) : _mm256_srli_epi32(qh[p], 2),
+                                            _mm256_set1_epi32(0x30));
+        f[p]             = epi32_to_ps_minus<32>(_mm256_or_si256(lo, hi));
+    }
+    const __m256 s0 = _mm256_broadcast_ss(dsc + 2 * C), s1 = _mm256_broadcast_ss(dsc + 2 * C + 1);
     for (int t = 0; t < NT; ++t) {
-        acc[t] = _mm256_setzero_ps();
+        const float * xt = x.p[t] + k + 32 * C;
+        const __m256  va = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(xt)));
+        const __m256  vb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(xt + 16)));
+        acc[t][0]        = _mm256_fmadd_ps(va, s0, acc[t][0]);
+        acc[t][1]        = _mm256_fmadd_ps(vb, s1, acc[t][1]);
+    }
+}
+
+template <int NT>
+void dot_q6_k(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockQ6_K *>(w_row);
+    XRows<NT>    x(a);
+    __m256       acc[NT][2];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
-        __m256i sumi[NT];
-        for (int t = 0; t < NT; ++t) {
-            sumi[t] = _mm256_setzero_si256();
-        }
+        alignas(32) float dsc[16];
+        const __m256      d = _mm256_set1_ps(h2f(b[i].d));
+        _mm256_store_ps(dsc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(i8x8_epi32(b[i].scales))));
+        _mm256_store_ps(dsc + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(i8x8_epi32(b[i].scales + 8))));
         for (int h = 0; h < 2; ++h) {
-            const __m256i ql0 = loadu256(b[i].ql + 64 * h), ql1 = loadu256(b[i].ql + 64 * h + 32);
-            const __m256i qh  = loadu256(b[i].qh + 32 * h);
-            const __m256i lo[4] = { _mm256_and_si256(ql0, mask), _mm256_and_si256(ql1, mask),
-                                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), mask),
-                                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), mask) };
-            for (int s = 0; s < 4; ++s) {
-                const __m256i hi  = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three);
-                const __m256i q   = _mm256_or_si256(lo[s], _mm256_slli_epi16(hi, 4));
-                const int     g   = 8 * h + 2 * s;
-                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(b[i].scales[g + 1]), _mm_set1_epi16(b[i].scales[g]));
-                for (int t = 0; t < NT; ++t) {
-                    const __m256i p16 = _mm256_maddubs_epi16(q, loadu256(x.a[t][i].q + 128 * h + 32 * s));
-                    sumi[t]           = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p16, scv));
-                }
+            __m256i qh[4];
+            for (int p = 0; p < 4; ++p) {
+                qh[p] = u8x8_epi32(b[i].qh + 32 * h + 8 * p);
             }
-        }
-        const float d = h2f(b[i].d);
-        for (int t = 0; t < NT; ++t) {
-            const ActQ8K & a    = x.a[t][i];
-            int            offs = 0;
-            for (int g = 0; g < 16; ++g) {
-                offs += b[i].scales[g] * a.bsums[g];
-            }
-            const __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(sumi[t]),
-                                           _mm256_setr_ps(32.0f * static_cast<float>(offs), 0, 0, 0, 0, 0, 0, 0));
-            acc[t]         = _mm256_fmadd_ps(v, _mm256_set1_ps(d * a.d), acc[t]);
+            const uint8_t * ql = b[i].ql + 64 * h;
+            const int64_t   k  = 256 * i + 128 * h;
+            q6_chunk<NT, 0>(ql, qh, dsc + 8 * h, x, k, acc);
+            q6_chunk<NT, 1>(ql, qh, dsc + 8 * h, x, k, acc);
+            q6_chunk<NT, 2>(ql, qh, dsc + 8 * h, x, k, acc);
+            q6_chunk<NT, 3>(ql, qh, dsc + 8 * h, x, k, acc);
         }
     }
     for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(acc[t]);
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
     }
 }
 
 #define KC_ROW_DOT(name)                                                                                         \
-    void name##_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {      \
+    void name##_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {          \
         switch (nt) {                                                                                            \
-            case 1: name<1>(w, a, s, n, o, os); break;                                                           \
-            case 2: name<2>(w, a, s, n, o, os); break;                                                           \
-            case 3: name<3>(w, a, s, n, o, os); break;                                                           \
-            default: name<4>(w, a, s, n, o, os); break;                                                          \
+            case 1: name<1>(w, a, n, o, os); break;                                                              \
+            case 2: name<2>(w, a, n, o, os); break;                                                              \
+            case 3: name<3>(w, a, n, o, os); break;                                                              \
+            default: name<4>(w, a, n, o, os); break;                                                             \
         }                                                                                                        \
     }
 KC_ROW_DOT(dot_f32)

@@ -1,4 +1,4 @@
-// Private to cpu/: the GGUF block structs, the 8-bit activation formats of the decode path, and the kernel entry
+// Private to cpu/: the GGUF block structs, the activation view of the decode path, and the kernel entry
 // points shared by the portable files (quants.cpp, matmul.cpp) and the AVX2 files (quants-avx2.cpp,
 // matmul-avx2.cpp). The *_avx2 functions exist only on x86 builds (KC_X86) and may only be called once
 // cpu_features().avx2_fma_f16c is true.
@@ -42,32 +42,24 @@ inline void get_scale_min_k4(int j, const uint8_t * s, uint8_t & sc, uint8_t & m
     }
 }
 
-// ---- activations quantized to 8 bits (decode path) ----------------------------------------------------------------
-// For the 32-element block types: x ≈ d·q, ds = d·Σq (folds the weight offsets / mins into one multiply).
-struct ActQ8 {
-    float  d;
-    float  ds;
-    int8_t q[32];
+// ---- decode activations -------------------------------------------------------------------------------------------
+// nt f32 rows x + t·ldx; for the types whose blocks carry a min (has_block_min: Q4_1, Q5_1, Q4_K, Q5_K) also their
+// sums per 32 elements, block_sums[t·ld_sums + i] = Σ x[t][32i .. 32i+31] (computed once per call, so that the
+// min term m·Σx costs one multiply per block instead of 32); block_sums is nullptr for the other types.
+struct DecodeActs {
+    const float * x;
+    int64_t       ldx;
+    const float * block_sums;
+    int64_t       ld_sums;
 };
-// For the K-quants: one scale per 256 elements (so sub-block products add up in integers), bsums = Σq per 16.
-struct ActQ8K {
-    float   d;
-    int16_t bsums[16];
-    int8_t  q[256];
-};
-
-// Which activation format a type's decode dot product takes.
-enum class ActKind { F32, Q8, Q8K };
-ActKind act_kind(GgmlType type);
+bool has_block_min(GgmlType type);
 
 // ---- kernel signatures ---------------------------------------------------------------------------------------------
 // n elements (whole blocks) of a weight row to f32.
 using DequantFn = void (*)(const void * src, float * dst, int64_t n);
-// n f32 activations (whole blocks of 32 / 256) to ActQ8[n/32] or ActQ8K[n/256].
-using QuantizeActFn = void (*)(const float * x, void * dst, int64_t n);
-// Decode: one weight row of n elements against nt (1..4) activation rows act + t·act_stride bytes (f32 or 8-bit
-// format per act_kind); writes out[t·out_stride].
-using RowDotFn = void (*)(const void * w_row, const void * act, size_t act_stride, int nt, int64_t n, float * out,
+// Decode: one weight row of n elements against nt (1..4) activation rows; writes out[t·out_stride] =
+// dequantize(w_row)·x_t, with f32 products and sums (only the order of the additions differs between kernels).
+using RowDotFn = void (*)(const void * w_row, const DecodeActs & act, int nt, int64_t n, float * out,
                           int64_t out_stride);
 // Prefill: y[t·ldy + r] = Σ_k x[t·ldx + k]·w[r·ldw + k] for t < nt, r < nr, k < n (w rows 32-byte aligned when
 // ldw % 8 == 0).
@@ -77,8 +69,6 @@ using GemmTileFn = void (*)(const float * w, int64_t ldw, int nr, const float * 
 // Portable kernels (quants.cpp / matmul.cpp). nullptr for unsupported types.
 DequantFn dequant_fn_scalar(GgmlType type);
 RowDotFn  row_dot_fn_scalar(GgmlType type);
-void      quantize_act_q8_scalar(const float * x, void * dst, int64_t n);
-void      quantize_act_q8k_scalar(const float * x, void * dst, int64_t n);
 void      gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                            float * y, int64_t ldy);
 
@@ -86,8 +76,6 @@ void      gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x
 // AVX2 + FMA + F16C kernels (quants-avx2.cpp / matmul-avx2.cpp).
 DequantFn dequant_fn_avx2(GgmlType type);
 RowDotFn  row_dot_fn_avx2(GgmlType type);
-void      quantize_act_q8_avx2(const float * x, void * dst, int64_t n);
-void      quantize_act_q8k_avx2(const float * x, void * dst, int64_t n);
 void      gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                          float * y, int64_t ldy);
 #endif

@@ -16,74 +16,36 @@
 namespace kvcmas::cpu {
 namespace detail {
 
-ActKind act_kind(GgmlType type) {
-    switch (type) {
-        case GgmlType::Q4_0:
-        case GgmlType::Q4_1:
-        case GgmlType::Q5_0:
-        case GgmlType::Q5_1:
-        case GgmlType::Q8_0: return ActKind::Q8;
-        case GgmlType::Q4_K:
-        case GgmlType::Q5_K:
-        case GgmlType::Q6_K: return ActKind::Q8K;
-        default: return ActKind::F32;
-    }
+bool has_block_min(GgmlType type) {
+    return type == GgmlType::Q4_1 || type == GgmlType::Q5_1 || type == GgmlType::Q4_K || type == GgmlType::Q5_K;
 }
 
 // ---- portable kernels ---------------------------------------------------------------------------------------------
-// Same arithmetic as the AVX2 kernels (identical 8-bit activations, exact integer products); only the order of the
-// f32 additions differs.
-
-void quantize_act_q8_scalar(const float * x, void * dst, int64_t n) {
-    auto * out = static_cast<ActQ8 *>(dst);
-    for (int64_t i = 0; i < n / 32; ++i, x += 32) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; ++j) {
-            amax = std::fmax(amax, std::fabs(x[j]));
-        }
-        const float d   = amax / 127.0f;
-        const float id  = d != 0.0f ? 1.0f / d : 0.0f;
-        int         sum = 0;
-        for (int j = 0; j < 32; ++j) {
-            out[i].q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
-            sum += out[i].q[j];
-        }
-        out[i].d  = d;
-        out[i].ds = d * static_cast<float>(sum);
-    }
-}
-
-void quantize_act_q8k_scalar(const float * x, void * dst, int64_t n) {
-    auto * out = static_cast<ActQ8K *>(dst);
-    for (int64_t i = 0; i < n / 256; ++i, x += 256) {
-        float amax = 0.0f;
-        for (int j = 0; j < 256; ++j) {
-            amax = std::fmax(amax, std::fabs(x[j]));
-        }
-        const float d  = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        for (int g = 0; g < 16; ++g) {
-            int sum = 0;
-            for (int j = 16 * g; j < 16 * g + 16; ++j) {
-                out[i].q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
-                sum += out[i].q[j];
-            }
-            out[i].bsums[g] = static_cast<int16_t>(sum);
-        }
-        out[i].d = d;
-    }
-}
+// Same arithmetic as the AVX2 kernels (f32 activations, exact integer quants in f32, block scales applied to block
+// sums); only the order of the f32 additions differs.
 
 namespace {
 
+// Σ_l q[l]·x[l] over n (a multiple of 4) elements, four partial sums.
+float dot_q_x(const int * q, const float * x, int n) {
+    float s[4] = { 0, 0, 0, 0 };
+    for (int l = 0; l < n; l += 4) {
+        for (int u = 0; u < 4; ++u) {
+            s[u] += static_cast<float>(q[l + u]) * x[l + u];
+        }
+    }
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+const float * x_row(const DecodeActs & a, int t) { return a.x + t * a.ldx; }
+
 // Float rows: converts a weight row chunk to f32, then plain dot products.
 template <typename Conv>
-void dot_float_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out,
-                    int64_t os, Conv conv) {
+void dot_float_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os, Conv conv) {
     for (int t = 0; t < nt; ++t) {
-        const auto * x = reinterpret_cast<const float *>(static_cast<const char *>(act) + t * stride);
-        float        s[4] = { 0, 0, 0, 0 };
-        int64_t      k    = 0;
+        const float * x    = x_row(a, t);
+        float         s[4] = { 0, 0, 0, 0 };
+        int64_t       k    = 0;
         for (; k + 4 <= n; k += 4) {
             for (int u = 0; u < 4; ++u) {
                 s[u] += conv(w_row, k + u) * x[k + u];
@@ -96,146 +58,137 @@ void dot_float_rows(const void * w_row, const void * act, size_t stride, int nt,
     }
 }
 
-void dot_f32_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_float_rows(w, a, s, nt, n, o, os, [](const void * p, int64_t k) { return static_cast<const float *>(p)[k]; });
+void dot_f32_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, nt, n, o, os, [](const void * p, int64_t k) { return static_cast<const float *>(p)[k]; });
 }
-void dot_f16_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_float_rows(w, a, s, nt, n, o, os,
+void dot_f16_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, nt, n, o, os,
                    [](const void * p, int64_t k) { return fp16_to_fp32(static_cast<const uint16_t *>(p)[k]); });
 }
-void dot_bf16_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_float_rows(w, a, s, nt, n, o, os,
+void dot_bf16_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_float_rows(w, a, nt, n, o, os,
                    [](const void * p, int64_t k) { return bf16_to_fp32(static_cast<const uint16_t *>(p)[k]); });
 }
 
-template <typename A>
-const A * act_row(const void * act, size_t stride, int t) {
-    return reinterpret_cast<const A *>(static_cast<const char *>(act) + t * stride);
-}
-
-// 32-element block types: unpack q (unsigned, 0..31 or int8 for Q8_0), integer dot, then the offset / min term.
-// Kind 0: x = d·(q - off); kind 1: x = d·q + m; Q8_0 is kind 0 with off 0 and signed q.
-template <typename Block, int Kind, int Off, typename Unpack>
-void dot_q32_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os,
+// 32-element block types: unpack the integer values q (w = d·q, or d·q + m with a min), dot with x per token,
+// scale by d; the min adds m·Σx.
+template <typename Block, bool HasMin, typename Unpack>
+void dot_q32_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os,
                   Unpack unpack) {
     const auto * b = static_cast<const Block *>(w_row);
-    for (int t = 0; t < nt; ++t) {
-        const ActQ8 * x   = act_row<ActQ8>(act, stride, t);
-        float         acc = 0.0f, corr = 0.0f;
-        for (int64_t i = 0; i < n / 32; ++i) {
-            int q[32];
-            unpack(b[i], q);
-            int sumi = 0;
-            for (int j = 0; j < 32; ++j) {
-                sumi += q[j] * x[i].q[j];
-            }
-            const float d = fp16_to_fp32(b[i].d);
-            acc += static_cast<float>(sumi) * (d * x[i].d);
-            if constexpr (Kind == 1) {
-                corr += fp16_to_fp32(b[i].m) * x[i].ds;
-            } else {
-                corr -= static_cast<float>(Off) * d * x[i].ds;
+    float        acc[4] = { 0, 0, 0, 0 }, corr[4] = { 0, 0, 0, 0 };
+    for (int64_t i = 0; i < n / 32; ++i) {
+        int q[32];
+        unpack(b[i], q);
+        const float d = fp16_to_fp32(b[i].d);
+        for (int t = 0; t < nt; ++t) {
+            acc[t] += d * dot_q_x(q, x_row(a, t) + 32 * i, 32);
+            if constexpr (HasMin) {
+                corr[t] += fp16_to_fp32(b[i].m) * a.block_sums[t * a.ld_sums + i];
             }
         }
-        out[t * os] = acc + corr;
+    }
+    for (int t = 0; t < nt; ++t) {
+        out[t * os] = acc[t] + corr[t];
     }
 }
 
-template <typename Block>
+template <int Offset, typename Block>
 void unpack_nibbles(const Block & b, int * q) {
     for (int j = 0; j < 16; ++j) {
-        q[j]      = b.qs[j] & 0x0F;
-        q[j + 16] = b.qs[j] >> 4;
+        q[j]      = (b.qs[j] & 0x0F) - Offset;
+        q[j + 16] = (b.qs[j] >> 4) - Offset;
     }
 }
-template <typename Block>
+template <int Offset, typename Block>
 void unpack_5bit(const Block & b, int * q) {
     uint32_t qh;
     std::memcpy(&qh, b.qh, 4);
-    unpack_nibbles(b, q);
+    unpack_nibbles<0>(b, q);
     for (int j = 0; j < 32; ++j) {
-        q[j] |= static_cast<int>((qh >> j) & 1) << 4;
+        q[j] = (q[j] | static_cast<int>(((qh >> j) & 1) << 4)) - Offset;
     }
 }
 
-void dot_q4_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_q32_rows<BlockQ4_0, 0, 8>(w, a, s, nt, n, o, os, unpack_nibbles<BlockQ4_0>);
+void dot_q4_0_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ4_0, false>(w, a, nt, n, o, os, unpack_nibbles<8, BlockQ4_0>);
 }
-void dot_q4_1_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_q32_rows<BlockQ4_1, 1, 0>(w, a, s, nt, n, o, os, unpack_nibbles<BlockQ4_1>);
+void dot_q4_1_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ4_1, true>(w, a, nt, n, o, os, unpack_nibbles<0, BlockQ4_1>);
 }
-void dot_q5_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_q32_rows<BlockQ5_0, 0, 16>(w, a, s, nt, n, o, os, unpack_5bit<BlockQ5_0>);
+void dot_q5_0_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ5_0, false>(w, a, nt, n, o, os, unpack_5bit<16, BlockQ5_0>);
 }
-void dot_q5_1_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_q32_rows<BlockQ5_1, 1, 0>(w, a, s, nt, n, o, os, unpack_5bit<BlockQ5_1>);
+void dot_q5_1_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ5_1, true>(w, a, nt, n, o, os, unpack_5bit<0, BlockQ5_1>);
 }
-void dot_q8_0_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_q32_rows<BlockQ8_0, 0, 0>(w, a, s, nt, n, o, os, [](const BlockQ8_0 & b, int * q) {
+void dot_q8_0_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_q32_rows<BlockQ8_0, false>(w, a, nt, n, o, os, [](const BlockQ8_0 & b, int * q) {
         for (int j = 0; j < 32; ++j) {
             q[j] = b.qs[j];
         }
     });
 }
 
+// Q4_K / Q5_K: sub-block j contributes (d·sc_j)·Σq·x - (dmin·m_j)·Σx.
 template <typename Block, bool HasHigh>
-void dot_k4_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os) {
+void dot_k4_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os) {
     const auto * b = static_cast<const Block *>(w_row);
-    for (int t = 0; t < nt; ++t) {
-        const ActQ8K * x   = act_row<ActQ8K>(act, stride, t);
-        float          acc = 0.0f, corr = 0.0f;
-        for (int64_t i = 0; i < n / 256; ++i) {
-            int sumi = 0, summ = 0;
-            for (int j = 0; j < 8; ++j) {
-                uint8_t sc, m;
-                get_scale_min_k4(j, b[i].scales, sc, m);
-                const uint8_t * q    = b[i].qs + 32 * (j / 2);
-                int             dotj = 0;
-                for (int l = 0; l < 32; ++l) {
-                    int v = (q[l] >> (4 * (j % 2))) & 0x0F;
-                    if constexpr (HasHigh) {
-                        v |= ((b[i].qh[l] >> j) & 1) << 4;
-                    }
-                    dotj += v * x[i].q[32 * j + l];
+    float        acc[4] = { 0, 0, 0, 0 }, corr[4] = { 0, 0, 0, 0 };
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float d = fp16_to_fp32(b[i].d), dmin = fp16_to_fp32(b[i].dmin);
+        for (int j = 0; j < 8; ++j) {
+            uint8_t sc, m;
+            get_scale_min_k4(j, b[i].scales, sc, m);
+            const uint8_t * qs = b[i].qs + 32 * (j / 2);
+            int             q[32];
+            for (int l = 0; l < 32; ++l) {
+                q[l] = (qs[l] >> (4 * (j % 2))) & 0x0F;
+                if constexpr (HasHigh) {
+                    q[l] |= ((b[i].qh[l] >> j) & 1) << 4;
                 }
-                sumi += sc * dotj;
-                summ += m * (x[i].bsums[2 * j] + x[i].bsums[2 * j + 1]);
             }
-            acc += static_cast<float>(sumi) * (fp16_to_fp32(b[i].d) * x[i].d);
-            corr += fp16_to_fp32(b[i].dmin) * x[i].d * static_cast<float>(summ);
+            const float dsc = d * static_cast<float>(sc), dm = dmin * static_cast<float>(m);
+            for (int t = 0; t < nt; ++t) {
+                acc[t] += dsc * dot_q_x(q, x_row(a, t) + 256 * i + 32 * j, 32);
+                corr[t] += dm * a.block_sums[t * a.ld_sums + 8 * i + j];
+            }
         }
-        out[t * os] = acc - corr;
+    }
+    for (int t = 0; t < nt; ++t) {
+        out[t * os] = acc[t] - corr[t];
     }
 }
-void dot_q4_k_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_k4_rows<BlockQ4_K, false>(w, a, s, nt, n, o, os);
+void dot_q4_k_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_k4_rows<BlockQ4_K, false>(w, a, nt, n, o, os);
 }
-void dot_q5_k_rows(const void * w, const void * a, size_t s, int nt, int64_t n, float * o, int64_t os) {
-    dot_k4_rows<BlockQ5_K, true>(w, a, s, nt, n, o, os);
+void dot_q5_k_rows(const void * w, const DecodeActs & a, int nt, int64_t n, float * o, int64_t os) {
+    dot_k4_rows<BlockQ5_K, true>(w, a, nt, n, o, os);
 }
 
-void dot_q6_k_rows(const void * w_row, const void * act, size_t stride, int nt, int64_t n, float * out, int64_t os) {
-    const auto * b = static_cast<const BlockQ6_K *>(w_row);
-    for (int t = 0; t < nt; ++t) {
-        const ActQ8K * x   = act_row<ActQ8K>(act, stride, t);
-        float          acc = 0.0f;
-        for (int64_t i = 0; i < n / 256; ++i) {
-            int sumi = 0;
-            for (int h = 0; h < 2; ++h) {
-                const uint8_t * ql = b[i].ql + 64 * h;
-                const uint8_t * qh = b[i].qh + 32 * h;
-                for (int g = 0; g < 8; ++g) {
-                    int dotg = 0;
-                    for (int l = 16 * g; l < 16 * g + 16; ++l) {
-                        const int q = ((ql[l % 64] >> (4 * (l / 64))) & 0x0F) | (((qh[l % 32] >> (2 * (l / 32))) & 3) << 4);
-                        dotg += (q - 32) * x[i].q[128 * h + l];
-                    }
-                    sumi += b[i].scales[8 * h + g] * dotg;
+// Q6_K: group g of 16 contributes (d·scale_g)·Σ(q - 32)·x.
+void dot_q6_k_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os) {
+    const auto * b      = static_cast<const BlockQ6_K *>(w_row);
+    float        acc[4] = { 0, 0, 0, 0 };
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float d = fp16_to_fp32(b[i].d);
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t * ql = b[i].ql + 64 * h;
+            const uint8_t * qh = b[i].qh + 32 * h;
+            int             q[128];
+            for (int l = 0; l < 128; ++l) {
+                q[l] = (((ql[l % 64] >> (4 * (l / 64))) & 0x0F) | (((qh[l % 32] >> (2 * (l / 32))) & 3) << 4)) - 32;
+            }
+            for (int g = 0; g < 8; ++g) {
+                const float dsc = d * static_cast<float>(b[i].scales[8 * h + g]);
+                for (int t = 0; t < nt; ++t) {
+                    acc[t] += dsc * dot_q_x(q + 16 * g, x_row(a, t) + 256 * i + 128 * h + 16 * g, 16);
                 }
             }
-            acc += static_cast<float>(sumi) * (fp16_to_fp32(b[i].d) * x[i].d);
         }
-        out[t * os] = acc;
+    }
+    for (int t = 0; t < nt; ++t) {
+        out[t * os] = acc[t];
     }
 }
 
@@ -286,27 +239,35 @@ namespace {
 using namespace detail;
 
 // Token counts below this take the decode path (dot products straight from the stored format, each weight row
-// read once per 4 tokens); from here on dequantizing row tiles to f32 for the packed GEMM wins (measured on Zen 3:
-// the crossover is near 12 tokens for float weights and near 16 for the 8-bit integer dot products).
-int64_t decode_max_tokens(GgmlType type) { return act_kind(type) == ActKind::F32 ? 12 : 16; }
+// read once per 4 tokens); from here on dequantizing row tiles to f32 once for the packed GEMM wins. Measured on
+// Zen 3 (1 thread, 1536 × 576/768 weights): unpacking quants to f32 costs more per token than widening halves,
+// so the quantized types cross over earlier, nibble types first.
+int64_t decode_max_tokens(GgmlType type) {
+    switch (type) {
+        case GgmlType::F32:
+        case GgmlType::F16:
+        case GgmlType::BF16: return 12;
+        case GgmlType::Q8_0: return 10;
+        case GgmlType::Q4_K:
+        case GgmlType::Q5_K:
+        case GgmlType::Q6_K: return 8;
+        default: return 6;
+    }
+}
 
 struct Kernels {
-    DequantFn     dequant;
-    RowDotFn      row_dot;
-    QuantizeActFn quantize_q8;
-    QuantizeActFn quantize_q8k;
-    GemmTileFn    gemm_tile;
+    DequantFn  dequant;
+    RowDotFn   row_dot;
+    GemmTileFn gemm_tile;
 };
 
 Kernels select_kernels(GgmlType type) {
 #if defined(KC_X86)
     if (cpu_features().avx2_fma_f16c) {
-        return { dequant_fn_avx2(type), row_dot_fn_avx2(type), quantize_act_q8_avx2, quantize_act_q8k_avx2,
-                 gemm_tile_avx2 };
+        return { dequant_fn_avx2(type), row_dot_fn_avx2(type), gemm_tile_avx2 };
     }
 #endif
-    return { dequant_fn_scalar(type), row_dot_fn_scalar(type), quantize_act_q8_scalar, quantize_act_q8k_scalar,
-             gemm_tile_scalar };
+    return { dequant_fn_scalar(type), row_dot_fn_scalar(type), gemm_tile_scalar };
 }
 
 // A grow-only, 64-byte aligned scratch buffer; one per thread, reused across calls (no allocation per matmul).
@@ -332,7 +293,7 @@ class ScratchBuffer {
 };
 
 thread_local ScratchBuffer tl_tile_buffer;  // prefill: dequantized weight tile
-thread_local ScratchBuffer tl_act_buffer;   // decode: quantized activations (caller thread)
+thread_local ScratchBuffer tl_sums_buffer;  // decode: per-32 sums of the activations (caller thread)
 
 void check_weight(const WeightView & w, const char * what) {
     const GgmlTypeTraits * t = ggml_type_traits(static_cast<uint32_t>(w.type));
@@ -353,18 +314,21 @@ void check_weight(const WeightView & w, const char * what) {
 
 void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
                    const Kernels & k) {
-    const ActKind kind       = act_kind(w.type);
-    const void *  act        = x;
-    size_t        act_stride = static_cast<size_t>(w.n_in) * sizeof(float);
-    if (kind != ActKind::F32) {
-        const bool    k256 = kind == ActKind::Q8K;
-        act_stride         = k256 ? static_cast<size_t>(w.n_in / 256) * sizeof(ActQ8K)
-                                  : static_cast<size_t>(w.n_in / 32) * sizeof(ActQ8);
-        auto * buf         = static_cast<char *>(tl_act_buffer.get(act_stride * static_cast<size_t>(n_tok)));
+    // Activations stay f32; types with a per-block min also get x's sums per 32 elements (see DecodeActs).
+    DecodeActs act{ x, w.n_in, nullptr, w.n_in / 32 };
+    if (has_block_min(w.type)) {
+        auto * sums = static_cast<float *>(tl_sums_buffer.get(static_cast<size_t>(n_tok * act.ld_sums) * sizeof(float)));
         for (int64_t t = 0; t < n_tok; ++t) {
-            (k256 ? k.quantize_q8k : k.quantize_q8)(x + t * w.n_in, buf + t * act_stride, w.n_in);
+            for (int64_t i = 0; i < act.ld_sums; ++i) {
+                const float * xb = x + t * w.n_in + 32 * i;
+                float         s  = 0.0f;
+                for (int l = 0; l < 32; ++l) {
+                    s += xb[l];
+                }
+                sums[t * act.ld_sums + i] = s;
+            }
         }
-        act = buf;
+        act.block_sums = sums;
     }
     // Rows are handed out in chunks from a shared counter, so a thread that was descheduled does not hold up the rest.
     constexpr int64_t    kChunk        = 16;
@@ -389,8 +353,9 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
                 }
                 for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
                     const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
-                    k.row_dot(base + r * w.row_bytes, static_cast<const char *>(act) + t0 * act_stride, act_stride, nt,
-                              w.n_in, y + t0 * w.n_out + r, w.n_out);
+                    const DecodeActs group{ act.x + t0 * act.ldx, act.ldx,
+                                            act.block_sums ? act.block_sums + t0 * act.ld_sums : nullptr, act.ld_sums };
+                    k.row_dot(base + r * w.row_bytes, group, nt, w.n_in, y + t0 * w.n_out + r, w.n_out);
                 }
             }
         }
