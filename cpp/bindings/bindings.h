@@ -8,5 +8,6 @@ namespace kvcmas::py {
 void bind_gguf(nanobind::module_ & m);     // bind-gguf.cpp: GgufFile
 void bind_kernels(nanobind::module_ & m);  // bind-kernels.cpp: dequantize / matmul entry points for tests
 void bind_engine(nanobind::module_ & m);   // bind-engine.cpp: Model, sequences, batches
+void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attention kernel, for tests
 
 }  // namespace kvcmas::py

@@ -10,4 +10,5 @@ NB_MODULE(_core, m) {
     kvcmas::py::bind_gguf(m);
     kvcmas::py::bind_kernels(m);
     kvcmas::py::bind_engine(m);
+    kvcmas::py::bind_attention(m);
 }

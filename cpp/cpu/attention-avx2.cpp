@@ -90,6 +90,7 @@ void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * 
         int64_t       seen         = 0;
         bool          have_rot     = false;
         int32_t       cached_shift = 0;
+        portable_in_avx2::ScoreCorrection corr;
         for (int r = 0; r < n_runs && seen < n_visible; ++r) {
             const KvRun & run = runs[r];
             const float * qq  = qh;
@@ -123,6 +124,10 @@ void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * 
                 float tmp[8];
                 _mm256_storeu_ps(tmp, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
                 std::memcpy(score + seen + j, tmp, sizeof(float) * static_cast<size_t>(n - j));
+            }
+            if (run.rank > 0) {
+                portable_in_avx2::add_score_corrections(run, corr.get(run, qq, hd, shape.row_stride, kv_off), n,
+                                                        shape.scale, score + seen);
             }
             seen += n;
         }
@@ -188,6 +193,8 @@ void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * 
                 _mm256_storeu_ps(oh + 8 * (c0 + c), _mm256_mul_ps(acc[c], vinv));
             }
         }
+        portable_in_avx2::add_output_corrections(runs, n_runs, seen, score, hd, shape.row_stride, kv_off,
+                                                 _mm256_cvtss_f32(vinv), oh);
     }
 }
 

@@ -2,6 +2,7 @@
 // Written so the compiler vectorizes it: 8 independent accumulators per dot product.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -30,6 +31,68 @@ static inline void axpy(float a, const float * x, float * y, int n) {
     }
 }
 
+// (q·B_kᵀ) for the run's key correction, cached while B_k and the rotation of q stay the same.
+struct ScoreCorrection {
+    const float * b     = nullptr;
+    int32_t       shift = 0;
+    float         qb[kMaxCorrectionRank];
+
+    const float * get(const KvRun & run, const float * qq, int hd, int64_t hd_kv, int64_t kv_off) {
+        if (b != run.b_k || shift != run.shift) {
+            for (int r = 0; r < run.rank; ++r) {
+                qb[r] = dot(qq, run.b_k + r * hd_kv + kv_off, hd);
+            }
+            b     = run.b_k;
+            shift = run.shift;
+        }
+        return qb;
+    }
+};
+
+// score[j] += scale · (q·B_kᵀ)·a_k[j] for the first n keys of a corrected run.
+static inline void add_score_corrections(const KvRun & run, const float * qb, int64_t n, float scale, float * score) {
+    for (int64_t j = 0; j < n; ++j) {
+        score[j] += scale * dot(qb, run.a_k + j * run.rank, run.rank);
+    }
+}
+
+// out[0, hd) += factor · Σ over corrected runs of (Σ_j p_j a_v[j])·B_v, for the first n_seen keys whose weights are
+// p[0, n_seen). Consecutive runs sharing B_v (one corrected segment) are summed before the product with B_v.
+static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_seen, const float * p, int hd,
+                                   int64_t hd_kv, int64_t kv_off, float factor, float * out) {
+    float         pa[kMaxCorrectionRank];
+    const float * group_b = nullptr;
+    int           group_r = 0;
+    auto          flush   = [&]() {
+        for (int r = 0; r < group_r; ++r) {
+            axpy(factor * pa[r], group_b + r * hd_kv + kv_off, out, hd);
+        }
+        group_b = nullptr;
+    };
+    int64_t seen = 0;
+    for (int i = 0; i < n_runs && seen < n_seen; ++i) {
+        const KvRun & run = runs[i];
+        const int64_t n   = std::min<int64_t>(run.n, n_seen - seen);
+        if (run.rank > 0) {
+            if (run.b_v != group_b) {
+                if (group_b != nullptr) {
+                    flush();
+                }
+                group_b = run.b_v;
+                group_r = run.rank;
+                std::fill(pa, pa + group_r, 0.0f);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                axpy(p[seen + j], run.a_v + j * run.rank, pa, run.rank);
+            }
+        }
+        seen += n;
+    }
+    if (group_b != nullptr) {
+        flush();
+    }
+}
+
 static void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
                    int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
     const int hd    = shape.head_dim;
@@ -42,6 +105,7 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
         int64_t       seen   = 0;
         int32_t       cached_shift = 0;
         bool          have_rot     = false;
+        ScoreCorrection corr;
         const float * qh     = q + static_cast<int64_t>(h) * hd;
         for (int r = 0; r < n_runs && seen < n_visible; ++r) {
             const KvRun & run = runs[r];
@@ -58,6 +122,10 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
             const int64_t n = std::min<int64_t>(run.n, n_visible - seen);
             for (int64_t j = 0; j < n; ++j) {
                 score[seen + j] = dot(qq, run.k + j * shape.row_stride + kv_off, hd) * shape.scale;
+            }
+            if (run.rank > 0) {
+                add_score_corrections(run, corr.get(run, qq, hd, shape.row_stride, kv_off), n, shape.scale,
+                                      score + seen);
             }
             seen += n;
         }
@@ -84,6 +152,7 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
             }
             seen += n;
         }
+        add_output_corrections(runs, n_runs, seen, score, hd, shape.row_stride, kv_off, 1.0f, oh);
         for (int i = 0; i < hd; ++i) {
             oh[i] *= inv;
         }

@@ -10,11 +10,21 @@ namespace kvcmas::cpu {
 // A run of n consecutive KV rows. Row r of K starts at k + r * row_stride (floats), same for V; a row holds
 // n_head_kv * head_dim floats. The keys were rotated at (their sequence position - shift): a run taken from a span
 // stored in its own frame has shift = (position of its first row in the sequence) - (its index in the span).
+//
+// A run may carry a low-rank correction of its keys and values (KVCMAS): the keys attention uses are
+// K + A_k·B_k and the values V + A_v·B_v, where row j of the run has factor rows a_k + j * rank (and a_v likewise)
+// and B_k, B_v are [rank][n_head_kv * head_dim] (row-major), in the frame the keys are stored in. The kernel never
+// forms K + A_k·B_k: scores gain (q·B_kᵀ)·a_k[j] and outputs gain (Σ_j p_j a_v[j])·B_v, per KV head.
 struct KvRun {
     const float * k;
     const float * v;
     int32_t       n;
     int32_t       shift;
+    int32_t       rank = 0;  // 0: no correction
+    const float * a_k  = nullptr;
+    const float * a_v  = nullptr;
+    const float * b_k  = nullptr;
+    const float * b_v  = nullptr;
 };
 
 struct AttentionShape {
@@ -24,6 +34,8 @@ struct AttentionShape {
     int64_t row_stride;  // floats between consecutive KV rows
     float   scale;       // usually 1/sqrt(head_dim)
 };
+
+constexpr int kMaxCorrectionRank = 256;
 
 // Floats of scratch memory attend() needs for n_visible keys.
 int64_t attention_scratch_floats(const AttentionShape & shape, int64_t n_visible);

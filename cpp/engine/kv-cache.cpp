@@ -68,15 +68,55 @@ float * KvSpan::k_row(int layer, int32_t row) {
 
 float * KvSpan::v_row(int layer, int32_t row) { return k_row(layer, row) + pool_.v_offset(); }
 
-void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, std::vector<cpu::KvRun> & out) const {
+void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
+                         std::vector<cpu::KvRun> & out) const {
+    const KvCorrection::Layer * cl = nullptr;
+    if (corr != nullptr && corr->rank > 0 && !corr->layers[static_cast<size_t>(layer)].a_k.empty()) {
+        cl = &corr->layers[static_cast<size_t>(layer)];
+    }
     int32_t row = begin;
     while (row < begin + n) {
         const int32_t in_block = row % kKvBlockRows;
         const int32_t take     = std::min(kKvBlockRows - in_block, begin + n - row);
         const float * k        = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]) +
                           layer * pool_.layer_stride() + static_cast<int64_t>(in_block) * pool_.layout().n_kv_dim;
-        out.push_back(cpu::KvRun{ k, k + pool_.v_offset(), take, shift });
+        cpu::KvRun run{ k, k + pool_.v_offset(), take, shift };
+        if (cl != nullptr) {
+            const int64_t a_off = static_cast<int64_t>(row - begin) * corr->rank;
+            run.rank            = corr->rank;
+            run.a_k             = cl->a_k.data() + a_off;
+            run.a_v             = cl->a_v.data() + a_off;
+            run.b_k             = cl->b_k.data();
+            run.b_v             = cl->b_v.data();
+        }
+        out.push_back(run);
         row += take;
+    }
+}
+
+size_t KvCorrection::bytes() const {
+    size_t n = 0;
+    for (const Layer & l : layers) {
+        n += (l.a_k.size() + l.b_k.size() + l.a_v.size() + l.b_v.size()) * sizeof(float);
+    }
+    return n;
+}
+
+void KvCorrection::validate(const KvLayout & layout) const {
+    KC_CHECK(rank >= 0 && rank <= cpu::kMaxCorrectionRank, "correction rank %d outside [0, %d]", rank,
+             cpu::kMaxCorrectionRank);
+    KC_CHECK(n_rows >= 0, "correction of %d rows", n_rows);
+    KC_CHECK(n_kv_dim == layout.n_kv_dim, "correction row width %d, the model's KV rows have %d", n_kv_dim,
+             layout.n_kv_dim);
+    KC_CHECK(layers.size() == static_cast<size_t>(layout.n_layer), "correction has %zu layers, the model %d",
+             layers.size(), layout.n_layer);
+    const size_t na = static_cast<size_t>(n_rows) * rank, nb = static_cast<size_t>(rank) * n_kv_dim;
+    for (size_t il = 0; il < layers.size(); ++il) {
+        const Layer & l     = layers[il];
+        const bool    empty = l.a_k.empty() && l.b_k.empty() && l.a_v.empty() && l.b_v.empty();
+        KC_CHECK(empty || (l.a_k.size() == na && l.a_v.size() == na && l.b_k.size() == nb && l.b_v.size() == nb),
+                 "correction layer %zu: factors must be A [%d x %d] and B [%d x %d] for both K and V", il, n_rows,
+                 rank, rank, n_kv_dim);
     }
 }
 
@@ -196,9 +236,43 @@ void KvCache::runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const 
     for (const KvSegment & s : segments(seq)) {
         // A row r of the span sits at position pos0 + (r - begin) and was rotated at frame0 + r.
         const int32_t shift = pos0 - s.begin - s.span->frame0();
-        s.span->append_runs(layer, s.begin, s.n, shift, out);
+        s.span->append_runs(layer, s.begin, s.n, shift, s.corr.get(), out);
         pos0 += s.n;
     }
+}
+
+std::shared_ptr<KvSpan> KvCache::seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) const {
+    const std::vector<KvSegment> & segs = segments(seq);
+    int32_t                        pos0 = 0;
+    for (const KvSegment & s : segs) {
+        if (pos >= pos0 && pos < pos0 + s.n) {
+            KC_CHECK(n > 0 && pos + n <= pos0 + s.n,
+                     "positions [%d, %d) of sequence %d do not lie in one stored span", pos, pos + n, seq);
+            KC_CHECK(s.corr == nullptr, "positions [%d, %d) of sequence %d are corrected: they have no exact rows "
+                     "to share", pos, pos + n, seq);
+            begin = s.begin + (pos - pos0);
+            return s.span;
+        }
+        pos0 += s.n;
+    }
+    fail("positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, pos0);
+}
+
+void KvCache::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
+                              std::shared_ptr<const KvCorrection> corr) {
+    std::vector<KvSegment> & segs = segments(seq);
+    KC_CHECK(span != nullptr, "no span given");
+    KC_CHECK(begin >= 0 && n > 0 && begin + n <= span->n_rows(), "rows [%d, %d) are outside the span (%d rows)",
+             begin, begin + n, span->n_rows());
+    const int32_t len = seq_length(seq);
+    KC_CHECK(static_cast<int64_t>(len) + n <= n_ctx_max_,
+             "sequence %d would hold %lld tokens, over the context size %d", seq, static_cast<long long>(len) + n,
+             n_ctx_max_);
+    if (corr != nullptr) {
+        corr->validate(pool_.layout());
+        KC_CHECK(corr->n_rows >= n, "the correction covers %d rows, the span part %d", corr->n_rows, n);
+    }
+    segs.push_back(KvSegment{ std::move(span), begin, n, std::move(corr) });
 }
 
 }  // namespace kvcmas

@@ -45,6 +45,8 @@ class KvBlockPool {
     std::vector<int32_t>                  free_;
 };
 
+struct KvCorrection;
+
 // Rows of KV stored once. Row i holds keys rotated at frame position frame0 + i. Destroyed (blocks returned to
 // the pool) when the last segment referring to it goes.
 class KvSpan {
@@ -60,8 +62,10 @@ class KvSpan {
     void    resize(int32_t n);
     float * k_row(int layer, int32_t row);
     float * v_row(int layer, int32_t row);
-    // Appends the runs covering rows [begin, begin + n) of layer il to out, with the given shift.
-    void    append_runs(int layer, int32_t begin, int32_t n, int32_t shift, std::vector<cpu::KvRun> & out) const;
+    // Appends the runs covering rows [begin, begin + n) of layer il to out, with the given shift; corr (may be
+    // null) corrects these rows, its row 0 being row `begin`.
+    void    append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
+                        std::vector<cpu::KvRun> & out) const;
 
     int32_t writer = -1;  // the sequence that may append to this span in place; -1: nobody (frozen)
 
@@ -72,12 +76,31 @@ class KvSpan {
     std::vector<int32_t> blocks_;
 };
 
+// A low-rank correction of the keys and values of n_rows consecutive rows (KVCMAS): in layer il the rows read as
+// K + A_k·B_k and V + A_v·B_v, with A [n_rows][rank] and B [rank][n_kv_dim] row-major, expressed in the frame the
+// keys are stored in (the span's frame). Layers with empty factors are not corrected. Immutable once built, so
+// any number of sequences can share it.
+struct KvCorrection {
+    struct Layer {
+        std::vector<float> a_k, b_k, a_v, b_v;
+    };
+    int32_t            n_rows = 0;
+    int32_t            rank   = 0;
+    int32_t            n_kv_dim = 0;
+    std::vector<Layer> layers;  // [n_layer]
+
+    size_t bytes() const;  // memory held by the factors
+    // Checks shapes against a KV layout; throws kvcmas::Error naming the first problem.
+    void validate(const KvLayout & layout) const;
+};
+
 // Rows [begin, begin + n) of a span, read by a sequence at positions [pos0, pos0 + n), where pos0 is the number of
-// rows of the segments before it.
+// rows of the segments before it. corr, when set, corrects these rows (its row i is the segment's row i).
 struct KvSegment {
-    std::shared_ptr<KvSpan> span;
-    int32_t                 begin = 0;
-    int32_t                 n     = 0;
+    std::shared_ptr<KvSpan>             span;
+    int32_t                             begin = 0;
+    int32_t                             n     = 0;
+    std::shared_ptr<const KvCorrection> corr;
 };
 
 // Where one new row of a sequence goes.
@@ -110,6 +133,16 @@ class KvCache {
 
     // The runs of layer il that seq reads, in position order.
     void runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const;
+
+    // Sharing spans between sequences (cross-agent KV reuse).
+    // The span rows behind positions [pos, pos + n) of seq, which must lie in one segment; `begin` receives the
+    // first row. The sequence keeps appending after them without touching them.
+    std::shared_ptr<KvSpan> seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) const;
+    // Appends rows [begin, begin + n) of span to seq (no copy), optionally corrected. Throws past n_ctx_max.
+    void seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
+                         std::shared_ptr<const KvCorrection> corr);
+    // The segments of seq (for accounting and tests).
+    const std::vector<KvSegment> & seq_segments(int32_t seq) const { return segments(seq); }
 
     const KvBlockPool & pool() const { return pool_; }
 
