@@ -1,6 +1,9 @@
 // Python view of the engine: a Model with its sequences (KV slots) and a batched decode call.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/vector.h>
 #include <nanobind/stl/string.h>
 
 #include <mutex>
@@ -57,12 +60,94 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
 }
 
 // Sequence bookkeeping is cheap: it holds the model lock (shared with decode) without releasing the GIL.
-#define KC_LOCKED(body)                           \
+#define KC_LOCKED(...)                            \
     std::lock_guard<std::mutex> lock(m.mutex()); \
     KvCache &                   kv = m.kv();     \
-    body
+    __VA_ARGS__
+
+// Rows of a span handed to Python: keeps the rows alive (the model is kept alive by nanobind's keep_alive).
+struct SharedSpan {
+    std::shared_ptr<KvSpan> span;
+    int32_t                 begin;
+    int32_t                 n;
+};
+
+using Mat3Out = nb::ndarray<nb::numpy, float, nb::ndim<3>>;
+using Mat2    = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Mat2Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+
+template <size_t N, typename Out> static Out owned_array(std::vector<float> * data, const size_t (&shape)[N]) {
+    nb::capsule owner(data, [](void * p) noexcept { delete static_cast<std::vector<float> *>(p); });
+    return Out(data->data(), N, shape, owner);
+}
+
+static std::pair<Mat3Out, Mat3Out> seq_kv(Model & m, int32_t seq, int32_t pos, int32_t n) {
+    const ModelParams & p  = m.params();
+    const size_t        kd = static_cast<size_t>(p.n_head_kv * p.head_dim);
+    KC_CHECK(n >= 0, "seq_kv: n must be >= 0");
+    const size_t total = static_cast<size_t>(p.n_layer) * static_cast<size_t>(n) * kd;
+    auto *       k     = new std::vector<float>(total);
+    auto *       v     = new std::vector<float>(total);
+    try {
+        nb::gil_scoped_release      release;
+        std::lock_guard<std::mutex> lock(m.mutex());
+        m.read_kv(seq, pos, n, k->data(), v->data());
+    } catch (...) {
+        delete k;
+        delete v;
+        throw;
+    }
+    const size_t shape[3] = { static_cast<size_t>(p.n_layer), static_cast<size_t>(n), kd };
+    return { owned_array<3, Mat3Out>(k, shape), owned_array<3, Mat3Out>(v, shape) };
+}
+
+static void set_factor(std::vector<float> & dst, Mat2 src, size_t rows, size_t cols, const char * name) {
+    KC_CHECK(src.shape(0) == rows && src.shape(1) == cols, "KvCorrection.set_layer: %s must be [%zu, %zu], got [%zu, %zu]",
+             name, rows, cols, static_cast<size_t>(src.shape(0)), static_cast<size_t>(src.shape(1)));
+    dst.assign(src.data(), src.data() + rows * cols);
+}
 
 void bind_engine(nb::module_ & m) {
+    nb::class_<SharedSpan>(m, "SharedSpan", "Rows of KV stored once, readable by any sequence of the same model.")
+        .def_ro("n", &SharedSpan::n)
+        .def_prop_ro("frame0", [](const SharedSpan & s) { return s.span->frame0() + s.begin; },
+                     "the position its first key is rotated at");
+
+    nb::class_<KvCorrection>(m, "KvCorrection",
+                             "Low-rank K/V correction of n_rows rows: K + A_k·B_k, V + A_v·B_v per layer, in the "
+                             "frame the keys are stored in.")
+        .def(
+            "__init__",
+            [](KvCorrection * c, int32_t n_rows, int32_t rank, int32_t n_kv_dim, int32_t n_layer) {
+                KC_CHECK(n_rows > 0 && rank > 0 && rank <= cpu::kMaxCorrectionRank && n_kv_dim > 0 && n_layer > 0,
+                         "KvCorrection: n_rows, rank (<= %d), n_kv_dim and n_layer must be positive",
+                         cpu::kMaxCorrectionRank);
+                new (c) KvCorrection();
+                c->n_rows   = n_rows;
+                c->rank     = rank;
+                c->n_kv_dim = n_kv_dim;
+                c->layers.resize(static_cast<size_t>(n_layer));
+            },
+            nb::arg("n_rows"), nb::arg("rank"), nb::arg("n_kv_dim"), nb::arg("n_layer"))
+        .def(
+            "set_layer",
+            [](KvCorrection & c, int32_t il, Mat2 a_k, Mat2 b_k, Mat2 a_v, Mat2 b_v) {
+                KC_CHECK(!c.sealed, "KvCorrection.set_layer: the correction is in use by a sequence");
+                KC_CHECK(il >= 0 && static_cast<size_t>(il) < c.layers.size(), "KvCorrection.set_layer: layer %d "
+                         "outside [0, %zu)", il, c.layers.size());
+                const size_t r = static_cast<size_t>(c.rank), n = static_cast<size_t>(c.n_rows),
+                             w = static_cast<size_t>(c.n_kv_dim);
+                KvCorrection::Layer & l = c.layers[static_cast<size_t>(il)];
+                set_factor(l.a_k, a_k, n, r, "a_k");
+                set_factor(l.b_k, b_k, r, w, "b_k");
+                set_factor(l.a_v, a_v, n, r, "a_v");
+                set_factor(l.b_v, b_v, r, w, "b_v");
+            },
+            nb::arg("layer"), nb::arg("a_k"), nb::arg("b_k"), nb::arg("a_v"), nb::arg("b_v"))
+        .def_ro("n_rows", &KvCorrection::n_rows)
+        .def_ro("rank", &KvCorrection::rank)
+        .def_prop_ro("bytes", &KvCorrection::bytes, "memory held by the factors");
+
     nb::class_<Model>(m, "Model")
         .def(
             "__init__",
@@ -92,6 +177,58 @@ void bind_engine(nb::module_ & m) {
         .def("seq_length", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_length(s);) }, nb::arg("seq"))
         .def("seq_exists", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_exists(s);) }, nb::arg("seq"))
         .def_prop_ro("n_seqs", [](Model & m) { return m.kv().n_seqs(); })
+        .def(
+            "seq_share",
+            [](Model & m, int32_t s, int32_t pos, int32_t n) {
+                KC_LOCKED(int32_t begin = 0; auto span = kv.seq_span(s, pos, n, begin);
+                          return SharedSpan{ std::move(span), begin, n };)
+            },
+            nb::arg("seq"), nb::arg("pos"), nb::arg("n"), nb::keep_alive<0, 1>(),
+            "The stored rows behind positions [pos, pos + n) of seq, to append to other sequences without copying.")
+        .def(
+            "seq_append_shared",
+            [](Model & m, int32_t s, const SharedSpan & span, std::shared_ptr<KvCorrection> corr) {
+                KC_LOCKED(kv.seq_append_span(s, span.span, span.begin, span.n, std::move(corr));)
+            },
+            nb::arg("seq"), nb::arg("span"), nb::arg("correction").none() = nb::none(),
+            "Appends a shared span to seq at its end position, optionally with a low-rank correction.")
+        .def("seq_kv", &seq_kv, nb::arg("seq"), nb::arg("pos"), nb::arg("n"),
+             "Materialized KV [n_layer, n, n_kv_dim] of positions [pos, pos + n): keys at their positions, "
+             "corrections added.")
+        .def(
+            "seq_segments",
+            [](Model & m, int32_t s) {
+                std::lock_guard<std::mutex> lock(m.mutex());
+                nb::list                    out;
+                int32_t                     pos0 = 0;
+                for (const KvSegment & seg : m.kv().seq_segments(s)) {
+                    nb::dict d;
+                    d["pos"]        = pos0;
+                    d["n"]          = seg.n;
+                    d["shift"]      = pos0 - seg.begin - seg.span->frame0();
+                    d["shared"]     = seg.span.use_count() > 1;
+                    d["corr_bytes"] = seg.corr ? seg.corr->bytes() : size_t{ 0 };
+                    out.append(d);
+                    pos0 += seg.n;
+                }
+                return out;
+            },
+            nb::arg("seq"))
+        .def(
+            "rope_rotate",
+            [](Model & m, Mat2 x, double shift) {
+                const ModelParams & p  = m.params();
+                const size_t        kd = static_cast<size_t>(p.n_head_kv * p.head_dim);
+                KC_CHECK(x.shape(1) == kd, "rope_rotate: rows must have n_head_kv * head_dim = %zu floats", kd);
+                auto * out = new std::vector<float>(x.data(), x.data() + x.shape(0) * kd);
+                for (size_t i = 0; i < x.shape(0); ++i) {
+                    m.rope().apply(out->data() + i * kd, static_cast<int>(p.n_head_kv), static_cast<int>(p.head_dim),
+                                   shift);
+                }
+                const size_t shape[2] = { static_cast<size_t>(x.shape(0)), kd };
+                return owned_array<2, Mat2Out>(out, shape);
+            },
+            nb::arg("x"), nb::arg("shift"), "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions.")
         .def("decode", &decode, nb::arg("seqs"), nb::arg("tokens"), nb::arg("want_logits"),
              nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(),
              "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items.");

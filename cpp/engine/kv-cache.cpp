@@ -271,6 +271,7 @@ void KvCache::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t
     if (corr != nullptr) {
         corr->validate(pool_.layout());
         KC_CHECK(corr->n_rows >= n, "the correction covers %d rows, the span part %d", corr->n_rows, n);
+        corr->sealed = true;
     }
     segs.push_back(KvSegment{ std::move(span), begin, n, std::move(corr) });
 }

@@ -88,6 +88,7 @@ struct KvCorrection {
     int32_t            rank   = 0;
     int32_t            n_kv_dim = 0;
     std::vector<Layer> layers;  // [n_layer]
+    mutable bool       sealed = false;  // set once a sequence reads it: from then on it must not change
 
     size_t bytes() const;  // memory held by the factors
     // Checks shapes against a KV layout; throws kvcmas::Error naming the first problem.

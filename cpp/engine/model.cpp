@@ -337,4 +337,40 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
     }
 }
 
+void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out) {
+    const int32_t len = kv_->seq_length(seq);
+    KC_CHECK(pos >= 0 && n >= 0 && static_cast<int64_t>(pos) + n <= len,
+             "positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, len);
+    const int64_t kd = p_.n_head_kv * p_.head_dim;
+    const int     hd = static_cast<int>(p_.head_dim), n_kv = static_cast<int>(p_.n_head_kv);
+    std::vector<cpu::KvRun> runs;
+    for (int il = 0; il < p_.n_layer; ++il) {
+        kv_->runs(seq, il, runs);
+        int64_t at = 0;  // sequence position of the run's first row
+        for (const cpu::KvRun & r : runs) {
+            for (int32_t j = 0; j < r.n; ++j) {
+                const int64_t p = at + j;
+                if (p < pos || p >= pos + n) {
+                    continue;
+                }
+                float * k = k_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
+                float * v = v_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
+                std::memcpy(k, r.k + j * kd, sizeof(float) * kd);
+                std::memcpy(v, r.v + j * kd, sizeof(float) * kd);
+                for (int32_t c = 0; c < r.rank; ++c) {
+                    const float ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
+                    for (int64_t d = 0; d < kd; ++d) {
+                        k[d] += ak * r.b_k[c * kd + d];
+                        v[d] += av * r.b_v[c * kd + d];
+                    }
+                }
+                if (r.shift != 0) {
+                    rope_.apply(k, n_kv, hd, static_cast<double>(r.shift));
+                }
+            }
+            at += r.n;
+        }
+    }
+}
+
 }  // namespace kvcmas

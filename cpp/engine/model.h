@@ -66,6 +66,13 @@ class Model {
     // state; on failure the sequences keep their previous length.
     std::vector<float> decode(const Batch & batch);
 
+    // The KV that attention uses for positions [pos, pos + n) of seq, materialized: keys rotated at their positions
+    // in seq, corrections added. k_out and v_out are [n_layer][n][n_head_kv * head_dim]. The reference for tests
+    // and for measuring how a reused span deviates from an exact one.
+    void read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out);
+
+    const cpu::Rope & rope() const { return rope_; }
+
   private:
     struct Layer {
         std::vector<float> attn_norm, ffn_norm;      // [n_embd]

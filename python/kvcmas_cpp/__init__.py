@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._native import KvcmasError
-from .model import Completion, CompletionChunk, KVSequence, Model, Timings, default_model_path
+from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, Timings, default_model_path
 
 __all__ = [
     "Completion",
@@ -13,6 +13,7 @@ __all__ = [
     "KVSequence",
     "KvcmasError",
     "Model",
+    "SharedKV",
     "Timings",
     "__version__",
     "default_model_path",

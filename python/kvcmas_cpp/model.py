@@ -106,6 +106,18 @@ class CompletionChunk:
     timings: Timings | None = None
 
 
+@dataclass(frozen=True)
+class SharedKV:
+    """KV rows of some sequence, stored once, that other sequences can append without copying (see
+    KVSequence.share / append_shared). Holds the rows alive while it lives."""
+
+    handle: Any  # _core.SharedSpan
+    tokens: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 class KVSequence:
     """One sequence of KV rows in the engine (a KV slot). Positions are 0..len-1.
 
@@ -162,6 +174,24 @@ class KVSequence:
         )
         self.tokens.extend([-1] * n)
         return out[-1] if logits else None
+
+    def share(self, pos: int, n: int) -> SharedKV:
+        """The stored rows of positions [pos, pos + n), to append to other sequences (no copy)."""
+        if not (0 <= pos and n > 0 and pos + n <= len(self.tokens)):
+            raise ValueError(f"share: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
+        return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]))
+
+    def append_shared(self, shared: SharedKV, correction: Any = None) -> None:
+        """Appends shared rows at this sequence's end: attention re-positions their keys (RoPE) in the kernel and,
+        given a _core.KvCorrection, adds its low-rank K/V deltas there too."""
+        self._model._core.seq_append_shared(self.id, shared.handle, correction)
+        self.tokens.extend(shared.tokens)
+
+    def kv(self, pos: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Materialized K and V [n_layer, n, n_head_kv * head_dim] of positions [pos, pos + n) as attention sees
+        them (keys rotated at their positions, corrections added)."""
+        n = len(self.tokens) - pos if n is None else n
+        return self._model._core.seq_kv(self.id, pos, n)
 
     def fork(self) -> KVSequence:
         """A new sequence that reads this one's rows (no copy)."""

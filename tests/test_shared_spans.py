@@ -1,0 +1,137 @@
+"""Spans of KV stored once and read by several sequences at their own positions, with per-sequence low-rank
+corrections applied inside attention (the engine side of KVCMAS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp._native import core
+
+
+@pytest.fixture(scope="module")
+def model(reference_models) -> kc.Model:
+    # F32 weights: exactness checks are not blurred by quantization.
+    return kc.Model(reference_models["F32"], n_threads=2, n_ctx=512)
+
+
+def _ids(model: kc.Model, seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(100, model.n_vocab, size=n)]
+
+
+def test_same_position_sharing_is_bit_identical(model: kc.Model) -> None:
+    """An agent that reads a span at the position it was computed at gets exactly what computing it gives."""
+    prefix, span, tail = _ids(model, 1, 20), _ids(model, 2, 37), _ids(model, 3, 6)
+    with model.new_sequence() as first:
+        first.append(prefix, logits="none")
+        first.append(span, logits="none")
+        shared = first.share(len(prefix), len(span))
+        exact = first.append(tail, logits="all")
+        with model.new_sequence() as second:
+            second.append(prefix, logits="none")
+            used = model.kv_bytes_in_use
+            second.append_shared(shared)
+            assert model.kv_bytes_in_use == used  # stored once
+            np.testing.assert_array_equal(second.append(tail, logits="all"), exact)
+
+
+def test_repositioned_span_keys_equal_rerotated_keys(model: kc.Model) -> None:
+    """RoPE re-positioning inside attention equals rotating the stored keys to the new positions."""
+    a_prefix, b_prefix, span = _ids(model, 4, 25), _ids(model, 5, 9), _ids(model, 6, 30)
+    with model.new_sequence() as a, model.new_sequence() as b:
+        a.append(a_prefix + span, logits="none")
+        b.append(b_prefix, logits="none")
+        b.append_shared(a.share(len(a_prefix), len(span)))
+        ka, va = a.kv(len(a_prefix), len(span))
+        kb, vb = b.kv(len(b_prefix), len(span))
+        shift = len(b_prefix) - len(a_prefix)
+        for il in range(model.n_layer):
+            np.testing.assert_allclose(kb[il], model._core.rope_rotate(ka[il], shift), rtol=0, atol=1e-4)
+        np.testing.assert_array_equal(vb, va)
+        seg = model._core.seq_segments(b.id)
+        assert [s["shift"] for s in seg] == [0, shift] and seg[1]["shared"]
+
+
+def _exact_delta_correction(model, reader, exact_seq, pos, n, rank):
+    """Correction that turns the reader's shared rows into the exact rows, truncated to `rank` (per layer SVD),
+    expressed in the span's frame (rotated back by the segment's shift). Layer 0 stays uncorrected when asked."""
+    k_base, v_base = reader.kv(pos, n)
+    k_exact, v_exact = exact_seq.kv(pos, n)
+    shift = [s for s in model._core.seq_segments(reader.id) if s["pos"] == pos][0]["shift"]
+    kd = k_base.shape[2]
+    corr = core.KvCorrection(n, rank, kd, model.n_layer)
+    for il in range(model.n_layer):
+        factors = []
+        for delta in (k_exact[il] - k_base[il], v_exact[il] - v_base[il]):
+            u, s, vt = np.linalg.svd(delta.astype(np.float64), full_matrices=False)
+            a = np.zeros((n, rank), np.float32)
+            b = np.zeros((rank, kd), np.float32)
+            r = min(rank, len(s))
+            a[:, :r] = (u[:, :r] * s[:r]).astype(np.float32)
+            b[:r] = vt[:r].astype(np.float32)
+            factors.append((a, b))
+        (ak, bk), (av, bv) = factors
+        bk = model._core.rope_rotate(bk, -shift)  # keys' delta into the span's frame
+        corr.set_layer(il, ak, bk, av, bv)
+    return corr
+
+
+def test_full_rank_correction_reproduces_exact_kv_and_logits(model: kc.Model) -> None:
+    """With full rank the corrected KV equals the exact KV, and the next logits equal dense prefill's."""
+    a_prefix, b_prefix, span, tail = _ids(model, 7, 18), _ids(model, 8, 11), _ids(model, 9, 24), _ids(model, 10, 3)
+    with model.new_sequence() as a, model.new_sequence() as dense:
+        a.append(a_prefix + span, logits="none")
+        dense.append(b_prefix + span, logits="none")
+        exact_logits = dense.append(tail, logits="all")
+        shared = a.share(len(a_prefix), len(span))
+        with model.new_sequence() as probe:  # uncorrected reader, to measure the delta
+            probe.append(b_prefix, logits="none")
+            probe.append_shared(shared)
+            corr = _exact_delta_correction(model, probe, dense, len(b_prefix), len(span), rank=len(span))
+            rotate_only = probe.append(tail, logits="all")
+        with model.new_sequence() as b:
+            b.append(b_prefix, logits="none")
+            b.append_shared(shared, corr)
+            kb, vb = b.kv(len(b_prefix), len(span))
+            ke, ve = dense.kv(len(b_prefix), len(span))
+            assert np.abs(kb - ke).max() <= 1e-3 * np.abs(ke).max()
+            assert np.abs(vb - ve).max() <= 1e-3 * np.abs(ve).max()
+            got = b.append(tail, logits="all")
+    err_corrected = np.abs(got - exact_logits).max()
+    err_rotate_only = np.abs(rotate_only - exact_logits).max()
+    assert err_corrected <= 2e-3, err_corrected
+    assert err_rotate_only > 20 * err_corrected  # the correction did the work
+    with pytest.raises(core.KvcmasError, match="in use"):
+        corr.set_layer(1, *(np.zeros((24, 24), np.float32), np.zeros((24, 192), np.float32)) * 2)
+
+
+def test_low_rank_correction_memory_is_factor_sized(model: kc.Model) -> None:
+    n, rank, kd = 40, 8, model.n_head_kv * 64
+    corr = core.KvCorrection(n, rank, kd, model.n_layer)
+    zeros_a, zeros_b = np.zeros((n, rank), np.float32), np.zeros((rank, kd), np.float32)
+    for il in range(1, model.n_layer):  # layer 0 is never corrected
+        corr.set_layer(il, zeros_a, zeros_b, zeros_a, zeros_b)
+    assert corr.bytes == (model.n_layer - 1) * 2 * (n * rank + rank * kd) * 4
+    with model.new_sequence() as a, model.new_sequence() as b:
+        a.append(_ids(model, 11, n), logits="none")
+        b.append(_ids(model, 12, 5), logits="none")
+        b.append_shared(a.share(0, n), corr)
+        assert model._core.seq_segments(b.id)[1]["corr_bytes"] == corr.bytes
+
+
+def test_bad_sharing_requests_raise(model: kc.Model) -> None:
+    with model.new_sequence() as a, model.new_sequence() as b:
+        a.append(_ids(model, 13, 10), logits="none")
+        with pytest.raises(ValueError, match="outside"):
+            a.share(5, 10)
+        wrong = core.KvCorrection(10, 4, 100, model.n_layer)
+        with pytest.raises(core.KvcmasError, match="row width"):
+            b.append_shared(a.share(0, 10), wrong)
+        short = core.KvCorrection(3, 4, model.n_head_kv * 64, model.n_layer)
+        with pytest.raises(core.KvcmasError, match="covers 3 rows"):
+            b.append_shared(a.share(0, 10), short)
+        with pytest.raises(core.KvcmasError, match="must be"):
+            short.set_layer(0, np.zeros((2, 4), np.float32), np.zeros((4, 192), np.float32),
+                            np.zeros((3, 4), np.float32), np.zeros((4, 192), np.float32))
+        assert len(b) == 0 and model._core.seq_length(b.id) == 0
