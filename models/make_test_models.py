@@ -122,8 +122,12 @@ def _affine_k_quant(blocks: np.ndarray, n_levels: int) -> tuple[np.ndarray, np.n
         offset = (dmin[:, None] * mn)[:, :, None]
         q = np.where(step > 0, np.rint((sub + offset) / step), 0).clip(0, n_levels).astype(np.uint8)
     f16 = np.float16
-    return (d.astype(f16).view(np.uint8).reshape(n, 2), dmin.astype(f16).view(np.uint8).reshape(n, 2),
-            _pack_k_scales(sc, mn), q)
+    return (
+        d.astype(f16).view(np.uint8).reshape(n, 2),
+        dmin.astype(f16).view(np.uint8).reshape(n, 2),
+        _pack_k_scales(sc, mn),
+        q,
+    )
 
 
 def _nibbles_in_pairs_of_sub_blocks(q: np.ndarray) -> np.ndarray:
@@ -170,10 +174,11 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     low = (q & 0x0F).reshape(n, 2, 2, 64)
     ql = (low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(n, 128)
     high = (q >> 4).reshape(n, 2, 4, 32)
-    qh = (high[:, :, 0, :] | (high[:, :, 1, :] << 2) | (high[:, :, 2, :] << 4) | (high[:, :, 3, :] << 6))
+    qh = high[:, :, 0, :] | (high[:, :, 1, :] << 2) | (high[:, :, 2, :] << 4) | (high[:, :, 3, :] << 6)
     scales = sc.astype(np.int8).view(np.uint8)
-    out = np.concatenate([ql, qh.reshape(n, 64).astype(np.uint8), scales, d.astype(np.float16).view(np.uint8)
-                          .reshape(n, 2)], axis=1)
+    out = np.concatenate(
+        [ql, qh.reshape(n, 64).astype(np.uint8), scales, d.astype(np.float16).view(np.uint8).reshape(n, 2)], axis=1
+    )
     return out.reshape(rows.shape[0], -1)
 
 
@@ -309,8 +314,9 @@ class TinySpec:
 TINY_VARIANTS: dict[str, TinySpec] = {
     "llama": TinySpec(arch="llama", seed=1001, tied_output=True),
     "llama_untied": TinySpec(arch="llama", seed=1002, tied_output=False, n_layer=2),
-    "llama_rope3": TinySpec(arch="llama", seed=1003, tied_output=True, llama3_rope=True, rope_theta=500000.0,
-                            n_layer=2),
+    "llama_rope3": TinySpec(
+        arch="llama", seed=1003, tied_output=True, llama3_rope=True, rope_theta=500000.0, n_layer=2
+    ),
     "qwen2": TinySpec(arch="qwen2", seed=1004, tied_output=False, qkv_bias=True, rope_theta=1000000.0, rms_eps=1e-6),
 }
 
@@ -407,8 +413,13 @@ def tiny_vocab() -> TinyVocab:
     tokens += list(TINY_SPECIAL_TOKENS)
     normal, control = int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL)
     types = [normal] * (len(tokens) - len(TINY_SPECIAL_TOKENS)) + [control] * len(TINY_SPECIAL_TOKENS)
-    return TinyVocab(tokens=tokens, token_types=types, merges=[f"{a} {b}" for a, b in merges],
-                     bos_id=tokens.index("<|im_start|>"), eos_id=tokens.index("<|im_end|>"))
+    return TinyVocab(
+        tokens=tokens,
+        token_types=types,
+        merges=[f"{a} {b}" for a, b in merges],
+        bos_id=tokens.index("<|im_start|>"),
+        eos_id=tokens.index("<|im_end|>"),
+    )
 
 
 def permute_qk_for_llama_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -552,8 +563,9 @@ def _prepare_out_dir(out_dir: Path, family: str, version: str, pattern: str) -> 
         stamp.write_text(version + "\n")
 
 
-def ensure_reference_models(out_dir: Path = DEFAULT_OUT, types: Iterable[str] = REFERENCE_TYPES,
-                            force: bool = False, src: Path | None = None) -> dict[str, Path]:
+def ensure_reference_models(
+    out_dir: Path = DEFAULT_OUT, types: Iterable[str] = REFERENCE_TYPES, force: bool = False, src: Path | None = None
+) -> dict[str, Path]:
     """Paths of the default model's re-exports by type name, writing the missing ones. Raises if no source model."""
     src = src or default_model_path()
     if src is None:
@@ -568,8 +580,12 @@ def ensure_reference_models(out_dir: Path = DEFAULT_OUT, types: Iterable[str] = 
     return result
 
 
-def ensure_tiny_models(out_dir: Path = DEFAULT_OUT, variants: Iterable[str] = TINY_VARIANTS,
-                       types: Iterable[str] = TINY_TYPES, force: bool = False) -> dict[tuple[str, str], Path]:
+def ensure_tiny_models(
+    out_dir: Path = DEFAULT_OUT,
+    variants: Iterable[str] = TINY_VARIANTS,
+    types: Iterable[str] = TINY_TYPES,
+    force: bool = False,
+) -> dict[tuple[str, str], Path]:
     """Paths of the tiny models keyed by (variant, type name), writing the missing ones."""
     _prepare_out_dir(out_dir, "tiny", TINY_VERSION, "tiny-*.gguf")
     types = tuple(types)

@@ -193,10 +193,15 @@ def hf_greedy(path: str | Path, prompt_ids: Sequence[int], max_tokens: int, eos_
 
         model = hf_model(str(path))
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids], dtype=torch.long), max_new_tokens=max_tokens,
-                                 do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id,
-                                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-        return [int(t) for t in out[0, len(prompt_ids):]]
+            out = model.generate(
+                torch.tensor([prompt_ids], dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=eos_id,
+                pad_token_id=eos_id,
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            )
+        return [int(t) for t in out[0, len(prompt_ids) :]]
 
     return _cached_json("greedy", path, [prompt_ids, max_tokens, eos_id], compute)
 
@@ -215,8 +220,9 @@ def hf_tokenizer(path: str):
 
 def hf_encode(path: str | Path, text: str) -> list[int]:
     """transformers' tokenization of `text` (no special tokens added; special-token text is parsed)."""
-    return _cached_json("encode", path, text,
-                        lambda: [int(t) for t in hf_tokenizer(str(path)).encode(text, add_special_tokens=False)])
+    return _cached_json(
+        "encode", path, text, lambda: [int(t) for t in hf_tokenizer(str(path)).encode(text, add_special_tokens=False)]
+    )
 
 
 def hf_chat_prompt_ids(path: str | Path, user_text: str) -> list[int]:
@@ -224,8 +230,9 @@ def hf_chat_prompt_ids(path: str | Path, user_text: str) -> list[int]:
 
     def compute() -> list[int]:
         tok = hf_tokenizer(str(path))
-        text = tok.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+        )
         return [int(t) for t in tok.encode(text, add_special_tokens=False)]
 
     return _cached_json("chat", path, user_text, compute)

@@ -56,7 +56,7 @@ def make_runs(rng, lengths, shifts, ranks, n_head_kv, hd, shared_factors=False):
     kd = n_head_kv * hd
     runs = []
     shared = {}
-    for n, shift, rank in zip(lengths, shifts, ranks):
+    for n, shift, rank in zip(lengths, shifts, ranks, strict=True):
         r = {
             "k": rng.standard_normal((n, kd)).astype(np.float32),
             "v": rng.standard_normal((n, kd)).astype(np.float32),

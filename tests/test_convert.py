@@ -99,7 +99,7 @@ def varied_strings(n: int, seed: int, specials: list[str] | None = None) -> list
             elif r < 0.8:
                 parts.append(rng.choice(_ODD))
             elif r < 0.9:
-                parts.append(str(rng.randint(0, 10**rng.randint(1, 9))))
+                parts.append(str(rng.randint(0, 10 ** rng.randint(1, 9))))
             elif specials:
                 parts.append(rng.choice(specials))
             else:
@@ -129,24 +129,31 @@ def _build_bpe(kind: str, folder: Path) -> None:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_train_corpus(), trainer)
     if kind == "llama3":
         bos = specials[0]
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     bos, eos = (specials[0], specials[1]) if kind == "llama3" else (None, specials[0])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
-                                                 chat_template=CHAT_TEMPLATE)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, chat_template=CHAT_TEMPLATE
+    )
     fast.save_pretrained(folder)
 
 
 def _build_spm(folder: Path) -> None:
     """Trains a SentencePiece BPE model with byte fallback (Llama's settings) and writes tokenizer.model."""
     import sentencepiece as spm
+
     model = io.BytesIO()
     lines = [s.replace("\n", " ") for s in _train_corpus()]
     spm.SentencePieceTrainer.train(
@@ -282,16 +289,20 @@ def test_weights_round_trip(checkpoints: dict[str, Path], tmp_path: Path, outtyp
     original = load_file(folder / "model.safetensors")
     n_head = {"attn_q": 4, "attn_k": 2}
     permute = (folder / "config.json").read_text().find("LlamaForCausalLM") >= 0
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-             "output_norm.weight": "model.norm.weight"}
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output.weight": "lm_head.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
     blk = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
            "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # fmt: skip
     out = tmp_path / "w.gguf"
     kc.convert(folder, out, outtype=outtype, progress=False)
     tensors = GGUFReader(out).tensors
-    assert len(tensors) == len(original) - ("lm_head.weight" in original and "output.weight" not in
-                                             {t.name for t in tensors})
+    assert len(tensors) == len(original) - (
+        "lm_head.weight" in original and "output.weight" not in {t.name for t in tensors}
+    )
     for t in tensors:
         data = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if t.name in names:
@@ -342,8 +353,14 @@ def test_streaming_memory(tmp_path: Path) -> None:
     import tracemalloc
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=12,
-                                      num_attention_heads=4, num_key_value_heads=4)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
     largest = 512 * 128 * 4
     total = sum(p.stat().st_size for p in (tmp_path / "ckpt").glob("*.safetensors"))
@@ -377,8 +394,9 @@ def test_bpe_tokenizer_round_trip(checkpoints: dict[str, Path], tmp_path: Path, 
         assert ours.decode(ids) == hf.decode(ids)
     messages = [{"role": "user", "content": "hi there"}]
     model = kvcmas_cpp.Model(out, n_threads=1)
-    assert model.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False,
-                                                                         add_generation_prompt=True)
+    assert model.apply_chat_template(messages) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_real_vocabulary_matches_llama_cpp_converter(default_model_path: Path, tmp_path: Path) -> None:
@@ -406,8 +424,9 @@ def test_sentencepiece_round_trip(checkpoints: dict[str, Path], tmp_path: Path) 
     assert meta["tokenizer.ggml.bos_token_id"] == 1 and meta["tokenizer.ggml.unknown_token_id"] == 0
     ours = Tokenizer.from_gguf_metadata(meta)
     ref = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-    assert [ours.token_text(i) for i in range(ref.get_piece_size())] == [ref.id_to_piece(i) for i in
-                                                                          range(ref.get_piece_size())]
+    assert [ours.token_text(i) for i in range(ref.get_piece_size())] == [
+        ref.id_to_piece(i) for i in range(ref.get_piece_size())
+    ]
     strings = varied_strings(N_STRINGS, seed=12)
     mismatches = []
     for s in strings:
@@ -434,11 +453,26 @@ def test_kvcmas_settings_defaults_and_types() -> None:
             kc.kvcmas_settings(bad)
 
 
-def test_kvcmas_keys_written_read_and_updated(checkpoints: dict[str, Path], tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvcmas_keys_written_read_and_updated(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "k.gguf"
-    rc = convert_main([str(checkpoints["qwen2-f32-tied"]), "-o", str(out), "--outtype", "f32", "--no-progress",
-                       "--kvcmas-rank", "16", "--kvcmas-gate-threshold", "0.45", "--kvcmas-chain", "false"])
+    rc = convert_main(
+        [
+            str(checkpoints["qwen2-f32-tied"]),
+            "-o",
+            str(out),
+            "--outtype",
+            "f32",
+            "--no-progress",
+            "--kvcmas-rank",
+            "16",
+            "--kvcmas-gate-threshold",
+            "0.45",
+            "--kvcmas-chain",
+            "false",
+        ]
+    )
     assert rc == 0
     meta = core.GgufFile(str(out)).metadata()  # the engine's own GGUF reader
     settings = kc.kvcmas_settings(meta)
@@ -455,7 +489,8 @@ def test_kvcmas_keys_written_read_and_updated(checkpoints: dict[str, Path], tmp_
     settings2 = kc.kvcmas_settings(meta2)
     assert (settings2["rank_k"], settings2["rank_v"], settings2["first_layer"], settings2["chain"]) == (8, 16, 2, True)
     assert {k: v for k, v in meta2.items() if not k.startswith("kvcmas.")} == {
-        k: v for k, v in meta.items() if not k.startswith("kvcmas.")}
+        k: v for k, v in meta.items() if not k.startswith("kvcmas.")
+    }
     after = {t.name: np.array(t.data) for t in GGUFReader(out).tensors}
     assert before.keys() == after.keys() and all(np.array_equal(before[n], after[n]) for n in before)
     np.testing.assert_array_equal(kvcmas_cpp.Model(out, n_threads=1).logits(IDS[:4]), logits_before)
@@ -482,8 +517,19 @@ def test_add_subcommands_on_another_cli(checkpoints: dict[str, Path], tmp_path: 
     parser = argparse.ArgumentParser(prog="kvcmas")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "c.gguf"
-    args = parser.parse_args(["convert", str(checkpoints["llama-f32"]), "-o", str(out), "--outtype", "q4_0",
-                              "--no-progress", "--kvcmas-first-layer", "3"])
+    args = parser.parse_args(
+        [
+            "convert",
+            str(checkpoints["llama-f32"]),
+            "-o",
+            str(out),
+            "--outtype",
+            "q4_0",
+            "--no-progress",
+            "--kvcmas-first-layer",
+            "3",
+        ]
+    )
     assert args.func(args) == 0
     args = parser.parse_args(["gguf", "set", str(out), "anchor_window=7"])
     assert args.func(args) == 0
@@ -574,8 +620,9 @@ def test_sharded_index_errors(checkpoints: dict[str, Path], tmp_path: Path) -> N
     assert no_leftovers(tmp_path) == []
 
 
-def test_failure_while_writing_keeps_old_output(checkpoints: dict[str, Path], tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_while_writing_keeps_old_output(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failure after the header is written removes the temporary file and leaves an existing output as it was."""
     out = tmp_path / "m.gguf"
     out.write_bytes(b"previous")
@@ -614,8 +661,11 @@ def _camel(name: str) -> str:
 def test_constants_agree_with_cpp() -> None:
     header = (REPO / "cpp" / "engine" / "gguf-names.h").read_text()
     cpp = dict(re.findall(r'inline constexpr char (\w+)\[\] = "([^"]*)";', header))
-    py = {_camel(n): getattr(C, n) for n in dir(C)
-          if re.fullmatch(r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(LLAMA|QWEN2)|KVCMAS_PREFIX", n)}
+    py = {
+        _camel(n): getattr(C, n)
+        for n in dir(C)
+        if re.fullmatch(r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(LLAMA|QWEN2)|KVCMAS_PREFIX", n)
+    }
     py.update({_camel("KVCMAS_" + s.key.split(".", 1)[1]): s.key for s in C.KVCMAS_SETTINGS})
     assert cpp == py
 

@@ -69,10 +69,9 @@ def test_truncate_then_continue_matches_recompute(model: kc.Model) -> None:
         assert len(a) == len(p)
         out = a.append(y, logits="all")
     np.testing.assert_array_equal(out, _fresh(model, p, y)[-len(y) :])
-    with pytest.raises(ValueError, match="truncate"):
-        with model.new_sequence() as s:
-            s.append(p[:3], logits="none")
-            s.truncate(4)
+    with pytest.raises(ValueError, match="truncate"), model.new_sequence() as s:
+        s.append(p[:3], logits="none")
+        s.truncate(4)
 
 
 def test_remove_frees_memory(model: kc.Model) -> None:
@@ -93,12 +92,12 @@ def test_batched_decode_equals_one_by_one(model: kc.Model) -> None:
     prompts = [_ids(model, 20 + i, n) for i, n in enumerate((13, 29, 41))]
     steps = [_ids(model, 30 + i, 4) for i in range(3)]
     seqs = [model.new_sequence() for _ in prompts]
-    for seq, p in zip(seqs, prompts):
+    for seq, p in zip(seqs, prompts, strict=True):
         seq.append(p, logits="none")
     batched = []
     for j in range(4):
-        batched.append(model.decode_batch([(seq, [s[j]]) for seq, s in zip(seqs, steps)]))
-    for i, (p, s) in enumerate(zip(prompts, steps)):
+        batched.append(model.decode_batch([(seq, [s[j]]) for seq, s in zip(seqs, steps, strict=True)]))
+    for i, (p, s) in enumerate(zip(prompts, steps, strict=True)):
         with model.new_sequence() as alone:
             alone.append(p, logits="none")
             for j in range(4):
@@ -117,7 +116,7 @@ def test_prefill_in_one_batch_mixing_sequences(model: kc.Model) -> None:
     p1, p2 = _ids(model, 40, 17), _ids(model, 41, 23)
     a, b = model.new_sequence(), model.new_sequence()
     last = model.decode_batch([(a, p1), (b, p2)])
-    for got, p in zip(last, (p1, p2)):
+    for got, p in zip(last, (p1, p2), strict=True):
         # Logits of one row each side: the output matmul runs the same kernel path (its path depends on the
         # number of rows, and quantized weights may meet 8-bit activations on the few-rows path).
         with model.new_sequence() as alone:

@@ -218,8 +218,9 @@ def test_tiny_decode_path_matches_transformers(tiny_models, reference, variant: 
 
 
 @pytest.mark.parametrize(("type_name", "max_abs"), [("F32", 0.02), ("F16", 0.1)])
-def test_smollm2_logits_match_transformers(reference_models, default_model_path, reference, type_name: str,
-                                           max_abs: float) -> None:
+def test_smollm2_logits_match_transformers(
+    reference_models, default_model_path, reference, type_name: str, max_abs: float
+) -> None:
     """F32 / F16 re-exports: same argmax at every position of 3 prose prompts of 64 tokens, bounded |d logit|."""
     path = reference_models[type_name]
     model = engine_model(str(path))
@@ -234,8 +235,9 @@ def test_smollm2_logits_match_transformers(reference_models, default_model_path,
 
 
 @pytest.mark.parametrize("type_name", ["F32", "F16"])
-def test_smollm2_greedy_generation_matches_transformers(reference_models, default_model_path, reference,
-                                                         type_name: str) -> None:
+def test_smollm2_greedy_generation_matches_transformers(
+    reference_models, default_model_path, reference, type_name: str
+) -> None:
     """Greedy 32-token continuations of chat prompts are identical to transformers' generate(do_sample=False)."""
     path = reference_models[type_name]
     model = engine_model(str(path))
@@ -247,8 +249,10 @@ def test_smollm2_greedy_generation_matches_transformers(reference_models, defaul
         got = strip_eos(out.tokens, eos)
         pairs = zip(got, expected, strict=False)
         first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got), len(expected)))
-        assert got == expected, (f"SmolLM2 {type_name} greedy differs from token {first}: engine "
-                                 f"{got[first:first + 5]} vs transformers {expected[first:first + 5]}")
+        assert got == expected, (
+            f"SmolLM2 {type_name} greedy differs from token {first}: engine "
+            f"{got[first : first + 5]} vs transformers {expected[first : first + 5]}"
+        )
         assert len(expected) >= 8, "reference stopped too early for a meaningful comparison"
 
 

@@ -80,8 +80,12 @@ def test_stop_string_cuts_the_text(model: kc.Model) -> None:
     cut = model.generate("List the days of the week: Monday,", max_tokens=24, temperature=0.0, stop=[stop])
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[:first]
-    streamed = "".join(c.text for c in model.generate(
-        "List the days of the week: Monday,", max_tokens=24, temperature=0.0, stop=[stop], stream=True))
+    streamed = "".join(
+        c.text
+        for c in model.generate(
+            "List the days of the week: Monday,", max_tokens=24, temperature=0.0, stop=[stop], stream=True
+        )
+    )
     assert streamed == cut.text
 
 

@@ -132,6 +132,11 @@ def test_bad_sharing_requests_raise(model: kc.Model) -> None:
         with pytest.raises(core.KvcmasError, match="covers 3 rows"):
             b.append_shared(a.share(0, 10), short)
         with pytest.raises(core.KvcmasError, match="must be"):
-            short.set_layer(0, np.zeros((2, 4), np.float32), np.zeros((4, 192), np.float32),
-                            np.zeros((3, 4), np.float32), np.zeros((4, 192), np.float32))
+            short.set_layer(
+                0,
+                np.zeros((2, 4), np.float32),
+                np.zeros((4, 192), np.float32),
+                np.zeros((3, 4), np.float32),
+                np.zeros((4, 192), np.float32),
+            )
         assert len(b) == 0 and model._core.seq_length(b.id) == 0

@@ -92,8 +92,11 @@ def add_subcommands(subparsers: Any) -> None:
     Each parser sets ``func`` (taking the parsed namespace, returning an exit status); callers catch ConvertError
     (a ValueError) to print it as an error message.
     """
-    p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to GGUF",
-                              description="Convert a Hugging Face checkpoint folder to a GGUF file.")
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint to GGUF",
+        description="Convert a Hugging Face checkpoint folder to a GGUF file.",
+    )
     _add_convert_arguments(p)
     p.set_defaults(func=run_convert)
     g = subparsers.add_parser("gguf", help="inspect or update a GGUF file")
@@ -102,8 +105,11 @@ def add_subcommands(subparsers: Any) -> None:
     s.add_argument("file")
     s.add_argument("--no-tensors", action="store_true", help="metadata only")
     s.set_defaults(func=run_gguf_show)
-    u = gsub.add_parser("set", help="update kvcmas.* keys in place (no reconversion)",
-                        description="Update kvcmas.* keys of a GGUF file, e.g. kvcmas.rank_k=16 gate_threshold=0.5")
+    u = gsub.add_parser(
+        "set",
+        help="update kvcmas.* keys in place (no reconversion)",
+        description="Update kvcmas.* keys of a GGUF file, e.g. kvcmas.rank_k=16 gate_threshold=0.5",
+    )
     u.add_argument("file")
     u.add_argument("assignments", nargs="+", metavar="KEY=VALUE")
     u.set_defaults(func=run_gguf_set)
@@ -114,8 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("convert", "gguf", "-h", "--help"):
         argv.insert(0, "convert")
-    parser = argparse.ArgumentParser(prog="python -m kvcmas_convert",
-                                     description="Hugging Face checkpoints to GGUF, and GGUF metadata tools.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcmas_convert", description="Hugging Face checkpoints to GGUF, and GGUF metadata tools."
+    )
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

@@ -158,9 +158,7 @@ def convert(
     tensors = CheckpointTensors(model_dir)
     try:
         plans = model.plan(tensors)
-        vocab_export: VocabExport | None = (
-            export_vocab(model_dir, model.n_vocab, config, vocab_pre) if vocab else None
-        )
+        vocab_export: VocabExport | None = export_vocab(model_dir, model.n_vocab, config, vocab_pre) if vocab else None
         settings = default_settings()
         settings.update(validate_settings(kvcmas or {}, "kvcmas settings"))
         metadata: dict[str, Any] = {
@@ -240,8 +238,9 @@ def _write(
                 if plan.transform is not None:
                     data = plan.transform(data)
             if data.shape != plan.shape:
-                raise ConvertError(f"tensor {plan.name!r}: produced shape {list(data.shape)}, expected "
-                                   f"{list(plan.shape)}")
+                raise ConvertError(
+                    f"tensor {plan.name!r}: produced shape {list(data.shape)}, expected {list(plan.shape)}"
+                )
             try:
                 writer.write_tensor_data(encode_tensor(data, qtype))
             except OSError as e:

@@ -101,8 +101,9 @@ class ModelClass:
         self.rms_eps = float(c.get("rms_norm_eps", 1e-6))
         self.tied = bool(c.get("tie_word_embeddings", False))
         if self.n_head % self.n_head_kv != 0:
-            raise ConvertError(f"{where}: num_attention_heads {self.n_head} is not a multiple of "
-                               f"num_key_value_heads {self.n_head_kv}")
+            raise ConvertError(
+                f"{where}: num_attention_heads {self.n_head} is not a multiple of num_key_value_heads {self.n_head_kv}"
+            )
         act = c.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConvertError(f"{where}: hidden_act {act!r} is not supported (kvcmas runs SiLU-gated MLPs)")
@@ -193,17 +194,22 @@ class ModelClass:
                 continue
             used.add(p.source)
             if p.source not in tensors:
-                raise ConvertError(f"{self.where}: tensor {p.source!r} (for GGUF {p.name!r}) is missing from the "
-                                   f"checkpoint")
+                raise ConvertError(
+                    f"{self.where}: tensor {p.source!r} (for GGUF {p.name!r}) is missing from the checkpoint"
+                )
             shape = tensors.shape(p.source)
             if shape != p.shape:
-                raise ConvertError(f"{tensors.refs[p.source].path}: tensor {p.source!r} has shape {list(shape)}, "
-                                   f"config.json implies {list(p.shape)}")
+                raise ConvertError(
+                    f"{tensors.refs[p.source].path}: tensor {p.source!r} has shape {list(shape)}, "
+                    f"config.json implies {list(p.shape)}"
+                )
         unexpected = sorted(set(tensors) - used - self.ignored_tensors())
         if unexpected:
             more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-            raise ConvertError(f"{tensors.refs[unexpected[0]].path}: unexpected tensor(s) for "
-                               f"{self.hf_architecture}: {', '.join(map(repr, unexpected[:5]))}{more}")
+            raise ConvertError(
+                f"{tensors.refs[unexpected[0]].path}: unexpected tensor(s) for "
+                f"{self.hf_architecture}: {', '.join(map(repr, unexpected[:5]))}{more}"
+            )
 
 
 MODEL_CLASSES: dict[str, type[ModelClass]] = {}
@@ -262,5 +268,6 @@ def model_class_for(config: dict[str, Any], where: str) -> ModelClass:
     for arch in archs:
         if arch in MODEL_CLASSES:
             return MODEL_CLASSES[arch](config, where)
-    raise ConvertError(f"{where}: unsupported architecture {', '.join(map(str, archs))}; supported: "
-                       f"{', '.join(sorted(MODEL_CLASSES))}")
+    raise ConvertError(
+        f"{where}: unsupported architecture {', '.join(map(str, archs))}; supported: {', '.join(sorted(MODEL_CLASSES))}"
+    )

@@ -93,8 +93,10 @@ def _read_safetensors_header(path: Path) -> dict[str, TensorRef]:
             raise ConvertError(f"{path}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16, F64")
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if end - begin != n * _ST_DTYPES[dtype].itemsize or begin < 0 or data_start + end > size:
-            raise ConvertError(f"{path}: tensor {name!r} has byte range [{begin}, {end}) inconsistent with "
-                               f"its shape {list(shape)} / dtype {dtype} or the file size")
+            raise ConvertError(
+                f"{path}: tensor {name!r} has byte range [{begin}, {end}) inconsistent with "
+                f"its shape {list(shape)} / dtype {dtype} or the file size"
+            )
         refs[name] = TensorRef(name, path, dtype, shape, data_start + begin, data_start + end)
     return refs
 
@@ -126,8 +128,10 @@ class CheckpointTensors:
         elif (model_dir / BIN_SINGLE).is_file():
             self._add_bin(model_dir / BIN_SINGLE)
         else:
-            raise ConvertError(f"{model_dir}: no weights found (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
-                               f"{BIN_SINGLE} or {BIN_INDEX})")
+            raise ConvertError(
+                f"{model_dir}: no weights found (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, "
+                f"{BIN_SINGLE} or {BIN_INDEX})"
+            )
 
     def _index_shards(self, index: Path) -> list[Path]:
         try:

@@ -103,8 +103,10 @@ def _pre_name(pre_tokenizer: Any, path: Path) -> str:
         regex = pattern.get("Regex") if isinstance(pattern, dict) else None
         if regex in _REGEX_PRE_NAMES:
             return _REGEX_PRE_NAMES[regex]
-    raise ConvertError(f"{path}: pre-tokenizer {json.dumps(pre_tokenizer)[:200]} is not recognised; pass "
-                       f"--vocab-pre NAME (a llama.cpp pre-tokenizer name such as gpt-2, llama-bpe, qwen2, starcoder)")
+    raise ConvertError(
+        f"{path}: pre-tokenizer {json.dumps(pre_tokenizer)[:200]} is not recognised; pass "
+        f"--vocab-pre NAME (a llama.cpp pre-tokenizer name such as gpt-2, llama-bpe, qwen2, starcoder)"
+    )
 
 
 def _special_flags(post: Any, bos_id: int | None, eos_id: int | None) -> tuple[bool | None, bool | None]:
@@ -135,8 +137,9 @@ def _special_flags(post: Any, bos_id: int | None, eos_id: int | None) -> tuple[b
 
 def _pad(tokens: list[str | None], types: list[int], n_vocab: int, path: Path) -> list[str]:
     if len(tokens) > n_vocab:
-        raise ConvertError(f"{path}: the tokenizer has {len(tokens)} tokens, more than config.json's vocab_size "
-                           f"{n_vocab}")
+        raise ConvertError(
+            f"{path}: the tokenizer has {len(tokens)} tokens, more than config.json's vocab_size {n_vocab}"
+        )
     out: list[str] = []
     for i in range(n_vocab):
         text = tokens[i] if i < len(tokens) else None
@@ -155,8 +158,10 @@ def _from_tokenizer_json(path: Path, n_vocab: int, pre_override: str | None) -> 
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         kind = model.get("type") if isinstance(model, dict) else None
-        raise ConvertError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE only; SentencePiece "
-                           f"vocabularies are read from tokenizer.model)")
+        raise ConvertError(
+            f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE only; SentencePiece "
+            f"vocabularies are read from tokenizer.model)"
+        )
     if model.get("byte_fallback"):
         raise ConvertError(f"{path}: a SentencePiece-style BPE (byte_fallback) needs its tokenizer.model file")
     tokens: list[str | None] = [None] * n_vocab
@@ -318,8 +323,9 @@ def export_vocab(model_dir: Path, n_vocab: int, config: dict[str, Any], pre_over
         values, ids = _from_tokenizer_json(tj, n_vocab, pre_override)
         source = tj
     else:
-        raise ConvertError(f"{model_dir}: no tokenizer.json or tokenizer.model (pass --no-vocab to convert without "
-                           f"a tokenizer)")
+        raise ConvertError(
+            f"{model_dir}: no tokenizer.json or tokenizer.model (pass --no-vocab to convert without a tokenizer)"
+        )
     post = values.pop("_post_processor", None)
 
     def special(name: str, config_key: str) -> int | None:

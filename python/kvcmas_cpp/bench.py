@@ -113,7 +113,8 @@ def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int) -
 
 
 def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int) -> CoreResult:
-    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--worker", engine, model_path, str(threads), str(prompt), str(gen)]
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--worker", engine, model_path]
+    cmd += [str(threads), str(prompt), str(gen)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} benchmark failed on {model_path}:\n{proc.stderr[-2000:]}")

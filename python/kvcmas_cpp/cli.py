@@ -9,7 +9,10 @@ from typing import Any
 
 from . import __version__
 
-DEMO_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+DEMO_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,8 +108,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"model: {model.path} ({model.arch}, {model.n_layer} layers, {model.n_threads} threads)", file=sys.stderr)
     print(f"question: {args.prompt}", file=sys.stderr)
     result = model.chat(
-        [{"role": "system", "content": "You are a helpful math tutor. Solve the problem step by step."},
-         {"role": "user", "content": args.prompt}],
+        [
+            {"role": "system", "content": "You are a helpful math tutor. Solve the problem step by step."},
+            {"role": "user", "content": args.prompt},
+        ],
         stream=True,
         **_sampling(args),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -169,15 +170,13 @@ class KVSequence:
         if logits:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
-        out = self._model._core.decode(
-            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32)
-        )
+        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32))
         self.tokens.extend([-1] * n)
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
         """The stored rows of positions [pos, pos + n), to append to other sequences (no copy)."""
-        if not (0 <= pos and n > 0 and pos + n <= len(self.tokens)):
+        if not (pos >= 0 and n > 0 and pos + n <= len(self.tokens)):
             raise ValueError(f"share: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
         return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]))
 
@@ -216,10 +215,8 @@ class KVSequence:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the model may be gone at interpreter exit
             self.close()
-        except Exception:
-            pass
 
 
 class Model:
@@ -375,9 +372,7 @@ class Model:
                 return Completion("".join(pieces), tokens, chunk.finish_reason, chunk.timings)
         raise AssertionError("generation ended without a final chunk")
 
-    def chat(
-        self, messages: list[dict[str, Any]], **kwargs: Any
-    ) -> Completion | Iterator[CompletionChunk]:
+    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Completion | Iterator[CompletionChunk]:
         """generate() on the chat-template rendering of messages (with the assistant generation prompt)."""
         text = self.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
