@@ -1,0 +1,95 @@
+"""The `kvcmas` command line, run for real in subprocesses on the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+
+
+def kvcmas(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcmas_cpp.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path: str) -> kc.Model:
+    return kc.Model(default_model_path, n_threads=2)
+
+
+def test_generate_prints_the_greedy_answer_and_timings(model: kc.Model, default_model_path: str) -> None:
+    out = kvcmas("generate", "What is 2 + 2?", "-n", "12", "-t", "2", "--timings", "--no-stream")
+    assert out.returncode == 0, out.stderr
+    expected = model.chat([{"role": "user", "content": "What is 2 + 2?"}], max_tokens=12, temperature=0.0)
+    assert out.stdout.rstrip("\n") == expected.text
+    assert "prompt:" in out.stderr and "tok/s" in out.stderr
+
+
+def test_generate_streams_the_same_text(model: kc.Model) -> None:
+    streamed = kvcmas("generate", "Name a fruit.", "-n", "10", "-t", "2")
+    whole = kvcmas("generate", "Name a fruit.", "-n", "10", "-t", "2", "--no-stream")
+    assert streamed.returncode == 0 and whole.returncode == 0
+    assert streamed.stdout == whole.stdout
+
+
+def test_raw_generation_continues_the_text(model: kc.Model) -> None:
+    out = kvcmas("generate", "--raw", "The capital of France is", "-n", "6", "-t", "2", "--no-stream")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip("\n") == model.generate("The capital of France is", max_tokens=6, temperature=0.0).text
+
+
+def test_chat_reads_turns_from_stdin() -> None:
+    out = kvcmas("chat", "-n", "8", "-t", "2", stdin="Hello!\n\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("> ") and len(out.stdout.strip()) > 2
+
+
+def test_bench_core_json_has_the_measured_fields() -> None:
+    out = kvcmas("bench", "core", "--threads", "1", "--prompt", "16", "--gen", "4", "--rounds", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert len(rows) == 1 and rows[0]["engine"] == "kvcmas"
+    assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["peak_rss_mb"] > 50
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
+    out = kvcmas("generate", "hi", "-m", str(tmp_path / "nope.gguf"))
+    assert out.returncode == 1
+    assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) -> None:
+    """The forward pass accepts input vectors (image features later): token-embedding rows equal token ids."""
+    import gguf
+
+    path = reference_models["F32"]
+    model = kc.Model(path, n_threads=2)
+    reader = gguf.GGUFReader(path)
+    table = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    ids = [504, 3458, 282, 4649, 314]
+    rows = np.asarray(table.data)[ids].astype(np.float32)
+    with model.new_sequence() as a, model.new_sequence() as b:
+        by_id = a.append(ids, logits="last")
+        by_vector = b.append_embeddings(rows, logits=True)
+        np.testing.assert_array_equal(by_vector, by_id)
+        # mixed: ids, then vectors, then ids
+        with model.new_sequence() as c:
+            c.append(ids[:2], logits="none")
+            c.append_embeddings(rows[2:4])
+            np.testing.assert_array_equal(c.append(ids[4:], logits="last"), by_id)
+    with pytest.raises(ValueError, match="expected shape"):
+        model.new_sequence().append_embeddings(np.zeros((2, 7), np.float32))
