@@ -10,29 +10,11 @@
 
 #define KC_ATTN_NS portable_in_avx2
 #include "cpu/attention-impl.h"
+#include "cpu/simd-avx2.h"
 
 namespace kvcmas::cpu {
 
 namespace {
-
-// e^x for x <= 0 (softmax after subtracting the max); Cephes-style range reduction and polynomial, ~1e-7 relative.
-inline __m256 exp_nonpositive(__m256 x) {
-    x                = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx        = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx               = _mm256_floor_ps(fx);
-    x                = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x                = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256       y   = _mm256_set1_ps(1.9875691500e-4f);
-    y                = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y                = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y                = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y                = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y                = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 xx  = _mm256_mul_ps(x, x);
-    y                = _mm256_fmadd_ps(y, xx, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e  = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -140,14 +122,14 @@ void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * 
         __m256       vsum = _mm256_setzero_ps();
         int64_t      j    = 0;
         for (; j + 8 <= seen; j += 8) {
-            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(score + j), vmax));
+            const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(score + j), vmax));
             _mm256_storeu_ps(score + j, e);
             vsum = _mm256_add_ps(vsum, e);
         }
         if (j < seen) {
             float tmp[8] = { 0 };
             std::memcpy(tmp, score + j, sizeof(float) * static_cast<size_t>(seen - j));
-            __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tmp), vmax));
+            __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(tmp), vmax));
             _mm256_storeu_ps(tmp, e);
             for (int64_t t = seen - j; t < 8; ++t) {
                 tmp[t] = 0.0f;

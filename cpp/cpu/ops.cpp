@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "cpu/cpu-features.h"
+
 namespace kvcmas::cpu {
 
 void rms_norm(const float * x, const float * w, float * y, int64_t n, float eps) {
@@ -15,7 +17,17 @@ void rms_norm(const float * x, const float * w, float * y, int64_t n, float eps)
     }
 }
 
+#ifdef KC_X86
+void silu_mul_avx2(const float * gate, const float * up, float * y, int64_t n);
+#endif
+
 void silu_mul(const float * gate, const float * up, float * y, int64_t n) {
+#ifdef KC_X86
+    if (cpu_features().avx2_fma_f16c) {
+        silu_mul_avx2(gate, up, y, n);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < n; ++i) {
         const float g = gate[i];
         y[i]          = g / (1.0f + std::exp(-g)) * up[i];
