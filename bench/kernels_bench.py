@@ -1,8 +1,8 @@
 """Throughput of the CPU matmul kernels on SmolLM2-135M shapes (a tuning aid, not a test).
 
 Prints GFLOP/s for prefill-shaped products (n_tok x n_in x n_out, default 512 x 576 x 1536) and GB/s of weight
-bytes streamed for decode-shaped ones (1 token, all 30 layers' worth of distinct weight matrices so that the
-weights come from memory as in a real decode step, not from cache).
+bytes streamed for decode-shaped ones (--decode-tokens rows, default 1; all 30 layers' worth of distinct weight
+matrices so that the weights come from memory as in a real decode step, not from cache).
 
 With --threads 1 the figures use the thread's CPU time, so they hold on a busy machine; with more threads they are
 wall-clock and need a quiet one.
@@ -67,10 +67,12 @@ def bench_prefill(qtype: QT, n_tok: int, n_in: int, n_out: int, threads: int, rn
     return 2.0 * n_tok * n_in * n_out / sec / 1e9
 
 
-def bench_decode(qtype: QT, n_in: int, n_out: int, threads: int, rng: np.random.Generator, copies: int = 30) -> float:
-    """GB/s of weight bytes read by single-token products over `copies` distinct matrices (one decode step)."""
+def bench_decode(
+    qtype: QT, n_in: int, n_out: int, threads: int, rng: np.random.Generator, n_tok: int = 1, copies: int = 30
+) -> float:
+    """GB/s of weight bytes read by n_tok-token products over `copies` distinct matrices (one decode step)."""
     weights = [make_weight(qtype, n_out, n_in, rng) for _ in range(copies)]
-    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     sec = pick(core.matmul_bench(int(qtype), weights, n_in, n_out, x, threads, 20), threads)
     return len(weights[0]) * copies / sec / 1e9
 
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", default="f16,q8_0,q4_1,q4_k,q6_k")
     parser.add_argument("--n-tok", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=1, help="rows per decode-shaped product")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"cpu features: {core.cpu_features()}, threads: {args.threads}")
@@ -89,7 +92,7 @@ def main() -> None:
         shapes = [(768, 1536), (1536, 768), (768, 768)] if qtype in K_QUANTS else [(576, 1536), (1536, 576), (576, 576)]
         t0 = time.perf_counter()
         pre = [bench_prefill(qtype, args.n_tok, n_in, n_out, args.threads, rng) for n_in, n_out in shapes]
-        dec = [bench_decode(qtype, n_in, n_out, args.threads, rng) for n_in, n_out in shapes[:2]]
+        dec = [bench_decode(qtype, n_in, n_out, args.threads, rng, args.decode_tokens) for n_in, n_out in shapes[:2]]
         pre_s = "  ".join(f"{n_in}x{n_out}: {g:6.1f}" for (n_in, n_out), g in zip(shapes, pre, strict=True))
         dec_s = "  ".join(f"{n_in}x{n_out}: {g:5.1f}" for (n_in, n_out), g in zip(shapes[:2], dec, strict=True))
         print(f"{name:5s} prefill GFLOP/s [{pre_s}]  decode GB/s [{dec_s}]  ({time.perf_counter() - t0:.1f}s)")
