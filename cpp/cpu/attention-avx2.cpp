@@ -53,130 +53,174 @@ inline __m256 scores8(const float * q, const float * const k[8], int n_chunks) {
 
 }  // namespace
 
-void attend_avx2(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
-                 int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+// nq consecutive queries of one sequence over the same runs: query i sees the first n_visible0 + i rows. Keys and
+// values are walked once per group of queries, so they are read from L1 instead of L2 for every query; the
+// arithmetic per query is the same as for a single query, so results are bit-identical to nq separate calls.
+void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
+                       const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
+                       int64_t out_stride, float * scratch) {
     const int hd = shape.head_dim;
     if (hd % 8 != 0 || hd > 512) {
-        portable_in_avx2::attend(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch);
+        for (int i = 0; i < nq; ++i) {
+            portable_in_avx2::attend(shape, rope, q + i * q_stride, runs, n_runs, n_visible0 + i, h_begin, h_end,
+                                     out + i * out_stride, scratch);
+        }
         return;
     }
     const int     n_chunks = hd / 8;
     const int     group    = shape.n_head / shape.n_head_kv;
-    float *       q_rot    = scratch;                                               // [n_head * hd]
-    float *       score    = scratch + static_cast<int64_t>(shape.n_head) * hd;     // [n_visible rounded up to 8]
-    float         pad[8 * 512];                                                      // last partial group of keys
-    const __m256  vscale   = _mm256_set1_ps(shape.scale);
+    const int64_t n_max    = n_visible0 + nq - 1;
+    const int64_t ld       = (n_max + 15) / 8 * 8;  // score row stride, room for a padded group
+    float *       q_rot    = scratch;                 // [nq][hd]
+    float *       score    = scratch + static_cast<int64_t>(nq) * hd;  // [nq][ld]
+    float         pad[8 * 512];                       // last partial group of keys
+    const __m256  vscale = _mm256_set1_ps(shape.scale);
+    portable_in_avx2::ScoreCorrection corr[kMaxAttentionBlock];
     for (int h = h_begin; h < h_end; ++h) {
         const int64_t kv_off       = static_cast<int64_t>(h / group) * hd;
-        const float * qh           = q + static_cast<int64_t>(h) * hd;
         int64_t       seen         = 0;
         bool          have_rot     = false;
         int32_t       cached_shift = 0;
-        portable_in_avx2::ScoreCorrection corr;
-        for (int r = 0; r < n_runs && seen < n_visible; ++r) {
-            const KvRun & run = runs[r];
-            const float * qq  = qh;
-            if (run.shift != 0) {
-                if (!have_rot || run.shift != cached_shift) {
-                    std::memcpy(q_rot, qh, sizeof(float) * static_cast<size_t>(hd));
-                    rope.apply(q_rot, 1, hd, -static_cast<double>(run.shift));
-                    cached_shift = run.shift;
-                    have_rot     = true;
+        for (int i = 0; i < nq; ++i) {
+            corr[i] = portable_in_avx2::ScoreCorrection();
+        }
+        for (int r = 0; r < n_runs && seen < n_max; ++r) {
+            const KvRun & run     = runs[r];
+            const bool    shifted = run.shift != 0;
+            if (shifted && (!have_rot || run.shift != cached_shift)) {
+                for (int i = 0; i < nq; ++i) {
+                    std::memcpy(q_rot + i * hd, q + i * q_stride + static_cast<int64_t>(h) * hd,
+                                sizeof(float) * static_cast<size_t>(hd));
+                    rope.apply(q_rot + i * hd, 1, hd, -static_cast<double>(run.shift));
                 }
-                qq = q_rot;
+                cached_shift = run.shift;
+                have_rot     = true;
             }
-            const int64_t n = std::min<int64_t>(run.n, n_visible - seen);
+            const int64_t n = std::min<int64_t>(run.n, n_max - seen);
             const float * k[8];
-            int64_t       j = 0;
-            for (; j + 8 <= n; j += 8) {
+            for (int64_t j = 0; j < n; j += 8) {
+                const bool partial = j + 8 > n;
                 for (int t = 0; t < 8; ++t) {
                     k[t] = run.k + (j + t) * shape.row_stride + kv_off;
                 }
-                _mm256_storeu_ps(score + seen + j, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
-            }
-            if (j < n) {  // copy the last keys into a zero-padded group: same arithmetic, no reads past the run
-                std::memset(pad, 0, sizeof(float) * 8 * static_cast<size_t>(hd));
-                for (int t = 0; t < 8; ++t) {
-                    if (j + t < n) {
-                        std::memcpy(pad + t * hd, run.k + (j + t) * shape.row_stride + kv_off,
-                                    sizeof(float) * static_cast<size_t>(hd));
+                if (partial) {  // copy the last keys into a zero-padded group: same arithmetic, no reads past the run
+                    std::memset(pad, 0, sizeof(float) * 8 * static_cast<size_t>(hd));
+                    for (int t = 0; t < 8; ++t) {
+                        if (j + t < n) {
+                            std::memcpy(pad + t * hd, k[t], sizeof(float) * static_cast<size_t>(hd));
+                        }
+                        k[t] = pad + t * hd;
                     }
-                    k[t] = pad + t * hd;
                 }
-                float tmp[8];
-                _mm256_storeu_ps(tmp, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
-                std::memcpy(score + seen + j, tmp, sizeof(float) * static_cast<size_t>(n - j));
+                for (int i = 0; i < nq; ++i) {
+                    if (seen + j >= n_visible0 + i) {
+                        continue;  // the whole group is in this query's future
+                    }
+                    const float * qq = shifted ? q_rot + i * hd : q + i * q_stride + static_cast<int64_t>(h) * hd;
+                    // Rows past n are written into the padding of the score row and never read.
+                    _mm256_storeu_ps(score + i * ld + seen + j, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
+                }
             }
             if (run.rank > 0) {
-                portable_in_avx2::add_score_corrections(run, corr.get(run, qq, hd, shape.row_stride, kv_off), n,
-                                                        shape.scale, score + seen);
+                for (int i = 0; i < nq; ++i) {
+                    const int64_t m = std::min<int64_t>(n, n_visible0 + i - seen);
+                    if (m > 0) {
+                        const float * qq = shifted ? q_rot + i * hd : q + i * q_stride + static_cast<int64_t>(h) * hd;
+                        portable_in_avx2::add_score_corrections(
+                            run, corr[i].get(run, qq, hd, shape.row_stride, kv_off), m, shape.scale,
+                            score + i * ld + seen);
+                    }
+                }
             }
             seen += n;
         }
-        // Softmax over score[0, seen).
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {
-            mx = std::max(mx, score[j]);
-        }
-        const __m256 vmax = _mm256_set1_ps(mx);
-        __m256       vsum = _mm256_setzero_ps();
-        int64_t      j    = 0;
-        for (; j + 8 <= seen; j += 8) {
-            const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(score + j), vmax));
-            _mm256_storeu_ps(score + j, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        if (j < seen) {
-            float tmp[8] = { 0 };
-            std::memcpy(tmp, score + j, sizeof(float) * static_cast<size_t>(seen - j));
-            __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(tmp), vmax));
-            _mm256_storeu_ps(tmp, e);
-            for (int64_t t = seen - j; t < 8; ++t) {
-                tmp[t] = 0.0f;
+        // Softmax of each query's row over its visible keys.
+        float inv[kMaxAttentionBlock];
+        for (int i = 0; i < nq; ++i) {
+            float *       row = score + i * ld;
+            const int64_t nv  = n_visible0 + i;
+            float         mx  = -INFINITY;
+            for (int64_t j = 0; j < nv; ++j) {
+                mx = std::max(mx, row[j]);
             }
-            e = _mm256_loadu_ps(tmp);
-            std::memcpy(score + j, tmp, sizeof(float) * static_cast<size_t>(seen - j));
-            vsum = _mm256_add_ps(vsum, e);
+            const __m256 vmax = _mm256_set1_ps(mx);
+            __m256       vsum = _mm256_setzero_ps();
+            int64_t      j    = 0;
+            for (; j + 8 <= nv; j += 8) {
+                const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), vmax));
+                _mm256_storeu_ps(row + j, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            if (j < nv) {
+                float tmp[8] = { 0 };
+                std::memcpy(tmp, row + j, sizeof(float) * static_cast<size_t>(nv - j));
+                __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(tmp), vmax));
+                _mm256_storeu_ps(tmp, e);
+                for (int64_t t = nv - j; t < 8; ++t) {
+                    tmp[t] = 0.0f;
+                }
+                e = _mm256_loadu_ps(tmp);
+                std::memcpy(row + j, tmp, sizeof(float) * static_cast<size_t>(nv - j));
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            inv[i] = 1.0f / hsum(vsum);
         }
-        const __m256 vinv = _mm256_set1_ps(1.0f / hsum(vsum));
-        // Values: 8 chunks (64 floats) of the output in registers at a time.
-        float * oh = out + static_cast<int64_t>(h) * hd;
+        // Values: 8 chunks (64 floats) of each query's output at a time, accumulated run by run in out.
         for (int c0 = 0; c0 < n_chunks; c0 += 8) {
             const int nc = std::min(8, n_chunks - c0);
-            __m256    acc[8];
-            for (int c = 0; c < 8; ++c) {
-                acc[c] = _mm256_setzero_ps();
+            for (int i = 0; i < nq; ++i) {
+                std::memset(out + i * out_stride + static_cast<int64_t>(h) * hd + 8 * c0, 0,
+                            sizeof(float) * 8 * static_cast<size_t>(nc));
             }
             int64_t done = 0;
-            for (int r = 0; r < n_runs && done < seen; ++r) {
+            for (int r = 0; r < n_runs && done < n_max; ++r) {
                 const KvRun & run = runs[r];
-                const int64_t n   = std::min<int64_t>(run.n, seen - done);
-                const float * v0 = run.v + kv_off + 8 * c0;
-                if (nc == 8) {  // the common head sizes (64, 128, ...): a fixed trip count keeps acc in registers
-                    for (int64_t t = 0; t < n; ++t) {
-                        const __m256  p = _mm256_set1_ps(score[done + t]);
-                        const float * v = v0 + t * shape.row_stride;
-                        for (int c = 0; c < 8; ++c) {
-                            acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                const int64_t n   = std::min<int64_t>(run.n, n_max - done);
+                const float * v0  = run.v + kv_off + 8 * c0;
+                for (int i = 0; i < nq; ++i) {
+                    const int64_t m = std::min<int64_t>(n, n_visible0 + i - done);
+                    if (m <= 0) {
+                        continue;
+                    }
+                    const float * p  = score + i * ld + done;
+                    float *       oh = out + i * out_stride + static_cast<int64_t>(h) * hd + 8 * c0;
+                    __m256        acc[8];
+                    for (int c = 0; c < nc; ++c) {
+                        acc[c] = _mm256_loadu_ps(oh + 8 * c);
+                    }
+                    if (nc == 8) {  // the common head sizes (64, 128, ...): a fixed trip count keeps acc in registers
+                        for (int64_t t = 0; t < m; ++t) {
+                            const __m256  pt = _mm256_set1_ps(p[t]);
+                            const float * v  = v0 + t * shape.row_stride;
+                            for (int c = 0; c < 8; ++c) {
+                                acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                            }
+                        }
+                    } else {
+                        for (int64_t t = 0; t < m; ++t) {
+                            const __m256  pt = _mm256_set1_ps(p[t]);
+                            const float * v  = v0 + t * shape.row_stride;
+                            for (int c = 0; c < nc; ++c) {
+                                acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                            }
                         }
                     }
-                } else {
-                    for (int64_t t = 0; t < n; ++t) {
-                        const __m256  p = _mm256_set1_ps(score[done + t]);
-                        const float * v = v0 + t * shape.row_stride;
-                        for (int c = 0; c < nc; ++c) {
-                            acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-                        }
+                    for (int c = 0; c < nc; ++c) {
+                        _mm256_storeu_ps(oh + 8 * c, acc[c]);
                     }
                 }
                 done += n;
             }
-            for (int c = 0; c < nc; ++c) {
-                _mm256_storeu_ps(oh + 8 * (c0 + c), _mm256_mul_ps(acc[c], vinv));
-            }
         }
-        portable_in_avx2::add_output_corrections(runs, n_runs, seen, score, hd, shape.row_stride, kv_off,
-                                                 _mm256_cvtss_f32(vinv), oh);
+        for (int i = 0; i < nq; ++i) {
+            float * oh = out + i * out_stride + static_cast<int64_t>(h) * hd;
+            const __m256 vinv = _mm256_set1_ps(inv[i]);
+            for (int c = 0; c < n_chunks; ++c) {
+                _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(oh + 8 * c), vinv));
+            }
+            portable_in_avx2::add_output_corrections(runs, n_runs, n_visible0 + i, score + i * ld, hd, shape.row_stride,
+                                                     kv_off, inv[i], oh);
+        }
     }
 }
 

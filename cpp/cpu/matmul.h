@@ -20,13 +20,11 @@ struct WeightView {
 };
 
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
-// Splits the output rows over the pool (chunks from a shared counter). Small n_tok (decode: below 12 tokens for
-// float weights, 16 for quantized ones) runs dot products straight from the stored format, up to 4 tokens per
-// pass over a row; larger n_tok (prefill) dequantizes tiles of w once into 16-row panels and runs a
-// register-blocked f32 kernel (6 tokens × 16 rows) over all tokens.
-// Results agree with (dequantize_row(w) · x) within f32 rounding for float weights; for quantized weights the
-// decode path quantizes the activations to 8 bits (per 32 elements, per 256 for the K-quants), as llama.cpp does.
-// Weight data must be 2-byte aligned (4 for f32); x and y need no alignment. Throws kvcmas::Error on a bad view.
+// Splits the work over the pool. Small n_tok (decode: below 6-12 tokens depending on the type) runs dot products
+// straight from the stored format with f32 activations, up to 4 tokens per pass over a row; larger n_tok
+// dequantizes tiles of w to f32 for a register-blocked GEMM. Every path computes dequantize_row(w)·x with f32
+// products and sums, so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the
+// thread count or the CPU path.
 void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
 
 // Same contract, plain reference implementation (dequantize each row, f64 accumulation); for tests.

@@ -210,7 +210,7 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
     if (!in_place) {
         auto span    = std::make_shared<KvSpan>(pool_, len);  // frame = positions, so keys need no shift
         span->writer = seq;
-        segs.push_back(KvSegment{ std::move(span), 0, 0 });
+        segs.push_back(KvSegment{ std::move(span), 0, 0, nullptr });
     }
     KvSegment &   last = segs.back();
     KvSpan &      span = *last.span;

@@ -260,8 +260,23 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
     std::vector<std::vector<cpu::KvRun>> runs(seq_ids.size());
     const cpu::AttentionShape shape{ static_cast<int>(H), static_cast<int>(KVH), static_cast<int>(hd), kd,
                                      static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))) };
-    const int          nth = pool_.size();
-    const int64_t      scratch_floats = cpu::attention_scratch_floats(shape, max_visible);
+    // Blocks of consecutive items of one sequence (a prompt): attention reads each key once per block.
+    struct QueryBlock {
+        int64_t first;
+        int     n;
+    };
+    std::vector<QueryBlock> blocks;
+    for (int64_t i = 0; i < n; ++i) {
+        QueryBlock * last = blocks.empty() ? nullptr : &blocks.back();
+        if (last != nullptr && last->n < cpu::kMaxAttentionBlock && item_seq[last->first] == item_seq[i] &&
+            positions[last->first] + last->n == positions[i]) {
+            ++last->n;
+        } else {
+            blocks.push_back(QueryBlock{ i, 1 });
+        }
+    }
+    const int          nth            = pool_.size();
+    const int64_t      scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
     std::vector<float> scratch(static_cast<size_t>(scratch_floats * nth));
 
     for (int64_t il = 0; il < p_.n_layer; ++il) {
@@ -294,17 +309,18 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         for (size_t s = 0; s < seq_ids.size(); ++s) {
             kv_->runs(seq_ids[s], static_cast<int>(il), runs[s]);
         }
+        const long long n_tasks = static_cast<long long>(blocks.size()) * H;  // (block, head) pairs
         pool_.run([&](int ith, int nth_) {
             long long b, e;
-            cpu::split_range(n * H, ith, nth_, b, e);
+            cpu::split_range(n_tasks, ith, nth_, b, e);
             float * scr = &scratch[static_cast<size_t>(ith) * scratch_floats];
             for (long long t = b; t < e;) {
-                const long long i  = t / H;
-                const int       h0 = static_cast<int>(t % H);
-                const int       h1 = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
-                const auto &    r  = runs[static_cast<size_t>(item_seq[i])];
-                cpu::attend(shape, rope_, &q[i * qd], r.data(), static_cast<int>(r.size()), positions[i] + 1, h0, h1,
-                            &att[i * qd], scr);
+                const QueryBlock & blk = blocks[static_cast<size_t>(t / H)];
+                const int          h0  = static_cast<int>(t % H);
+                const int          h1  = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
+                const auto &       r   = runs[static_cast<size_t>(item_seq[blk.first])];
+                cpu::attend_block(shape, rope_, &q[blk.first * qd], qd, blk.n, r.data(), static_cast<int>(r.size()),
+                                  positions[blk.first] + 1, h0, h1, &att[blk.first * qd], qd, scr);
                 t += h1 - h0;
             }
         });
