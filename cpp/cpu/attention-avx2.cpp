@@ -51,6 +51,26 @@ inline __m256 scores8(const float * q, const float * const k[8], int n_chunks) {
     return reduce8(acc);
 }
 
+// oh[0, 8*NC) += Σ_t p[t] · v[t][0, 8*NC) for m rows of v (stride row_stride); NC known at compile time keeps the
+// accumulators in registers.
+template <int NC>
+inline void accumulate_values(const float * p, const float * v0, int64_t row_stride, int64_t m, float * oh) {
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) {
+        acc[c] = _mm256_loadu_ps(oh + 8 * c);
+    }
+    for (int64_t t = 0; t < m; ++t) {
+        const __m256  pt = _mm256_set1_ps(p[t]);
+        const float * v  = v0 + t * row_stride;
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) {
+        _mm256_storeu_ps(oh + 8 * c, acc[c]);
+    }
+}
+
 }  // namespace
 
 // nq consecutive queries of one sequence over the same runs: query i sees the first n_visible0 + i rows. Keys and
@@ -82,7 +102,7 @@ void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const fl
         bool          have_rot     = false;
         int32_t       cached_shift = 0;
         for (int i = 0; i < nq; ++i) {
-            corr[i] = portable_in_avx2::ScoreCorrection();
+            corr[i].reset();
         }
         for (int r = 0; r < n_runs && seen < n_max; ++r) {
             const KvRun & run     = runs[r];
@@ -184,29 +204,12 @@ void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const fl
                     }
                     const float * p  = score + i * ld + done;
                     float *       oh = out + i * out_stride + static_cast<int64_t>(h) * hd + 8 * c0;
-                    __m256        acc[8];
-                    for (int c = 0; c < nc; ++c) {
-                        acc[c] = _mm256_loadu_ps(oh + 8 * c);
-                    }
-                    if (nc == 8) {  // the common head sizes (64, 128, ...): a fixed trip count keeps acc in registers
-                        for (int64_t t = 0; t < m; ++t) {
-                            const __m256  pt = _mm256_set1_ps(p[t]);
-                            const float * v  = v0 + t * shape.row_stride;
-                            for (int c = 0; c < 8; ++c) {
-                                acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
-                            }
-                        }
+                    if (nc == 8) {
+                        accumulate_values<8>(p, v0, shape.row_stride, m, oh);
                     } else {
-                        for (int64_t t = 0; t < m; ++t) {
-                            const __m256  pt = _mm256_set1_ps(p[t]);
-                            const float * v  = v0 + t * shape.row_stride;
-                            for (int c = 0; c < nc; ++c) {
-                                acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
-                            }
+                        for (int c = 0; c < nc; ++c) {  // uncommon head sizes: one chunk at a time
+                            accumulate_values<1>(p, v0 + 8 * c, shape.row_stride, m, oh + 8 * c);
                         }
-                    }
-                    for (int c = 0; c < nc; ++c) {
-                        _mm256_storeu_ps(oh + 8 * c, acc[c]);
                     }
                 }
                 done += n;

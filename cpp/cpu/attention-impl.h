@@ -37,6 +37,8 @@ struct ScoreCorrection {
     int32_t       shift = 0;
     float         qb[kMaxCorrectionRank];
 
+    void reset() { b = nullptr; }
+
     const float * get(const KvRun & run, const float * qq, int hd, int64_t hd_kv, int64_t kv_off) {
         if (b != run.b_k || shift != run.shift) {
             for (int r = 0; r < run.rank; ++r) {
