@@ -93,3 +93,16 @@ def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) ->
             np.testing.assert_array_equal(c.append(ids[4:], logits="last"), by_id)
     with pytest.raises(ValueError, match="expected shape"):
         model.new_sequence().append_embeddings(np.zeros((2, 7), np.float32))
+
+
+def test_run_main_job_answers_the_demo_question() -> None:
+    out = kvcmas("run", "-n", "16", "-t", "2")
+    assert out.returncode == 0, out.stderr
+    assert "question:" in out.stderr and "tok/s" in out.stderr
+    assert len(out.stdout.strip()) > 0
+
+
+def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:
+    out = kvcmas("gguf", "show", default_model_path, "--no-tensors")
+    assert out.returncode == 0, out.stderr
+    assert "general.architecture" in out.stdout and "'llama'" in out.stdout
