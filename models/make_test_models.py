@@ -35,6 +35,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
+from kvcmas_cpp.tokenizer import byte_level_alphabet  # GPT-2 byte -> char map: one home
+
 # Bump a family's version when its files change; stale files of that family are then deleted and rewritten.
 REFERENCE_VERSION = "1"
 TINY_VERSION = "2"  # 2: tokenizer.ggml.pre "gpt-2" (the engine's tokenizer refuses llama.cpp's degraded "default")
@@ -339,21 +341,9 @@ This is the end of the training text for the tiny tokenizer, which only has to b
 """
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character mapping (printable Latin-1 bytes map to themselves)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 def learn_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
     """Greedy byte-level BPE on `text` (most frequent pair first, ties broken by the pair's text)."""
-    byte_char = bytes_to_unicode()
+    byte_char = byte_level_alphabet()
     words: dict[tuple[str, ...], int] = {}
     for piece in re.findall(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+", text):
         symbols = tuple(byte_char[b] for b in piece.encode("utf-8"))
@@ -403,7 +393,7 @@ def tiny_vocab() -> TinyVocab:
 
     The merges are learned after a GPT-2 style split of the text, consistent with the "gpt-2" pre-tokenizer.
     """
-    byte_char = bytes_to_unicode()
+    byte_char = byte_level_alphabet()
     tokens = [byte_char[b] for b in range(256)]
     n_merges = TINY_N_VOCAB - 256 - len(TINY_SPECIAL_TOKENS)
     merges = learn_merges(_MERGE_CORPUS, n_merges)

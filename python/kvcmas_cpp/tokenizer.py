@@ -116,7 +116,7 @@ _SPACE_ESCAPE = "\u2581"  # "▁", SentencePiece's visible space
 _C_ISSPACE = " \t\n\v\f\r"
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (printable Latin-1 bytes map to themselves)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in keep}
@@ -128,7 +128,7 @@ def _byte_level_alphabet() -> dict[int, str]:
     return mapping
 
 
-_BYTE_TO_CHAR = _byte_level_alphabet()
+_BYTE_TO_CHAR = byte_level_alphabet()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
