@@ -1,0 +1,388 @@
+"""Estimators of the KV delta a reader agent needs on a shared span, and the factor algebra around them.
+
+All arrays here are in the span's canonical frame: keys rotated to positions 0..n-1 of the span, rows = tokens,
+columns = head-major n_head_kv * head_dim ("kd"). Shapes: base/exact/delta [n_layer, n, kd]. A correction is a
+list over layers of (A_k [n, r], B_k [r, kd], A_v [n, r], B_v [r, kd]) or None (layer uncorrected; layer 0 always).
+
+Estimators:
+- RidgeEstimator (default `kvcmas`): a ridge map base -> delta per (edge, layer), reduced to rank r, plus the
+  per-(edge, layer) mean offset; fitted on dense runs of training questions. Its output is naturally factored:
+  delta = (X - mu_x) P Vt + 1 mu_y^T, i.e. A = [(X - mu_x) P, 1], B = [Vt; mu_y] (rank r + 1).
+- AnchorEstimator (`kvcmas-ref` at rank 32, `kvcomm` at full rank): the reference code's anchor pool, per-token
+  softmax weights of negative mean |base distance|, entropy reuse gate, LFU-in-window eviction.
+- OracleEstimator: the exact delta truncated to rank r (needs the exact KV: an upper bound, not deployable).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LayerFactors = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+Correction = list[LayerFactors | None]
+MAX_KERNEL_RANK = 256  # cpu::kMaxCorrectionRank
+
+
+@dataclass
+class EdgeContext:
+    """What an estimator sees for one (span, reader) read. exact_* are set only on dense hops (anchor recording) and
+    for the oracle."""
+
+    ph: str
+    reader: int
+    message: str
+    base_k: np.ndarray
+    base_v: np.ndarray
+    exact_k: np.ndarray | None = None
+    exact_v: np.ndarray | None = None
+
+
+# ---------------------------------------------------------------------------------------------- factor algebra
+def _orth(y: np.ndarray) -> np.ndarray:
+    """Orthonormal columns spanning y: Cholesky-QR2 with a small ridge as the reference code does, Householder QR
+    when Cholesky fails."""
+    try:
+        for _ in range(2):
+            g = y.T @ y
+            g += 1e-6 * max(float(np.mean(np.diag(g))), 1e-30) * np.eye(g.shape[0], dtype=g.dtype)
+            lo = np.linalg.cholesky(g)
+            y = np.linalg.solve(lo, y.T).T
+        return y
+    except np.linalg.LinAlgError:
+        return np.linalg.qr(y)[0]
+
+
+def rsvd(m: np.ndarray, rank: int, rng: np.random.Generator, power_iters: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """Randomized range finder (spec §3.4): returns (Q [S, r], Q^T M [r, HD]) with M ≈ Q Q^T M, r = min(rank, S, HD)."""
+    m = np.asarray(m, dtype=np.float32)
+    r = min(rank, m.shape[0], m.shape[1])
+    omega = rng.standard_normal((m.shape[1], r)).astype(np.float32)
+    q = _orth(m @ omega)
+    for _ in range(power_iters):
+        z = _orth(m.T @ q)
+        q = _orth(m @ z)
+    return q.astype(np.float32), (q.T @ m).astype(np.float32)
+
+
+def truncated(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best rank-`rank` factors (U S [n, r], Vt [r, kd]) of m by exact SVD."""
+    u, s, vt = np.linalg.svd(np.asarray(m, dtype=np.float32), full_matrices=False)
+    r = min(rank, len(s))
+    return (u[:, :r] * s[:r]).astype(np.float32), vt[:r].astype(np.float32)
+
+
+def exact_factors(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Factors whose product is exactly delta [n, kd] with the smallest trivial rank (identity on one side); SVD
+    truncation to the kernel's rank limit only when both sides exceed it."""
+    n, kd = delta.shape
+    delta = np.asarray(delta, dtype=np.float32)
+    if n <= kd and n <= MAX_KERNEL_RANK:
+        return np.eye(n, dtype=np.float32), delta
+    if kd <= MAX_KERNEL_RANK:
+        return delta, np.eye(kd, dtype=np.float32)
+    return truncated(delta, MAX_KERNEL_RANK)
+
+
+def dense_to_correction(dk: np.ndarray, dv: np.ndarray) -> Correction:
+    """A correction that adds the full deltas dk, dv [n_layer, n, kd] from layer 1 on."""
+    out: Correction = [None]
+    for il in range(1, dk.shape[0]):
+        ak, bk = exact_factors(dk[il])
+        av, bv = exact_factors(dv[il])
+        out.append((ak, bk, av, bv))
+    return out
+
+
+def correction_rank(corr: Correction) -> int:
+    return max((max(f[0].shape[1], f[2].shape[1]) for f in corr if f is not None), default=0)
+
+
+def materialize(corr: Correction, n_layer: int, n: int, kd: int) -> tuple[np.ndarray, np.ndarray]:
+    """The deltas [n_layer, n, kd] a correction adds."""
+    dk = np.zeros((n_layer, n, kd), np.float32)
+    dv = np.zeros_like(dk)
+    for il, f in enumerate(corr):
+        if f is not None:
+            dk[il] = f[0] @ f[1]
+            dv[il] = f[2] @ f[3]
+    return dk, dv
+
+
+def concat(corrs: list[Correction]) -> Correction:
+    """The sum of several corrections as one, by concatenating factors along the rank axis."""
+    n_layer = max(len(c) for c in corrs)
+    out: Correction = []
+    for il in range(n_layer):
+        parts = [c[il] for c in corrs if il < len(c) and c[il] is not None]
+        if not parts:
+            out.append(None)
+            continue
+        out.append(tuple(np.concatenate([p[j] for p in parts], axis=1 if j % 2 == 0 else 0) for j in range(4)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- estimators
+class Estimator:
+    """Base: no correction (fullshared)."""
+
+    name = "fullshared"
+    needs_exact = False
+
+    def correct(self, ctx: EdgeContext) -> Correction | None:
+        return None
+
+    def state_bytes(self) -> int:
+        """Persistent estimator state (maps, anchor pools) in bytes."""
+        return 0
+
+
+class OracleEstimator(Estimator):
+    """The exact delta truncated to rank r per layer (layer 0 uncorrected)."""
+
+    name = "oracle"
+    needs_exact = True
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def correct(self, ctx: EdgeContext) -> Correction | None:
+        if ctx.exact_k is None or ctx.exact_v is None:
+            raise ValueError("oracle: the exact KV is needed (evaluation mode)")
+        out: Correction = [None]
+        for il in range(1, ctx.base_k.shape[0]):
+            ak, bk = truncated(ctx.exact_k[il] - ctx.base_k[il], self.rank)
+            av, bv = truncated(ctx.exact_v[il] - ctx.base_v[il], self.rank)
+            out.append(_pad_rank((ak, bk, av, bv)))
+        return out
+
+
+def _pad_rank(f: LayerFactors) -> LayerFactors:
+    """Zero-pads K or V factors so both have the same rank (one KvCorrection rank)."""
+    ak, bk, av, bv = f
+    r = max(ak.shape[1], av.shape[1], 1)
+
+    def pad(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if a.shape[1] == r:
+            return a, b
+        a2 = np.zeros((a.shape[0], r), np.float32)
+        b2 = np.zeros((r, b.shape[1]), np.float32)
+        a2[:, : a.shape[1]] = a
+        b2[: b.shape[0]] = b
+        return a2, b2
+
+    ak, bk = pad(ak, bk)
+    av, bv = pad(av, bv)
+    return ak, bk, av, bv
+
+
+@dataclass
+class _RidgeMap:
+    mu_x: np.ndarray  # [kd]
+    proj: np.ndarray  # [kd, r]  = W V_r
+    vt: np.ndarray  # [r, kd]
+    mu_y: np.ndarray  # [kd]
+
+    def factors(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a = np.concatenate([(x - self.mu_x) @ self.proj, np.ones((x.shape[0], 1), np.float32)], axis=1)
+        return a.astype(np.float32), np.concatenate([self.vt, self.mu_y[None]], axis=0).astype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mu_x.nbytes + self.proj.nbytes + self.vt.nbytes + self.mu_y.nbytes
+
+
+def fit_ridge_map(x: np.ndarray, y: np.ndarray, rank: int, alpha: float) -> _RidgeMap:
+    """Reduced-rank ridge regression y ≈ (x - mu_x) W V V^T + mu_y on rows x, y [N, kd]; lambda = alpha times the
+    mean diagonal of the centred Gram matrix."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    mu_x, mu_y = x64.mean(0), y64.mean(0)
+    xc, yc = x64 - mu_x, y64 - mu_y
+    g = xc.T @ xc
+    lam = alpha * max(float(np.trace(g)) / g.shape[0], 1e-12)
+    w = np.linalg.solve(g + lam * np.eye(g.shape[0]), xc.T @ yc)
+    _, _, vt = np.linalg.svd(xc @ w, full_matrices=False)
+    vt = vt[: min(rank, vt.shape[0])]
+    return _RidgeMap(mu_x.astype(np.float32), (w @ vt.T).astype(np.float32), vt.astype(np.float32),
+                     mu_y.astype(np.float32))
+
+
+class RidgeEstimator(Estimator):
+    """A map base -> delta per (edge = (placeholder, reader), layer >= 1, K/V), fitted across requests."""
+
+    name = "kvcmas"
+
+    def __init__(self, rank: int = 8, alpha: float = 0.1) -> None:
+        self.rank, self.alpha = rank, alpha
+        self._rows: dict[tuple[str, int], list[tuple[np.ndarray, ...]]] = {}
+        self.maps: dict[tuple[str, int], list[tuple[_RidgeMap, _RidgeMap] | None]] = {}
+
+    def add_example(self, ctx: EdgeContext) -> None:
+        """Stores one training read (base and exact KV of the same span at the reader)."""
+        assert ctx.exact_k is not None and ctx.exact_v is not None
+        self._rows.setdefault((ctx.ph, ctx.reader), []).append(
+            (ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v))
+
+    def fit(self) -> None:
+        for edge, rows in self._rows.items():
+            n_layer = rows[0][0].shape[0]
+            maps: list[tuple[_RidgeMap, _RidgeMap] | None] = [None]
+            for il in range(1, n_layer):
+                xk = np.concatenate([r[0][il] for r in rows])
+                xv = np.concatenate([r[1][il] for r in rows])
+                yk = np.concatenate([r[2][il] for r in rows])
+                yv = np.concatenate([r[3][il] for r in rows])
+                maps.append((fit_ridge_map(xk, yk, self.rank, self.alpha),
+                             fit_ridge_map(xv, yv, self.rank, self.alpha)))
+            self.maps[edge] = maps
+        self._rows.clear()
+
+    def correct(self, ctx: EdgeContext) -> Correction | None:
+        maps = self.maps.get((ctx.ph, ctx.reader))
+        if maps is None:
+            return None
+        out: Correction = [None]
+        for il in range(1, len(maps)):
+            mk, mv = maps[il]  # type: ignore[misc]
+            ak, bk = mk.factors(ctx.base_k[il])
+            av, bv = mv.factors(ctx.base_v[il])
+            out.append(_pad_rank((ak, bk, av, bv)))
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(mk.nbytes + mv.nbytes for maps in self.maps.values() for m in maps if m for mk, mv in [m])
+
+
+# ---------------------------------------------------------------------------------------------- anchors
+@dataclass
+class _Anchor:
+    base_k: list[tuple[np.ndarray, np.ndarray] | np.ndarray]  # per layer: low-rank (US, Vt) or full [n, kd]
+    base_v: list[tuple[np.ndarray, np.ndarray] | np.ndarray]
+    length: int
+    deltas: dict[int, tuple[list, list]] = field(default_factory=dict)  # reader -> (per-layer K, per-layer V)
+    count: int = 0
+
+
+def _expand(x: tuple[np.ndarray, np.ndarray] | np.ndarray) -> np.ndarray:
+    return x[0] @ x[1] if isinstance(x, tuple) else x
+
+
+def _nbytes(x: tuple[np.ndarray, np.ndarray] | np.ndarray) -> int:
+    return x[0].nbytes + x[1].nbytes if isinstance(x, tuple) else x.nbytes
+
+
+class AnchorEstimator(Estimator):
+    """The reference code's estimator (spec §3.3-3.6). rank=None keeps full-rank deltas and bases (KVCOMM)."""
+
+    def __init__(self, rank: int | None = 32, base_rank: int | None = 32, max_anchors: int = 10, window: int = 5,
+                 gamma: float = 0.32, top_p: float = 0.9, seed: int = 0, name: str = "kvcmas-ref") -> None:
+        self.rank, self.base_rank = rank, base_rank
+        self.max_anchors, self.window, self.gamma, self.top_p = max_anchors, window, gamma, top_p
+        self.name = name
+        self.rng = np.random.default_rng(seed)
+        self.pools: dict[str, OrderedDict[str, _Anchor]] = {}
+        self.novel: dict[tuple[str, str], bool] = {}
+
+    def _compress(self, m: np.ndarray, rank: int | None) -> tuple[np.ndarray, np.ndarray] | np.ndarray:
+        return m.astype(np.float32).copy() if rank is None else rsvd(m, rank, self.rng)
+
+    # -- gate
+    def gate(self, ph: str, message: str, span_v: np.ndarray) -> bool:
+        """Novelty test of a freshly produced span (values [n_layer, k, kd]); records and returns `novel`."""
+        pool = self.pools.get(ph, OrderedDict())
+        k = span_v.shape[1]
+        avail = [a for a in pool.values() if a.length >= k]
+        novel = True
+        if len(pool) > 1 and len(avail) > 1 and k > 0:
+            d = np.array([np.sqrt(sum(float(np.sum((span_v[il] - _expand(a.base_v[il])[:k]) ** 2))
+                                      for il in range(span_v.shape[0]))) for a in avail])
+            p = np.exp(-(d - d.min()))
+            p /= p.sum()
+            entropy = float(-np.sum(p * np.log2(p + 1e-40)))
+            if entropy <= self.gamma * np.log2(len(avail)):
+                novel = False
+                order = np.argsort(-p)
+                keep = [i for i, c in zip(order, np.cumsum(p[order]), strict=True) if c < self.top_p] or list(order)
+                for i in keep:
+                    avail[i].count += 1
+        self.novel[(ph, message)] = novel
+        return novel
+
+    def needs_dense(self, reader: int, phs: list[str], message: str) -> bool:
+        """Dense fallback: some placeholder is novel and its anchor lacks this reader's delta."""
+        for ph in phs:
+            if self.novel.get((ph, message)):
+                a = self.pools.get(ph, {}).get(message)
+                if a is None or reader not in a.deltas:
+                    return True
+        return False
+
+    # -- anchors
+    def record(self, ctx: EdgeContext, is_question: bool) -> bool:
+        """On a dense hop: admits an anchor for (placeholder, message) with this reader's delta, per the spec's
+        admission rules. Returns whether it was recorded."""
+        assert ctx.exact_k is not None and ctx.exact_v is not None
+        pool = self.pools.setdefault(ctx.ph, OrderedDict())
+        existing = pool.get(ctx.message)
+        admit = existing is not None or (
+            len(pool) < self.max_anchors if is_question else self.novel.get((ctx.ph, ctx.message), True))
+        if not admit:
+            return False
+        n_layer = ctx.base_k.shape[0]
+        base_k = [self._compress(ctx.base_k[il], self.base_rank) for il in range(n_layer)]
+        base_v = [self._compress(ctx.base_v[il], self.base_rank) for il in range(n_layer)]
+        dk = [self._compress(ctx.exact_k[il] - ctx.base_k[il], self.rank) for il in range(n_layer)]
+        dv = [self._compress(ctx.exact_v[il] - ctx.base_v[il], self.rank) for il in range(n_layer)]
+        if existing is None:
+            if len(pool) > self.max_anchors:  # "more than" before inserting: a steady pool holds max + 1
+                oldest = list(pool.items())[: self.window]
+                victim = min(oldest, key=lambda kv: kv[1].count)[0]  # min() keeps the first (oldest) on ties
+                del pool[victim]
+            existing = pool[ctx.message] = _Anchor(base_k, base_v, ctx.base_k.shape[1])
+        else:  # the spec's quirk: the last dense writer's base overwrites the entry's base
+            existing.base_k, existing.base_v, existing.length = base_k, base_v, ctx.base_k.shape[1]
+        existing.deltas[ctx.reader] = (dk, dv)
+        return True
+
+    def correct(self, ctx: EdgeContext) -> Correction | None:
+        pool = self.pools.get(ctx.ph, OrderedDict())
+        anchors = [a for a in pool.values() if ctx.reader in a.deltas]  # the "consume invariant"
+        n_layer, n, kd = ctx.base_k.shape
+        if not anchors or n == 0:
+            return None
+        full = [a for a in anchors if a.length >= n]
+        if full:
+            anchors, cover = full, n
+        else:  # partial coverage: anchors of maximal length correct their first rows only
+            cover = max(a.length for a in anchors)
+            anchors = [a for a in anchors if a.length == cover]
+        dist_k = np.zeros((len(anchors), cover))
+        dist_v = np.zeros_like(dist_k)
+        for v, a in enumerate(anchors):
+            for il in range(n_layer):
+                dist_k[v] += np.abs(ctx.base_k[il, :cover] - _expand(a.base_k[il])[:cover]).mean(1)
+                dist_v[v] += np.abs(ctx.base_v[il, :cover] - _expand(a.base_v[il])[:cover]).mean(1)
+        wk, wv = _softmax_neg(dist_k / n_layer), _softmax_neg(dist_v / n_layer)
+        dk = np.zeros((n_layer, n, kd), np.float32)
+        dv = np.zeros_like(dk)
+        for v, a in enumerate(anchors):
+            ak, av = a.deltas[ctx.reader]
+            for il in range(1, n_layer):
+                dk[il, :cover] += wk[v][:, None] * _expand(ak[il])[:cover]
+                dv[il, :cover] += wv[v][:, None] * _expand(av[il])[:cover]
+        return dense_to_correction(dk, dv)
+
+    def state_bytes(self) -> int:
+        total = 0
+        for pool in self.pools.values():
+            for a in pool.values():
+                total += sum(_nbytes(x) for x in a.base_k + a.base_v)
+                total += sum(_nbytes(x) for dk, dv in a.deltas.values() for x in dk + dv)
+        return total
+
+
+def _softmax_neg(d: np.ndarray) -> np.ndarray:
+    """softmax over axis 0 of -d (temperature 1)."""
+    e = np.exp(-(d - d.min(axis=0, keepdims=True)))
+    return (e / e.sum(axis=0, keepdims=True)).astype(np.float32)

@@ -1,0 +1,409 @@
+"""Runs a workflow's agents for one request under a sharing method, on the engine's shared spans.
+
+Per agent (hop), in execution order:
+- the template prefix (text before the first placeholder) is prefilled once per agent and kept; each request forks
+  it (exact prefix cache);
+- `nonshared` prefills the rest of the prompt; the first agent of a request always does (it is exact and its rows
+  of the question are the stored span);
+- a sharing method appends each shared span by reference (`append_shared`, re-positioned in the kernel), optionally
+  after forwarding its first `head` tokens exactly, with the estimator's low-rank correction, and forwards the
+  template text after the span (exact tail, default) or reuses it rotate-only from the agent's template prefill
+  (`tail="rotate"`, the reference code's behaviour; the last prompt token is always forwarded).
+
+Chaining (question span): the span is stored once (the first agent's exact rows). Hop i's base is hop i-1's view of
+the span; its correction is hop i-1's correction concatenated with hop i's own factors (rank grows by the per-edge
+rank each hop), so the engine still stores the span once and applies base + Σ factors in the kernel. A dense
+(fallback) hop becomes the new stored span. Relayed outputs are not chained: each reader corrects relative to the
+producer's rows (star), as in the reference code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from .._native import core
+from ..model import KVSequence, Model, SharedKV
+from . import estimators as est
+from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
+
+METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
+GAMMA = {"mmlu": 0.29, "gsm8k": 0.32, "humaneval": 0.34, "mathvista": 0.50, "videomme": 0.60}
+
+
+@dataclass
+class MethodConfig:
+    """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
+    template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
+    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop."""
+
+    name: str
+    head: int = 0
+    tail: Literal["exact", "rotate"] = "exact"
+    gate: Literal["auto", "dense", "reuse"] = "auto"
+    chain: bool = True
+    rank: int = 8
+
+
+def default_config(name: str) -> MethodConfig:
+    """The defaults per method: kvcmas = ridge rank 8 + exact head 4; kvcmas-ref/kvcomm = the reference setup
+    (rotate-only tail as in the reference code is selectable with tail='rotate'); oracle = exact delta rank 32."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    return {
+        "kvcmas": MethodConfig(name, head=4, rank=8),
+        "oracle": MethodConfig(name, rank=32),
+        "kvcmas-ref": MethodConfig(name, rank=32),
+        "kvcomm": MethodConfig(name, rank=0),
+    }.get(name, MethodConfig(name))
+
+
+@dataclass
+class HopReport:
+    """What one agent call did. Fidelity fields are set in evaluation mode (against the exact run)."""
+
+    agent: int
+    name: str
+    mode: str  # "source" | "dense" | "reuse" | "fallback"
+    gate: str  # the gate's decision ("n/a", "reuse", "novel -> dense")
+    ttft_ms: float
+    prompt_tokens: int
+    computed_tokens: int  # tokens this request forwarded for the prompt (prefix-cache hits excluded)
+    reused_tokens: int  # prefix-cache rows + shared span rows
+    kv_bytes: int  # KV blocks this hop allocated (prompt + generation)
+    corr_bytes: int  # KvCorrection memory held by this hop's sequence
+    corr_rank: int = 0
+    corr_factor_bytes: int = 0  # the same, counted from the factor arrays handed to the engine
+    generated: list[int] = field(default_factory=list)
+    first_logits: np.ndarray | None = None
+    tf_logits: np.ndarray | None = None  # teacher-forced logits over the generated tokens [len-1, n_vocab]
+    kl: float | None = None
+    top1: bool | None = None
+    tf_top1: float | None = None
+    k_err: list[float] | None = None
+    v_err: list[float] | None = None
+    identical: bool | None = None
+
+    def row(self) -> dict[str, object]:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("first_logits", "tf_logits", "generated")}
+        d["generated_tokens"] = len(self.generated)
+        return d
+
+
+@dataclass
+class _Bucket:
+    """A shared span as the next reader sees it: stored rows (handle), the correction accumulated so far in the
+    stored frame, the stored frame position of its first row, and where the last reader's view of it lives."""
+
+    shared: SharedKV | None
+    factors: est.Correction | None
+    frame0: int
+    view_seq: KVSequence
+    view_pos: int
+
+
+@dataclass
+class RequestResult:
+    hops: list[HopReport]
+    seqs: list[KVSequence]
+    span_pos: list[dict[str, tuple[int, int]]]  # per agent: placeholder -> (position, length) in its sequence
+    prompt_ids: list[list[int]]
+
+    def close(self) -> None:
+        for s in self.seqs:
+            s.close()
+
+
+def _canonical(model: Model, seq: KVSequence, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's view of rows [pos, pos + n) with keys rotated back to positions 0..n-1."""
+    k, v = seq.kv(pos, n)
+    k = np.stack([model._core.rope_rotate(np.ascontiguousarray(k[il]), -pos) for il in range(k.shape[0])])
+    return k, v
+
+
+class WorkflowRunner:
+    """Executes requests of a workflow under one method. Keeps per-agent template state between requests."""
+
+    def __init__(self, model: Model, workflow: Workflow, config: MethodConfig,
+                 estimator: est.Estimator | None = None) -> None:
+        self.model, self.workflow, self.config = model, workflow, config
+        self.templates: list[Template] = [build_template(model, a) for a in workflow.agents]
+        self.kd = model.n_head_kv * model._core.head_dim
+        if estimator is None:
+            estimator = {
+                "nonshared": est.Estimator(), "fullshared": est.Estimator(),
+                "kvcmas": est.RidgeEstimator(rank=config.rank), "oracle": est.OracleEstimator(config.rank),
+                "kvcmas-ref": est.AnchorEstimator(rank=32, gamma=GAMMA.get(workflow.name, 0.3)),
+                "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
+            }[config.name]
+        self.estimator = estimator
+        kv0 = model.kv_bytes_in_use
+        self.prefixes = []
+        for t in self.templates:
+            s = model.new_sequence()
+            s.append(t.texts[0], logits="none")
+            self.prefixes.append(s)
+        self._template_seqs: list[KVSequence | None] = [None] * len(self.templates)
+        self._factor_bytes = 0
+        self._template_bytes_in_hop = 0
+        self.template_kv_bytes = model.kv_bytes_in_use - kv0  # prefix caches
+
+    def close(self) -> None:
+        for s in self.prefixes + [t for t in self._template_seqs if t is not None]:
+            s.close()
+
+    # ------------------------------------------------------------------------------------------- template tails
+    def _template_tail(self, agent: int, i: int) -> tuple[KVSequence, int]:
+        """The agent's template prefill (placeholders as their literal stand-ins) and the position of tail i."""
+        t = self.templates[agent]
+        if self._template_seqs[agent] is None:
+            kv0 = self.model.kv_bytes_in_use
+            s = self.prefixes[agent].fork()
+            s.append(t.prompt_ids(dict(zip(t.placeholders, t.standins, strict=True)))[len(t.texts[0]):], logits="none")
+            self._template_seqs[agent] = s
+            grown = self.model.kv_bytes_in_use - kv0
+            self.template_kv_bytes += grown  # once-per-agent state, not the hop's
+            self._template_bytes_in_hop += grown
+        pos = len(t.texts[0]) + sum(len(t.standins[j]) + len(t.texts[j + 1]) for j in range(i)) + len(t.standins[i])
+        return self._template_seqs[agent], pos  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------------- request
+    def run(self, question: list[int], message: str, *, max_new_tokens: int = 16,
+            forced: list[list[int]] | None = None, exact: RequestResult | None = None,
+            ridge_training: bool = False) -> RequestResult:
+        """Runs every agent once. forced: per agent, the generated ids to teacher-force (evaluation: relayed spans
+        then hold the same ids in every method); exact: the nonshared run of the same request, for fidelity
+        metrics and the oracle. ridge_training: this (nonshared) run feeds the given RidgeEstimator's examples."""
+        m, cfg = self.model, self.config
+        n_agents = len(self.templates)
+        seqs: list[KVSequence] = []
+        spans_at: list[dict[str, tuple[int, int]]] = []
+        prompts: list[list[int]] = []
+        hops: list[HopReport] = []
+        buckets: dict[str, _Bucket] = {}
+        relayed: dict[str, list[int]] = {QUESTION: list(question)}
+        for a in range(n_agents):
+            t = self.templates[a]
+            phs = t.placeholders
+            prompt = t.prompt_ids(relayed)
+            prompts.append(prompt)
+            kv0 = m.kv_bytes_in_use
+            t0 = time.perf_counter()
+            seq = self.prefixes[a].fork()
+            seqs.append(seq)
+            if cfg.name == "nonshared" or cfg.gate == "dense":
+                mode, gate = ("source" if a == 0 else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
+            elif QUESTION not in buckets:
+                mode, gate = "source", "n/a"
+            elif isinstance(self.estimator, est.AnchorEstimator) and cfg.gate == "auto" and \
+                    self.estimator.needs_dense(a, phs, message):
+                mode, gate = "fallback", "novel -> dense"
+            else:
+                mode, gate = "reuse", "reuse"
+            pos_map: dict[str, tuple[int, int]] = {}
+            pos = len(t.texts[0])
+            for i, ph in enumerate(phs):
+                pos_map[ph] = (pos, len(relayed[ph]))
+                pos += len(relayed[ph]) + len(t.texts[i + 1])
+            spans_at.append(pos_map)
+            corrs: dict[str, est.Correction] = {}
+            if mode != "reuse":
+                logits = seq.append(prompt[len(t.texts[0]):], logits="last")
+                computed = len(prompt) - len(t.texts[0])
+            else:
+                logits, computed, corrs = self._assemble(a, seq, relayed, buckets, message, exact)
+            ttft = (time.perf_counter() - t0) * 1000.0
+            assert logits is not None
+            # generation (greedy, or teacher-forced); the last token's KV is never computed (relayed spans exclude it)
+            gen: list[int] = []
+            tf_logits = None
+            if forced is not None:
+                gen = list(forced[a])
+                if len(gen) > 1:
+                    tf_logits = seq.append(gen[:-1], logits="all")
+            else:
+                cur = logits
+                while len(gen) < max_new_tokens:
+                    tok = int(np.argmax(cur))
+                    gen.append(tok)
+                    if tok in m.tokenizer.eog_ids or len(gen) == max_new_tokens:
+                        break
+                    cur = seq.append([tok], logits="last")
+            corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
+            hop = HopReport(a, self.workflow.agents[a].name, mode, gate, ttft, len(prompt), computed,
+                            len(prompt) - computed, m.kv_bytes_in_use - kv0 - self._template_bytes_in_hop, corr_bytes,
+                            corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
+                            generated=gen, first_logits=logits, tf_logits=tf_logits)
+            hop.corr_factor_bytes = self._factor_bytes
+            self._factor_bytes = self._template_bytes_in_hop = 0
+            hops.append(hop)
+            # buckets for later readers: this hop's view of the question (chain), its output (new span)
+            self._update_buckets(a, seq, pos_map, buckets, mode, corrs, message, exact, relayed, ridge_training)
+            if a < n_agents - 1:
+                out = gen[:-1]  # the rows the sequence holds after its prompt
+                ph_out = response_placeholder(a)
+                relayed[ph_out] = out
+                p_out = len(prompt)
+                h = min(cfg.head, len(out))
+                if out:
+                    shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
+                    buckets[ph_out] = _Bucket(shared, None, p_out + h, seq, p_out + h)
+                    gated = cfg.gate == "auto" and cfg.name != "nonshared"
+                    if gated and isinstance(self.estimator, est.AnchorEstimator):
+                        _, v = _canonical(m, seq, p_out, len(out))
+                        novel = self.estimator.gate(ph_out, message, v)
+                        hop.gate += f"; output {'novel' if novel else 'reusable'}"
+        result = RequestResult(hops, seqs, spans_at, prompts)
+        if exact is not None:
+            self._evaluate(result, exact, teacher_forced=forced is not None)
+        return result
+
+    def _assemble(self, a: int, seq: KVSequence, relayed: dict[str, list[int]], buckets: dict[str, _Bucket],
+                  message: str, exact: RequestResult | None) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
+        """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
+        cfg, t = self.config, self.templates[a]
+        pending: list[int] = []
+        computed = 0
+        corrs: dict[str, est.Correction] = {}
+        for i, ph in enumerate(t.placeholders):
+            ids = relayed[ph]
+            h = min(cfg.head, len(ids))
+            pending += ids[:h]
+            b = buckets.get(ph)
+            if len(ids) > h:
+                assert b is not None and b.shared is not None
+                if pending:
+                    seq.append(pending, logits="none")
+                    computed += len(pending)
+                    pending = []
+                pos = len(seq)
+                corr = self._correction(a, ph, b, pos, len(ids) - h, message, exact)
+                if corr is not None:
+                    corrs[ph] = corr
+                seq.append_shared(b.shared, self._kv_correction(corr, len(ids) - h) if corr else None)
+            tail = t.texts[i + 1]
+            last = i == len(t.placeholders) - 1
+            if cfg.tail == "rotate" and len(tail) > (1 if last else 0):
+                if pending:
+                    seq.append(pending, logits="none")
+                    computed += len(pending)
+                    pending = []
+                tseq, tpos = self._template_tail(a, i)
+                n_rot = len(tail) - (1 if last else 0)
+                seq.append_shared(tseq.share(tpos, n_rot))
+                pending += tail[n_rot:]
+            else:
+                pending += tail
+        logits = seq.append(pending, logits="last")
+        computed += len(pending)
+        return logits, computed, corrs
+
+    def _correction(self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str,
+                    exact: RequestResult | None) -> est.Correction | None:
+        """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's."""
+        base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
+        ctx = est.EdgeContext(ph, a, message, base_k, base_v)
+        if self.estimator.needs_exact:
+            if exact is None:
+                raise ValueError(f"method {self.config.name!r} needs the exact run (evaluation mode)")
+            # the prompts hold the same ids in both runs, so the rows sit at the same positions
+            ctx.exact_k, ctx.exact_v = _canonical(self.model, exact.seqs[a], pos, n)
+        new = self.estimator.correct(ctx)
+        parts = [c for c in (b.factors, self._to_stored(new, b.frame0) if new else None) if c is not None]
+        if not parts:
+            return None
+        total = est.concat(parts) if len(parts) > 1 else parts[0]
+        if est.correction_rank(total) > est.MAX_KERNEL_RANK:
+            dk, dv = est.materialize(total, self.model.n_layer, n, self.kd)
+            total = est.dense_to_correction(dk, dv)
+        return total
+
+    def _to_stored(self, corr: est.Correction, frame0: int) -> est.Correction:
+        """Canonical-frame factors to the span's stored frame (B_k rotated by the stored first position)."""
+        out: est.Correction = []
+        for f in corr:
+            if f is None:
+                out.append(None)
+                continue
+            ak, bk, av, bv = f
+            out.append((ak, self.model._core.rope_rotate(np.ascontiguousarray(bk, np.float32), frame0), av, bv))
+        return out
+
+    def _kv_correction(self, corr: est.Correction, n: int) -> core.KvCorrection:
+        rank = max(est.correction_rank(corr), 1)
+        kc = core.KvCorrection(n, rank, self.kd, self.model.n_layer)
+        for il, f in enumerate(corr):
+            if f is None:
+                continue
+            ak, bk, av, bv = est._pad_rank(f)
+            if ak.shape[1] < rank:
+                pad = np.zeros((n, rank - ak.shape[1]), np.float32)
+                padb = np.zeros((rank - ak.shape[1], self.kd), np.float32)
+                ak, av = np.concatenate([ak, pad], 1), np.concatenate([av, pad], 1)
+                bk, bv = np.concatenate([bk, padb], 0), np.concatenate([bv, padb], 0)
+            factors = [np.ascontiguousarray(x, np.float32) for x in (ak, bk, av, bv)]
+            kc.set_layer(il, *factors)
+            self._factor_bytes += sum(x.nbytes for x in factors)
+        return kc
+
+    def _update_buckets(self, a: int, seq: KVSequence, pos_map: dict[str, tuple[int, int]],
+                        buckets: dict[str, _Bucket], mode: str, corrs: dict[str, est.Correction], message: str,
+                        exact: RequestResult | None, relayed: dict[str, list[int]], ridge_training: bool) -> None:
+        m, cfg = self.model, self.config
+        h = cfg.head
+        for ph, (p, n) in pos_map.items():
+            if n <= h:
+                continue
+            prev = buckets.get(ph)
+            if prev is not None and (ridge_training or (mode != "reuse" and isinstance(
+                    self.estimator, est.AnchorEstimator) and cfg.name != "nonshared")):
+                # a dense hop measures its delta against the base it would have read
+                base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
+                ex_k, ex_v = _canonical(m, seq, p + h, n - h)
+                ctx = est.EdgeContext(ph, a, message, base_k, base_v, ex_k, ex_v)
+                if ridge_training and isinstance(self.estimator, est.RidgeEstimator):
+                    self.estimator.add_example(ctx)
+                elif isinstance(self.estimator, est.AnchorEstimator):
+                    self.estimator.record(ctx, ph == QUESTION)
+            if ph != QUESTION:
+                continue  # relayed outputs: star, the producer's rows stay the base
+            if prev is None or (mode != "reuse" and cfg.chain):
+                buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)
+            elif mode == "reuse" and cfg.chain:
+                # same stored rows; this reader's total correction is what the next reader's base starts from
+                buckets[ph] = _Bucket(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
+
+    # ------------------------------------------------------------------------------------------- evaluation
+    def _evaluate(self, res: RequestResult, exact: RequestResult, teacher_forced: bool) -> None:
+        m = self.model
+        for a, (hop, ehop) in enumerate(zip(res.hops, exact.hops, strict=True)):
+            p = _log_softmax(ehop.first_logits)
+            q = _log_softmax(hop.first_logits)
+            hop.kl = float(np.sum(np.exp(p) * (p - q)))
+            hop.top1 = bool(np.argmax(hop.first_logits) == np.argmax(ehop.first_logits))
+            preds = [int(np.argmax(hop.first_logits))]
+            if hop.tf_logits is not None:
+                preds += [int(x) for x in np.argmax(hop.tf_logits, axis=1)]
+            ref = [int(np.argmax(ehop.first_logits))]
+            if ehop.tf_logits is not None:
+                ref += [int(x) for x in np.argmax(ehop.tf_logits, axis=1)]
+            k = min(len(preds), len(ref))
+            hop.tf_top1 = float(np.mean([x == y for x, y in zip(preds[:k], ref[:k], strict=True)]))
+            start = len(self.templates[a].texts[0])
+            n = len(res.prompt_ids[a]) - start
+            k1, v1 = res.seqs[a].kv(start, n)
+            k0, v0 = exact.seqs[a].kv(start, n)
+            hop.k_err = [float(np.linalg.norm(k1[il] - k0[il]) / max(np.linalg.norm(k0[il]), 1e-30))
+                         for il in range(m.n_layer)]
+            hop.v_err = [float(np.linalg.norm(v1[il] - v0[il]) / max(np.linalg.norm(v0[il]), 1e-30))
+                         for il in range(m.n_layer)]
+            hop.identical = None if teacher_forced else hop.generated == ehop.generated
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())

@@ -1,0 +1,137 @@
+"""Agents as role templates with placeholders, the GSM8K roster of the spec, and GSM8K loading.
+
+A template is a chat (system = role prompt, user = text with placeholders) rendered by the model's chat template.
+Text pieces between placeholders are tokenized separately (as the reference code does), so no BPE merge crosses a
+placeholder and dense and shared prompts hold exactly the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..model import Model
+
+# Same placeholder grammar as the reference code (spec §2.2).
+PLACEHOLDER_RE = re.compile(r"\{((?:agent|condition)_\w+_(?:current|history)|user_question)\}")
+QUESTION = "user_question"
+
+
+def response_placeholder(agent_index: int) -> str:
+    """The placeholder name that relays agent `agent_index`'s output."""
+    return f"agent_{agent_index}_current"
+
+
+@dataclass(frozen=True)
+class Agent:
+    """A role: system prompt and a user template with placeholders ({user_question}, {agent_<i>_current})."""
+
+    name: str
+    role: str
+    user_template: str
+
+
+@dataclass
+class Template:
+    """An agent's prompt cut at its placeholders: texts[0] is the prefix (seg0), texts[i + 1] the text after
+    placeholder i; standins[i] are the ids of the literal placeholder text (used for the once-per-agent template
+    prefill whose tails the rotate-only mode reuses)."""
+
+    texts: list[list[int]]
+    placeholders: list[str]
+    standins: list[list[int]] = field(default_factory=list)
+
+    def prompt_ids(self, spans: dict[str, list[int]]) -> list[int]:
+        """seg0 ++ Σ_i (span_i ++ tail_i)."""
+        ids = list(self.texts[0])
+        for i, ph in enumerate(self.placeholders):
+            ids += spans[ph] + self.texts[i + 1]
+        return ids
+
+
+def build_template(model: Model, agent: Agent) -> Template:
+    """Renders the agent's chat and tokenizes its pieces separately. Raises ValueError when the template breaks
+    the alternation the method needs (non-empty prefix, non-empty text after every placeholder)."""
+    text = model.apply_chat_template(
+        [{"role": "system", "content": agent.role}, {"role": "user", "content": agent.user_template}],
+        add_generation_prompt=True,
+    )
+    tok = model.tokenizer
+    pieces = PLACEHOLDER_RE.split(text)  # text, name, text, name, ..., text
+    texts_str, names = pieces[0::2], pieces[1::2]
+    texts: list[list[int]] = []
+    for i, piece in enumerate(texts_str):
+        ids = tok.encode(piece, add_special=(i == 0), parse_special=True)
+        if not ids:
+            where = "before the first placeholder" if i == 0 else f"after placeholder {{{names[i - 1]}}}"
+            raise ValueError(f"agent {agent.name!r}: the template has no text {where}")
+        texts.append(ids)
+    standins = [tok.encode("{" + n + "}", add_special=False, parse_special=False) for n in names]
+    return Template(texts, list(names), standins)
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """Agents in execution order (a DAG in topological order); the last one is the decision agent."""
+
+    name: str
+    agents: tuple[Agent, ...]
+    lead_in: str = "Q:\n"
+
+
+_GSM8K_ROLES = (
+    ("Math Solver", "You are a math expert. You will be given a math problem and hints from other agents. Give "
+     "your own solving process step by step based on the hints. The last line of your output contains only the "
+     "final result, for example: The answer is 140."),
+    ("Mathematical Analyst", "You are a mathematical analyst. You will be given a math problem, analysis and code "
+     "from other agents. First analyze the problem-solving process step by step, representing the variables by "
+     "letters. Then substitute the values to compute the result."),
+    ("Programming Expert", "You are a programming expert. You will be given a math problem, analysis and code from "
+     "other agents. Integrate step-by-step reasoning and Python code to solve the problem: write a function "
+     "solution() that returns the answer."),
+)
+_DECISION_ROLE = ("You are the top decision-maker. You are good at analyzing and summarizing mathematical problems, "
+                  "judging other people's solutions, and giving final answers to math problems.")
+
+
+def gsm8k_workflow(n_agents: int = 4) -> Workflow:
+    """The spec's GSM8K roster in the FullConnected DAG (0→1, 0→2, 1→2) plus FinalRefer reading every agent.
+    n_agents counts the decision agent: 4 = 3 role agents + decision; n_agents - 1 role agents cycle the roles."""
+    if n_agents < 2:
+        raise ValueError(f"a workflow needs at least one role agent and the decision agent, got n_agents={n_agents}")
+    agents: list[Agent] = []
+    for i in range(n_agents - 1):
+        name, role = _GSM8K_ROLES[i % len(_GSM8K_ROLES)]
+        upstream = "".join(
+            f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in range(i)
+        )
+        agents.append(Agent(name, role, "Q:\n{user_question}" + upstream + ("\n\nSolve it." if i else "")))
+    upstream = "".join(f"\n\n{a.name}'s output:\n{{{response_placeholder(j)}}}" for j, a in enumerate(agents))
+    agents.append(Agent("Decision Maker", _DECISION_ROLE,
+                        "Q:\n{user_question}" + upstream + "\n\nGive the final answer."))
+    return Workflow("gsm8k", tuple(agents))
+
+
+def gsm8k_path(repo_root: str | Path | None = None) -> Path:
+    """GSM8K's test split in the shared data folder: ../shared/data/gsm8k/test.jsonl from the repo root."""
+    root = Path(repo_root) if repo_root is not None else Path(__file__).resolve().parents[3]
+    return (root / ".." / "shared" / "data" / "gsm8k" / "test.jsonl").resolve()
+
+
+def load_gsm8k(start: int, count: int, path: str | Path | None = None) -> list[str]:
+    """Questions of lines [start, start + count) of the GSM8K test split."""
+    p = Path(path) if path is not None else gsm8k_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"GSM8K test split not found at {p}")
+    out: list[str] = []
+    with p.open() as f:
+        for i, line in enumerate(f):
+            if i >= start + count:
+                break
+            if i >= start:
+                out.append(json.loads(line)["question"])
+    if len(out) < count:
+        raise ValueError(f"{p} has only {start + len(out)} lines, asked for [{start}, {start + count})")
+    return out
