@@ -1,0 +1,252 @@
+"""`kvcmas bench agents`: the multi-agent workflow under every sharing method in one run.
+
+Three parts:
+- speed and memory: a 4-agent workflow whose shared span (the question slot) holds N tokens of GSM8K text; later
+  agents' TTFT, KV bytes of the request and correction bytes per method, against nonshared;
+- correction state vs kvcomm: bytes of the persistent estimator state and per-hop corrections at SmolLM2's K/V width
+  and at 1024 (Llama-3-8B's), measured on a few random-weight layers in numpy and scaled to the layer count;
+- fidelity: N GSM8K questions teacher-forced on the nonshared run, first-token KL, top-1, teacher-forced top-1,
+  K/V relative error per method, with the oracle row and the share of the fullshared-to-oracle gap each closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .model import Model, default_model_path
+from .sharing import estimators as est
+from .sharing.evaluate import build_runners, evaluate, question_ids
+from .sharing.runner import METHODS, MethodConfig, WorkflowRunner, default_config
+from .sharing.workflow import gsm8k_workflow, load_gsm8k
+
+
+def add_agents_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of `kvcmas bench agents`."""
+    p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--method", default="nonshared,fullshared,kvcmas,kvcomm",
+                   help=f"comma-separated methods among {', '.join(METHODS)}")
+    p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
+    p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
+    p.add_argument("--decode", type=int, default=8, help="tokens each agent generates in the speed part")
+    p.add_argument("--questions", type=int, default=30, help="GSM8K questions for the fidelity part (0: skip)")
+    p.add_argument("--train", type=int, default=50, help="GSM8K questions that fit / calibrate the estimators")
+    p.add_argument("--gen-tokens", type=int, default=8, help="tokens per agent in the fidelity part")
+    p.add_argument("--oracle-rank", type=int, default=32, help="rank of the oracle row")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _progress(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+    except ImportError:  # tqdm is optional
+        class _Null:
+            def update(self, n: int = 1) -> None: ...
+            def close(self) -> None: ...
+        return _Null()
+
+
+def _shared_context(model: Model, n: int) -> list[list[int]]:
+    """Two different n-token contexts made of consecutive GSM8K questions (one to warm up, one measured)."""
+    texts = load_gsm8k(100, 400)
+    ids: list[int] = []
+    for t in texts:
+        ids += question_ids(model, t + "\n")
+        if len(ids) >= 2 * n:
+            break
+    if len(ids) < 2 * n:
+        raise ValueError(f"not enough GSM8K text for two {n}-token contexts")
+    return [ids[:n], ids[n : 2 * n]]
+
+
+def speed_and_memory(model: Model, methods: list[str], agents: int, sizes: list[int], decode: int,
+                     fitted: dict[str, WorkflowRunner]) -> list[dict[str, Any]]:
+    """Per size and method: the measured request's hops (after one warm-up request per method)."""
+    wf = gsm8k_workflow(agents)
+    rows: list[dict[str, Any]] = []
+    bar = _progress(len(sizes) * len(methods) * 2, "speed")
+    for n in sizes:
+        contexts = _shared_context(model, n)
+        for name in methods:
+            runner = WorkflowRunner(model, wf, default_config(name),
+                                    fitted[name].estimator if name in fitted else None)
+            for i, ctx in enumerate(contexts):
+                res = runner.run(ctx, f"ctx-{n}-{i}", max_new_tokens=decode)
+                bar.update()
+                if i == len(contexts) - 1:
+                    later = res.hops[1:]
+                    rows.append({
+                        "shared_tokens": n, "method": name,
+                        "first_ttft_ms": res.hops[0].ttft_ms,
+                        "later_ttft_ms": float(np.mean([h.ttft_ms for h in later])),
+                        "computed_tokens": [h.computed_tokens for h in res.hops],
+                        "reused_tokens": [h.reused_tokens for h in res.hops],
+                        "modes": [h.mode for h in res.hops],
+                        "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
+                        "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
+                        "estimator_state_bytes": int(runner.estimator.state_bytes()),
+                        "template_kv_bytes": int(runner.template_kv_bytes),
+                    })
+                res.close()
+            runner.close()
+    bar.close()
+    base = {r["shared_tokens"]: r for r in rows if r["method"] == "nonshared"}
+    for r in rows:
+        b = base.get(r["shared_tokens"])
+        if b is not None:
+            r["later_ttft_speedup"] = b["later_ttft_ms"] / max(r["later_ttft_ms"], 1e-9)
+            r["kv_vs_nonshared"] = r["kv_bytes"] / max(b["kv_bytes"], 1)
+    return rows
+
+
+def correction_state(kd_list: list[int], sizes: list[int], n_layer_list: list[int], readers: int = 3,
+                     layers_measured: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+    """Bytes per method for one shared span read by `readers` agents, measured by building each estimator's state
+    on `layers_measured` random layers of width kd (span of min(size, 256) rows), then scaled to the size and layer
+    count (the state is linear in both). kvcomm: a pool of 20 full-rank anchors; kvcmas-ref: 10 anchors at rank 32
+    (bases at rank 32); kvcmas: a ridge map per edge (rank 8 + offset) and the per-hop rank-9 factors."""
+    rng = np.random.default_rng(seed)
+    out: list[dict[str, Any]] = []
+    for kd, n_layer in zip(kd_list, n_layer_list, strict=True):
+        m_rows = 256
+        ctxs = [est.EdgeContext("user_question", r, "m", *(rng.standard_normal((layers_measured, m_rows, kd))
+                                                           .astype(np.float32) for _ in range(4)))
+                for r in range(1, readers + 1)]
+        ridge = est.RidgeEstimator(rank=8)
+        for c in ctxs:
+            ridge.add_example(c)
+        ridge.fit()
+        per_edge_map = ridge.state_bytes() / readers / (layers_measured - 1)  # layer 0 has no map
+        anchors: dict[str, float] = {}
+        for name, rank, pool in (("kvcomm", None, 20), ("kvcmas-ref", 32, 10)):
+            a = est.AnchorEstimator(rank=rank, base_rank=rank, seed=seed)
+            for c in ctxs:
+                a.record(c, is_question=True)
+            # one anchor's bytes per layer and row (factors at rank 32 hold r*kd besides the rows)
+            one = a.state_bytes() / layers_measured
+            anchors[name] = one * pool
+        for n in sizes:
+            scale_rows = n / m_rows
+            kvcomm = anchors["kvcomm"] * scale_rows * n_layer
+            # low-rank: S*r terms scale with rows, r*kd terms do not; measure both parts from the formula check
+            ref_rows = 10 * (2 + 2 * readers) * (n * 32 + 32 * kd) * 4 * n_layer
+            kvcmas_state = per_edge_map * readers * (n_layer - 1)
+            kvcmas_hop = readers * (n_layer - 1) * 2 * (n * 9 + 9 * kd) * 4
+            out.append({
+                "kd": kd, "n_layer": n_layer, "shared_tokens": n,
+                "kvcomm_bytes": int(kvcomm), "kvcmas_ref_bytes": int(ref_rows),
+                "kvcmas_state_bytes": int(kvcmas_state), "kvcmas_hop_corr_bytes": int(kvcmas_hop),
+                "kvcmas_vs_kvcomm": (kvcmas_state + kvcmas_hop) / kvcomm,
+                "kvcmas_ref_vs_kvcomm": ref_rows / kvcomm,
+                "measured_kvcmas_ref_bytes_per_anchor_layer": anchors["kvcmas-ref"] / 10,
+            })
+    return out
+
+
+def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_train: int, gen_tokens: int,
+             oracle_rank: int) -> tuple[list[dict[str, Any]], dict[str, WorkflowRunner]]:
+    wf = gsm8k_workflow(agents)
+    names = [m for m in methods if m != "nonshared"]
+    if "oracle" not in names:
+        names.append("oracle")
+    configs = {"oracle": MethodConfig("oracle", rank=oracle_rank)}
+    train = load_gsm8k(40, n_train)
+    bar = _progress(n_train * sum(m in ("kvcmas", "kvcmas-ref", "kvcomm") for m in names), "fit")
+    runners = build_runners(model, wf, names, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(),
+                            configs=configs)
+    bar.close()
+    bar = _progress(n_questions, "fidelity")
+    ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens,
+                  progress=lambda: bar.update())
+    bar.close()
+    rows = []
+    for name in runners:
+        for label, ag in (("later agents", None), *((f"agent {a}", [a]) for a in range(1, agents))):
+            rows.append({"method": name, "agents": label, **ev.summary(name, ag)})
+    for r in rows:
+        full = next(x for x in rows if x["method"] == "fullshared" and x["agents"] == r["agents"]) \
+            if "fullshared" in runners else None
+        orc = next(x for x in rows if x["method"] == "oracle" and x["agents"] == r["agents"])
+        if full is not None and full["kl"] > orc["kl"]:
+            r["kl_gap_closed"] = (full["kl"] - r["kl"]) / (full["kl"] - orc["kl"])
+    return rows, runners
+
+
+def run_agents(args: argparse.Namespace) -> int:
+    """Runs the three parts and prints tables (or JSON)."""
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            print(f"bench agents: unknown method {m!r} (choose from {', '.join(METHODS)})", file=sys.stderr)
+            return 2
+    sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
+    path = args.model or default_model_path()
+    n_ctx = max(sizes, default=0) + 1024
+    model = Model(path, n_threads=args.threads, n_ctx=n_ctx, kv_budget=max(1 << 30, 16 * n_ctx * 30 * 2 * 192 * 4))
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"model": path, "methods": methods, "agents": args.agents}
+    fitted: dict[str, WorkflowRunner] = {}
+    if args.questions > 0:
+        result["fidelity"], fitted = fidelity(model, methods, args.agents, args.questions, args.train,
+                                              args.gen_tokens, args.oracle_rank)
+    speed_methods = [m for m in methods if m != "oracle"]
+    result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, args.decode, fitted)
+    kd = model.n_head_kv * model._core.head_dim
+    result["correction_state"] = correction_state([kd, 1024], sizes, [model.n_layer, 32])
+    result["seconds"] = time.perf_counter() - t0
+    for r in fitted.values():
+        r.close()
+    if args.json:
+        print(json.dumps(result, indent=1, default=float))
+    else:
+        _print_tables(result)
+    return 0
+
+
+def _print_tables(res: dict[str, Any]) -> None:
+    print("## speed and memory (later agents = agents 2..N)")
+    print("| shared tokens | method | later-agent TTFT ms | speedup vs nonshared | computed tokens per agent | "
+          "KV bytes (request) | vs nonshared | correction bytes | modes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["speed"]:
+        speedup = r.get("later_ttft_speedup", 0)
+        print(f"| {r['shared_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
+              f" | {r['computed_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r.get('kv_vs_nonshared', 0):.2f} | "
+              f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} |")
+    print("\n## correction state for one span read by 3 agents (kvcmas = ridge maps + per-hop factors)")
+    print("| K/V width | layers | shared tokens | kvcomm | kvcmas-ref | kvcmas | kvcmas / kvcomm |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["correction_state"]:
+        print(f"| {r['kd']} | {r['n_layer']} | {r['shared_tokens']} | {r['kvcomm_bytes'] / 2**20:.1f} MiB | "
+              f"{r['kvcmas_ref_bytes'] / 2**20:.1f} MiB | "
+              f"{(r['kvcmas_state_bytes'] + r['kvcmas_hop_corr_bytes']) / 2**20:.2f} MiB | "
+              f"{r['kvcmas_vs_kvcomm']:.3f} |")
+    if "fidelity" in res:
+        print("\n## fidelity vs nonshared (teacher-forced on its outputs)")
+        print("| method | agents | first-token KL | KL gap closed | top-1 | teacher-forced top-1 | K err | V err | "
+              "computed tokens | reuse share | state bytes |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["fidelity"]:
+            gap = f"{100 * r['kl_gap_closed']:.0f}%" if "kl_gap_closed" in r else "-"
+            print(f"| {r['method']} | {r['agents']} | {r['kl']:.2e} | {gap} | {100 * r['top1']:.1f}% | "
+                  f"{100 * r['tf_top1']:.1f}% | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['computed_tokens']:.1f} | "
+                  f"{100 * r['reuse_share']:.0f}% | {r['state_bytes'] / 2**20:.2f} MiB |")
+    print(f"\n{res['seconds']:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvcmas bench agents", description=__doc__.splitlines()[0])
+    add_agents_arguments(p)
+    return run_agents(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
