@@ -154,3 +154,24 @@ def test_kvcmas_beats_fullshared_on_first_token_kl(model, workflow) -> None:
     assert rows["kvcmas"]["computed_tokens"] <= rows["fullshared"]["computed_tokens"] + 4 * 4
     for r in runners.values():
         r.close()
+
+
+def test_rotate_only_tail_reuses_the_template_prefill(model, workflow) -> None:
+    """The reference code's tail: template text after a span reused rotate-only from the agent's template prefill
+    (only the last prompt token is forwarded); it is the larger error source the exact tail removes."""
+    q = _questions(4, 1)[0]
+    r0, exact = _run(model, workflow, MethodConfig("nonshared"), q)
+    forced = [h.generated for h in exact.hops]
+    kls = {}
+    for tail in ("rotate", "exact"):
+        runner = WorkflowRunner(model, workflow, MethodConfig("fullshared", tail=tail))
+        res = runner.run(question_ids(model, q), "msg", forced=forced, exact=exact)
+        if tail == "rotate":
+            assert [h.computed_tokens for h in res.hops[1:]] == [1, 1, 1]
+            assert runner.template_kv_bytes > 0
+        kls[tail] = np.mean([h.kl for h in res.hops[1:]])
+        res.close()
+        runner.close()
+    assert kls["rotate"] > kls["exact"]
+    exact.close()
+    r0.close()
