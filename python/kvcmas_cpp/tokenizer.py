@@ -386,9 +386,17 @@ class Tokenizer:
         add_special: prepend BOS / append EOS as the vocabulary asks (``add_bos`` / ``add_eos``).
         parse_special: recognise CONTROL tokens such as ``<|im_start|>`` written in the text; without it they are
         tokenized as plain text (USER_DEFINED tokens are recognised either way, as in llama.cpp).
+        Raises ValueError for text holding lone surrogates (e.g. from JSON "\\ud800"): it has no UTF-8 form.
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"encode(): text holds a lone surrogate {text[e.start]!r} at index {e.start}"
+                ) from None
         out: list[int] = []
         if add_special and self._add_bos:
             assert self._bos_id is not None

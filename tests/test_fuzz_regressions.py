@@ -1,0 +1,70 @@
+"""Regression tests for what fuzzing (fuzz/, scripts/ci-fuzz.sh) found, and a replay of the seed corpora.
+
+Each finding is pinned by an explicit test naming the input; saved crash inputs under fuzz/regressions/<target>/ and
+the seed corpora under fuzz/corpus/<target>/ are also replayed through the fuzz targets' own checks (needs atheris,
+which the targets import; skipped without it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvcmas_cpp._native import core
+from kvcmas_cpp.tokenizer import Tokenizer
+
+FUZZ_DIR = Path(__file__).resolve().parent.parent / "fuzz"
+TARGETS = ("gguf", "tokenizer", "chat")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(default_model_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(core.GgufFile(default_model_path).metadata())
+
+
+# --- findings -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["\ud800", "ab\udcff", "ok \udfff then more", "\ud83d"])
+@pytest.mark.parametrize("parse_special", [False, True])
+def test_lone_surrogates_are_a_value_error(smollm2_tokenizer: Tokenizer, text: str, parse_special: bool) -> None:
+    """fuzz_tokenizer, seed `invalid_utf8`: text with a lone surrogate (JSON "\\ud800" decodes to one) made the
+    HF tokenizer raise TypeError("TextInputSequence must be str"); encode now refuses it with a ValueError."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        smollm2_tokenizer.encode(text, add_special=True, parse_special=parse_special)
+
+
+def test_text_around_a_valid_surrogate_pair_still_encodes(smollm2_tokenizer: Tokenizer) -> None:
+    """The surrogate check must not refuse characters outside the BMP (stored as one code point in Python)."""
+    text = "emoji \U0001f600 and more"
+    ids = smollm2_tokenizer.encode(text, add_special=False)
+    assert smollm2_tokenizer.decode(ids) == text
+
+
+# --- replay of saved inputs -----------------------------------------------------------------------------------------
+
+
+def _target(name: str) -> Callable[[bytes], None]:
+    pytest.importorskip("atheris")
+    if str(FUZZ_DIR) not in sys.path:
+        sys.path.insert(0, str(FUZZ_DIR))
+    return importlib.import_module(f"fuzz_{name}").test_one_input
+
+
+def _inputs(name: str) -> list[Path]:
+    return sorted(
+        p for folder in ("corpus", "regressions") for p in (FUZZ_DIR / folder / name).glob("*") if p.is_file()
+    )
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_saved_inputs_pass_the_target_checks(name: str, default_model_path: Path) -> None:
+    inputs = _inputs(name)
+    assert inputs, f"no seed corpus in fuzz/corpus/{name}"
+    check = _target(name)
+    for path in inputs:
+        check(path.read_bytes())
