@@ -171,6 +171,17 @@ def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_
     for name in runners:
         for label, ag in (("later agents", None), *((f"agent {a}", [a]) for a in range(1, agents))):
             rows.append({"method": name, "agents": label, **ev.summary(name, ag)})
+    if "fullshared" in runners:  # paired over the same questions: per-question mean over the later agents
+        def per_question(name: str) -> np.ndarray:
+            return np.array([np.mean([h.tf_top1 for h in q[1:]]) for q in ev.hops[name]])
+
+        base = per_question("fullshared")
+        for r in rows:
+            if r["agents"] == "later agents":
+                diff = per_question(r["method"]) - base
+                half = 1.96 * diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else float("nan")
+                r["tf_top1_minus_fullshared"] = float(diff.mean())
+                r["tf_top1_minus_fullshared_ci95"] = [float(diff.mean() - half), float(diff.mean() + half)]
     for r in rows:
         full = next(x for x in rows if x["method"] == "fullshared" and x["agents"] == r["agents"]) \
             if "fullshared" in runners else None
@@ -212,7 +223,7 @@ def run_agents(args: argparse.Namespace) -> int:
 
 
 def _print_tables(res: dict[str, Any]) -> None:
-    print("## speed and memory (later agents = agents 2..N)")
+    print("## speed and memory (later agents = every agent after the first)")
     print("| shared tokens | method | later-agent TTFT ms | speedup vs nonshared | computed tokens per agent | "
           "KV bytes (request) | vs nonshared | correction bytes | modes |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -236,6 +247,10 @@ def _print_tables(res: dict[str, Any]) -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["fidelity"]:
             gap = f"{100 * r['kl_gap_closed']:.0f}%" if "kl_gap_closed" in r else "-"
+            if "tf_top1_minus_fullshared" in r:
+                lo, hi = r["tf_top1_minus_fullshared_ci95"]
+                d = 100 * r["tf_top1_minus_fullshared"]
+                gap += f" (tf top-1 vs fullshared {d:+.1f} pts, CI {100 * lo:+.1f}..{100 * hi:+.1f})"
             print(f"| {r['method']} | {r['agents']} | {r['kl']:.2e} | {gap} | {100 * r['top1']:.1f}% | "
                   f"{100 * r['tf_top1']:.1f}% | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['computed_tokens']:.1f} | "
                   f"{100 * r['reuse_share']:.0f}% | {r['state_bytes'] / 2**20:.2f} MiB |")
