@@ -167,7 +167,7 @@ def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_
     ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens,
                   progress=lambda: bar.update())
     bar.close()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in runners:
         for label, ag in (("later agents", None), *((f"agent {a}", [a]) for a in range(1, agents))):
             rows.append({"method": name, "agents": label, **ev.summary(name, ag)})

@@ -115,11 +115,12 @@ def concat(corrs: list[Correction]) -> Correction:
     n_layer = max(len(c) for c in corrs)
     out: Correction = []
     for il in range(n_layer):
-        parts = [c[il] for c in corrs if il < len(c) and c[il] is not None]
+        parts = [f for c in corrs if il < len(c) and (f := c[il]) is not None]
         if not parts:
             out.append(None)
             continue
-        out.append(tuple(np.concatenate([p[j] for p in parts], axis=1 if j % 2 == 0 else 0) for j in range(4)))
+        ak, bk, av, bv = (np.concatenate([p[j] for p in parts], axis=1 if j % 2 == 0 else 0) for j in range(4))
+        out.append((ak, bk, av, bv))
     return out
 
 
@@ -313,7 +314,8 @@ class AnchorEstimator(Estimator):
         """Dense fallback: some placeholder is novel and its anchor lacks this reader's delta."""
         for ph in phs:
             if self.novel.get((ph, message)):
-                a = self.pools.get(ph, {}).get(message)
+                pool = self.pools.get(ph)
+                a = pool.get(message) if pool is not None else None
                 if a is None or reader not in a.deltas:
                     return True
         return False

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -231,7 +231,9 @@ class WorkflowRunner:
                     gen.append(tok)
                     if tok in m.tokenizer.eog_ids or len(gen) == max_new_tokens:
                         break
-                    cur = seq.append([tok], logits="last")
+                    step = seq.append([tok], logits="last")
+                    assert step is not None
+                    cur = step
             corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
             hop = HopReport(a, self.workflow.agents[a].name, mode, gate, ttft, len(prompt), computed,
                             len(prompt) - computed, m.kv_bytes_in_use - kv0 - self._template_bytes_in_hop, corr_bytes,
@@ -298,6 +300,7 @@ class WorkflowRunner:
             else:
                 pending += tail
         logits = seq.append(pending, logits="last")
+        assert logits is not None
         computed += len(pending)
         return logits, computed, corrs
 
@@ -332,7 +335,7 @@ class WorkflowRunner:
             out.append((ak, self.model._core.rope_rotate(np.ascontiguousarray(bk, np.float32), frame0), av, bv))
         return out
 
-    def _kv_correction(self, corr: est.Correction, n: int) -> core.KvCorrection:
+    def _kv_correction(self, corr: est.Correction, n: int) -> Any:  # core.KvCorrection
         rank = max(est.correction_rank(corr), 1)
         kc = core.KvCorrection(n, rank, self.kd, self.model.n_layer)
         for il, f in enumerate(corr):
@@ -380,6 +383,7 @@ class WorkflowRunner:
     def _evaluate(self, res: RequestResult, exact: RequestResult, teacher_forced: bool) -> None:
         m = self.model
         for a, (hop, ehop) in enumerate(zip(res.hops, exact.hops, strict=True)):
+            assert hop.first_logits is not None and ehop.first_logits is not None
             p = _log_softmax(ehop.first_logits)
             q = _log_softmax(hop.first_logits)
             hop.kl = float(np.sum(np.exp(p) * (p - q)))
