@@ -21,6 +21,7 @@ import numpy as np
 
 from .model import Model, default_model_path
 from .sharing import estimators as est
+from .sharing._blas import single_threaded_blas
 from .sharing.evaluate import build_runners, evaluate, question_ids
 from .sharing.runner import METHODS, MethodConfig, WorkflowRunner, default_config
 from .sharing.workflow import gsm8k_workflow, load_gsm8k
@@ -209,7 +210,8 @@ def run_agents(args: argparse.Namespace) -> int:
         result["fidelity"], fitted = fidelity(model, methods, args.agents, args.questions, args.train,
                                               args.gen_tokens, args.oracle_rank)
     speed_methods = [m for m in methods if m != "oracle"]
-    result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, args.decode, fitted)
+    with single_threaded_blas():
+        result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, args.decode, fitted)
     kd = model.n_head_kv * model._core.head_dim
     result["correction_state"] = correction_state([kd, 1024], sizes, [model.n_layer, 32])
     result["seconds"] = time.perf_counter() - t0

@@ -203,8 +203,9 @@ def fit_ridge_map(x: np.ndarray, y: np.ndarray, rank: int, alpha: float) -> _Rid
     g = xc.T @ xc
     lam = alpha * max(float(np.trace(g)) / g.shape[0], 1e-12)
     w = np.linalg.solve(g + lam * np.eye(g.shape[0]), xc.T @ yc)
-    _, _, vt = np.linalg.svd(xc @ w, full_matrices=False)
-    vt = vt[: min(rank, vt.shape[0])]
+    # top right singular vectors of the fitted values X_c W, from the small [kd, kd] matrix W^T G W
+    evals, evecs = np.linalg.eigh(w.T @ g @ w)
+    vt = evecs[:, np.argsort(evals)[::-1][: min(rank, len(evals))]].T
     return _RidgeMap(mu_x.astype(np.float32), (w @ vt.T).astype(np.float32), vt.astype(np.float32),
                      mu_y.astype(np.float32))
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..model import Model
 from . import estimators as est
+from ._blas import single_threaded_blas
 from .runner import HopReport, MethodConfig, WorkflowRunner, default_config
 from .workflow import Workflow
 
@@ -48,30 +49,43 @@ def build_runners(model: Model, workflow: Workflow, methods: Iterable[str], trai
     """Runners for the methods, with learned estimators fitted / calibrated on the training questions (the ridge map
     on exact runs; the anchor pools by running the method's own online logic)."""
     runners: dict[str, WorkflowRunner] = {}
-    for name in methods:
-        cfg = (configs or {}).get(name) or default_config(name)
-        runner = WorkflowRunner(model, workflow, cfg)
-        if isinstance(runner.estimator, est.RidgeEstimator):
-            trainer = WorkflowRunner(model, workflow, MethodConfig("nonshared", head=cfg.head), runner.estimator)
-            for i, q in enumerate(train):
-                trainer.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens,
-                            ridge_training=True).close()
-                if progress:
-                    progress(name)
-            trainer.close()
-            runner.estimator.fit()
-        elif isinstance(runner.estimator, est.AnchorEstimator):
-            for i, q in enumerate(train):
-                runner.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens).close()
-                if progress:
-                    progress(name)
-        runners[name] = runner
+    with single_threaded_blas():
+        for name in methods:
+            _build_one(model, workflow, name, train, gen_tokens, progress, configs, runners)
     return runners
+
+
+def _build_one(model: Model, workflow: Workflow, name: str, train: Sequence[str], gen_tokens: int,
+               progress: Callable[[str], None] | None, configs: dict[str, MethodConfig] | None,
+               runners: dict[str, WorkflowRunner]) -> None:
+    cfg = (configs or {}).get(name) or default_config(name)
+    runner = WorkflowRunner(model, workflow, cfg)
+    if isinstance(runner.estimator, est.RidgeEstimator):
+        trainer = WorkflowRunner(model, workflow, MethodConfig("nonshared", head=cfg.head), runner.estimator)
+        for i, q in enumerate(train):
+            trainer.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens,
+                        ridge_training=True).close()
+            if progress:
+                progress(name)
+        trainer.close()
+        runner.estimator.fit()
+    elif isinstance(runner.estimator, est.AnchorEstimator):
+        for i, q in enumerate(train):
+            runner.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens).close()
+            if progress:
+                progress(name)
+    runners[name] = runner
 
 
 def evaluate(model: Model, workflow: Workflow, runners: dict[str, WorkflowRunner], questions: Sequence[str],
              gen_tokens: int = 8, progress: Callable[[], None] | None = None) -> Evaluation:
     """Runs the exact (nonshared) workflow live per question, then every method teacher-forced on its outputs."""
+    with single_threaded_blas():
+        return _evaluate(model, workflow, runners, questions, gen_tokens, progress)
+
+
+def _evaluate(model: Model, workflow: Workflow, runners: dict[str, WorkflowRunner], questions: Sequence[str],
+              gen_tokens: int, progress: Callable[[], None] | None) -> Evaluation:
     exact_runner = WorkflowRunner(model, workflow, MethodConfig("nonshared"))
     ev = Evaluation()
     for i, q in enumerate(questions):
