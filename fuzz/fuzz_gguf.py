@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import _harness
 import atheris
+import numpy as np
 
 _harness.use_source_tree_if_asked()
 with atheris.instrument_imports(include=["kvcmas_cpp"]):
@@ -61,8 +62,13 @@ def exercise(path: str) -> core.GgufFile:
 _OUTCOME_PROBES: dict[str, Callable[[], None]] = {}
 
 
+_MAX_PROBES = 4096  # beyond this, new outcomes share one probe (atheris' counters are not unlimited)
+
+
 def _outcome(kind: str) -> None:
     probe = _OUTCOME_PROBES.get(kind)
+    if probe is None and len(_OUTCOME_PROBES) >= _MAX_PROBES:
+        probe = _OUTCOME_PROBES["(overflow)"]
     if probe is None:
         namespace: dict[str, object] = {}
         exec(f"def probe():\n    return {kind!r}\n", namespace)  # a new code object: new program counters
@@ -78,6 +84,21 @@ def _message_shape(message: str) -> str:
     return re.sub(r"-?\b(0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b", "N", message)[:200]
 
 
+def exercise_model(path: str) -> str:
+    """Loads ``path`` as a model and decodes two tokens when it loads; the outcome's shape, for coverage."""
+    try:
+        model = core.Model(path, 1, 32, 1 << 20)
+    except core.KvcmasError as e:
+        return "model error: " + _message_shape(str(e))
+    n = 2
+    tokens = np.array([0, model.n_vocab - 1], dtype=np.int32)
+    seq = model.seq_new()
+    logits = model.decode(np.full(n, seq, np.int32), tokens, np.ones(n, np.uint8))
+    assert logits.shape == (n, model.n_vocab), logits.shape
+    del model
+    return "model decodes"
+
+
 def test_one_input(data: bytes) -> None:
     with open(_PATH, "wb") as out:
         out.write(data)
@@ -88,9 +109,12 @@ def test_one_input(data: bytes) -> None:
             raise AssertionError(f"error message does not name the file first: {e}") from None
         _outcome("error: " + _message_shape(str(e)))
         return
+    model_outcome = exercise_model(_PATH) if "general.architecture" in f.metadata() else "no model"
     value_types = sorted(set(f.value_types().values()))
     tensor_types = sorted({t["type_name"] for t in f.tensors()})
-    _outcome(f"ok: v{f.version} align={f.alignment} values={value_types} tensors={tensor_types}")
+    f_version, f_alignment = f.version, f.alignment
+    del f  # the next input rewrites the file: no mapping of it may outlive this call
+    _outcome(f"ok: v{f_version} align={f_alignment} values={value_types} tensors={tensor_types} {model_outcome}")
 
 
 def main() -> None:

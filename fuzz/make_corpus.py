@@ -1,7 +1,8 @@
 """Writes the seed corpora of the fuzz targets into fuzz/corpus/<target>/ (deterministic; rerun after changes).
 
 gguf: small valid files from gguf-py's writer (every value type, nested arrays, tensors of several types, a custom
-alignment, no tensors at all). tokenizer: texts in several scripts and with special tokens, and id sequences.
+alignment, no tensors at all, and a micro llama model the engine loads and runs). tokenizer: texts in several
+scripts and with special tokens, and id sequences.
 chat: the default model's own template, ChatML and a few hand-written templates in common styles, with messages.
 
     python fuzz/make_corpus.py
@@ -66,8 +67,37 @@ def _aligned(w: gguf.GGUFWriter) -> None:
     w.add_tensor("y", np.full((7,), 3.0, dtype=np.float32))
 
 
+def _micro_model(w: gguf.GGUFWriter) -> None:
+    """The smallest model the engine loads: llama, 1 block, n_embd 16, 2 heads of 8 (1 KV head), n_ff 16, 8 tokens."""
+    n_embd, n_ff, n_vocab, head_dim, n_head_kv = 16, 16, 8, 8, 1
+    w.add_uint32("llama.block_count", 1)
+    w.add_uint32("llama.embedding_length", n_embd)
+    w.add_uint32("llama.feed_forward_length", n_ff)
+    w.add_uint32("llama.attention.head_count", 2)
+    w.add_uint32("llama.attention.head_count_kv", n_head_kv)
+    w.add_uint32("llama.context_length", 64)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    rng = np.random.default_rng(7)
+
+    def mat(n_out: int, n_in: int) -> np.ndarray:  # numpy [n_out, n_in] is ggml ne [n_in, n_out]
+        return (rng.standard_normal((n_out, n_in)) * 0.2).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", mat(2 * head_dim, n_embd))
+    w.add_tensor("blk.0.attn_k.weight", mat(n_head_kv * head_dim, n_embd).astype(np.float16))
+    w.add_tensor("blk.0.attn_v.weight", mat(n_head_kv * head_dim, n_embd))
+    w.add_tensor("blk.0.attn_output.weight", mat(n_embd, 2 * head_dim))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", mat(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_up.weight", mat(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_down.weight", mat(n_embd, n_ff))
+
+
 def write_gguf(folder: Path) -> None:
     seeds = {
+        "micro_model.gguf": _gguf_bytes(_micro_model),
         "minimal.gguf": _gguf_bytes(lambda w: None),
         "value_types.gguf": _gguf_bytes(_all_value_types),
         "tensors.gguf": _gguf_bytes(_tensors),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcmas_cpp._native import core
+from kvcmas_cpp.chat import ChatTemplateError, render_chat
 from kvcmas_cpp.tokenizer import Tokenizer
 
 FUZZ_DIR = Path(__file__).resolve().parent.parent / "fuzz"
@@ -43,6 +44,51 @@ def test_text_around_a_valid_surrogate_pair_still_encodes(smollm2_tokenizer: Tok
     text = "emoji \U0001f600 and more"
     ids = smollm2_tokenizer.encode(text, add_special=False)
     assert smollm2_tokenizer.decode(ids) == text
+
+
+def test_characters_without_byte_tokens_are_dropped_as_hf_does(
+    smollm2_tokenizer: Tokenizer, default_model_path: Path
+) -> None:
+    """fuzz_tokenizer, fuzz/regressions/tokenizer/control_bytes_without_tokens: "\x04" vanished from the round trip.
+    Not a bug: SmolLM2's byte-level vocabulary has no token for a few control bytes, and transformers (like
+    llama.cpp) drops them too. Pinned so that the engine keeps agreeing with the reference on them."""
+    from conftest import hf_encode
+
+    text = "\x03\x00\x02\x00\x03\x04 a\x06b\x13c\x14d\x16e\x1df"
+    ids = smollm2_tokenizer.encode(text, add_special=False)
+    assert ids == hf_encode(default_model_path, text)
+    assert smollm2_tokenizer.decode(ids) == "\x03\x00\x02\x00\x03 abcdef"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% continue %}",
+        "{% if true %}{% break %}{% endif %}",
+        "{% for m in messages %}{% macro f() %}{% continue %}{% endmacro %}{% endfor %}",
+    ],
+)
+def test_loop_controls_outside_a_loop_are_a_template_error(template: str) -> None:
+    """fuzz_chat, fuzz/regressions/chat/continue_outside_loop: jinja2 compiles `{% continue %}` outside a loop into
+    Python that does not compile, and the SyntaxError escaped render_chat."""
+    with pytest.raises(ChatTemplateError, match="syntax error"):
+        render_chat(template, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+        "{% if 1 %}" * 3000 + "{% endif %}" * 3000,
+        "{{ " + "-" * 50000 + "1 }}",
+    ],
+    ids=["parentheses", "blocks", "unary"],
+)
+def test_deeply_nested_templates_are_a_template_error(template: str) -> None:
+    """Found while reducing the finding above: deep nesting exhausted jinja2's recursive parser and RecursionError
+    escaped render_chat (a template comes from an untrusted model file)."""
+    with pytest.raises(ChatTemplateError, match="nested too deeply"):
+        render_chat(template, [{"role": "user", "content": "hi"}])
 
 
 # --- replay of saved inputs -----------------------------------------------------------------------------------------

@@ -161,6 +161,10 @@ def _compile(template: str) -> jinja2.Template:
         compiled = _ENV.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+    except SyntaxError as e:  # jinja2 lets `{% break %}` / `{% continue %}` outside a loop through to Python's compiler
+        raise ChatTemplateError(f"chat template syntax error: {e.msg}") from None
+    except (RecursionError, MemoryError):  # deeply nested expressions or blocks exhaust the parser
+        raise ChatTemplateError("chat template is nested too deeply to compile") from None
     with _COMPILED_LOCK:
         if len(_COMPILED) > 64:
             _COMPILED.clear()
