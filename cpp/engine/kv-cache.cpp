@@ -14,8 +14,9 @@ KvBlockPool::KvBlockPool(KvLayout layout, size_t budget_bytes)
 }
 
 int32_t KvBlockPool::allocate() {
+    std::lock_guard<std::mutex> lock(mutex_);
     KC_CHECK((n_used_ + 1) * block_bytes() <= budget_bytes_,
-             "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", bytes_in_use(),
+             "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", n_used_ * block_bytes(),
              budget_bytes_, block_bytes());
     int32_t id;
     if (!free_.empty()) {
@@ -30,8 +31,19 @@ int32_t KvBlockPool::allocate() {
 }
 
 void KvBlockPool::release(int32_t block) {
+    std::lock_guard<std::mutex> lock(mutex_);
     free_.push_back(block);
     --n_used_;
+}
+
+size_t KvBlockPool::bytes_in_use() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return n_used_ * block_bytes();
+}
+
+float * KvBlockPool::data(int32_t block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return blocks_[static_cast<size_t>(block)].get();
 }
 
 KvSpan::~KvSpan() {
