@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,17 @@ def test_deeply_nested_templates_are_a_template_error(template: str) -> None:
     escaped render_chat (a template comes from an untrusted model file)."""
     with pytest.raises(ChatTemplateError, match="nested too deeply"):
         render_chat(template, [{"role": "user", "content": "hi"}])
+
+
+def test_compile_time_is_bounded() -> None:
+    """fuzz_chat, fuzz/regressions/chat/slow_compile_unary_chain: jinja2's code generator takes about a second per
+    190-deep unary chain (`x ++++...+ y`) and compiling was not under the time limit, so a template of many such
+    expressions took minutes. Compiling now stops at max_seconds like rendering."""
+    template = "".join(f"{{{{ x{i} " + "+" * 190 + " y }}" for i in range(50))
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="to compile"):
+        render_chat(template, [{"role": "user", "content": "hi"}], max_seconds=0.3)
+    assert time.monotonic() - start < 0.3 + 1.5
 
 
 # --- replay of saved inputs -----------------------------------------------------------------------------------------

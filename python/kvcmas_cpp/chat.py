@@ -60,8 +60,9 @@ class _OutputTooLarge(Exception):
     pass
 
 
-class _RenderTimeout(Exception):
-    pass
+class _RenderTimeout(BaseException):
+    """Raised by the trace hook; a BaseException so that jinja2's own `except Exception` blocks cannot swallow it
+    (a trace function that raises is also removed, so a swallowed timeout would never fire again)."""
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -152,19 +153,28 @@ _COMPILED: dict[str, jinja2.Template] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
-def _compile(template: str) -> jinja2.Template:
+def _compile(template: str, max_seconds: float) -> jinja2.Template:
     with _COMPILED_LOCK:
         compiled = _COMPILED.get(template)
     if compiled is not None:
         return compiled
+    # Compiling is bounded like rendering: jinja2's code generator takes seconds on one deeply nested expression
+    # (`x ++++...+ y`), and a template can hold thousands of them.
+    guard = _Guard(time.monotonic() + max_seconds, max_chars=0)
+    previous_trace = sys.gettrace()
+    sys.settrace(guard.trace)
     try:
         compiled = _ENV.from_string(template)
+    except _RenderTimeout:
+        raise ChatTemplateError(f"chat template took longer than {max_seconds:g} s to compile") from None
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
     except SyntaxError as e:  # jinja2 lets `{% break %}` / `{% continue %}` outside a loop through to Python's compiler
         raise ChatTemplateError(f"chat template syntax error: {e.msg}") from None
     except (RecursionError, MemoryError):  # deeply nested expressions or blocks exhaust the parser
         raise ChatTemplateError("chat template is nested too deeply to compile") from None
+    finally:
+        sys.settrace(previous_trace)
     with _COMPILED_LOCK:
         if len(_COMPILED) > 64:
             _COMPILED.clear()
@@ -272,8 +282,8 @@ def render_chat(
 
     The template sees ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and any ``extra``
     variables (e.g. ``tools``, ``date_string``). Raises ChatTemplateError for malformed messages, template syntax
-    errors, ``raise_exception(...)`` calls, sandbox violations, output above ``max_output_chars`` and renders that
-    run longer than ``max_seconds``.
+    errors, ``raise_exception(...)`` calls, sandbox violations, output above ``max_output_chars`` and compiles or
+    renders that each run longer than ``max_seconds``.
     """
     if template is None or template == "":
         template = CHATML_TEMPLATE
@@ -284,7 +294,7 @@ def render_chat(
             f"chat template is {len(template)} characters, more than the {MAX_TEMPLATE_CHARS} allowed"
         )
     msgs = normalize_messages(messages)
-    compiled = _compile(template)
+    compiled = _compile(template, max_seconds)
     context: dict[str, Any] = {"tools": None, "documents": None}  # transformers passes these explicitly
     context.update(extra)
     context.update(
