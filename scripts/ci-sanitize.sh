@@ -16,6 +16,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BUILD_DIR=${BUILD_DIR:-build-asan}
 JOBS=${JOBS:-2}
+mkdir -p "$BUILD_DIR"
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
 TESTS=(
   tests/test_model_errors.py
   tests/test_gguf.py
@@ -30,7 +32,7 @@ start=$(date +%s)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DKVCMAS_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$PWD/$BUILD_DIR/py" >/dev/null
+  -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$BUILD_DIR/py" >/dev/null
 cmake --build "$BUILD_DIR" --parallel "$JOBS"
 built=$(date +%s)
 
@@ -46,7 +48,7 @@ done
 log=$(mktemp -t kvcmas-asan-XXXXXX.log)
 status=0
 # -s: the sanitizers write to stderr, which pytest's capture would drop when the process aborts.
-asan_python=(env PYTHONPATH="$PWD/python" KVCMAS_CORE_PATH="$PWD/$core_so" LD_PRELOAD="$libasan $libstdcxx"
+asan_python=(env PYTHONPATH="$PWD/python" KVCMAS_CORE_PATH="$core_so" LD_PRELOAD="$libasan $libstdcxx"
   ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" "$PY")
 "${asan_python[@]}" -m pytest -q -s -p no:cacheprovider "${TESTS[@]}" "$@" 2>&1 | tee "$log" || status=$?

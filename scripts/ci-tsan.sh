@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 BUILD_DIR=${BUILD_DIR:-build-tsan}
 JOBS=${JOBS:-2}
+mkdir -p "$BUILD_DIR"
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
 
 start=$(date +%s)
 generator=()
@@ -18,7 +20,7 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" \
   -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=thread" -DCMAKE_MODULE_LINKER_FLAGS="-fsanitize=thread" \
-  -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$PWD/$BUILD_DIR/py" >/dev/null
+  -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$BUILD_DIR/py" >/dev/null
 cmake --build "$BUILD_DIR" --parallel "$JOBS"
 built=$(date +%s)
 
@@ -29,7 +31,7 @@ core_so=$(ls "$BUILD_DIR"/py/_core*.so)
 
 log=$(mktemp -t kvcmas-tsan-XXXXXX.log)
 status=0
-env PYTHONPATH="$PWD/python" KVCMAS_CORE_PATH="$PWD/$core_so" LD_PRELOAD="$libtsan $libstdcxx" \
+env PYTHONPATH="$PWD/python" KVCMAS_CORE_PATH="$core_so" LD_PRELOAD="$libtsan $libstdcxx" \
   TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0" \
   "$PY" -m pytest -q -s -p no:cacheprovider tests/test_concurrency.py "$@" 2>&1 | tee "$log" || status=$?
 if grep -q "WARNING: ThreadSanitizer" "$log"; then

@@ -7,6 +7,7 @@ which the targets import; skipped without it).
 
 from __future__ import annotations
 
+import base64
 import importlib
 import sys
 import time
@@ -101,6 +102,27 @@ def test_compile_time_is_bounded() -> None:
     with pytest.raises(ChatTemplateError, match="to compile"):
         render_chat(template, [{"role": "user", "content": "hi"}], max_seconds=0.3)
     assert time.monotonic() - start < 0.3 + 1.5
+
+
+# A GGUF file whose general.architecture string is not UTF-8 ("\x94\x8fama"); the model loader quotes it in its error.
+BAD_ARCH_GGUF = base64.b64decode(
+    "R0dVRgMAAAAAAAAAAAAAAAIAAAAAAAAAFAAAAAAAAABnZW5lcmFsLmFyY2hpdGVjdHVyZQgAAAAFAAAAAAAAAJSPYW1hEQAAAAAAAABsbGFtYS5i"
+    "bG9ja19jb3VudAQAAAABAAAABQAAAAAAAABhLmYzMgIAAAAEAAAAAAAAAAIAAAAAAAAAAAAAANzk3Nzc3Nzc3Nzc3Nzc3AAAAA=="
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: cpp/bindings/module.cpp turns kvcmas::Error into KvcmasError with a strict UTF-8 decode, so a "
+    "message quoting non-UTF-8 file bytes raises UnicodeDecodeError (fix proposed in issue 8; drop this mark with it)",
+)
+def test_error_messages_quoting_non_utf8_bytes_are_kvcmas_errors(tmp_path: Path) -> None:
+    """fuzz_gguf: a metadata string need not be UTF-8, and Model's error quotes it."""
+    path = tmp_path / "bad_arch.gguf"
+    path.write_bytes(BAD_ARCH_GGUF)
+    assert core.GgufFile(str(path)).string_bytes("general.architecture") == b"\x94\x8fama"
+    with pytest.raises(core.KvcmasError, match="unsupported architecture"):
+        core.Model(str(path), 1, 32, 1 << 20)
 
 
 # --- replay of saved inputs -----------------------------------------------------------------------------------------
