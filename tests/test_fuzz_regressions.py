@@ -111,11 +111,6 @@ BAD_ARCH_GGUF = base64.b64decode(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: cpp/bindings/module.cpp turns kvcmas::Error into KvcmasError with a strict UTF-8 decode, so a "
-    "message quoting non-UTF-8 file bytes raises UnicodeDecodeError (fix proposed in issue 8; drop this mark with it)",
-)
 def test_error_messages_quoting_non_utf8_bytes_are_kvcmas_errors(tmp_path: Path) -> None:
     """fuzz_gguf: a metadata string need not be UTF-8, and Model's error quotes it."""
     path = tmp_path / "bad_arch.gguf"
