@@ -391,9 +391,10 @@ class WorkflowRunner:
             preds = [int(np.argmax(hop.first_logits))]
             if hop.tf_logits is not None:
                 preds += [int(x) for x in np.argmax(hop.tf_logits, axis=1)]
-            ref = [int(np.argmax(ehop.first_logits))]
-            if ehop.tf_logits is not None:
-                ref += [int(x) for x in np.argmax(ehop.tf_logits, axis=1)]
+            # the exact run decodes greedily: its argmax at each step is the token it generated
+            ref = list(ehop.generated) if ehop.generated else [int(np.argmax(ehop.first_logits))]
+            if ehop.tf_logits is not None:  # an exact run that was itself teacher-forced
+                ref = [int(np.argmax(ehop.first_logits))] + [int(x) for x in np.argmax(ehop.tf_logits, axis=1)]
             k = min(len(preds), len(ref))
             hop.tf_top1 = float(np.mean([x == y for x, y in zip(preds[:k], ref[:k], strict=True)]))
             start = len(self.templates[a].texts[0])
