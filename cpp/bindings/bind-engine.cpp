@@ -176,7 +176,7 @@ void bind_engine(nb::module_ & m) {
         .def("seq_remove", [](Model & m, int32_t s) { KC_LOCKED(kv.seq_remove(s);) }, nb::arg("seq"))
         .def("seq_length", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_length(s);) }, nb::arg("seq"))
         .def("seq_exists", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_exists(s);) }, nb::arg("seq"))
-        .def_prop_ro("n_seqs", [](Model & m) { return m.kv().n_seqs(); })
+        .def_prop_ro("n_seqs", [](Model & m) { KC_LOCKED(return kv.n_seqs();) })
         .def(
             "seq_share",
             [](Model & m, int32_t s, int32_t pos, int32_t n) {
