@@ -138,11 +138,15 @@ def test_memory_accounting_matches_allocations(model, workflow) -> None:
 
 def test_kvcmas_beats_fullshared_on_first_token_kl(model, workflow) -> None:
     """Default kvcmas (ridge map rank 8 fitted on training questions + exact head of 4) against rotate-only reuse,
-    teacher-forced on the nonshared run's outputs, over 20 GSM8K questions (oracle rank 32 reported)."""
+    teacher-forced on the nonshared run's outputs, over 20 GSM8K questions (oracle rank 32 reported on 5)."""
     train, questions = _questions(40, 8), _questions(10, 20)
     runners = build_runners(model, workflow, ["fullshared", "kvcmas", "oracle"], train, gen_tokens=GEN)
+    oracle = {"oracle": runners.pop("oracle")}
     ev = evaluate(model, workflow, runners, questions, gen_tokens=GEN)
     rows = {name: ev.summary(name) for name in runners}
+    # the oracle row (an upper bound; its per-layer SVDs are the slow part) on the first 5 questions only
+    rows["oracle"] = evaluate(model, workflow, oracle, questions[:5], gen_tokens=GEN).summary("oracle")
+    runners.update(oracle)
     for name, row in rows.items():
         print(f"{name:10s} KL {row['kl']:.2e} top1 {row['top1']:.3f} K err {row['k_err']:.3f} "
               f"V err {row['v_err']:.3f} computed {row['computed_tokens']:.1f}")
