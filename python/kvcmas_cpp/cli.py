@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     pc = bench_sub.add_parser("core", help="prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)")
     add_core_arguments(pc)
     pc.set_defaults(func=cmd_bench)
+    from .bench_agents import add_agents_arguments, run_agents
+
+    pa = bench_sub.add_parser("agents", help="multi-agent sharing: TTFT, KV memory, correction state, fidelity")
+    add_agents_arguments(pa)
+    pa.set_defaults(func=run_agents)
 
     from kvcmas_convert.cli import add_subcommands  # `convert` and `gguf show|set`
 
