@@ -34,6 +34,31 @@ METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle"
 GAMMA = {"mmlu": 0.29, "gsm8k": 0.32, "humaneval": 0.34, "mathvista": 0.50, "videomme": 0.60}
 
 
+def reference_estimator(model: Model, workload: str, **overrides: Any) -> est.AnchorEstimator:
+    """The reference (`kvcmas-ref`) estimator configured from the model file's `kvcmas.*` settings (written by
+    `kvcmas convert` / `kvcmas gguf set`); keyword arguments named like the settings (`rank_k`, `anchor_pool_size`,
+    `anchor_window`, `gate_threshold`, `gate_top_p`, `rank_base_k`) override them. Without a file value the gate
+    threshold is the spec's per-workload γ."""
+    from kvcmas_convert import kvcmas_settings
+
+    settings: dict[str, Any] = dict(kvcmas_settings(model.metadata))
+    unknown = set(overrides) - set(settings)
+    if unknown:
+        raise ValueError(f"unknown kvcmas settings: {', '.join(sorted(unknown))}")
+    if "kvcmas.gate_threshold" not in model.metadata:
+        settings["gate_threshold"] = GAMMA.get(workload, settings["gate_threshold"])
+    settings.update(overrides)
+    settings = dict(kvcmas_settings({f"kvcmas.{k}": v for k, v in settings.items()}))  # validates the overrides
+    return est.AnchorEstimator(
+        rank=int(settings["rank_k"]),
+        base_rank=int(settings["rank_base_k"]) or None,
+        max_anchors=int(settings["anchor_pool_size"]),
+        window=int(settings["anchor_window"]),
+        gamma=float(settings["gate_threshold"]),
+        top_p=float(settings["gate_top_p"]),
+    )
+
+
 @dataclass
 class MethodConfig:
     """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
@@ -136,7 +161,7 @@ class WorkflowRunner:
             estimator = {
                 "nonshared": est.Estimator(), "fullshared": est.Estimator(),
                 "kvcmas": est.RidgeEstimator(rank=config.rank), "oracle": est.OracleEstimator(config.rank),
-                "kvcmas-ref": est.AnchorEstimator(rank=32, gamma=GAMMA.get(workflow.name, 0.3)),
+                "kvcmas-ref": reference_estimator(model, workflow.name),
                 "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
             }[config.name]
         self.estimator = estimator
