@@ -45,13 +45,17 @@ def test_workflow_templates_follow_the_roster(model, workflow) -> None:
     assert names == ["Math Solver", "Mathematical Analyst", "Programming Expert", "Decision Maker"]
     runner = WorkflowRunner(model, workflow, MethodConfig("nonshared"))
     assert [t.placeholders for t in runner.templates][-1] == [
-        "user_question", "agent_0_current", "agent_1_current", "agent_2_current"]
+        "user_question",
+        "agent_0_current",
+        "agent_1_current",
+        "agent_2_current",
+    ]
     t = runner.templates[1]
     spans = {"user_question": [100, 101], "agent_0_current": [102]}
     assert t.prompt_ids(spans) == t.texts[0] + [100, 101] + t.texts[1] + [102] + t.texts[2]
     # the tails are the chat suffix: every agent's prompt ends with the assistant header
     tail = model.tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special=False, parse_special=True)
-    assert all(tt.texts[-1][-len(tail):] == tail for tt in runner.templates)
+    assert all(tt.texts[-1][-len(tail) :] == tail for tt in runner.templates)
     runner.close()
 
 
@@ -148,8 +152,10 @@ def test_kvcmas_beats_fullshared_on_first_token_kl(model, workflow) -> None:
     rows["oracle"] = evaluate(model, workflow, oracle, questions[:5], gen_tokens=GEN).summary("oracle")
     runners.update(oracle)
     for name, row in rows.items():
-        print(f"{name:10s} KL {row['kl']:.2e} top1 {row['top1']:.3f} K err {row['k_err']:.3f} "
-              f"V err {row['v_err']:.3f} computed {row['computed_tokens']:.1f}")
+        print(
+            f"{name:10s} KL {row['kl']:.2e} top1 {row['top1']:.3f} K err {row['k_err']:.3f} "
+            f"V err {row['v_err']:.3f} computed {row['computed_tokens']:.1f}"
+        )
     assert len(ev.hops["kvcmas"]) == 20
     assert rows["kvcmas"]["kl"] < rows["fullshared"]["kl"]
     assert rows["oracle"]["kl"] < rows["fullshared"]["kl"]

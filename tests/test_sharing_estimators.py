@@ -42,8 +42,9 @@ def test_ridge_map_recovers_a_low_rank_linear_map_with_offset() -> None:
 
 def _corr(seed: int, rank: int) -> est.Correction:
     rng = _rng(seed)
-    return [None] + [tuple(rng.standard_normal(s).astype(np.float32) for s in ((N, rank), (rank, KD)) * 2)
-                     for _ in range(L - 1)]
+    return [None] + [
+        tuple(rng.standard_normal(s).astype(np.float32) for s in ((N, rank), (rank, KD)) * 2) for _ in range(L - 1)
+    ]
 
 
 def test_concatenated_factors_add_the_corrections() -> None:
@@ -86,8 +87,9 @@ def test_anchor_gate_weights_and_lfu_eviction() -> None:
     cand = _ctx(11)
     assert not pool.gate("agent_0_current", "new", cand.base_v)
     # one anchor weight ~1: the corrected delta is (nearly) m1's delta
-    dk, _ = est.materialize(pool.correct(est.EdgeContext("agent_0_current", 1, "new", cand.base_k, cand.base_v)),
-                            L, N, KD)
+    dk, _ = est.materialize(
+        pool.correct(est.EdgeContext("agent_0_current", 1, "new", cand.base_k, cand.base_v)), L, N, KD
+    )
     np.testing.assert_allclose(dk[1:], np.full_like(dk[1:], 0.5), atol=1e-3)
     # the pool holds max + 1 = 3 entries; the next insertion evicts the least used of the 2 oldest (m0)
     assert list(pool.pools["agent_0_current"]) == ["m0", "m1", "m2"]

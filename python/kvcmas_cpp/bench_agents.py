@@ -30,8 +30,11 @@ from .sharing.workflow import gsm8k_workflow, load_gsm8k
 def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `kvcmas bench agents`."""
     p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--method", default="nonshared,fullshared,kvcmas,kvcomm",
-                   help=f"comma-separated methods among {', '.join(METHODS)}")
+    p.add_argument(
+        "--method",
+        default="nonshared,fullshared,kvcmas,kvcomm",
+        help=f"comma-separated methods among {', '.join(METHODS)}",
+    )
     p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
     p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
     p.add_argument("--decode", type=int, default=8, help="tokens each agent generates in the speed part")
@@ -49,9 +52,11 @@ def _progress(total: int, desc: str) -> Any:
 
         return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
     except ImportError:  # tqdm is optional
+
         class _Null:
             def update(self, n: int = 1) -> None: ...
             def close(self) -> None: ...
+
         return _Null()
 
 
@@ -68,8 +73,9 @@ def _shared_context(model: Model, n: int) -> list[list[int]]:
     return [ids[:n], ids[n : 2 * n]]
 
 
-def speed_and_memory(model: Model, methods: list[str], agents: int, sizes: list[int], decode: int,
-                     fitted: dict[str, WorkflowRunner]) -> list[dict[str, Any]]:
+def speed_and_memory(
+    model: Model, methods: list[str], agents: int, sizes: list[int], decode: int, fitted: dict[str, WorkflowRunner]
+) -> list[dict[str, Any]]:
     """Per size and method: the measured request's hops (after one warm-up request per method)."""
     wf = gsm8k_workflow(agents)
     rows: list[dict[str, Any]] = []
@@ -77,25 +83,27 @@ def speed_and_memory(model: Model, methods: list[str], agents: int, sizes: list[
     for n in sizes:
         contexts = _shared_context(model, n)
         for name in methods:
-            runner = WorkflowRunner(model, wf, default_config(name),
-                                    fitted[name].estimator if name in fitted else None)
+            runner = WorkflowRunner(model, wf, default_config(name), fitted[name].estimator if name in fitted else None)
             for i, ctx in enumerate(contexts):
                 res = runner.run(ctx, f"ctx-{n}-{i}", max_new_tokens=decode)
                 bar.update()
                 if i == len(contexts) - 1:
                     later = res.hops[1:]
-                    rows.append({
-                        "shared_tokens": n, "method": name,
-                        "first_ttft_ms": res.hops[0].ttft_ms,
-                        "later_ttft_ms": float(np.mean([h.ttft_ms for h in later])),
-                        "computed_tokens": [h.computed_tokens for h in res.hops],
-                        "reused_tokens": [h.reused_tokens for h in res.hops],
-                        "modes": [h.mode for h in res.hops],
-                        "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
-                        "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
-                        "estimator_state_bytes": int(runner.estimator.state_bytes()),
-                        "template_kv_bytes": int(runner.template_kv_bytes),
-                    })
+                    rows.append(
+                        {
+                            "shared_tokens": n,
+                            "method": name,
+                            "first_ttft_ms": res.hops[0].ttft_ms,
+                            "later_ttft_ms": float(np.mean([h.ttft_ms for h in later])),
+                            "computed_tokens": [h.computed_tokens for h in res.hops],
+                            "reused_tokens": [h.reused_tokens for h in res.hops],
+                            "modes": [h.mode for h in res.hops],
+                            "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
+                            "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
+                            "estimator_state_bytes": int(runner.estimator.state_bytes()),
+                            "template_kv_bytes": int(runner.template_kv_bytes),
+                        }
+                    )
                 res.close()
             runner.close()
     bar.close()
@@ -108,8 +116,14 @@ def speed_and_memory(model: Model, methods: list[str], agents: int, sizes: list[
     return rows
 
 
-def correction_state(kd_list: list[int], sizes: list[int], n_layer_list: list[int], readers: int = 3,
-                     layers_measured: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+def correction_state(
+    kd_list: list[int],
+    sizes: list[int],
+    n_layer_list: list[int],
+    readers: int = 3,
+    layers_measured: int = 2,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Bytes per method for one shared span read by `readers` agents, measured by building each estimator's state
     on `layers_measured` random layers of width kd (span of min(size, 256) rows), then scaled to the size and layer
     count (the state is linear in both). kvcomm: a pool of 20 full-rank anchors; kvcmas-ref: 10 anchors at rank 32
@@ -118,9 +132,15 @@ def correction_state(kd_list: list[int], sizes: list[int], n_layer_list: list[in
     out: list[dict[str, Any]] = []
     for kd, n_layer in zip(kd_list, n_layer_list, strict=True):
         m_rows = 256
-        ctxs = [est.EdgeContext("user_question", r, "m", *(rng.standard_normal((layers_measured, m_rows, kd))
-                                                           .astype(np.float32) for _ in range(4)))
-                for r in range(1, readers + 1)]
+        ctxs = [
+            est.EdgeContext(
+                "user_question",
+                r,
+                "m",
+                *(rng.standard_normal((layers_measured, m_rows, kd)).astype(np.float32) for _ in range(4)),
+            )
+            for r in range(1, readers + 1)
+        ]
         ridge = est.RidgeEstimator(rank=8)
         for c in ctxs:
             ridge.add_example(c)
@@ -141,19 +161,26 @@ def correction_state(kd_list: list[int], sizes: list[int], n_layer_list: list[in
             ref_rows = 10 * (2 + 2 * readers) * (n * 32 + 32 * kd) * 4 * n_layer
             kvcmas_state = per_edge_map * readers * (n_layer - 1)
             kvcmas_hop = readers * (n_layer - 1) * 2 * (n * 9 + 9 * kd) * 4
-            out.append({
-                "kd": kd, "n_layer": n_layer, "shared_tokens": n,
-                "kvcomm_bytes": int(kvcomm), "kvcmas_ref_bytes": int(ref_rows),
-                "kvcmas_state_bytes": int(kvcmas_state), "kvcmas_hop_corr_bytes": int(kvcmas_hop),
-                "kvcmas_vs_kvcomm": (kvcmas_state + kvcmas_hop) / kvcomm,
-                "kvcmas_ref_vs_kvcomm": ref_rows / kvcomm,
-                "measured_kvcmas_ref_bytes_per_anchor_layer": anchors["kvcmas-ref"] / 10,
-            })
+            out.append(
+                {
+                    "kd": kd,
+                    "n_layer": n_layer,
+                    "shared_tokens": n,
+                    "kvcomm_bytes": int(kvcomm),
+                    "kvcmas_ref_bytes": int(ref_rows),
+                    "kvcmas_state_bytes": int(kvcmas_state),
+                    "kvcmas_hop_corr_bytes": int(kvcmas_hop),
+                    "kvcmas_vs_kvcomm": (kvcmas_state + kvcmas_hop) / kvcomm,
+                    "kvcmas_ref_vs_kvcomm": ref_rows / kvcomm,
+                    "measured_kvcmas_ref_bytes_per_anchor_layer": anchors["kvcmas-ref"] / 10,
+                }
+            )
     return out
 
 
-def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_train: int, gen_tokens: int,
-             oracle_rank: int) -> tuple[list[dict[str, Any]], dict[str, WorkflowRunner]]:
+def fidelity(
+    model: Model, methods: list[str], agents: int, n_questions: int, n_train: int, gen_tokens: int, oracle_rank: int
+) -> tuple[list[dict[str, Any]], dict[str, WorkflowRunner]]:
     wf = gsm8k_workflow(agents)
     names = [m for m in methods if m != "nonshared"]
     if "oracle" not in names:
@@ -161,18 +188,19 @@ def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_
     configs = {"oracle": MethodConfig("oracle", rank=oracle_rank)}
     train = load_gsm8k(40, n_train)
     bar = _progress(n_train * sum(m in ("kvcmas", "kvcmas-ref", "kvcomm") for m in names), "fit")
-    runners = build_runners(model, wf, names, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(),
-                            configs=configs)
+    runners = build_runners(
+        model, wf, names, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(), configs=configs
+    )
     bar.close()
     bar = _progress(n_questions, "fidelity")
-    ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens,
-                  progress=lambda: bar.update())
+    ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens, progress=lambda: bar.update())
     bar.close()
     rows: list[dict[str, Any]] = []
     for name in runners:
         for label, ag in (("later agents", None), *((f"agent {a}", [a]) for a in range(1, agents))):
             rows.append({"method": name, "agents": label, **ev.summary(name, ag)})
     if "fullshared" in runners:  # paired over the same questions: per-question mean over the later agents
+
         def per_question(name: str) -> np.ndarray:
             return np.array([np.mean([h.tf_top1 for h in q[1:]]) for q in ev.hops[name]])
 
@@ -184,8 +212,11 @@ def fidelity(model: Model, methods: list[str], agents: int, n_questions: int, n_
                 r["tf_top1_minus_fullshared"] = float(diff.mean())
                 r["tf_top1_minus_fullshared_ci95"] = [float(diff.mean() - half), float(diff.mean() + half)]
     for r in rows:
-        full = next(x for x in rows if x["method"] == "fullshared" and x["agents"] == r["agents"]) \
-            if "fullshared" in runners else None
+        full = (
+            next(x for x in rows if x["method"] == "fullshared" and x["agents"] == r["agents"])
+            if "fullshared" in runners
+            else None
+        )
         orc = next(x for x in rows if x["method"] == "oracle" and x["agents"] == r["agents"])
         if full is not None and full["kl"] > orc["kl"]:
             r["kl_gap_closed"] = (full["kl"] - r["kl"]) / (full["kl"] - orc["kl"])
@@ -207,8 +238,9 @@ def run_agents(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": path, "methods": methods, "agents": args.agents}
     fitted: dict[str, WorkflowRunner] = {}
     if args.questions > 0:
-        result["fidelity"], fitted = fidelity(model, methods, args.agents, args.questions, args.train,
-                                              args.gen_tokens, args.oracle_rank)
+        result["fidelity"], fitted = fidelity(
+            model, methods, args.agents, args.questions, args.train, args.gen_tokens, args.oracle_rank
+        )
     speed_methods = [m for m in methods if m != "oracle"]
     with single_threaded_blas():
         result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, args.decode, fitted)
@@ -226,26 +258,34 @@ def run_agents(args: argparse.Namespace) -> int:
 
 def _print_tables(res: dict[str, Any]) -> None:
     print("## speed and memory (later agents = every agent after the first)")
-    print("| shared tokens | method | later-agent TTFT ms | speedup vs nonshared | computed tokens per agent | "
-          "KV bytes (request) | vs nonshared | correction bytes | modes |")
+    print(
+        "| shared tokens | method | later-agent TTFT ms | speedup vs nonshared | computed tokens per agent | "
+        "KV bytes (request) | vs nonshared | correction bytes | modes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in res["speed"]:
         speedup = r.get("later_ttft_speedup", 0)
-        print(f"| {r['shared_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
-              f" | {r['computed_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r.get('kv_vs_nonshared', 0):.2f} | "
-              f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} |")
+        print(
+            f"| {r['shared_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
+            f" | {r['computed_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r.get('kv_vs_nonshared', 0):.2f} | "
+            f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} |"
+        )
     print("\n## correction state for one span read by 3 agents (kvcmas = ridge maps + per-hop factors)")
     print("| K/V width | layers | shared tokens | kvcomm | kvcmas-ref | kvcmas | kvcmas / kvcomm |")
     print("|---|---|---|---|---|---|---|")
     for r in res["correction_state"]:
-        print(f"| {r['kd']} | {r['n_layer']} | {r['shared_tokens']} | {r['kvcomm_bytes'] / 2**20:.1f} MiB | "
-              f"{r['kvcmas_ref_bytes'] / 2**20:.1f} MiB | "
-              f"{(r['kvcmas_state_bytes'] + r['kvcmas_hop_corr_bytes']) / 2**20:.2f} MiB | "
-              f"{r['kvcmas_vs_kvcomm']:.3f} |")
+        print(
+            f"| {r['kd']} | {r['n_layer']} | {r['shared_tokens']} | {r['kvcomm_bytes'] / 2**20:.1f} MiB | "
+            f"{r['kvcmas_ref_bytes'] / 2**20:.1f} MiB | "
+            f"{(r['kvcmas_state_bytes'] + r['kvcmas_hop_corr_bytes']) / 2**20:.2f} MiB | "
+            f"{r['kvcmas_vs_kvcomm']:.3f} |"
+        )
     if "fidelity" in res:
         print("\n## fidelity vs nonshared (teacher-forced on its outputs)")
-        print("| method | agents | first-token KL | KL gap closed | top-1 | teacher-forced top-1 | K err | V err | "
-              "computed tokens | reuse share | state bytes |")
+        print(
+            "| method | agents | first-token KL | KL gap closed | top-1 | teacher-forced top-1 | K err | V err | "
+            "computed tokens | reuse share | state bytes |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["fidelity"]:
             gap = f"{100 * r['kl_gap_closed']:.0f}%" if "kl_gap_closed" in r else "-"
@@ -253,9 +293,11 @@ def _print_tables(res: dict[str, Any]) -> None:
                 lo, hi = r["tf_top1_minus_fullshared_ci95"]
                 d = 100 * r["tf_top1_minus_fullshared"]
                 gap += f" (tf top-1 vs fullshared {d:+.1f} pts, CI {100 * lo:+.1f}..{100 * hi:+.1f})"
-            print(f"| {r['method']} | {r['agents']} | {r['kl']:.2e} | {gap} | {100 * r['top1']:.1f}% | "
-                  f"{100 * r['tf_top1']:.1f}% | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['computed_tokens']:.1f} | "
-                  f"{100 * r['reuse_share']:.0f}% | {r['state_bytes'] / 2**20:.2f} MiB |")
+            print(
+                f"| {r['method']} | {r['agents']} | {r['kl']:.2e} | {gap} | {100 * r['top1']:.1f}% | "
+                f"{100 * r['tf_top1']:.1f}% | {r['k_err']:.3f} | {r['v_err']:.3f} | {r['computed_tokens']:.1f} | "
+                f"{100 * r['reuse_share']:.0f}% | {r['state_bytes'] / 2**20:.2f} MiB |"
+            )
     print(f"\n{res['seconds']:.0f} s")
 
 

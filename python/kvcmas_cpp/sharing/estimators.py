@@ -206,8 +206,9 @@ def fit_ridge_map(x: np.ndarray, y: np.ndarray, rank: int, alpha: float) -> _Rid
     # top right singular vectors of the fitted values X_c W, from the small [kd, kd] matrix W^T G W
     evals, evecs = np.linalg.eigh(w.T @ g @ w)
     vt = evecs[:, np.argsort(evals)[::-1][: min(rank, len(evals))]].T
-    return _RidgeMap(mu_x.astype(np.float32), (w @ vt.T).astype(np.float32), vt.astype(np.float32),
-                     mu_y.astype(np.float32))
+    return _RidgeMap(
+        mu_x.astype(np.float32), (w @ vt.T).astype(np.float32), vt.astype(np.float32), mu_y.astype(np.float32)
+    )
 
 
 class RidgeEstimator(Estimator):
@@ -224,7 +225,8 @@ class RidgeEstimator(Estimator):
         """Stores one training read (base and exact KV of the same span at the reader)."""
         assert ctx.exact_k is not None and ctx.exact_v is not None
         self._rows.setdefault((ctx.ph, ctx.reader), []).append(
-            (ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v))
+            (ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v)
+        )
 
     def fit(self) -> None:
         for edge, rows in self._rows.items():
@@ -235,8 +237,9 @@ class RidgeEstimator(Estimator):
                 xv = np.concatenate([r[1][il] for r in rows])
                 yk = np.concatenate([r[2][il] for r in rows])
                 yv = np.concatenate([r[3][il] for r in rows])
-                maps.append((fit_ridge_map(xk, yk, self.rank, self.alpha),
-                             fit_ridge_map(xv, yv, self.rank, self.alpha)))
+                maps.append(
+                    (fit_ridge_map(xk, yk, self.rank, self.alpha), fit_ridge_map(xv, yv, self.rank, self.alpha))
+                )
             self.maps[edge] = maps
         self._rows.clear()
 
@@ -277,8 +280,17 @@ def _nbytes(x: tuple[np.ndarray, np.ndarray] | np.ndarray) -> int:
 class AnchorEstimator(Estimator):
     """The reference code's estimator (spec §3.3-3.6). rank=None keeps full-rank deltas and bases (KVCOMM)."""
 
-    def __init__(self, rank: int | None = 32, base_rank: int | None = 32, max_anchors: int = 10, window: int = 5,
-                 gamma: float = 0.32, top_p: float = 0.9, seed: int = 0, name: str = "kvcmas-ref") -> None:
+    def __init__(
+        self,
+        rank: int | None = 32,
+        base_rank: int | None = 32,
+        max_anchors: int = 10,
+        window: int = 5,
+        gamma: float = 0.32,
+        top_p: float = 0.9,
+        seed: int = 0,
+        name: str = "kvcmas-ref",
+    ) -> None:
         self.rank, self.base_rank = rank, base_rank
         self.max_anchors, self.window, self.gamma, self.top_p = max_anchors, window, gamma, top_p
         self.name = name
@@ -297,8 +309,17 @@ class AnchorEstimator(Estimator):
         avail = [a for a in pool.values() if a.length >= k]
         novel = True
         if len(pool) > 1 and len(avail) > 1 and k > 0:
-            d = np.array([np.sqrt(sum(float(np.sum((span_v[il] - _expand(a.base_v[il])[:k]) ** 2))
-                                      for il in range(span_v.shape[0]))) for a in avail])
+            d = np.array(
+                [
+                    np.sqrt(
+                        sum(
+                            float(np.sum((span_v[il] - _expand(a.base_v[il])[:k]) ** 2))
+                            for il in range(span_v.shape[0])
+                        )
+                    )
+                    for a in avail
+                ]
+            )
             p = np.exp(-(d - d.min()))
             p /= p.sum()
             entropy = float(-np.sum(p * np.log2(p + 1e-40)))
@@ -329,7 +350,8 @@ class AnchorEstimator(Estimator):
         pool = self.pools.setdefault(ctx.ph, OrderedDict())
         existing = pool.get(ctx.message)
         admit = existing is not None or (
-            len(pool) < self.max_anchors if is_question else self.novel.get((ctx.ph, ctx.message), True))
+            len(pool) < self.max_anchors if is_question else self.novel.get((ctx.ph, ctx.message), True)
+        )
         if not admit:
             return False
         n_layer = ctx.base_k.shape[0]

@@ -35,7 +35,8 @@ class Evaluation:
             "kl": float(np.mean([h.kl for h in rows])),
             "top1": float(np.mean([h.top1 for h in rows])),
             "tf_top1": float(np.mean([h.tf_top1 for h in rows])),
-            "k_err": float(k_err.mean()), "v_err": float(v_err.mean()),
+            "k_err": float(k_err.mean()),
+            "v_err": float(v_err.mean()),
             "computed_tokens": float(np.mean([h.computed_tokens for h in rows])),
             "reuse_share": float(np.mean([h.mode == "reuse" for h in rows])),
             "corr_bytes": float(np.mean([h.corr_bytes for h in rows])),
@@ -43,9 +44,15 @@ class Evaluation:
         }
 
 
-def build_runners(model: Model, workflow: Workflow, methods: Iterable[str], train: Sequence[str],
-                  gen_tokens: int = 8, progress: Callable[[str], None] | None = None,
-                  configs: dict[str, MethodConfig] | None = None) -> dict[str, WorkflowRunner]:
+def build_runners(
+    model: Model,
+    workflow: Workflow,
+    methods: Iterable[str],
+    train: Sequence[str],
+    gen_tokens: int = 8,
+    progress: Callable[[str], None] | None = None,
+    configs: dict[str, MethodConfig] | None = None,
+) -> dict[str, WorkflowRunner]:
     """Runners for the methods, with learned estimators fitted / calibrated on the training questions (the ridge map
     on exact runs; the anchor pools by running the method's own online logic)."""
     runners: dict[str, WorkflowRunner] = {}
@@ -55,16 +62,22 @@ def build_runners(model: Model, workflow: Workflow, methods: Iterable[str], trai
     return runners
 
 
-def _build_one(model: Model, workflow: Workflow, name: str, train: Sequence[str], gen_tokens: int,
-               progress: Callable[[str], None] | None, configs: dict[str, MethodConfig] | None,
-               runners: dict[str, WorkflowRunner]) -> None:
+def _build_one(
+    model: Model,
+    workflow: Workflow,
+    name: str,
+    train: Sequence[str],
+    gen_tokens: int,
+    progress: Callable[[str], None] | None,
+    configs: dict[str, MethodConfig] | None,
+    runners: dict[str, WorkflowRunner],
+) -> None:
     cfg = (configs or {}).get(name) or default_config(name)
     runner = WorkflowRunner(model, workflow, cfg)
     if isinstance(runner.estimator, est.RidgeEstimator):
         trainer = WorkflowRunner(model, workflow, MethodConfig("nonshared", head=cfg.head), runner.estimator)
         for i, q in enumerate(train):
-            trainer.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens,
-                        ridge_training=True).close()
+            trainer.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens, ridge_training=True).close()
             if progress:
                 progress(name)
         trainer.close()
@@ -77,15 +90,27 @@ def _build_one(model: Model, workflow: Workflow, name: str, train: Sequence[str]
     runners[name] = runner
 
 
-def evaluate(model: Model, workflow: Workflow, runners: dict[str, WorkflowRunner], questions: Sequence[str],
-             gen_tokens: int = 8, progress: Callable[[], None] | None = None) -> Evaluation:
+def evaluate(
+    model: Model,
+    workflow: Workflow,
+    runners: dict[str, WorkflowRunner],
+    questions: Sequence[str],
+    gen_tokens: int = 8,
+    progress: Callable[[], None] | None = None,
+) -> Evaluation:
     """Runs the exact (nonshared) workflow live per question, then every method teacher-forced on its outputs."""
     with single_threaded_blas():
         return _evaluate(model, workflow, runners, questions, gen_tokens, progress)
 
 
-def _evaluate(model: Model, workflow: Workflow, runners: dict[str, WorkflowRunner], questions: Sequence[str],
-              gen_tokens: int, progress: Callable[[], None] | None) -> Evaluation:
+def _evaluate(
+    model: Model,
+    workflow: Workflow,
+    runners: dict[str, WorkflowRunner],
+    questions: Sequence[str],
+    gen_tokens: int,
+    progress: Callable[[], None] | None,
+) -> Evaluation:
     exact_runner = WorkflowRunner(model, workflow, MethodConfig("nonshared"))
     ev = Evaluation()
     for i, q in enumerate(questions):

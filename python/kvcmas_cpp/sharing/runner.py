@@ -152,15 +152,18 @@ def _canonical(model: Model, seq: KVSequence, pos: int, n: int) -> tuple[np.ndar
 class WorkflowRunner:
     """Executes requests of a workflow under one method. Keeps per-agent template state between requests."""
 
-    def __init__(self, model: Model, workflow: Workflow, config: MethodConfig,
-                 estimator: est.Estimator | None = None) -> None:
+    def __init__(
+        self, model: Model, workflow: Workflow, config: MethodConfig, estimator: est.Estimator | None = None
+    ) -> None:
         self.model, self.workflow, self.config = model, workflow, config
         self.templates: list[Template] = [build_template(model, a) for a in workflow.agents]
         self.kd = model.n_head_kv * model._core.head_dim
         if estimator is None:
             estimator = {
-                "nonshared": est.Estimator(), "fullshared": est.Estimator(),
-                "kvcmas": est.RidgeEstimator(rank=config.rank), "oracle": est.OracleEstimator(config.rank),
+                "nonshared": est.Estimator(),
+                "fullshared": est.Estimator(),
+                "kvcmas": est.RidgeEstimator(rank=config.rank),
+                "oracle": est.OracleEstimator(config.rank),
                 "kvcmas-ref": reference_estimator(model, workflow.name),
                 "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
             }[config.name]
@@ -187,7 +190,7 @@ class WorkflowRunner:
         if self._template_seqs[agent] is None:
             kv0 = self.model.kv_bytes_in_use
             s = self.prefixes[agent].fork()
-            s.append(t.prompt_ids(dict(zip(t.placeholders, t.standins, strict=True)))[len(t.texts[0]):], logits="none")
+            s.append(t.prompt_ids(dict(zip(t.placeholders, t.standins, strict=True)))[len(t.texts[0]) :], logits="none")
             self._template_seqs[agent] = s
             grown = self.model.kv_bytes_in_use - kv0
             self.template_kv_bytes += grown  # once-per-agent state, not the hop's
@@ -196,9 +199,16 @@ class WorkflowRunner:
         return self._template_seqs[agent], pos  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------------------- request
-    def run(self, question: list[int], message: str, *, max_new_tokens: int = 16,
-            forced: list[list[int]] | None = None, exact: RequestResult | None = None,
-            ridge_training: bool = False) -> RequestResult:
+    def run(
+        self,
+        question: list[int],
+        message: str,
+        *,
+        max_new_tokens: int = 16,
+        forced: list[list[int]] | None = None,
+        exact: RequestResult | None = None,
+        ridge_training: bool = False,
+    ) -> RequestResult:
         """Runs every agent once. forced: per agent, the generated ids to teacher-force (evaluation: relayed spans
         then hold the same ids in every method); exact: the nonshared run of the same request, for fidelity
         metrics and the oracle. ridge_training: this (nonshared) run feeds the given RidgeEstimator's examples."""
@@ -223,8 +233,11 @@ class WorkflowRunner:
                 mode, gate = ("source" if a == 0 else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
             elif QUESTION not in buckets:
                 mode, gate = "source", "n/a"
-            elif isinstance(self.estimator, est.AnchorEstimator) and cfg.gate == "auto" and \
-                    self.estimator.needs_dense(a, phs, message):
+            elif (
+                isinstance(self.estimator, est.AnchorEstimator)
+                and cfg.gate == "auto"
+                and self.estimator.needs_dense(a, phs, message)
+            ):
                 mode, gate = "fallback", "novel -> dense"
             else:
                 mode, gate = "reuse", "reuse"
@@ -236,7 +249,7 @@ class WorkflowRunner:
             spans_at.append(pos_map)
             corrs: dict[str, est.Correction] = {}
             if mode != "reuse":
-                logits = seq.append(prompt[len(t.texts[0]):], logits="last")
+                logits = seq.append(prompt[len(t.texts[0]) :], logits="last")
                 computed = len(prompt) - len(t.texts[0])
             else:
                 logits, computed, corrs = self._assemble(a, seq, relayed, buckets, message, exact)
@@ -260,10 +273,22 @@ class WorkflowRunner:
                     assert step is not None
                     cur = step
             corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
-            hop = HopReport(a, self.workflow.agents[a].name, mode, gate, ttft, len(prompt), computed,
-                            len(prompt) - computed, m.kv_bytes_in_use - kv0 - self._template_bytes_in_hop, corr_bytes,
-                            corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
-                            generated=gen, first_logits=logits, tf_logits=tf_logits)
+            hop = HopReport(
+                a,
+                self.workflow.agents[a].name,
+                mode,
+                gate,
+                ttft,
+                len(prompt),
+                computed,
+                len(prompt) - computed,
+                m.kv_bytes_in_use - kv0 - self._template_bytes_in_hop,
+                corr_bytes,
+                corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
+                generated=gen,
+                first_logits=logits,
+                tf_logits=tf_logits,
+            )
             hop.corr_factor_bytes = self._factor_bytes
             self._factor_bytes = self._template_bytes_in_hop = 0
             hops.append(hop)
@@ -288,8 +313,15 @@ class WorkflowRunner:
             self._evaluate(result, exact, teacher_forced=forced is not None)
         return result
 
-    def _assemble(self, a: int, seq: KVSequence, relayed: dict[str, list[int]], buckets: dict[str, _Bucket],
-                  message: str, exact: RequestResult | None) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
+    def _assemble(
+        self,
+        a: int,
+        seq: KVSequence,
+        relayed: dict[str, list[int]],
+        buckets: dict[str, _Bucket],
+        message: str,
+        exact: RequestResult | None,
+    ) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
         """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
         cfg, t = self.config, self.templates[a]
         pending: list[int] = []
@@ -329,8 +361,9 @@ class WorkflowRunner:
         computed += len(pending)
         return logits, computed, corrs
 
-    def _correction(self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str,
-                    exact: RequestResult | None) -> est.Correction | None:
+    def _correction(
+        self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
+    ) -> est.Correction | None:
         """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's."""
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
         ctx = est.EdgeContext(ph, a, message, base_k, base_v)
@@ -377,17 +410,29 @@ class WorkflowRunner:
             self._factor_bytes += sum(x.nbytes for x in factors)
         return kc
 
-    def _update_buckets(self, a: int, seq: KVSequence, pos_map: dict[str, tuple[int, int]],
-                        buckets: dict[str, _Bucket], mode: str, corrs: dict[str, est.Correction], message: str,
-                        exact: RequestResult | None, relayed: dict[str, list[int]], ridge_training: bool) -> None:
+    def _update_buckets(
+        self,
+        a: int,
+        seq: KVSequence,
+        pos_map: dict[str, tuple[int, int]],
+        buckets: dict[str, _Bucket],
+        mode: str,
+        corrs: dict[str, est.Correction],
+        message: str,
+        exact: RequestResult | None,
+        relayed: dict[str, list[int]],
+        ridge_training: bool,
+    ) -> None:
         m, cfg = self.model, self.config
         h = cfg.head
         for ph, (p, n) in pos_map.items():
             if n <= h:
                 continue
             prev = buckets.get(ph)
-            if prev is not None and (ridge_training or (mode != "reuse" and isinstance(
-                    self.estimator, est.AnchorEstimator) and cfg.name != "nonshared")):
+            if prev is not None and (
+                ridge_training
+                or (mode != "reuse" and isinstance(self.estimator, est.AnchorEstimator) and cfg.name != "nonshared")
+            ):
                 # a dense hop measures its delta against the base it would have read
                 base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
@@ -426,10 +471,12 @@ class WorkflowRunner:
             n = len(res.prompt_ids[a]) - start
             k1, v1 = res.seqs[a].kv(start, n)
             k0, v0 = exact.seqs[a].kv(start, n)
-            hop.k_err = [float(np.linalg.norm(k1[il] - k0[il]) / max(np.linalg.norm(k0[il]), 1e-30))
-                         for il in range(m.n_layer)]
-            hop.v_err = [float(np.linalg.norm(v1[il] - v0[il]) / max(np.linalg.norm(v0[il]), 1e-30))
-                         for il in range(m.n_layer)]
+            hop.k_err = [
+                float(np.linalg.norm(k1[il] - k0[il]) / max(np.linalg.norm(k0[il]), 1e-30)) for il in range(m.n_layer)
+            ]
+            hop.v_err = [
+                float(np.linalg.norm(v1[il] - v0[il]) / max(np.linalg.norm(v0[il]), 1e-30)) for il in range(m.n_layer)
+            ]
             hop.identical = None if teacher_forced else hop.generated == ehop.generated
 
 

@@ -82,18 +82,29 @@ class Workflow:
 
 
 _GSM8K_ROLES = (
-    ("Math Solver", "You are a math expert. You will be given a math problem and hints from other agents. Give "
-     "your own solving process step by step based on the hints. The last line of your output contains only the "
-     "final result, for example: The answer is 140."),
-    ("Mathematical Analyst", "You are a mathematical analyst. You will be given a math problem, analysis and code "
-     "from other agents. First analyze the problem-solving process step by step, representing the variables by "
-     "letters. Then substitute the values to compute the result."),
-    ("Programming Expert", "You are a programming expert. You will be given a math problem, analysis and code from "
-     "other agents. Integrate step-by-step reasoning and Python code to solve the problem: write a function "
-     "solution() that returns the answer."),
+    (
+        "Math Solver",
+        "You are a math expert. You will be given a math problem and hints from other agents. Give "
+        "your own solving process step by step based on the hints. The last line of your output contains only the "
+        "final result, for example: The answer is 140.",
+    ),
+    (
+        "Mathematical Analyst",
+        "You are a mathematical analyst. You will be given a math problem, analysis and code "
+        "from other agents. First analyze the problem-solving process step by step, representing the variables by "
+        "letters. Then substitute the values to compute the result.",
+    ),
+    (
+        "Programming Expert",
+        "You are a programming expert. You will be given a math problem, analysis and code from "
+        "other agents. Integrate step-by-step reasoning and Python code to solve the problem: write a function "
+        "solution() that returns the answer.",
+    ),
 )
-_DECISION_ROLE = ("You are the top decision-maker. You are good at analyzing and summarizing mathematical problems, "
-                  "judging other people's solutions, and giving final answers to math problems.")
+_DECISION_ROLE = (
+    "You are the top decision-maker. You are good at analyzing and summarizing mathematical problems, "
+    "judging other people's solutions, and giving final answers to math problems."
+)
 
 
 def gsm8k_workflow(n_agents: int = 4) -> Workflow:
@@ -104,13 +115,12 @@ def gsm8k_workflow(n_agents: int = 4) -> Workflow:
     agents: list[Agent] = []
     for i in range(n_agents - 1):
         name, role = _GSM8K_ROLES[i % len(_GSM8K_ROLES)]
-        upstream = "".join(
-            f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in range(i)
-        )
+        upstream = "".join(f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in range(i))
         agents.append(Agent(name, role, "Q:\n{user_question}" + upstream + ("\n\nSolve it." if i else "")))
     upstream = "".join(f"\n\n{a.name}'s output:\n{{{response_placeholder(j)}}}" for j, a in enumerate(agents))
-    agents.append(Agent("Decision Maker", _DECISION_ROLE,
-                        "Q:\n{user_question}" + upstream + "\n\nGive the final answer."))
+    agents.append(
+        Agent("Decision Maker", _DECISION_ROLE, "Q:\n{user_question}" + upstream + "\n\nGive the final answer.")
+    )
     return Workflow("gsm8k", tuple(agents))
 
 
