@@ -117,8 +117,7 @@ def test_prefill_in_one_batch_mixing_sequences(model: kc.Model) -> None:
     a, b = model.new_sequence(), model.new_sequence()
     last = model.decode_batch([(a, p1), (b, p2)])
     for got, p in zip(last, (p1, p2), strict=True):
-        # Logits of one row each side: the output matmul runs the same kernel path (its path depends on the
-        # number of rows, and quantized weights may meet 8-bit activations on the few-rows path).
+        # Logits of one row each side, so the output matmul takes the same (few-rows) kernel path on both.
         with model.new_sequence() as alone:
             ref = alone.append(p, logits="last")
         assert int(np.argmax(got)) == int(np.argmax(ref))

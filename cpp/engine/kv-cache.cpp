@@ -41,11 +41,6 @@ size_t KvBlockPool::bytes_in_use() const {
     return n_used_ * block_bytes();
 }
 
-float * KvBlockPool::data(int32_t block) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return blocks_[static_cast<size_t>(block)].get();
-}
-
 KvSpan::~KvSpan() {
     for (int32_t b : blocks_) {
         pool_.release(b);

@@ -25,14 +25,14 @@ struct KvLayout {
 // Blocks of KV memory: block b holds, for every layer il, K rows then V rows:
 // [n_layer][2][kKvBlockRows][n_kv_dim] f32. Allocation fails with kvcmas::Error once the byte budget is used up.
 // allocate/release are thread-safe: spans handed to Python may be freed by any thread, outside the model's lock.
+// release never touches blocks_, and allocate (which may grow it) and data() both run under the model's lock, so
+// data() on the hot path takes no lock of its own.
 class KvBlockPool {
   public:
     KvBlockPool(KvLayout layout, size_t budget_bytes);
     int32_t allocate();
     void    release(int32_t block);
-    // Blocks never move once allocated; a block id held by a span stays valid, so reading needs no lock, but
-    // the vector itself may grow: data() locks.
-    float * data(int32_t block);
+    float * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
     size_t  block_bytes() const { return block_floats_ * sizeof(float); }
     size_t  bytes_in_use() const;
     size_t  budget_bytes() const { return budget_bytes_; }
@@ -44,7 +44,7 @@ class KvBlockPool {
     KvLayout                              layout_;
     size_t                                block_floats_;
     size_t                                budget_bytes_;
-    mutable std::mutex                    mutex_;  // guards n_used_, blocks_ (growth) and free_
+    mutable std::mutex                    mutex_;  // guards n_used_, free_ and the growth of blocks_
     size_t                                n_used_ = 0;
     std::vector<std::unique_ptr<float[]>> blocks_;  // index = block id; freed blocks keep their memory for reuse
     std::vector<int32_t>                  free_;
