@@ -5,9 +5,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._native import KvcmasError
+from .agents import Agent, AgentSession, Response, ResponseChunk
 from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, Timings, default_model_path
 
 __all__ = [
+    "Agent",
+    "AgentSession",
+    "Response",
+    "ResponseChunk",
     "Completion",
     "CompletionChunk",
     "KVSequence",

@@ -228,8 +228,16 @@ class RidgeEstimator(Estimator):
             (ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v)
         )
 
-    def fit(self) -> None:
-        for edge, rows in self._rows.items():
+    def examples(self, edge: tuple[str, int]) -> int:
+        """Training reads stored (not yet fitted) for an edge (placeholder, reader)."""
+        return len(self._rows.get(edge, ()))
+
+    def fit(self, edges: list[tuple[str, int]] | None = None) -> None:
+        """Fits the maps of the given edges (default: every edge with stored reads) and drops their reads."""
+        for edge in list(self._rows) if edges is None else edges:
+            rows = self._rows.pop(edge, None)
+            if not rows:
+                continue
             n_layer = rows[0][0].shape[0]
             maps: list[tuple[_RidgeMap, _RidgeMap] | None] = [None]
             for il in range(1, n_layer):
@@ -241,7 +249,6 @@ class RidgeEstimator(Estimator):
                     (fit_ridge_map(xk, yk, self.rank, self.alpha), fit_ridge_map(xv, yv, self.rank, self.alpha))
                 )
             self.maps[edge] = maps
-        self._rows.clear()
 
     def correct(self, ctx: EdgeContext) -> Correction | None:
         maps = self.maps.get((ctx.ph, ctx.reader))

@@ -63,7 +63,8 @@ def reference_estimator(model: Model, workload: str, **overrides: Any) -> est.An
 class MethodConfig:
     """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
     template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
-    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop."""
+    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
+    calibrate > 0: a RidgeEstimator is fitted online, per edge, from the first `calibrate` dense reads."""
 
     name: str
     head: int = 0
@@ -71,6 +72,7 @@ class MethodConfig:
     gate: Literal["auto", "dense", "reuse"] = "auto"
     chain: bool = True
     rank: int = 8
+    calibrate: int = 0  # ridge learned online: an edge without a map runs dense until it has this many reads
 
 
 def default_config(name: str) -> MethodConfig:
@@ -130,6 +132,25 @@ class _Bucket:
     view_pos: int
 
 
+def chains(ph: str) -> bool:
+    """Shared context (the question, conditions) is chained hop to hop; relayed agent outputs are not."""
+    return ph == QUESTION or ph.startswith("condition_")
+
+
+@dataclass
+class RequestState:
+    """One request's spans as the method sees them: relayed ids per placeholder, the buckets later readers start
+    from, and per hop its prompt, its placeholder positions and its report."""
+
+    message: str  # the request's key for the estimator's anchors
+    relayed: dict[str, list[int]]
+    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    prompts: list[list[int]] = field(default_factory=list)
+    spans_at: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    hops: list[HopReport] = field(default_factory=list)
+    kv0: int = 0  # model KV bytes when the current hop started
+
+
 @dataclass
 class RequestResult:
     hops: list[HopReport]
@@ -157,6 +178,7 @@ class WorkflowRunner:
     ) -> None:
         self.model, self.workflow, self.config = model, workflow, config
         self.templates: list[Template] = [build_template(model, a) for a in workflow.agents]
+        self.agent_names = [a.name for a in workflow.agents]
         self.kd = model.n_head_kv * model._core.head_dim
         if estimator is None:
             estimator = {
@@ -212,56 +234,20 @@ class WorkflowRunner:
         """Runs every agent once. forced: per agent, the generated ids to teacher-force (evaluation: relayed spans
         then hold the same ids in every method); exact: the nonshared run of the same request, for fidelity
         metrics and the oracle. ridge_training: this (nonshared) run feeds the given RidgeEstimator's examples."""
-        m, cfg = self.model, self.config
+        m = self.model
         n_agents = len(self.templates)
+        st = RequestState(message, {QUESTION: list(question)})
         seqs: list[KVSequence] = []
-        spans_at: list[dict[str, tuple[int, int]]] = []
-        prompts: list[list[int]] = []
-        hops: list[HopReport] = []
-        buckets: dict[str, _Bucket] = {}
-        relayed: dict[str, list[int]] = {QUESTION: list(question)}
         for a in range(n_agents):
             t = self.templates[a]
-            phs = t.placeholders
-            prompt = t.prompt_ids(relayed)
-            prompts.append(prompt)
-            kv0 = m.kv_bytes_in_use
-            t0 = time.perf_counter()
-            seq = self.prefixes[a].fork()
+            seq, logits, hop, pos_map, corrs = self.prefill_hop(a, t, self.prefixes[a], st, exact)
             seqs.append(seq)
-            if cfg.name == "nonshared" or cfg.gate == "dense":
-                mode, gate = ("source" if a == 0 else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
-            elif QUESTION not in buckets:
-                mode, gate = "source", "n/a"
-            elif (
-                isinstance(self.estimator, est.AnchorEstimator)
-                and cfg.gate == "auto"
-                and self.estimator.needs_dense(a, phs, message)
-            ):
-                mode, gate = "fallback", "novel -> dense"
-            else:
-                mode, gate = "reuse", "reuse"
-            pos_map: dict[str, tuple[int, int]] = {}
-            pos = len(t.texts[0])
-            for i, ph in enumerate(phs):
-                pos_map[ph] = (pos, len(relayed[ph]))
-                pos += len(relayed[ph]) + len(t.texts[i + 1])
-            spans_at.append(pos_map)
-            corrs: dict[str, est.Correction] = {}
-            if mode != "reuse":
-                logits = seq.append(prompt[len(t.texts[0]) :], logits="last")
-                computed = len(prompt) - len(t.texts[0])
-            else:
-                logits, computed, corrs = self._assemble(a, seq, relayed, buckets, message, exact)
-            ttft = (time.perf_counter() - t0) * 1000.0
-            assert logits is not None
             # generation (greedy, or teacher-forced); the last token's KV is never computed (relayed spans exclude it)
             gen: list[int] = []
-            tf_logits = None
             if forced is not None:
                 gen = list(forced[a])
                 if len(gen) > 1:
-                    tf_logits = seq.append(gen[:-1], logits="all")
+                    hop.tf_logits = seq.append(gen[:-1], logits="all")
             else:
                 cur = logits
                 while len(gen) < max_new_tokens:
@@ -272,50 +258,126 @@ class WorkflowRunner:
                     step = seq.append([tok], logits="last")
                     assert step is not None
                     cur = step
-            corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
-            hop = HopReport(
-                a,
-                self.workflow.agents[a].name,
-                mode,
-                gate,
-                ttft,
-                len(prompt),
-                computed,
-                len(prompt) - computed,
-                m.kv_bytes_in_use - kv0 - self._template_bytes_in_hop,
-                corr_bytes,
-                corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
-                generated=gen,
-                first_logits=logits,
-                tf_logits=tf_logits,
-            )
-            hop.corr_factor_bytes = self._factor_bytes
-            self._factor_bytes = self._template_bytes_in_hop = 0
-            hops.append(hop)
-            # buckets for later readers: this hop's view of the question (chain), its output (new span)
-            self._update_buckets(a, seq, pos_map, buckets, mode, corrs, message, exact, relayed, ridge_training)
-            if a < n_agents - 1:
-                out = gen[:-1]  # the rows the sequence holds after its prompt
-                ph_out = response_placeholder(a)
-                relayed[ph_out] = out
-                p_out = len(prompt)
-                h = min(cfg.head, len(out))
-                if out:
-                    shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
-                    buckets[ph_out] = _Bucket(shared, None, p_out + h, seq, p_out + h)
-                    gated = cfg.gate == "auto" and cfg.name != "nonshared"
-                    if gated and isinstance(self.estimator, est.AnchorEstimator):
-                        _, v = _canonical(m, seq, p_out, len(out))
-                        novel = self.estimator.gate(ph_out, message, v)
-                        hop.gate += f"; output {'novel' if novel else 'reusable'}"
-        result = RequestResult(hops, seqs, spans_at, prompts)
+            hop.generated = gen
+            hop.kv_bytes = m.kv_bytes_in_use - st.kv0 - self._template_bytes_in_hop
+            self._template_bytes_in_hop = 0
+            out = gen[:-1] if a < n_agents - 1 else None  # the rows the sequence holds after its prompt
+            self.finish_hop(a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact)
+        result = RequestResult(st.hops, seqs, st.spans_at, st.prompts)
         if exact is not None:
             self._evaluate(result, exact, teacher_forced=forced is not None)
         return result
 
+    def prefill_hop(
+        self, a: int, t: Template, prefix: KVSequence, st: RequestState, exact: RequestResult | None = None
+    ) -> tuple[KVSequence, np.ndarray, HopReport, dict[str, tuple[int, int]], dict[str, est.Correction]]:
+        """Agent a's prompt under the method: a fork of its template prefix, then its spans (dense or shared with
+        corrections). Returns (sequence, next-token logits, hop report without generation, placeholder positions,
+        corrections used). Every placeholder of t must be in st.relayed."""
+        m, cfg = self.model, self.config
+        phs = t.placeholders
+        prompt = t.prompt_ids(st.relayed)
+        st.prompts.append(prompt)
+        st.kv0 = m.kv_bytes_in_use
+        t0 = time.perf_counter()
+        seq = prefix.fork()
+        if cfg.name == "nonshared" or cfg.gate == "dense":
+            mode, gate = ("source" if not st.hops else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
+        elif not any(ph in st.buckets for ph in phs):
+            mode, gate = "source", "n/a"
+        elif (
+            isinstance(self.estimator, est.AnchorEstimator)
+            and cfg.gate == "auto"
+            and self.estimator.needs_dense(a, phs, st.message)
+        ):
+            mode, gate = "fallback", "novel -> dense"
+        elif self._uncalibrated(a, phs, st):
+            mode, gate = "fallback", "calibrating -> dense"
+        else:
+            mode, gate = "reuse", "reuse"
+        pos_map: dict[str, tuple[int, int]] = {}
+        pos = len(t.texts[0])
+        for i, ph in enumerate(phs):
+            pos_map[ph] = (pos, len(st.relayed[ph]))
+            pos += len(st.relayed[ph]) + len(t.texts[i + 1])
+        st.spans_at.append(pos_map)
+        corrs: dict[str, est.Correction] = {}
+        if mode != "reuse":
+            logits = seq.append(prompt[len(t.texts[0]) :], logits="last")
+            computed = len(prompt) - len(t.texts[0])
+        else:
+            logits, computed, corrs = self._assemble(a, t, seq, st.relayed, st.buckets, st.message, exact)
+        ttft = (time.perf_counter() - t0) * 1000.0
+        assert logits is not None
+        corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
+        hop = HopReport(
+            a,
+            self.agent_names[a] if a < len(self.agent_names) else f"agent {a}",
+            mode,
+            gate,
+            ttft,
+            len(prompt),
+            computed,
+            len(prompt) - computed,
+            0,
+            corr_bytes,
+            corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
+            first_logits=logits,
+        )
+        hop.corr_factor_bytes = self._factor_bytes
+        self._factor_bytes = 0
+        st.hops.append(hop)
+        return seq, logits, hop, pos_map, corrs
+
+    def _uncalibrated(self, a: int, phs: list[str], st: RequestState) -> bool:
+        """Online ridge: some span this reader would share has no fitted map for its edge yet."""
+        if not self.config.calibrate or not isinstance(self.estimator, est.RidgeEstimator):
+            return False
+        shared = [ph for ph in phs if ph in st.buckets and st.buckets[ph].shared is not None]
+        return any((ph, a) not in self.estimator.maps for ph in shared)
+
+    def finish_hop(
+        self,
+        a: int,
+        seq: KVSequence,
+        hop: HopReport,
+        pos_map: dict[str, tuple[int, int]],
+        corrs: dict[str, est.Correction],
+        st: RequestState,
+        out: list[int] | None,
+        out_ph: str,
+        ridge_training: bool = False,
+        exact: RequestResult | None = None,
+    ) -> None:
+        """After agent a's generation: its view of the spans becomes the next readers' base (chain), and `out` (the
+        ids whose rows seq holds right after the prompt; None: not relayed) becomes the shared span `out_ph`."""
+        m, cfg = self.model, self.config
+        calibrating = hop.gate.startswith("calibrating")
+        self._update_buckets(
+            a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, ridge_training or calibrating
+        )
+        if calibrating:
+            assert isinstance(self.estimator, est.RidgeEstimator)
+            ready = [(ph, a) for ph in pos_map if self.estimator.examples((ph, a)) >= cfg.calibrate]
+            self.estimator.fit(ready)
+        if out is None:
+            return
+        st.relayed[out_ph] = list(out)
+        p_out = hop.prompt_tokens
+        h = min(cfg.head, len(out))
+        if out:
+            shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
+            st.buckets[out_ph] = _Bucket(shared, None, p_out + h, seq, p_out + h)
+            gated = cfg.gate == "auto" and cfg.name != "nonshared"
+            if gated and isinstance(self.estimator, est.AnchorEstimator):
+                _, v = _canonical(m, seq, p_out, len(out))
+                novel = self.estimator.gate(out_ph, st.message, v)
+                hop.gate += f"; output {'novel' if novel else 'reusable'}"
+
     def _assemble(
         self,
         a: int,
+        t: Template,
         seq: KVSequence,
         relayed: dict[str, list[int]],
         buckets: dict[str, _Bucket],
@@ -323,7 +385,7 @@ class WorkflowRunner:
         exact: RequestResult | None,
     ) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
         """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
-        cfg, t = self.config, self.templates[a]
+        cfg = self.config
         pending: list[int] = []
         computed = 0
         corrs: dict[str, est.Correction] = {}
@@ -332,8 +394,9 @@ class WorkflowRunner:
             h = min(cfg.head, len(ids))
             pending += ids[:h]
             b = buckets.get(ph)
-            if len(ids) > h:
-                assert b is not None and b.shared is not None
+            if b is None or b.shared is None:  # nobody has computed this span yet: this reader does, exactly
+                pending += ids[h:]
+            elif len(ids) > h:
                 if pending:
                     seq.append(pending, logits="none")
                     computed += len(pending)
@@ -420,7 +483,6 @@ class WorkflowRunner:
         corrs: dict[str, est.Correction],
         message: str,
         exact: RequestResult | None,
-        relayed: dict[str, list[int]],
         ridge_training: bool,
     ) -> None:
         m, cfg = self.model, self.config
@@ -441,7 +503,7 @@ class WorkflowRunner:
                     self.estimator.add_example(ctx)
                 elif isinstance(self.estimator, est.AnchorEstimator):
                     self.estimator.record(ctx, ph == QUESTION)
-            if ph != QUESTION:
+            if prev is not None and not chains(ph):
                 continue  # relayed outputs: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
                 buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)

@@ -52,12 +52,17 @@ class Template:
 
 
 def build_template(model: Model, agent: Agent) -> Template:
-    """Renders the agent's chat and tokenizes its pieces separately. Raises ValueError when the template breaks
-    the alternation the method needs (non-empty prefix, non-empty text after every placeholder)."""
-    text = model.apply_chat_template(
-        [{"role": "system", "content": agent.role}, {"role": "user", "content": agent.user_template}],
-        add_generation_prompt=True,
-    )
+    """Renders the agent's chat (system = role, user = its template) and cuts it at the placeholders."""
+    messages = [{"role": "system", "content": agent.role}, {"role": "user", "content": agent.user_template}]
+    return template_from_messages(model, messages, agent.name)
+
+
+def template_from_messages(model: Model, messages: list[dict[str, str]], name: str = "agent") -> Template:
+    """Renders chat messages whose contents hold placeholders ({user_question}, {agent_<i>_current},
+    {condition_<k>_current}) with the model's chat template and the generation prompt, and tokenizes the text
+    pieces between placeholders separately. Raises ValueError when the rendering breaks the alternation the method
+    needs (non-empty prefix, non-empty text after every placeholder)."""
+    text = model.apply_chat_template(messages, add_generation_prompt=True)
     tok = model.tokenizer
     pieces = PLACEHOLDER_RE.split(text)  # text, name, text, name, ..., text
     texts_str, names = pieces[0::2], pieces[1::2]
@@ -66,7 +71,7 @@ def build_template(model: Model, agent: Agent) -> Template:
         ids = tok.encode(piece, add_special=(i == 0), parse_special=True)
         if not ids:
             where = "before the first placeholder" if i == 0 else f"after placeholder {{{names[i - 1]}}}"
-            raise ValueError(f"agent {agent.name!r}: the template has no text {where}")
+            raise ValueError(f"agent {name!r}: the template has no text {where}")
         texts.append(ids)
     standins = [tok.encode("{" + n + "}", add_special=False, parse_special=False) for n in names]
     return Template(texts, list(names), standins)

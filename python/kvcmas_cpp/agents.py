@@ -1,0 +1,531 @@
+"""Agent sessions: agents declared by role read a growing shared context; kvcmas shares and corrects their KV.
+
+```python
+team = AgentSession(model, method="kvcmas")       # nonshared | fullshared | kvcmas | kvcomm
+solver = team.agent("Math Solver", system="You are ...")
+critic = team.agent("Critic", system="...")
+team.share("Question: ...")                        # shared context
+a = solver.respond(max_tokens=256)                 # sees the shared context and earlier replies
+b = critic.respond(max_tokens=256)                 # reads a's reply as a shared span
+```
+
+Every shared item (the context given to `share`, and each reply) is a span: the first agent that reads it computes it
+exactly and stores its rows once; later agents append those rows by reference with the method's low-rank correction
+(the method layer is `sharing.runner.WorkflowRunner`, the same engine as the benchmarks). An agent's prompt is its
+chat: system = role prompt, user = the shared items, each after a label line, or the agent's own template with
+placeholders ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context} for every item).
+
+Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, identifies the agent by its system
+prompt, keys every message content by its token ids, and reuses spans already computed in the session.
+
+Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
+releases the GIL; the engine serialises compute), each with its own shared context.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from .model import CompletionChunk, KVSequence, Model
+from .sampling import SamplingParams
+from .sharing import estimators as est
+from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
+from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
+
+METHODS = ("nonshared", "fullshared", "kvcmas", "kvcomm")
+CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
+
+_estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.Lock]]] = (
+    weakref.WeakKeyDictionary()
+)
+_estimators_lock = threading.Lock()
+
+
+def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Estimator, threading.Lock]:
+    """The estimator sessions of one workflow kind share on a model (what kvcmas learns carries across sessions),
+    with the lock that serialises its use."""
+    with _estimators_lock:
+        per_model = _estimators.setdefault(model, {})
+        key = (method, workflow)
+        if key not in per_model:
+            estimator: est.Estimator = {
+                "nonshared": est.Estimator,
+                "fullshared": est.Estimator,
+                "kvcmas": lambda: est.RidgeEstimator(rank=8),
+                "kvcomm": lambda: est.AnchorEstimator(
+                    rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"
+                ),
+                "kvcmas-ref": lambda: reference_estimator(model, workflow),
+            }[method]()
+            per_model[key] = (estimator, threading.Lock())
+        return per_model[key]
+
+
+@dataclass
+class ResponseStats:
+    """What one agent call cost and reused. Times in milliseconds; bytes of KV rows this call computed and holds
+    (prompt rows it forwarded + generated rows) and of its low-rank corrections."""
+
+    agent: str
+    method: str
+    mode: str  # source | dense | reuse | fallback
+    gate: str  # the method's decision for this call
+    ttft_ms: float
+    prompt_tokens: int
+    computed_tokens: int
+    reused_tokens: int
+    generated_tokens: int = 0
+    generation_ms: float = 0.0
+    kv_bytes: int = 0
+    corr_bytes: int = 0
+    corr_rank: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / (self.generation_ms / 1000.0) if steps > 0 and self.generation_ms > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 2)
+        return d
+
+
+@dataclass
+class Response:
+    agent: str
+    text: str
+    ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    stats: ResponseStats
+
+
+@dataclass
+class ResponseChunk:
+    """A streamed piece of a reply; the last one has finish_reason and the whole Response set."""
+
+    text: str
+    token: int | None
+    finish_reason: Literal["stop", "length"] | None = None
+    response: Response | None = None
+
+
+@dataclass
+class _Item:
+    ph: str  # placeholder naming the span in the method (edge key)
+    ids: list[int]
+    label: str | None
+    author: int | None  # agent index for replies
+
+
+@dataclass
+class Prefilled:
+    """A prompt in the engine: `seq` ends with the generation prompt, `logits` are the next-token logits."""
+
+    session: AgentSession
+    agent: int
+    seq: KVSequence
+    logits: np.ndarray
+    hop: HopReport
+    pos_map: dict[str, tuple[int, int]]
+    corrs: dict[str, est.Correction]
+    reply_ph: str
+    finished: bool = False
+    released: bool = False
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.session._stats(self).as_dict()
+
+    def close(self) -> None:
+        """Releases the sequence; its rows stay while a stored span of the session reads them."""
+        self.session._release(self)
+
+    def __enter__(self) -> Prefilled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Agent:
+    """A role in a session. Create with AgentSession.agent()."""
+
+    def __init__(self, session: AgentSession, index: int, name: str, system: str, template: str | None) -> None:
+        self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
+
+    def respond(
+        self,
+        max_tokens: int = 256,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Response | Iterator[ResponseChunk]:
+        """The agent's reply to the shared context so far (greedy by default). The reply joins the shared context
+        as a span later agents read. stream=True returns an iterator of ResponseChunk."""
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
+        )
+        params.validate()
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        chunks = self.session._respond(self, max_tokens, params, stops)
+        if stream:
+            return chunks
+        last: Response | None = None
+        for c in chunks:
+            last = c.response or last
+        assert last is not None
+        return last
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, index={self.index})"
+
+
+class AgentSession:
+    """One multi-agent workflow instance over a shared context, under one sharing method."""
+
+    def __init__(
+        self,
+        model: Model,
+        method: str = "kvcmas",
+        *,
+        workflow: str = "default",
+        estimator: est.Estimator | None = None,
+        config: MethodConfig | None = None,
+    ) -> None:
+        """method: nonshared (every agent prefills its whole prompt; own prefix cache), fullshared (spans shared
+        without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
+        from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
+        anchor deltas). workflow: sessions with the same name share what the estimator learns."""
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.model, self.method, self.workflow = model, method, workflow
+        if config is None:
+            config = (
+                MethodConfig(method, head=4, rank=8, calibrate=CALIBRATION_READS)
+                if method == "kvcmas"
+                else (MethodConfig(method, rank=0) if method == "kvcomm" else MethodConfig(method))
+            )
+        if config.tail != "exact":
+            raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
+        if estimator is not None:
+            self._estimator_lock = threading.Lock()
+        else:
+            estimator, self._estimator_lock = shared_estimator(model, method, workflow)
+        self._runner = WorkflowRunner(model, Workflow(workflow, ()), config, estimator)
+        self._lock = threading.RLock()
+        self.agents: list[Agent] = []
+        self._prefixes: dict[int, tuple[tuple[int, ...], KVSequence]] = {}
+        self._row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
+        self._serial = 0
+        self._reset_state()
+
+    # ------------------------------------------------------------------------------------------------ agents
+    def agent(self, name: str, system: str = "", *, template: str | None = None) -> Agent:
+        """Declares an agent. system: its role prompt. template: its user message with placeholders
+        ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context}); default: every shared item."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("agent: name must be a non-empty string")
+        with self._lock:
+            if any(a.name == name for a in self.agents):
+                raise ValueError(f"agent: an agent named {name!r} exists already in this session")
+            ag = Agent(self, len(self.agents), name, system, template)
+            self.agents.append(ag)
+            self._runner.agent_names.append(name)
+            return ag
+
+    def share(self, content: str | Sequence[int], *, label: str | None = None) -> None:
+        """Adds shared context (text, or token ids): every agent that responds later reads it."""
+        ids = self._ids(content)
+        if not ids:
+            raise ValueError("share: the content is empty")
+        with self._lock:
+            n_ctx = sum(1 for it in self._items if it.author is None)
+            ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
+            self._add_item(_Item(ph, ids, label, None))
+
+    @property
+    def context(self) -> list[tuple[str | None, str]]:
+        """The shared items so far as (label, text)."""
+        return [(it.label, self.model.detokenize(it.ids)) for it in self._items]
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def _reset_state(self) -> None:
+        self._serial += 1
+        self._state = RequestState(f"{self.workflow}#{id(self)}#{self._serial}", {})
+        self._items: list[_Item] = []
+        self._by_ids: dict[tuple[int, ...], str] = {}
+        self._seqs: list[KVSequence] = []  # sequences whose rows stored spans may read
+        self._owned_rows: dict[int, int] = {}  # id(seq) -> rows it computed itself (prefix and shared rows excluded)
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._replies: dict[int, int] = {}  # agent -> replies so far
+
+    def reset(self) -> None:
+        """Forgets the shared context and frees its KV; agents and what the estimator learned stay."""
+        with self._lock:
+            for s in self._seqs:
+                s.close()
+            self._reset_state()
+
+    def close(self) -> None:
+        """Frees every KV row of the session (prefix caches included)."""
+        with self._lock:
+            self.reset()
+            for _, s in self._prefixes.values():
+                s.close()
+            self._prefixes.clear()
+
+    def __enter__(self) -> AgentSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fork(self) -> AgentSession:
+        """A new session with the same agents and a copy of the shared context (spans re-computed on first read)."""
+        with self._lock:
+            other = AgentSession(self.model, self.method, workflow=self.workflow, config=self._runner.config)
+            other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
+            for a in self.agents:
+                other.agent(a.name, a.system, template=a.template)
+            for it in self._items:
+                other._add_item(_Item(it.ph, list(it.ids), it.label, it.author))
+            return other
+
+    @property
+    def stored_bytes(self) -> int:
+        """KV bytes of the rows the session keeps computed (prefix caches, and the rows of finished calls that stored
+        spans still read), counted by rows (the pool allocates whole blocks)."""
+        with self._lock:
+            rows = sum(self._owned_rows.get(id(s), 0) for s in self._seqs)
+            rows += sum(len(s) for _, s in self._prefixes.values())
+            return rows * self._row_bytes
+
+    def evict_lru(self) -> bool:
+        """Drops the least recently used stored span (later readers compute it again). False when none is left."""
+        with self._lock:
+            while self._lru:
+                ph, _ = self._lru.popitem(last=False)
+                if self._state.buckets.pop(ph, None) is not None:
+                    self._collect()
+                    return True
+            return False
+
+    # ------------------------------------------------------------------------------------------------ calls
+    def prefill(self, messages: list[dict[str, Any]], agent: str | None = None) -> Prefilled:
+        """Puts a chat (OpenAI-style messages with string contents) in the engine under the method. The agent is
+        `agent` or the system prompt's text; each other message's content is a span keyed by its token ids, reused
+        if the session computed it before. Call finish() after generating, then close()."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("prefill: messages must be a non-empty list")
+        with self._lock:
+            system = ""
+            rendered: list[dict[str, str]] = []
+            for i, msg in enumerate(messages):
+                role, content = msg.get("role"), msg.get("content")
+                if not isinstance(role, str) or not isinstance(content, str):
+                    raise ValueError(f"prefill: message {i} needs string 'role' and 'content'")
+                if role == "system" and i == 0:
+                    system = content
+                    rendered.append({"role": role, "content": content})
+                    continue
+                ids = self._ids(content)
+                if not ids:
+                    rendered.append({"role": role, "content": content})
+                    continue
+                ph = self._by_ids.get(tuple(ids))
+                if ph is None:
+                    n_ctx = sum(1 for it in self._items if it.author is None)
+                    ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
+                    self._add_item(_Item(ph, ids, None, None))
+                rendered.append({"role": role, "content": "{" + ph + "}"})
+            key = agent if agent is not None else system
+            ag = next((a for a in self.agents if a.name == key), None)
+            if ag is None:
+                ag = self.agent(key or "assistant", system)
+            return self._prefill_template(ag, template_from_messages(self.model, rendered, ag.name))
+
+    def prefill_agent(self, agent: Agent) -> Prefilled:
+        """The agent's prompt over the shared context so far, in the engine (what respond() generates from)."""
+        with self._lock:
+            if agent.session is not self:
+                raise ValueError(f"prefill_agent: {agent!r} belongs to another session")
+            messages = [{"role": "system", "content": agent.system}] if agent.system else []
+            messages.append({"role": "user", "content": self._user_template(agent)})
+            return self._prefill_template(agent, template_from_messages(self.model, messages, agent.name))
+
+    def finish(self, p: Prefilled, generated: Sequence[int]) -> None:
+        """Registers a generated reply (its ids; a trailing end-of-generation token is dropped) as a span later
+        prompts reuse. The rows of its last token are computed here if generation stopped before feeding it."""
+        with self._lock:
+            if p.finished:
+                raise ValueError("finish: this prompt was finished already")
+            if p.released:
+                raise ValueError("finish: the prompt was closed")
+            p.finished = True
+            out = [int(t) for t in generated]
+            if out and out[-1] in self.model.tokenizer.eog_ids:
+                out = out[:-1]
+            p.hop.generated = out
+            held = len(p.seq) - p.hop.prompt_tokens
+            if held < len(out):
+                p.seq.append(out[held:], logits="none")
+            elif held > len(out):
+                p.seq.truncate(p.hop.prompt_tokens + len(out))
+            self._finish(p, out)
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _ids(self, content: str | Sequence[int]) -> list[int]:
+        if isinstance(content, str):
+            return self.model.tokenizer.encode(content, add_special=False, parse_special=False)
+        ids = [int(t) for t in content]
+        n_vocab = self.model.n_vocab
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
+        return ids
+
+    def _add_item(self, it: _Item) -> None:
+        self._items.append(it)
+        self._state.relayed[it.ph] = it.ids
+        self._by_ids.setdefault(tuple(it.ids), it.ph)
+
+    def _user_template(self, ag: Agent) -> str:
+        if ag.template is not None and "{context}" not in ag.template:
+            return ag.template
+        parts = []
+        for it in self._items:
+            label = it.label
+            if label is None and it.author is not None:
+                label = f"{self.agents[it.author].name}'s output"
+            parts.append((f"{label}:\n" if label else "") + "{" + it.ph + "}")
+        ctx = "\n\n".join(parts)
+        return ag.template.replace("{context}", ctx) if ag.template is not None else ctx
+
+    def _prefix(self, ag: Agent, t: Template) -> KVSequence:
+        key = tuple(t.texts[0])
+        cached = self._prefixes.get(ag.index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if cached is not None:
+            cached[1].close()
+        s = self.model.new_sequence()
+        s.append(t.texts[0], logits="none")
+        self._prefixes[ag.index] = (key, s)
+        return s
+
+    def _prefill_template(self, ag: Agent, t: Template) -> Prefilled:
+        missing = [ph for ph in t.placeholders if ph not in self._state.relayed]
+        if missing:
+            raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
+        n = self._replies.get(ag.index, 0)
+        reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
+        with self._estimator_lock:
+            seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, self._prefix(ag, t), self._state)
+        for ph in t.placeholders:
+            if ph in self._lru:
+                self._lru.move_to_end(ph)
+        return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph)
+
+    def _finish(self, p: Prefilled, out: list[int]) -> None:
+        ag = p.agent
+        self._replies[ag] = self._replies.get(ag, 0) + 1
+        relay = out if out else None
+        if self.method == "nonshared":  # nothing is stored: replies are re-read as text
+            if relay is not None:
+                self._add_item(_Item(p.reply_ph, out, None, ag))
+            return
+        with self._estimator_lock:
+            self._runner.finish_hop(ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph)
+        if relay is not None:
+            self._items.append(_Item(p.reply_ph, out, None, ag))
+            self._by_ids.setdefault(tuple(out), p.reply_ph)
+        self._seqs.append(p.seq)
+        self._owned_rows[id(p.seq)] = p.hop.computed_tokens + len(out)
+        for ph, b in self._state.buckets.items():
+            if b.view_seq is p.seq or chains(ph):
+                self._lru[ph] = None
+                self._lru.move_to_end(ph)
+        self._collect()
+
+    def _release(self, p: Prefilled) -> None:
+        with self._lock:
+            if p.released:
+                return
+            p.released = True
+            if p.seq not in self._seqs:
+                p.seq.close()
+
+    def _collect(self) -> None:
+        """Closes session sequences no stored span reads any more."""
+        live = {id(b.view_seq) for b in self._state.buckets.values()}
+        keep = []
+        for s in self._seqs:
+            if id(s) in live:
+                keep.append(s)
+            else:
+                self._owned_rows.pop(id(s), None)
+                s.close()
+        self._seqs = keep
+
+    def _stats(self, p: Prefilled, generation_ms: float = 0.0) -> ResponseStats:
+        h = p.hop
+        gen = len(h.generated)
+        return ResponseStats(
+            self.agents[p.agent].name,
+            self.method,
+            h.mode,
+            h.gate,
+            round(h.ttft_ms, 3),
+            h.prompt_tokens,
+            h.computed_tokens,
+            h.reused_tokens,
+            gen,
+            round(generation_ms, 3),
+            (h.computed_tokens + gen) * self._row_bytes,
+            h.corr_bytes,
+            h.corr_rank,
+        )
+
+    def _respond(self, ag: Agent, max_tokens: int, params: SamplingParams, stops: list[str]) -> Iterator[ResponseChunk]:
+        with self._lock:
+            p = self.prefill_agent(ag)
+            ids: list[int] = []
+            pieces: list[str] = []
+            finish: Literal["stop", "length"] = "length"
+            gen_ms = 0.0
+            try:
+                chunks = self.model._generate(p.seq.tokens, max_tokens, params, stops, p.seq, first_logits=p.logits)
+                for c in chunks:
+                    c_: CompletionChunk = c
+                    if c_.token is not None:
+                        ids.append(c_.token)
+                    if c_.finish_reason is not None:
+                        finish = c_.finish_reason
+                        gen_ms = c_.timings.generation_ms if c_.timings else 0.0
+                        pieces.append(c_.text)
+                        break
+                    pieces.append(c_.text)
+                    if c_.text:
+                        yield ResponseChunk(c_.text, c_.token)
+                self.finish(p, ids)
+                stats = self._stats(p, gen_ms)
+                response = Response(ag.name, "".join(pieces), ids, finish, stats)
+                yield ResponseChunk(pieces[-1] if pieces else "", None, finish, response)
+            finally:
+                self._release(p)

@@ -1,0 +1,238 @@
+"""The agent-session API end to end on the default model: every method, stats, streaming, templates, sessions
+running concurrently, memory release, and the server's message-level prefill."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp.agents import CALIBRATION_READS, AgentSession
+from kvcmas_cpp.sharing import estimators as est
+
+QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+ROLES = (
+    ("Math Solver", "You are a math expert. Solve the problem step by step."),
+    ("Critic", "You are a careful critic. Check the other agents' reasoning."),
+    ("Decision Maker", "You are the top decision-maker. Give the final answer."),
+)
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path: str) -> kc.Model:
+    return kc.Model(default_model_path, n_threads=2)
+
+
+def run_team(model: kc.Model, method: str, question: str = QUESTION, max_tokens: int = 8, **kw: object) -> list:
+    with AgentSession(model, method=method, **kw) as team:  # type: ignore[arg-type]
+        agents = [team.agent(name, system=role) for name, role in ROLES]
+        team.share(question, label="Question")
+        return [a.respond(max_tokens=max_tokens) for a in agents]
+
+
+def check_stats(r: kc.agents.Response, row_bytes: int) -> None:
+    s = r.stats
+    assert s.prompt_tokens == s.computed_tokens + s.reused_tokens
+    assert s.generated_tokens == len(r.ids) > 0
+    assert s.kv_bytes == (s.computed_tokens + s.generated_tokens) * row_bytes
+    assert s.ttft_ms > 0 and s.method in ("nonshared", "fullshared", "kvcmas", "kvcomm")
+
+
+def test_every_method_answers_and_first_agent_is_exact(model: kc.Model) -> None:
+    row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
+    base = model.kv_bytes_in_use
+    dense = run_team(model, "nonshared")
+    for method in ("fullshared", "kvcmas", "kvcomm"):
+        out = run_team(model, method, workflow=f"test-{method}-exact")
+        assert [r.agent for r in out] == [name for name, _ in ROLES]
+        assert out[0].ids == dense[0].ids and out[0].text == dense[0].text  # the first agent computes exactly
+        assert out[0].stats.mode == "source"
+        for r in out:
+            assert r.text.strip()
+            check_stats(r, row_bytes)
+    for r in dense:
+        check_stats(r, row_bytes)
+        assert r.stats.mode in ("source", "dense")
+    assert model.kv_bytes_in_use == base  # closing a session frees every row
+
+
+def test_sharing_reuses_the_question_and_replies(model: kc.Model) -> None:
+    dense = run_team(model, "nonshared")
+    shared = run_team(model, "fullshared")
+    for d, s in zip(dense[1:], shared[1:], strict=True):
+        assert s.stats.mode == "reuse"
+        assert s.stats.prompt_tokens == d.stats.prompt_tokens  # the same prompt ids
+        # the reader forwards only its own template text: question and relayed replies come by reference
+        assert s.stats.reused_tokens >= d.stats.reused_tokens + len(model.tokenize(QUESTION, add_special=False))
+        assert s.stats.computed_tokens < d.stats.computed_tokens
+
+
+def test_gate_forced_dense_matches_nonshared(model: kc.Model) -> None:
+    dense = run_team(model, "nonshared")
+    cfg = kc.agents.MethodConfig("kvcmas", gate="dense")
+    forced = run_team(model, "kvcmas", config=cfg, workflow="test-forced")
+    assert [r.ids for r in forced] == [r.ids for r in dense]
+
+
+def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model) -> None:
+    questions = [QUESTION, "Weng earns $12 an hour for babysitting. How much did she earn for 50 minutes?"]
+    modes = []
+    for i in range(CALIBRATION_READS + 1):
+        out = run_team(model, "kvcmas", question=f"{questions[i % 2]} (case {i})", workflow="test-cal")
+        modes.append([r.stats.mode for r in out])
+    assert modes[0][1:] == ["fallback", "fallback"]  # no map yet: later agents compute densely and learn
+    assert modes[-1][1:] == ["reuse", "reuse"]
+    last = out[1].stats
+    assert last.corr_rank > 0 and last.corr_bytes > 0
+
+
+def test_kvcmas_is_closer_to_exact_than_fullshared(model: kc.Model) -> None:
+    """After calibration, the second agent's first-token distribution (KL to the exact run) beats fullshared's."""
+    est_ridge = est.RidgeEstimator(rank=8)
+    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=CALIBRATION_READS)
+    from kvcmas_cpp.sharing.workflow import load_gsm8k
+
+    train = load_gsm8k(100, CALIBRATION_READS)
+    for q in train:
+        run_team(model, "kvcmas", question=q, max_tokens=4, estimator=est_ridge, config=cfg)
+    kl = {"fullshared": [], "kvcmas": []}
+    for q in load_gsm8k(0, 3):
+        logits = {}
+        for method in ("nonshared", "fullshared", "kvcmas"):
+            with AgentSession(
+                model,
+                method,
+                estimator=est_ridge if method == "kvcmas" else None,
+                config=cfg if method == "kvcmas" else None,
+            ) as team:
+                a, b = (team.agent(n, system=r) for n, r in ROLES[:2])
+                team.share(q)
+                a.respond(max_tokens=6)
+                p = team.prefill_agent(b)
+                logits[method] = p.logits.astype(np.float64)
+                p.close()
+        ref = logits["nonshared"] - np.logaddexp.reduce(logits["nonshared"])
+        for m in kl:
+            lq = logits[m] - np.logaddexp.reduce(logits[m])
+            kl[m].append(float(np.sum(np.exp(ref) * (ref - lq))))
+    assert np.mean(kl["kvcmas"]) < np.mean(kl["fullshared"])
+
+
+def test_streaming_equals_the_whole_reply(model: kc.Model) -> None:
+    whole = run_team(model, "fullshared", max_tokens=12)
+    with AgentSession(model, "fullshared") as team:
+        agents = [team.agent(n, system=r) for n, r in ROLES]
+        team.share(QUESTION, label="Question")
+        for a, ref in zip(agents, whole, strict=True):
+            chunks = list(a.respond(max_tokens=12, stream=True))
+            assert chunks[-1].response is not None and chunks[-1].finish_reason in ("stop", "length")
+            assert "".join(c.text for c in chunks) == ref.text == chunks[-1].response.text
+
+
+def test_templates_placeholders_and_errors(model: kc.Model) -> None:
+    with AgentSession(model, "fullshared") as team:
+        solver = team.agent("Solver", system="Solve.", template="Q:\n{user_question}\n\nSolve it.")
+        checker = team.agent("Checker", system="Check.", template="Q:\n{user_question}\n\nAnswer:\n{agent_0_current}")
+        early = team.agent("Early", template="{agent_1_current}\nOK?")
+        with pytest.raises(ValueError, match="nobody has shared"):
+            solver.respond(max_tokens=2)
+        team.share(QUESTION)
+        with pytest.raises(ValueError, match="agent_1_current"):
+            early.respond(max_tokens=2)
+        r0 = solver.respond(max_tokens=6)
+        r1 = checker.respond(max_tokens=6)
+        assert r1.stats.reused_tokens >= len(r0.ids) - 4
+        with pytest.raises(ValueError, match="exists already"):
+            team.agent("Solver")
+        with pytest.raises(ValueError, match="max_tokens"):
+            solver.respond(max_tokens=0)
+        with pytest.raises(ValueError):
+            solver.respond(max_tokens=2, temperature=-1.0)
+        with pytest.raises(ValueError, match="empty"):
+            team.share("")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            team.share([model.n_vocab + 5])
+    with pytest.raises(ValueError, match="unknown method"):
+        AgentSession(model, "sometimes")
+
+
+def test_reset_and_fork_release_memory(model: kc.Model) -> None:
+    base = model.kv_bytes_in_use
+    team = AgentSession(model, "fullshared")
+    a = team.agent("Solver", system="Solve.")
+    team.share(QUESTION)
+    r = a.respond(max_tokens=6)
+    assert team.stored_bytes > 0 and model.kv_bytes_in_use > base
+    other = team.fork()
+    r2 = other.agents[0].respond(max_tokens=6)
+    assert r2.ids == r.ids  # same shared context, same agent, greedy
+    other.close()
+    team.reset()
+    assert team.context == []
+    team.share(QUESTION)
+    assert a.respond(max_tokens=6).ids == r.ids
+    team.close()
+    assert model.kv_bytes_in_use == base
+
+
+def test_sessions_in_threads_match_sequential(model: kc.Model) -> None:
+    questions = [
+        QUESTION,
+        "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts?",
+        "James runs 3 sprints 3 times a week, 60 meters each. How many meters a week?",
+    ]
+    seq = {q: [r.ids for r in run_team(model, "fullshared", question=q)] for q in questions}
+    got: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def work(q: str) -> None:
+        try:
+            got[q] = [r.ids for r in run_team(model, "fullshared", question=q)]
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert got == seq
+
+
+def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
+    """The server's path: the system prompt names the agent; message contents are spans keyed by their ids."""
+    base = model.kv_bytes_in_use
+    with AgentSession(model, "fullshared") as team:
+        user = {"role": "user", "content": QUESTION}
+        p1 = team.prefill([{"role": "system", "content": "You are agent one."}, user])
+        assert p1.stats["mode"] == "source"
+        gen = [int(np.argmax(p1.logits))]
+        for _ in range(5):
+            (lg,) = model.decode_batch([(p1.seq, gen[-1:])])
+            gen.append(int(np.argmax(lg)))
+        team.finish(p1, gen)
+        reply = model.detokenize(gen)
+        p1.close()
+        p2 = team.prefill([{"role": "system", "content": "You are agent two, a critic."}, user])
+        n_q = len(model.tokenize(QUESTION, add_special=False))
+        assert p2.stats["mode"] == "reuse" and p2.stats["reused_tokens"] >= n_q
+        with pytest.raises(ValueError, match="finished already"):
+            team.finish(p2, [1])
+            team.finish(p2, [1])
+        p2.close()
+        # the first agent's reply comes back as an assistant message: reused when its ids round-trip
+        msgs = [{"role": "system", "content": "You are agent three."}, user, {"role": "assistant", "content": reply}]
+        p3 = team.prefill(msgs)
+        if model.tokenize(reply, add_special=False) == gen:
+            assert p3.stats["reused_tokens"] >= n_q + len(gen) - 4
+        p3.close()
+        with pytest.raises(ValueError, match="string 'role' and 'content'"):
+            team.prefill([{"role": "user", "content": 3}])
+        assert team.evict_lru()
+    assert model.kv_bytes_in_use == base
