@@ -388,21 +388,25 @@ class Model:
         params: SamplingParams,
         stops: list[str],
         sequence: KVSequence | None,
+        first_logits: np.ndarray | None = None,
     ) -> Iterator[CompletionChunk]:
+        """The generation loop. first_logits: the prompt is already in `sequence` (ids are its tokens, for the
+        repetition penalty only) and these are its next-token logits."""
         if not ids:
             raise ValueError("generate: the prompt is empty")
         sampler = Sampler(params)
         seq = sequence if sequence is not None else self.new_sequence()
-        timings = Timings(prompt_tokens=len(seq) + len(ids), reused_tokens=len(seq))
+        prior = len(seq) if first_logits is None else len(seq) - len(ids)
+        timings = Timings(prompt_tokens=prior + len(ids), reused_tokens=prior)
         eog = self.tokenizer.eog_ids
         decoder = StreamDecoder(self.tokenizer)
         matcher = StopMatcher(stops)
-        history = list(seq.tokens) + list(ids)
+        history = list(seq.tokens) + list(ids) if first_logits is None else list(seq.tokens)
         generated = 0
         finish: Literal["stop", "length"] = "length"
         try:
             t0 = time.perf_counter()
-            logits = seq.append(ids, logits="last")
+            logits = seq.append(ids, logits="last") if first_logits is None else first_logits
             t_first = t0
             while generated < max_tokens:
                 assert logits is not None
