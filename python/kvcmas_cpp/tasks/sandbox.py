@@ -145,13 +145,22 @@ def _make_preexec(limits: list[tuple[int, int]]) -> Callable[[], None]:
 
     def preexec() -> None:
         for res, value in limits:
-            soft, hard = resource.getrlimit(res)
+            _, hard = resource.getrlimit(res)
             if hard != resource.RLIM_INFINITY and value > hard:
                 value = hard
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(res, (value, value))
 
     return preexec
+
+
+def _exited(pid: int) -> bool:
+    """True once the child has ended; it is left a zombie (WNOWAIT), so its pid, which is also its process group
+    id, cannot be reused before `proc.wait()` reaps it and killpg never reaches an unrelated group."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _kill_group(pgid: int) -> None:
@@ -236,7 +245,7 @@ def _supervise(proc: subprocess.Popen[bytes], start: float, timeout_s: float, ca
             sel.register(pipe, selectors.EVENT_READ)
         while sel.get_map():
             now = time.monotonic()
-            if exited_at is None and proc.poll() is not None:
+            if exited_at is None and _exited(proc.pid):
                 exited_at = now
                 _kill_group(proc.pid)  # leftovers in its group; they may hold the pipes open
             end = deadline if exited_at is None else exited_at + _DRAIN_AFTER_EXIT_S
@@ -251,14 +260,12 @@ def _supervise(proc: subprocess.Popen[bytes], start: float, timeout_s: float, ca
                     buffers[key.fd].add(chunk)
                 else:
                     sel.unregister(key.fileobj)
-    timed_out = False
-    if proc.poll() is None:  # still running: its pipes are closed or the deadline passed
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+    # Still running when its pipes closed early: wait (without reaping) for it to end or for the deadline.
+    while not _exited(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timed_out = not _exited(proc.pid)
     _kill_group(proc.pid)
-    returncode = proc.wait()
+    returncode = proc.wait()  # reaps the child only now
     proc.stdout.close()
     proc.stderr.close()
     return SandboxResult(
