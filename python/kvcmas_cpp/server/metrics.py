@@ -1,0 +1,127 @@
+"""Server counters and their Prometheus text exposition (format 0.0.4), written by hand: a handful of counters, gauges
+and one histogram do not justify a dependency."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# TTFT histogram bucket bounds in seconds (Prometheus convention: cumulative, plus +Inf).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last = above every bound
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+
+def _fmt(v: float) -> str:
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+class Metrics:
+    """Thread-safe counters of the server. Gauges that live elsewhere (KV bytes, queue length) are read through
+    callbacks at exposition time, so they are never stale."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.computed_prompt_tokens = 0
+        self.reused_tokens = 0
+        self.generated_tokens = 0
+        self.cancelled = 0
+        self.rejected_queue_full = 0
+        self.evictions = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+
+    def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        self.gauges[name] = (help_text, read)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            key = (endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def count_generation(self, prompt: int, reused: int, generated: int, ttft_s: float | None) -> None:
+        with self._lock:
+            self.prompt_tokens += prompt
+            self.reused_tokens += reused
+            self.computed_prompt_tokens += prompt - reused
+            self.generated_tokens += generated
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+
+    def bump(self, name: str, by: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + by)
+
+    def render(self) -> str:
+        """The Prometheus text exposition of every metric."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lines.append(f"{name}{labels} {_fmt(value)}")
+
+        with self._lock:
+            requests = sorted(self.requests.items())
+            metric(
+                "kvcmas_requests_total",
+                "counter",
+                "HTTP requests by endpoint and status code.",
+                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in requests],
+            )
+            for name, help_text, value in (
+                ("kvcmas_prompt_tokens_total", "Prompt tokens of finished generations.", self.prompt_tokens),
+                (
+                    "kvcmas_prompt_tokens_computed_total",
+                    "Prompt tokens whose KV was computed.",
+                    self.computed_prompt_tokens,
+                ),
+                (
+                    "kvcmas_reused_tokens_total",
+                    "Prompt tokens whose KV was reused from shared spans.",
+                    self.reused_tokens,
+                ),
+                ("kvcmas_generated_tokens_total", "Tokens generated.", self.generated_tokens),
+                ("kvcmas_cancelled_total", "Generations cancelled by a client disconnect.", self.cancelled),
+                (
+                    "kvcmas_rejected_total",
+                    "Requests refused with 429 because the queue was full.",
+                    self.rejected_queue_full,
+                ),
+                ("kvcmas_evictions_total", "Shared spans evicted to make room in the KV budget.", self.evictions),
+            ):
+                metric(name, "counter", help_text, [("", value)])
+            h = self.ttft
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
+                cumulative += count
+                le = "+Inf" if bound == float("inf") else _fmt(bound)
+                buckets.append((f'{{le="{le}"}}', cumulative))
+            lines.append("# HELP kvcmas_ttft_seconds Time from request arrival to the first generated token.")
+            lines.append("# TYPE kvcmas_ttft_seconds histogram")
+            lines.extend(f"kvcmas_ttft_seconds_bucket{labels} {_fmt(v)}" for labels, v in buckets)
+            lines.append(f"kvcmas_ttft_seconds_sum {_fmt(h.total)}")
+            lines.append(f"kvcmas_ttft_seconds_count {h.n}")
+        for name, (help_text, read) in self.gauges.items():
+            metric(name, "gauge", help_text, [("", read())])
+        return "\n".join(lines) + "\n"

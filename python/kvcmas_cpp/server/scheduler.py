@@ -1,0 +1,419 @@
+"""Continuous batching on one engine thread.
+
+The HTTP layer submits Jobs; one scheduler thread owns every engine call. Each turn it drops cancelled jobs, admits
+waiting jobs while a slot (--parallel) and KV memory (--kv-budget) allow, prefilling each (prefill first keeps TTFT
+low), then runs ONE batched decode step over every active job (Model.decode_batch), so jobs join and leave the batch
+between steps. Results go back through each job's sink, a thread-safe callback (the app forwards them to asyncio).
+
+KV admission is conservative: a job reserves blocks for its prompt plus max_tokens; memory in use is read from the
+engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit, stored spans of the
+least recently used sharing sessions are evicted first, then the job waits; the queue holds at most max_queue jobs
+and further submissions get QueueFull (HTTP 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._native import KvcmasError
+from ..model import Model
+from ..sampling import Sampler, SamplingParams, StopMatcher
+from ..tokenizer import StreamDecoder
+from .backend import Backend, PlainBackend, Prefilled, make_backend, prefill_plain
+from .metrics import Metrics
+
+log = logging.getLogger("kvcmas.server")
+
+KV_BLOCK_ROWS = 32  # rows per engine KV block (cpp/engine/kv-cache.h kKvBlockRows)
+MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
+
+
+@dataclass
+class Delta:
+    """Newly generated text (never part of a stop string)."""
+
+    text: str
+    token: int | None = None
+
+
+@dataclass
+class Done:
+    """The job finished; stats has usage, timings and kvcmas fields."""
+
+    finish_reason: Literal["stop", "length"]
+    stats: dict[str, Any]
+
+
+@dataclass
+class Failed:
+    """The job could not run. status is the HTTP status to report."""
+
+    status: int
+    message: str
+    code: str = "server_error"
+
+
+Event = Delta | Done | Failed
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the request queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation request. The fields above `# runtime` are set by the submitter."""
+
+    id: str
+    ids: list[int]  # the prompt's token ids (rendered chat template for chat requests)
+    max_tokens: int
+    params: SamplingParams
+    stops: list[str]
+    sink: Callable[[Event], None]
+    messages: list[dict[str, Any]] | None = None  # chat requests: what a sharing session prefills
+    agent: str | None = None
+    session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
+    t_arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    # runtime (scheduler thread only)
+    backend: Backend | None = None
+    session: _Session | None = None
+    prefilled: Prefilled | None = None
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    matcher: StopMatcher | None = None
+    history: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    pending_token: int = -1
+    t_admit: float = 0.0
+    t_first: float = 0.0
+
+
+@dataclass
+class _Session:
+    backend: Backend
+    active: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    """Owns the model's compute. Thread-safe API: submit, cancel, stop, snapshot properties."""
+
+    def __init__(
+        self,
+        model: Model,
+        method: str,
+        parallel: int,
+        kv_budget: int,
+        max_queue: int,
+        metrics: Metrics,
+    ) -> None:
+        self.model = model
+        self.method = method
+        self.parallel = parallel
+        self.kv_budget = kv_budget
+        self.max_queue = max_queue
+        self.metrics = metrics
+        core = model._core
+        self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * 4
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()  # least recently used first
+        self._plain = PlainBackend(model)
+        self._stopping = False
+        self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
+        self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
+        self.peak_kv_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="kvcmas-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ public API
+    @property
+    def n_active(self) -> int:
+        return len(self._active)
+
+    @property
+    def n_queued(self) -> int:
+        return len(self._pending)
+
+    def reservation_bytes(self, n_tokens: int) -> int:
+        """KV bytes reserved for a job that may hold n_tokens rows (one spare block for a partly filled first one)."""
+        return (math.ceil(n_tokens / KV_BLOCK_ROWS) + 1) * self.block_bytes
+
+    def max_tokens_fitting(self, n_prompt: int) -> int:
+        """The most tokens a job with this prompt may generate within the KV budget alone (may be <= 0)."""
+        blocks = self.kv_budget // self.block_bytes - 1
+        return blocks * KV_BLOCK_ROWS - n_prompt
+
+    def submit(self, job: Job) -> None:
+        """Queues a job. Raises QueueFull when max_queue jobs are already waiting."""
+        with self._cond:
+            if self._stopping:
+                raise QueueFull(5)
+            if len(self._pending) >= self.max_queue:
+                waves = (len(self._pending) + len(self._active)) / max(1, self.parallel)
+                raise QueueFull(max(1, math.ceil(self._service_s * waves)))
+            self._pending.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stops a job (client gone); its KV is freed on the scheduler's next turn."""
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._active and not self._pending:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            try:
+                self._turn()
+            except Exception:  # a bug must not kill the engine thread; fail what is running and go on
+                log.exception("scheduler turn failed")
+                for job in list(self._active):
+                    self._fail(job, 500, "internal error in the scheduler")
+        for job in list(self._active):
+            self._fail(job, 503, "the server is shutting down", "server_shutting_down")
+        with self._cond:
+            pending, self._pending = list(self._pending), deque()
+        for job in pending:
+            job.sink(Failed(503, "the server is shutting down", "server_shutting_down"))
+        for s in self._sessions.values():
+            s.backend.close()
+
+    def _turn(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        if self._active:
+            self._decode_step()
+        elif self._pending:
+            # Nothing runs and the head job still does not fit: nothing will ever free memory for it.
+            with self._cond:
+                job = self._pending.popleft() if self._pending and not self._active else None
+            if job is not None:
+                need = self.reservation_bytes(len(job.ids) + job.max_tokens)
+                job.sink(
+                    Failed(
+                        400,
+                        f"the request needs {need} bytes of KV memory but only "
+                        f"{self.kv_budget - self.model.kv_bytes_in_use} of the budget ({self.kv_budget}) are free",
+                        "context_length_exceeded",
+                    )
+                )
+        self.stored_bytes = sum(s.backend.stored_bytes for s in self._sessions.values())
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            gone = [j for j in self._pending if j.cancelled]
+            for j in gone:
+                self._pending.remove(j)
+        if gone:
+            self.metrics.bump("cancelled", len(gone))
+        for j in [j for j in self._active if j.cancelled]:
+            self._release(j)
+            self.metrics.bump("cancelled")
+            log.info("%s cancelled after %d tokens", j.id, len(j.generated))
+
+    # ------------------------------------------------------------------------------------------ admission
+    def _outstanding_bytes(self) -> int:
+        """KV the active jobs may still allocate (their remaining tokens)."""
+        return sum(self.reservation_bytes(j.max_tokens - len(j.generated)) for j in self._active)
+
+    def _fits(self, job: Job) -> bool:
+        need = self.reservation_bytes(len(job.ids) + job.max_tokens)
+        return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
+
+    def _evict_one(self) -> bool:
+        """Evicts one stored span, from the least recently used session that has any; when none has, closes the
+        least recently used idle session (which drops whatever else it holds, e.g. prefix caches)."""
+        for s in self._sessions.values():
+            if s.backend.evict_lru():
+                self.metrics.bump("evictions")
+                return True
+        for key, s in self._sessions.items():
+            if s.active == 0 and s.backend.stored_bytes > 0:
+                del self._sessions[key]
+                s.backend.close()
+                self.metrics.bump("evictions")
+                return True
+        return False
+
+    def _admit(self) -> None:
+        while len(self._active) < self.parallel:
+            with self._cond:
+                if not self._pending:
+                    return
+                job = self._pending[0]
+            while not self._fits(job):
+                if not self._evict_one():
+                    return
+            with self._cond:
+                self._pending.popleft()
+            if job.cancelled:
+                self.metrics.bump("cancelled")
+                continue
+            self._start(job)
+
+    def _session(self, key: tuple[str, str]) -> _Session:
+        s = self._sessions.get(key)
+        if s is None:
+            s = _Session(make_backend(self.model, key[1]))
+            self._sessions[key] = s
+            while len(self._sessions) > MAX_SESSIONS:
+                idle = next((k for k, v in self._sessions.items() if v.active == 0 and k != key), None)
+                if idle is None:
+                    break
+                self._sessions.pop(idle).backend.close()
+        self._sessions.move_to_end(key)
+        s.last_used = time.monotonic()
+        return s
+
+    def _start(self, job: Job) -> None:
+        """Prefills the job and samples its first token."""
+        job.t_admit = time.perf_counter()
+        try:
+            job.sampler = Sampler(job.params)
+            if job.session_key is not None and job.messages is not None:
+                session = self._session(job.session_key)
+                session.active += 1  # until _release: the session stays open while the job holds its KV
+                job.session = session
+                job.backend = session.backend
+                job.prefilled = session.backend.prefill_chat(job.messages, job.ids, job.agent)
+            else:
+                job.backend = self._plain
+                job.prefilled = prefill_plain(self.model, job.ids)
+        except KvcmasError as e:
+            log.warning("%s: prefill refused by the engine: %s", job.id, e)
+            self._fail(job, 503, f"the engine could not take the request now: {e}", "server_busy")
+            return
+        except ValueError as e:  # e.g. a chat template that rejects the messages
+            self._fail(job, 400, str(e), "invalid_request_error")
+            return
+        job.decoder = StreamDecoder(self.model.tokenizer)
+        job.matcher = StopMatcher(job.stops)
+        job.history = list(job.ids)
+        self._active.append(job)
+        if job.cancelled:
+            return
+        token = job.sampler.sample(job.prefilled.logits, job.history)
+        job.t_first = time.perf_counter()
+        self._accept(job, token)
+
+    # --------------------------------------------------------------------------------------------- decoding
+    def _decode_step(self) -> None:
+        running = [j for j in self._active if not j.cancelled and j.prefilled is not None]
+        if not running:
+            return
+        steps = [(j.prefilled.seq, [j.pending_token]) for j in running if j.prefilled is not None]
+        try:
+            rows = self.model.decode_batch(steps)
+        except KvcmasError as e:
+            # Reservations make this rare (budget shared with stored spans): evict, or give up the newest job.
+            if not self._evict_one():
+                victim = max(running, key=lambda j: j.t_admit)
+                log.warning("%s: decode refused by the engine (%s); failing the newest job", victim.id, e)
+                self._fail(victim, 503, f"out of KV memory: {e}", "server_busy")
+            return
+        for job, logits in zip(running, rows, strict=True):
+            assert job.sampler is not None
+            self._accept(job, job.sampler.sample(logits, job.history))
+
+    def _accept(self, job: Job, token: int) -> None:
+        """Handles one sampled token: end of generation, stop strings, max_tokens, or keep going."""
+        assert job.decoder is not None and job.matcher is not None
+        if token in self.model.tokenizer.eog_ids:
+            self._finish(job, "stop")
+            return
+        job.generated.append(token)
+        job.history.append(token)
+        text, hit = job.matcher.feed(job.decoder.feed(token))
+        if text:
+            job.sink(Delta(text, token))
+        if hit:
+            self._finish(job, "stop")
+        elif len(job.generated) >= job.max_tokens:
+            self._finish(job, "length")
+        else:
+            job.pending_token = token
+
+    def _finish(self, job: Job, reason: Literal["stop", "length"]) -> None:
+        assert job.decoder is not None and job.matcher is not None and job.prefilled is not None
+        t_end = time.perf_counter()
+        if not job.matcher.stopped:
+            tail = job.matcher.flush(job.decoder.flush())
+            if tail:
+                job.sink(Delta(tail))
+        p = job.prefilled
+        try:
+            if job.backend is not None:
+                job.backend.finish(p, list(job.generated))
+        except Exception:
+            log.exception("%s: registering the reply failed", job.id)
+        stats = self._stats(job, t_end)
+        self._release(job)
+        self._service_s = 0.8 * self._service_s + 0.2 * (t_end - job.t_admit)
+        self.metrics.count_generation(
+            stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+        )
+        job.sink(Done(reason, stats))
+
+    def _stats(self, job: Job, t_end: float) -> dict[str, Any]:
+        assert job.prefilled is not None
+        s = job.prefilled.stats
+        n_prompt = int(s.get("prompt_tokens", len(job.ids)))
+        reused = int(s.get("reused_tokens", 0))
+        n_gen = len(job.generated)
+        prompt_ms = (job.t_first - job.t_admit) * 1000.0
+        predicted_ms = (t_end - job.t_first) * 1000.0
+        computed = n_prompt - reused
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_gen,
+            "reused_tokens": reused,
+            "computed_tokens": int(s.get("computed_tokens", computed)),
+            "method": s.get("method", "nonshared"),
+            "gate": s.get("gate"),
+            "queue_ms": (job.t_admit - job.t_arrival) * 1000.0,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": computed / (prompt_ms / 1000.0) if prompt_ms > 0 else 0.0,
+            "ttft_ms": (job.t_first - job.t_arrival) * 1000.0,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": (n_gen - 1) / (predicted_ms / 1000.0) if n_gen > 1 and predicted_ms > 0 else 0.0,
+            "kv_bytes": int(s.get("kv_bytes", 0) or 0),
+            "corr_bytes": int(s.get("corr_bytes", 0) or 0),
+        }
+
+    def _release(self, job: Job) -> None:
+        if job in self._active:
+            self._active.remove(job)
+        if job.prefilled is not None:
+            job.prefilled.close()
+            job.prefilled = None
+        if job.session is not None:
+            job.session.active -= 1
+            job.session = None
+
+    def _fail(self, job: Job, status: int, message: str, code: str = "server_error") -> None:
+        self._release(job)
+        job.sink(Failed(status, message, code))

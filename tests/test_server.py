@@ -1,0 +1,498 @@
+"""kvcmas-server end to end: a real server process on a free port, real clients (the `openai` package, raw HTTP).
+
+References are independent of the server: greedy text from the in-process engine (Model.chat / Model.generate),
+the same request on the nonshared path, the same requests sent one at a time. One server serves most tests; a second
+one, with an API key, a tiny KV budget and a short queue, covers 401, waiting for memory and 429.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvcmas_cpp as kc
+
+openai = pytest.importorskip("openai")
+
+BLOCK_BYTES = 30 * 2 * 32 * 192 * 4  # one KV block of SmolLM2-135M: 30 layers, K and V, 32 rows, 3 kv heads x 64
+TASK = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+ROLES = [
+    "You are a careful planner. List the steps needed to solve the problem.",
+    "You are a solver. Carry out the plan and compute the answer.",
+    "You are a checker. Verify the computation and point out any mistake.",
+    "You are a summarizer. State the final answer in one sentence.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A kvcmas-server subprocess; the environment carries the same kvcmas_cpp the tests import."""
+
+    def __init__(self, model_path: str, *args: str) -> None:
+        self.port = _free_port()
+        env = dict(os.environ)
+        package_root = str(Path(kc.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
+        cmd = [sys.executable, "-m", "kvcmas_cpp.server", "--model", model_path, "--port", str(self.port), "-t", "2"]
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvcmas-server-{self.port}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen([*cmd, *args], env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvcmas-server exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(OSError):
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"kvcmas-server did not come up:\n{self.log()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None, raw: bytes | None = None
+    ) -> tuple[int, dict[str, str], Any]:
+        """One HTTP request; returns (status, headers, parsed JSON or text)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        try:
+            parsed: Any = json.loads(text)
+        except json.JSONDecodeError:
+            parsed = text
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        status, _, text = self.request("GET", "/metrics", headers=headers)
+        assert status == 200
+        return parse_prometheus(text)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Samples of the text exposition format, keyed by 'name{labels}' as written. Checks every line's syntax."""
+    samples: dict[str, float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            assert kind in ("counter", "gauge", "histogram"), line
+            typed.add(name)
+            continue
+        if line.startswith("# HELP "):
+            continue
+        key, value = line.rsplit(" ", 1)
+        base = key.split("{", 1)[0]
+        family = base.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+        assert base in typed or family in typed, f"sample without # TYPE: {line}"
+        samples[key] = float(value)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def model_path(default_model_path: Path) -> str:
+    return str(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str) -> Iterator[ServerProcess]:
+    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> kc.Model:
+    """The in-process engine: the reference for greedy outputs."""
+    return kc.Model(model_path, n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Any:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _model_id(client: Any) -> str:
+    return str(client.models.list().data[0].id)
+
+
+def chat(server: ServerProcess, messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
+    body = {"messages": messages, "temperature": 0, **kw}
+    status, _, out = server.request("POST", "/v1/chat/completions", body)
+    assert status == 200, out
+    return dict(out)
+
+
+# ------------------------------------------------------------------------------------------- the openai client
+def test_models_and_health(server: ServerProcess, client: Any, model_path: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [Path(model_path).name.removesuffix(".gguf")]
+    assert client.models.retrieve(models[0].id).id == models[0].id
+    status, _, body = server.request("GET", "/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_chat_matches_the_engine_stream_and_not(client: Any, engine: kc.Model) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    want = engine.chat(messages, max_tokens=12, temperature=0)
+    model = _model_id(client)
+    got = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.tokens)
+    assert got.usage.prompt_tokens == want.timings.prompt_tokens
+    extra = got.model_extra
+    assert extra["timings"]["predicted_n"] == len(want.tokens) and extra["timings"]["prompt_ms"] > 0
+    assert extra["kvcmas"]["method"] in ("kvcmas", "nonshared")  # nonshared: agents module unavailable
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == want.text
+    assert finish == want.finish_reason
+    assert usage is not None and usage.completion_tokens == len(want.tokens)
+
+
+def test_completions_match_the_engine(client: Any, engine: kc.Model) -> None:
+    prompt = "The three primary colors are"
+    want = engine.generate(prompt, max_tokens=10, temperature=0)
+    model = _model_id(client)
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.usage.prompt_tokens == len(engine.tokenize(prompt))
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
+    ids = engine.tokenize(prompt)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == want.text
+
+
+def test_greedy_is_deterministic_and_stop_strings_cut(server: ServerProcess, engine: kc.Model) -> None:
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    kv = {"method": "nonshared"}
+    a = chat(server, messages, max_tokens=16, kvcmas=kv)["choices"][0]["message"]["content"]
+    b = chat(server, messages, max_tokens=16, kvcmas=kv)["choices"][0]["message"]["content"]
+    assert a == b and a
+    word = a.split()[1] if len(a.split()) > 1 else a.split()[0]
+    cut = chat(server, messages, max_tokens=16, stop=[word], kvcmas=kv)
+    assert cut["choices"][0]["message"]["content"] == a[: a.index(word)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats(server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "Tell me a word."}]
+    kw = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_tokens": 8, "kvcmas": {"method": "nonshared"}}
+    a = chat(server, messages, **kw)["choices"][0]["message"]["content"]
+    b = chat(server, messages, **kw)["choices"][0]["message"]["content"]
+    assert a == b
+
+
+# ------------------------------------------------------------------------------------------ sharing workflow
+def _workflow(server: ServerProcess, workflow: str, method: str | None, max_tokens: int = 24) -> list[dict[str, Any]]:
+    """Four agents, each with its own system prompt, reading the task and every earlier agent's reply."""
+    replies: list[str] = []
+    out: list[dict[str, Any]] = []
+    for k, role in enumerate(ROLES):
+        messages = [{"role": "system", "content": role}, {"role": "user", "content": TASK}]
+        messages += [{"role": "user", "content": r} for r in replies]
+        options: dict[str, Any] = {"workflow": workflow, "agent": f"agent{k}"}
+        if method is not None:
+            options["method"] = method
+        body = chat(server, messages, max_tokens=max_tokens, kvcmas=options)
+        replies.append(body["choices"][0]["message"]["content"])
+        out.append(body)
+    return out
+
+
+def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
+    shared = _workflow(server, "wf-shared", None)
+    plain = _workflow(server, "wf-plain", "nonshared")
+    # The first agent has nothing to reuse from other agents: its answer is exactly the nonshared one.
+    assert shared[0]["choices"][0]["message"]["content"] == plain[0]["choices"][0]["message"]["content"]
+    assert all(b["kvcmas"]["workflow"] == "wf-shared" for b in shared)
+    assert all(b["kvcmas"]["method"] == "nonshared" and b["kvcmas"]["reused_tokens"] == 0 for b in plain[:1])
+    for body in shared:
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == body["kvcmas"]["reused_tokens"] + body["kvcmas"]["computed_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == body["kvcmas"]["reused_tokens"]
+    if shared[0]["kvcmas"]["method"] != "kvcmas":
+        pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
+    task_tokens = len(server_tokens(TASK))
+    for body in shared[1:]:  # later agents reuse at least the task message computed by the first one
+        assert body["kvcmas"]["reused_tokens"] >= task_tokens, body["kvcmas"]
+    m = server.metrics()
+    assert m["kvcmas_reused_tokens_total"] >= 3 * task_tokens
+
+
+_TOKENIZER: list[kc.Model] = []
+
+
+def server_tokens(text: str) -> list[int]:
+    return _TOKENIZER[0].tokenize(text, add_special=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tokenizer(engine: kc.Model) -> None:
+    _TOKENIZER.append(engine)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+def test_sixteen_concurrent_clients_get_their_sequential_answers(server: ServerProcess) -> None:
+    prompts = [f"Write one sentence about the number {i}." for i in range(16)]
+
+    def ask(i: int) -> dict[str, Any]:
+        return chat(server, [{"role": "user", "content": prompts[i]}], max_tokens=10, kvcmas={"method": "nonshared"})
+
+    sequential = [ask(i) for i in range(16)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(ask, range(16)))
+    elapsed = time.perf_counter() - t0
+    for s, c in zip(sequential, concurrent, strict=True):
+        assert c["choices"][0]["message"]["content"] == s["choices"][0]["message"]["content"]
+        assert c["usage"]["completion_tokens"] == s["usage"]["completion_tokens"]
+        assert c["choices"][0]["finish_reason"] == s["choices"][0]["finish_reason"]
+    sequential_s = sum((b["timings"]["ttft_ms"] + b["timings"]["predicted_ms"]) / 1000.0 for b in sequential)
+    assert elapsed < sequential_s  # batched decode steps: all 16 together beat one after another
+
+
+def test_cancelling_a_stream_frees_its_sequence(server: ServerProcess) -> None:
+    before = server.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "kvcmas": {"method": "nonshared"},
+    }
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    seen = 0
+    while seen < 3:  # a few content chunks: the job is generating
+        line = resp.fp.readline()
+        seen += line.startswith(b"data: ")
+    during = server.metrics()
+    assert during["kvcmas_active_requests"] == 1
+    assert during["kvcmas_kv_bytes"] > before["kvcmas_kv_bytes"]
+    assert conn.sock is not None
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 10
+    after = server.metrics()
+    while time.monotonic() < deadline and after["kvcmas_active_requests"] != 0:
+        time.sleep(0.1)
+        after = server.metrics()
+    assert after["kvcmas_active_requests"] == 0
+    assert after["kvcmas_engine_sequences"] == before["kvcmas_engine_sequences"]
+    assert after["kvcmas_kv_bytes"] == before["kvcmas_kv_bytes"]
+    assert after["kvcmas_cancelled_total"] == before["kvcmas_cancelled_total"] + 1
+    assert after["kvcmas_generated_tokens_total"] == before["kvcmas_generated_tokens_total"]  # never finished
+
+
+def test_metrics_count_requests_and_ttft(server: ServerProcess) -> None:
+    before = server.metrics()
+    body = chat(server, [{"role": "user", "content": "Hi"}], max_tokens=4, kvcmas={"method": "nonshared"})
+    after = server.metrics()
+    key = 'kvcmas_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["kvcmas_ttft_seconds_count"] == before["kvcmas_ttft_seconds_count"] + 1
+    generated = after["kvcmas_generated_tokens_total"] - before["kvcmas_generated_tokens_total"]
+    assert generated == body["usage"]["completion_tokens"]
+    assert after["kvcmas_prompt_tokens_total"] - before["kvcmas_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    buckets = sorted(
+        (float(k.split('le="')[1].split('"')[0]), v) for k, v in after.items() if k.startswith("kvcmas_ttft_seconds_b")
+    )
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts) and counts[-1] == after["kvcmas_ttft_seconds_count"]
+    assert after["kvcmas_kv_budget_bytes"] > 0 and after["kvcmas_kv_peak_bytes"] >= after["kvcmas_kv_bytes"]
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_BODIES: list[tuple[str, Any, str | None]] = [
+    ("empty messages", {"messages": []}, "messages"),
+    ("messages not a list", {"messages": "hi"}, "messages"),
+    ("no messages", {"max_tokens": 2}, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("content a number", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("temperature a string", {**GOOD, "temperature": "hot"}, "temperature"),
+    ("temperature negative", {**GOOD, "temperature": -1}, "temperature"),
+    ("top_p zero", {**GOOD, "top_p": 0}, "top_p"),
+    ("max_tokens zero", {**GOOD, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens a float", {**GOOD, "max_tokens": 2.5}, "max_tokens"),
+    ("stream a string", {**GOOD, "stream": "yes"}, "stream"),
+    ("n two", {**GOOD, "n": 2}, "n"),
+    ("seed negative", {**GOOD, "seed": -3}, "seed"),
+    ("stop empty", {**GOOD, "stop": [""]}, "stop"),
+    ("stop too many", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("unknown method", {**GOOD, "kvcmas": {"method": "magic"}}, "kvcmas.method"),
+    ("unknown model", {**GOOD, "model": "gpt-9"}, "model"),
+    ("too many tokens", {**GOOD, "max_tokens": 1_000_000}, "max_tokens"),
+    ("image without vision", {"messages": [{"role": "user", "content": [IMAGE_PART]}]}, "messages"),
+    ("body is a list", [GOOD], None),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_chat_requests_get_400_with_an_openai_error(
+    server: ServerProcess, name: str, body: Any, param: str | None
+) -> None:
+    status, _, out = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400, (name, out)
+    err = out["error"]
+    assert err["type"] == "invalid_request_error" and isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_malformed_and_oversized_inputs(server: ServerProcess, engine: kc.Model) -> None:
+    for raw in (b'{"messages": [', b"not json at all", b"", b"\xff\xfe"):
+        status, _, out = server.request("POST", "/v1/chat/completions", raw=raw)
+        assert status == 400 and out["error"]["type"] == "invalid_request_error", (raw, out)
+    long_text = "word " * (engine.n_ctx + 10)
+    status, _, out = server.request(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}
+    )
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded"
+    for body in ({"prompt": [engine.n_vocab + 5]}, {"prompt": ""}, {"prompt": 5}, {"prompt": ["a", "b"]}):
+        status, _, out = server.request("POST", "/v1/completions", body)
+        assert status == 400 and out["error"]["type"] == "invalid_request_error", (body, out)
+    status, _, out = server.request("GET", "/v1/nothing-here")
+    assert status == 404 and "error" in out
+    status, _, out = server.request("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in out
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).models.retrieve("gpt-9")
+    assert server.request("GET", "/health")[0] == 200  # still alive
+
+
+# ----------------------------------------------------------------------------- key, KV budget, queue and 429
+@pytest.fixture(scope="module")
+def small_server(model_path: str) -> Iterator[ServerProcess]:
+    # Room for one request of ~40 prompt + 48 new tokens at a time: others wait; beyond 2 waiting, 429.
+    srv = ServerProcess(
+        model_path,
+        "--method",
+        "nonshared",
+        "--api-key",
+        "sekrit",
+        "--kv-budget",
+        str(7 * BLOCK_BYTES),
+        "--parallel",
+        "4",
+        "--max-queue",
+        "2",
+    )
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": "Bearer sekrit"}
+
+
+def test_api_key_is_required(small_server: ServerProcess) -> None:
+    assert small_server.request("GET", "/health")[0] == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        status, _, out = small_server.request("POST", "/v1/chat/completions", GOOD, headers=headers)
+        assert status == 401 and out["error"]["type"] == "authentication_error", out
+        assert small_server.request("GET", "/v1/models", headers=headers)[0] == 401
+    bad = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="sekrit", max_retries=0)
+    assert good.models.list().data
+
+
+def test_tiny_kv_budget_queues_then_refuses_with_429(small_server: ServerProcess) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story about a brave knight and a dragon."}],
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    status, _, alone = small_server.request("POST", "/v1/chat/completions", body, headers=AUTH)
+    assert status == 200, alone
+    status, _, out = small_server.request("POST", "/v1/chat/completions", {**body, "max_tokens": 400}, headers=AUTH)
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded"  # can never fit the budget
+
+    n = 6
+    start = threading.Barrier(n)
+
+    def send(_: int) -> tuple[int, dict[str, str], Any]:
+        start.wait()
+        return small_server.request("POST", "/v1/chat/completions", body, headers=AUTH)
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(send, range(n)))
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(ok) + len(refused) == n
+    assert refused, "a queue of 2 with room for one running request must refuse some of 6 simultaneous requests"
+    assert len(ok) >= 3  # one running + two waiting
+    for _, headers, out in refused:
+        assert int(headers["retry-after"]) >= 1
+        assert out["error"]["type"] == "rate_limit_error"
+    for _, _, out in ok:  # the queued ones ran later, one at a time, and are complete
+        assert out["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    queued = [out["timings"]["queue_ms"] for _, _, out in ok]
+    assert max(queued) > out["timings"]["predicted_ms"] * 0.5  # someone waited for memory behind a running one
+    m = small_server.metrics(headers=AUTH)
+    assert m["kvcmas_rejected_total"] == len(refused)
+    assert m["kvcmas_kv_peak_bytes"] <= 7 * BLOCK_BYTES
+    assert m["kvcmas_active_requests"] == 0 and m["kvcmas_kv_bytes"] == 0
