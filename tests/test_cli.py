@@ -95,11 +95,15 @@ def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) ->
         model.new_sequence().append_embeddings(np.zeros((2, 7), np.float32))
 
 
-def test_run_main_job_answers_the_demo_question() -> None:
-    out = kvcmas("run", "-n", "16", "-t", "2")
+def test_run_main_job_runs_the_team_under_both_methods() -> None:
+    out = kvcmas("run", "--questions", "1", "-n", "8", "--calibrate", "2", "-t", "2")
     assert out.returncode == 0, out.stderr
-    assert "question:" in out.stderr and "tok/s" in out.stderr
-    assert len(out.stdout.strip()) > 0
+    assert "Question 0:" in out.stdout and "reference answer: 18" in out.stdout  # GSM8K test line 0
+    for agent in ("Math Solver", "Mathematical Analyst", "Programming Expert", "Decision Maker"):
+        assert f"| 0 | {agent} | nonshared |" in out.stdout and f"| 0 | {agent} | kvcmas |" in out.stdout
+    # after calibrating on two questions, kvcmas' later agents read the shared spans instead of computing them
+    assert "| 0 | Mathematical Analyst | kvcmas | reuse |" in out.stdout
+    assert "| kvcmas |" in out.stdout.split("summary")[1]
 
 
 def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:

