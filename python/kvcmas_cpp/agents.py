@@ -28,7 +28,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -105,6 +105,7 @@ class Response:
     ids: list[int]
     finish_reason: Literal["stop", "length"]
     stats: ResponseStats
+    first_logits: np.ndarray | None = field(default=None, repr=False)  # next-token logits after the prompt
 
 
 @dataclass
@@ -525,7 +526,7 @@ class AgentSession:
                         yield ResponseChunk(c_.text, c_.token)
                 self.finish(p, ids)
                 stats = self._stats(p, gen_ms)
-                response = Response(ag.name, "".join(pieces), ids, finish, stats)
+                response = Response(ag.name, "".join(pieces), ids, finish, stats, p.logits)
                 yield ResponseChunk(pieces[-1] if pieces else "", None, finish, response)
             finally:
                 self._release(p)

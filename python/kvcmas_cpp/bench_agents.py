@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,16 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle-rank", type=int, default=32, help="rank of the oracle row")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    g = p.add_argument_group("accuracy mode (--task): each method's team free-running on a benchmark")
+    g.add_argument("--task", choices=("gsm8k", "mmlu", "humaneval"), default=None)
+    g.add_argument("--limit", type=int, default=50, help="examples of the task")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens each agent may generate")
+    g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
+    g.add_argument("--out", default=None, help="JSONL file of per-example results (appended as they finish)")
+    g.add_argument("--resume", action="store_true", help="skip the examples already in --out")
+    g = p.add_argument_group("concurrent mode (--concurrent): N workflows at once")
+    g.add_argument("--concurrent", default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16")
+    p.add_argument("--plot", default=None, help="directory for PNG plots of the results")
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -99,6 +110,7 @@ def speed_and_memory(
                             "reused_tokens": [h.reused_tokens for h in res.hops],
                             "modes": [h.mode for h in res.hops],
                             "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
+                            "kv_bytes_per_hop": [int(h.kv_bytes) for h in res.hops],
                             "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
                             "estimator_state_bytes": int(runner.estimator.state_bytes()),
                             "template_kv_bytes": int(runner.template_kv_bytes),
@@ -224,12 +236,14 @@ def fidelity(
 
 
 def run_agents(args: argparse.Namespace) -> int:
-    """Runs the three parts and prints tables (or JSON)."""
+    """Runs the three parts (or the accuracy / concurrent mode) and prints tables (or JSON)."""
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
             print(f"bench agents: unknown method {m!r} (choose from {', '.join(METHODS)})", file=sys.stderr)
             return 2
+    if args.task or args.concurrent:
+        return _run_session_modes(args, methods)
     sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
     path = args.model or default_model_path()
     n_ctx = max(sizes, default=0) + 1024
@@ -253,6 +267,42 @@ def run_agents(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1, default=float))
     else:
         _print_tables(result)
+    _plots(args, result)
+    return 0
+
+
+def _plots(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.plot:
+        from .bench_tasks import plot
+
+        for path in plot(result, Path(args.plot)):
+            print(f"plot: {path}", file=sys.stderr)
+
+
+def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
+    """Accuracy (--task) and concurrent (--concurrent) modes, through the agent-session API."""
+    from . import bench_tasks as bt
+
+    model = Model(args.model or default_model_path(), n_threads=args.threads)
+    result: dict[str, Any] = {"model": model.path, "methods": methods}
+    if args.task:
+        out = Path(args.out) if args.out else None
+        result["accuracy"] = bt.accuracy(
+            model, args.task, methods, args.limit, args.max_tokens, args.calibrate, out, args.resume
+        )
+    if args.concurrent:
+        levels = [int(x) for x in args.concurrent.split(",") if x.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError("--concurrent takes positive workflow counts, e.g. 1,2,4")
+        result["concurrent"] = bt.concurrent(model, methods, levels, args.max_tokens, args.calibrate)
+    if args.json:
+        print(json.dumps(result, indent=1, default=float))
+    else:
+        if "accuracy" in result:
+            bt.print_accuracy(result["accuracy"])
+        if "concurrent" in result:
+            bt.print_concurrent(result["concurrent"])
+    _plots(args, result)
     return 0
 
 

@@ -1,0 +1,76 @@
+"""The evaluation harness: accuracy mode with resume, fidelity comparison, concurrent mode, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp import bench_tasks as bt
+from kvcmas_cpp.agents import Response, ResponseStats
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path: str) -> kc.Model:
+    return kc.Model(default_model_path, n_threads=2)
+
+
+def _resp(ids: list[int], logits: np.ndarray) -> Response:
+    return Response("a", "", ids, "stop", ResponseStats("a", "m", "reuse", "", 1.0, 1, 1, 0), logits)
+
+
+def test_compare_stops_measuring_once_prompts_diverge() -> None:
+    rng = np.random.default_rng(0)
+    la, lb, lc = (rng.standard_normal(10) for _ in range(3))
+    exact = [_resp([1, 2], la), _resp([3], lb), _resp([4], lc)]
+    other = [_resp([1, 2], la), _resp([9], lb + 0.1), _resp([4], lc)]
+    rows = bt.compare(exact, other)
+    assert [r["identical"] for r in rows] == [True, False, True]
+    assert [r["aligned"] for r in rows] == [True, True, False]
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-12) and rows[0]["top1"]
+    assert rows[1]["kl"] == pytest.approx(0.0, abs=1e-9)  # a constant shift leaves the distribution unchanged
+    assert "kl" not in rows[2]  # the third prompt holds a different upstream reply
+
+
+def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path) -> None:
+    out = tmp_path / "acc.jsonl"
+    res = bt.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=False)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and res["examples"] == 1
+    rec = json.loads(lines[0])
+    assert rec["id"] == "gsm8k/0" and set(rec["per_method"]) == {"nonshared", "fullshared"}
+    ns = rec["per_method"]["nonshared"]
+    assert all(f["identical"] for f in ns["fidelity"]) and len(ns["hops"]) == 4
+    names = [r["method"] for r in res["summary"]]
+    assert names == ["nonshared", "fullshared"]
+    assert res["summary"][0]["identical_replies"] == 1.0 and res["summary"][0]["first_token_kl"] == 0.0
+    assert res["summary"][1]["computed_tokens"] < res["summary"][0]["computed_tokens"]
+    again = bt.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=True)
+    assert len(out.read_text().splitlines()) == 1  # nothing recomputed
+    assert again["summary"] == res["summary"]
+    with pytest.raises(ValueError, match="accuracy mode runs"):
+        bt.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
+
+
+def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
+    rows = bt.concurrent(model, ["fullshared"], [1, 2], max_tokens=3, calibrate=0)
+    assert [r["workflows"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"] and r["peak_kv_bytes"] > 0
+    speed = [
+        {"method": m, "shared_tokens": n, "later_ttft_ms": t, "kv_bytes_per_hop": [1 << 20] * 4}
+        for m, n, t in (("nonshared", 256, 100.0), ("nonshared", 1024, 400.0), ("kvcmas", 256, 50.0))
+    ]
+    acc = {"task": "gsm8k", "examples": 1, "summary": [{"method": "x", "accuracy": 0.5, "identical_replies": 1.0}]}
+    files = bt.plot({"speed": speed, "accuracy": acc, "concurrent": rows}, tmp_path)
+    assert {f.name for f in files} == {
+        "ttft_vs_shared_length.png",
+        "memory_vs_agents.png",
+        "accuracy_gsm8k.png",
+        "concurrent_ttft.png",
+    }
+    for f in files:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
