@@ -34,6 +34,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger("kvcmas.server")
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
+DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow
 
 
 @dataclass
@@ -225,6 +226,7 @@ class Server:
             app.add_api_route(f"{prefix}/completions", self.completions, methods=["POST"])
             app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
             app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
+        app.add_api_route("/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, methods=["DELETE"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         known = frozenset(
@@ -236,6 +238,11 @@ class Server:
     # ------------------------------------------------------------------------------------------ simple routes
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+
+    async def drop_workflow(self, workflow: str) -> dict[str, Any]:
+        """Ends a workflow: its sharing sessions and their stored spans are freed (after its running requests)."""
+        self.scheduler.drop_workflow(workflow)
+        return {"workflow": workflow, "deleted": True}
 
     async def prometheus(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -376,8 +383,10 @@ class Server:
         max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
-        workflow = (options.workflow if options else None) or ""
+        workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
         agent = options.agent if options else None
+        if agent is None and messages[0]["role"] != "system":
+            agent = "assistant"  # no role prompt: every such request is the same anonymous agent
         queue, sink = self._event_queue()
         job = Job(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
@@ -391,7 +400,7 @@ class Server:
             session_key=(workflow, method),
         )
         self._submit(job)
-        extra = {"workflow": workflow or None, "agent": agent}
+        extra = {"workflow": workflow, "agent": agent}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
 

@@ -131,6 +131,7 @@ class Scheduler:
         self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()  # least recently used first
         self._plain = PlainBackend(model)
         self._stopping = False
+        self._drops: set[str] = set()  # workflows whose sessions are to be closed
         self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
         self.peak_kv_bytes = 0
@@ -172,6 +173,13 @@ class Scheduler:
             job.cancelled = True
             self._cond.notify()
 
+    def drop_workflow(self, workflow: str) -> None:
+        """Closes the workflow's sharing sessions (all methods), freeing their stored spans, once none of its jobs
+        holds them any more."""
+        with self._cond:
+            self._drops.add(workflow)
+            self._cond.notify()
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
@@ -182,7 +190,7 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._active and not self._pending:
+                while not self._stopping and not self._active and not self._pending and not self._drops:
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -203,6 +211,7 @@ class Scheduler:
 
     def _turn(self) -> None:
         self._drop_cancelled()
+        self._drop_workflows()
         self._admit()
         if self._active:
             self._decode_step()
@@ -234,6 +243,21 @@ class Scheduler:
             self._release(j)
             self.metrics.bump("cancelled")
             log.info("%s cancelled after %d tokens", j.id, len(j.generated))
+
+    def _drop_workflows(self) -> None:
+        with self._cond:
+            drops = set(self._drops)
+        done: set[str] = set()
+        for workflow in drops:
+            keys = [k for k in self._sessions if k[0] == workflow]
+            for key in keys:
+                if self._sessions[key].active == 0:
+                    self._sessions.pop(key).backend.close()
+            if all(k not in self._sessions for k in keys):
+                done.add(workflow)
+        if done:
+            with self._cond:
+                self._drops -= done
 
     # ------------------------------------------------------------------------------------------ admission
     def _outstanding_bytes(self) -> int:
@@ -310,14 +334,28 @@ class Scheduler:
         except ValueError as e:  # e.g. a chat template that rejects the messages
             self._fail(job, 400, str(e), "invalid_request_error")
             return
+        except Exception as e:  # a bug in a backend must cost this job only
+            log.exception("%s: prefill failed", job.id)
+            self._fail(job, 500, f"internal error during prefill: {type(e).__name__}: {e}", "internal_error")
+            return
         job.decoder = StreamDecoder(self.model.tokenizer)
         job.matcher = StopMatcher(job.stops)
         job.history = list(job.ids)
         self._active.append(job)
         if job.cancelled:
             return
-        token = job.sampler.sample(job.prefilled.logits, job.history)
-        job.t_first = time.perf_counter()
+        self._sample_and_accept(job, job.prefilled.logits)
+
+    def _sample_and_accept(self, job: Job, logits: Any) -> None:
+        assert job.sampler is not None
+        try:
+            token = job.sampler.sample(logits, job.history)
+        except ValueError as e:  # NaN logits and the like: this job cannot go on, the others can
+            log.error("%s: sampling failed: %s", job.id, e)
+            self._fail(job, 500, f"sampling failed: {e}", "internal_error")
+            return
+        if not job.t_first:
+            job.t_first = time.perf_counter()  # the first token exists from here
         self._accept(job, token)
 
     # --------------------------------------------------------------------------------------------- decoding
@@ -336,8 +374,7 @@ class Scheduler:
                 self._fail(victim, 503, f"out of KV memory: {e}", "server_busy")
             return
         for job, logits in zip(running, rows, strict=True):
-            assert job.sampler is not None
-            self._accept(job, job.sampler.sample(logits, job.history))
+            self._sample_and_accept(job, logits)
 
     def _accept(self, job: Job, token: int) -> None:
         """Handles one sampled token: end of generation, stop strings, max_tokens, or keep going."""
