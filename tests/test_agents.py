@@ -236,3 +236,36 @@ def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
             team.prefill([{"role": "user", "content": 3}])
         assert team.evict_lru()
     assert model.kv_bytes_in_use == base
+
+
+@pytest.mark.parametrize("topology", ["full", "chain"])
+def test_workflow_graphs_relay_outputs_in_order(model: kc.Model, topology: str) -> None:
+    from kvcmas_cpp.sharing.workflow import PLACEHOLDER_RE, gsm8k_workflow
+
+    wf = gsm8k_workflow(4, topology)
+    reads = [PLACEHOLDER_RE.findall(a.user_template) for a in wf.agents]
+    if topology == "full":
+        assert reads == [["user_question"]] + [
+            ["user_question"] + [f"agent_{j}_current" for j in range(i)] for i in (1, 2, 3)
+        ]
+    else:
+        assert reads == [["user_question"]] + [["user_question", f"agent_{i - 1}_current"] for i in (1, 2, 3)]
+    with AgentSession(model, "fullshared") as team:
+        agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
+        team.share(QUESTION)
+        replies = []
+        for i, a in enumerate(agents):
+            p = team.prefill_agent(a)
+            prompt = list(p.seq.tokens)
+            p.close()
+            named = [r.ids for j, r in enumerate(replies) if f"agent_{j}_current" in reads[i]]
+            for j, r in enumerate(replies):  # each upstream reply the template names is in the prompt, as ids
+                if f"agent_{j}_current" in reads[i]:
+                    assert _contains(prompt, r.ids), (i, j)
+                elif not any(_contains(n, r.ids) for n in named):  # (short greedy replies may repeat each other)
+                    assert not _contains(prompt, r.ids), (i, j)
+            replies.append(a.respond(max_tokens=5))
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[k : k + len(sub)] == sub for k in range(len(seq) - len(sub) + 1))

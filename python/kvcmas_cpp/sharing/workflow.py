@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,21 +113,60 @@ _DECISION_ROLE = (
 )
 
 
-def gsm8k_workflow(n_agents: int = 4) -> Workflow:
-    """The spec's GSM8K roster in the FullConnected DAG (0→1, 0→2, 1→2) plus FinalRefer reading every agent.
-    n_agents counts the decision agent: 4 = 3 role agents + decision; n_agents - 1 role agents cycle the roles."""
+TOPOLOGIES = ("full", "chain")
+
+
+def team_workflow(
+    name: str,
+    roles: Sequence[tuple[str, str]],
+    decision: tuple[str, str],
+    lead_in: str,
+    n_agents: int = 4,
+    *,
+    follow_up: str = "",
+    final_instruction: str = "",
+    topology: str = "full",
+) -> Workflow:
+    """Role agents plus a final decision agent. topology 'full': the spec's FullConnected DAG (agent i reads agents
+    0..i-1; the decision agent reads every role agent); 'chain': agent i reads agent i-1, the decision agent the last
+    role agent. Templates: `lead_in{user_question}`, each upstream output under "<name>'s output:", then `follow_up`
+    (agents after the first) or `final_instruction` (decision agent).
+
+    roles: (name, system prompt) cycled over the n_agents - 1 role agents; n_agents counts the decision agent."""
     if n_agents < 2:
         raise ValueError(f"a workflow needs at least one role agent and the decision agent, got n_agents={n_agents}")
+    if not roles:
+        raise ValueError(f"workflow {name!r}: no roles given")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}; choose from {', '.join(TOPOLOGIES)}")
+
+    def reads(i: int) -> range:
+        return range(i) if topology == "full" else range(max(i - 1, 0), i)
+
+    def upstream(i: int) -> str:
+        return "".join(f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in reads(i))
+
+    question = lead_in + "{user_question}"
     agents: list[Agent] = []
     for i in range(n_agents - 1):
-        name, role = _GSM8K_ROLES[i % len(_GSM8K_ROLES)]
-        upstream = "".join(f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in range(i))
-        agents.append(Agent(name, role, "Q:\n{user_question}" + upstream + ("\n\nSolve it." if i else "")))
-    upstream = "".join(f"\n\n{a.name}'s output:\n{{{response_placeholder(j)}}}" for j, a in enumerate(agents))
-    agents.append(
-        Agent("Decision Maker", _DECISION_ROLE, "Q:\n{user_question}" + upstream + "\n\nGive the final answer.")
+        role_name, role = roles[i % len(roles)]
+        agents.append(Agent(role_name, role, question + upstream(i) + (follow_up if i else "")))
+    agents.append(Agent(decision[0], decision[1], question + upstream(n_agents - 1) + final_instruction))
+    return Workflow(name, tuple(agents), lead_in=lead_in)
+
+
+def gsm8k_workflow(n_agents: int = 4, topology: str = "full") -> Workflow:
+    """The spec's GSM8K roster (Math Solver, Mathematical Analyst, Programming Expert) plus FinalRefer."""
+    return team_workflow(
+        "gsm8k",
+        _GSM8K_ROLES,
+        ("Decision Maker", _DECISION_ROLE),
+        "Q:\n",
+        n_agents,
+        follow_up="\n\nSolve it.",
+        final_instruction="\n\nGive the final answer.",
+        topology=topology,
     )
-    return Workflow("gsm8k", tuple(agents))
 
 
 def gsm8k_path() -> Path:

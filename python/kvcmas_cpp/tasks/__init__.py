@@ -7,7 +7,7 @@ agent's reply (`task.extract(final_text)` gives the answer it read).
 
 from __future__ import annotations
 
-from .base import Example, Task, fully_connected_workflow
+from .base import Example, Task
 from .gsm8k import GSM8KTask
 from .humaneval import HumanEvalTask
 from .mmlu import MMLUTask
@@ -32,7 +32,6 @@ __all__ = [
     "MMLUTask",
     "SandboxResult",
     "Task",
-    "fully_connected_workflow",
     "get_task",
     "run_python",
 ]

@@ -9,11 +9,10 @@ every agent as `lead_in + {user_question}`; the lead-in is the spec's `--prefix`
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..sharing.workflow import Agent, Workflow, response_placeholder
+from ..sharing.workflow import Workflow
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,9 @@ class Task(abc.ABC):
         fewer, FileNotFoundError when its file is missing."""
 
     @abc.abstractmethod
-    def workflow(self, n_agents: int = 4) -> Workflow:
-        """The spec's roster: n_agents - 1 role agents (cycling the three roles) and the decision agent last."""
+    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
+        """The spec's roster: n_agents - 1 role agents (cycling the three roles) and the decision agent last, in the
+        FullConnected DAG ('full') or a chain (see sharing.workflow.team_workflow)."""
 
     @abc.abstractmethod
     def extract(self, text: str) -> str | None:
@@ -62,34 +62,3 @@ def check_range(start: int, count: int, available: int, source: str) -> None:
         raise ValueError(f"{source}: start and count must be non-negative, got start={start}, count={count}")
     if start + count > available:
         raise ValueError(f"{source} has only {available} examples, asked for [{start}, {start + count})")
-
-
-def fully_connected_workflow(
-    name: str,
-    roles: Sequence[tuple[str, str]],
-    decision: tuple[str, str],
-    lead_in: str,
-    n_agents: int = 4,
-    *,
-    follow_up: str = "",
-    final_instruction: str,
-) -> Workflow:
-    """Builds the FullConnected DAG (0→1, 0→2, 1→2, ...) plus the decision agent reading every role agent, with the
-    same template shape as `gsm8k_workflow`: `lead_in{user_question}`, then each upstream output under
-    "<name>'s output:", then `follow_up` (agents after the first) or `final_instruction` (decision agent).
-
-    roles: (name, system prompt) cycled over the n_agents - 1 role agents; decision: (name, system prompt).
-    n_agents counts the decision agent (4 = 3 role agents + decision)."""
-    if n_agents < 2:
-        raise ValueError(f"a workflow needs at least one role agent and the decision agent, got n_agents={n_agents}")
-    if not roles:
-        raise ValueError(f"workflow {name!r}: no roles given")
-    question = lead_in + "{user_question}"
-    agents: list[Agent] = []
-    for i in range(n_agents - 1):
-        role_name, role = roles[i % len(roles)]
-        upstream = "".join(f"\n\n{agents[j].name}'s output:\n{{{response_placeholder(j)}}}" for j in range(i))
-        agents.append(Agent(role_name, role, question + upstream + (follow_up if i else "")))
-    upstream = "".join(f"\n\n{a.name}'s output:\n{{{response_placeholder(j)}}}" for j, a in enumerate(agents))
-    agents.append(Agent(decision[0], decision[1], question + upstream + final_instruction))
-    return Workflow(name, tuple(agents), lead_in=lead_in)

@@ -96,8 +96,8 @@ class GSM8KTask(Task):
             )
         return examples
 
-    def workflow(self, n_agents: int = 4) -> Workflow:
-        return gsm8k_workflow(n_agents)
+    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
+        return gsm8k_workflow(n_agents, topology)
 
     def extract(self, text: str) -> str | None:
         return extract_number(text)

@@ -25,8 +25,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..sharing.workflow import Workflow
-from .base import Example, Task, check_range, fully_connected_workflow
+from ..sharing.workflow import Workflow, team_workflow
+from .base import Example, Task, check_range
 from .sandbox import SandboxResult, run_python
 
 _ROLES = (
@@ -152,8 +152,8 @@ class HumanEvalTask(Task):
             for p in problems[start : start + count]
         ]
 
-    def workflow(self, n_agents: int = 4) -> Workflow:
-        return fully_connected_workflow(
+    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
+        return team_workflow(
             self.name,
             _ROLES,
             _DECISION,
@@ -161,6 +161,7 @@ class HumanEvalTask(Task):
             n_agents,
             follow_up=_FOLLOW_UP,
             final_instruction=_FINAL_INSTRUCTION,
+            topology=topology,
         )
 
     def extract(self, text: str) -> str | None:

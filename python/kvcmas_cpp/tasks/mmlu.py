@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..sharing.workflow import Workflow
-from .base import Example, Task, check_range, fully_connected_workflow
+from ..sharing.workflow import Workflow, team_workflow
+from .base import Example, Task, check_range
 
 LETTERS = ("A", "B", "C", "D")
 SEED = 888
@@ -136,8 +136,8 @@ class MMLUTask(Task):
             for line, row in rows[start : start + count]
         ]
 
-    def workflow(self, n_agents: int = 4) -> Workflow:
-        return fully_connected_workflow(
+    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
+        return team_workflow(
             self.name,
             _ROLES,
             _DECISION,
@@ -145,6 +145,7 @@ class MMLUTask(Task):
             n_agents,
             follow_up=_FOLLOW_UP,
             final_instruction=_FINAL_INSTRUCTION,
+            topology=topology,
         )
 
     def extract(self, text: str) -> str | None:
