@@ -205,6 +205,24 @@ def test_sessions_in_threads_match_sequential(model: kc.Model) -> None:
     assert got == seq
 
 
+def test_sessions_from_asyncio_match_sequential(model: kc.Model) -> None:
+    import asyncio
+
+    questions = [QUESTION, "Weng earns $12 an hour for babysitting. How much did she earn for 50 minutes?"]
+    seq = [[r.ids for r in run_team(model, "fullshared", question=q, max_tokens=5)] for q in questions]
+
+    async def team(q: str) -> list[list[int]]:
+        with AgentSession(model, "fullshared") as t:
+            agents = [t.agent(n, system=r) for n, r in ROLES]
+            t.share(q, label="Question")
+            return [(await a.arespond(max_tokens=5)).ids for a in agents]
+
+    async def main() -> list[list[list[int]]]:
+        return list(await asyncio.gather(*(team(q) for q in questions)))
+
+    assert asyncio.run(main()) == seq
+
+
 def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
     """The server's path: the system prompt names the agent; message contents are spans keyed by their ids."""
     base = model.kv_bytes_in_use

@@ -24,6 +24,7 @@ releases the GIL; the engine serialises compute), each with its own shared conte
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from collections import OrderedDict
@@ -192,6 +193,14 @@ class Agent:
             last = c.response or last
         assert last is not None
         return last
+
+    async def arespond(self, max_tokens: int = 256, **kwargs: Any) -> Response:
+        """respond() for asyncio: runs in a worker thread (compute releases the GIL), so other sessions' calls and
+        the event loop go on meanwhile."""
+        kwargs.pop("stream", None)
+        result = await asyncio.to_thread(self.respond, max_tokens, **kwargs)
+        assert isinstance(result, Response)
+        return result
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, index={self.index})"
