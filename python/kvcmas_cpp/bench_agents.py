@@ -38,7 +38,9 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
     p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
-    p.add_argument("--decode", type=int, default=8, help="tokens each agent generates in the speed part")
+    p.add_argument(
+        "--decode", default="8", help="comma-separated tokens each agent generates in the speed part (a sweep)"
+    )
     p.add_argument("--questions", type=int, default=30, help="GSM8K questions for the fidelity part (0: skip)")
     p.add_argument("--train", type=int, default=50, help="GSM8K questions that fit / calibrate the estimators")
     p.add_argument("--gen-tokens", type=int, default=8, help="tokens per agent in the fidelity part")
@@ -85,13 +87,18 @@ def _shared_context(model: Model, n: int) -> list[list[int]]:
 
 
 def speed_and_memory(
-    model: Model, methods: list[str], agents: int, sizes: list[int], decode: int, fitted: dict[str, WorkflowRunner]
+    model: Model,
+    methods: list[str],
+    agents: int,
+    sizes: list[int],
+    decodes: list[int],
+    fitted: dict[str, WorkflowRunner],
 ) -> list[dict[str, Any]]:
-    """Per size and method: the measured request's hops (after one warm-up request per method)."""
+    """Per shared size, decode length and method: the measured request's hops (after one warm-up request)."""
     wf = gsm8k_workflow(agents)
     rows: list[dict[str, Any]] = []
-    bar = _progress(len(sizes) * len(methods) * 2, "speed")
-    for n in sizes:
+    bar = _progress(len(sizes) * len(decodes) * len(methods) * 2, "speed")
+    for n, decode in ((n, d) for n in sizes for d in decodes):
         contexts = _shared_context(model, n)
         for name in methods:
             runner = WorkflowRunner(model, wf, default_config(name), fitted[name].estimator if name in fitted else None)
@@ -103,6 +110,7 @@ def speed_and_memory(
                     rows.append(
                         {
                             "shared_tokens": n,
+                            "decode_tokens": decode,
                             "method": name,
                             "first_ttft_ms": res.hops[0].ttft_ms,
                             "later_ttft_ms": float(np.mean([h.ttft_ms for h in later])),
@@ -119,9 +127,9 @@ def speed_and_memory(
                 res.close()
             runner.close()
     bar.close()
-    base = {r["shared_tokens"]: r for r in rows if r["method"] == "nonshared"}
+    base = {(r["shared_tokens"], r["decode_tokens"]): r for r in rows if r["method"] == "nonshared"}
     for r in rows:
-        b = base.get(r["shared_tokens"])
+        b = base.get((r["shared_tokens"], r["decode_tokens"]))
         if b is not None:
             r["later_ttft_speedup"] = b["later_ttft_ms"] / max(r["later_ttft_ms"], 1e-9)
             r["kv_vs_nonshared"] = r["kv_bytes"] / max(b["kv_bytes"], 1)
@@ -245,6 +253,9 @@ def run_agents(args: argparse.Namespace) -> int:
     if args.task or args.concurrent:
         return _run_session_modes(args, methods)
     sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
+    decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
+    if not decodes or min(decodes) < 1:
+        raise ValueError("--decode takes positive token counts, e.g. 8,64")
     path = args.model or default_model_path()
     n_ctx = max(sizes, default=0) + 1024
     model = Model(path, n_threads=args.threads, n_ctx=n_ctx, kv_budget=max(1 << 30, 16 * n_ctx * 30 * 2 * 192 * 4))
@@ -257,7 +268,7 @@ def run_agents(args: argparse.Namespace) -> int:
         )
     speed_methods = [m for m in methods if m != "oracle"]
     with single_threaded_blas():
-        result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, args.decode, fitted)
+        result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, decodes, fitted)
     kd = model.n_head_kv * model._core.head_dim
     result["correction_state"] = correction_state([kd, 1024], sizes, [model.n_layer, 32])
     result["seconds"] = time.perf_counter() - t0
@@ -309,14 +320,14 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
 def _print_tables(res: dict[str, Any]) -> None:
     print("## speed and memory (later agents = every agent after the first)")
     print(
-        "| shared tokens | method | later-agent TTFT ms | speedup vs nonshared | computed tokens per agent | "
-        "KV bytes (request) | vs nonshared | correction bytes | modes |"
+        "| shared tokens | decode tokens | method | later-agent TTFT ms | speedup vs nonshared | "
+        "computed tokens per agent | KV bytes (request) | vs nonshared | correction bytes | modes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["speed"]:
         speedup = r.get("later_ttft_speedup", 0)
         print(
-            f"| {r['shared_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
+            f"| {r['shared_tokens']} | {r['decode_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
             f" | {r['computed_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r.get('kv_vs_nonshared', 0):.2f} | "
             f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} |"
         )

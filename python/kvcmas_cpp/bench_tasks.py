@@ -303,6 +303,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     if "speed" in result:
         rows = result["speed"]
         fig, ax = plt.subplots(figsize=(6, 4))
+        d0 = min(r.get("decode_tokens", 0) for r in rows)
+        rows = [r for r in rows if r.get("decode_tokens", 0) == d0]
         for m in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["shared_tokens"], r["later_ttft_ms"]) for r in rows if r["method"] == m)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
