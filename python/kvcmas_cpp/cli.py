@@ -140,6 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_agents_arguments(pa)
     pa.set_defaults(func=run_agents)
 
+    from .bench_serve import add_bench_serve_arguments, run_bench_serve
+
+    ps = bench_sub.add_parser("serve", help="multi-agent workflows replayed against kvcmas-server, per method and rate")
+    add_bench_serve_arguments(ps)
+    ps.set_defaults(func=run_bench_serve)
+
+    from .server import add_serve_arguments, run_serve
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (same as kvcmas-server)")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
     from kvcmas_convert.cli import add_subcommands  # `convert` and `gguf show|set`
 
     add_subcommands(sub)
