@@ -432,6 +432,13 @@ def test_malformed_and_oversized_inputs(server: ServerProcess, engine: kc.Model)
     for raw in (b'{"messages": [', b"not json at all", b"", b"\xff\xfe"):
         status, _, out = server.request("POST", "/v1/chat/completions", raw=raw)
         assert status == 400 and out["error"]["type"] == "invalid_request_error", (raw, out)
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800 lone surrogate"}]}),
+        ("/v1/completions", {"prompt": "\udfff"}),
+    ):
+        raw = json.dumps(body).encode()  # json escapes the surrogate as \ud800: valid JSON, invalid text
+        status, _, out = server.request("POST", path, raw=raw)
+        assert status == 400 and out["error"]["type"] == "invalid_request_error", (path, out)
     long_text = "word " * (engine.n_ctx + 10)
     status, _, out = server.request(
         "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}

@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -99,6 +100,12 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workflows", type=int, default=4, help="workflows per rate and method (default 4)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each hop generates (default 16)")
     p.add_argument("--context-tokens", type=int, default=320, help="shared context per workflow (default ~320)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="sequential workflows per sharing method before measuring (kvcmas calibrates its edges; default 4)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
 
@@ -116,10 +123,11 @@ def _contexts(n: int, context_tokens: int, seed: int) -> list[str]:
         refs: list[str] = []
         chars = 0
         for j in picks[1:]:
-            if chars >= 4 * context_tokens:
+            q = questions[int(j)]
+            if chars + len(q) > 4 * context_tokens:
                 break
-            refs.append(questions[int(j)])
-            chars += len(questions[int(j)])
+            refs.append(q)
+            chars += len(q)
         out.append(
             "Reference problems:\n" + "\n".join(f"- {q}" for q in refs) + f"\n\nProblem {i}: {questions[int(picks[0])]}"
         )
@@ -263,7 +271,7 @@ class _Monitor:
                             self.peak_kv = max(self.peak_kv, int(float(line.split()[1])))
                 if proc is not None:
                     self.peak_rss = max(self.peak_rss, int(proc.memory_info().rss))
-            self._stop.wait(0.05)
+            self._stop.wait(0.1)
 
 
 def _run_rate(
@@ -313,13 +321,17 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The server's log goes to a file: an unread pipe would fill up and stall the server.
+    log_path = Path(tempfile.gettempdir()) / f"kvcmas-bench-server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    print(f"server log: {log_path}", file=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     client = _Client(url, None)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            err = log_path.read_text(errors="replace")
             raise RuntimeError(f"kvcmas-server exited with {proc.returncode}: {err[-2000:]}")
         with contextlib.suppress(OSError):
             if client.get("/health")[0] == 200:
@@ -371,10 +383,14 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         status, _ = client.get("/v1/models")
         if status != 200:
             raise RuntimeError(f"{url}/v1/models answered HTTP {status}")
-        # Warm-up (first-use costs: tokenizer tables, session set-up) outside the measured runs.
-        warm = _contexts(1, 32, args.seed + 999)[0]
+        # Warm-up outside the measured runs: first-use costs, and kvcmas's calibration (it reads each edge densely
+        # a few times, fitting its correction online, before it shares the edge).
+        warm = _contexts(max(1, args.warmup), args.context_tokens, args.seed + 999)
         for method in methods:
-            _run_workflow(client, 0, f"warmup{os.getpid()}", method, warm, 2, [])
+            n_warm = 1 if method == "nonshared" else max(1, args.warmup)
+            print(f"warm-up: method {method}, {n_warm} workflow(s) ...", file=sys.stderr)
+            for w in range(n_warm):
+                _run_workflow(client, w, f"warmup{os.getpid()}", method, warm[w], args.max_tokens, [])
         contexts = _contexts(args.workflows, args.context_tokens, args.seed)
         for rate in rates:
             for method in methods:

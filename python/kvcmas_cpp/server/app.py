@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..chat import ChatTemplateError
 from ..model import Model
 from ..sampling import SamplingParams
 from .metrics import Metrics
@@ -156,7 +155,9 @@ class _ApiKeyAndAccounting:
             await self.app(scope, receive, counting_send)
         self.metrics.count_request(endpoint, status_seen)
         if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
-            log.info("%s %s -> %d", scope.get("method", "?"), path, status_seen)
+            # Probes (health checks, metric scrapes) log at debug level: they come every few seconds.
+            level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
+            log.log(level, "%s %s -> %d", scope.get("method", "?"), path, status_seen)
 
     def _authorized(self, scope: MutableMapping[str, Any]) -> bool:
         assert self.api_key is not None
@@ -376,16 +377,14 @@ class Server:
             raise ApiError(400, str(e), "invalid_content", "messages") from None
         try:
             ids = await run_in_threadpool(self._chat_ids, messages)
-        except ChatTemplateError as e:
-            raise ApiError(
-                400, f"the chat template rejects these messages: {e}", "invalid_messages", "messages"
-            ) from None
+        except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
+            raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
         max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
         agent = options.agent if options else None
-        if agent is None and messages[0]["role"] != "system":
+        if agent is None and (messages[0]["role"] != "system" or not messages[0]["content"]):
             agent = "assistant"  # no role prompt: every such request is the same anonymous agent
         queue, sink = self._event_queue()
         job = Job(
@@ -415,7 +414,10 @@ class Server:
             prompt_text = self.model.detokenize(ids) if body.echo else ""
         else:
             prompt_text = str(prompt[0]) if isinstance(prompt, list) else str(prompt)
-            ids = await run_in_threadpool(self.model.tokenize, prompt_text, True)
+            try:
+                ids = await run_in_threadpool(self.model.tokenize, prompt_text, True)
+            except ValueError as e:  # lone surrogates and other text the tokenizer refuses
+                raise ApiError(400, f"prompt: {e}", "invalid_value", "prompt") from None
         max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
         queue, sink = self._event_queue()
         job = Job(
