@@ -28,4 +28,5 @@ NB_MODULE(_core, m) {
     kvcmas::py::bind_kernels(m);
     kvcmas::py::bind_engine(m);
     kvcmas::py::bind_attention(m);
+    { void kvcmas_bind_vision(nb::module_ &); kvcmas_bind_vision(m); }  // cpp/bindings/bind-vision.cpp
 }

@@ -1,0 +1,417 @@
+"""Vision towers to mmproj GGUF files: CLIP / SigLIP vision models and LLaVA-style checkpoints (tower + projector).
+
+The file follows llama.cpp's multimodal ("clip") layout: ``general.architecture = "clip"``, ``clip.vision.*``
+hyper-parameters and ``v.*`` / ``mm.*`` tensors, so the weights mean the same thing to both tools. What llama.cpp's
+files leave implicit is written under ``kvcmas.vision.*``: the exact MLP and projector activations, whether the
+class token reaches the projector, and the preprocessing (resize mode and sizes). ``cpp/vision/vision-names.h``
+holds the same names on the C++ side.
+
+Which hidden state feeds the projector (LLaVA's ``vision_feature_layer``) is resolved here: only the blocks up to
+that layer are written, so the encoder simply runs every block it finds. Hugging Face's ``hidden_states[i]`` is
+the output of block i (0 is the embeddings), which never includes the tower's post-LayerNorm; a bare SigLIP
+vision model's ``last_hidden_state`` does (so it is written for ``feature_layer=None`` on a SiglipVisionModel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from .convert import encode_tensor, temp_path_for
+from .errors import ConvertError
+from .source import CheckpointTensors, load_config
+
+ARCH_CLIP: Final = "clip"
+
+# llama.cpp keys (gguf-py's Keys.Clip / Keys.ClipVision)
+KEY_HAS_VISION_ENCODER: Final = "clip.has_vision_encoder"
+KEY_HAS_TEXT_ENCODER: Final = "clip.has_text_encoder"
+KEY_HAS_LLAVA_PROJECTOR: Final = "clip.has_llava_projector"
+KEY_PROJECTOR_TYPE: Final = "clip.projector_type"
+KEY_USE_GELU: Final = "clip.use_gelu"
+KEY_USE_SILU: Final = "clip.use_silu"
+KEY_IMAGE_SIZE: Final = "clip.vision.image_size"
+KEY_PATCH_SIZE: Final = "clip.vision.patch_size"
+KEY_EMBEDDING_LENGTH: Final = "clip.vision.embedding_length"
+KEY_FEED_FORWARD_LENGTH: Final = "clip.vision.feed_forward_length"
+KEY_BLOCK_COUNT: Final = "clip.vision.block_count"
+KEY_HEAD_COUNT: Final = "clip.vision.attention.head_count"
+KEY_LAYER_NORM_EPS: Final = "clip.vision.attention.layer_norm_epsilon"
+KEY_PROJECTION_DIM: Final = "clip.vision.projection_dim"
+KEY_IMAGE_MEAN: Final = "clip.vision.image_mean"
+KEY_IMAGE_STD: Final = "clip.vision.image_std"
+# kvcmas keys
+KEY_HIDDEN_ACT: Final = "kvcmas.vision.hidden_act"
+KEY_PROJECTOR_ACT: Final = "kvcmas.vision.projector_act"
+KEY_SELECT_STRATEGY: Final = "kvcmas.vision.select_strategy"
+KEY_FEATURE_LAYER: Final = "kvcmas.vision.feature_layer"
+KEY_MODEL_TYPE: Final = "kvcmas.vision.model_type"
+KEY_RESIZE_MODE: Final = "kvcmas.vision.resize_mode"
+KEY_RESIZE_SIZE: Final = "kvcmas.vision.resize_size"
+KEY_RESCALE_FACTOR: Final = "kvcmas.vision.rescale_factor"
+
+ACTIVATIONS: Final = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu", "silu", "swish")
+OPENAI_CLIP_MEAN: Final = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD: Final = (0.26862954, 0.26130258, 0.27577711)
+MMPROJ_OUTTYPES: Final = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16}
+
+_LLAVA_ARCHS: Final = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
+_TOWER_ARCHS: Final = {"CLIPVisionModel": "clip", "SiglipVisionModel": "siglip"}
+_TOWER_TYPES: Final = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+
+
+@dataclass
+class MmprojPlan:
+    """Everything a conversion writes, decided from config.json and the tensor headers before any output exists."""
+
+    model_type: str  # "clip" | "siglip"
+    metadata: dict[str, Any]
+    tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, HF name, numpy-order shape)
+    ignored: set[str] = field(default_factory=set)
+
+
+def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConvertError(f"{where}: '{key}' = {value!r} must be a positive integer")
+    return value
+
+
+def _activation(value: Any, key: str, where: str) -> str:
+    if value not in ACTIVATIONS:
+        raise ConvertError(f"{where}: '{key}' = {value!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return str(value)
+
+
+def _preprocessing(model_dir: Path, model_type: str, image_size: int) -> dict[str, Any]:
+    """kvcmas.vision.* preprocessing keys and the mean/std, from preprocessor_config.json or the family defaults."""
+    is_clip = model_type == "clip"
+    mean, std = (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD) if is_clip else ((0.5,) * 3, (0.5,) * 3)
+    mode, resize = ("shortest_edge", image_size) if is_clip else ("square", image_size)
+    rescale = 1.0 / 255.0
+    path = model_dir / "preprocessor_config.json"
+    if path.is_file():
+        try:
+            pp = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConvertError(f"{path}: unreadable: {e}") from e
+        if not isinstance(pp, dict):
+            raise ConvertError(f"{path}: expected a JSON object")
+        mean = tuple(pp.get("image_mean", mean))
+        std = tuple(pp.get("image_std", std))
+        rescale = float(pp.get("rescale_factor", rescale))
+        size = pp.get("size") or {}
+        crop = pp.get("crop_size") or {}
+        if isinstance(size, dict) and "shortest_edge" in size:
+            mode, resize = "shortest_edge", int(size["shortest_edge"])
+            if not pp.get("do_center_crop", True) or int(crop.get("height", image_size)) != image_size:
+                raise ConvertError(f"{path}: a shortest-edge resize must be followed by a {image_size}px centre crop")
+        elif isinstance(size, dict) and "height" in size:
+            mode, resize = "square", int(size["height"])
+            if int(size.get("width", resize)) != resize or resize != image_size:
+                raise ConvertError(f"{path}: size {size} does not resize to the tower's {image_size}px square")
+    if len(mean) != 3 or len(std) != 3 or not all(float(s) > 0 for s in std):
+        raise ConvertError(f"{model_dir}: image_mean / image_std must hold 3 values (std > 0)")
+    if resize < image_size:
+        raise ConvertError(f"{model_dir}: resize size {resize} is smaller than the crop {image_size}")
+    return {
+        KEY_IMAGE_MEAN: [float(x) for x in mean],
+        KEY_IMAGE_STD: [float(x) for x in std],
+        KEY_RESIZE_MODE: mode,
+        KEY_RESIZE_SIZE: resize,
+        KEY_RESCALE_FACTOR: rescale,
+    }
+
+
+def _vision_prefix(tensors: CheckpointTensors) -> str:
+    """What precedes the tower's ``embeddings.*`` / ``encoder.*`` tensor names: 'model.vision_tower.vision_model.'
+    (LLaVA saved by transformers 5), 'vision_tower.vision_model.' (4.x), 'vision_model.' or '' (bare towers)."""
+    marker = "embeddings.patch_embedding.weight"
+    found = sorted(name[: -len(marker)] for name in tensors if name.endswith(marker))
+    if len(found) != 1 or (found[0] and not found[0].endswith(".")):
+        raise ConvertError(
+            f"{tensors.model_dir}: expected exactly one vision tower (*{marker}), found {len(found)}: {found[:3]}"
+        )
+    return found[0]
+
+
+def _projector_prefix(tensors: CheckpointTensors) -> str:
+    for prefix in ("model.multi_modal_projector.", "multi_modal_projector."):
+        if f"{prefix}linear_1.weight" in tensors:
+            return prefix
+    raise ConvertError(f"{tensors.model_dir}: no projector (multi_modal_projector.linear_1.weight) found")
+
+
+def plan_mmproj(
+    model_dir: Path,
+    tensors: CheckpointTensors,
+    feature_layer: int | None = None,
+    select_strategy: str | None = None,
+) -> MmprojPlan:
+    """Validates config.json against the tensors and lists what the mmproj file will hold.
+
+    ``feature_layer`` / ``select_strategy`` override the checkpoint's ``vision_feature_layer`` /
+    ``vision_feature_select_strategy`` (bare vision models default to ``last_hidden_state`` and "full").
+    """
+    config = load_config(model_dir)
+    where = str(model_dir / "config.json")
+    archs = config.get("architectures") or []
+    is_llava = any(a in _LLAVA_ARCHS for a in archs)
+    if is_llava:
+        vcfg = config.get("vision_config")
+        tcfg = config.get("text_config")
+        if not isinstance(vcfg, dict) or not isinstance(tcfg, dict):
+            raise ConvertError(f"{where}: a LLaVA config needs 'vision_config' and 'text_config' objects")
+        model_type = _TOWER_TYPES.get(str(vcfg.get("model_type")))
+        if feature_layer is None:
+            feature_layer = config.get("vision_feature_layer", -2)
+        if select_strategy is None:
+            select_strategy = config.get("vision_feature_select_strategy", "default")
+        projector_act = _activation(config.get("projector_hidden_act", "gelu"), "projector_hidden_act", where)
+    else:
+        arch = next((a for a in archs if a in _TOWER_ARCHS), None)
+        if arch is None:
+            supported = ", ".join((*_LLAVA_ARCHS, *_TOWER_ARCHS))
+            raise ConvertError(f"{where}: unsupported architecture {archs!r} for an mmproj file ({supported})")
+        vcfg, model_type, projector_act = config, _TOWER_ARCHS[arch], "gelu"
+        select_strategy = select_strategy or "full"
+    if model_type is None:
+        raise ConvertError(f"{where}: vision tower type {vcfg.get('model_type')!r} is not supported (CLIP, SigLIP)")
+    if not isinstance(feature_layer, (int, type(None))) or isinstance(feature_layer, bool):
+        raise ConvertError(f"{where}: vision_feature_layer {feature_layer!r}: only a single layer is supported")
+    if select_strategy not in ("default", "full"):
+        raise ConvertError(f"{where}: vision_feature_select_strategy {select_strategy!r} must be 'default' or 'full'")
+
+    vwhere = f"{where} (vision_config)" if is_llava else where
+    E = _positive_int(vcfg, "hidden_size", vwhere)
+    F = _positive_int(vcfg, "intermediate_size", vwhere)
+    n_layer = _positive_int(vcfg, "num_hidden_layers", vwhere)
+    n_head = _positive_int(vcfg, "num_attention_heads", vwhere)
+    S = _positive_int(vcfg, "image_size", vwhere)
+    P = _positive_int(vcfg, "patch_size", vwhere)
+    if E % n_head or S % P or int(vcfg.get("num_channels", 3)) != 3:
+        raise ConvertError(f"{vwhere}: hidden_size must split into heads, image_size into patches, and 3 channels")
+    act = _activation(vcfg.get("hidden_act", "quick_gelu" if model_type == "clip" else "gelu_pytorch_tanh"),
+                      "hidden_act", vwhere)  # fmt: skip
+    eps = float(vcfg.get("layer_norm_eps", 1e-5 if model_type == "clip" else 1e-6))
+
+    # Blocks to keep: hidden_states[k] is the output of block k (k = 0: the embeddings).
+    post_ln = False
+    if feature_layer is None:
+        n_keep, post_ln = n_layer, model_type == "siglip"  # last_hidden_state
+    else:
+        n_keep = feature_layer if feature_layer >= 0 else n_layer + 1 + feature_layer
+        if not 0 <= n_keep <= n_layer:
+            raise ConvertError(f"{where}: vision_feature_layer {feature_layer} is outside the {n_layer}-layer tower")
+
+    vm = _vision_prefix(tensors)
+    G = S // P
+    n_pos = G * G + (1 if model_type == "clip" else 0)
+    out: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def add(gguf_name: str, hf_name: str, shape: tuple[int, ...]) -> None:
+        out.append((gguf_name, hf_name, shape))
+
+    add("v.patch_embd.weight", vm + "embeddings.patch_embedding.weight", (E, 3, P, P))
+    if vm + "embeddings.patch_embedding.bias" in tensors:
+        add("v.patch_embd.bias", vm + "embeddings.patch_embedding.bias", (E,))
+    if model_type == "clip":
+        add("v.class_embd", vm + "embeddings.class_embedding", (E,))
+        add("v.pre_ln.weight", vm + "pre_layrnorm.weight", (E,))
+        add("v.pre_ln.bias", vm + "pre_layrnorm.bias", (E,))
+    add("v.position_embd.weight", vm + "embeddings.position_embedding.weight", (n_pos, E))
+    hf_names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2", "ffn_up": "mlp.fc1",
+                "ffn_down": "mlp.fc2"}  # fmt: skip
+    shapes = {"attn_q": (E, E), "attn_k": (E, E), "attn_v": (E, E), "attn_out": (E, E), "ln1": (E,), "ln2": (E,),
+              "ffn_up": (F, E), "ffn_down": (E, F)}  # fmt: skip
+    for il in range(n_keep):
+        for short, hf in hf_names.items():
+            w_shape = shapes[short]
+            add(f"v.blk.{il}.{short}.weight", f"{vm}encoder.layers.{il}.{hf}.weight", w_shape)
+            add(f"v.blk.{il}.{short}.bias", f"{vm}encoder.layers.{il}.{hf}.bias", (w_shape[0],))
+    if post_ln:
+        add("v.post_ln.weight", vm + "post_layernorm.weight", (E,))
+        add("v.post_ln.bias", vm + "post_layernorm.bias", (E,))
+
+    metadata: dict[str, Any] = {
+        KEY_HAS_VISION_ENCODER: True,
+        KEY_HAS_TEXT_ENCODER: False,
+        KEY_HAS_LLAVA_PROJECTOR: is_llava,
+        KEY_USE_GELU: act.startswith("gelu"),
+        KEY_USE_SILU: act in ("silu", "swish"),
+        KEY_IMAGE_SIZE: S,
+        KEY_PATCH_SIZE: P,
+        KEY_EMBEDDING_LENGTH: E,
+        KEY_FEED_FORWARD_LENGTH: F,
+        KEY_BLOCK_COUNT: n_keep,
+        KEY_HEAD_COUNT: n_head,
+        KEY_LAYER_NORM_EPS: eps,
+        KEY_HIDDEN_ACT: act,
+        KEY_SELECT_STRATEGY: select_strategy,
+        KEY_MODEL_TYPE: model_type,
+    }
+    if feature_layer is not None:
+        metadata[KEY_FEATURE_LAYER] = int(feature_layer)
+    metadata.update(_preprocessing(model_dir, model_type, S))
+
+    if is_llava:
+        tcfg = config["text_config"]
+        n_text = _positive_int(tcfg, "hidden_size", f"{where} (text_config)")
+        pp = _projector_prefix(tensors)
+        hidden = tensors.shape(pp + "linear_1.weight")[0]
+        add("mm.0.weight", pp + "linear_1.weight", (hidden, E))
+        if pp + "linear_1.bias" in tensors:
+            add("mm.0.bias", pp + "linear_1.bias", (hidden,))
+        add("mm.2.weight", pp + "linear_2.weight", (n_text, hidden))
+        if pp + "linear_2.bias" in tensors:
+            add("mm.2.bias", pp + "linear_2.bias", (n_text,))
+        metadata[KEY_PROJECTOR_TYPE] = "mlp"
+        metadata[KEY_PROJECTION_DIM] = n_text
+        metadata[KEY_PROJECTOR_ACT] = projector_act
+
+    for gguf_name, hf_name, shape in out:
+        if hf_name not in tensors:
+            raise ConvertError(f"{model_dir}: tensor {hf_name!r} (for {gguf_name!r}) is missing from the checkpoint")
+        if tensors.shape(hf_name) != shape:
+            raise ConvertError(
+                f"{tensors.refs[hf_name].path}: tensor {hf_name!r} has shape {list(tensors.shape(hf_name))}, "
+                f"config.json implies {list(shape)}"
+            )
+    return MmprojPlan(model_type, metadata, out)
+
+
+@dataclass
+class MmprojResult:
+    """What a conversion wrote."""
+
+    output: Path
+    model_type: str
+    n_tokens: int  # image tokens per image
+    tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, type name, numpy-order shape)
+    metadata: dict[str, Any]
+
+
+def _add(writer: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        if key == KEY_FEATURE_LAYER:
+            writer.add_int32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list):
+        writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    else:
+        raise TypeError(f"metadata {key}: unsupported value {value!r}")
+
+
+def convert_mmproj(
+    model_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    outtype: str = "f16",
+    feature_layer: int | None = None,
+    select_strategy: str | None = None,
+    name: str | None = None,
+    overwrite: bool = True,
+) -> MmprojResult:
+    """Writes the mmproj GGUF of a Hugging Face vision checkpoint.
+
+    Args:
+        model_dir: a LLaVA / LLaVA-OneVision checkpoint folder (vision tower + projector; the language model's
+            tensors are skipped), or a bare ``CLIPVisionModel`` / ``SiglipVisionModel`` folder (no projector).
+        output: the file to write (through a temporary file renamed at the end).
+        outtype: "f32" or "f16" for the matrices (vectors and embeddings stay f32).
+        feature_layer: which hidden state feeds the projector (Hugging Face index; default: the checkpoint's
+            ``vision_feature_layer``, or ``last_hidden_state`` for a bare tower).
+        select_strategy: "default" (drop the class token) or "full" (keep it).
+        name: general.name (default: the folder name).
+        overwrite: replace an existing output file.
+
+    Raises:
+        ConvertError: a message naming the file or tensor at fault.
+    """
+    src, out = Path(model_dir), Path(output)
+    if outtype not in MMPROJ_OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not one of {', '.join(MMPROJ_OUTTYPES)} for an mmproj file")
+    if out.exists() and not overwrite:
+        raise ConvertError(f"{out}: exists")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out.parent}: output folder does not exist")
+    tensors = CheckpointTensors(src) if src.is_dir() else None
+    if tensors is None:
+        raise ConvertError(f"{src}: not a directory (expected a Hugging Face checkpoint folder)")
+    try:
+        plan = plan_mmproj(src, tensors, feature_layer, select_strategy)
+        qtype = MMPROJ_OUTTYPES[outtype]
+        listing: list[tuple[str, str, tuple[int, ...]]] = []
+        tmp = temp_path_for(out)
+        writer = GGUFWriter(tmp, ARCH_CLIP)
+        try:
+            writer.add_string("general.name", name or src.resolve().name)
+            writer.add_uint32("general.file_type", 1 if qtype == GGMLQuantizationType.F16 else 0)
+            for key, value in plan.metadata.items():
+                _add(writer, key, value)
+            types = []
+            for gguf_name, _, shape in plan.tensors:
+                # Matrices (and the 4-D patch kernel) take the outtype; vectors and embedding tables stay f32.
+                is_matrix = len(shape) >= 2 and not gguf_name.startswith(("v.position_embd", "v.class_embd"))
+                t = qtype if is_matrix else GGMLQuantizationType.F32
+                types.append(t)
+                dtype = np.float16 if t == GGMLQuantizationType.F16 else np.float32
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), nbytes, raw_dtype=t)
+                listing.append((gguf_name, t.name, shape))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for (_, hf_name, _), t in zip(plan.tensors, types, strict=True):
+                writer.write_tensor_data(encode_tensor(tensors.load(hf_name), t))
+            writer.close()
+            os.replace(tmp, out)
+        except BaseException:
+            writer.close()
+            tmp.unlink(missing_ok=True)
+            raise
+    finally:
+        tensors.close()
+    meta = plan.metadata
+    n_patches = (meta[KEY_IMAGE_SIZE] // meta[KEY_PATCH_SIZE]) ** 2
+    keeps_cls = plan.model_type == "clip" and meta[KEY_SELECT_STRATEGY] == "full"
+    return MmprojResult(out, plan.model_type, n_patches + int(keeps_cls), listing, meta)
+
+
+def add_mmproj_subcommand(subparsers: Any) -> None:
+    """Registers ``mmproj`` (HF_DIR -o OUT.gguf) on an argparse subparsers object; ``func`` runs it."""
+    p = subparsers.add_parser(
+        "mmproj",
+        help="write the vision tower + projector of a LLaVA / CLIP / SigLIP checkpoint as an mmproj GGUF",
+        description="Write an mmproj GGUF (llama.cpp's 'clip' layout) from a Hugging Face vision checkpoint.",
+    )
+    p.add_argument("model_dir", metavar="HF_DIR")
+    p.add_argument("-o", "--outfile", required=True, metavar="OUT.gguf")
+    p.add_argument("--outtype", default="f16", choices=list(MMPROJ_OUTTYPES))
+    p.add_argument("--feature-layer", type=int, help="hidden state feeding the projector (default: from config)")
+    p.add_argument("--select-strategy", choices=("default", "full"), help="drop ('default') or keep the class token")
+    p.add_argument("--name", help="general.name (default: the folder name)")
+    p.set_defaults(func=_run_mmproj)
+
+
+def _run_mmproj(args: argparse.Namespace) -> int:
+    result = convert_mmproj(args.model_dir, args.outfile, outtype=args.outtype, feature_layer=args.feature_layer,
+                            select_strategy=args.select_strategy, name=args.name)  # fmt: skip
+    print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {result.n_tokens} image tokens)",
+          file=sys.stderr)  # fmt: skip
+    return 0

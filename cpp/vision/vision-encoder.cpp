@@ -1,0 +1,383 @@
+#include "vision/vision-encoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "common/error.h"
+#include "cpu/quants.h"
+#include "vision/vision-names.h"
+
+namespace kvcmas::vision {
+
+namespace names = vision_names;
+
+static int default_threads(int n_threads) {
+    if (n_threads > 0) {
+        return n_threads;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
+}
+
+VisionEncoder::VisionEncoder(const std::string & path, int n_threads)
+    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)) {
+    load_params();
+    load_weights();
+}
+
+VisionEncoder::~VisionEncoder() = default;
+
+int64_t VisionEncoder::n_output_embd() const {
+    return p_.projector ? mm2_.n_out : p_.n_embd;
+}
+
+// A string key, or `fallback` when absent; an error when present with another type.
+static std::string string_key(const gguf::GgufFile & f, const char * key, const char * fallback) {
+    return f.find(key) == nullptr ? std::string(fallback) : f.get_string(key);
+}
+
+static Activation activation_key(const gguf::GgufFile & f, const char * key, Activation fallback) {
+    if (f.find(key) == nullptr) {
+        return fallback;
+    }
+    const std::string name = f.get_string(key);
+    Activation        act;
+    KC_CHECK(parse_activation(name.c_str(), act),
+             "%s: %s = '%s' is not a supported activation (gelu, gelu_pytorch_tanh, gelu_new, quick_gelu, silu)",
+             f.path().c_str(), key, name.c_str());
+    return act;
+}
+
+void VisionEncoder::load_params() {
+    const gguf::GgufFile & f    = *file_;
+    const char *           path = f.path().c_str();
+    const std::string      arch = f.get_string(names::kKeyArchitecture);
+    KC_CHECK(arch == names::kArchClip, "%s: general.architecture is '%s', expected '%s' (an mmproj file)", path,
+             arch.c_str(), names::kArchClip);
+    KC_CHECK(f.get_bool(names::kKeyHasVisionEncoder, false), "%s: %s is not true (no vision encoder in this file)",
+             path, names::kKeyHasVisionEncoder);
+    p_.image_size    = f.get_int(names::kKeyImageSize);
+    p_.patch_size    = f.get_int(names::kKeyPatchSize);
+    p_.n_embd        = f.get_int(names::kKeyEmbeddingLength);
+    p_.n_ff          = f.get_int(names::kKeyFeedForward);
+    p_.n_layer       = f.get_int(names::kKeyBlockCount);
+    p_.n_head        = f.get_int(names::kKeyHeadCount);
+    const double eps = f.get_float(names::kKeyLayerNormEps);
+    KC_CHECK(p_.patch_size > 0 && p_.patch_size <= 64, "%s: patch_size %lld out of range [1, 64]", path,
+             static_cast<long long>(p_.patch_size));
+    KC_CHECK(p_.image_size >= p_.patch_size && p_.image_size <= 4096 && p_.image_size % p_.patch_size == 0,
+             "%s: image_size %lld must be a multiple of patch_size %lld, at most 4096", path,
+             static_cast<long long>(p_.image_size), static_cast<long long>(p_.patch_size));
+    KC_CHECK(p_.n_patches() <= 16384, "%s: %lld patches per image is more than kvcmas supports (16384)", path,
+             static_cast<long long>(p_.n_patches()));
+    KC_CHECK(p_.n_embd > 0 && p_.n_embd <= 16384, "%s: embedding_length %lld out of range", path,
+             static_cast<long long>(p_.n_embd));
+    KC_CHECK(p_.n_ff > 0 && p_.n_ff <= 65536, "%s: feed_forward_length %lld out of range", path,
+             static_cast<long long>(p_.n_ff));
+    KC_CHECK(p_.n_layer >= 0 && p_.n_layer <= 256, "%s: block_count %lld out of range", path,
+             static_cast<long long>(p_.n_layer));
+    KC_CHECK(p_.n_head > 0 && p_.n_head <= 256 && p_.n_embd % p_.n_head == 0,
+             "%s: head_count %lld must divide embedding_length %lld", path, static_cast<long long>(p_.n_head),
+             static_cast<long long>(p_.n_embd));
+    KC_CHECK(std::isfinite(eps) && eps > 0.0 && eps < 1.0, "%s: layer_norm_epsilon %g out of range", path, eps);
+    p_.eps = static_cast<float>(eps);
+
+    // The MLP activation: kvcmas's exact name, else llama.cpp's flags (use_gelu means its tanh approximation).
+    Activation legacy = Activation::QuickGelu;
+    if (f.get_bool(names::kKeyUseSilu, false)) {
+        legacy = Activation::Silu;
+    } else if (f.get_bool(names::kKeyUseGelu, false)) {
+        legacy = Activation::GeluTanh;
+    }
+    p_.act                     = activation_key(f, names::kKeyHiddenAct, legacy);
+    p_.projector_act           = activation_key(f, names::kKeyProjectorAct, Activation::GeluErf);
+    const std::string strategy = string_key(f, names::kKeySelectStrategy, "default");
+    KC_CHECK(strategy == "default" || strategy == "full", "%s: %s = '%s' must be 'default' or 'full'", path,
+             names::kKeySelectStrategy, strategy.c_str());
+    p_.keep_class_token = strategy == "full";
+
+    for (const char * key : { names::kKeyImageMean, names::kKeyImageStd }) {
+        const bool           is_mean = std::strcmp(key, names::kKeyImageMean) == 0;
+        std::vector<float> & out     = is_mean ? p_.image_mean : p_.image_std;
+        const gguf::Value *  v       = f.find(key);
+        if (v == nullptr) {
+            out = { 0.5f, 0.5f, 0.5f };  // SigLIP's, and the most common default
+            continue;
+        }
+        KC_CHECK(v->type == gguf::ValueType::ARRAY && v->floats.size() == 3, "%s: %s must be an array of 3 floats",
+                 path, key);
+        for (double x : v->floats) {
+            KC_CHECK(std::isfinite(x) && (is_mean || x > 0.0), "%s: %s holds an invalid value %g", path, key, x);
+            out.push_back(static_cast<float>(x));
+        }
+    }
+    p_.model_type  = string_key(f, names::kKeyModelType, "clip");
+    p_.resize_mode = string_key(f, names::kKeyResizeMode, "square");
+    KC_CHECK(p_.resize_mode == "square" || p_.resize_mode == "shortest_edge",
+             "%s: %s = '%s' must be 'square' or 'shortest_edge'", path, names::kKeyResizeMode, p_.resize_mode.c_str());
+    p_.resize_size = f.get_int(names::kKeyResizeSize, p_.image_size);
+    KC_CHECK(p_.resize_size >= p_.image_size && p_.resize_size <= 8192,
+             "%s: %s = %lld must lie in [image_size %lld, 8192]", path, names::kKeyResizeSize,
+             static_cast<long long>(p_.resize_size), static_cast<long long>(p_.image_size));
+    p_.rescale_factor = f.get_float(names::kKeyRescaleFactor, 1.0 / 255.0);
+    KC_CHECK(std::isfinite(p_.rescale_factor) && p_.rescale_factor > 0.0, "%s: %s = %g out of range", path,
+             names::kKeyRescaleFactor, p_.rescale_factor);
+}
+
+cpu::WeightView VisionEncoder::weight(const std::string & name, int64_t n_in, int64_t n_out) const {
+    const char *             path = file_->path().c_str();
+    const gguf::TensorInfo * t    = file_->find_tensor(name);
+    KC_CHECK(t != nullptr, "%s: tensor '%s' is missing", path, name.c_str());
+    // A matrix [n_out rows of n_in]; the patch embedding's 4-D [P, P, 3, E] is the same memory.
+    int64_t inner = 1;
+    for (size_t i = 0; i + 1 < t->ne.size(); ++i) {
+        inner *= t->ne[i];
+    }
+    KC_CHECK(t->ne.size() >= 2 && inner == n_in && t->ne.back() == n_out,
+             "%s: tensor '%s' should hold %lld rows of %lld elements", path, name.c_str(),
+             static_cast<long long>(n_out), static_cast<long long>(n_in));
+    const GgmlTypeTraits * tr = ggml_type_traits(static_cast<uint32_t>(t->type));
+    KC_CHECK(tr != nullptr && tr->weight && n_in % tr->block == 0,
+             "%s: tensor '%s' has type %s, which kvcmas cannot use for rows of %lld", path, name.c_str(),
+             ggml_type_name(static_cast<uint32_t>(t->type)), static_cast<long long>(n_in));
+    return cpu::WeightView{ t->type, t->data, n_in, n_out, ggml_row_bytes(t->type, n_in) };
+}
+
+std::vector<float> VisionEncoder::vector_f32(const std::string & name, int64_t n, bool required) const {
+    const char *             path = file_->path().c_str();
+    const gguf::TensorInfo * t    = file_->find_tensor(name);
+    if (t == nullptr) {
+        KC_CHECK(!required, "%s: tensor '%s' is missing", path, name.c_str());
+        return {};
+    }
+    KC_CHECK(t->n_elements() == n, "%s: tensor '%s' should have %lld elements, has %lld", path, name.c_str(),
+             static_cast<long long>(n), static_cast<long long>(t->n_elements()));
+    const GgmlTypeTraits * tr = ggml_type_traits(static_cast<uint32_t>(t->type));
+    KC_CHECK(tr != nullptr && tr->weight && t->ne[0] % tr->block == 0, "%s: tensor '%s' has unusable type %s", path,
+             name.c_str(), ggml_type_name(static_cast<uint32_t>(t->type)));
+    std::vector<float> out(static_cast<size_t>(n));
+    cpu::dequantize_row(t->type, t->data, out.data(), n);
+    for (int64_t i = 0; i < n; ++i) {
+        KC_CHECK(std::isfinite(out[static_cast<size_t>(i)]), "%s: tensor '%s' holds a non-finite value", path,
+                 name.c_str());
+    }
+    return out;
+}
+
+void VisionEncoder::load_weights() {
+    const int64_t E = p_.n_embd, F = p_.n_ff, P = p_.patch_size;
+    const char *  path = file_->path().c_str();
+    auto          w    = [](const std::string & base) { return base + ".weight"; };
+    auto          b    = [](const std::string & base) { return base + ".bias"; };
+
+    patch_w_       = weight(w(names::kTensorPatchEmbd), 3 * P * P, E);
+    patch_b_       = vector_f32(b(names::kTensorPatchEmbd), E, false);
+    class_embd_    = vector_f32(names::kTensorClassEmbd, E, false);
+    p_.class_token = !class_embd_.empty();
+    pos_embd_      = vector_f32(w(names::kTensorPosEmbd), p_.n_positions() * E, true);
+    pre_ln_w_      = vector_f32(w(names::kTensorPreLn), E, false);
+    p_.pre_ln      = !pre_ln_w_.empty();
+    pre_ln_b_      = vector_f32(b(names::kTensorPreLn), E, p_.pre_ln);
+    post_ln_w_     = vector_f32(w(names::kTensorPostLn), E, false);
+    p_.post_ln     = !post_ln_w_.empty();
+    post_ln_b_     = vector_f32(b(names::kTensorPostLn), E, p_.post_ln);
+
+    layers_.resize(static_cast<size_t>(p_.n_layer));
+    for (int64_t il = 0; il < p_.n_layer; ++il) {
+        Layer &           L  = layers_[static_cast<size_t>(il)];
+        const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
+        L.ln1_w              = vector_f32(w(bl + names::kBlkLn1), E, true);
+        L.ln1_b              = vector_f32(b(bl + names::kBlkLn1), E, true);
+        L.ln2_w              = vector_f32(w(bl + names::kBlkLn2), E, true);
+        L.ln2_b              = vector_f32(b(bl + names::kBlkLn2), E, true);
+        L.wq                 = weight(w(bl + names::kBlkAttnQ), E, E);
+        L.wk                 = weight(w(bl + names::kBlkAttnK), E, E);
+        L.wv                 = weight(w(bl + names::kBlkAttnV), E, E);
+        L.wo                 = weight(w(bl + names::kBlkAttnOut), E, E);
+        L.w_up               = weight(w(bl + names::kBlkFfnUp), E, F);
+        L.w_down             = weight(w(bl + names::kBlkFfnDown), F, E);
+        L.bq                 = vector_f32(b(bl + names::kBlkAttnQ), E, false);
+        L.bk                 = vector_f32(b(bl + names::kBlkAttnK), E, false);
+        L.bv                 = vector_f32(b(bl + names::kBlkAttnV), E, false);
+        L.bo                 = vector_f32(b(bl + names::kBlkAttnOut), E, false);
+        L.b_up               = vector_f32(b(bl + names::kBlkFfnUp), F, false);
+        L.b_down             = vector_f32(b(bl + names::kBlkFfnDown), E, false);
+    }
+    // A block beyond block_count would be silently ignored: refuse it (a truncated key, not a smaller model).
+    KC_CHECK(
+        file_->find_tensor(w(names::kBlockPrefix + std::to_string(p_.n_layer) + "." + names::kBlkAttnQ)) == nullptr,
+        "%s: holds more blocks than clip.vision.block_count = %lld", path, static_cast<long long>(p_.n_layer));
+
+    const gguf::TensorInfo * mm0 = file_->find_tensor(w(names::kTensorMm0));
+    p_.projector                 = mm0 != nullptr;
+    if (p_.projector) {
+        const std::string type = string_key(*file_, names::kKeyProjectorType, "mlp");
+        KC_CHECK(type == "mlp", "%s: projector type '%s' is not supported (kvcmas runs 'mlp')", path, type.c_str());
+        KC_CHECK(mm0->ne.size() == 2, "%s: tensor '%s' must be a matrix", path, w(names::kTensorMm0).c_str());
+        p_.n_embd_proj               = mm0->ne[1];
+        mm0_                         = weight(w(names::kTensorMm0), E, p_.n_embd_proj);
+        mm0_b_                       = vector_f32(b(names::kTensorMm0), p_.n_embd_proj, false);
+        const gguf::TensorInfo * mm2 = file_->find_tensor(w(names::kTensorMm2));
+        KC_CHECK(mm2 != nullptr && mm2->ne.size() == 2, "%s: tensor '%s' is missing or not a matrix", path,
+                 w(names::kTensorMm2).c_str());
+        KC_CHECK(mm2->ne[1] > 0 && mm2->ne[1] <= 65536, "%s: projector output width %lld out of range", path,
+                 static_cast<long long>(mm2->ne[1]));
+        mm2_   = weight(w(names::kTensorMm2), p_.n_embd_proj, mm2->ne[1]);
+        mm2_b_ = vector_f32(b(names::kTensorMm2), mm2_.n_out, false);
+    }
+}
+
+void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
+                           int64_t n_tok) {
+    cpu::matmul(w, x, y, n_tok, pool_);
+    if (b.empty()) {
+        return;
+    }
+    const int64_t n = w.n_out;
+    pool_.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_tok, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+            float * row = y + t * n;
+            for (int64_t i = 0; i < n; ++i) {
+                row[i] += b[static_cast<size_t>(i)];
+            }
+        }
+    });
+}
+
+// Multi-head attention without a mask. Each head runs as two matmuls against f32 views of K and Vᵀ, which
+// reuses the tuned GEMM instead of a dedicated attention kernel: scores = (q·s) Kᵀ, out = softmax(scores) V.
+void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T) {
+    const int64_t      E = p_.n_embd, H = p_.n_head, hd = E / H;
+    std::vector<float> q(static_cast<size_t>(T * E)), k(q.size()), v(q.size());
+    linear(L.wq, L.bq, xn, q.data(), T);
+    linear(L.wk, L.bk, xn, k.data(), T);
+    linear(L.wv, L.bv, xn, v.data(), T);
+    std::vector<float> qh(static_cast<size_t>(T * hd)), vt(qh.size()), oh(qh.size());
+    std::vector<float> scores(static_cast<size_t>(T * T));
+    const float        scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (int64_t h = 0; h < H; ++h) {
+        pool_.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(T, ith, nth, t0, t1);
+            for (long long t = t0; t < t1; ++t) {
+                for (int64_t d = 0; d < hd; ++d) {
+                    qh[t * hd + d] = q[t * E + h * hd + d] * scale;
+                    vt[d * T + t]  = v[t * E + h * hd + d];
+                }
+            }
+        });
+        const cpu::WeightView kview{ GgmlType::F32, k.data() + h * hd, hd, T, static_cast<size_t>(E) * sizeof(float) };
+        cpu::matmul(kview, qh.data(), scores.data(), T, pool_);
+        pool_.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(T, ith, nth, t0, t1);
+            for (long long t = t0; t < t1; ++t) {
+                softmax(&scores[t * T], T);
+            }
+        });
+        const cpu::WeightView vview{ GgmlType::F32, vt.data(), T, hd, static_cast<size_t>(T) * sizeof(float) };
+        cpu::matmul(vview, scores.data(), oh.data(), T, pool_);
+        for (int64_t t = 0; t < T; ++t) {
+            std::memcpy(&out[t * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
+        }
+    }
+}
+
+std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels, int64_t height, int64_t width) {
+    const int64_t S = p_.image_size, P = p_.patch_size, G = S / P, N = p_.n_patches(), T = p_.n_positions();
+    const int64_t E = p_.n_embd, F = p_.n_ff, C = 3 * P * P;
+    KC_CHECK(pixels != nullptr && channels == 3 && height == S && width == S,
+             "%s: the encoder takes a preprocessed image of shape [3, %lld, %lld], got [%lld, %lld, %lld]",
+             file_->path().c_str(), static_cast<long long>(S), static_cast<long long>(S),
+             static_cast<long long>(channels), static_cast<long long>(height), static_cast<long long>(width));
+    for (int64_t i = 0; i < 3 * S * S; ++i) {
+        KC_CHECK(std::isfinite(pixels[i]), "encode: pixel value %lld is not finite", static_cast<long long>(i));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+
+    // Patches as rows [N][3·P·P] in the convolution weight's (channel, y, x) order.
+    std::vector<float> patches(static_cast<size_t>(N * C));
+    pool_.run([&](int ith, int nth) {
+        long long n0, n1;
+        cpu::split_range(N, ith, nth, n0, n1);
+        for (long long n = n0; n < n1; ++n) {
+            const int64_t gy = n / G, gx = n % G;
+            float *       row = &patches[static_cast<size_t>(n * C)];
+            for (int64_t c = 0; c < 3; ++c) {
+                for (int64_t ky = 0; ky < P; ++ky) {
+                    const float * src = pixels + (c * S + gy * P + ky) * S + gx * P;
+                    std::memcpy(row + (c * P + ky) * P, src, static_cast<size_t>(P) * sizeof(float));
+                }
+            }
+        }
+    });
+    const int64_t      first = p_.class_token ? 1 : 0;
+    std::vector<float> x(static_cast<size_t>(T * E));
+    linear(patch_w_, patch_b_, patches.data(), &x[static_cast<size_t>(first * E)], N);
+    if (p_.class_token) {
+        std::copy(class_embd_.begin(), class_embd_.end(), x.begin());
+    }
+    for (size_t i = 0; i < x.size(); ++i) {
+        x[i] += pos_embd_[i];
+    }
+
+    auto norm_rows = [&](const std::vector<float> & w, const std::vector<float> & b, const float * src, float * dst) {
+        pool_.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(T, ith, nth, t0, t1);
+            for (long long t = t0; t < t1; ++t) {
+                layer_norm(src + t * E, w.data(), b.data(), dst + t * E, E, p_.eps);
+            }
+        });
+    };
+    auto add_into = [&](float * dst, const float * src, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {
+            dst[i] += src[i];
+        }
+    };
+    if (p_.pre_ln) {
+        norm_rows(pre_ln_w_, pre_ln_b_, x.data(), x.data());
+    }
+    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size()), ff(static_cast<size_t>(T * F));
+    for (const Layer & L : layers_) {
+        norm_rows(L.ln1_w, L.ln1_b, x.data(), xn.data());
+        attention(L, xn.data(), att.data(), T);
+        linear(L.wo, L.bo, att.data(), tmp.data(), T);
+        add_into(x.data(), tmp.data(), T * E);
+        norm_rows(L.ln2_w, L.ln2_b, x.data(), xn.data());
+        linear(L.w_up, L.b_up, xn.data(), ff.data(), T);
+        pool_.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(T, ith, nth, t0, t1);
+            activate(p_.act, &ff[static_cast<size_t>(t0 * F)], (t1 - t0) * F);
+        });
+        linear(L.w_down, L.b_down, ff.data(), tmp.data(), T);
+        add_into(x.data(), tmp.data(), T * E);
+    }
+    if (p_.post_ln) {
+        norm_rows(post_ln_w_, post_ln_b_, x.data(), x.data());
+    }
+
+    const int64_t skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
+    const int64_t n_out = T - skip;
+    const float * feats = &x[static_cast<size_t>(skip * E)];
+    if (!p_.projector) {
+        return std::vector<float>(feats, feats + n_out * E);
+    }
+    std::vector<float> hidden(static_cast<size_t>(n_out * p_.n_embd_proj));
+    linear(mm0_, mm0_b_, feats, hidden.data(), n_out);
+    pool_.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_out, ith, nth, t0, t1);
+        activate(p_.projector_act, &hidden[static_cast<size_t>(t0 * p_.n_embd_proj)], (t1 - t0) * p_.n_embd_proj);
+    });
+    std::vector<float> out(static_cast<size_t>(n_out * mm2_.n_out));
+    linear(mm2_, mm2_b_, hidden.data(), out.data(), n_out);
+    return out;
+}
+
+}  // namespace kvcmas::vision

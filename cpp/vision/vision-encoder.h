@@ -1,0 +1,103 @@
+// Vision encoder of LLaVA-style models: a ViT (CLIP or SigLIP variant) and an optional two-layer MLP projector,
+// read from an mmproj GGUF file (llama.cpp's "clip" layout; names in vision/vision-names.h).
+//
+// Forward pass for one image of S x S pixels with patches of P pixels (G = S / P patches a side, N = G² patches):
+//   patches [N, 3·P·P] · patch_embdᵀ (+ bias)   -> [N, E]      (the stride-P convolution as one matmul)
+//   class token row first when v.class_embd exists -> T = N + 1 rows, else T = N
+//   + position embeddings [T, E]; LayerNorm v.pre_ln when present (CLIP)
+//   block_count blocks: x += attn(LN1(x)) (all-to-all, no mask); x += down(act(up(LN2(x))))
+//   LayerNorm v.post_ln when present; the class token row dropped for select strategy "default"
+//   projector when mm.0 exists: mm.2(act(mm.0(x)))               -> [n_tokens, n_embd_out]
+// The converter stores only the blocks whose output feeds the projector (LLaVA's vision_feature_layer), so the
+// last stored block's output is the feature layer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cpu/matmul.h"
+#include "cpu/threadpool.h"
+#include "gguf/gguf-file.h"
+#include "vision/vision-ops.h"
+
+namespace kvcmas::vision {
+
+struct VisionParams {
+    int64_t    image_size       = 0;  // S: the square input the tower expects
+    int64_t    patch_size       = 0;  // P
+    int64_t    n_embd           = 0;  // E: ViT width
+    int64_t    n_ff             = 0;  // ViT MLP width
+    int64_t    n_layer          = 0;  // blocks stored and run
+    int64_t    n_head           = 0;
+    float      eps              = 1e-5f;  // LayerNorm epsilon
+    Activation act              = Activation::QuickGelu;
+    bool       class_token      = false;  // v.class_embd present (CLIP)
+    bool       keep_class_token = false;  // select strategy "full"
+    bool       pre_ln           = false;
+    bool       post_ln          = false;
+    bool       projector        = false;  // mm.0 / mm.2 present
+    int64_t    n_embd_proj      = 0;      // projector hidden width (mm.0 rows)
+    Activation projector_act    = Activation::GeluErf;
+    // Preprocessing (applied by the caller, recorded here so the file is self-contained).
+    std::vector<float> image_mean, image_std;         // per channel
+    std::string        resize_mode    = "square";     // "shortest_edge" (resize, then centre crop) | "square"
+    int64_t            resize_size    = 0;            // shortest edge before the crop ("shortest_edge" mode)
+    double             rescale_factor = 1.0 / 255.0;  // 8-bit values times this before normalising
+    std::string        model_type     = "clip";       // "clip" | "siglip" (informational)
+
+    int64_t n_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
+    int64_t n_positions() const { return n_patches() + (class_token ? 1 : 0); }
+    // Rows of encode()'s output.
+    int64_t n_output_tokens() const { return n_patches() + (class_token && keep_class_token ? 1 : 0); }
+};
+
+class VisionEncoder {
+  public:
+    // Loads and validates an mmproj file: every key's range and every tensor's presence, shape and type.
+    // Throws kvcmas::Error naming the file and the problem. n_threads <= 0: all cores (at most 64).
+    VisionEncoder(const std::string & path, int n_threads);
+    ~VisionEncoder();
+    VisionEncoder(const VisionEncoder &)             = delete;
+    VisionEncoder & operator=(const VisionEncoder &) = delete;
+
+    const VisionParams &   params() const { return p_; }
+    const gguf::GgufFile & file() const { return *file_; }
+    int                    n_threads() const { return pool_.size(); }
+    // Width of encode()'s rows: the projector's output (the text model's n_embd), or E without a projector.
+    int64_t n_output_embd() const;
+
+    // Encodes one preprocessed image: pixels [3][image_size][image_size] f32, channel-major (the layout of a
+    // Hugging Face processor's pixel_values). Returns [n_output_tokens()][n_output_embd()] row-major. Thread-safe
+    // (calls are serialised on the encoder's pool).
+    std::vector<float> encode(const float * pixels, int64_t channels, int64_t height, int64_t width);
+
+  private:
+    struct Layer {
+        std::vector<float> ln1_w, ln1_b, ln2_w, ln2_b;
+        cpu::WeightView    wq, wk, wv, wo, w_up, w_down;  // [E, E] x4, [E, F], [F, E] as (n_in, n_out)
+        std::vector<float> bq, bk, bv, bo, b_up, b_down;  // empty when the file has no bias
+    };
+
+    void               load_params();
+    void               load_weights();
+    cpu::WeightView    weight(const std::string & name, int64_t n_in, int64_t n_out) const;
+    std::vector<float> vector_f32(const std::string & name, int64_t n, bool required) const;
+    // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty).
+    void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
+    void attention(const Layer & L, const float * xn, float * out, int64_t n_tok);
+
+    std::unique_ptr<gguf::GgufFile> file_;
+    VisionParams                    p_;
+    cpu::WeightView                 patch_w_{};
+    std::vector<float>              patch_b_, class_embd_, pos_embd_, pre_ln_w_, pre_ln_b_, post_ln_w_, post_ln_b_;
+    std::vector<Layer>              layers_;
+    cpu::WeightView                 mm0_{}, mm2_{};
+    std::vector<float>              mm0_b_, mm2_b_;
+    cpu::ThreadPool                 pool_;
+    std::mutex                      mutex_;  // one encode at a time (the pool is not reentrant)
+};
+
+}  // namespace kvcmas::vision

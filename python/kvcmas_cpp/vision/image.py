@@ -1,0 +1,134 @@
+"""Loading untrusted images: size limits before decoding, a whitelist of formats, and one error type.
+
+Every way an input can be unusable (not an image, an unsupported format, truncated or corrupt data, zero size,
+more pixels than allowed, a decompression bomb, more bytes than allowed) raises ``ImageError``, a ``ValueError``,
+with a message naming the problem. Decoding is Pillow's; dimensions are checked from the header before any pixel
+data is decoded, so a small file that declares a huge image costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import warnings
+from typing import Union
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+DEFAULT_MAX_PIXELS = 40_000_000  # width x height (a 40 MP photo); Pillow's own bomb limit is 89 MP
+DEFAULT_MAX_BYTES = 64 << 20  # encoded size
+SUPPORTED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+
+ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image]
+
+
+class ImageError(ValueError):
+    """An image input that cannot be used; the message says why (and names the file when there is one)."""
+
+
+def _describe(src: object) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return os.fspath(src)
+    if isinstance(src, Image.Image):
+        return "PIL image"
+    return "image bytes"
+
+
+def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
+    if width <= 0 or height <= 0:
+        raise ImageError(f"{what}: the image has zero size ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageError(
+            f"{what}: {width}x{height} = {width * height} pixels is more than the limit of {max_pixels} "
+            "(max_pixels; a decompression bomb or simply too large)"
+        )
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image as 8-bit RGB; transparency is composited onto white (as Hugging Face's convert_to_rgb does)."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def load_image(
+    src: ImageSource, *, max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Image.Image:
+    """Decodes an image from a path, encoded bytes or a PIL image into a loaded 8-bit RGB PIL image.
+
+    EXIF orientation is applied; animated formats give their first frame; alpha is composited onto white.
+
+    Args:
+        src: a file path, the encoded bytes of a file, or a PIL image.
+        max_pixels: most width x height accepted (checked from the header, before decoding).
+        max_bytes: most encoded bytes accepted (paths and bytes).
+
+    Raises:
+        ImageError: the input is unreadable, not a supported image, corrupt or truncated, or over a limit.
+        TypeError: src is none of the accepted types.
+    """
+    if max_pixels <= 0 or max_bytes <= 0:
+        raise ValueError(f"max_pixels and max_bytes must be positive, got {max_pixels} and {max_bytes}")
+    what = _describe(src)
+    if isinstance(src, Image.Image):
+        _check_size(src.width, src.height, max_pixels, what)
+        try:
+            src.load()
+            return to_rgb(src).copy()
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise ImageError(f"{what}: cannot read the image data: {e}") from e
+    if isinstance(src, (str, os.PathLike)):
+        try:
+            size = os.path.getsize(src)
+            if size > max_bytes:
+                raise ImageError(f"{what}: {size} bytes is more than the limit of {max_bytes} (max_bytes)")
+            with open(src, "rb") as f:
+                data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise ImageError(f"{what}: cannot read the file: {e.strerror or e}") from e
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+    else:
+        raise TypeError(f"an image must be a path, bytes or a PIL image, not {type(src).__name__}")
+    if len(data) > max_bytes:
+        raise ImageError(f"{what}: {len(data)} bytes is more than the limit of {max_bytes} (max_bytes)")
+    if not data:
+        raise ImageError(f"{what}: empty (zero bytes)")
+    with warnings.catch_warnings():
+        # Our own max_pixels check replaces Pillow's warning; its hard limit (DecompressionBombError) still holds.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
+        except UnidentifiedImageError as e:
+            raise ImageError(f"{what}: not an image in a supported format ({', '.join(SUPPORTED_FORMATS)})") from e
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"{what}: refused as a decompression bomb: {e}") from e
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise ImageError(f"{what}: corrupt image header: {e}") from e
+        _check_size(image.width, image.height, max_pixels, what)
+        try:
+            image.seek(0)
+            image.load()
+            upright: Image.Image = ImageOps.exif_transpose(image) or image
+            return to_rgb(upright).copy()
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"{what}: refused as a decompression bomb: {e}") from e
+        except (OSError, ValueError, SyntaxError, EOFError, IndexError, KeyError, TypeError) as e:
+            # Pillow reports truncated / corrupt data as OSError ("image file is truncated"), SyntaxError (broken
+            # chunks) or, in some decoders, other plain exceptions.
+            raise ImageError(f"{what}: truncated or corrupt image data: {e}") from e
+
+
+def image_hash(image: Image.Image) -> str:
+    """Content hash (SHA-256 hex) of an image's decoded RGB pixels and size: equal for equal pictures, whatever
+    file format or object they came in."""
+    rgb = to_rgb(image)
+    h = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
+    h.update(np.asarray(rgb, dtype=np.uint8).tobytes())
+    return h.hexdigest()
