@@ -679,3 +679,15 @@ def test_mutation_fuzz(tmp_path: Path) -> None:
     assert totals["ok"] + totals["error"] == per_worker * FUZZ_WORKERS
     # Both outcomes occur, so the mutations reach past the first check and the harness can tell them apart.
     assert totals["ok"] > 50 and totals["error"] > 1000, totals
+
+
+def test_paths_that_are_not_utf8(default_model_path: str, tmp_path: Path) -> None:
+    """A file name with bytes that are not UTF-8 (a surrogate escape in Python) opens, and reports itself, as is."""
+    name = os.fsdecode(b"model-\xff.gguf")
+    path = tmp_path / name
+    os.symlink(default_model_path, path)
+    f = core.GgufFile(path)
+    assert f.path == str(path) and f.version == 3
+    assert core.GgufFile(os.fsencode(path)).version == 3  # bytes paths too
+    with pytest.raises(core.KvcmasError, match="gone-\ufffd.gguf: cannot open"):  # the message stays valid text
+        core.GgufFile(tmp_path / os.fsdecode(b"gone-\xfe.gguf"))

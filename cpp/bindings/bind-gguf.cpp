@@ -130,13 +130,20 @@ void bind_gguf(nb::module_ & m) {
         .def(
             "__init__",
             [](GgufFile * self, nb::object path) {
-                // Accept str and os.PathLike alike.
-                const std::string      p = nb::cast<std::string>(nb::module_::import_("os").attr("fspath")(path));
+                // str, bytes and os.PathLike alike; os.fsencode keeps paths that are not valid UTF-8 (surrogate
+                // escapes) as the file system's bytes instead of failing the str -> std::string conversion.
+                const nb::bytes        raw = nb::cast<nb::bytes>(nb::module_::import_("os").attr("fsencode")(path));
+                const std::string      p(raw.c_str(), raw.size());
                 nb::gil_scoped_release release;
                 new (self) GgufFile(p);
             },
             nb::arg("path"))
-        .def_prop_ro("path", &GgufFile::path)
+        .def_prop_ro(
+            "path",
+            [](const GgufFile & f) {
+                return nb::module_::import_("os").attr("fsdecode")(nb::bytes(f.path().data(), f.path().size()));
+            },
+            "The path as os.fsdecode gives it (file names that are not UTF-8 keep their bytes as surrogates).")
         .def_prop_ro("version", &GgufFile::version)
         .def_prop_ro("alignment", &GgufFile::alignment)
         .def_prop_ro("file_size", &GgufFile::file_size)
