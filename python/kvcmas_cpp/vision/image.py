@@ -24,6 +24,19 @@ SUPPORTED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF
 ImageSource = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, Image.Image]
 
 
+# File signatures of the supported formats: an unidentifiable file that starts like one is reported as corrupt.
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+    (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
+)  # fmt: skip
+
+
+def _sniff(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+
+
 class ImageError(ValueError):
     """An image input that cannot be used; the message says why (and names the file when there is one)."""
 
@@ -106,11 +119,14 @@ def load_image(
         try:
             image = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
         except UnidentifiedImageError as e:
+            fmt = _sniff(data)
+            if fmt is not None:
+                raise ImageError(f"{what}: corrupt {fmt} file (Pillow cannot parse its header)") from e
             raise ImageError(f"{what}: not an image in a supported format ({', '.join(SUPPORTED_FORMATS)})") from e
         except Image.DecompressionBombError as e:
             raise ImageError(f"{what}: refused as a decompression bomb: {e}") from e
         except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise ImageError(f"{what}: corrupt image header: {e}") from e
+            raise ImageError(f"{what}: truncated or corrupt image header: {e}") from e
         _check_size(image.width, image.height, max_pixels, what)
         try:
             image.seek(0)
