@@ -44,6 +44,7 @@ from kvcmas_cpp.vision import (  # noqa: E402
 PHOTOS = Path(skimage_data.__file__).parent
 ASTRONAUT, CHELSEA, COFFEE = PHOTOS / "astronaut.png", PHOTOS / "chelsea.png", PHOTOS / "coffee.png"
 IMAGE, PATCH = 56, 14  # 4 x 4 patches
+SIGLIP_IMAGE = 60  # 4 x 4 patches too, the last 4 pixel rows / columns unused (as SigLIP-so400m's 384 / 14)
 N_PATCHES = (IMAGE // PATCH) ** 2
 
 
@@ -86,7 +87,7 @@ def _clip_config(**kw: Any) -> Any:
 
 def _siglip_config(**kw: Any) -> Any:
     return transformers.SiglipVisionConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=IMAGE,
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=SIGLIP_IMAGE,
         patch_size=PATCH, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, **kw,
     )  # fmt: skip
 
@@ -108,8 +109,8 @@ def towers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, An
     return out
 
 
-def _pixels(seed: int) -> Any:
-    return torch.randn(1, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed))
+def _pixels(seed: int, size: int = IMAGE) -> Any:
+    return torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
 def _assert_close(ours: np.ndarray, ref: np.ndarray, rel: float = 1e-4) -> None:
@@ -137,7 +138,7 @@ def test_tower_features_match_transformers(
     result = kv.convert_mmproj(folder, out, outtype="f32", feature_layer=feature_layer, select_strategy=strategy)
     enc = VisionEncoder(out, n_threads=2)
     assert not enc.has_projector and enc.n_embd == 64
-    px = _pixels(3)
+    px = _pixels(3, IMAGE if kind == "clip" else SIGLIP_IMAGE)
     with torch.no_grad():
         hf = model(pixel_values=px, output_hidden_states=True)
     ref = (hf.last_hidden_state if feature_layer is None else hf.hidden_states[feature_layer])[0].numpy()
@@ -206,7 +207,7 @@ def _hf_processor(enc_kind: str) -> Any:
         return transformers.CLIPImageProcessor(
             size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE}
         )
-    return transformers.SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    return transformers.SiglipImageProcessor(size={"height": SIGLIP_IMAGE, "width": SIGLIP_IMAGE})
 
 
 @pytest.mark.parametrize(

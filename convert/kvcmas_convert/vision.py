@@ -197,8 +197,8 @@ def plan_mmproj(
     n_head = _positive_int(vcfg, "num_attention_heads", vwhere)
     S = _positive_int(vcfg, "image_size", vwhere)
     P = _positive_int(vcfg, "patch_size", vwhere)
-    if E % n_head or S % P or int(vcfg.get("num_channels", 3)) != 3:
-        raise ConvertError(f"{vwhere}: hidden_size must split into heads, image_size into patches, and 3 channels")
+    if E % n_head or S < P or int(vcfg.get("num_channels", 3)) != 3:
+        raise ConvertError(f"{vwhere}: hidden_size must split into heads, image_size hold a patch, and 3 channels")
     act = _activation(vcfg.get("hidden_act", "quick_gelu" if model_type == "clip" else "gelu_pytorch_tanh"),
                       "hidden_act", vwhere)  # fmt: skip
     eps = float(vcfg.get("layer_norm_eps", 1e-5 if model_type == "clip" else 1e-6))

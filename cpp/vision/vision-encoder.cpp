@@ -67,9 +67,11 @@ void VisionEncoder::load_params() {
     const double eps = f.get_float(names::kKeyLayerNormEps);
     KC_CHECK(p_.patch_size > 0 && p_.patch_size <= 64, "%s: patch_size %lld out of range [1, 64]", path,
              static_cast<long long>(p_.patch_size));
-    KC_CHECK(p_.image_size >= p_.patch_size && p_.image_size <= 4096 && p_.image_size % p_.patch_size == 0,
-             "%s: image_size %lld must be a multiple of patch_size %lld, at most 4096", path,
-             static_cast<long long>(p_.image_size), static_cast<long long>(p_.patch_size));
+    // A stride-P convolution without padding: floor(S / P) patches a side (SigLIP-so400m: 384 / 14 -> 27, the
+    // last 6 pixel rows and columns unused).
+    KC_CHECK(p_.image_size >= p_.patch_size && p_.image_size <= 4096,
+             "%s: image_size %lld must lie in [patch_size %lld, 4096]", path, static_cast<long long>(p_.image_size),
+             static_cast<long long>(p_.patch_size));
     KC_CHECK(p_.n_patches() <= 16384, "%s: %lld patches per image is more than kvcmas supports (16384)", path,
              static_cast<long long>(p_.n_patches()));
     KC_CHECK(p_.n_embd > 0 && p_.n_embd <= 16384, "%s: embedding_length %lld out of range", path,
