@@ -287,3 +287,35 @@ def test_workflow_graphs_relay_outputs_in_order(model: kc.Model, topology: str) 
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
     return any(seq[k : k + len(sub)] == sub for k in range(len(seq) - len(sub) + 1))
+
+
+def test_input_vectors_in_the_shared_context_act_like_their_tokens(reference_models) -> None:
+    """Token-embedding rows shared as input vectors (the path image features take) give the same replies as the
+    tokens themselves, under every method; mixed vectors + text form one span that later agents reuse."""
+    import gguf
+
+    path = reference_models["F32"]
+    model = kc.Model(path, n_threads=2)
+    table = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    ids = model.tokenize(QUESTION, add_special=False)
+    rows = np.asarray(table.data)[ids].astype(np.float32)
+    head = 9
+    for method in ("nonshared", "fullshared"):
+        by_text = run_team(model, method)
+        for kw in ({"embeddings": rows}, {"embeddings": rows[:head], "content": ids[head:]}):
+            with AgentSession(model, method) as team:
+                agents = [team.agent(n, system=r) for n, r in ROLES]
+                team.share(label="Question", **kw)  # type: ignore[arg-type]
+                got = [a.respond(max_tokens=8) for a in agents]
+            assert [r.ids for r in got] == [r.ids for r in by_text], (method, list(kw))
+            if method == "fullshared":
+                assert got[1].stats.reused_tokens >= len(ids)  # the vector rows come by reference too
+    with AgentSession(model, "fullshared") as team:
+        with pytest.raises(ValueError, match="shape"):
+            team.share(embeddings=np.zeros((2, 3), np.float32))
+        with pytest.raises(ValueError, match="NaN"):
+            team.share(embeddings=np.full((1, model.n_embd), np.nan, np.float32))
+        with pytest.raises(ValueError, match="no vision encoder"):
+            team.share(image=b"\x89PNG")
+        team.share(embeddings=rows[:3], text="and some text")
+        assert team.context[0][1].startswith("[3 input vectors]")

@@ -25,6 +25,7 @@ releases the GIL; the engine serialises compute), each with its own shared conte
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import weakref
 from collections import OrderedDict
@@ -217,14 +218,16 @@ class AgentSession:
         workflow: str = "default",
         estimator: est.Estimator | None = None,
         config: MethodConfig | None = None,
+        vision: Any = None,
     ) -> None:
         """method: nonshared (every agent prefills its whole prompt; own prefix cache), fullshared (spans shared
         without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
         from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
-        anchor deltas). workflow: sessions with the same name share what the estimator learns."""
+        anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
+        kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd)."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.model, self.method, self.workflow = model, method, workflow
+        self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if config is None:
             config = (
                 MethodConfig(method, head=4, rank=8, calibrate=CALIBRATION_READS)
@@ -259,12 +262,44 @@ class AgentSession:
             self._runner.agent_names.append(name)
             return ag
 
-    def share(self, content: str | Sequence[int], *, label: str | None = None) -> None:
-        """Adds shared context (text, or token ids): every agent that responds later reads it."""
-        ids = self._ids(content)
-        if not ids:
-            raise ValueError("share: the content is empty")
+    def share(
+        self,
+        content: str | Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        image: Any = None,
+        embeddings: np.ndarray | None = None,
+        label: str | None = None,
+    ) -> None:
+        """Adds shared context every agent that responds later reads: text (or token ids), an image (a path, bytes
+        or a PIL image; encoded once by the session's vision encoder, cached by content) and/or input vectors
+        [n, n_embd] in place of token embeddings. Given together they form one span: image, vectors, then text."""
+        if content is not None and text is not None:
+            raise ValueError("share: give the text as `content` or as `text`, not both")
+        body = content if content is not None else text
         with self._lock:
+            ids: list[int] = []
+            if image is not None:
+                if self.vision is None:
+                    raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
+                key = ("image", self.vision.image_hash(image))
+                if key not in self._vector_ids:
+                    self._vector_ids[key] = self._state.add_vectors(self.vision.encode(image))
+                ids += self._vector_ids[key]
+            if embeddings is not None:
+                rows = np.asarray(embeddings, dtype=np.float32)
+                if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] != self.model.n_embd:
+                    raise ValueError(f"share: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
+                if not np.isfinite(rows).all():
+                    raise ValueError("share: embeddings hold NaN or infinite values")
+                key = ("vectors", hashlib.sha256(rows.tobytes()).hexdigest())
+                if key not in self._vector_ids:
+                    self._vector_ids[key] = self._state.add_vectors(rows)
+                ids += self._vector_ids[key]
+            if body is not None:
+                ids += self._ids(body)
+            if not ids:
+                raise ValueError("share: the content is empty")
             n_ctx = sum(1 for it in self._items if it.author is None)
             ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
             self._add_item(_Item(ph, ids, label, None))
@@ -272,7 +307,12 @@ class AgentSession:
     @property
     def context(self) -> list[tuple[str | None, str]]:
         """The shared items so far as (label, text)."""
-        return [(it.label, self.model.detokenize(it.ids)) for it in self._items]
+        return [(it.label, self._describe(it.ids)) for it in self._items]
+
+    def _describe(self, ids: list[int]) -> str:
+        n_vec = sum(1 for t in ids if t < 0)
+        text = self.model.detokenize([t for t in ids if t >= 0])
+        return f"[{n_vec} input vectors]{text}" if n_vec else text
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def _reset_state(self) -> None:
@@ -284,6 +324,7 @@ class AgentSession:
         self._owned_rows: dict[int, int] = {}  # id(seq) -> rows it computed itself (prefix and shared rows excluded)
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, int] = {}  # agent -> replies so far
+        self._vector_ids: dict[tuple[str, str], list[int]] = {}  # image / vectors content hash -> their prompt ids
 
     def reset(self) -> None:
         """Forgets the shared context and frees its KV; agents and what the estimator learned stay."""
@@ -313,6 +354,9 @@ class AgentSession:
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
             for a in self.agents:
                 other.agent(a.name, a.system, template=a.template)
+            other.vision = self.vision
+            other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
+            other._vector_ids = dict(self._vector_ids)
             for it in self._items:
                 other._add_item(_Item(it.ph, list(it.ids), it.label, it.author))
             return other

@@ -149,6 +149,37 @@ class RequestState:
     spans_at: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
+    vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+
+    def add_vectors(self, rows: np.ndarray) -> list[int]:
+        """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        first = 0 if self.vectors is None else self.vectors.shape[0]
+        self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])
+        return [-(1 + first + i) for i in range(rows.shape[0])]
+
+
+def append_mixed(
+    seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
+) -> np.ndarray | None:
+    """seq.append for prompts that mix token ids with input vectors: an id -(1 + r) stands for row r of `vectors`."""
+    if not ids or min(ids) >= 0:
+        return seq.append(ids, logits=logits)
+    if vectors is None:
+        raise ValueError("a prompt holds input-vector ids but no vectors were registered")
+    out: np.ndarray | None = None
+    i = 0
+    while i < len(ids):
+        j, is_vec = i, ids[i] < 0
+        while j < len(ids) and (ids[j] < 0) == is_vec:
+            j += 1
+        want = logits if j == len(ids) else "none"
+        if is_vec:
+            out = seq.append_embeddings(vectors[[-t - 1 for t in ids[i:j]]], logits=want == "last")
+        else:
+            out = seq.append(ids[i:j], logits=want)
+        i = j
+    return out
 
 
 @dataclass
@@ -303,10 +334,10 @@ class WorkflowRunner:
         st.spans_at.append(pos_map)
         corrs: dict[str, est.Correction] = {}
         if mode != "reuse":
-            logits = seq.append(prompt[len(t.texts[0]) :], logits="last")
+            logits = append_mixed(seq, prompt[len(t.texts[0]) :], "last", st.vectors)
             computed = len(prompt) - len(t.texts[0])
         else:
-            logits, computed, corrs = self._assemble(a, t, seq, st.relayed, st.buckets, st.message, exact)
+            logits, computed, corrs = self._assemble(a, t, seq, st, exact)
         ttft = (time.perf_counter() - t0) * 1000.0
         assert logits is not None
         corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
@@ -375,17 +406,11 @@ class WorkflowRunner:
                 hop.gate += f"; output {'novel' if novel else 'reusable'}"
 
     def _assemble(
-        self,
-        a: int,
-        t: Template,
-        seq: KVSequence,
-        relayed: dict[str, list[int]],
-        buckets: dict[str, _Bucket],
-        message: str,
-        exact: RequestResult | None,
+        self, a: int, t: Template, seq: KVSequence, st: RequestState, exact: RequestResult | None
     ) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
         """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
         cfg = self.config
+        relayed, buckets, message = st.relayed, st.buckets, st.message
         pending: list[int] = []
         computed = 0
         corrs: dict[str, est.Correction] = {}
@@ -398,7 +423,7 @@ class WorkflowRunner:
                 pending += ids[h:]
             elif len(ids) > h:
                 if pending:
-                    seq.append(pending, logits="none")
+                    append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)
                     pending = []
                 pos = len(seq)
@@ -410,7 +435,7 @@ class WorkflowRunner:
             last = i == len(t.placeholders) - 1
             if cfg.tail == "rotate" and len(tail) > (1 if last else 0):
                 if pending:
-                    seq.append(pending, logits="none")
+                    append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)
                     pending = []
                 tseq, tpos = self._template_tail(a, i)
@@ -419,7 +444,7 @@ class WorkflowRunner:
                 pending += tail[n_rot:]
             else:
                 pending += tail
-        logits = seq.append(pending, logits="last")
+        logits = append_mixed(seq, pending, "last", st.vectors)
         assert logits is not None
         computed += len(pending)
         return logits, computed, corrs
