@@ -253,14 +253,21 @@ void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> &
 // Multi-head attention without a mask. Each head runs as two matmuls against f32 views of K and Vᵀ, which
 // reuses the tuned GEMM instead of a dedicated attention kernel: scores = (q·s) Kᵀ, out = softmax(scores) V.
 void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T) {
-    const int64_t      E = p_.n_embd, H = p_.n_head, hd = E / H;
-    std::vector<float> q(static_cast<size_t>(T * E)), k(q.size()), v(q.size());
+    const int64_t E = p_.n_embd, H = p_.n_head, hd = E / H;
+    // Buffers live in the encoder (calls are serialised): fresh ones per layer cost page faults on every encode.
+    AttentionScratch & sc = scratch_;
+    for (std::vector<float> * buf : { &sc.q, &sc.k, &sc.v }) {
+        buf->resize(static_cast<size_t>(T * E));
+    }
+    for (std::vector<float> * buf : { &sc.qh, &sc.vt, &sc.oh }) {
+        buf->resize(static_cast<size_t>(T * hd));
+    }
+    sc.scores.resize(static_cast<size_t>(T * T));
+    std::vector<float> &q = sc.q, &k = sc.k, &v = sc.v, &qh = sc.qh, &vt = sc.vt, &oh = sc.oh, &scores = sc.scores;
     linear(L.wq, L.bq, xn, q.data(), T);
     linear(L.wk, L.bk, xn, k.data(), T);
     linear(L.wv, L.bv, xn, v.data(), T);
-    std::vector<float> qh(static_cast<size_t>(T * hd)), vt(qh.size()), oh(qh.size());
-    std::vector<float> scores(static_cast<size_t>(T * T));
-    const float        scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (int64_t h = 0; h < H; ++h) {
         pool_.run([&](int ith, int nth) {
             long long t0, t1;

@@ -97,7 +97,11 @@ class VisionEncoder {
     cpu::WeightView                 mm0_{}, mm2_{};
     std::vector<float>              mm0_b_, mm2_b_;
     cpu::ThreadPool                 pool_;
-    std::mutex                      mutex_;  // one encode at a time (the pool is not reentrant)
+    struct AttentionScratch {
+        std::vector<float> q, k, v, qh, vt, oh, scores;  // [T, E] x3, [T, hd] x3, [T, T]
+    };
+    AttentionScratch scratch_;
+    std::mutex       mutex_;  // one encode at a time (the pool and the scratch are shared)
 };
 
 }  // namespace kvcmas::vision
