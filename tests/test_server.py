@@ -137,8 +137,26 @@ def model_path(default_model_path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_path: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8")
+def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """A tiny random-weight SigLIP tower + projector to the default model's width; None when the core has no
+    vision encoder."""
+    from kvcmas_cpp._native import core
+
+    if not hasattr(core, "VisionEncoder"):
+        return None
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    path = tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf"
+    write_random_mmproj(
+        path, image_size=56, patch_size=14, n_embd=32, n_ff=64, n_layer=2, n_head=2, n_embd_out=576, outtype="f32"
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_path: str, mmproj_path: str | None) -> Iterator[ServerProcess]:
+    vision = ["--mmproj", mmproj_path] if mmproj_path else []
+    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8", *vision)
     yield srv
     srv.stop()
 
@@ -393,8 +411,50 @@ def test_metrics_count_requests_and_ttft(server: ServerProcess) -> None:
     assert after["kvcmas_kv_budget_bytes"] > 0 and after["kvcmas_kv_peak_bytes"] >= after["kvcmas_kv_bytes"]
 
 
+def test_image_parts_become_image_embeddings(server: ServerProcess, engine: kc.Model, mmproj_path: str | None) -> None:
+    if mmproj_path is None:
+        pytest.skip("this kvcmas core has no vision encoder")
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from kvcmas_cpp.vision import VisionEncoder
+
+    pixels = np.add.outer(np.arange(40), np.arange(60)).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([pixels, pixels[::-1], 255 - pixels], axis=-1)).save(buf, "PNG")
+    png = buf.getvalue()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    parts = [
+        {"type": "text", "text": "Look: "},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": " What is it?"},
+    ]
+    body = chat(server, [{"role": "user", "content": parts}], max_tokens=8)
+
+    # The reference, as docs/vision.md builds it: text before the image, its embeddings, text after it.
+    features = VisionEncoder(mmproj_path, n_threads=1).encode(png)
+    before, after = engine.apply_chat_template([{"role": "user", "content": "Look: @IMG@ What is it?"}]).split("@IMG@")
+    tok = engine.tokenizer
+    prefix = tok.encode(before, add_special=False, parse_special=True)
+    if tok.add_bos and tok.bos_id is not None:
+        prefix = [tok.bos_id, *prefix]
+    suffix = tok.encode(after, add_special=False, parse_special=True)
+    with engine.new_sequence() as seq:
+        seq.append(prefix, logits="none")
+        seq.append_embeddings(features)
+        want = engine.generate(suffix, max_tokens=8, temperature=0, sequence=seq)
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["prompt_tokens"] == len(prefix) + features.shape[0] + len(suffix)
+    assert body["kvcmas"]["images"] == 1
+
+
 # --------------------------------------------------------------------------------------------------- bad input
 IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+IMAGE_HTTP = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+IMAGE_BAD_B64 = {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("empty messages", {"messages": []}, "messages"),
@@ -415,7 +475,9 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("unknown method", {**GOOD, "kvcmas": {"method": "magic"}}, "kvcmas.method"),
     ("unknown model", {**GOOD, "model": "gpt-9"}, "model"),
     ("too many tokens", {**GOOD, "max_tokens": 1_000_000}, "max_tokens"),
-    ("image without vision", {"messages": [{"role": "user", "content": [IMAGE_PART]}]}, "messages"),
+    ("image: not a data URL", {"messages": [{"role": "user", "content": [IMAGE_HTTP]}]}, None),
+    ("image: not base64", {"messages": [{"role": "user", "content": [IMAGE_BAD_B64]}]}, None),
+    ("image: not an image", {"messages": [{"role": "user", "content": [IMAGE_PART]}]}, None),
     ("body is a list", [GOOD], None),
 ]
 
@@ -486,6 +548,9 @@ AUTH = {"Authorization": "Bearer sekrit"}
 
 def test_api_key_is_required(small_server: ServerProcess) -> None:
     assert small_server.request("GET", "/health")[0] == 200
+    image = {"messages": [{"role": "user", "content": [IMAGE_PART]}]}  # no --mmproj: images are refused
+    status, _, out = small_server.request("POST", "/v1/chat/completions", image, headers=AUTH)
+    assert status == 400 and "--mmproj" in out["error"]["message"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
         status, _, out = small_server.request("POST", "/v1/chat/completions", GOOD, headers=headers)
         assert status == 401 and out["error"]["type"] == "authentication_error", out

