@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,8 +96,9 @@ def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) ->
         model.new_sequence().append_embeddings(np.zeros((2, 7), np.float32))
 
 
-def test_run_main_job_runs_the_team_under_both_methods() -> None:
-    out = kvcmas("run", "--questions", "1", "-n", "8", "--calibrate", "2", "-t", "2")
+def test_run_main_job_runs_the_team_under_both_methods(tmp_path: Path) -> None:
+    saved = tmp_path / "corrections.npz"
+    out = kvcmas("run", "--questions", "1", "-n", "8", "--calibrate", "2", "-t", "2", "--calibration", str(saved))
     assert out.returncode == 0, out.stderr
     assert "Question 0:" in out.stdout and "reference answer: 18" in out.stdout  # GSM8K test line 0
     for agent in ("Math Solver", "Mathematical Analyst", "Programming Expert", "Decision Maker"):
@@ -104,6 +106,15 @@ def test_run_main_job_runs_the_team_under_both_methods() -> None:
     # after calibrating on two questions, kvcmas' later agents read the shared spans instead of computing them
     assert "| 0 | Mathematical Analyst | kvcmas | reuse |" in out.stdout
     assert "| kvcmas |" in out.stdout.split("summary")[1]
+    assert saved.is_file() and "saved to" in out.stderr
+    # a second run loads the saved corrections: no calibration, the same kvcmas replies
+    again = kvcmas("run", "--questions", "1", "-n", "8", "--calibrate", "2", "-t", "2", "--calibration", str(saved))
+    assert again.returncode == 0, again.stderr
+    assert "loaded from" in again.stderr
+    rows = [ln for ln in out.stdout.splitlines() if "| kvcmas |" in ln and ln.startswith("| 0 |")]
+    rows2 = [ln for ln in again.stdout.splitlines() if "| kvcmas |" in ln and ln.startswith("| 0 |")]
+    strip = [r.split("|")[2:5] + r.split("|")[6:8] for r in rows]  # agent, method, mode, computed, reused
+    assert strip == [r.split("|")[2:5] + r.split("|")[6:8] for r in rows2]
 
 
 def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:

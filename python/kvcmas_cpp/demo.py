@@ -10,10 +10,13 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model, default_model_path
+from .sharing.estimators import RidgeEstimator
+from .sharing.persist import load_ridge, save_ridge
 from .sharing.runner import MethodConfig
 from .tasks import Example, get_task
 from .tasks.base import Task
@@ -34,6 +37,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=CALIBRATION_READS,
         help="GSM8K questions (from line 1000 on) that kvcmas learns its corrections from before the demo",
     )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="file of kvcmas' learned corrections: loaded when it exists (no calibration run), else written after it",
+    )
     p.add_argument("--json", action="store_true", help="print the per-hop rows as JSON at the end")
 
 
@@ -51,13 +59,20 @@ def _progress(total: int, desc: str) -> Any:
 
 
 def run_team(
-    model: Model, task: Task, method: str, example: Example, max_tokens: int, calibrate: int = CALIBRATION_READS
+    model: Model,
+    task: Task,
+    method: str,
+    example: Example,
+    max_tokens: int,
+    calibrate: int = CALIBRATION_READS,
+    estimator: RidgeEstimator | None = None,
 ) -> list[Response]:
     """One request: every agent of the task's workflow answers in order over the shared question. kvcmas learns
     each edge's correction from its first `calibrate` dense reads (shared across calls on this model)."""
     workflow = task.workflow()
     config = MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate) if method == "kvcmas" else None
-    with AgentSession(model, method, workflow=f"{task.name}-demo", config=config) as team:
+    learned = estimator if method == "kvcmas" else None
+    with AgentSession(model, method, workflow=f"{task.name}-demo", config=config, estimator=learned) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in workflow.agents]
         team.share(example.question)
         return [a.respond(max_tokens=max_tokens) for a in agents]  # type: ignore[misc]
@@ -78,18 +93,25 @@ def run_demo(args: argparse.Namespace) -> int:
     names = [a.name for a in task.workflow().agents]
     print(f"team: {' -> '.join(names)} (fully connected; the decision agent reads everyone)", file=sys.stderr)
 
-    if args.calibrate:
+    estimator = RidgeEstimator(rank=8)
+    if args.calibration and Path(args.calibration).is_file():
+        estimator = load_ridge(args.calibration, model)
+        print(f"kvcmas corrections loaded from {args.calibration}", file=sys.stderr)
+    elif args.calibrate:
         bar = _progress(args.calibrate, "kvcmas learns its corrections")
         for ex in task.load(CALIBRATION_OFFSET, args.calibrate):
-            run_team(model, task, "kvcmas", ex, max_tokens=16, calibrate=args.calibrate)
+            run_team(model, task, "kvcmas", ex, 16, args.calibrate, estimator)
             bar.update()
         bar.close()
+        if args.calibration:
+            save_ridge(estimator, args.calibration, model)
+            print(f"kvcmas corrections saved to {args.calibration}", file=sys.stderr)
 
     hops: list[Hop] = []
     bar = _progress(len(examples) * len(METHODS), "questions x methods")
     for qi, ex in enumerate(examples):
         for method in METHODS:
-            for r in run_team(model, task, method, ex, args.max_tokens, calibrate=args.calibrate):
+            for r in run_team(model, task, method, ex, args.max_tokens, args.calibrate, estimator):
                 hops.append(Hop(qi, method, r))
             bar.update()
     bar.close()
