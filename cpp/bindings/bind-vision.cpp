@@ -7,11 +7,6 @@
 #include "common/error.h"
 #include "vision/vision-encoder.h"
 
-// Interim unity build: CMakeLists.txt's KC_CORE_SOURCES glob does not list cpp/vision/ yet, so the encoder is
-// compiled into this translation unit. When cpp/vision/*.cpp joins that glob, delete these two includes.
-#include "vision/vision-encoder.cpp"  // NOLINT(bugprone-suspicious-include)
-#include "vision/vision-ops.cpp"      // NOLINT(bugprone-suspicious-include)
-
 namespace nb = nanobind;
 
 namespace kvcmas::py {
