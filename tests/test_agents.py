@@ -4,6 +4,7 @@ running concurrently, memory release, and the server's message-level prefill."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -319,3 +320,32 @@ def test_input_vectors_in_the_shared_context_act_like_their_tokens(reference_mod
             team.share(image=b"\x89PNG")
         team.share(embeddings=rows[:3], text="and some text")
         assert team.context[0][1].startswith("[3 input vectors]")
+
+
+def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None:
+    """Issue 7: the image is encoded once; kvcmas' first agent equals nonshared; later agents reuse its rows."""
+    import importlib.util
+
+    if importlib.util.find_spec("skimage") is None:
+        pytest.skip("scikit-image (photos) is not installed")
+    import skimage
+
+    from kvcmas_cpp.vision import VisionEncoder
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    mmproj = tmp_path / "mmproj.gguf"
+    write_random_mmproj(mmproj, image_size=56, n_embd=64, n_ff=128, n_layer=2, n_head=4, n_embd_out=model.n_embd)
+    photo = Path(skimage.__file__).parent / "data" / "astronaut.png"
+    vision = VisionEncoder(mmproj, n_threads=2)
+    replies = {}
+    for method in ("nonshared", "fullshared"):
+        with AgentSession(model, method, vision=vision) as team:
+            agents = [team.agent(n, system=r) for n, r in ROLES]
+            team.share(image=photo, text="What is in this picture?", label="Question")
+            replies[method] = [a.respond(max_tokens=6) for a in agents]
+    assert vision.encode_count == 1  # one encode, however many agents and sessions read it
+    assert replies["fullshared"][0].ids == replies["nonshared"][0].ids
+    for r in replies["fullshared"][1:]:
+        assert r.stats.mode == "reuse" and r.stats.reused_tokens >= vision.n_tokens
+    with AgentSession(model, "fullshared", vision=vision) as team, pytest.raises(ValueError, match="image"):
+        team.share(image=b"not an image at all")

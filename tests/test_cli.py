@@ -121,3 +121,34 @@ def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:
     out = kvcmas("gguf", "show", default_model_path, "--no-tensors")
     assert out.returncode == 0, out.stderr
     assert "general.architecture" in out.stdout and "'llama'" in out.stdout
+
+
+def test_run_with_an_image_in_the_shared_context(tmp_path: Path) -> None:
+    pytest.importorskip("skimage")
+    import skimage
+
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    bad = kvcmas("run", "--image", "x.png")
+    assert bad.returncode == 1 and "--image and --mmproj go together" in bad.stderr
+    mmproj = tmp_path / "mmproj.gguf"
+    write_random_mmproj(mmproj, image_size=56, n_embd=64, n_ff=128, n_layer=2, n_head=4, n_embd_out=576)
+    photo = Path(skimage.__file__).parent / "data" / "chelsea.png"
+    out = kvcmas(
+        "run",
+        "--questions",
+        "1",
+        "-n",
+        "4",
+        "--calibrate",
+        "0",
+        "-t",
+        "2",
+        "--image",
+        str(photo),
+        "--mmproj",
+        str(mmproj),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "image tokens per agent prompt" in out.stderr
+    assert "| 0 | Mathematical Analyst | kvcmas | reuse |" in out.stdout

@@ -228,6 +228,8 @@ class AgentSession:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
+        if vision is not None:
+            vision.check_text_model(model.n_embd)
         if config is None:
             config = (
                 MethodConfig(method, head=4, rank=8, calibrate=CALIBRATION_READS)

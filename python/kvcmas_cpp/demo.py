@@ -42,6 +42,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file of kvcmas' learned corrections: loaded when it exists (no calibration run), else written after it",
     )
+    p.add_argument("--image", default=None, help="an image every agent reads with the question (needs --mmproj)")
+    p.add_argument("--mmproj", default=None, help="the vision tower + projector GGUF for --image")
     p.add_argument("--json", action="store_true", help="print the per-hop rows as JSON at the end")
 
 
@@ -66,15 +68,19 @@ def run_team(
     max_tokens: int,
     calibrate: int = CALIBRATION_READS,
     estimator: RidgeEstimator | None = None,
+    image: tuple[Any, str] | None = None,
 ) -> list[Response]:
     """One request: every agent of the task's workflow answers in order over the shared question. kvcmas learns
     each edge's correction from its first `calibrate` dense reads (shared across calls on this model)."""
     workflow = task.workflow()
     config = MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate) if method == "kvcmas" else None
     learned = estimator if method == "kvcmas" else None
-    with AgentSession(model, method, workflow=f"{task.name}-demo", config=config, estimator=learned) as team:
+    vision = image[0] if image else None
+    with AgentSession(
+        model, method, workflow=f"{task.name}-demo", config=config, estimator=learned, vision=vision
+    ) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in workflow.agents]
-        team.share(example.question)
+        team.share(example.question, image=image[1] if image else None)
         return [a.respond(max_tokens=max_tokens) for a in agents]  # type: ignore[misc]
 
 
@@ -86,7 +92,19 @@ def _short(text: str, width: int = 160) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     if args.questions < 1 or args.max_tokens < 1 or args.calibrate < 0:
         raise ValueError("--questions and --max-tokens must be >= 1, --calibrate >= 0")
+    if (args.image is None) != (args.mmproj is None):
+        raise ValueError(
+            "--image and --mmproj go together (no vision-language weights ship with kvcmas: see docs/vision.md)"
+        )
     model = Model(args.model or default_model_path(), n_threads=args.threads)
+    image = None
+    if args.image is not None:
+        from .vision import VisionEncoder
+
+        encoder = VisionEncoder(args.mmproj, n_threads=args.threads)
+        encoder.load(args.image)  # a bad image fails here, before any work
+        image = (encoder, args.image)
+        print(f"image: {args.image} ({encoder.n_tokens} image tokens per agent prompt)", file=sys.stderr)
     task = get_task("gsm8k")
     examples = task.load(args.start, args.questions)
     print(f"model: {model.path} ({model.arch}, {model.n_layer} layers, {model.n_threads} threads)", file=sys.stderr)
@@ -100,7 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
     elif args.calibrate:
         bar = _progress(args.calibrate, "kvcmas learns its corrections")
         for ex in task.load(CALIBRATION_OFFSET, args.calibrate):
-            run_team(model, task, "kvcmas", ex, 16, args.calibrate, estimator)
+            run_team(model, task, "kvcmas", ex, 16, args.calibrate, estimator, image)
             bar.update()
         bar.close()
         if args.calibration:
@@ -111,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
     bar = _progress(len(examples) * len(METHODS), "questions x methods")
     for qi, ex in enumerate(examples):
         for method in METHODS:
-            for r in run_team(model, task, method, ex, args.max_tokens, args.calibrate, estimator):
+            for r in run_team(model, task, method, ex, args.max_tokens, args.calibrate, estimator, image):
                 hops.append(Hop(qi, method, r))
             bar.update()
     bar.close()
