@@ -442,3 +442,28 @@ def test_cli_writes_mmproj(towers: dict[str, tuple[Path, Any]], tmp_path: Path) 
     assert f"{N_PATCHES} image tokens" in proc.stderr
     enc = VisionEncoder(out, n_threads=1)
     assert (enc.model_type, enc.n_tokens, enc.config.resize_mode) == ("siglip", N_PATCHES, "square")
+
+
+def test_concurrent_readers_share_one_encode(towers: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """Agents on several threads reading one image: one encode, everyone gets the same (cached) array."""
+    import threading
+
+    kv.convert_mmproj(towers["clip"][0], tmp_path / "c.gguf", outtype="f16", feature_layer=-2)
+    enc = VisionEncoder(tmp_path / "c.gguf", n_threads=2)
+    data = COFFEE.read_bytes()
+    results: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def agent() -> None:
+        try:
+            results.append(enc.encode(data))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=agent) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4 and enc.encode_count == 1
+    assert all(r is results[0] for r in results) and results[0].shape == (N_PATCHES, 64)
