@@ -171,7 +171,9 @@ def test_f16_file_matches_f16_rounded_weights(towers: dict[str, tuple[Path, Any]
 
 def test_mmproj_layout_uses_llama_cpp_names(towers: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
     """The file as gguf-py reads it: llama.cpp's clip keys and v.* tensor names, ggml-order shapes."""
-    kv.convert_mmproj(towers["clip"][0], tmp_path / "c.gguf", outtype="f16", feature_layer=-2)
+    kv.convert_mmproj(
+        towers["clip"][0], tmp_path / "c.gguf", outtype="f16", feature_layer=-2, select_strategy="default"
+    )
     r = gguf.GGUFReader(tmp_path / "c.gguf")
     f = {name: field.contents() for name, field in r.fields.items()}
     assert f["general.architecture"] == "clip" and f["clip.has_vision_encoder"] is True
@@ -448,7 +450,9 @@ def test_concurrent_readers_share_one_encode(towers: dict[str, tuple[Path, Any]]
     """Agents on several threads reading one image: one encode, everyone gets the same (cached) array."""
     import threading
 
-    kv.convert_mmproj(towers["clip"][0], tmp_path / "c.gguf", outtype="f16", feature_layer=-2)
+    kv.convert_mmproj(
+        towers["clip"][0], tmp_path / "c.gguf", outtype="f16", feature_layer=-2, select_strategy="default"
+    )
     enc = VisionEncoder(tmp_path / "c.gguf", n_threads=2)
     data = COFFEE.read_bytes()
     results: list[np.ndarray] = []
