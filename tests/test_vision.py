@@ -225,8 +225,6 @@ def test_llava_logits_match_transformers(tmp_path: Path, vision: str, text: str,
     CLIP runs as LLaVA-1.5 (hidden_states[-2], class token dropped); SigLIP as LLaVA-OneVision's base resolution
     (hidden_states[-1], all tokens)."""
     text_model = _text_model(text, 5)
-    text_model.save_pretrained(tmp_path / "text")
-    kc.convert(tmp_path / "text", tmp_path / "text.gguf", outtype="f32", vocab=False, progress=False)
     image_token = 319
     vcfg = _clip_config() if vision == "clip" else _siglip_config()
     layer, strategy = (-2, "default") if vision == "clip" else (-1, "full")
@@ -242,7 +240,9 @@ def test_llava_logits_match_transformers(tmp_path: Path, vision: str, text: str,
     llava.model.language_model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
     llava.lm_head.load_state_dict({"weight": state["lm_head.weight"]})
     llava.save_pretrained(tmp_path / "llava")
+    # Both halves from the LLaVA checkpoint: the tower + projector, and the language model (renamed, then converted).
     kv.convert_mmproj(tmp_path / "llava", tmp_path / "mmproj.gguf", outtype="f32")
+    kv.convert_llava_text(tmp_path / "llava", tmp_path / "text.gguf", outtype="f32", vocab=False, progress=False)
 
     enc = VisionEncoder(tmp_path / "mmproj.gguf", n_threads=2)
     model = kvcmas_cpp.Model(tmp_path / "text.gguf", n_threads=2)

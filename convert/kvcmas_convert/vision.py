@@ -17,7 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import struct
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -25,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from .convert import encode_tensor, temp_path_for
+from .convert import ConvertResult, convert, encode_tensor, temp_path_for
 from .errors import ConvertError
 from .source import CheckpointTensors, load_config
 
@@ -393,6 +396,92 @@ def convert_mmproj(
     return MmprojResult(out, plan.model_type, n_patches + int(keeps_cls), listing, meta)
 
 
+# ------------------------------------------------------------------------------------------ the text half of LLaVA
+_TEXT_ARCHS: Final = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TEXT_PREFIXES: Final = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))  # fmt: skip
+_TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                           "chat_template.jinja", "chat_template.json", "added_tokens.json")  # fmt: skip
+_ST_NAMES: Final = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64"}
+
+
+def extract_llava_text(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Writes the language model of a LLaVA checkpoint as a plain causal-LM checkpoint folder (config.json from
+    ``text_config``, the ``model.language_model.*`` / ``lm_head.*`` tensors renamed to ``model.*`` / ``lm_head.*``
+    and copied byte for byte into one safetensors file, the tokenizer files), which ``convert`` then reads."""
+    src, dst = Path(model_dir), Path(out_dir)
+    config = load_config(src)
+    where = str(src / "config.json")
+    if not any(a in _LLAVA_ARCHS for a in config.get("architectures") or []):
+        raise ConvertError(f"{where}: not a LLaVA checkpoint ({', '.join(_LLAVA_ARCHS)})")
+    tcfg = dict(config.get("text_config") or {})
+    arch = _TEXT_ARCHS.get(str(tcfg.get("model_type")))
+    if arch is None:
+        raise ConvertError(
+            f"{where}: text model type {tcfg.get('model_type')!r} is not supported ({list(_TEXT_ARCHS)})"
+        )
+    tcfg["architectures"] = [arch]
+    if "tie_word_embeddings" not in tcfg and "tie_word_embeddings" in config:  # older LLaVA: at the top level
+        tcfg["tie_word_embeddings"] = bool(config["tie_word_embeddings"])
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(tcfg, indent=2), encoding="utf-8")
+    for name in _TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    tensors = CheckpointTensors(src)
+    try:
+        renamed: list[tuple[str, str]] = []
+        for name in tensors:
+            for old, new in _TEXT_PREFIXES:
+                if name.startswith(old):
+                    renamed.append((new + name[len(old) :], name))
+                    break
+        if not renamed:
+            raise ConvertError(f"{src}: no language-model tensors (model.language_model.*) found")
+        header: dict[str, Any] = {}
+        offset = 0
+        for new, old in renamed:
+            ref = tensors.refs[old]
+            # .bin sources are read through torch as float32; safetensors sources are copied as stored.
+            dtype = ref.dtype if ref.path.suffix != ".bin" else "F32"
+            n = int(np.prod(ref.shape, dtype=np.int64)) * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}[dtype]
+            header[new] = {"dtype": _ST_NAMES[dtype], "shape": list(ref.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        with open(dst / "model.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for _, old in renamed:
+                ref = tensors.refs[old]
+                if ref.path.suffix == ".bin":
+                    f.write(np.ascontiguousarray(tensors.load(old), dtype="<f4").tobytes())
+                    continue
+                with open(ref.path, "rb") as shard:
+                    shard.seek(ref.begin)
+                    left = ref.end - ref.begin
+                    while left > 0:
+                        chunk = shard.read(min(left, 64 << 20))
+                        if not chunk:
+                            raise ConvertError(f"{ref.path}: ends inside tensor {old!r}")
+                        f.write(chunk)
+                        left -= len(chunk)
+    finally:
+        tensors.close()
+    return dst
+
+
+def convert_llava_text(
+    model_dir: str | os.PathLike[str], output: str | os.PathLike[str], outtype: str = "f16", **kwargs: Any
+) -> ConvertResult:
+    """The text GGUF of a LLaVA checkpoint: ``extract_llava_text`` into a temporary folder beside ``output``, then
+    ``convert`` (keyword arguments go to it)."""
+    out = Path(output)
+    with tempfile.TemporaryDirectory(prefix=".llava-text-", dir=out.parent if out.parent.is_dir() else None) as tmp:
+        extract_llava_text(model_dir, tmp)
+        kwargs.setdefault("name", Path(model_dir).resolve().name)
+        return convert(tmp, out, outtype=outtype, **kwargs)
+
+
 def add_mmproj_subcommand(subparsers: Any) -> None:
     """Registers ``mmproj`` (HF_DIR -o OUT.gguf) on an argparse subparsers object; ``func`` runs it."""
     p = subparsers.add_parser(
@@ -406,6 +495,8 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
     p.add_argument("--feature-layer", type=int, help="hidden state feeding the projector (default: from config)")
     p.add_argument("--select-strategy", choices=("default", "full"), help="drop ('default') or keep the class token")
     p.add_argument("--name", help="general.name (default: the folder name)")
+    p.add_argument("--text-outfile", metavar="TEXT.gguf", help="also convert a LLaVA checkpoint's language model")
+    p.add_argument("--text-outtype", default="f16", help="weight type of the text GGUF (as convert --outtype)")
     p.set_defaults(func=_run_mmproj)
 
 
@@ -414,4 +505,7 @@ def _run_mmproj(args: argparse.Namespace) -> int:
                             select_strategy=args.select_strategy, name=args.name)  # fmt: skip
     print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {result.n_tokens} image tokens)",
           file=sys.stderr)  # fmt: skip
+    if args.text_outfile:
+        text = convert_llava_text(args.model_dir, args.text_outfile, outtype=args.text_outtype, progress=False)
+        print(f"wrote {text.output} ({text.architecture}, {len(text.tensors)} tensors)", file=sys.stderr)
     return 0
