@@ -31,7 +31,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -164,6 +164,36 @@ class Agent:
     def __init__(self, session: AgentSession, index: int, name: str, system: str, template: str | None) -> None:
         self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
 
+    @overload
+    def respond(
+        self,
+        max_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        min_p: float = ...,
+        repeat_penalty: float = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+    ) -> Response: ...
+
+    @overload
+    def respond(
+        self,
+        max_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        min_p: float = ...,
+        repeat_penalty: float = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+    ) -> Iterator[ResponseChunk]: ...
+
     def respond(
         self,
         max_tokens: int = 256,
@@ -199,9 +229,7 @@ class Agent:
         """respond() for asyncio: runs in a worker thread (compute releases the GIL), so other sessions' calls and
         the event loop go on meanwhile."""
         kwargs.pop("stream", None)
-        result = await asyncio.to_thread(self.respond, max_tokens, **kwargs)
-        assert isinstance(result, Response)
-        return result
+        return await asyncio.to_thread(lambda: self.respond(max_tokens, **kwargs))
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, index={self.index})"

@@ -49,7 +49,7 @@ def run_workflow(
     with AgentSession(model, method, workflow=f"bench-{task.name}", config=_config(method, calibrate)) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
         team.share(question)
-        return [a.respond(max_tokens=max_tokens) for a in agents]  # type: ignore[misc]
+        return [a.respond(max_tokens=max_tokens) for a in agents]
 
 
 def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:

@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_arguments(ps)
     ps.set_defaults(func=run_bench_serve)
 
+    from .bench_vision import add_vision_arguments, run_vision
+
+    pv = bench_sub.add_parser("vision", help="an image in the shared context: encode time, later-agent TTFT, memory")
+    add_vision_arguments(pv)
+    pv.set_defaults(func=run_vision)
+
     from .server import add_serve_arguments, run_serve
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server (same as kvcmas-server)")

@@ -81,7 +81,7 @@ def run_team(
     ) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in workflow.agents]
         team.share(example.question, image=image[1] if image else None)
-        return [a.respond(max_tokens=max_tokens) for a in agents]  # type: ignore[misc]
+        return [a.respond(max_tokens=max_tokens) for a in agents]
 
 
 def _short(text: str, width: int = 160) -> str:
