@@ -12,7 +12,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..sharing.workflow import Workflow
+from ..sharing.workflow import Workflow, team_workflow
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,25 @@ class Task(abc.ABC):
         """Examples [start, start + count) in the task's evaluation order. Raises ValueError when the data set has
         fewer, FileNotFoundError when its file is missing."""
 
-    @abc.abstractmethod
+    # the roster: (name, system prompt) of the role agents, the decision agent, and the template endings
+    roles: ClassVar[tuple[tuple[str, str], ...]] = ()
+    decision: ClassVar[tuple[str, str]] = ("Decision Maker", "")
+    follow_up: ClassVar[str] = ""
+    final_instruction: ClassVar[str] = ""
+
     def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
         """The spec's roster: n_agents - 1 role agents (cycling the three roles) and the decision agent last, in the
         FullConnected DAG ('full') or a chain (see sharing.workflow.team_workflow)."""
+        return team_workflow(
+            self.name,
+            self.roles,
+            self.decision,
+            self.lead_in,
+            n_agents,
+            follow_up=self.follow_up,
+            final_instruction=self.final_instruction,
+            topology=topology,
+        )
 
     @abc.abstractmethod
     def extract(self, text: str) -> str | None:

@@ -25,7 +25,6 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from ..sharing.workflow import Workflow, team_workflow
 from .base import Example, Task, check_range
 from .sandbox import SandboxResult, run_python
 
@@ -134,6 +133,7 @@ class HumanEvalTask(Task):
     name = "humaneval"
     lead_in = "The task is:\n\n"
     gamma = 0.34
+    roles, decision, follow_up, final_instruction = _ROLES, _DECISION, _FOLLOW_UP, _FINAL_INSTRUCTION
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512) -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
@@ -151,18 +151,6 @@ class HumanEvalTask(Task):
             )
             for p in problems[start : start + count]
         ]
-
-    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
-        return team_workflow(
-            self.name,
-            _ROLES,
-            _DECISION,
-            self.lead_in,
-            n_agents,
-            follow_up=_FOLLOW_UP,
-            final_instruction=_FINAL_INSTRUCTION,
-            topology=topology,
-        )
 
     def extract(self, text: str) -> str | None:
         return extract_code(text)

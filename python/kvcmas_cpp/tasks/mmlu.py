@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from ..sharing.workflow import Workflow, team_workflow
 from .base import Example, Task, check_range
 
 LETTERS = ("A", "B", "C", "D")
@@ -121,6 +120,7 @@ class MMLUTask(Task):
     name = "mmlu"
     lead_in = "The task is:\n\n"
     gamma = 0.29
+    roles, decision, follow_up, final_instruction = _ROLES, _DECISION, _FOLLOW_UP, _FINAL_INSTRUCTION
 
     def load(self, start: int, count: int) -> list[Example]:
         path = mmlu_path()
@@ -135,18 +135,6 @@ class MMLUTask(Task):
             )
             for line, row in rows[start : start + count]
         ]
-
-    def workflow(self, n_agents: int = 4, topology: str = "full") -> Workflow:
-        return team_workflow(
-            self.name,
-            _ROLES,
-            _DECISION,
-            self.lead_in,
-            n_agents,
-            follow_up=_FOLLOW_UP,
-            final_instruction=_FINAL_INSTRUCTION,
-            topology=topology,
-        )
 
     def extract(self, text: str) -> str | None:
         return extract_choice(text)
