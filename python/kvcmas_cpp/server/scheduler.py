@@ -35,6 +35,10 @@ log = logging.getLogger("kvcmas.server")
 
 KV_BLOCK_ROWS = 32  # rows per engine KV block (cpp/engine/kv-cache.h kKvBlockRows)
 MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
+# A session keeps every message it has seen (its shared context only grows), so a long-lived one (the default
+# session of unmodified clients) is replaced by a fresh one after this many requests, when idle. What kvcmas
+# learned lives in the model-wide estimator and survives.
+MAX_SESSION_REQUESTS = 512
 
 
 @dataclass
@@ -110,6 +114,7 @@ class Job:
 class _Session:
     backend: Backend
     active: int = 0
+    requests: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -309,6 +314,10 @@ class Scheduler:
 
     def _session(self, key: tuple[str, str]) -> _Session:
         s = self._sessions.get(key)
+        if s is not None and s.requests >= MAX_SESSION_REQUESTS and s.active == 0:
+            del self._sessions[key]
+            s.backend.close()
+            s = None
         if s is None:
             s = _Session(make_backend(self.model, key[1]))
             self._sessions[key] = s
@@ -319,6 +328,7 @@ class Scheduler:
                 self._sessions.pop(idle).backend.close()
         self._sessions.move_to_end(key)
         s.last_used = time.monotonic()
+        s.requests += 1
         return s
 
     def _start(self, job: Job) -> None:
