@@ -4,6 +4,7 @@ gguf: small valid files from gguf-py's writer (every value type, nested arrays, 
 alignment, no tensors at all, and a micro llama model the engine loads and runs). tokenizer: texts in several
 scripts and with special tokens, and id sequences.
 chat: the default model's own template, ChatML and a few hand-written templates in common styles, with messages.
+image: tiny images in every supported format and mode, a truncated one and a huge-size header.
 
     python fuzz/make_corpus.py
 """
@@ -166,12 +167,48 @@ def write_chat(folder: Path, default_template: str) -> None:
             (folder / f"template_{i}_flags_{flags}").write_bytes(data)
 
 
+def write_image(folder: Path) -> None:
+    """Tiny images in every supported format and mode, a truncated one, and a header claiming a huge size."""
+    import io
+    import zlib
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (7, 5, 3), dtype=np.uint8), "RGB")
+    seeds: dict[str, bytes] = {}
+    for fmt, mode in (
+        ("PNG", "RGB"),
+        ("PNG", "RGBA"),
+        ("PNG", "L"),
+        ("PNG", "P"),
+        ("JPEG", "RGB"),
+        ("JPEG", "L"),
+        ("GIF", "P"),
+        ("BMP", "RGB"),
+        ("WEBP", "RGB"),
+        ("TIFF", "RGB"),
+    ):
+        buf = io.BytesIO()
+        rgb.convert(mode).save(buf, format=fmt)
+        seeds[f"{fmt.lower()}-{mode.lower()}"] = buf.getvalue()
+    seeds["png-truncated"] = seeds["png-rgb"][: len(seeds["png-rgb"]) // 2]
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    seeds["png-huge-header"] = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+    for name, data in seeds.items():
+        (folder / name).write_bytes(data)
+
+
 def main() -> None:
     from kvcmas_cpp._native import core
     from kvcmas_cpp.model import default_model_path
 
     default_template = core.GgufFile(default_model_path()).metadata()["tokenizer.chat_template"]
-    for name, writer in (("gguf", write_gguf), ("tokenizer", write_tokenizer), ("chat", None)):
+    for name, writer in (("gguf", write_gguf), ("tokenizer", write_tokenizer), ("chat", None), ("image", write_image)):
         folder = CORPUS / name
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
