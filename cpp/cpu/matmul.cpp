@@ -37,7 +37,9 @@ float dot_q_x(const int * q, const float * x, int n) {
     return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-const float * x_row(const DecodeActs & a, int t) { return a.x + t * a.ldx; }
+const float * x_row(const DecodeActs & a, int t) {
+    return a.x + t * a.ldx;
+}
 
 // Float rows: converts a weight row chunk to f32, then plain dot products.
 template <typename Conv>
@@ -73,9 +75,8 @@ void dot_bf16_rows(const void * w, const DecodeActs & a, int nt, int64_t n, floa
 // 32-element block types: unpack the integer values q (w = d·q, or d·q + m with a min), dot with x per token,
 // scale by d; the min adds m·Σx.
 template <typename Block, bool HasMin, typename Unpack>
-void dot_q32_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os,
-                  Unpack unpack) {
-    const auto * b = static_cast<const Block *>(w_row);
+void dot_q32_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os, Unpack unpack) {
+    const auto * b      = static_cast<const Block *>(w_row);
     float        acc[4] = { 0, 0, 0, 0 }, corr[4] = { 0, 0, 0, 0 };
     for (int64_t i = 0; i < n / 32; ++i) {
         int q[32];
@@ -133,7 +134,7 @@ void dot_q8_0_rows(const void * w, const DecodeActs & a, int nt, int64_t n, floa
 // Q4_K / Q5_K: sub-block j contributes (d·sc_j)·Σq·x - (dmin·m_j)·Σx.
 template <typename Block, bool HasHigh>
 void dot_k4_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, float * out, int64_t os) {
-    const auto * b = static_cast<const Block *>(w_row);
+    const auto * b      = static_cast<const Block *>(w_row);
     float        acc[4] = { 0, 0, 0, 0 }, corr[4] = { 0, 0, 0, 0 };
     for (int64_t i = 0; i < n / 256; ++i) {
         const float d = fp16_to_fp32(b[i].d), dmin = fp16_to_fp32(b[i].dmin);
@@ -196,23 +197,35 @@ void dot_q6_k_rows(const void * w_row, const DecodeActs & a, int nt, int64_t n, 
 
 RowDotFn row_dot_fn_scalar(GgmlType type) {
     switch (type) {
-        case GgmlType::F32: return dot_f32_rows;
-        case GgmlType::F16: return dot_f16_rows;
-        case GgmlType::BF16: return dot_bf16_rows;
-        case GgmlType::Q4_0: return dot_q4_0_rows;
-        case GgmlType::Q4_1: return dot_q4_1_rows;
-        case GgmlType::Q5_0: return dot_q5_0_rows;
-        case GgmlType::Q5_1: return dot_q5_1_rows;
-        case GgmlType::Q8_0: return dot_q8_0_rows;
-        case GgmlType::Q4_K: return dot_q4_k_rows;
-        case GgmlType::Q5_K: return dot_q5_k_rows;
-        case GgmlType::Q6_K: return dot_q6_k_rows;
-        default: return nullptr;
+        case GgmlType::F32:
+            return dot_f32_rows;
+        case GgmlType::F16:
+            return dot_f16_rows;
+        case GgmlType::BF16:
+            return dot_bf16_rows;
+        case GgmlType::Q4_0:
+            return dot_q4_0_rows;
+        case GgmlType::Q4_1:
+            return dot_q4_1_rows;
+        case GgmlType::Q5_0:
+            return dot_q5_0_rows;
+        case GgmlType::Q5_1:
+            return dot_q5_1_rows;
+        case GgmlType::Q8_0:
+            return dot_q8_0_rows;
+        case GgmlType::Q4_K:
+            return dot_q4_k_rows;
+        case GgmlType::Q5_K:
+            return dot_q5_k_rows;
+        case GgmlType::Q6_K:
+            return dot_q6_k_rows;
+        default:
+            return nullptr;
     }
 }
 
-void gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
-                      float * y, int64_t ldy) {
+void gemm_tile_scalar(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n, float * y,
+                      int64_t ldy) {
     for (int t = 0; t < nt; ++t) {
         for (int r = 0; r < nr; ++r) {
             const float * wr   = w + r * ldw;
@@ -246,12 +259,16 @@ int64_t decode_max_tokens(GgmlType type) {
     switch (type) {
         case GgmlType::F32:
         case GgmlType::F16:
-        case GgmlType::BF16: return 12;
-        case GgmlType::Q8_0: return 10;
+        case GgmlType::BF16:
+            return 12;
+        case GgmlType::Q8_0:
+            return 10;
         case GgmlType::Q4_K:
         case GgmlType::Q5_K:
-        case GgmlType::Q6_K: return 8;
-        default: return 6;
+        case GgmlType::Q6_K:
+            return 8;
+        default:
+            return 6;
     }
 }
 
@@ -303,24 +320,25 @@ void check_weight(const WeightView & w, const char * what) {
              static_cast<long long>(w.n_out));
     KC_CHECK(w.n_in % t->block == 0, "%s: n_in %lld is not a multiple of the %s block size %lld", what,
              static_cast<long long>(w.n_in), t->name, static_cast<long long>(t->block));
-    KC_CHECK(w.row_bytes >= ggml_row_bytes(w.type, w.n_in), "%s: row_bytes %zu is smaller than a %s row of %lld",
-             what, w.row_bytes, t->name, static_cast<long long>(w.n_in));
+    KC_CHECK(w.row_bytes >= ggml_row_bytes(w.type, w.n_in), "%s: row_bytes %zu is smaller than a %s row of %lld", what,
+             w.row_bytes, t->name, static_cast<long long>(w.n_in));
     // Blocks are read through their structs: f32 needs 4-byte alignment, everything else 2.
     const size_t align = w.type == GgmlType::F32 ? 4 : 2;
-    KC_CHECK(w.n_out == 0 || (w.data != nullptr && reinterpret_cast<uintptr_t>(w.data) % align == 0 &&
-                              w.row_bytes % align == 0),
+    KC_CHECK(w.n_out == 0 ||
+                 (w.data != nullptr && reinterpret_cast<uintptr_t>(w.data) % align == 0 && w.row_bytes % align == 0),
              "%s: %s weight data must be %zu-byte aligned", what, t->name, align);
 }
 
-void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
-                   const Kernels & k) {
-    // Activations stay f32; types with a per-block min also get x's sums per 32 elements (see DecodeActs).
-    DecodeActs act{ x, w.n_in, nullptr, w.n_in / 32 };
-    if (has_block_min(w.type)) {
-        auto * sums = static_cast<float *>(tl_sums_buffer.get(static_cast<size_t>(n_tok * act.ld_sums) * sizeof(float)));
+// Activations of the decode path for weights of type `type` (n_in columns): x itself, plus its sums per 32 elements
+// for the types with a per-block min (computed here, on the caller's thread, into its scratch buffer).
+DecodeActs decode_acts(bool need_sums, int64_t n_in, const float * x, int64_t n_tok) {
+    DecodeActs act{ x, n_in, nullptr, n_in / 32 };
+    if (need_sums) {
+        auto * sums =
+            static_cast<float *>(tl_sums_buffer.get(static_cast<size_t>(n_tok * act.ld_sums) * sizeof(float)));
         for (int64_t t = 0; t < n_tok; ++t) {
             for (int64_t i = 0; i < act.ld_sums; ++i) {
-                const float * xb = x + t * w.n_in + 32 * i;
+                const float * xb = x + t * n_in + 32 * i;
                 float         s  = 0.0f;
                 for (int l = 0; l < 32; ++l) {
                     s += xb[l];
@@ -330,34 +348,69 @@ void matmul_decode(const WeightView & w, const float * x, float * y, int64_t n_t
         }
         act.block_sums = sums;
     }
-    // Rows are handed out in chunks from a shared counter, so a thread that was descheduled does not hold up the rest.
-    constexpr int64_t    kChunk        = 16;
-    constexpr int64_t    kPrefetchRows = 4;
+    return act;
+}
+
+// One matrix of a decode job: its weights, kernels and output.
+struct DecodeTarget {
+    const WeightView * w;
+    Kernels            k;
+    float *            y;
+};
+
+constexpr int64_t kDecodeChunk = 16;  // rows handed out at a time
+
+// Rows [r0, r1) of one matrix of a decode job, for all n_tok tokens.
+void decode_rows(const DecodeTarget & m, const DecodeActs & act, int64_t n_tok, int64_t r0, int64_t r1) {
+    // Weights stream from memory once per token: ask for a row a few rows ahead, so that its cache lines are on
+    // the way while this one is computed (the hardware prefetcher alone lags here).
+    constexpr int64_t  kPrefetchRows = 4;
+    const WeightView & w             = *m.w;
+    const auto *       base          = static_cast<const char *>(w.data);
+    for (int64_t r = r0; r < r1; ++r) {
+        if (r + kPrefetchRows < w.n_out) {
+            const char * ahead = base + (r + kPrefetchRows) * w.row_bytes;
+            for (size_t off = 0; off < w.row_bytes; off += 64) {
+                __builtin_prefetch(ahead + off);
+            }
+        }
+        for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
+            const int        nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
+            const DecodeActs group{ act.x + t0 * act.ldx, act.ldx,
+                                    act.block_sums ? act.block_sums + t0 * act.ld_sums : nullptr, act.ld_sums };
+            m.k.row_dot(base + r * w.row_bytes, group, nt, w.n_in, m.y + t0 * w.n_out + r, w.n_out);
+        }
+    }
+}
+
+// The decode path for several matrices with the same activations, as one parallel job: chunks of rows of all the
+// matrices are handed out from one shared counter, so a thread that was descheduled does not hold up the rest and
+// the pool synchronizes once for all of them.
+void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
+    bool need_sums = false;
+    for (int i = 0; i < n_mats; ++i) {
+        need_sums = need_sums || has_block_min(mats[i].w->type);
+    }
+    const DecodeActs act = decode_acts(need_sums, mats[0].w->n_in, x, n_tok);
+    int64_t          first_chunk[8];  // chunk id of each matrix's first rows; [n_mats] = total
+    first_chunk[0] = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        first_chunk[i + 1] = first_chunk[i] + (mats[i].w->n_out + kDecodeChunk - 1) / kDecodeChunk;
+    }
     std::atomic<int64_t> next{ 0 };
-    const auto *         base = static_cast<const char *>(w.data);
     pool.run([&](int, int) {
+        int m = 0;
         for (;;) {
-            const int64_t r0 = next.fetch_add(kChunk, std::memory_order_relaxed);
-            if (r0 >= w.n_out) {
+            const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+            if (c >= first_chunk[n_mats]) {
                 return;
             }
-            const int64_t r1 = r0 + kChunk < w.n_out ? r0 + kChunk : w.n_out;
-            for (int64_t r = r0; r < r1; ++r) {
-                // Weights stream from memory once per token: ask for a row a few rows ahead, so that its cache
-                // lines are on the way while this one is computed (the hardware prefetcher alone lags here).
-                if (r + kPrefetchRows < w.n_out) {
-                    const char * ahead = base + (r + kPrefetchRows) * w.row_bytes;
-                    for (size_t off = 0; off < w.row_bytes; off += 64) {
-                        __builtin_prefetch(ahead + off);
-                    }
-                }
-                for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
-                    const int nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
-                    const DecodeActs group{ act.x + t0 * act.ldx, act.ldx,
-                                            act.block_sums ? act.block_sums + t0 * act.ld_sums : nullptr, act.ld_sums };
-                    k.row_dot(base + r * w.row_bytes, group, nt, w.n_in, y + t0 * w.n_out + r, w.n_out);
-                }
+            while (c >= first_chunk[m + 1]) {
+                ++m;
             }
+            const int64_t r0 = (c - first_chunk[m]) * kDecodeChunk;
+            const int64_t r1 = r0 + kDecodeChunk < mats[m].w->n_out ? r0 + kDecodeChunk : mats[m].w->n_out;
+            decode_rows(mats[m], act, n_tok, r0, r1);
         }
     });
 }
@@ -367,21 +420,21 @@ void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_
     // Row tiles of up to 64 rows (four 16-row panels of the AVX2 kernel); each tile is dequantized once and all
     // tokens run against it. Tiles are handed out from a shared counter; their size is picked so that every thread
     // gets the same number of panels (192 rows on 2 threads: 4 tiles of 48, not 3 of 64).
-    const int64_t ldw              = (w.n_in + 7) & ~int64_t(7);
-    const int64_t panels           = (w.n_out + 15) / 16;
+    const int64_t ldw               = (w.n_in + 7) & ~int64_t(7);
+    const int64_t panels            = (w.n_out + 15) / 16;
     const int64_t panels_per_thread = (panels + pool.size() - 1) / pool.size();
-    int64_t       tile_panels      = 4;
+    int64_t       tile_panels       = 4;
     while (tile_panels > 1 && panels_per_thread % tile_panels != 0) {
         --tile_panels;
     }
-    const int64_t tile_rows = 16 * tile_panels;
+    const int64_t        tile_rows  = 16 * tile_panels;
     const bool           direct_f32 = w.type == GgmlType::F32;
     std::atomic<int64_t> next{ 0 };
     const auto *         base = static_cast<const char *>(w.data);
     pool.run([&](int, int) {
-        float * tile = direct_f32 ? nullptr
-                                  : static_cast<float *>(tl_tile_buffer.get(static_cast<size_t>(tile_rows * ldw) *
-                                                                            sizeof(float)));
+        float * tile =
+            direct_f32 ? nullptr
+                       : static_cast<float *>(tl_tile_buffer.get(static_cast<size_t>(tile_rows * ldw) * sizeof(float)));
         for (;;) {
             const int64_t r0 = next.fetch_add(tile_rows, std::memory_order_relaxed);
             if (r0 >= w.n_out) {
@@ -417,10 +470,37 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     KC_CHECK(k.dequant != nullptr && k.row_dot != nullptr, "matmul: no kernel for %s",
              ggml_type_name(static_cast<uint32_t>(w.type)));
     if (n_tok < decode_max_tokens(w.type)) {
-        matmul_decode(w, x, y, n_tok, pool, k);
+        const DecodeTarget m{ &w, k, y };
+        matmul_decode(&m, 1, x, n_tok, pool);
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
     }
+}
+
+void matmul_multi(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                  ThreadPool & pool) {
+    KC_CHECK(n_mats >= 1 && n_mats <= kMaxMatmulMulti, "matmul_multi: %d matrices, at most %d", n_mats,
+             kMaxMatmulMulti);
+    KC_CHECK(n_tok >= 0 && n_tok <= (int64_t(1) << 30), "matmul_multi: bad token count %lld",
+             static_cast<long long>(n_tok));
+    DecodeTarget mats[kMaxMatmulMulti];
+    bool         decode = n_tok > 0;
+    for (int i = 0; i < n_mats; ++i) {
+        check_weight(w[i], "matmul_multi");
+        KC_CHECK(w[i].n_in == w[0].n_in, "matmul_multi: matrix %d has %lld inputs, matrix 0 has %lld", i,
+                 static_cast<long long>(w[i].n_in), static_cast<long long>(w[0].n_in));
+        mats[i] = DecodeTarget{ &w[i], select_kernels(w[i].type), y[i] };
+        KC_CHECK(mats[i].k.dequant != nullptr && mats[i].k.row_dot != nullptr, "matmul_multi: no kernel for %s",
+                 ggml_type_name(static_cast<uint32_t>(w[i].type)));
+        decode = decode && n_tok < decode_max_tokens(w[i].type) && w[i].n_out > 0;
+    }
+    if (!decode) {  // prefill (or an empty matrix): each product on its own, exactly as matmul() runs it
+        for (int i = 0; i < n_mats; ++i) {
+            matmul(w[i], x, y[i], n_tok, pool);
+        }
+        return;
+    }
+    matmul_decode(mats, n_mats, x, n_tok, pool);
 }
 
 void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok) {

@@ -27,6 +27,14 @@ struct WeightView {
 // thread count or the CPU path.
 void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
 
+// n_mats (<= kMaxMatmulMulti) products of the same activations, y[i] = x · w[i]ᵀ, every w[i] with the same n_in
+// (a layer's Q, K and V; its gate and up). Each y[i] is exactly what matmul(w[i], x, y[i], n_tok, pool) computes;
+// on the decode path the rows of all the matrices are shared out in one parallel job (one synchronization of the
+// pool instead of n_mats, and no thread idle at the end of a small matrix).
+constexpr int kMaxMatmulMulti = 7;
+void          matmul_multi(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                           ThreadPool & pool);
+
 // Same contract, plain reference implementation (dequantize each row, f64 accumulation); for tests.
 void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok);
 
