@@ -3,8 +3,8 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
-#include <nanobind/stl/vector.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <mutex>
 
@@ -16,13 +16,13 @@ namespace nb = nanobind;
 
 namespace kvcmas::py {
 
-using IntArray   = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using BoolArray  = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-using EmbdArray  = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using FloatOut   = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
+using IntArray  = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using BoolArray = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using EmbdArray = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using FloatOut  = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 
-static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want_logits,
-                       std::optional<EmbdArray> embd, std::optional<IntArray> embd_rows) {
+static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want_logits, std::optional<EmbdArray> embd,
+                       std::optional<IntArray> embd_rows) {
     const size_t n = seqs.shape(0);
     KC_CHECK(tokens.shape(0) == n && want_logits.shape(0) == n,
              "decode: seqs, tokens and want_logits must have the same length (%zu, %zu, %zu)", n,
@@ -46,7 +46,7 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
     }
     std::vector<float> * logits = new std::vector<float>();
     try {
-        nb::gil_scoped_release release;
+        nb::gil_scoped_release      release;
         std::lock_guard<std::mutex> lock(m.mutex());
         *logits = m.decode(batch);
     } catch (...) {
@@ -59,8 +59,19 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
     return FloatOut(logits->data(), { rows, n_vocab }, owner);
 }
 
+// "f32" | "f16" -> the KV storage type; anything else is an error naming the option.
+static cpu::KvType parse_kv_type(const std::string & name) {
+    if (name == "f32") {
+        return cpu::KvType::F32;
+    }
+    if (name == "f16") {
+        return cpu::KvType::F16;
+    }
+    fail("kv_type must be 'f32' or 'f16', got '%s'", name.c_str());
+}
+
 // Sequence bookkeeping is cheap: it holds the model lock (shared with decode) without releasing the GIL.
-#define KC_LOCKED(...)                            \
+#define KC_LOCKED(...)                           \
     std::lock_guard<std::mutex> lock(m.mutex()); \
     KvCache &                   kv = m.kv();     \
     __VA_ARGS__
@@ -76,7 +87,8 @@ using Mat3Out = nb::ndarray<nb::numpy, float, nb::ndim<3>>;
 using Mat2    = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Mat2Out = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 
-template <size_t N, typename Out> static Out owned_array(std::vector<float> * data, const size_t (&shape)[N]) {
+template <size_t N, typename Out>
+static Out owned_array(std::vector<float> * data, const size_t (&shape)[N]) {
     nb::capsule owner(data, [](void * p) noexcept { delete static_cast<std::vector<float> *>(p); });
     return Out(data->data(), N, shape, owner);
 }
@@ -102,16 +114,18 @@ static std::pair<Mat3Out, Mat3Out> seq_kv(Model & m, int32_t seq, int32_t pos, i
 }
 
 static void set_factor(std::vector<float> & dst, Mat2 src, size_t rows, size_t cols, const char * name) {
-    KC_CHECK(src.shape(0) == rows && src.shape(1) == cols, "KvCorrection.set_layer: %s must be [%zu, %zu], got [%zu, %zu]",
-             name, rows, cols, static_cast<size_t>(src.shape(0)), static_cast<size_t>(src.shape(1)));
+    KC_CHECK(src.shape(0) == rows && src.shape(1) == cols,
+             "KvCorrection.set_layer: %s must be [%zu, %zu], got [%zu, %zu]", name, rows, cols,
+             static_cast<size_t>(src.shape(0)), static_cast<size_t>(src.shape(1)));
     dst.assign(src.data(), src.data() + rows * cols);
 }
 
 void bind_engine(nb::module_ & m) {
     nb::class_<SharedSpan>(m, "SharedSpan", "Rows of KV stored once, readable by any sequence of the same model.")
         .def_ro("n", &SharedSpan::n)
-        .def_prop_ro("frame0", [](const SharedSpan & s) { return s.span->frame0() + s.begin; },
-                     "the position its first key is rotated at");
+        .def_prop_ro(
+            "frame0", [](const SharedSpan & s) { return s.span->frame0() + s.begin; },
+            "the position its first key is rotated at");
 
     nb::class_<KvCorrection>(m, "KvCorrection",
                              "Low-rank K/V correction of n_rows rows: K + A_k·B_k, V + A_v·B_v per layer, in the "
@@ -133,10 +147,12 @@ void bind_engine(nb::module_ & m) {
             "set_layer",
             [](KvCorrection & c, int32_t il, Mat2 a_k, Mat2 b_k, Mat2 a_v, Mat2 b_v) {
                 KC_CHECK(!c.sealed, "KvCorrection.set_layer: the correction is in use by a sequence");
-                KC_CHECK(il >= 0 && static_cast<size_t>(il) < c.layers.size(), "KvCorrection.set_layer: layer %d "
-                         "outside [0, %zu)", il, c.layers.size());
-                const size_t r = static_cast<size_t>(c.rank), n = static_cast<size_t>(c.n_rows),
-                             w = static_cast<size_t>(c.n_kv_dim);
+                KC_CHECK(il >= 0 && static_cast<size_t>(il) < c.layers.size(),
+                         "KvCorrection.set_layer: layer %d "
+                         "outside [0, %zu)",
+                         il, c.layers.size());
+                const size_t          r = static_cast<size_t>(c.rank), n = static_cast<size_t>(c.n_rows),
+                                      w = static_cast<size_t>(c.n_kv_dim);
                 KvCorrection::Layer & l = c.layers[static_cast<size_t>(il)];
                 set_factor(l.a_k, a_k, n, r, "a_k");
                 set_factor(l.b_k, b_k, r, w, "b_k");
@@ -151,11 +167,14 @@ void bind_engine(nb::module_ & m) {
     nb::class_<Model>(m, "Model")
         .def(
             "__init__",
-            [](Model * self, const std::string & path, int n_threads, int n_ctx, size_t kv_budget) {
+            [](Model * self, const std::string & path, int n_threads, int n_ctx, size_t kv_budget,
+               const std::string & kv_type) {
+                const cpu::KvType      type = parse_kv_type(kv_type);
                 nb::gil_scoped_release release;
-                new (self) Model(path, n_threads, n_ctx, kv_budget);
+                new (self) Model(path, n_threads, n_ctx, kv_budget, type);
             },
-            nb::arg("path"), nb::arg("n_threads") = 0, nb::arg("n_ctx") = 0, nb::arg("kv_budget") = 0)
+            nb::arg("path"), nb::arg("n_threads") = 0, nb::arg("n_ctx") = 0, nb::arg("kv_budget") = 0,
+            nb::arg("kv_type") = "f32")
         .def_prop_ro("arch", [](const Model & m) { return m.params().arch; })
         .def_prop_ro("n_vocab", [](const Model & m) { return m.params().n_vocab; })
         .def_prop_ro("n_ctx_train", [](const Model & m) { return m.params().n_ctx_train; })
@@ -169,13 +188,19 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_ctx", [](Model & m) { return m.kv().n_ctx_max(); })
         .def_prop_ro("kv_bytes_in_use", [](Model & m) { return m.kv().pool().bytes_in_use(); })
         .def_prop_ro("kv_budget", [](Model & m) { return m.kv().pool().budget_bytes(); })
+        .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
         .def("seq_new", [](Model & m) { KC_LOCKED(return kv.seq_new();) })
-        .def("seq_fork", [](Model & m, int32_t src) { KC_LOCKED(return kv.seq_fork(src);) }, nb::arg("src"))
-        .def("seq_truncate", [](Model & m, int32_t s, int32_t n) { KC_LOCKED(kv.seq_truncate(s, n);) },
-             nb::arg("seq"), nb::arg("n"))
-        .def("seq_remove", [](Model & m, int32_t s) { KC_LOCKED(kv.seq_remove(s);) }, nb::arg("seq"))
-        .def("seq_length", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_length(s);) }, nb::arg("seq"))
-        .def("seq_exists", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_exists(s);) }, nb::arg("seq"))
+        .def(
+            "seq_fork", [](Model & m, int32_t src) { KC_LOCKED(return kv.seq_fork(src);) }, nb::arg("src"))
+        .def(
+            "seq_truncate", [](Model & m, int32_t s, int32_t n) { KC_LOCKED(kv.seq_truncate(s, n);) }, nb::arg("seq"),
+            nb::arg("n"))
+        .def(
+            "seq_remove", [](Model & m, int32_t s) { KC_LOCKED(kv.seq_remove(s);) }, nb::arg("seq"))
+        .def(
+            "seq_length", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_length(s);) }, nb::arg("seq"))
+        .def(
+            "seq_exists", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_exists(s);) }, nb::arg("seq"))
         .def_prop_ro("n_seqs", [](Model & m) { KC_LOCKED(return kv.n_seqs();) })
         .def(
             "seq_share",
@@ -193,8 +218,8 @@ void bind_engine(nb::module_ & m) {
             nb::arg("seq"), nb::arg("span"), nb::arg("correction").none() = nb::none(),
             "Appends a shared span to seq at its end position, optionally with a low-rank correction.")
         .def("seq_kv", &seq_kv, nb::arg("seq"), nb::arg("pos"), nb::arg("n"),
-             "Materialized KV [n_layer, n, n_kv_dim] of positions [pos, pos + n): keys at their positions, "
-             "corrections added.")
+             "Materialized KV [n_layer, n, n_kv_dim] (float32, also for an f16 cache) of positions [pos, pos + n): "
+             "keys at their positions, corrections added.")
         .def(
             "seq_segments",
             [](Model & m, int32_t s) {

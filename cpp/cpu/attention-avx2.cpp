@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #define KC_ATTN_NS portable_in_avx2
 #include "cpu/attention-impl.h"
@@ -36,8 +37,17 @@ inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(lo, hi);
 }
 
-// Scores of 8 keys whose head slices start at k[0..7] (each hd floats), against q (hd floats).
-inline __m256 scores8(const float * q, const float * const k[8], int n_chunks) {
+// 8 stored KV elements as f32: f32 loaded as is, f16 converted with F16C (exact).
+inline __m256 load8(const float * p) {
+    return _mm256_loadu_ps(p);
+}
+inline __m256 load8(const uint16_t * p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+}
+
+// Scores of 8 keys whose head slices start at k[0..7] (each hd elements), against q (hd floats).
+template <typename T>
+inline __m256 scores8(const float * q, const T * const k[8], int n_chunks) {
     __m256 acc[8];
     for (int r = 0; r < 8; ++r) {
         acc[r] = _mm256_setzero_ps();
@@ -45,7 +55,7 @@ inline __m256 scores8(const float * q, const float * const k[8], int n_chunks) {
     for (int c = 0; c < n_chunks; ++c) {
         const __m256 qc = _mm256_loadu_ps(q + 8 * c);
         for (int r = 0; r < 8; ++r) {
-            acc[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[r] + 8 * c), acc[r]);
+            acc[r] = _mm256_fmadd_ps(qc, load8(k[r] + 8 * c), acc[r]);
         }
     }
     return reduce8(acc);
@@ -63,7 +73,7 @@ inline void accumulate_values(const float * p, const float * v0, int64_t row_str
         const __m256  pt = _mm256_set1_ps(p[t]);
         const float * v  = v0 + t * row_stride;
         for (int c = 0; c < NC; ++c) {
-            acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            acc[c] = _mm256_fmadd_ps(pt, load8(v + 8 * c), acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) {
@@ -71,94 +81,146 @@ inline void accumulate_values(const float * p, const float * v0, int64_t row_str
     }
 }
 
-}  // namespace
-
-// nq consecutive queries of one sequence over the same runs: query i sees the first n_visible0 + i rows. Keys and
-// values are walked once per group of queries, so they are read from L1 instead of L2 for every query; the
-// arithmetic per query is the same as for a single query, so results are bit-identical to nq separate calls.
-void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
-                       const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
-                       int64_t out_stride, float * scratch) {
-    const int hd = shape.head_dim;
-    if (hd % 8 != 0 || hd > 512) {
-        for (int i = 0; i < nq; ++i) {
-            portable_in_avx2::attend(shape, rope, q + i * q_stride, runs, n_runs, n_visible0 + i, h_begin, h_end,
-                                     out + i * out_stride, scratch);
+// Up to 8 stored rows (head slices of hd elements at src[t * stride], t < n) as f32 in dst [8][hd]; rows n..7 are
+// zero. f16 rows are converted exactly, so the arithmetic on dst is the arithmetic on the stored values.
+template <typename T>
+inline void rows_to_f32(const T * src, int64_t stride, int n, int hd, float * dst) {
+    for (int t = 0; t < 8; ++t) {
+        float * d = dst + t * hd;
+        if (t >= n) {
+            std::memset(d, 0, sizeof(float) * static_cast<size_t>(hd));
+        } else if constexpr (std::is_same_v<T, float>) {
+            std::memcpy(d, src + t * stride, sizeof(float) * static_cast<size_t>(hd));
+        } else {
+            for (int c = 0; c < hd; c += 8) {
+                _mm256_storeu_ps(d + c, load8(src + t * stride + c));
+            }
         }
-        return;
     }
-    const int     n_chunks = hd / 8;
-    const int     group    = shape.n_head / shape.n_head_kv;
-    const int64_t n_max    = n_visible0 + nq - 1;
-    const int64_t ld       = (n_max + 15) / 8 * 8;  // score row stride, room for a padded group
-    float *       q_rot    = scratch;                 // [nq][hd]
-    float *       score    = scratch + static_cast<int64_t>(nq) * hd;  // [nq][ld]
-    float         pad[8 * 512];                       // last partial group of keys
-    const __m256  vscale = _mm256_set1_ps(shape.scale);
-    portable_in_avx2::ScoreCorrection corr[kMaxAttentionBlock];
-    for (int h = h_begin; h < h_end; ++h) {
-        const int64_t kv_off       = static_cast<int64_t>(h / group) * hd;
-        int64_t       seen         = 0;
-        bool          have_rot     = false;
-        int32_t       cached_shift = 0;
-        for (int i = 0; i < nq; ++i) {
-            corr[i].reset();
+}
+
+// Asks for the head slices (hd elements) of the first n rows at base (stride elements): at this context length
+// decode reads the KV cache from memory once per token, and a head's rows are strided, so the hardware prefetcher
+// alone leaves attention waiting on loads. T0: into L1 (keys about to be read); T1: into L2 (values, read after
+// the softmax).
+template <typename T, int Hint>
+inline void prefetch_rows(const T * base, int64_t stride, int64_t n, int hd) {
+    const int64_t bytes = static_cast<int64_t>(hd) * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < n; ++t) {
+        const char * row = reinterpret_cast<const char *>(base + t * stride);
+        for (int64_t off = 0; off < bytes; off += 64) {
+            _mm_prefetch(row + off, static_cast<_mm_hint>(Hint));
         }
-        for (int r = 0; r < n_runs && seen < n_max; ++r) {
-            const KvRun & run     = runs[r];
+    }
+}
+
+// nq consecutive queries of one sequence over the same runs: query i sees the first n_visible0 + i rows. The query
+// heads that read one KV head (GQA) are processed together, up to kMaxAttentionBlock (query, head) rows at a time:
+// keys and values are walked once per pass, so they are read from L1 instead of L2 for every query and head, and
+// f16 rows are converted to f32 once per pass. The arithmetic of each (query, head) is the same whatever else
+// shares its pass, so results are bit-identical to nq separate calls, for any head range.
+// T: the stored element type (float for F32, uint16_t for F16); hd is a multiple of 8, at most 512.
+template <typename T>
+void attend_block_t(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
+                    const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
+                    int64_t out_stride, float * scratch) {
+    constexpr bool kF32     = std::is_same_v<T, float>;
+    const int      hd       = shape.head_dim;
+    const int      n_chunks = hd / 8;
+    const int      group    = shape.n_head / shape.n_head_kv;
+    const int      per_pass = std::max(1, std::min(group, kMaxAttentionBlock / nq));  // heads per pass
+    const int64_t  n_max    = n_visible0 + nq - 1;
+    const int64_t  ld       = (n_max + 15) / 8 * 8;  // score row stride, room for a padded group
+    const int      max_rows = nq * per_pass;
+    float *        q_rot    = scratch;                                        // [rows][hd]
+    float *        score    = scratch + static_cast<int64_t>(max_rows) * hd;  // [rows][ld]
+    float          kbuf[8 * 512];  // a group of 8 keys as f32 (converted, or the zero-padded last group)
+    float          vbuf[8 * 64];   // 8 value rows of one 64-float output chunk as f32 (f16 rows)
+    const __m256   vscale = _mm256_set1_ps(shape.scale);
+    portable_in_avx2::ScoreCorrection corr[kMaxAttentionBlock];
+    int                               h0 = h_begin;
+    while (h0 < h_end) {
+        // A pass: heads [h0, h1) of one KV head; row r = i * n_h + (h - h0) is query i, head h.
+        const int     kv_head = h0 / group;
+        const int     h1      = std::min({ h_end, (kv_head + 1) * group, h0 + per_pass });
+        const int     n_h     = h1 - h0;
+        const int     rows    = nq * n_h;
+        const int64_t kv_off  = static_cast<int64_t>(kv_head) * hd;
+        const auto    q_row = [&](int r) { return q + (r / n_h) * q_stride + static_cast<int64_t>(h0 + r % n_h) * hd; };
+        const auto    out_row = [&](int r) {
+            return out + (r / n_h) * out_stride + static_cast<int64_t>(h0 + r % n_h) * hd;
+        };
+        const auto visible      = [&](int r) { return n_visible0 + r / n_h; };
+        int64_t    seen         = 0;
+        bool       have_rot     = false;
+        int32_t    cached_shift = 0;
+        for (int r = 0; r < rows; ++r) {
+            corr[r].reset();
+        }
+        if (n_runs > 0) {
+            prefetch_rows<T, _MM_HINT_T0>(static_cast<const T *>(runs[0].k) + kv_off, shape.row_stride,
+                                          std::min<int64_t>(runs[0].n, n_max), hd);
+        }
+        for (int ir = 0; ir < n_runs && seen < n_max; ++ir) {
+            const KvRun & run     = runs[ir];
             const bool    shifted = run.shift != 0;
+            // Keys of the next run into L1 while this one is scored, this run's values into L2 for the second pass.
+            const int64_t n_next = ir + 1 < n_runs ? std::min<int64_t>(runs[ir + 1].n, n_max - seen - run.n) : 0;
+            if (n_next > 0) {
+                prefetch_rows<T, _MM_HINT_T0>(static_cast<const T *>(runs[ir + 1].k) + kv_off, shape.row_stride, n_next,
+                                              hd);
+            }
+            prefetch_rows<T, _MM_HINT_T1>(static_cast<const T *>(run.v) + kv_off, shape.row_stride,
+                                          std::min<int64_t>(run.n, n_max - seen), hd);
             if (shifted && (!have_rot || run.shift != cached_shift)) {
-                for (int i = 0; i < nq; ++i) {
-                    std::memcpy(q_rot + i * hd, q + i * q_stride + static_cast<int64_t>(h) * hd,
-                                sizeof(float) * static_cast<size_t>(hd));
-                    rope.apply(q_rot + i * hd, 1, hd, -static_cast<double>(run.shift));
+                for (int r = 0; r < rows; ++r) {
+                    std::memcpy(q_rot + r * hd, q_row(r), sizeof(float) * static_cast<size_t>(hd));
+                    rope.apply(q_rot + r * hd, 1, hd, -static_cast<double>(run.shift));
                 }
                 cached_shift = run.shift;
                 have_rot     = true;
             }
-            const int64_t n = std::min<int64_t>(run.n, n_max - seen);
+            const int64_t n     = std::min<int64_t>(run.n, n_max - seen);
+            const T *     run_k = static_cast<const T *>(run.k) + kv_off;
             const float * k[8];
             for (int64_t j = 0; j < n; j += 8) {
-                const bool partial = j + 8 > n;
-                for (int t = 0; t < 8; ++t) {
-                    k[t] = run.k + (j + t) * shape.row_stride + kv_off;
-                }
-                if (partial) {  // copy the last keys into a zero-padded group: same arithmetic, no reads past the run
-                    std::memset(pad, 0, sizeof(float) * 8 * static_cast<size_t>(hd));
+                const int in_group = static_cast<int>(std::min<int64_t>(8, n - j));
+                if (kF32 && in_group == 8) {
                     for (int t = 0; t < 8; ++t) {
-                        if (j + t < n) {
-                            std::memcpy(pad + t * hd, k[t], sizeof(float) * static_cast<size_t>(hd));
-                        }
-                        k[t] = pad + t * hd;
+                        k[t] = reinterpret_cast<const float *>(run_k + (j + t) * shape.row_stride);
+                    }
+                } else {  // f16 rows converted once for all rows of the pass; a partial group padded with zeros
+                    rows_to_f32(run_k + j * shape.row_stride, shape.row_stride, in_group, hd, kbuf);
+                    for (int t = 0; t < 8; ++t) {
+                        k[t] = kbuf + t * hd;
                     }
                 }
-                for (int i = 0; i < nq; ++i) {
-                    if (seen + j >= n_visible0 + i) {
+                for (int r = 0; r < rows; ++r) {
+                    if (seen + j >= visible(r)) {
                         continue;  // the whole group is in this query's future
                     }
-                    const float * qq = shifted ? q_rot + i * hd : q + i * q_stride + static_cast<int64_t>(h) * hd;
+                    const float * qq = shifted ? q_rot + r * hd : q_row(r);
                     // Rows past n are written into the padding of the score row and never read.
-                    _mm256_storeu_ps(score + i * ld + seen + j, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
+                    _mm256_storeu_ps(score + r * ld + seen + j, _mm256_mul_ps(scores8(qq, k, n_chunks), vscale));
                 }
             }
             if (run.rank > 0) {
-                for (int i = 0; i < nq; ++i) {
-                    const int64_t m = std::min<int64_t>(n, n_visible0 + i - seen);
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t m = std::min<int64_t>(n, visible(r) - seen);
                     if (m > 0) {
-                        const float * qq = shifted ? q_rot + i * hd : q + i * q_stride + static_cast<int64_t>(h) * hd;
-                        portable_in_avx2::add_score_corrections(
-                            run, corr[i].get(run, qq, hd, shape.row_stride, kv_off), m, shape.scale,
-                            score + i * ld + seen);
+                        const float * qq = shifted ? q_rot + r * hd : q_row(r);
+                        portable_in_avx2::add_score_corrections(run, corr[r].get(run, qq, hd, shape.row_stride, kv_off),
+                                                                m, shape.scale, score + r * ld + seen);
                     }
                 }
             }
             seen += n;
         }
-        // Softmax of each query's row over its visible keys.
+        // Softmax of each row over its visible keys.
         float inv[kMaxAttentionBlock];
-        for (int i = 0; i < nq; ++i) {
-            float *       row = score + i * ld;
-            const int64_t nv  = n_visible0 + i;
+        for (int r = 0; r < rows; ++r) {
+            float *       row = score + r * ld;
+            const int64_t nv  = visible(r);
             float         mx  = -INFINITY;
             for (int64_t j = 0; j < nv; ++j) {
                 mx = std::max(mx, row[j]);
@@ -183,47 +245,111 @@ void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const fl
                 std::memcpy(row + j, tmp, sizeof(float) * static_cast<size_t>(nv - j));
                 vsum = _mm256_add_ps(vsum, e);
             }
-            inv[i] = 1.0f / hsum(vsum);
+            inv[r] = 1.0f / hsum(vsum);
         }
-        // Values: 8 chunks (64 floats) of each query's output at a time, accumulated run by run in out.
+        // Values: 8 chunks (64 floats) of each row's output at a time, accumulated run by run in out. f32 rows are
+        // read in place for a whole run; f16 rows are converted 8 at a time into vbuf, once for all rows of the pass
+        // (the accumulation order over keys is the same either way).
         for (int c0 = 0; c0 < n_chunks; c0 += 8) {
             const int nc = std::min(8, n_chunks - c0);
-            for (int i = 0; i < nq; ++i) {
-                std::memset(out + i * out_stride + static_cast<int64_t>(h) * hd + 8 * c0, 0,
-                            sizeof(float) * 8 * static_cast<size_t>(nc));
+            for (int r = 0; r < rows; ++r) {
+                std::memset(out_row(r) + 8 * c0, 0, sizeof(float) * 8 * static_cast<size_t>(nc));
             }
             int64_t done = 0;
-            for (int r = 0; r < n_runs && done < n_max; ++r) {
-                const KvRun & run = runs[r];
-                const int64_t n   = std::min<int64_t>(run.n, n_max - done);
-                const float * v0  = run.v + kv_off + 8 * c0;
-                for (int i = 0; i < nq; ++i) {
-                    const int64_t m = std::min<int64_t>(n, n_visible0 + i - done);
-                    if (m <= 0) {
-                        continue;
-                    }
-                    const float * p  = score + i * ld + done;
-                    float *       oh = out + i * out_stride + static_cast<int64_t>(h) * hd + 8 * c0;
-                    if (nc == 8) {
-                        accumulate_values<8>(p, v0, shape.row_stride, m, oh);
+            for (int ir = 0; ir < n_runs && done < n_max; ++ir) {
+                const KvRun & run   = runs[ir];
+                const int64_t n     = std::min<int64_t>(run.n, n_max - done);
+                const T *     run_v = static_cast<const T *>(run.v) + kv_off + 8 * c0;
+                const int64_t piece = kF32 ? n : 8;
+                for (int64_t t0 = 0; t0 < n; t0 += piece) {
+                    const int64_t tn = std::min<int64_t>(piece, n - t0);
+                    const float * v0;
+                    int64_t       v_stride;
+                    if constexpr (kF32) {
+                        v0       = run_v + t0 * shape.row_stride;
+                        v_stride = shape.row_stride;
                     } else {
-                        for (int c = 0; c < nc; ++c) {  // uncommon head sizes: one chunk at a time
-                            accumulate_values<1>(p, v0 + 8 * c, shape.row_stride, m, oh + 8 * c);
+                        for (int64_t t = 0; t < tn; ++t) {
+                            for (int c = 0; c < nc; ++c) {
+                                _mm256_storeu_ps(vbuf + t * 64 + 8 * c,
+                                                 load8(run_v + (t0 + t) * shape.row_stride + 8 * c));
+                            }
+                        }
+                        v0       = vbuf;
+                        v_stride = 64;
+                    }
+                    for (int r = 0; r < rows; ++r) {
+                        const int64_t m = std::min<int64_t>(tn, visible(r) - done - t0);
+                        if (m <= 0) {
+                            continue;
+                        }
+                        const float * p  = score + r * ld + done + t0;
+                        float *       oh = out_row(r) + 8 * c0;
+                        if (nc == 8) {
+                            accumulate_values<8>(p, v0, v_stride, m, oh);
+                        } else {
+                            for (int c = 0; c < nc; ++c) {  // uncommon head sizes: one chunk at a time
+                                accumulate_values<1>(p, v0 + 8 * c, v_stride, m, oh + 8 * c);
+                            }
                         }
                     }
                 }
                 done += n;
             }
         }
-        for (int i = 0; i < nq; ++i) {
-            float * oh = out + i * out_stride + static_cast<int64_t>(h) * hd;
-            const __m256 vinv = _mm256_set1_ps(inv[i]);
+        for (int r = 0; r < rows; ++r) {
+            float *      oh   = out_row(r);
+            const __m256 vinv = _mm256_set1_ps(inv[r]);
             for (int c = 0; c < n_chunks; ++c) {
                 _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(oh + 8 * c), vinv));
             }
-            portable_in_avx2::add_output_corrections(runs, n_runs, n_visible0 + i, score + i * ld, hd, shape.row_stride,
-                                                     kv_off, inv[i], oh);
+            portable_in_avx2::add_output_corrections(runs, n_runs, visible(r), score + r * ld, hd, shape.row_stride,
+                                                     kv_off, inv[r], oh);
         }
+        h0 = h1;
+    }
+}
+
+}  // namespace
+
+void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
+                       const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
+                       int64_t out_stride, float * scratch) {
+    const int hd = shape.head_dim;
+    if (hd % 8 != 0 || hd > 512) {
+        for (int i = 0; i < nq; ++i) {
+            portable_in_avx2::attend(shape, rope, q + i * q_stride, runs, n_runs, n_visible0 + i, h_begin, h_end,
+                                     out + i * out_stride, scratch);
+        }
+        return;
+    }
+    if (shape.kv_type == KvType::F16) {
+        attend_block_t<uint16_t>(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out,
+                                 out_stride, scratch);
+    } else {
+        attend_block_t<float>(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out, out_stride,
+                              scratch);
+    }
+}
+
+void fp32_to_fp16_row_f16c(const float * src, uint16_t * dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i), h);
+    }
+    for (; i < n; ++i) {
+        dst[i] = fp32_to_fp16(src[i]);
+    }
+}
+
+void fp16_to_fp32_row_f16c(const uint16_t * src, float * dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(dst + i, load8(src + i));
+    }
+    for (; i < n; ++i) {
+        dst[i] = fp16_to_fp32(src[i]);
     }
 }
 

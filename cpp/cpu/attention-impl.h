@@ -4,11 +4,24 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "cpu/attention.h"
+#include "cpu/quants.h"
 
 namespace kvcmas::cpu::KC_ATTN_NS {
+
+// A head slice of a stored KV row as f32: f32 rows are used in place, f16 rows are converted into buf [n].
+static inline const float * head_f32(const float * p, float * /*buf*/, int /*n*/) {
+    return p;
+}
+static inline const float * head_f32(const uint16_t * p, float * buf, int n) {
+    for (int i = 0; i < n; ++i) {
+        buf[i] = fp16_to_fp32(p[i]);
+    }
+    return buf;
+}
 
 static inline float dot(const float * a, const float * b, int n) {
     float acc[8] = { 0, 0, 0, 0, 0, 0, 0, 0 };
@@ -95,20 +108,23 @@ static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_see
     }
 }
 
-static void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
-                   int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
-    const int hd    = shape.head_dim;
-    const int group = shape.n_head / shape.n_head_kv;
-    float *   q_rot = scratch;                                       // [n_head * hd], q re-rotated for a shift
-    float *   score = scratch + static_cast<int64_t>(shape.n_head) * hd;  // [n_visible]
+// T: the stored element type (float for F32, uint16_t for F16).
+template <typename T>
+static void attend_t(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
+                     int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+    const int hd      = shape.head_dim;
+    const int group   = shape.n_head / shape.n_head_kv;
+    float *   q_rot   = scratch;                                            // [n_head * hd], q re-rotated for a shift
+    float *   score   = scratch + static_cast<int64_t>(shape.n_head) * hd;  // [n_visible]
+    float *   row_buf = score + n_visible + 16;                             // [hd], an f16 head slice as f32
     for (int h = h_begin; h < h_end; ++h) {
         const int64_t kv_off = static_cast<int64_t>(h / group) * hd;
         // Pass 1: scores of every visible key.
-        int64_t       seen   = 0;
-        int32_t       cached_shift = 0;
-        bool          have_rot     = false;
+        int64_t         seen         = 0;
+        int32_t         cached_shift = 0;
+        bool            have_rot     = false;
         ScoreCorrection corr;
-        const float * qh     = q + static_cast<int64_t>(h) * hd;
+        const float *   qh = q + static_cast<int64_t>(h) * hd;
         for (int r = 0; r < n_runs && seen < n_visible; ++r) {
             const KvRun & run = runs[r];
             const float * qq  = qh;
@@ -122,8 +138,9 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
                 qq = q_rot;
             }
             const int64_t n = std::min<int64_t>(run.n, n_visible - seen);
+            const T *     k = static_cast<const T *>(run.k) + kv_off;
             for (int64_t j = 0; j < n; ++j) {
-                score[seen + j] = dot(qq, run.k + j * shape.row_stride + kv_off, hd) * shape.scale;
+                score[seen + j] = dot(qq, head_f32(k + j * shape.row_stride, row_buf, hd), hd) * shape.scale;
             }
             if (run.rank > 0) {
                 add_score_corrections(run, corr.get(run, qq, hd, shape.row_stride, kv_off), n, shape.scale,
@@ -143,14 +160,15 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
         }
         const float inv = 1.0f / sum;
         // Pass 2: weighted sum of values.
-        float *     oh  = out + static_cast<int64_t>(h) * hd;
+        float * oh = out + static_cast<int64_t>(h) * hd;
         std::memset(oh, 0, sizeof(float) * static_cast<size_t>(hd));
         seen = 0;
         for (int r = 0; r < n_runs && seen < n_visible; ++r) {
             const KvRun & run = runs[r];
             const int64_t n   = std::min<int64_t>(run.n, n_visible - seen);
+            const T *     v   = static_cast<const T *>(run.v) + kv_off;
             for (int64_t j = 0; j < n; ++j) {
-                axpy(score[seen + j], run.v + j * shape.row_stride + kv_off, oh, hd);
+                axpy(score[seen + j], head_f32(v + j * shape.row_stride, row_buf, hd), oh, hd);
             }
             seen += n;
         }
@@ -158,6 +176,15 @@ static void attend(const AttentionShape & shape, const Rope & rope, const float 
         for (int i = 0; i < hd; ++i) {
             oh[i] *= inv;
         }
+    }
+}
+
+static void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
+                   int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+    if (shape.kv_type == KvType::F16) {
+        attend_t<uint16_t>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch);
+    } else {
+        attend_t<float>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch);
     }
 }
 

@@ -1,23 +1,36 @@
 // Attention of one query token over KV stored in runs (contiguous pieces of blocks, possibly of shared spans).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cpu/ops.h"
 
 namespace kvcmas::cpu {
 
-// A run of n consecutive KV rows. Row r of K starts at k + r * row_stride (floats), same for V; a row holds
-// n_head_kv * head_dim floats. The keys were rotated at (their sequence position - shift): a run taken from a span
-// stored in its own frame has shift = (position of its first row in the sequence) - (its index in the span).
+// How KV rows are stored: f32, or IEEE half (half the memory and bandwidth; keys and values are rounded to nearest
+// even on write, attention converts them back to f32 and computes in f32).
+enum class KvType : int32_t { F32 = 0, F16 = 1 };
+
+size_t kv_type_size(KvType type);  // bytes per element
+
+// dst [n] (KV storage type) = src [n] f32, rounded to nearest even for F16 (F16C when the CPU has it).
+void kv_store_row(KvType type, const float * src, void * dst, int64_t n);
+// dst [n] f32 = src [n] stored as `type` (exact).
+void kv_load_row(KvType type, const void * src, float * dst, int64_t n);
+
+// A run of n consecutive KV rows. Row r of K starts at element k + r * row_stride, same for V; a row holds
+// n_head_kv * head_dim elements of the AttentionShape's kv_type (float, or uint16_t IEEE halves for F16). The keys were
+// rotated at (their sequence position - shift): a run taken from a span stored in its own frame has shift = (position
+// of its first row in the sequence) - (its index in the span).
 //
 // A run may carry a low-rank correction of its keys and values (KVCMAS): the keys attention uses are
 // K + A_k·B_k and the values V + A_v·B_v, where row j of the run has factor rows a_k + j * rank (and a_v likewise)
 // and B_k, B_v are [rank][n_head_kv * head_dim] (row-major), in the frame the keys are stored in. The kernel never
 // forms K + A_k·B_k: scores gain (q·B_kᵀ)·a_k[j] and outputs gain (Σ_j p_j a_v[j])·B_v, per KV head.
 struct KvRun {
-    const float * k;
-    const float * v;
+    const void *  k;
+    const void *  v;
     int32_t       n;
     int32_t       shift;
     int32_t       rank = 0;  // 0: no correction
@@ -31,8 +44,9 @@ struct AttentionShape {
     int     n_head;
     int     n_head_kv;
     int     head_dim;
-    int64_t row_stride;  // floats between consecutive KV rows
-    float   scale;       // usually 1/sqrt(head_dim)
+    int64_t row_stride;             // elements between consecutive KV rows
+    float   scale;                  // usually 1/sqrt(head_dim)
+    KvType  kv_type = KvType::F32;  // element type of every run's k and v (correction factors are always f32)
 };
 
 constexpr int kMaxCorrectionRank = 256;

@@ -8,7 +8,9 @@ namespace kvcmas {
 
 KvBlockPool::KvBlockPool(KvLayout layout, size_t budget_bytes)
     : layout_(layout),
-      block_floats_(static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * static_cast<size_t>(layout.n_kv_dim)),
+      elem_bytes_(cpu::kv_type_size(layout.kv_type)),
+      block_bytes_(static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * static_cast<size_t>(layout.n_kv_dim) *
+                   elem_bytes_),
       budget_bytes_(budget_bytes) {
     KC_CHECK(layout.n_layer > 0 && layout.n_kv_dim > 0, "KV layout needs layers and a row width");
 }
@@ -24,7 +26,7 @@ int32_t KvBlockPool::allocate() {
         free_.pop_back();
     } else {
         id = static_cast<int32_t>(blocks_.size());
-        blocks_.emplace_back(new float[block_floats_]);
+        blocks_.emplace_back(new uint8_t[block_bytes_]);
     }
     ++n_used_;
     return id;
@@ -68,12 +70,14 @@ void KvSpan::resize(int32_t n) {
     n_rows_ = n;
 }
 
-float * KvSpan::k_row(int layer, int32_t row) {
-    float * block = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]);
-    return block + layer * pool_.layer_stride() + static_cast<int64_t>(row % kKvBlockRows) * pool_.layout().n_kv_dim;
+void * KvSpan::k_row(int layer, int32_t row) {
+    uint8_t * block = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]);
+    return block + layer * pool_.layer_stride() + static_cast<int64_t>(row % kKvBlockRows) * pool_.row_bytes();
 }
 
-float * KvSpan::v_row(int layer, int32_t row) { return k_row(layer, row) + pool_.v_offset(); }
+void * KvSpan::v_row(int layer, int32_t row) {
+    return static_cast<uint8_t *>(k_row(layer, row)) + pool_.v_offset();
+}
 
 void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
                          std::vector<cpu::KvRun> & out) const {
@@ -83,11 +87,11 @@ void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, con
     }
     int32_t row = begin;
     while (row < begin + n) {
-        const int32_t in_block = row % kKvBlockRows;
-        const int32_t take     = std::min(kKvBlockRows - in_block, begin + n - row);
-        const float * k        = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]) +
-                          layer * pool_.layer_stride() + static_cast<int64_t>(in_block) * pool_.layout().n_kv_dim;
-        cpu::KvRun run{ k, k + pool_.v_offset(), take, shift };
+        const int32_t   in_block = row % kKvBlockRows;
+        const int32_t   take     = std::min(kKvBlockRows - in_block, begin + n - row);
+        const uint8_t * k        = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]) +
+                                   layer * pool_.layer_stride() + static_cast<int64_t>(in_block) * pool_.row_bytes();
+        cpu::KvRun      run{ k, k + pool_.v_offset(), take, shift };
         if (cl != nullptr) {
             const int64_t a_off = static_cast<int64_t>(row - begin) * corr->rank;
             run.rank            = corr->rank;
@@ -122,8 +126,8 @@ void KvCorrection::validate(const KvLayout & layout) const {
         const Layer & l     = layers[il];
         const bool    empty = l.a_k.empty() && l.b_k.empty() && l.a_v.empty() && l.b_v.empty();
         KC_CHECK(empty || (l.a_k.size() == na && l.a_v.size() == na && l.b_k.size() == nb && l.b_v.size() == nb),
-                 "correction layer %zu: factors must be A [%d x %d] and B [%d x %d] for both K and V", il, n_rows,
-                 rank, rank, n_kv_dim);
+                 "correction layer %zu: factors must be A [%d x %d] and B [%d x %d] for both K and V", il, n_rows, rank,
+                 rank, n_kv_dim);
     }
 }
 
@@ -193,16 +197,16 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
     std::vector<KvSegment> & segs = segments(seq);
     const int32_t            len  = seq_length(seq);
     KC_CHECK(n >= 0 && static_cast<int64_t>(len) + n <= n_ctx_max_,
-             "sequence %d would hold %lld tokens, over the context size %d", seq,
-             static_cast<long long>(len) + n, n_ctx_max_);
+             "sequence %d would hold %lld tokens, over the context size %d", seq, static_cast<long long>(len) + n,
+             n_ctx_max_);
     std::vector<KvSlot> slots;
     if (n == 0) {
         return slots;
     }
     bool in_place = false;
     if (!segs.empty()) {
-        KvSegment & last = segs.back();
-        KvSpan &    span = *last.span;
+        KvSegment & last   = segs.back();
+        KvSpan &    span   = *last.span;
         const bool  at_end = last.begin + last.n == span.n_rows();
         if (span.writer == seq && at_end) {
             in_place = true;
@@ -253,10 +257,12 @@ std::shared_ptr<KvSpan> KvCache::seq_span(int32_t seq, int32_t pos, int32_t n, i
     int32_t                        pos0 = 0;
     for (const KvSegment & s : segs) {
         if (pos >= pos0 && pos < pos0 + s.n) {
-            KC_CHECK(n > 0 && pos + n <= pos0 + s.n,
-                     "positions [%d, %d) of sequence %d do not lie in one stored span", pos, pos + n, seq);
-            KC_CHECK(s.corr == nullptr, "positions [%d, %d) of sequence %d are corrected: they have no exact rows "
-                     "to share", pos, pos + n, seq);
+            KC_CHECK(n > 0 && pos + n <= pos0 + s.n, "positions [%d, %d) of sequence %d do not lie in one stored span",
+                     pos, pos + n, seq);
+            KC_CHECK(s.corr == nullptr,
+                     "positions [%d, %d) of sequence %d are corrected: they have no exact rows "
+                     "to share",
+                     pos, pos + n, seq);
             begin = s.begin + (pos - pos0);
             return s.span;
         }
@@ -269,8 +275,8 @@ void KvCache::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t
                               std::shared_ptr<const KvCorrection> corr) {
     std::vector<KvSegment> & segs = segments(seq);
     KC_CHECK(span != nullptr, "no span given");
-    KC_CHECK(begin >= 0 && n > 0 && begin + n <= span->n_rows(), "rows [%d, %d) are outside the span (%d rows)",
-             begin, begin + n, span->n_rows());
+    KC_CHECK(begin >= 0 && n > 0 && begin + n <= span->n_rows(), "rows [%d, %d) are outside the span (%d rows)", begin,
+             begin + n, span->n_rows());
     const int32_t len = seq_length(seq);
     KC_CHECK(static_cast<int64_t>(len) + n <= n_ctx_max_,
              "sequence %d would hold %lld tokens, over the context size %d", seq, static_cast<long long>(len) + n,

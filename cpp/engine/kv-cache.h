@@ -18,36 +18,42 @@ namespace kvcmas {
 constexpr int32_t kKvBlockRows = 32;  // rows (tokens) per block
 
 struct KvLayout {
-    int n_layer  = 0;
-    int n_kv_dim = 0;  // n_head_kv * head_dim: floats in one K (or V) row
+    int         n_layer  = 0;
+    int         n_kv_dim = 0;                 // n_head_kv * head_dim: elements in one K (or V) row
+    cpu::KvType kv_type  = cpu::KvType::F32;  // element type of the stored rows
 };
 
 // Blocks of KV memory: block b holds, for every layer il, K rows then V rows:
-// [n_layer][2][kKvBlockRows][n_kv_dim] f32. Allocation fails with kvcmas::Error once the byte budget is used up.
+// [n_layer][2][kKvBlockRows][n_kv_dim] elements of layout.kv_type. Allocation fails with kvcmas::Error once the
+// byte budget is used up.
 // allocate/release are thread-safe: spans handed to Python may be freed by any thread, outside the model's lock.
 // release never touches blocks_, and allocate (which may grow it) and data() both run under the model's lock, so
 // data() on the hot path takes no lock of its own.
 class KvBlockPool {
   public:
     KvBlockPool(KvLayout layout, size_t budget_bytes);
-    int32_t allocate();
-    void    release(int32_t block);
-    float * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
-    size_t  block_bytes() const { return block_floats_ * sizeof(float); }
-    size_t  bytes_in_use() const;
-    size_t  budget_bytes() const { return budget_bytes_; }
-    int64_t layer_stride() const { return 2LL * kKvBlockRows * layout_.n_kv_dim; }  // floats between layers
-    int64_t v_offset() const { return static_cast<int64_t>(kKvBlockRows) * layout_.n_kv_dim; }
+    int32_t   allocate();
+    void      release(int32_t block);
+    uint8_t * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
+    size_t    block_bytes() const { return block_bytes_; }
+    size_t    bytes_in_use() const;
+    size_t    budget_bytes() const { return budget_bytes_; }
+    size_t    elem_bytes() const { return elem_bytes_; }
+    // Byte offsets inside a block: between layers, and from a K row to its V row.
+    int64_t layer_stride() const { return 2LL * kKvBlockRows * layout_.n_kv_dim * static_cast<int64_t>(elem_bytes_); }
+    int64_t v_offset() const { return static_cast<int64_t>(kKvBlockRows) * layout_.n_kv_dim * elem_bytes_; }
+    int64_t row_bytes() const { return static_cast<int64_t>(layout_.n_kv_dim) * elem_bytes_; }
     const KvLayout & layout() const { return layout_; }
 
   private:
-    KvLayout                              layout_;
-    size_t                                block_floats_;
-    size_t                                budget_bytes_;
-    mutable std::mutex                    mutex_;  // guards n_used_, free_ and the growth of blocks_
-    size_t                                n_used_ = 0;
-    std::vector<std::unique_ptr<float[]>> blocks_;  // index = block id; freed blocks keep their memory for reuse
-    std::vector<int32_t>                  free_;
+    KvLayout                                layout_;
+    size_t                                  elem_bytes_;
+    size_t                                  block_bytes_;
+    size_t                                  budget_bytes_;
+    mutable std::mutex                      mutex_;  // guards n_used_, free_ and the growth of blocks_
+    size_t                                  n_used_ = 0;
+    std::vector<std::unique_ptr<uint8_t[]>> blocks_;  // index = block id; freed blocks keep their memory for reuse
+    std::vector<int32_t>                    free_;
 };
 
 struct KvCorrection;
@@ -64,13 +70,14 @@ class KvSpan {
     int32_t n_rows() const { return n_rows_; }
     int32_t frame0() const { return frame0_; }
     // Grows the span to n rows (allocating blocks) or shrinks it (releasing whole unused blocks).
-    void    resize(int32_t n);
-    float * k_row(int layer, int32_t row);
-    float * v_row(int layer, int32_t row);
+    void resize(int32_t n);
+    // Where row `row` of layer il is stored: n_kv_dim elements of the pool's kv_type.
+    void * k_row(int layer, int32_t row);
+    void * v_row(int layer, int32_t row);
     // Appends the runs covering rows [begin, begin + n) of layer il to out, with the given shift; corr (may be
     // null) corrects these rows, its row 0 being row `begin`.
-    void    append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
-                        std::vector<cpu::KvRun> & out) const;
+    void append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
+                     std::vector<cpu::KvRun> & out) const;
 
     int32_t writer = -1;  // the sequence that may append to this span in place; -1: nobody (frozen)
 
@@ -89,10 +96,10 @@ struct KvCorrection {
     struct Layer {
         std::vector<float> a_k, b_k, a_v, b_v;
     };
-    int32_t            n_rows = 0;
-    int32_t            rank   = 0;
+    int32_t            n_rows   = 0;
+    int32_t            rank     = 0;
     int32_t            n_kv_dim = 0;
-    std::vector<Layer> layers;  // [n_layer]
+    std::vector<Layer> layers;          // [n_layer]
     mutable bool       sealed = false;  // set once a sequence reads it: from then on it must not change
 
     size_t bytes() const;  // memory held by the factors
@@ -156,10 +163,10 @@ class KvCache {
     std::vector<KvSegment> &       segments(int32_t seq);
     const std::vector<KvSegment> & segments(int32_t seq) const;
 
-    KvBlockPool                                 pool_;
-    int32_t                                     n_ctx_max_;
-    int32_t                                     next_id_ = 0;
-    std::map<int32_t, std::vector<KvSegment>>   seqs_;
+    KvBlockPool                               pool_;
+    int32_t                                   n_ctx_max_;
+    int32_t                                   next_id_ = 0;
+    std::map<int32_t, std::vector<KvSegment>> seqs_;
 };
 
 }  // namespace kvcmas

@@ -22,20 +22,21 @@ static int default_threads(int n_threads) {
     return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
 }
 
-Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes) :
-    file_(std::make_unique<gguf::GgufFile>(path)),
-    pool_(default_threads(n_threads)) {
+Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type)
+    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)) {
     load_params();
     load_weights();
     if (n_ctx <= 0) {
         n_ctx = static_cast<int>(std::min<int64_t>(p_.n_ctx_train > 0 ? p_.n_ctx_train : 8192, 8192));
     }
     KC_CHECK(n_ctx <= (1 << 24), "n_ctx %d is too large", n_ctx);
-    KvLayout layout{ static_cast<int>(p_.n_layer), static_cast<int>(p_.n_head_kv * p_.head_dim) };
+    KC_CHECK(kv_type == cpu::KvType::F32 || kv_type == cpu::KvType::F16, "unknown KV type %d",
+             static_cast<int>(kv_type));
+    KvLayout layout{ static_cast<int>(p_.n_layer), static_cast<int>(p_.n_head_kv * p_.head_dim), kv_type };
     if (kv_budget_bytes == 0) {
         const size_t blocks = static_cast<size_t>((n_ctx + kKvBlockRows - 1) / kKvBlockRows) + 1;
         kv_budget_bytes     = 4 * blocks * static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * layout.n_kv_dim *
-                          sizeof(float);
+                              cpu::kv_type_size(kv_type);
     }
     kv_ = std::make_unique<KvCache>(layout, kv_budget_bytes, n_ctx);
 }
@@ -65,9 +66,9 @@ void Model::load_params() {
              "%s: head_count %lld / head_count_kv %lld are not a valid grouping", path,
              static_cast<long long>(p_.n_head), static_cast<long long>(p_.n_head_kv));
     p_.head_dim = f.get_int(a + names::kArchKeyKeyLength, p_.n_embd / p_.n_head);
-    KC_CHECK(p_.head_dim > 0 && p_.head_dim <= 1024 && f.get_int(a + names::kArchKeyValueLength, p_.head_dim) == p_.head_dim,
-             "%s: head size %lld unsupported (keys and values must share it)", path,
-             static_cast<long long>(p_.head_dim));
+    KC_CHECK(
+        p_.head_dim > 0 && p_.head_dim <= 1024 && f.get_int(a + names::kArchKeyValueLength, p_.head_dim) == p_.head_dim,
+        "%s: head size %lld unsupported (keys and values must share it)", path, static_cast<long long>(p_.head_dim));
     p_.n_rot = f.get_int(a + names::kArchKeyRopeDimensionCount, p_.head_dim);
     KC_CHECK(p_.n_rot > 0 && p_.n_rot <= p_.head_dim && p_.n_rot % 2 == 0,
              "%s: rope.dimension_count %lld must be even and at most the head size %lld", path,
@@ -84,17 +85,16 @@ void Model::load_params() {
             p_.rope_scale = 1.0 / factor;
         } else {
             // llama3-style scaling is carried by the rope_freqs tensor; only yarn & co are unsupported.
-            KC_CHECK(type == "none" || type == "llama3", "%s: rope scaling '%s' is not supported", path,
-                     type.c_str());
+            KC_CHECK(type == "none" || type == "llama3", "%s: rope scaling '%s' is not supported", path, type.c_str());
         }
     }
-    p_.rope_neox    = p_.arch == names::kArchQwen2;
-    p_.has_qkv_bias = p_.arch == names::kArchQwen2;
+    p_.rope_neox                 = p_.arch == names::kArchQwen2;
+    p_.has_qkv_bias              = p_.arch == names::kArchQwen2;
     const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
     KC_CHECK(emb != nullptr, "%s: tensor '%s' is missing", path, names::kTensorTokenEmbd);
     KC_CHECK(emb->ne.size() == 2 && emb->ne[0] == p_.n_embd, "%s: tensor '%s' has the wrong shape", path,
              names::kTensorTokenEmbd);
-    p_.n_vocab = emb->ne[1];
+    p_.n_vocab     = emb->ne[1];
     p_.tied_output = f.find_tensor(names::kTensorOutput) == nullptr;
 
     rope_.n_rot = static_cast<int>(p_.n_rot);
@@ -142,9 +142,9 @@ std::vector<float> Model::vector_f32(const std::string & name, int64_t n, bool r
 
 void Model::load_weights() {
     const int64_t E = p_.n_embd, qd = p_.n_head * p_.head_dim, kd = p_.n_head_kv * p_.head_dim;
-    tok_embd_       = weight(names::kTensorTokenEmbd, E, p_.n_vocab);
-    output_         = p_.tied_output ? tok_embd_ : weight(names::kTensorOutput, E, p_.n_vocab);
-    output_norm_    = vector_f32(names::kTensorOutputNorm, E, true);
+    tok_embd_    = weight(names::kTensorTokenEmbd, E, p_.n_vocab);
+    output_      = p_.tied_output ? tok_embd_ : weight(names::kTensorOutput, E, p_.n_vocab);
+    output_norm_ = vector_f32(names::kTensorOutputNorm, E, true);
     layers_.resize(static_cast<size_t>(p_.n_layer));
     for (int64_t il = 0; il < p_.n_layer; ++il) {
         Layer &           L  = layers_[static_cast<size_t>(il)];
@@ -167,7 +167,7 @@ void Model::load_weights() {
 std::vector<float> Model::decode(const Batch & batch) {
     KC_CHECK(!batch.items.empty(), "decode: the batch is empty");
     std::map<int32_t, int32_t> count, length;  // per sequence: new rows, rows before
-    std::vector<int32_t>       order;           // sequences by first appearance
+    std::vector<int32_t>       order;          // sequences by first appearance
     for (const BatchItem & it : batch.items) {
         KC_CHECK(kv_->seq_exists(it.seq), "decode: no sequence with id %d", it.seq);
         if (it.embd_row >= 0) {
@@ -258,8 +258,13 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         max_visible = std::max<int64_t>(max_visible, positions[i] + 1);
     }
     std::vector<std::vector<cpu::KvRun>> runs(seq_ids.size());
-    const cpu::AttentionShape shape{ static_cast<int>(H), static_cast<int>(KVH), static_cast<int>(hd), kd,
-                                     static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))) };
+    const cpu::KvType                    kv_type = kv_->pool().layout().kv_type;
+    const cpu::AttentionShape            shape{ static_cast<int>(H),
+                                                static_cast<int>(KVH),
+                                                static_cast<int>(hd),
+                                                kd,
+                                                static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+                                                kv_type };
     // Blocks of consecutive items of one sequence (a prompt): attention reads each key once per block.
     struct QueryBlock {
         int64_t first;
@@ -275,8 +280,8 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
             blocks.push_back(QueryBlock{ i, 1 });
         }
     }
-    const int          nth            = pool_.size();
-    const int64_t      scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
+    const int     nth            = pool_.size();
+    const int64_t scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
     std::vector<float> scratch(static_cast<size_t>(scratch_floats * nth));
 
     for (int64_t il = 0; il < p_.n_layer; ++il) {
@@ -284,12 +289,13 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         for (int64_t i = 0; i < n; ++i) {
             cpu::rms_norm(&x[i * E], L.attn_norm.data(), &xn[i * E], E, p_.rms_eps);
         }
-        cpu::matmul(L.wq, xn.data(), q.data(), n, pool_);
-        cpu::matmul(L.wk, xn.data(), k.data(), n, pool_);
-        cpu::matmul(L.wv, xn.data(), v.data(), n, pool_);
-        pool_.run([&](int ith, int nth_) {
-            long long b, e;
-            cpu::split_range(n, ith, nth_, b, e);
+        {
+            const cpu::WeightView qkv[3] = { L.wq, L.wk, L.wv };
+            float * const         out[3] = { q.data(), k.data(), v.data() };
+            cpu::matmul_multi(qkv, out, 3, xn.data(), n, pool_);
+        }
+        // Biases, RoPE and the KV write, token by token; a decode step's few tokens are not worth a pool round.
+        const auto finish_qkv = [&](long long b, long long e) {
             for (long long i = b; i < e; ++i) {
                 float * qi = &q[i * qd];
                 float * ki = &k[i * kd];
@@ -302,10 +308,19 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
                 rope_.apply_cs(qi, static_cast<int>(H), static_cast<int>(hd), &cq[i * half], &sq[i * half]);
                 rope_.apply_cs(ki, static_cast<int>(KVH), static_cast<int>(hd), &ck[i * half], &sk[i * half]);
                 const KvSlot & slot = slots[static_cast<size_t>(i)];
-                std::memcpy(slot.span->k_row(static_cast<int>(il), slot.row), ki, sizeof(float) * kd);
-                std::memcpy(slot.span->v_row(static_cast<int>(il), slot.row), vi, sizeof(float) * kd);
+                cpu::kv_store_row(kv_type, ki, slot.span->k_row(static_cast<int>(il), slot.row), kd);
+                cpu::kv_store_row(kv_type, vi, slot.span->v_row(static_cast<int>(il), slot.row), kd);
             }
-        });
+        };
+        if (n < pool_.size() * 4) {
+            finish_qkv(0, n);
+        } else {
+            pool_.run([&](int ith, int nth_) {
+                long long b, e;
+                cpu::split_range(n, ith, nth_, b, e);
+                finish_qkv(b, e);
+            });
+        }
         for (size_t s = 0; s < seq_ids.size(); ++s) {
             kv_->runs(seq_ids[s], static_cast<int>(il), runs[s]);
         }
@@ -329,13 +344,20 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         for (int64_t i = 0; i < n; ++i) {
             cpu::rms_norm(&x[i * E], L.ffn_norm.data(), &xn[i * E], E, p_.rms_eps);
         }
-        cpu::matmul(L.w_gate, xn.data(), g.data(), n, pool_);
-        cpu::matmul(L.w_up, xn.data(), u.data(), n, pool_);
-        pool_.run([&](int ith, int nth_) {
-            long long b, e;
-            cpu::split_range(n, ith, nth_, b, e);
-            cpu::silu_mul(&g[b * F], &u[b * F], &g[b * F], (e - b) * F);
-        });
+        {
+            const cpu::WeightView gate_up[2] = { L.w_gate, L.w_up };
+            float * const         out[2]     = { g.data(), u.data() };
+            cpu::matmul_multi(gate_up, out, 2, xn.data(), n, pool_);
+        }
+        if (n < pool_.size() * 4) {  // element-wise: a decode step's few rows are not worth a pool round
+            cpu::silu_mul(g.data(), u.data(), g.data(), n * F);
+        } else {
+            pool_.run([&](int ith, int nth_) {
+                long long b, e;
+                cpu::split_range(n, ith, nth_, b, e);
+                cpu::silu_mul(&g[b * F], &u[b * F], &g[b * F], (e - b) * F);
+            });
+        }
         cpu::matmul(L.w_down, g.data(), tmp.data(), n, pool_);
         add_rows(x.data(), tmp.data(), n * E);
     }
@@ -357,8 +379,10 @@ void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * 
     const int32_t len = kv_->seq_length(seq);
     KC_CHECK(pos >= 0 && n >= 0 && static_cast<int64_t>(pos) + n <= len,
              "positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, len);
-    const int64_t kd = p_.n_head_kv * p_.head_dim;
-    const int     hd = static_cast<int>(p_.head_dim), n_kv = static_cast<int>(p_.n_head_kv);
+    const int64_t           kd = p_.n_head_kv * p_.head_dim;
+    const int               hd = static_cast<int>(p_.head_dim), n_kv = static_cast<int>(p_.n_head_kv);
+    const cpu::KvType       kv_type   = kv_->pool().layout().kv_type;
+    const int64_t           row_bytes = kd * static_cast<int64_t>(cpu::kv_type_size(kv_type));
     std::vector<cpu::KvRun> runs;
     for (int il = 0; il < p_.n_layer; ++il) {
         kv_->runs(seq, il, runs);
@@ -371,8 +395,8 @@ void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * 
                 }
                 float * k = k_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
                 float * v = v_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
-                std::memcpy(k, r.k + j * kd, sizeof(float) * kd);
-                std::memcpy(v, r.v + j * kd, sizeof(float) * kd);
+                cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.k) + j * row_bytes, k, kd);
+                cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.v) + j * row_bytes, v, kd);
                 for (int32_t c = 0; c < r.rank; ++c) {
                     const float ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
                     for (int64_t d = 0; d < kd; ++d) {

@@ -2,6 +2,8 @@
 
 Each measurement runs in a fresh subprocess, so peak RSS belongs to one engine alone, and engines are
 interleaved round by round, so a slow moment of the machine hits all of them alike. The best round is kept.
+kvcmas stores its KV cache as f16 here by default (`--kv-type`), as llama.cpp does by default, so both engines
+read the same amount of KV per token.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CoreResult:
     prefill_tok_s: float
     decode_tok_s: float  # 0 when the engine measured prefill only
     peak_rss_mb: float
+    kv_type: str = "-"  # KV cache storage of the run ("-": the engine's own default, or no KV cache)
 
 
 def _prompt_ids(n_vocab: int, n: int) -> list[int]:
@@ -43,10 +46,10 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int) -> tuple[float, float]:
+def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
     from .model import Model
 
-    model = Model(model_path, n_threads=threads, n_ctx=prompt + gen + 8)
+    model = Model(model_path, n_threads=threads, n_ctx=prompt + gen + 8, kv_type=kv_type)  # type: ignore[arg-type]
     ids = _prompt_ids(model.n_vocab, prompt)
     with model.new_sequence() as warm:  # first touch of the mapped weights
         warm.append(ids[:32])
@@ -61,9 +64,10 @@ def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int) -> tuple[f
     return prompt / (t1 - t0), gen / (t2 - t1) if gen else 0.0
 
 
-def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int) -> tuple[float, float]:
+def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
     from llama_cpp import Llama  # optional extra: pip install 'kvcmas_cpp[bench]'
 
+    del kv_type  # llama.cpp keeps its default KV type (f16)
     llm = Llama(
         model_path=model_path,
         n_ctx=prompt + gen + 8,
@@ -88,7 +92,8 @@ def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int) -> tupl
     return prompt / (t1 - t0), gen / (t2 - t1) if gen else 0.0
 
 
-def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int) -> tuple[float, float]:
+def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
+    del kv_type  # prefill only: no KV cache is kept
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM
@@ -106,15 +111,20 @@ def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int) -> tup
     return prompt / (t1 - t0), 0.0
 
 
-def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int) -> CoreResult:
+# KV cache storage each engine runs with, as printed in the table (kvcmas: the --kv-type option).
+_ENGINE_KV = {"llama-cpp": "f16", "torch-bf16": "-"}
+
+
+def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
     runner = {"kvcmas": _run_kvcmas, "llama-cpp": _run_llama_cpp, "torch-bf16": _run_torch_bf16}[engine]
-    prefill, decode = runner(model_path, threads, prompt, gen)
-    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb())
+    prefill, decode = runner(model_path, threads, prompt, gen, kv_type)
+    kv = kv_type if engine == "kvcmas" else _ENGINE_KV[engine]
+    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb(), kv)
 
 
-def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int) -> CoreResult:
+def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
     cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--worker", engine, model_path]
-    cmd += [str(threads), str(prompt), str(gen)]
+    cmd += [str(threads), str(prompt), str(gen), kv_type]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} benchmark failed on {model_path}:\n{proc.stderr[-2000:]}")
@@ -122,9 +132,10 @@ def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int) 
 
 
 def bench_core(
-    models: list[str], threads: int, prompt: int, gen: int, compare: list[str], rounds: int
+    models: list[str], threads: int, prompt: int, gen: int, compare: list[str], rounds: int, kv_type: str = "f16"
 ) -> list[CoreResult]:
-    """Best of `rounds` interleaved rounds for kvcmas and each engine in `compare`, per model."""
+    """Best of `rounds` interleaved rounds for kvcmas (KV stored as `kv_type`) and each engine in `compare`, per
+    model."""
     from tqdm import tqdm
 
     engines = ["kvcmas", *[e for e in compare if e != "kvcmas"]]
@@ -133,7 +144,7 @@ def bench_core(
     for model_path, engine in tqdm(jobs, desc="bench core", unit="run", file=sys.stderr):
         if engine == "torch-bf16" and (model_path, engine) in best:
             continue  # slow to load; one round tells the anchor
-        r = _measure(engine, model_path, threads, prompt, gen)
+        r = _measure(engine, model_path, threads, prompt, gen, kv_type)
         key = (model_path, engine)
         old = best.get(key)
         if old is None:
@@ -148,8 +159,8 @@ def bench_core(
 def format_table(results: list[CoreResult]) -> str:
     """Markdown table with our/other ratios per model."""
     lines = [
-        "| model | engine | threads | prefill tok/s | decode tok/s | peak RSS MB | prefill ratio | decode ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | engine | threads | KV | prefill tok/s | decode tok/s | peak RSS MB | prefill ratio | decode ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ours = {r.model: r for r in results if r.engine == "kvcmas"}
     for r in results:
@@ -160,7 +171,7 @@ def format_table(results: list[CoreResult]) -> str:
             dec = f"{base.decode_tok_s / r.decode_tok_s:.2f}x" if r.decode_tok_s else ""
         decode = f"{r.decode_tok_s:.1f}" if r.decode_tok_s else "-"
         lines.append(
-            f"| {Path(r.model).name} | {r.engine} | {r.threads} | {r.prefill_tok_s:.1f} | {decode} "
+            f"| {Path(r.model).name} | {r.engine} | {r.threads} | {r.kv_type} | {r.prefill_tok_s:.1f} | {decode} "
             f"| {r.peak_rss_mb:.0f} | {pre} | {dec} |"
         )
     lines.append("")
@@ -175,6 +186,12 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen", type=int, default=128, help="tokens to decode")
     p.add_argument("--compare", action="append", default=[], choices=["llama-cpp", "torch-bf16"])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best is kept")
+    p.add_argument(
+        "--kv-type",
+        default="f16",
+        choices=["f16", "f32"],
+        help="kvcmas KV cache storage (default f16, llama.cpp's default, for a like-for-like comparison)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -182,7 +199,7 @@ def run_core(args: argparse.Namespace) -> int:
     from .model import default_model_path
 
     models = args.model or [default_model_path()]
-    results = bench_core(models, args.threads, args.prompt, args.gen, args.compare, args.rounds)
+    results = bench_core(models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
@@ -191,9 +208,9 @@ def run_core(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--worker":
-        _, _, eng, path, th, pr, ge = sys.argv
-        print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge)))))
+    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+        _, _, eng, path, th, pr, ge, kv = sys.argv
+        print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv))))
     else:
         parser = argparse.ArgumentParser(prog="python -m kvcmas_cpp.bench")
         add_core_arguments(parser)

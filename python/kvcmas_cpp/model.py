@@ -227,6 +227,8 @@ class Model:
         n_threads: compute threads (default: all cores).
         n_ctx: most tokens one sequence may hold (default: the training context, at most 8192).
         kv_budget: bytes all KV blocks may take (default: four full sequences).
+        kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
+            like llama.cpp's default; attention still computes in f32).
     """
 
     def __init__(
@@ -235,12 +237,18 @@ class Model:
         n_threads: int | None = None,
         n_ctx: int | None = None,
         kv_budget: int | None = None,
+        kv_type: Literal["f32", "f16"] = "f32",
     ) -> None:
         self.path = os.fspath(path)
         for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self._core = core.Model(self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
+        if kv_type not in ("f32", "f16"):
+            raise ValueError(f"kv_type must be 'f32' or 'f16', got {kv_type!r}")
+        core_args: tuple[Any, ...] = (self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
+        if kv_type != "f32":  # only then: cores built before the option still load models the default way
+            core_args += (kv_type,)
+        self._core = core.Model(*core_args)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
 
