@@ -57,6 +57,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes all KV memory may take, e.g. 512M (default: the engine's, four full sequences)",
     )
+    p.add_argument(
+        "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
+    )
     p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
@@ -81,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("kvcmas-server: error: --max-queue must be >= 0", file=sys.stderr)
         return 2
     path = args.model or default_model_path()
-    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget)
+    kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
+    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
     cfg = ServerConfig(
         model_path=path,
         host=args.host,

@@ -137,7 +137,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics
         core = model._core
-        self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * 4
+        element_bytes = 2 if getattr(core, "kv_type", "f32") == "f16" else 4
+        self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * element_bytes
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
