@@ -251,6 +251,10 @@ def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
         if model.tokenize(reply, add_special=False) == gen:
             assert p3.stats["reused_tokens"] >= n_q + len(gen) - 4
         p3.close()
+        # no system prompt: the agent is "assistant", found again on the next call
+        for _ in range(2):
+            team.prefill([user]).close()
+        assert [a.name for a in team.agents].count("assistant") == 1
         with pytest.raises(ValueError, match="string 'role' and 'content'"):
             team.prefill([{"role": "user", "content": 3}])
         assert team.evict_lru()

@@ -438,10 +438,10 @@ class AgentSession:
                     ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
                     self._add_item(_Item(ph, ids, None, None))
                 rendered.append({"role": role, "content": "{" + ph + "}"})
-            key = agent if agent is not None else system
+            key = agent if agent is not None else (system or "assistant")
             ag = next((a for a in self.agents if a.name == key), None)
             if ag is None:
-                ag = self.agent(key or "assistant", system)
+                ag = self.agent(key, system)
             return self._prefill_template(ag, template_from_messages(self.model, rendered, ag.name))
 
     def prefill_agent(self, agent: Agent) -> Prefilled:
