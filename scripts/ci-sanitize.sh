@@ -26,6 +26,8 @@ TESTS=(
   tests/test_shared_spans.py
   tests/test_kv_slots.py
   tests/test_concurrency.py
+  tests/test_kv_types.py
+  tests/test_agents.py
 )
 
 start=$(date +%s)
