@@ -74,3 +74,13 @@ def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
     }
     for f in files:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_attention_compares_fused_with_materialized() -> None:
+    from kvcmas_cpp import bench_attention
+
+    for kv_type, tol in (("f32", 1e-5), ("f16", 2e-3)):
+        r = bench_attention.measure(64, 8, kv_type, n_head=6, n_head_kv=2, hd=32, repeat=2)
+        assert r["max_rel_diff"] < tol and r["fused_us"] > 0 and r["materialized_us"] > 0
+        assert r["fused_bytes_per_agent"] == (2 * 64 * 8 + 2 * 8 * 64) * 4
+        assert r["materialized_bytes_per_agent"] == 2 * 64 * 64 * (2 if kv_type == "f16" else 4)

@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_arguments(ps)
     ps.set_defaults(func=run_bench_serve)
 
+    from .bench_attention import add_attention_arguments, run_attention
+
+    pt = bench_sub.add_parser("attention", help="the corrected attention kernel: fused vs materialized, per shape")
+    add_attention_arguments(pt)
+    pt.set_defaults(func=run_attention)
+
     from .bench_vision import add_vision_arguments, run_vision
 
     pv = bench_sub.add_parser("vision", help="an image in the shared context: encode time, later-agent TTFT, memory")
