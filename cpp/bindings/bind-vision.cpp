@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "bindings/bindings.h"
 #include "common/error.h"
 #include "vision/vision-encoder.h"
 
@@ -75,8 +76,3 @@ void bind_vision(nb::module_ & m) {
 }
 
 }  // namespace kvcmas::py
-
-// Global entry point, so that module.cpp can declare and call it in one line.
-void kvcmas_bind_vision(nb::module_ & m) {
-    kvcmas::py::bind_vision(m);
-}

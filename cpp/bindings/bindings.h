@@ -5,9 +5,10 @@
 
 namespace kvcmas::py {
 
-void bind_gguf(nanobind::module_ & m);     // bind-gguf.cpp: GgufFile
-void bind_kernels(nanobind::module_ & m);  // bind-kernels.cpp: dequantize / matmul entry points for tests
-void bind_engine(nanobind::module_ & m);   // bind-engine.cpp: Model, sequences, batches
+void bind_gguf(nanobind::module_ & m);       // bind-gguf.cpp: GgufFile
+void bind_kernels(nanobind::module_ & m);    // bind-kernels.cpp: dequantize / matmul entry points for tests
+void bind_engine(nanobind::module_ & m);     // bind-engine.cpp: Model, sequences, batches
 void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attention kernel, for tests
+void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
 
 }  // namespace kvcmas::py

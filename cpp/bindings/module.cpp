@@ -17,8 +17,8 @@ NB_MODULE(_core, m) {
             try {
                 std::rethrow_exception(p);
             } catch (const kvcmas::Error & e) {
-                PyObject * msg = PyUnicode_DecodeUTF8(e.what(), static_cast<Py_ssize_t>(std::strlen(e.what())),
-                                                      "replace");
+                PyObject * msg =
+                    PyUnicode_DecodeUTF8(e.what(), static_cast<Py_ssize_t>(std::strlen(e.what())), "replace");
                 PyErr_SetObject(error_type.ptr(), msg);
                 Py_XDECREF(msg);
             }
@@ -28,5 +28,5 @@ NB_MODULE(_core, m) {
     kvcmas::py::bind_kernels(m);
     kvcmas::py::bind_engine(m);
     kvcmas::py::bind_attention(m);
-    { void kvcmas_bind_vision(nb::module_ &); kvcmas_bind_vision(m); }  // cpp/bindings/bind-vision.cpp
+    kvcmas::py::bind_vision(m);
 }
