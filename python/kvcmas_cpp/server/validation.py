@@ -1,0 +1,182 @@
+"""Request bodies to validated parameters, without a model: the path every POST body takes before any engine work.
+
+`parse_request` turns raw bytes into a validated request (schemas.py) and its normalised parameters, or raises
+ApiError (an OpenAI-style error, 4xx). Nothing here touches the model, so fuzz/fuzz_server.py runs it on arbitrary
+bytes: its contract is "a ParsedRequest or an ApiError with a 4xx status, never another exception".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from ..sampling import SamplingParams
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: room for a few data-URL images
+DEFAULT_MAX_TOKENS = 4096  # the most tokens one request may ask to generate
+DEFAULT_MAX_IMAGES = 8  # image parts per chat request
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error response, as OpenAI's API writes it."""
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    }
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """One readable line from pydantic's (or FastAPI's) errors, and the parameter it is about."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = ".".join(loc) or None
+    where = f"'{param}': " if param else "request body: "
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{where}{first.get('msg', 'invalid value')}{more}", param
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a base64 data URL (data:image/png;base64,...). Other URLs are refused: the server fetches
+    nothing from the network and reads no files."""
+    if not url.startswith("data:"):
+        raise ApiError(400, "image_url: only data URLs (data:image/...;base64,...) are accepted", "invalid_image")
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ApiError(
+            400, "image_url: the data URL must be base64-encoded (data:<type>;base64,<data>)", "invalid_image"
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "image_url: the data URL's payload is not valid base64", "invalid_image") from None
+
+
+@dataclass
+class Limits:
+    """Per-request limits (see `kvcmas-server --help`)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_images: int = DEFAULT_MAX_IMAGES
+
+
+@dataclass
+class ParsedRequest:
+    """A validated body and what the handlers need from it."""
+
+    body: ChatCompletionRequest | CompletionRequest
+    sampling: SamplingParams
+    stops: list[str]
+    max_tokens: int | None  # None: fill what the context and the KV budget leave (capped by Limits.max_tokens)
+    images: list[bytes] = field(default_factory=list)  # decoded image_url payloads, in order (chat only)
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The body's sampling settings, validated (ApiError 400 on values the sampler refuses)."""
+    params = SamplingParams(
+        temperature=float(body.temperature),
+        top_k=body.top_k,
+        top_p=float(body.top_p),
+        min_p=float(body.min_p),
+        repeat_penalty=float(body.repeat_penalty),
+        seed=body.seed,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_value") from None
+    return params
+
+
+def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limits) -> ParsedRequest:
+    """Raw POST body -> ParsedRequest. Raises ApiError (413 for an oversized body, 400 for anything invalid)."""
+    if len(raw) > limits.max_body_bytes:
+        raise ApiError(
+            413, f"the request body has {len(raw)} bytes; the limit is {limits.max_body_bytes}", "body_too_large"
+        )
+    try:
+        obj = json.loads(raw)
+    except RecursionError:  # nesting deeper than Python's stack allows
+        raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request") from None
+    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        body: ChatCompletionRequest | CompletionRequest = schema.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False))
+        raise ApiError(400, message, "invalid_request", param) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
+    requested = body.effective_max_tokens()
+    if requested is not None and requested > limits.max_tokens:
+        param = (
+            "max_completion_tokens" if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens else None
+        )
+        raise ApiError(
+            400,
+            f"max_tokens is {requested}; this server allows at most {limits.max_tokens} new tokens per request",
+            "max_tokens_exceeded",
+            param or "max_tokens",
+        )
+    images: list[bytes] = []
+    if isinstance(body, ChatCompletionRequest):
+        urls: list[str] = []
+
+        def collect(url: str) -> str:
+            urls.append(url)
+            return ""
+
+        try:
+            body.plain_messages(collect)  # the text itself is rendered later; this checks every part
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_content", "messages") from None
+        if len(urls) > limits.max_images:
+            raise ApiError(
+                400,
+                f"the request has {len(urls)} images; this server takes at most {limits.max_images} per request",
+                "too_many_images",
+                "messages",
+            )
+        images = [decode_data_url(url) for url in urls]
+    return ParsedRequest(body, sampling_params(body), body.stop_list(), requested, images)

@@ -1,0 +1,425 @@
+"""kvcmas-server limits, security settings and faults, end to end: real server processes, real clients.
+
+One server with small limits covers every per-request limit (body size, prompt tokens, max_tokens, images, requests
+in flight, the request timeout). A second one runs on a copy of the model file that is deleted once loaded (the
+weights are mmapped) with a tiny KV budget: client disconnects, KV exhaustion (429) and recovery. Each SIGTERM test
+starts its own server. Route list, CORS and the API-key comparison are checked in-process on the FastAPI app.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+import kvcmas_cpp as kc
+from test_server import BLOCK_BYTES, ServerProcess
+
+openai = pytest.importorskip("openai")
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy continues counting: a long generation without an early stop
+CTX = 512
+KINDS: tuple[Literal["chat", "completion"], ...] = ("chat", "completion")
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def model_path(default_model_path: Path) -> str:
+    return str(default_model_path)
+
+
+def _wait_idle(srv: ServerProcess, baseline_kv: float, timeout: float = 15.0) -> dict[str, float]:
+    """Metrics once no request runs and KV is back to baseline_kv (or the last metrics at the deadline)."""
+    deadline = time.monotonic() + timeout
+    m = srv.metrics()
+    while time.monotonic() < deadline and (m["kvcmas_active_requests"] or m["kvcmas_kv_bytes"] != baseline_kv):
+        time.sleep(0.1)
+        m = srv.metrics()
+    return m
+
+
+def _open_stream(srv: ServerProcess, path: str, body: dict[str, Any]) -> tuple[http.client.HTTPConnection, Any]:
+    """Starts a streaming request and reads until its first content chunk (the job is generating)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    seen = 0
+    while seen < 2:
+        line = resp.fp.readline()
+        assert line, "the stream ended before any content"
+        seen += line.startswith(b"data: ")
+    return conn, resp
+
+
+def _read_events(resp: Any) -> list[str]:
+    """The remaining SSE data payloads of a stream (until the server closes it)."""
+    events = []
+    try:
+        for line in resp.fp:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip().decode())
+    except (OSError, http.client.HTTPException):
+        pass
+    return events
+
+
+# ---------------------------------------------------------------------------------------------------- limits
+@pytest.fixture(scope="module")
+def limits_server(model_path: str) -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        model_path,
+        "--method",
+        "nonshared",
+        "-c",
+        str(CTX),
+        "--parallel",
+        "2",
+        "--max-body-bytes",
+        "4096",
+        "--max-tokens-limit",
+        "500",
+        "--max-images",
+        "1",
+        "--max-inflight",
+        "2",
+        "--request-timeout",
+        str(TIMEOUT_S),
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def limits_client(limits_server: ServerProcess) -> Any:
+    return openai.OpenAI(base_url=f"{limits_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_body_size_limit_413(limits_server: ServerProcess) -> None:
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1}).encode()
+    status, _, out = limits_server.request("POST", "/v1/chat/completions", raw=big)
+    assert status == 413 and out["error"]["code"] == "body_too_large", out
+    # Without a Content-Length (chunked), the limit holds while the body is read.
+    conn = http.client.HTTPConnection("127.0.0.1", limits_server.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=iter([big[:3000], big[3000:]]), encode_chunked=True)
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and out["error"]["type"] == "invalid_request_error", out
+    small = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    status, _, out = limits_server.request("POST", "/v1/chat/completions", small)
+    assert status == 200, out
+    assert limits_server.metrics()["kvcmas_rejected_body_too_large_total"] == 2
+
+
+def test_prompt_longer_than_ctx_size_400(limits_client: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        limits_client.completions.create(model=_model_id(limits_client), prompt="word " * (CTX + 20), max_tokens=1)
+    assert err.value.status_code == 400 and err.value.body["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_limit_400(limits_client: Any, limits_server: ServerProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        limits_client.chat.completions.create(
+            model=_model_id(limits_client), messages=[{"role": "user", "content": "Hi"}], max_tokens=501
+        )
+    assert err.value.body["code"] == "max_tokens_exceeded" and err.value.body["param"] == "max_tokens"
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10_000}
+    status, _, out = limits_server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "max_completion_tokens", out
+    status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 501})
+    assert status == 400 and out["error"]["code"] == "max_tokens_exceeded", out
+
+
+def test_images_per_request_limit_400(limits_server: ServerProcess) -> None:
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    status, _, out = limits_server.request(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [part, part]}]}
+    )
+    assert status == 400 and out["error"]["code"] == "too_many_images", out
+    status, _, out = limits_server.request(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [part]}]}
+    )
+    assert status == 400 and out["error"]["code"] != "too_many_images" and "--mmproj" in out["error"]["message"]
+
+
+def test_requests_in_flight_limit_503_with_retry_after(limits_server: ServerProcess) -> None:
+    # Two requests that never finish sending their body are in flight; the third is refused at once.
+    held = []
+    for _ in range(2):
+        sock = socket.create_connection(("127.0.0.1", limits_server.port), timeout=30)
+        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"messages"')
+        held.append(sock)
+    try:
+        time.sleep(0.3)
+        status, headers, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert status == 503 and int(headers["retry-after"]) >= 1, out
+        assert out["error"]["code"] == "too_many_requests"
+        assert limits_server.request("GET", "/health")[0] == 200  # probes are not limited
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    status = 503
+    while status == 503 and time.monotonic() < deadline:  # the held ones are gone: requests run again
+        status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        time.sleep(0.05)
+    assert status == 200, out
+    assert limits_server.metrics()["kvcmas_rejected_inflight_total"] >= 1
+
+
+def test_request_timeout_ends_the_request_and_frees_its_kv(limits_server: ServerProcess) -> None:
+    before = _wait_idle(limits_server, 0)
+    t0 = time.monotonic()
+    status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 480})
+    elapsed = time.monotonic() - t0
+    assert status == 408 and out["error"]["code"] == "request_timeout", out
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5
+    # Streaming: the stream carries the error event, then ends.
+    conn, resp = _open_stream(limits_server, "/v1/completions", {"prompt": COUNTING, "max_tokens": 480})
+    events = _read_events(resp)
+    conn.close()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout", events[-3:]
+    after = _wait_idle(limits_server, before["kvcmas_kv_bytes"])
+    assert after["kvcmas_kv_bytes"] == before["kvcmas_kv_bytes"]
+    assert after["kvcmas_engine_sequences"] == before["kvcmas_engine_sequences"]
+    assert after["kvcmas_timed_out_total"] == before["kvcmas_timed_out_total"] + 2
+
+
+def _model_id(client: Any) -> str:
+    return str(client.models.list().data[0].id)
+
+
+# ------------------------------------------------------------------------------- request parsing, no model
+def test_request_parsing_gives_a_request_or_a_4xx(default_model_path: Path) -> None:
+    """The model-free path every body takes (the fuzz target's contract): hostile bodies give ApiError 4xx."""
+    from kvcmas_cpp.server.validation import ApiError, Limits, parse_request
+
+    limits = Limits(max_body_bytes=16384, max_tokens=64, max_images=2)
+    hostile = [
+        b"[" * 4000 + b"]" * 4000,  # nesting past Python's recursion limit: a 400, not a RecursionError (500)
+        b'{"messages": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+        b"\xff\xfe\x00{",
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "top_p": Infinity}',
+        b'{"messages": [{"role": "user", "content": "\\ud800"}], "stop": ["a", "b", "c", "d", "e"]}',
+        b"x" * 20000,  # 413
+        b"",
+        b"null",
+    ]
+    for raw in hostile:
+        for kind in KINDS:
+            with pytest.raises(ApiError) as err:
+                parse_request(kind, raw, limits)
+            assert 400 <= err.value.status < 500 and err.value.message, raw[:40]
+    ok = parse_request("chat", b'{"messages": [{"role": "user", "content": "hi"}], "stop": "."}', limits)
+    assert ok.stops == ["."] and ok.max_tokens is None and ok.sampling.temperature == 1.0
+    # The seed corpus of fuzz/fuzz_server.py: every input is a request or a 4xx.
+    corpus = Path(__file__).resolve().parent.parent / "fuzz" / "corpus" / "server"
+    outcomes = set()
+    for path in sorted(corpus.iterdir()):
+        data = path.read_bytes()
+        try:
+            parse_request("chat" if data[0] % 2 == 0 else "completion", data[1:], limits)
+            outcomes.add("ok")
+        except ApiError as e:
+            assert 400 <= e.status < 500
+            outcomes.add("4xx")
+    assert outcomes == {"ok", "4xx"}
+
+
+# ------------------------------------------------------------------------------- routes, CORS, key, binding
+EXPECTED_ROUTES = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/models"),
+    ("GET", "/v1/models/{model_name:path}"),
+    ("GET", "/models/{model_name:path}"),
+    ("DELETE", "/v1/kvcmas/workflows/{workflow:path}"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+}
+
+
+def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route list is exactly the API (no file upload or download, no docs); CORS headers only when asked; the
+    API key goes through hmac.compare_digest; the default bind address is loopback."""
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server import add_serve_arguments
+    from kvcmas_cpp.server import app as app_module
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    parser = __import__("argparse").ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args([])
+    assert args.host == "127.0.0.1" and args.cors_origin == [] and ServerConfig("m").host == "127.0.0.1"
+
+    model = kc.Model(model_path, n_threads=1)
+    plain = Server(ServerConfig(model_path, api_key="k3y"), model)
+    cors = Server(ServerConfig(model_path, cors_origins=("http://ok.example",)), model)
+    try:
+        routes = {
+            (m, getattr(r, "path", "")) for r in plain.app.routes for m in getattr(r, "methods", ()) if m != "HEAD"
+        }
+        assert routes == EXPECTED_ROUTES
+        calls: list[tuple[bytes, bytes]] = []
+        real = app_module.hmac.compare_digest
+
+        def spy(a: bytes, b: bytes) -> bool:
+            calls.append((a, b))
+            return real(a, b)
+
+        monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+        origin = {"Origin": "http://ok.example"}
+        with TestClient(plain.app) as c:
+            assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+            r = c.get("/v1/models", headers={"Authorization": "Bearer k3y", **origin})
+            assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+            pre = c.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "GET"})
+            assert "access-control-allow-origin" not in pre.headers
+            for path in ("/docs", "/openapi.json", "/redoc", "/static/../etc/passwd", "/v1/files"):
+                assert c.get(path, headers={"Authorization": "Bearer k3y"}).status_code == 404
+            r = c.get("/v1/models/..%2F..%2Fetc%2Fpasswd", headers={"Authorization": "Bearer k3y"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (b"nope", b"k3y") in calls and (b"k3y", b"k3y") in calls
+        with TestClient(cors.app) as c:
+            pre = c.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "GET"})
+            assert pre.headers["access-control-allow-origin"] == "http://ok.example"
+            other = c.get("/v1/models", headers={"Origin": "http://evil.example"})
+            assert "access-control-allow-origin" not in other.headers
+    finally:
+        plain.scheduler.stop()
+        cors.scheduler.stop()
+
+
+# ------------------------------------------------------------------ faults: deleted model file, disconnects, KV
+@pytest.fixture(scope="module")
+def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    copy = tmp_path_factory.mktemp("model") / Path(model_path).name
+    shutil.copyfile(model_path, copy)
+    srv = ServerProcess(
+        str(copy),
+        "--method",
+        "nonshared",
+        "--kv-budget",
+        str(7 * BLOCK_BYTES),
+        "--parallel",
+        "4",
+        "--max-queue",
+        "1",
+    )
+    copy.unlink()  # the weights are mapped: the server keeps working without the file
+    yield srv
+    srv.stop()
+
+
+def test_model_file_removed_after_load(fault_server: ServerProcess, model_path: str) -> None:
+    client = openai.OpenAI(base_url=f"{fault_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    engine = kc.Model(model_path, n_threads=1)
+    messages = [{"role": "user", "content": "Name three colors."}]
+    reference = engine.chat(messages, max_tokens=10, temperature=0)
+    assert isinstance(reference, kc.Completion)
+    want = reference.text
+    got = client.chat.completions.create(model=_model_id(client), messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want
+    chunks = client.chat.completions.create(
+        model=_model_id(client), messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess) -> None:
+    """Non-streaming and streaming clients that disconnect mid-generation: their jobs are cancelled, KV freed."""
+    fault_server.request("DELETE", "/v1/kvcmas/workflows/default")
+    before = _wait_idle(fault_server, 0)
+    for stream in (False, True):
+        _wait_idle(fault_server, before["kvcmas_kv_bytes"])
+        conn = http.client.HTTPConnection("127.0.0.1", fault_server.port, timeout=60)
+        body = {"prompt": COUNTING, "max_tokens": 150, "stream": stream}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        if stream:
+            resp = conn.getresponse()
+            resp.fp.readline()
+        deadline = time.monotonic() + 10
+        while fault_server.metrics()["kvcmas_active_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fault_server.metrics()["kvcmas_kv_bytes"] > before["kvcmas_kv_bytes"]
+        assert conn.sock is not None
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    after = _wait_idle(fault_server, before["kvcmas_kv_bytes"])
+    assert after["kvcmas_active_requests"] == 0 and after["kvcmas_kv_bytes"] == before["kvcmas_kv_bytes"]
+    assert after["kvcmas_cancelled_total"] == before["kvcmas_cancelled_total"] + 2
+
+
+def test_kv_budget_exhausted_429_then_recovers(fault_server: ServerProcess) -> None:
+    body = {"prompt": COUNTING, "max_tokens": 120, "temperature": 0}
+    n = 5
+    start = threading.Barrier(n)
+
+    def send(_: int) -> tuple[int, dict[str, str], Any]:
+        start.wait()
+        return fault_server.request("POST", "/v1/completions", body)
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(send, range(n)))
+    statuses = sorted(r[0] for r in results)
+    assert set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses, statuses
+    for status, headers, out in results:
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1 and out["error"]["type"] == "rate_limit_error"
+    texts = {r[2]["choices"][0]["text"] for r in results if r[0] == 200}
+    assert len(texts) == 1  # the ones that waited for memory got the same greedy answer
+    after = _wait_idle(fault_server, 0)
+    assert after["kvcmas_kv_bytes"] == 0 and after["kvcmas_queued_requests"] == 0
+    status, _, out = fault_server.request("POST", "/v1/completions", body)  # recovered: memory is free again
+    assert status == 200 and out["choices"][0]["text"] in texts
+
+
+# ---------------------------------------------------------------------------------------------------- SIGTERM
+def test_sigterm_drains_running_requests_and_exits_0(model_path: str) -> None:
+    srv = ServerProcess(model_path, "--method", "nonshared", "--parallel", "4", "--shutdown-timeout", "5")
+    streams: list[tuple[http.client.HTTPConnection, Any]] = []
+    try:
+        for max_tokens in (8, 8, 500):  # two finish within the drain deadline, the last one is ended by it
+            streams.append(_open_stream(srv, "/v1/completions", {"prompt": COUNTING, "max_tokens": max_tokens}))
+        pool = ThreadPoolExecutor(4)
+        plain = pool.submit(srv.request, "POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 8})
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        readers = [pool.submit(_read_events, resp) for _, resp in streams]
+        time.sleep(0.3)
+        with pytest.raises(OSError):  # no new connections once draining
+            socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+        code = srv.proc.wait(timeout=15)
+        elapsed = time.monotonic() - t0
+        assert code == 0, srv.log()
+        assert elapsed < 10
+        for reader in readers[:2]:  # short ones finish normally within the deadline
+            events = reader.result(timeout=5)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        cut = readers[2].result(timeout=5)  # the long one is ended at the deadline with an error event
+        assert cut[-1] == "[DONE]" and json.loads(cut[-2])["error"]["code"] == "server_shutting_down", cut[-2:]
+        status, _, out = plain.result(timeout=5)
+        assert status == 200 and out["usage"]["completion_tokens"] == 8, out
+        pool.shutdown()
+        assert "Traceback" not in srv.log()
+    finally:
+        for conn, _ in streams:
+            conn.close()
+        srv.stop()
