@@ -395,7 +395,7 @@ def test_sigterm_drains_running_requests_and_exits_0(model_path: str) -> None:
     srv = ServerProcess(model_path, "--method", "nonshared", "--parallel", "4", "--shutdown-timeout", "5")
     streams: list[tuple[http.client.HTTPConnection, Any]] = []
     try:
-        for max_tokens in (8, 8, 500):  # two finish within the drain deadline, the last one is ended by it
+        for max_tokens in (8, 8, 2000):  # two finish within the drain deadline, the last one is ended by it
             streams.append(_open_stream(srv, "/v1/completions", {"prompt": COUNTING, "max_tokens": max_tokens}))
         pool = ThreadPoolExecutor(4)
         plain = pool.submit(srv.request, "POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 8})
