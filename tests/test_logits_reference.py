@@ -22,7 +22,7 @@ mtm = pytest.importorskip("make_test_models", reason="needs gguf-py (pip install
 kc = pytest.importorskip("kvcmas_cpp")
 pytestmark = pytest.mark.skipif(not hasattr(kc, "Model"), reason="kvcmas_cpp.Model not available (engine not built)")
 
-GSM8K = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K = kc.sharing.gsm8k_path()  # shipped with the package
 
 # Prose prompts (our own sentences) for the SmolLM2 F32/F16 checks; each is cut to 64 tokens.
 PROSE_PROMPTS = (
@@ -259,8 +259,6 @@ def test_smollm2_greedy_generation_matches_transformers(
 
 def test_smollm2_q4_1_top1_agreement(default_model_path, reference) -> None:
     """The original Q4_1 file: top-1 agreement >= 95% over 256 teacher-forced tokens of GSM8K questions."""
-    if not GSM8K.is_file():
-        pytest.skip(f"GSM8K data not found at {GSM8K}")
     with GSM8K.open() as f:
         questions = [json.loads(line)["question"] for _, line in zip(range(12), f, strict=False)]
     ids = smollm_prompt_ids(reference, default_model_path, "\n\n".join(questions), 256)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from kvcmas_cpp.sharing import MethodConfig, WorkflowRunner, gsm8k_workflow, load_gsm8k
+from kvcmas_cpp.sharing import MethodConfig, WorkflowRunner, gsm8k_path, gsm8k_workflow, load_gsm8k
 from kvcmas_cpp.sharing.evaluate import build_runners, evaluate, question_ids
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GSM8K = REPO_ROOT / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K = gsm8k_path()  # shipped with the package
 GEN = 4  # generated tokens per agent (relayed outputs of 3 tokens): the first-token metrics need only prefill
 
 
@@ -29,8 +29,6 @@ def workflow():
 
 
 def _questions(start: int, count: int) -> list[str]:
-    if not GSM8K.is_file():
-        pytest.skip(f"GSM8K test split not found at {GSM8K}")
     return load_gsm8k(start, count, GSM8K)
 
 
