@@ -196,6 +196,12 @@ def test_request_timeout_ends_the_request_and_frees_its_kv(limits_server: Server
     assert after["kvcmas_timed_out_total"] == before["kvcmas_timed_out_total"] + 2
 
 
+def chat_body(srv: ServerProcess, messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
+    status, _, out = srv.request("POST", "/v1/chat/completions", {"messages": messages, "temperature": 0, **kw})
+    assert status == 200, out
+    return dict(out)
+
+
 def _model_id(client: Any) -> str:
     return str(client.models.list().data[0].id)
 
@@ -340,6 +346,12 @@ def test_model_file_removed_after_load(fault_server: ServerProcess, model_path: 
         model=_model_id(client), messages=messages, max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    # The sharing path (kvcmas method, agent sessions) needs nothing from the file either.
+    hop = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": "Plan a picnic."}]
+    options = {"workflow": "wf-removed", "agent": "planner", "method": "kvcmas"}
+    out = chat_body(fault_server, hop, max_tokens=4, kvcmas=options)
+    assert out["usage"]["completion_tokens"] >= 1
+    assert fault_server.request("DELETE", "/v1/kvcmas/workflows/wf-removed")[0] == 200
 
 
 def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess) -> None:
