@@ -8,7 +8,7 @@ the server's RSS (before / peak / after, psutil on its pid) and KV bytes from /m
 
 Exits non-zero on any 5xx, a connection error, a server crash, a server that does not exit 0 on SIGTERM, KV bytes
 that do not return to the baseline once the load is over (workflows deleted, sessions idle), or RSS that stays more
-than --rss-slack-mib above the baseline plus the KV pool's high-water mark (the engine keeps freed KV blocks for
+than --rss-slack-mib above the baseline plus the growth of the KV block pool (the engine keeps freed KV blocks for
 reuse, up to the KV budget).
 
     python scripts/load-test.py                      # starts a server on a free port (default model), 64 x 300 s
