@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI: bounded coverage-guided fuzzing (atheris / libFuzzer) of the GGUF reader, the tokenizer, chat templates and
-# image decoding.
+# image decoding, and the server's request parsing.
 #
 # Each target runs for FUZZ_SECONDS (default 45) from its seed corpus in fuzz/corpus/<target>/ and the inputs of
 # past findings in fuzz/regressions/<target>/, with a fixed libFuzzer seed (FUZZ_SEED, default 1) so that a run is
@@ -12,7 +12,7 @@
 # The package is the installed one, or python/ with the core named by KVCMAS_CORE_PATH. Exits non-zero on the first
 # crash, hang (10 s), exception or sanitizer report; the failing input is kept under $FUZZ_OUT (printed).
 #
-# Usage: scripts/ci-fuzz.sh [target...]     (targets: gguf tokenizer chat image; default all)
+# Usage: scripts/ci-fuzz.sh [target...]     (targets: gguf tokenizer chat image server; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
