@@ -341,15 +341,19 @@ def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None
     write_random_mmproj(mmproj, image_size=56, n_embd=64, n_ff=128, n_layer=2, n_head=4, n_embd_out=model.n_embd)
     photo = Path(skimage.__file__).parent / "data" / "astronaut.png"
     vision = VisionEncoder(mmproj, n_threads=2)
+    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)  # one dense read per edge teaches it
+    ridge = est.RidgeEstimator(rank=8)
     replies = {}
-    for method in ("nonshared", "fullshared"):
-        with AgentSession(model, method, vision=vision) as team:
+    for run, method in enumerate(("nonshared", "kvcmas", "kvcmas")):
+        kw = {"config": cfg, "estimator": ridge} if method == "kvcmas" else {}
+        with AgentSession(model, method, vision=vision, **kw) as team:  # type: ignore[arg-type]
             agents = [team.agent(n, system=r) for n, r in ROLES]
             team.share(image=photo, text="What is in this picture?", label="Question")
-            replies[method] = [a.respond(max_tokens=6) for a in agents]
+            replies[run] = [a.respond(max_tokens=6) for a in agents]
     assert vision.encode_count == 1  # one encode, however many agents and sessions read it
-    assert replies["fullshared"][0].ids == replies["nonshared"][0].ids
-    for r in replies["fullshared"][1:]:
-        assert r.stats.mode == "reuse" and r.stats.reused_tokens >= vision.n_tokens
+    assert replies[1][0].ids == replies[0][0].ids == replies[2][0].ids  # the first agent is exact
+    assert [r.stats.mode for r in replies[1][1:]] == ["fallback"] * 2  # calibrating: dense, and learning
+    for r in replies[2][1:]:  # then the image rows come by reference, with the learned correction
+        assert r.stats.mode == "reuse" and r.stats.reused_tokens >= vision.n_tokens and r.stats.corr_rank > 0
     with AgentSession(model, "fullshared", vision=vision) as team, pytest.raises(ValueError, match="image"):
         team.share(image=b"not an image at all")
