@@ -181,12 +181,14 @@ def test_requests_in_flight_limit_503_with_retry_after(limits_server: ServerProc
 def test_request_timeout_ends_the_request_and_frees_its_kv(limits_server: ServerProcess) -> None:
     before = _wait_idle(limits_server, 0)
     t0 = time.monotonic()
-    status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 480})
+    # greedy: the counting goes on for the whole budget (a sampled continuation could stop early at an EOS)
+    long_body = {"prompt": COUNTING, "max_tokens": 480, "temperature": 0}
+    status, _, out = limits_server.request("POST", "/v1/completions", long_body)
     elapsed = time.monotonic() - t0
     assert status == 408 and out["error"]["code"] == "request_timeout", out
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5
     # Streaming: the stream carries the error event, then ends.
-    conn, resp = _open_stream(limits_server, "/v1/completions", {"prompt": COUNTING, "max_tokens": 480})
+    conn, resp = _open_stream(limits_server, "/v1/completions", long_body)
     events = _read_events(resp)
     conn.close()
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout", events[-3:]
@@ -361,7 +363,7 @@ def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess) -> Non
     for stream in (False, True):
         _wait_idle(fault_server, before["kvcmas_kv_bytes"])
         conn = http.client.HTTPConnection("127.0.0.1", fault_server.port, timeout=60)
-        body = {"prompt": COUNTING, "max_tokens": 150, "stream": stream}
+        body = {"prompt": COUNTING, "max_tokens": 150, "stream": stream, "temperature": 0}
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         if stream:
             resp = conn.getresponse()
@@ -408,7 +410,8 @@ def test_sigterm_drains_running_requests_and_exits_0(model_path: str) -> None:
     streams: list[tuple[http.client.HTTPConnection, Any]] = []
     try:
         for max_tokens in (8, 8, 2000):  # two finish within the drain deadline, the last one is ended by it
-            streams.append(_open_stream(srv, "/v1/completions", {"prompt": COUNTING, "max_tokens": max_tokens}))
+            body = {"prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0}  # greedy: no early EOS
+            streams.append(_open_stream(srv, "/v1/completions", body))
         pool = ThreadPoolExecutor(4)
         plain = pool.submit(srv.request, "POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 8})
         time.sleep(0.2)
