@@ -3,6 +3,8 @@ several sequences must equal decoding them one by one."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -151,3 +153,40 @@ def test_kv_budget_exhaustion_is_an_error(default_model_path: str) -> None:
         assert len(seq) == 0 and small._core.seq_length(seq.id) == 0
         assert small.kv_bytes_in_use == 0
         seq.append(_ids(small, 61, 20), logits="none")  # fits
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read the resident set size")
+def test_trim_returns_freed_blocks_to_the_system(default_model_path: str) -> None:
+    m = kc.Model(default_model_path, n_threads=2, n_ctx=2048, kv_budget=1 << 30)
+    ids = _ids(m, 70, 24)
+    with m.new_sequence() as probe:
+        want = probe.append(ids, logits="all")
+    block = m.kv_bytes_allocated  # one block (24 rows), freed again
+    assert block > 0 and m.kv_bytes_in_use == 0
+
+    # ~50 MiB of KV in two sequences, every row written, then freed: the pool keeps the blocks for reuse
+    seqs = [m.new_sequence() for _ in range(2)]
+    for i, s in enumerate(seqs):
+        s.append(_ids(m, 80 + i, 1100), logits="none")
+    held = m.kv_bytes_in_use
+    assert held >= 40 << 20 and m.kv_bytes_allocated == held
+    for s in seqs:
+        s.close()
+    assert m.kv_bytes_in_use == 0 and m.kv_bytes_allocated == held
+    rss_freed = _rss_bytes()
+
+    released = m.kv_trim()
+    assert released == held and m.kv_bytes_allocated == 0
+    # the pages really go back to the system (blocks are their own mappings, not heap chunks kept by malloc)
+    assert rss_freed - _rss_bytes() > 0.8 * held
+    assert m.kv_trim() == 0
+
+    # trimmed blocks are mapped again on demand and compute the same thing
+    with m.new_sequence() as again:
+        np.testing.assert_array_equal(again.append(ids, logits="all"), want)
+        assert m.kv_bytes_allocated == block

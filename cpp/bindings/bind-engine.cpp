@@ -188,6 +188,12 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_ctx", [](Model & m) { return m.kv().n_ctx_max(); })
         .def_prop_ro("kv_bytes_in_use", [](Model & m) { return m.kv().pool().bytes_in_use(); })
         .def_prop_ro("kv_budget", [](Model & m) { return m.kv().pool().budget_bytes(); })
+        .def_prop_ro(
+            "kv_bytes_allocated", [](Model & m) { return m.kv().pool().bytes_allocated(); },
+            "bytes of KV block memory held, in use or kept free for reuse")
+        .def(
+            "kv_trim", [](Model & m) { KC_LOCKED(return kv.pool_trim();) },
+            "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
         .def("seq_new", [](Model & m) { KC_LOCKED(return kv.seq_new();) })
         .def(

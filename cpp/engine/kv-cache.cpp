@@ -1,6 +1,11 @@
 #include "engine/kv-cache.h"
 
 #include <algorithm>
+#include <new>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
 
 #include "common/error.h"
 
@@ -23,13 +28,59 @@ int32_t KvBlockPool::allocate() {
     int32_t id;
     if (!free_.empty()) {
         id = free_.back();
+        if (!blocks_[static_cast<size_t>(id)]) {  // trimmed: map it again (may throw; then nothing changed)
+            blocks_[static_cast<size_t>(id)] = map_block();
+            ++n_mapped_;
+        }
         free_.pop_back();
     } else {
         id = static_cast<int32_t>(blocks_.size());
-        blocks_.emplace_back(new uint8_t[block_bytes_]);
+        blocks_.push_back(map_block());
+        ++n_mapped_;
     }
     ++n_used_;
     return id;
+}
+
+// Each block is its own anonymous mapping: a heap chunk of this size would stay in the allocator's arenas after
+// being freed, so trimming would not lower the resident memory.
+KvBlockPool::BlockMemory KvBlockPool::map_block() const {
+#if defined(__unix__) || defined(__APPLE__)
+    void * p = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    KC_CHECK(p != MAP_FAILED, "KV cache: cannot map a block of %zu bytes (out of memory)", block_bytes_);
+    return BlockMemory(static_cast<uint8_t *>(p), BlockMemoryDeleter{ block_bytes_ });
+#else
+    uint8_t * p = new (std::nothrow) uint8_t[block_bytes_];
+    KC_CHECK(p != nullptr, "KV cache: cannot allocate a block of %zu bytes (out of memory)", block_bytes_);
+    return BlockMemory(p, BlockMemoryDeleter{ block_bytes_ });
+#endif
+}
+
+void KvBlockPool::BlockMemoryDeleter::operator()(uint8_t * p) const {
+#if defined(__unix__) || defined(__APPLE__)
+    munmap(p, bytes);
+#else
+    delete[] p;
+#endif
+}
+
+size_t KvBlockPool::trim() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t                      released = 0;
+    for (int32_t id : free_) {
+        BlockMemory & mem = blocks_[static_cast<size_t>(id)];
+        if (mem) {
+            mem.reset();
+            --n_mapped_;
+            released += block_bytes_;
+        }
+    }
+    return released;
+}
+
+size_t KvBlockPool::bytes_allocated() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return n_mapped_ * block_bytes_;
 }
 
 void KvBlockPool::release(int32_t block) {

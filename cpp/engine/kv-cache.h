@@ -27,8 +27,10 @@ struct KvLayout {
 // [n_layer][2][kKvBlockRows][n_kv_dim] elements of layout.kv_type. Allocation fails with kvcmas::Error once the
 // byte budget is used up.
 // allocate/release are thread-safe: spans handed to Python may be freed by any thread, outside the model's lock.
-// release never touches blocks_, and allocate (which may grow it) and data() both run under the model's lock, so
-// data() on the hot path takes no lock of its own.
+// release never touches blocks_, and allocate (which may grow it), trim and data() all run under the model's lock,
+// so data() on the hot path takes no lock of its own.
+// Freed blocks keep their memory for reuse until trim() hands it back to the operating system (blocks are mapped
+// pages of their own, not heap chunks, so giving them back really lowers the process's resident memory).
 class KvBlockPool {
   public:
     KvBlockPool(KvLayout layout, size_t budget_bytes);
@@ -37,8 +39,12 @@ class KvBlockPool {
     uint8_t * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
     size_t    block_bytes() const { return block_bytes_; }
     size_t    bytes_in_use() const;
-    size_t    budget_bytes() const { return budget_bytes_; }
-    size_t    elem_bytes() const { return elem_bytes_; }
+    // Bytes of block memory held, in use or free (what the pool adds to the process's memory).
+    size_t bytes_allocated() const;
+    // Returns the memory of every free block to the system; returns the bytes released.
+    size_t trim();
+    size_t budget_bytes() const { return budget_bytes_; }
+    size_t elem_bytes() const { return elem_bytes_; }
     // Byte offsets inside a block: between layers, and from a K row to its V row.
     int64_t layer_stride() const { return 2LL * kKvBlockRows * layout_.n_kv_dim * static_cast<int64_t>(elem_bytes_); }
     int64_t v_offset() const { return static_cast<int64_t>(kKvBlockRows) * layout_.n_kv_dim * elem_bytes_; }
@@ -46,14 +52,23 @@ class KvBlockPool {
     const KvLayout & layout() const { return layout_; }
 
   private:
-    KvLayout                                layout_;
-    size_t                                  elem_bytes_;
-    size_t                                  block_bytes_;
-    size_t                                  budget_bytes_;
-    mutable std::mutex                      mutex_;  // guards n_used_, free_ and the growth of blocks_
-    size_t                                  n_used_ = 0;
-    std::vector<std::unique_ptr<uint8_t[]>> blocks_;  // index = block id; freed blocks keep their memory for reuse
-    std::vector<int32_t>                    free_;
+    KvLayout           layout_;
+    size_t             elem_bytes_;
+    size_t             block_bytes_;
+    size_t             budget_bytes_;
+    mutable std::mutex mutex_;  // guards n_used_, free_ and the growth of blocks_
+    size_t             n_used_ = 0;
+    struct BlockMemoryDeleter {
+        size_t bytes;
+        void   operator()(uint8_t * p) const;
+    };
+    using BlockMemory = std::unique_ptr<uint8_t[], BlockMemoryDeleter>;
+    BlockMemory map_block() const;
+
+    // index = block id; a free block's memory is kept for reuse until trim() (then null, mapped again on reuse)
+    std::vector<BlockMemory> blocks_;
+    std::vector<int32_t>     free_;
+    size_t                   n_mapped_ = 0;
 };
 
 struct KvCorrection;
@@ -158,6 +173,8 @@ class KvCache {
     const std::vector<KvSegment> & seq_segments(int32_t seq) const { return segments(seq); }
 
     const KvBlockPool & pool() const { return pool_; }
+    // Hands the memory of free blocks back to the system (KvBlockPool::trim); the caller holds the model's lock.
+    size_t pool_trim() { return pool_.trim(); }
 
   private:
     std::vector<KvSegment> &       segments(int32_t seq);

@@ -265,7 +265,18 @@ class Model:
 
     @property
     def kv_bytes_in_use(self) -> int:
+        """Bytes of the KV blocks that sequences and stored spans hold."""
         return int(self._core.kv_bytes_in_use)
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        """Bytes of KV block memory the engine holds: in use plus freed blocks kept for reuse (see kv_trim)."""
+        return int(self._core.kv_bytes_allocated)
+
+    def kv_trim(self) -> int:
+        """Returns the memory of free KV blocks to the system (a server calls it when idle); returns the bytes
+        released. Later sequences map blocks again as they need them."""
+        return int(self._core.kv_trim())
 
     @property
     def metadata(self) -> Mapping[str, Any]:
