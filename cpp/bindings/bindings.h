@@ -10,5 +10,7 @@ void bind_kernels(nanobind::module_ & m);    // bind-kernels.cpp: dequantize / m
 void bind_engine(nanobind::module_ & m);     // bind-engine.cpp: Model, sequences, batches
 void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attention kernel, for tests
 void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
+// bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
+void bind_correction(nanobind::module_ & m);
 
 }  // namespace kvcmas::py

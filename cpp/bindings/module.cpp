@@ -29,4 +29,5 @@ NB_MODULE(_core, m) {
     kvcmas::py::bind_engine(m);
     kvcmas::py::bind_attention(m);
     kvcmas::py::bind_vision(m);
+    kvcmas::py::bind_correction(m);
 }

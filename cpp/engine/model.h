@@ -62,6 +62,8 @@ class Model {
     int                    n_threads() const { return pool_.size(); }
     KvCache &              kv() { return *kv_; }
     std::mutex &           mutex() { return mutex_; }  // callers hold it around kv() and decode()
+    // The compute threads, for core-side jobs outside decode (corrections, copies); run them under mutex().
+    cpu::ThreadPool & thread_pool() { return pool_; }
 
     // Runs the batch: appends every item to its sequence and returns the logits of the items with want_logits,
     // in batch order, as [n_wanted][n_vocab]. Validates all ids, sequences and context sizes before changing any

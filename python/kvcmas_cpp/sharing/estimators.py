@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -220,6 +221,8 @@ class RidgeEstimator(Estimator):
         self.rank, self.alpha = rank, alpha
         self._rows: dict[tuple[str, int], list[tuple[np.ndarray, ...]]] = {}
         self.maps: dict[tuple[str, int], list[tuple[_RidgeMap, _RidgeMap] | None]] = {}
+        # per edge: the maps list a core copy was made from (identity: refits and loads replace the list) and it
+        self._core_maps: dict[tuple[str, int], tuple[list[tuple[_RidgeMap, _RidgeMap] | None], Any]] = {}
 
     def add_example(self, ctx: EdgeContext) -> None:
         """Stores one training read (base and exact KV of the same span at the reader)."""
@@ -249,6 +252,32 @@ class RidgeEstimator(Estimator):
                     (fit_ridge_map(xk, yk, self.rank, self.alpha), fit_ridge_map(xv, yv, self.rank, self.alpha))
                 )
             self.maps[edge] = maps
+
+    def core_maps(self, edge: tuple[str, int]) -> Any:
+        """The edge's maps copied into the core (a `_core.RidgeMaps`, made once per fitted map list), or None when
+        the edge has no map or its layers' ranks differ (then the numpy path applies them)."""
+        maps = self.maps.get(edge)
+        if maps is None:
+            return None
+        cached = self._core_maps.get(edge)
+        if cached is not None and cached[0] is maps:
+            return cached[1]
+        fitted = [m for m in maps if m is not None]
+        ranks = {mm.vt.shape[0] for m in fitted for mm in m}
+        core_maps = None
+        if len(ranks) == 1 and fitted:
+            from .._native import core
+
+            kd = fitted[0][0].mu_x.shape[0]
+            core_maps = core.RidgeMaps(len(maps), kd, ranks.pop())
+            for il, m in enumerate(maps):
+                if m is not None:
+                    parts = [
+                        np.ascontiguousarray(x, np.float32) for mm in m for x in (mm.mu_x, mm.proj, mm.vt, mm.mu_y)
+                    ]
+                    core_maps.set_layer(il, *parts)
+        self._core_maps[edge] = (maps, core_maps)
+        return core_maps
 
     def correct(self, ctx: EdgeContext) -> Correction | None:
         maps = self.maps.get((ctx.ph, ctx.reader))

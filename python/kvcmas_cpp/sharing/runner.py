@@ -64,7 +64,12 @@ class MethodConfig:
     """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
     template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
     (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
-    calibrate > 0: a RidgeEstimator is fitted online, per edge, from the first `calibrate` dense reads."""
+    calibrate > 0: a RidgeEstimator is fitted online, per edge, from the first `calibrate` dense reads.
+    apply: how a reader holds a corrected span: 'fused' (the span by reference, factors applied inside attention),
+    'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
+    correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
+    otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
+    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation)."""
 
     name: str
     head: int = 0
@@ -73,6 +78,8 @@ class MethodConfig:
     chain: bool = True
     rank: int = 8
     calibrate: int = 0  # ridge learned online: an edge without a map runs dense until it has this many reads
+    apply: Literal["auto", "fused", "materialize"] = "auto"
+    ridge_path: Literal["core", "numpy"] = "core"
 
 
 def default_config(name: str) -> MethodConfig:
@@ -103,7 +110,8 @@ class HopReport:
     kv_bytes: int  # KV blocks this hop allocated (prompt + generation)
     corr_bytes: int  # KvCorrection memory held by this hop's sequence
     corr_rank: int = 0
-    corr_factor_bytes: int = 0  # the same, counted from the factor arrays handed to the engine
+    corr_factor_bytes: int = 0  # the same, counted from the corrections handed to the engine and kept fused
+    materialized_tokens: int = 0  # corrected span rows copied into the sequence (MethodConfig.apply) instead
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
     tf_logits: np.ndarray | None = None  # teacher-forced logits over the generated tokens [len-1, n_vocab]
@@ -126,7 +134,7 @@ class _Bucket:
     stored frame, the stored frame position of its first row, and where the last reader's view of it lives."""
 
     shared: SharedKV | None
-    factors: est.Correction | None
+    factors: est.Correction | Any | None  # numpy factors, or a core KvCorrection (ridge in the core)
     frame0: int
     view_seq: KVSequence
     view_pos: int
@@ -194,6 +202,24 @@ class RequestResult:
             s.close()
 
 
+def is_core_correction(corr: object) -> bool:
+    """A correction already built in the core (`_core.KvCorrection`), as opposed to numpy factors."""
+    return isinstance(corr, core.KvCorrection)
+
+
+def correction_rank(corr: est.Correction | Any) -> int:
+    """Rank of numpy factors or of a core KvCorrection."""
+    return int(corr.rank) if is_core_correction(corr) else est.correction_rank(corr)
+
+
+def numpy_factors(corr: Any, n_layer: int) -> est.Correction:
+    """A core KvCorrection's factors as numpy arrays (per layer (A_k, B_k, A_v, B_v) or None)."""
+    return [core.correction_layer(corr, il) for il in range(n_layer)]
+
+
+_NUMPY = object()  # _core_ridge's answer when the numpy path must compute the correction
+
+
 def _canonical(model: Model, seq: KVSequence, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """A sequence's view of rows [pos, pos + n) with keys rotated back to positions 0..n-1."""
     k, v = seq.kv(pos, n)
@@ -229,6 +255,7 @@ class WorkflowRunner:
             self.prefixes.append(s)
         self._template_seqs: list[KVSequence | None] = [None] * len(self.templates)
         self._factor_bytes = 0
+        self._materialized = 0
         self._template_bytes_in_hop = 0
         self.template_kv_bytes = model.kv_bytes_in_use - kv0  # prefix caches
 
@@ -352,11 +379,11 @@ class WorkflowRunner:
             len(prompt) - computed,
             0,
             corr_bytes,
-            corr_rank=max((est.correction_rank(c) for c in corrs.values()), default=0),
+            corr_rank=max((correction_rank(c) for c in corrs.values()), default=0),
             first_logits=logits,
         )
-        hop.corr_factor_bytes = self._factor_bytes
-        self._factor_bytes = 0
+        hop.corr_factor_bytes, hop.materialized_tokens = self._factor_bytes, self._materialized
+        self._factor_bytes = self._materialized = 0
         st.hops.append(hop)
         return seq, logits, hop, pos_map, corrs
 
@@ -426,11 +453,19 @@ class WorkflowRunner:
                     append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)
                     pending = []
-                pos = len(seq)
-                corr = self._correction(a, ph, b, pos, len(ids) - h, message, exact)
+                pos, n = len(seq), len(ids) - h
+                corr = self._correction(a, ph, b, pos, n, message, exact)
+                kc = None
                 if corr is not None:
                     corrs[ph] = corr
-                seq.append_shared(b.shared, self._kv_correction(corr, len(ids) - h) if corr else None)
+                    kc = corr if is_core_correction(corr) else self._kv_correction(corr, n)
+                seq.append_shared(b.shared, kc)
+                if kc is not None:
+                    if self._wants_copy(kc, n):
+                        core.seq_materialize_last(self.model._core, seq.id)
+                        self._materialized += n
+                    else:
+                        self._factor_bytes += kc.bytes
             tail = t.texts[i + 1]
             last = i == len(t.placeholders) - 1
             if cfg.tail == "rotate" and len(tail) > (1 if last else 0):
@@ -449,10 +484,51 @@ class WorkflowRunner:
         computed += len(pending)
         return logits, computed, corrs
 
+    def _copy_bytes(self, n: int) -> int:
+        """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
+        elem = 2 if self.model._core.kv_type == "f16" else 4
+        return n * self.model.n_layer * 2 * self.kd * elem
+
+    def _wants_copy(self, kc: Any, n: int) -> bool:
+        """MethodConfig.apply for one corrected span of n rows: 'auto' copies when the correction's factors take at
+        least the copy's bytes (then fused attention saves no memory, and a copy is faster per call)."""
+        if self.config.apply == "auto":
+            return int(kc.bytes) >= self._copy_bytes(n)
+        return self.config.apply == "materialize"
+
     def _correction(
         self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
+    ) -> est.Correction | Any | None:
+        """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's. The
+        ridge estimator's comes from the core as a ready KvCorrection; the other estimators' as numpy factors."""
+        made = self._core_ridge(a, ph, b, n)
+        if made is not _NUMPY:
+            return made
+        if b.factors is not None and is_core_correction(b.factors):  # a chain that must be folded in numpy
+            b = _Bucket(b.shared, numpy_factors(b.factors, self.model.n_layer), b.frame0, b.view_seq, b.view_pos)
+        return self._correction_numpy(a, ph, b, pos, n, message, exact)
+
+    def _core_ridge(self, a: int, ph: str, b: _Bucket, n: int) -> Any:
+        """The ridge estimator's total correction computed in the core from the reader's base view (b.view_seq at
+        b.view_pos), b.factors in front; _NUMPY where the numpy path must do it (another estimator, the numpy
+        reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
+        e = self.estimator
+        if self.config.ridge_path != "core" or not isinstance(e, est.RidgeEstimator):
+            return _NUMPY
+        prev = b.factors
+        if prev is not None and not is_core_correction(prev):
+            return _NUMPY
+        maps = e.core_maps((ph, a))
+        if maps is None:
+            return _NUMPY if (ph, a) in e.maps else prev  # no map for this edge: the view's correction as it is
+        if (prev.rank if prev is not None else 0) + maps.rank + 1 > est.MAX_KERNEL_RANK:
+            return _NUMPY
+        return core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev)
+
+    def _correction_numpy(
+        self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
     ) -> est.Correction | None:
-        """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's."""
+        """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
         ctx = est.EdgeContext(ph, a, message, base_k, base_v)
         if self.estimator.needs_exact:
@@ -495,7 +571,6 @@ class WorkflowRunner:
                 bk, bv = np.concatenate([bk, padb], 0), np.concatenate([bv, padb], 0)
             factors = [np.ascontiguousarray(x, np.float32) for x in (ak, bk, av, bv)]
             kc.set_layer(il, *factors)
-            self._factor_bytes += sum(x.nbytes for x in factors)
         return kc
 
     def _update_buckets(
