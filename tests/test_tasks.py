@@ -40,6 +40,28 @@ def test_get_task_names_and_attributes() -> None:
     assert isinstance(get_task("GSM8K"), GSM8KTask)
 
 
+def _records_in_file(name: str) -> int:
+    """Records in a task's data file, counted independently of the task code."""
+    if name == "gsm8k":
+        with gsm8k_path().open() as f:
+            return sum(1 for line in f if line.strip())
+    if name == "mmlu":  # rows with a usable answer letter only
+        with mmlu_path().open() as f:
+            return sum(1 for line in f if line.strip() and json.loads(line).get("correct_answer") in ("A", "B", "C", "D"))
+    with gzip.open(humaneval_path(), "rt") as f:
+        return sum(1 for line in f if line.strip())
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_size_is_the_data_set_size(name: str) -> None:
+    task = get_task(name)
+    size = task.size()
+    assert size == _records_in_file(name) > 0
+    assert len(task.load(size - 1, 1)) == 1
+    with pytest.raises(ValueError):
+        task.load(size, 1)
+
+
 def test_get_task_unknown_lists_choices() -> None:
     with pytest.raises(ValueError) as info:
         get_task("mathvista")

@@ -58,23 +58,11 @@ def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
         return []
     offset = CALIBRATION_OFFSET.get(task.name)
     if offset is None:
-        total = _size(task)
+        total = task.size()
         offset = total - n
         if offset < limit:
             raise ValueError(f"{task.name}: {limit} evaluated + {n} calibration examples exceed the {total} available")
     return task.load(offset, n)
-
-
-def _size(task: Task) -> int:
-    lo, hi = 0, 1 << 16
-    while lo < hi:  # the largest count load() accepts
-        mid = (lo + hi + 1) // 2
-        try:
-            task.load(0, mid)
-            lo = mid
-        except ValueError:
-            hi = mid - 1
-    return lo
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

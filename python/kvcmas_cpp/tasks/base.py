@@ -41,6 +41,10 @@ class Task(abc.ABC):
         """Examples [start, start + count) in the task's evaluation order. Raises ValueError when the data set has
         fewer, FileNotFoundError when its file is missing."""
 
+    @abc.abstractmethod
+    def size(self) -> int:
+        """How many examples the data set has (FileNotFoundError when its file is missing)."""
+
     # the roster: (name, system prompt) of the role agents, the decision agent, and the template endings
     roles: ClassVar[tuple[tuple[str, str], ...]] = ()
     decision: ClassVar[tuple[str, str]] = ("Decision Maker", "")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 from ..sharing.workflow import Workflow, gsm8k_path, gsm8k_workflow
 from .base import Example, Task, check_range
@@ -73,12 +74,18 @@ class GSM8KTask(Task):
     lead_in = "Q:\n"
     gamma = 0.32
 
-    def load(self, start: int, count: int) -> list[Example]:
+    def _lines(self) -> tuple[Path, list[str]]:
         path = gsm8k_path()
         if not path.is_file():
             raise FileNotFoundError(f"GSM8K test split not found at {path}")
         with path.open() as f:
-            lines = [line for line in f if line.strip()]
+            return path, [line for line in f if line.strip()]
+
+    def size(self) -> int:
+        return len(self._lines()[1])
+
+    def load(self, start: int, count: int) -> list[Example]:
+        path, lines = self._lines()
         check_range(start, count, len(lines), str(path))
         examples = []
         for i in range(start, start + count):

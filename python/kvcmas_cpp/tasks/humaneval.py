@@ -130,6 +130,9 @@ class HumanEvalTask(Task):
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 512) -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
 
+    def size(self) -> int:
+        return len(_problems(humaneval_path()))
+
     def load(self, start: int, count: int) -> list[Example]:
         path = humaneval_path()
         problems = _problems(path)

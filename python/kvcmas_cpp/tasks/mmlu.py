@@ -112,6 +112,9 @@ class MMLUTask(Task):
     gamma = 0.29
     roles, decision, follow_up, final_instruction = _ROLES, _DECISION, _FOLLOW_UP, _FINAL_INSTRUCTION
 
+    def size(self) -> int:
+        return len(_rows(mmlu_path()))
+
     def load(self, start: int, count: int) -> list[Example]:
         path = mmlu_path()
         rows = _rows(path)
