@@ -47,7 +47,8 @@ def _records_in_file(name: str) -> int:
             return sum(1 for line in f if line.strip())
     if name == "mmlu":  # rows with a usable answer letter only
         with mmlu_path().open() as f:
-            return sum(1 for line in f if line.strip() and json.loads(line).get("correct_answer") in ("A", "B", "C", "D"))
+            rows = [json.loads(line) for line in f if line.strip()]
+        return sum(1 for row in rows if row.get("correct_answer") in ("A", "B", "C", "D"))
     with gzip.open(humaneval_path(), "rt") as f:
         return sum(1 for line in f if line.strip())
 
