@@ -217,8 +217,15 @@ class RidgeEstimator(Estimator):
 
     name = "kvcmas"
 
-    def __init__(self, rank: int = 8, alpha: float = 0.1) -> None:
+    def __init__(
+        self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 32 << 20, max_edges: int = 64
+    ) -> None:
+        """max_pending_bytes: training reads kept while edges calibrate; past it the reads of the edge that went
+        longest without one are dropped (a server meets edges that never reach their calibration count, e.g. a
+        conversation's n-th message). max_edges: fitted edges kept, least recently used dropped beyond it."""
         self.rank, self.alpha = rank, alpha
+        self.max_pending_bytes, self.max_edges = max_pending_bytes, max_edges
+        # insertion order = least recently added to first; each read: (base_k, base_v, delta_k, delta_v)
         self._rows: dict[tuple[str, int], list[tuple[np.ndarray, ...]]] = {}
         self.maps: dict[tuple[str, int], list[tuple[_RidgeMap, _RidgeMap] | None]] = {}
         # per edge: the maps list a core copy was made from (identity: refits and loads replace the list) and it
@@ -227,9 +234,22 @@ class RidgeEstimator(Estimator):
     def add_example(self, ctx: EdgeContext) -> None:
         """Stores one training read (base and exact KV of the same span at the reader)."""
         assert ctx.exact_k is not None and ctx.exact_v is not None
-        self._rows.setdefault((ctx.ph, ctx.reader), []).append(
-            (ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v)
-        )
+        edge = (ctx.ph, ctx.reader)
+        reads = self._rows.pop(edge, [])
+        reads.append((ctx.base_k, ctx.base_v, ctx.exact_k - ctx.base_k, ctx.exact_v - ctx.base_v))
+        self._rows[edge] = reads  # now the most recently added to
+        while self.pending_bytes() > self.max_pending_bytes:
+            stale = next(iter(self._rows))
+            if stale != edge:
+                del self._rows[stale]
+            elif len(reads) > 1:  # this edge alone is over the limit: keep its newest reads
+                reads.pop(0)
+            else:
+                break
+
+    def pending_bytes(self) -> int:
+        """Bytes held by training reads not yet fitted."""
+        return sum(a.nbytes for reads in self._rows.values() for read in reads for a in read)
 
     def examples(self, edge: tuple[str, int]) -> int:
         """Training reads stored (not yet fitted) for an edge (placeholder, reader)."""
@@ -251,7 +271,17 @@ class RidgeEstimator(Estimator):
                 maps.append(
                     (fit_ridge_map(xk, yk, self.rank, self.alpha), fit_ridge_map(xv, yv, self.rank, self.alpha))
                 )
+            self.maps.pop(edge, None)
             self.maps[edge] = maps
+            while len(self.maps) > self.max_edges:
+                stale = next(iter(self.maps))
+                del self.maps[stale]
+                self._core_maps.pop(stale, None)
+
+    def _touch(self, edge: tuple[str, int]) -> None:
+        """Marks a fitted edge as used (it is dropped last when max_edges is exceeded)."""
+        if edge in self.maps:
+            self.maps[edge] = self.maps.pop(edge)
 
     def core_maps(self, edge: tuple[str, int]) -> Any:
         """The edge's maps copied into the core (a `_core.RidgeMaps`, made once per fitted map list), or None when
@@ -259,6 +289,7 @@ class RidgeEstimator(Estimator):
         maps = self.maps.get(edge)
         if maps is None:
             return None
+        self._touch(edge)
         cached = self._core_maps.get(edge)
         if cached is not None and cached[0] is maps:
             return cached[1]
@@ -283,6 +314,7 @@ class RidgeEstimator(Estimator):
         maps = self.maps.get((ctx.ph, ctx.reader))
         if maps is None:
             return None
+        self._touch((ctx.ph, ctx.reader))
         out: Correction = [None]
         for il in range(1, len(maps)):
             mk, mv = maps[il]  # type: ignore[misc]
