@@ -92,16 +92,25 @@ def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model) 
     assert last.corr_rank > 0 and last.corr_bytes > 0
 
 
+def _pair(team: AgentSession) -> tuple[kc.agents.Agent, kc.agents.Agent]:
+    return tuple(team.agent(n, system=r) for n, r in ROLES[:2])  # type: ignore[return-value]
+
+
 def test_kvcmas_is_closer_to_exact_than_fullshared(model: kc.Model) -> None:
-    """After calibration, the second agent's first-token distribution (KL to the exact run) beats fullshared's."""
+    """After calibration, the second agent reuses the question and the first agent's reply with corrections, and its
+    first-token distribution (KL to the exact run) beats fullshared's on every question."""
     est_ridge = est.RidgeEstimator(rank=8)
     cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=CALIBRATION_READS)
     from kvcmas_cpp.sharing.workflow import load_gsm8k
 
-    train = load_gsm8k(100, CALIBRATION_READS)
-    for q in train:
-        run_team(model, "kvcmas", question=q, max_tokens=4, estimator=est_ridge, config=cfg)
-    kl = {"fullshared": [], "kvcmas": []}
+    for q in load_gsm8k(100, CALIBRATION_READS):  # the same two-agent team: both of the reader's edges calibrate
+        with AgentSession(model, "kvcmas", estimator=est_ridge, config=cfg) as team:
+            a, b = _pair(team)
+            team.share(q)
+            a.respond(max_tokens=6)
+            assert b.respond(max_tokens=1).stats.mode == "fallback"  # calibrating: dense, and learned from
+    assert len(est_ridge.maps) == 2
+    kl: dict[str, list[float]] = {"fullshared": [], "kvcmas": []}
     for q in load_gsm8k(0, 3):
         logits = {}
         for method in ("nonshared", "fullshared", "kvcmas"):
@@ -111,17 +120,24 @@ def test_kvcmas_is_closer_to_exact_than_fullshared(model: kc.Model) -> None:
                 estimator=est_ridge if method == "kvcmas" else None,
                 config=cfg if method == "kvcmas" else None,
             ) as team:
-                a, b = (team.agent(n, system=r) for n, r in ROLES[:2])
+                a, b = _pair(team)
                 team.share(q)
                 a.respond(max_tokens=6)
                 p = team.prefill_agent(b)
+                if method != "nonshared":
+                    assert p.stats["mode"] == "reuse" and p.stats["reused_tokens"] > 0
+                if method == "kvcmas":
+                    assert p.stats["corr_rank"] > 0
                 logits[method] = p.logits.astype(np.float64)
                 p.close()
         ref = logits["nonshared"] - np.logaddexp.reduce(logits["nonshared"])
         for m in kl:
             lq = logits[m] - np.logaddexp.reduce(logits[m])
             kl[m].append(float(np.sum(np.exp(ref) * (ref - lq))))
-    assert np.mean(kl["kvcmas"]) < np.mean(kl["fullshared"])
+    print("first-token KL per question:", kl)
+    # on every question, and by the issue's margin on the mean (kvcmas at most half of fullshared's KL)
+    assert all(0 < k < f for k, f in zip(kl["kvcmas"], kl["fullshared"], strict=True))
+    assert np.mean(kl["kvcmas"]) <= 0.5 * np.mean(kl["fullshared"])
 
 
 def test_streaming_equals_the_whole_reply(model: kc.Model) -> None:

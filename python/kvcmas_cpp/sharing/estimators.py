@@ -218,7 +218,7 @@ class RidgeEstimator(Estimator):
     name = "kvcmas"
 
     def __init__(
-        self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 32 << 20, max_edges: int = 64
+        self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 256 << 20, max_edges: int = 64
     ) -> None:
         """max_pending_bytes: training reads kept while edges calibrate; past it the reads of the edge that went
         longest without one are dropped (a server meets edges that never reach their calibration count, e.g. a
