@@ -4,9 +4,15 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "cpu/cpu-features.h"
 #include "engine/model.h"
 
 namespace kvcmas {
+
+#ifdef KC_X86
+void ridge_rows_avx2(const float * x, int64_t n, int64_t kd, const float * mu, const float * proj, int rank,
+                     float * out, int64_t out_stride);  // ridge-correction-avx2.cpp
+#endif
 
 RidgeMaps::RidgeMaps(int n_layer, int n_kv_dim, int rank) : n_kv_dim_(n_kv_dim), rank_(rank) {
     KC_CHECK(n_layer > 0 && n_kv_dim > 0, "RidgeMaps: n_layer (%d) and n_kv_dim (%d) must be positive", n_layer,
@@ -48,68 +54,142 @@ size_t RidgeMaps::bytes() const {
 
 namespace {
 
-// The rows of positions [pos, pos + n) of one layer as attention reads them (stored rows in f32, the run's
-// correction added), keys rotated to the canonical frame (position pos -> 0). k_out, v_out: [n][kd].
-void read_canonical(const cpu::Rope & rope, cpu::KvType kv_type, int n_head_kv, int head_dim,
-                    const std::vector<cpu::KvRun> & runs, int32_t pos, int32_t n, float * k_out, float * v_out) {
-    const int64_t      kd        = static_cast<int64_t>(n_head_kv) * head_dim;
-    const int64_t      row_bytes = kd * static_cast<int64_t>(cpu::kv_type_size(kv_type));
-    const int          half      = rope.n_rot / 2;
-    std::vector<float> cs(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
-    int64_t            cached_shift = 0;
-    bool               have_angles  = false;
-    int64_t            at           = 0;  // sequence position of the run's first row
-    for (const cpu::KvRun & r : runs) {
-        const int64_t j0 = std::max<int64_t>(0, pos - at), j1 = std::min<int64_t>(r.n, pos + n - at);
-        // A run's keys sit at their positions after r.shift; the canonical frame is that minus pos. Constant over
-        // a run, so the angles are computed once per run, not per row.
-        const int64_t shift = static_cast<int64_t>(r.shift) - pos;
-        for (int64_t j = j0; j < j1; ++j) {
-            const int64_t i = at + j - pos;
-            float *       k = k_out + i * kd;
-            float *       v = v_out + i * kd;
-            cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.k) + j * row_bytes, k, kd);
-            cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.v) + j * row_bytes, v, kd);
-            for (int32_t c = 0; c < r.rank; ++c) {
-                const float   ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
-                const float * bk = r.b_k + c * kd;
-                const float * bv = r.b_v + c * kd;
-                for (int64_t d = 0; d < kd; ++d) {
-                    k[d] += ak * bk[d];
-                    v[d] += av * bv[d];
-                }
+// A map as it applies to the stored rows of one run of the view. The run's keys reach the canonical frame by a
+// rotation R(s) (s = run shift - pos) and carry the run's correction a·B; since R is orthogonal,
+//   (R(s)(x + a·B) - mu)·proj = (x - R(-s)mu)·(R(-s)proj) + a·(B·R(-s)proj),
+// so the map reads the stored rows directly: no rotated or corrected copy of the view is made, and a run's
+// correction costs rank_run x rank per row instead of rank_run x kd.
+struct RunMap {
+    int64_t            shift  = 0;        // s; 0 for values
+    const float *      b      = nullptr;  // the run's B (K or V side), null without a correction
+    int                b_rank = 0;
+    std::vector<float> mu;    // [kd]       R(-s) mu_x
+    std::vector<float> proj;  // [kd][rank] R(-s) proj, column-wise
+    std::vector<float> m;     // [b_rank][rank] B · R(-s) proj
+};
+
+void make_run_map(const RidgeMaps::Map & map, int rank, int64_t kd, const cpu::Rope * rope, int n_head_kv, int head_dim,
+                  int64_t shift, const float * b, int b_rank, RunMap & out) {
+    out.shift  = shift;
+    out.b      = b;
+    out.b_rank = b_rank;
+    out.mu     = map.mu_x;
+    out.proj   = map.proj;
+    if (rope != nullptr && shift != 0) {
+        rope->apply(out.mu.data(), n_head_kv, head_dim, static_cast<double>(-shift));
+        std::vector<float> col(static_cast<size_t>(kd));
+        for (int c = 0; c < rank; ++c) {
+            for (int64_t d = 0; d < kd; ++d) {
+                col[static_cast<size_t>(d)] = out.proj[static_cast<size_t>(d * rank + c)];
             }
-            if (shift != 0) {
-                if (!have_angles || shift != cached_shift) {
-                    rope.angles(static_cast<double>(shift), cs.data(), sn.data());
-                    cached_shift = shift;
-                    have_angles  = true;
-                }
-                rope.apply_cs(k, n_head_kv, head_dim, cs.data(), sn.data());
+            rope->apply(col.data(), n_head_kv, head_dim, static_cast<double>(-shift));
+            for (int64_t d = 0; d < kd; ++d) {
+                out.proj[static_cast<size_t>(d * rank + c)] = col[static_cast<size_t>(d)];
             }
         }
-        at += r.n;
+    }
+    out.m.assign(static_cast<size_t>(b_rank) * rank, 0.0f);
+    for (int q = 0; q < b_rank; ++q) {
+        float * mq = &out.m[static_cast<size_t>(q) * rank];
+        for (int64_t d = 0; d < kd; ++d) {
+            const float   bd = b[q * kd + d];
+            const float * p  = &out.proj[static_cast<size_t>(d * rank)];
+            for (int c = 0; c < rank; ++c) {
+                mq[c] += bd * p[c];
+            }
+        }
     }
 }
 
-// a_out[i * a_stride + c] = ((x_i - mu_x) · proj)[c] for c < rank, then 1 (the offset column).
-void ridge_a(const RidgeMaps::Map & m, int rank, const float * x, int32_t n, int64_t kd, float * a_out,
-             int64_t a_stride, float * centred) {
-    for (int32_t i = 0; i < n; ++i) {
-        const float * xi  = x + static_cast<int64_t>(i) * kd;
-        float *       out = a_out + static_cast<int64_t>(i) * a_stride;
-        for (int64_t d = 0; d < kd; ++d) {
-            centred[d] = xi[d] - m.mu_x[static_cast<size_t>(d)];
+const RunMap & run_map(std::vector<RunMap> & cache, const RidgeMaps::Map & map, int rank, int64_t kd,
+                       const cpu::Rope * rope, int n_head_kv, int head_dim, int64_t shift, const float * b,
+                       int b_rank) {
+    for (const RunMap & r : cache) {
+        if (r.shift == shift && r.b == b && r.b_rank == b_rank) {
+            return r;
         }
-        std::fill(out, out + rank, 0.0f);
+    }
+    cache.emplace_back();
+    make_run_map(map, rank, kd, rope, n_head_kv, head_dim, shift, b, b_rank, cache.back());
+    return cache.back();
+}
+
+// out[i * out_stride + c] = ((x_i - rm.mu) · rm.proj)[c] for rows x_i of x [n][kd], c < rank: the map's product,
+// without the correction term and the offset column.
+void ridge_rows(const RunMap & rm, int rank, const float * x, int64_t n, int64_t kd, float * out, int64_t out_stride) {
+#ifdef KC_X86
+    if (cpu::cpu_features().avx2_fma_f16c) {
+        ridge_rows_avx2(x, n, kd, rm.mu.data(), rm.proj.data(), rank, out, out_stride);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+        const float * xi = x + i * kd;
+        float *       o  = out + i * out_stride;
+        std::fill(o, o + rank, 0.0f);
         for (int64_t d = 0; d < kd; ++d) {  // rank-wide inner loop: vectorizes, no reduction across iterations
-            const float   xd = centred[d];
-            const float * p  = m.proj.data() + d * rank;
+            const float   xd = xi[d] - rm.mu[static_cast<size_t>(d)];
+            const float * p  = &rm.proj[static_cast<size_t>(d * rank)];
             for (int c = 0; c < rank; ++c) {
-                out[c] += xd * p[c];
+                o[c] += xd * p[c];
             }
         }
-        out[rank] = 1.0f;
+    }
+}
+
+// Rows [j0, j1) of one side (K or V) of a run: A columns = map product + a·(B·proj), then the offset column 1.
+void ridge_run_side(const RunMap & rm, int rank, cpu::KvType kv_type, const void * rows, int64_t row_bytes,
+                    const float * a_run, int32_t a_rank, int64_t j0, int64_t j1, int64_t kd, std::vector<float> & buf,
+                    float * out, int64_t out_stride) {
+    const uint8_t * first = static_cast<const uint8_t *>(rows) + j0 * row_bytes;
+    const float *   x     = reinterpret_cast<const float *>(first);
+    if (kv_type != cpu::KvType::F32) {
+        buf.resize(static_cast<size_t>((j1 - j0) * kd));
+        for (int64_t j = j0; j < j1; ++j) {
+            cpu::kv_load_row(kv_type, first + (j - j0) * row_bytes, &buf[static_cast<size_t>((j - j0) * kd)], kd);
+        }
+        x = buf.data();
+    }
+    ridge_rows(rm, rank, x, j1 - j0, kd, out, out_stride);
+    for (int64_t j = j0; j < j1; ++j) {
+        float * o = out + (j - j0) * out_stride;
+        for (int q = 0; q < rm.b_rank; ++q) {
+            const float   aq = a_run[j * a_rank + q];
+            const float * mq = &rm.m[static_cast<size_t>(q) * rank];
+            for (int c = 0; c < rank; ++c) {
+                o[c] += aq * mq[c];
+            }
+        }
+        o[rank] = 1.0f;
+    }
+}
+
+// Layer il's map factors A_k, A_v (columns [col, col + rank + 1) of rows with stride a_stride) from the view's
+// runs covering positions [pos, pos + n).
+void ridge_layer_a(const RidgeMaps & maps, int il, const cpu::Rope & rope, cpu::KvType kv_type, int n_head_kv,
+                   int head_dim, const std::vector<cpu::KvRun> & runs, int32_t pos, int32_t n, float * a_k, float * a_v,
+                   int64_t a_stride) {
+    const int              rank      = maps.rank();
+    const int64_t          kd        = static_cast<int64_t>(n_head_kv) * head_dim;
+    const int64_t          row_bytes = kd * static_cast<int64_t>(cpu::kv_type_size(kv_type));
+    const RidgeMaps::Map & mk        = maps.k(il);
+    const RidgeMaps::Map & mv        = maps.v(il);
+    std::vector<RunMap>    cache_k, cache_v;
+    std::vector<float>     buf;
+    int64_t                at = 0;  // sequence position of the run's first row
+    for (const cpu::KvRun & r : runs) {
+        const int64_t j0 = std::max<int64_t>(0, pos - at), j1 = std::min<int64_t>(r.n, pos + n - at);
+        if (j0 < j1) {
+            const int64_t  shift = static_cast<int64_t>(r.shift) - pos;
+            const RunMap & rk    = run_map(cache_k, mk, rank, kd, &rope, n_head_kv, head_dim, shift, r.b_k, r.rank);
+            const RunMap & rv    = run_map(cache_v, mv, rank, kd, nullptr, n_head_kv, head_dim, 0, r.b_v, r.rank);
+            const int64_t  i0    = at + j0 - pos;
+            ridge_run_side(rk, rank, kv_type, r.k, row_bytes, r.a_k, r.rank, j0, j1, kd, buf, a_k + i0 * a_stride,
+                           a_stride);
+            ridge_run_side(rv, rank, kv_type, r.v, row_bytes, r.a_v, r.rank, j0, j1, kd, buf, a_v + i0 * a_stride,
+                           a_stride);
+        }
+        at += r.n;
     }
 }
 
@@ -154,7 +234,6 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
         long long l0, l1;
         cpu::split_range(layout.n_layer, ith, nth, l0, l1);
         std::vector<cpu::KvRun> runs;
-        std::vector<float>      xk, xv, centred(static_cast<size_t>(kd));
         for (long long il = l0; il < l1; ++il) {
             const bool has_prev = prev != nullptr && !prev->layers[static_cast<size_t>(il)].a_k.empty();
             const bool has_map  = maps.has_layer(static_cast<int>(il));
@@ -180,15 +259,12 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
                 col = prev_rank;
             }
             if (has_map) {
-                xk.resize(static_cast<size_t>(n) * kd);
-                xv.resize(static_cast<size_t>(n) * kd);
                 kv.runs(seq, static_cast<int>(il), runs);
-                read_canonical(rope, layout.kv_type, n_kv, hd, runs, pos, n, xk.data(), xv.data());
+                ridge_layer_a(maps, static_cast<int>(il), rope, layout.kv_type, n_kv, hd, runs, pos, n,
+                              &l.a_k[static_cast<size_t>(col)], &l.a_v[static_cast<size_t>(col)], rank);
                 const RidgeMaps::Map & mk = maps.k(static_cast<int>(il));
                 const RidgeMaps::Map & mv = maps.v(static_cast<int>(il));
-                ridge_a(mk, maps.rank(), xk.data(), n, kd, &l.a_k[static_cast<size_t>(col)], rank, centred.data());
-                ridge_a(mv, maps.rank(), xv.data(), n, kd, &l.a_v[static_cast<size_t>(col)], rank, centred.data());
-                float * bk = &l.b_k[static_cast<size_t>(col) * kd];
+                float *                bk = &l.b_k[static_cast<size_t>(col) * kd];
                 std::memcpy(bk, mk.b.data(), sizeof(float) * map_rank * kd);
                 std::memcpy(&l.b_v[static_cast<size_t>(col) * kd], mv.b.data(), sizeof(float) * map_rank * kd);
                 // Canonical-frame key deltas to the stored frame: a constant RoPE shift is linear on the row width

@@ -120,6 +120,8 @@ def speed_and_memory(
                             "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
                             "kv_bytes_per_hop": [int(h.kv_bytes) for h in res.hops],
                             "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
+                            "corr_rank": [h.corr_rank for h in res.hops],
+                            "materialized_tokens": [h.materialized_tokens for h in res.hops],
                             "estimator_state_bytes": int(runner.estimator.state_bytes()),
                             "template_kv_bytes": int(runner.template_kv_bytes),
                         }
@@ -321,15 +323,15 @@ def _print_tables(res: dict[str, Any]) -> None:
     print("## speed and memory (later agents = every agent after the first)")
     print(
         "| shared tokens | decode tokens | method | later-agent TTFT ms | speedup vs nonshared | "
-        "computed tokens per agent | KV bytes (request) | vs nonshared | correction bytes | modes |"
+        "computed tokens per agent | KV bytes (request) | vs nonshared | correction bytes | modes | copied rows |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["speed"]:
         speedup = r.get("later_ttft_speedup", 0)
         print(
             f"| {r['shared_tokens']} | {r['decode_tokens']} | {r['method']} | {r['later_ttft_ms']:.0f} | {speedup:.2f}x"
             f" | {r['computed_tokens']} | {r['kv_bytes'] / 2**20:.1f} MiB | {r.get('kv_vs_nonshared', 0):.2f} | "
-            f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} |"
+            f"{r['corr_bytes'] / 2**20:.2f} MiB | {','.join(r['modes'])} | {r.get('materialized_tokens', '-')} |"
         )
     print("\n## correction state for one span read by 3 agents (kvcmas = ridge maps + per-hop factors)")
     print("| K/V width | layers | shared tokens | kvcomm | kvcmas-ref | kvcmas | kvcmas / kvcomm |")

@@ -5,7 +5,8 @@ attention (fused: scores gain (q·Bᵀ)·Aᵀ, outputs (p·A)·B; per-agent memo
 its own corrected copy of the span once (K + A_k B_k, V + A_v B_v; per-agent memory n·kd·2 rows) and attend over
 it like over any rows. Both run the engine's kernel (`_core.attend_test`, one query of all heads, one thread); the
 table gives time per decode-step attention call, the one-time cost of materializing, and the memory per agent, so
-the crossover (if any) is visible. kvcmas uses the fused path: it is the one whose memory stays O(n·r).
+the crossover (if any) is visible. The runner chooses per span (`MethodConfig.apply`, default 'auto'): fused, whose
+memory stays O(n·r), unless the factors would take at least the copy's bytes (full-rank corrections).
 """
 
 from __future__ import annotations

@@ -131,6 +131,7 @@ class Estimator:
 
     name = "fullshared"
     needs_exact = False
+    reads_base = False  # correct() never looks at the base view: callers may skip reading it back
 
     def correct(self, ctx: EdgeContext) -> Correction | None:
         return None
@@ -145,6 +146,7 @@ class OracleEstimator(Estimator):
 
     name = "oracle"
     needs_exact = True
+    reads_base = True
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -216,6 +218,7 @@ class RidgeEstimator(Estimator):
     """A map base -> delta per (edge = (placeholder, reader), layer >= 1, K/V), fitted across requests."""
 
     name = "kvcmas"
+    reads_base = True
 
     def __init__(
         self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 256 << 20, max_edges: int = 64
@@ -324,7 +327,9 @@ class RidgeEstimator(Estimator):
         return out
 
     def state_bytes(self) -> int:
-        return sum(mk.nbytes + mv.nbytes for maps in self.maps.values() for m in maps if m for mk, mv in [m])
+        """The fitted maps, plus their copies in the core (made on first use of an edge)."""
+        numpy_maps = sum(mk.nbytes + mv.nbytes for maps in self.maps.values() for m in maps if m for mk, mv in [m])
+        return numpy_maps + sum(int(c.bytes) for _, c in self._core_maps.values() if c is not None)
 
 
 # ---------------------------------------------------------------------------------------------- anchors
@@ -347,6 +352,8 @@ def _nbytes(x: tuple[np.ndarray, np.ndarray] | np.ndarray) -> int:
 
 class AnchorEstimator(Estimator):
     """The reference code's estimator (spec §3.3-3.6). rank=None keeps full-rank deltas and bases (KVCOMM)."""
+
+    reads_base = True
 
     def __init__(
         self,

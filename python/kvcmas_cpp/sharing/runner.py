@@ -529,6 +529,9 @@ class WorkflowRunner:
         self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
     ) -> est.Correction | None:
         """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
+        e = self.estimator
+        if not e.reads_base or (isinstance(e, est.RidgeEstimator) and (ph, a) not in e.maps):
+            return b.factors  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
         ctx = est.EdgeContext(ph, a, message, base_k, base_v)
         if self.estimator.needs_exact:
