@@ -46,6 +46,12 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=8, help="tokens per agent in the fidelity part")
     p.add_argument("--oracle-rank", type=int, default=32, help="rank of the oracle row")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument(
+        "--apply",
+        choices=("auto", "fused", "materialize"),
+        default="auto",
+        help="speed part: how readers hold corrected spans (MethodConfig.apply; auto = copy only full-rank ones)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     g = p.add_argument_group("accuracy mode (--task): each method's team free-running on a benchmark")
     g.add_argument("--task", choices=("gsm8k", "mmlu", "humaneval"), default=None)
@@ -93,6 +99,7 @@ def speed_and_memory(
     sizes: list[int],
     decodes: list[int],
     fitted: dict[str, WorkflowRunner],
+    apply: str = "auto",
 ) -> list[dict[str, Any]]:
     """Per shared size, decode length and method: the measured request's hops (after one warm-up request)."""
     wf = gsm8k_workflow(agents)
@@ -101,7 +108,9 @@ def speed_and_memory(
     for n, decode in ((n, d) for n in sizes for d in decodes):
         contexts = _shared_context(model, n)
         for name in methods:
-            runner = WorkflowRunner(model, wf, default_config(name), fitted[name].estimator if name in fitted else None)
+            cfg = default_config(name)
+            cfg.apply = apply  # type: ignore[assignment]
+            runner = WorkflowRunner(model, wf, cfg, fitted[name].estimator if name in fitted else None)
             for i, ctx in enumerate(contexts):
                 res = runner.run(ctx, f"ctx-{n}-{i}", max_new_tokens=decode)
                 bar.update()
@@ -270,7 +279,7 @@ def run_agents(args: argparse.Namespace) -> int:
         )
     speed_methods = [m for m in methods if m != "oracle"]
     with single_threaded_blas():
-        result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, decodes, fitted)
+        result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, decodes, fitted, args.apply)
     kd = model.n_head_kv * model._core.head_dim
     result["correction_state"] = correction_state([kd, 1024], sizes, [model.n_layer, 32])
     result["seconds"] = time.perf_counter() - t0
