@@ -156,7 +156,9 @@ def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
 @pytest.fixture(scope="module")
 def server(model_path: str, mmproj_path: str | None) -> Iterator[ServerProcess]:
     vision = ["--mmproj", mmproj_path] if mmproj_path else []
-    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8", *vision)
+    # Small prefill chunks: every prompt here runs in several chunks with other requests' work between them, and the
+    # outputs are still compared with one-piece references.
+    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8", "--prefill-chunk", "16", *vision)
     yield srv
     srv.stop()
 
@@ -409,24 +411,43 @@ def test_metrics_count_requests_and_ttft(server: ServerProcess) -> None:
     counts = [v for _, v in buckets]
     assert counts == sorted(counts) and counts[-1] == after["kvcmas_ttft_seconds_count"]
     assert after["kvcmas_kv_budget_bytes"] > 0 and after["kvcmas_kv_peak_bytes"] >= after["kvcmas_kv_bytes"]
+    if "kvcmas_kv_allocated_bytes" in after:  # a core whose KV pool can hand free blocks back
+        assert after["kvcmas_kv_allocated_bytes"] >= after["kvcmas_kv_bytes"]
+        # idle, the server hands the finished request's free blocks back: the pool holds what is in use only
+        deadline = time.monotonic() + 10
+        while after["kvcmas_kv_allocated_bytes"] != after["kvcmas_kv_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = server.metrics()
+        assert after["kvcmas_kv_allocated_bytes"] == after["kvcmas_kv_bytes"]
+        assert after["kvcmas_kv_trimmed_bytes"] > 0
 
 
-def test_image_parts_become_image_embeddings(server: ServerProcess, engine: kc.Model, mmproj_path: str | None) -> None:
-    if mmproj_path is None:
-        pytest.skip("this kvcmas core has no vision encoder")
-    import base64
+def _png(seed: int) -> bytes:
+    """A small PNG of gradients (seed varies them)."""
     import io
 
     import numpy as np
     from PIL import Image
 
-    from kvcmas_cpp.vision import VisionEncoder
-
-    pixels = np.add.outer(np.arange(40), np.arange(60)).astype(np.uint8)
+    pixels = (np.add.outer(np.arange(40), np.arange(60)) * (seed + 1)).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(np.stack([pixels, pixels[::-1], 255 - pixels], axis=-1)).save(buf, "PNG")
-    png = buf.getvalue()
-    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    return buf.getvalue()
+
+
+def _data_url(png: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def test_image_parts_become_image_embeddings(server: ServerProcess, engine: kc.Model, mmproj_path: str | None) -> None:
+    if mmproj_path is None:
+        pytest.skip("this kvcmas core has no vision encoder")
+    from kvcmas_cpp.vision import VisionEncoder
+
+    png = _png(0)
+    url = _data_url(png)
     parts = [
         {"type": "text", "text": "Look: "},
         {"type": "image_url", "image_url": {"url": url}},
@@ -449,6 +470,47 @@ def test_image_parts_become_image_embeddings(server: ServerProcess, engine: kc.M
     assert body["choices"][0]["message"]["content"] == want.text
     assert body["usage"]["prompt_tokens"] == len(prefix) + features.shape[0] + len(suffix)
     assert body["kvcmas"]["images"] == 1
+
+
+def test_an_image_is_shared_across_agents(server: ServerProcess, mmproj_path: str | None) -> None:
+    """Two agents read the same image (and text) in one workflow: through the sharing session, the second reuses the
+    rows the first computed for it; the first agent's answer is exactly the nonshared one; the image is encoded
+    once for all four requests."""
+    if mmproj_path is None:
+        pytest.skip("this kvcmas core has no vision encoder")
+    from kvcmas_cpp.vision import VisionEncoder
+
+    png = _png(3)  # an image no other test sends: nothing cached
+    n_rows = VisionEncoder(mmproj_path, n_threads=1).encode(png).shape[0]
+    question = [
+        {"type": "text", "text": "Here is a picture: "},
+        {"type": "image_url", "image_url": {"url": _data_url(png)}},
+        {"type": "text", "text": " What do you see in it? Describe the colors."},
+    ]
+    encoded_before = server.metrics()["kvcmas_images_encoded_total"]
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    for method in ("nonshared", "fullshared"):
+        reply: list[dict[str, str]] = []
+        for k, role in enumerate(ROLES[:2]):
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": role},
+                {"role": "user", "content": question},
+            ]
+            options = {"workflow": f"image-{method}", "agent": f"agent{k}", "method": method}
+            out[method, k] = body = chat(server, messages + reply, max_tokens=8, kvcmas=options)
+            assert body["kvcmas"]["method"] == method and body["kvcmas"]["images"] == 1
+            reply = [{"role": "user", "content": body["choices"][0]["message"]["content"]}]
+        server.request("DELETE", f"/v1/kvcmas/workflows/image-{method}")
+    assert server.metrics()["kvcmas_images_encoded_total"] - encoded_before == 1
+    first, plain_first = out["fullshared", 0], out["nonshared", 0]
+    assert first["choices"][0]["message"]["content"] == plain_first["choices"][0]["message"]["content"]
+    assert first["usage"]["prompt_tokens"] == plain_first["usage"]["prompt_tokens"] > n_rows
+    second, plain_second = out["fullshared", 1], out["nonshared", 1]
+    # the question span (text, the image's rows, text) comes from the first agent: all but its first few rows
+    # (nonshared reuses only the agent's own cached system-prompt prefix)
+    assert second["kvcmas"]["reused_tokens"] - plain_second["kvcmas"]["reused_tokens"] >= n_rows
+    assert second["kvcmas"]["computed_tokens"] < plain_second["kvcmas"]["computed_tokens"] - n_rows
+    assert second["usage"]["prompt_tokens"] == plain_second["usage"]["prompt_tokens"]
 
 
 # --------------------------------------------------------------------------------------------------- bad input

@@ -16,7 +16,9 @@ chat: system = role prompt, user = the shared items, each after a label line, or
 placeholders ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context} for every item).
 
 Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, identifies the agent by its system
-prompt, keys every message content by its token ids, and reuses spans already computed in the session.
+prompt, keys every message content by its token ids (image embeddings in a content count by their rows), and reuses
+spans already computed in the session. A server can have long prompt appends run in chunks with a callback between
+them (`between_chunks`), to interleave other requests' work.
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
 releases the GIL; the engine serialises compute), each with its own shared context.
@@ -27,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 
@@ -43,14 +46,30 @@ from .sharing.workflow import QUESTION, Template, Workflow, template_from_messag
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcomm")
 CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
+# The engine computes appends of up to 12 rows with its decode kernels, which round differently from its prefill
+# kernels: a chunked append never makes a chunk that small (unless the whole append is), so it computes the same rows.
+MIN_CHUNK_ROWS = 16
 
-_estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.Lock]]] = (
+
+def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of the chunks an append of n rows runs in: `chunk` rows each (at least MIN_CHUNK_ROWS), a short
+    remainder joining the chunk before it."""
+    chunk = max(chunk, MIN_CHUNK_ROWS)
+    starts = list(range(0, n, chunk))
+    if len(starts) > 1 and n - starts[-1] < MIN_CHUNK_ROWS:
+        starts.pop()
+    return [(a, starts[i + 1] if i + 1 < len(starts) else n) for i, a in enumerate(starts)]
+
+
+# The estimator locks are re-entrant: a server runs another session's prefill on the same thread between the chunks
+# of a long one (AgentSession.prefill's between_chunks), and both read the shared estimator.
+_estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.RLock]]] = (
     weakref.WeakKeyDictionary()
 )
 _estimators_lock = threading.Lock()
 
 
-def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Estimator, threading.Lock]:
+def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Estimator, threading.RLock]:
     """The estimator sessions of one workflow kind share on a model (what kvcmas learns carries across sessions),
     with the lock that serialises its use."""
     with _estimators_lock:
@@ -66,7 +85,7 @@ def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Esti
                 ),
                 "kvcmas-ref": lambda: reference_estimator(model, workflow),
             }[method]()
-            per_model[key] = (estimator, threading.Lock())
+            per_model[key] = (estimator, threading.RLock())
         return per_model[key]
 
 
@@ -156,6 +175,57 @@ class Prefilled:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _ChunkedSequence(KVSequence):
+    """A fork of a KVSequence whose appends run in chunks (chunk_bounds), calling between() after every chunk but
+    the last (a server runs other requests' work there). Rows and logits equal one-piece appends (each row attends
+    to the rows before it either way). engine_ms: time spent in this sequence's appends (and the prefix's, if it
+    was computed for this prompt)."""
+
+    def __init__(self, parent: KVSequence, chunk: int, between: Callable[[], None], engine_ms: float = 0.0) -> None:
+        super().__init__(parent._model, parent._model._core.seq_fork(parent.id), list(parent.tokens))
+        self.chunk = chunk
+        self.between: Callable[[], None] | None = between
+        self.engine_ms = engine_ms
+
+    def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
+        ids = list(ids)
+        rows: list[np.ndarray] = []
+        for start, end in chunk_bounds(len(ids), self.chunk) or [(0, 0)]:
+            last = end == len(ids)
+            t0 = time.perf_counter()
+            out = super().append(ids[start:end], logits if last or logits == "all" else "none")
+            self.engine_ms += (time.perf_counter() - t0) * 1000.0
+            if out is not None:
+                rows.append(out)
+            if not last and self.between is not None:
+                self.between()
+        if logits == "all":
+            return np.concatenate(rows, axis=0)
+        return rows[-1] if rows else None
+
+    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
+        out: np.ndarray | None = None
+        n = len(embeddings)
+        for start, end in chunk_bounds(n, self.chunk) or [(0, 0)]:
+            last = end == n
+            t0 = time.perf_counter()
+            out = super().append_embeddings(embeddings[start:end], logits and last)
+            self.engine_ms += (time.perf_counter() - t0) * 1000.0
+            if not last and self.between is not None:
+                self.between()
+        return out
+
+
+class _ChunkedFork:
+    """Stands for a prefix sequence where the method forks it: the fork appends in chunks."""
+
+    def __init__(self, prefix: KVSequence, chunk: int, between: Callable[[], None], prefix_ms: float) -> None:
+        self.prefix, self.chunk, self.between, self.prefix_ms = prefix, chunk, between, prefix_ms
+
+    def fork(self) -> KVSequence:
+        return _ChunkedSequence(self.prefix, self.chunk, self.between, self.prefix_ms)
 
 
 class Agent:
@@ -267,7 +337,7 @@ class AgentSession:
         if config.tail != "exact":
             raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
         if estimator is not None:
-            self._estimator_lock = threading.Lock()
+            self._estimator_lock = threading.RLock()
         else:
             estimator, self._estimator_lock = shared_estimator(model, method, workflow)
         self._runner = WorkflowRunner(model, Workflow(workflow, ()), config, estimator)
@@ -317,15 +387,7 @@ class AgentSession:
                     self._vector_ids[key] = self._state.add_vectors(self.vision.encode(image))
                 ids += self._vector_ids[key]
             if embeddings is not None:
-                rows = np.asarray(embeddings, dtype=np.float32)
-                if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] != self.model.n_embd:
-                    raise ValueError(f"share: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
-                if not np.isfinite(rows).all():
-                    raise ValueError("share: embeddings hold NaN or infinite values")
-                key = ("vectors", hashlib.sha256(rows.tobytes()).hexdigest())
-                if key not in self._vector_ids:
-                    self._vector_ids[key] = self._state.add_vectors(rows)
-                ids += self._vector_ids[key]
+                ids += self._embedding_ids(embeddings, "share") or []
             if body is not None:
                 ids += self._ids(body)
             if not ids:
@@ -333,6 +395,21 @@ class AgentSession:
             n_ctx = sum(1 for it in self._items if it.author is None)
             ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
             self._add_item(_Item(ph, ids, label, None))
+
+    def _embedding_ids(self, embeddings: np.ndarray, where: str, register: bool = True) -> list[int] | None:
+        """The prompt ids standing for input vectors [n, n_embd]; the same rows (by content) get the same ids. Rows
+        the session has not seen are registered, or give None when not `register`."""
+        rows = np.asarray(embeddings, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] != self.model.n_embd:
+            raise ValueError(f"{where}: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
+        if not np.isfinite(rows).all():
+            raise ValueError(f"{where}: embeddings hold NaN or infinite values")
+        key = ("vectors", hashlib.sha256(rows.tobytes()).hexdigest())
+        if key not in self._vector_ids:
+            if not register:
+                return None
+            self._vector_ids[key] = self._state.add_vectors(rows)
+        return self._vector_ids[key]
 
     @property
     def context(self) -> list[tuple[str | None, str]]:
@@ -350,6 +427,9 @@ class AgentSession:
         self._state = RequestState(f"{self.workflow}#{id(self)}#{self._serial}", {})
         self._items: list[_Item] = []
         self._by_ids: dict[tuple[int, ...], str] = {}
+        # A reply's text -> its placeholder: a client sends a reply back as text, whose tokens need not be the
+        # generated ones (a model may generate a non-canonical tokenization); the text still names the span.
+        self._by_text: dict[str, str] = {}
         self._seqs: list[KVSequence] = []  # sequences whose rows stored spans may read
         self._owned_rows: dict[int, int] = {}  # id(seq) -> rows it computed itself (prefix and shared rows excluded)
         self._lru: OrderedDict[str, None] = OrderedDict()
@@ -387,6 +467,7 @@ class AgentSession:
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
             other._vector_ids = dict(self._vector_ids)
+            other._by_text = dict(self._by_text)
             for it in self._items:
                 other._add_item(_Item(it.ph, list(it.ids), it.label, it.author))
             return other
@@ -411,28 +492,42 @@ class AgentSession:
             return False
 
     # ------------------------------------------------------------------------------------------------ calls
-    def prefill(self, messages: list[dict[str, Any]], agent: str | None = None) -> Prefilled:
-        """Puts a chat (OpenAI-style messages with string contents) in the engine under the method. The agent is
-        `agent` or the system prompt's text; each other message's content is a span keyed by its token ids, reused
-        if the session computed it before. Call finish() after generating, then close()."""
+    def prefill(
+        self,
+        messages: list[dict[str, Any]],
+        agent: str | None = None,
+        *,
+        between_chunks: Callable[[], None] | None = None,
+        chunk_tokens: int = 256,
+    ) -> Prefilled:
+        """Puts a chat (OpenAI-style messages) in the engine under the method. A content is a string, or a list of
+        strings and input vectors [n, n_embd] (e.g. an image's embeddings from the session's vision encoder). The
+        agent is `agent` or the system prompt's text; each other message's content is a span keyed by its token ids
+        (vectors by their rows), reused if the session computed it before. between_chunks: appends of the prompt
+        run in chunks of at most chunk_tokens rows, with this called between them (the same rows and logits as in
+        one piece). Call finish() after generating, then close()."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
+        if chunk_tokens < 1:
+            raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
         with self._lock:
             system = ""
             rendered: list[dict[str, str]] = []
             for i, msg in enumerate(messages):
                 role, content = msg.get("role"), msg.get("content")
-                if not isinstance(role, str) or not isinstance(content, str):
+                if not isinstance(role, str):
                     raise ValueError(f"prefill: message {i} needs string 'role' and 'content'")
                 if role == "system" and i == 0:
+                    if not isinstance(content, str):
+                        raise ValueError("prefill: the system prompt (message 0) must be a string")
                     system = content
                     rendered.append({"role": role, "content": content})
                     continue
-                ids = self._ids(content)
+                ids = self._content_ids(i, role, content) or []
                 if not ids:
-                    rendered.append({"role": role, "content": content})
+                    rendered.append({"role": role, "content": content if isinstance(content, str) else ""})
                     continue
-                ph = self._by_ids.get(tuple(ids))
+                ph = self._span(ids, content)
                 if ph is None:
                     n_ctx = sum(1 for it in self._items if it.author is None)
                     ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
@@ -442,7 +537,63 @@ class AgentSession:
             ag = next((a for a in self.agents if a.name == key), None)
             if ag is None:
                 ag = self.agent(key, system)
-            return self._prefill_template(ag, template_from_messages(self.model, rendered, ag.name))
+            template = template_from_messages(self.model, rendered, ag.name)
+            if between_chunks is None:
+                return self._prefill_template(ag, template)
+            t0 = time.perf_counter()
+            prefix = self._prefix(ag, template)  # computed here when the agent's system prompt is new to the session
+            prefix_ms = (time.perf_counter() - t0) * 1000.0
+            p = self._prefill_template(ag, template, _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms))
+            if isinstance(p.seq, _ChunkedSequence):
+                p.seq.between = None  # generation and finish() append in one piece
+            return p
+
+    def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of these messages' contents the session holds stored spans for: what prefill() would not compute
+        (an estimate: an edge kvcmas is still calibrating reads densely). 0 under nonshared."""
+        with self._lock:
+            total = 0
+            for i, msg in enumerate(messages):
+                content = msg.get("content")
+                if i == 0 and msg.get("role") == "system" and isinstance(content, str):
+                    continue
+                try:
+                    ids = self._content_ids(i, msg.get("role"), content, register=False)
+                except ValueError:
+                    continue
+                ph = self._span(ids, content) if ids else None
+                if ph is not None and ph in self._state.buckets:
+                    total += len(self._state.relayed[ph])
+            return total
+
+    def _span(self, ids: list[int], content: Any) -> str | None:
+        """The placeholder of a span the session holds already: by the content's ids, or a reply by its text."""
+        ph = self._by_ids.get(tuple(ids))
+        if ph is None and isinstance(content, str):
+            ph = self._by_text.get(content)
+        return ph
+
+    def _content_ids(self, i: int, role: Any, content: Any, register: bool = True) -> list[int] | None:
+        """Prompt ids of a message content: text tokens and input-vector ids (None: vectors the session has not
+        seen, when not `register`)."""
+        if not isinstance(role, str) or not isinstance(content, (str, list)):
+            raise ValueError(
+                f"prefill: message {i} needs string 'role' and 'content' (or a list of strings and arrays [n, n_embd])"
+            )
+        if isinstance(content, str):
+            return self._ids(content)
+        ids: list[int] = []
+        for part in content:
+            if isinstance(part, str):
+                ids += self._ids(part)
+            elif isinstance(part, np.ndarray):
+                vector_ids = self._embedding_ids(part, f"prefill: message {i}", register)
+                if vector_ids is None:
+                    return None
+                ids += vector_ids
+            else:
+                raise ValueError(f"prefill: message {i}: content parts are strings or arrays [n, n_embd]")
+        return ids
 
     def prefill_agent(self, agent: Agent) -> Prefilled:
         """The agent's prompt over the shared context so far, in the engine (what respond() generates from)."""
@@ -513,14 +664,16 @@ class AgentSession:
         self._prefixes[ag.index] = (key, s)
         return s
 
-    def _prefill_template(self, ag: Agent, t: Template) -> Prefilled:
+    def _prefill_template(self, ag: Agent, t: Template, prefix: _ChunkedFork | None = None) -> Prefilled:
         missing = [ph for ph in t.placeholders if ph not in self._state.relayed]
         if missing:
             raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
         n = self._replies.get(ag.index, 0)
         reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
+        # The method only forks the prefix: a _ChunkedFork stands in for it where appends are to run in chunks.
+        base = self._prefix(ag, t) if prefix is None else cast(KVSequence, prefix)
         with self._estimator_lock:
-            seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, self._prefix(ag, t), self._state)
+            seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, base, self._state)
         for ph in t.placeholders:
             if ph in self._lru:
                 self._lru.move_to_end(ph)
@@ -530,6 +683,8 @@ class AgentSession:
         ag = p.agent
         self._replies[ag] = self._replies.get(ag, 0) + 1
         relay = out if out else None
+        if relay is not None:
+            self._by_text.setdefault(self.model.detokenize(out), p.reply_ph)
         if self.method == "nonshared":  # nothing is stored: replies are re-read as text
             if relay is not None:
                 self._add_item(_Item(p.reply_ph, out, None, ag))

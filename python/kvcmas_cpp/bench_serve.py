@@ -8,6 +8,10 @@ per request, so one server serves all methods), and a workflow's sessions are dr
 
 TTFT is measured by the client (request sent -> first streamed token), as a user sees it. Peak memory is sampled
 from the server while a run lasts: KV bytes in use (/metrics) and, for a server this command started, its RSS.
+Where a later hop's time goes comes from the server's timings (p50 per phase): queue (waiting for a slot or KV
+memory), wait (admitted, waiting for other prompts' prefill), engine (its own prompt rows in the engine), session
+(the method's work besides: forks, corrections, reading rows), others (other requests' prefill chunks and decode
+steps run between its chunks), and how many later hops ran dense because kvcmas was still calibrating an edge.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ AGENTS = (
 )
 
 
+PHASES = ("ttft_ms", "queue_ms", "wait_ms", "prompt_ms", "engine_ms", "session_ms", "interleaved_ms")
+
+
 @dataclass
 class Hop:
     workflow: int
@@ -49,6 +56,8 @@ class Hop:
     completion_tokens: int = 0
     method: str = ""
     error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # the server's: queue_ms, wait_ms, engine_ms, ...
+    gate: str = ""
 
 
 @dataclass
@@ -86,6 +95,15 @@ class RunResult:
             "peak_kv_mib": self.peak_kv_bytes / 2**20,
             "peak_rss_mib": self.peak_rss_bytes / 2**20,
             "wall_s": self.wall_s,
+            "phases_p50_ms": self.phases(),
+            "later_dense": sum(1 for h in self.hops if h.hop > 0 and h.error is None and "dense" in h.gate),
+        }
+
+    def phases(self) -> dict[str, float]:
+        """p50 over later hops of each phase of the server's timings (ms)."""
+        later = [h.timings for h in self.hops if h.hop > 0 and h.error is None and h.timings]
+        return {
+            key: float(np.percentile([t.get(key, 0.0) for t in later], 50)) if later else float("nan") for key in PHASES
         }
 
 
@@ -104,7 +122,10 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=4,
-        help="sequential workflows per sharing method before measuring (kvcmas calibrates its edges; default 4)",
+        help="sequential workflows per sharing method before measuring (default 4). kvcmas reads each edge (span, "
+        "reader) densely the first 4 times, fitting its correction online, and a short reply gives an edge no "
+        "example: the warm-up goes on (up to 8 more workflows) until a whole workflow's later hops reuse, so the "
+        "runs measure serving, not calibration",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
@@ -199,6 +220,7 @@ class _Client:
 def _run_workflow(
     client: _Client, index: int, tag: str, method: str, context: str, max_tokens: int, out: list[Hop]
 ) -> None:
+    """The workflow's 4 hops, one after another; each appends its Hop to out."""
     workflow = f"{tag}-{method}-{index}"
     replies: list[str] = []
     try:
@@ -218,6 +240,7 @@ def _run_workflow(
                 return
             usage = final.get("usage", {})
             kv = final.get("kvcmas", {})
+            timings = final.get("timings", {})
             out.append(
                 Hop(
                     index,
@@ -228,6 +251,8 @@ def _run_workflow(
                     int(kv.get("reused_tokens", 0)),
                     int(usage.get("completion_tokens", 0)),
                     str(kv.get("method", "")),
+                    timings={k: float(timings.get(k, 0.0)) for k in PHASES},
+                    gate=str(kv.get("gate") or kv.get("mode") or ""),
                 )
             )
             replies.append(text)
@@ -341,6 +366,26 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
     raise RuntimeError("kvcmas-server did not come up within 120 s")
 
 
+def _print_phases(rows: list[dict[str, Any]]) -> None:
+    print(
+        "later hops, p50 per phase (ms, server timings): ttft = queue + wait + prefill; prefill = engine + "
+        "session + others"
+    )
+    head = (
+        f"{'method':<10} {'rate/s':>6} {'ttft':>7} {'queue':>6} {'wait':>6} {'prefill':>7} {'engine':>7} "
+        f"{'session':>7} {'others':>7} {'dense':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        p = r["phases_p50_ms"]
+        print(
+            f"{r['method']:<10} {r['rate']:>6g} {p['ttft_ms']:>7.0f} {p['queue_ms']:>6.0f} {p['wait_ms']:>6.0f} "
+            f"{p['prompt_ms']:>7.0f} {p['engine_ms']:>7.0f} {p['session_ms']:>7.0f} {p['interleaved_ms']:>7.0f} "
+            f"{r['later_dense']:>5}"
+        )
+
+
 def _print_table(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'method':<10} {'rate/s':>6} {'reqs':>5} {'err':>3} {'later TTFT p50':>14} {'p90':>8} {'p99':>8} "
@@ -385,12 +430,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             raise RuntimeError(f"{url}/v1/models answered HTTP {status}")
         # Warm-up outside the measured runs: first-use costs, and kvcmas's calibration (it reads each edge densely
         # a few times, fitting its correction online, before it shares the edge).
-        warm = _contexts(max(1, args.warmup), args.context_tokens, args.seed + 999)
+        extra_warmup = 8
+        warm = _contexts(max(1, args.warmup) + extra_warmup, args.context_tokens, args.seed + 999)
         for method in methods:
             n_warm = 1 if method == "nonshared" else max(1, args.warmup)
             print(f"warm-up: method {method}, {n_warm} workflow(s) ...", file=sys.stderr)
-            for w in range(n_warm):
-                _run_workflow(client, w, f"warmup{os.getpid()}", method, warm[w], args.max_tokens, [])
+            for w in range(n_warm + (extra_warmup if method == "kvcmas" else 0)):
+                hops: list[Hop] = []
+                _run_workflow(client, w, f"warmup{os.getpid()}", method, warm[w], args.max_tokens, hops)
+                if w + 1 >= n_warm and all("dense" not in h.gate for h in hops if h.hop > 0):
+                    break  # calibrated (or nothing to calibrate)
+                if w + 1 >= n_warm:
+                    print(f"  workflow {w}: later hops still calibrating, one more", file=sys.stderr)
         contexts = _contexts(args.workflows, args.context_tokens, args.seed)
         for rate in rates:
             for method in methods:
@@ -409,6 +460,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 proc.kill()
     print()
     _print_table(rows)
+    print()
+    _print_phases(rows)
     if "nonshared" in methods:
         print()
         for rate in rates:

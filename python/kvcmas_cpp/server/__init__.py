@@ -121,6 +121,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="allow browser requests from this origin (repeatable; '*' for any). Default: no CORS",
     )
+    p.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=128,
+        help="prompt rows computed per step; other requests' prefills and decode steps run between chunks, "
+        "the shortest prompt first (default 128)",
+    )
+    p.add_argument(
+        "--calibration-memory",
+        type=parse_bytes,
+        default=512 << 20,
+        help="memory kvcmas may hold in training reads while it calibrates an edge (4 dense reads of the span, "
+        "~92 KB per row each for SmolLM2-135M), e.g. 512M (the default); freed as each edge is fitted",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -161,6 +175,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         request_timeout=args.request_timeout,
         cors_origins=tuple(args.cors_origin),
+        prefill_chunk=args.prefill_chunk,
+        calibration_bytes=args.calibration_memory,
     )
     server = Server(cfg, model)
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -27,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..model import Model
+from .backend import Segment
 from .metrics import Metrics
-from .scheduler import Done, Event, Failed, Job, QueueFull, Scheduler
+from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .validation import (
     DEFAULT_MAX_BODY_BYTES,
@@ -48,6 +52,7 @@ log = logging.getLogger("kvcmas.server")
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow
+IMAGE_CACHE = 32  # encoded images kept (by content): agents that read the same image do not encode it again
 
 
 @dataclass
@@ -72,6 +77,8 @@ class ServerConfig:
     max_inflight: int = 256  # HTTP requests handled at once (but /health, /metrics); beyond it: 503 + Retry-After
     request_timeout: float = 600.0  # seconds from arrival to the last token; then the request ends with 408
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; empty: no CORS headers at all
+    prefill_chunk: int = PREFILL_CHUNK  # prompt rows per prefill step (other requests' work runs between steps)
+    calibration_bytes: int = CALIBRATION_BYTES  # training reads kvcmas may hold while it calibrates
 
 
 def error_response(
@@ -188,17 +195,28 @@ class Server:
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()
         self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images)
-        budget = int(model._core.kv_budget)
-        self.scheduler = Scheduler(model, cfg.method, cfg.parallel, budget, cfg.max_queue, self.metrics)
-        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
-        self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
-        self.created = int(time.time())
         self.vision: Any = None
         if cfg.mmproj:
             from ..vision import VisionEncoder
 
             self.vision = VisionEncoder(cfg.mmproj, n_threads=cfg.threads)
             self.vision.check_text_model(model.n_embd)
+        self._images: OrderedDict[str, np.ndarray] = OrderedDict()  # image bytes' sha256 -> embeddings (LRU)
+        budget = int(model._core.kv_budget)
+        self.scheduler = Scheduler(
+            model,
+            cfg.method,
+            cfg.parallel,
+            budget,
+            cfg.max_queue,
+            self.metrics,
+            cfg.prefill_chunk,
+            self.vision,
+            cfg.calibration_bytes,
+        )
+        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
+        self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
+        self.created = int(time.time())
         m, s = self.metrics, self.scheduler
         m.add_gauge("kvcmas_active_requests", "Requests being generated.", lambda: s.n_active)
         m.add_gauge("kvcmas_queued_requests", "Requests waiting for a slot or KV memory.", lambda: s.n_queued)
@@ -207,6 +225,17 @@ class Server:
         m.add_gauge("kvcmas_kv_peak_bytes", "Most KV memory in use so far (bytes).", lambda: s.peak_kv_bytes)
         m.add_gauge("kvcmas_kv_budget_bytes", "KV memory budget (bytes).", lambda: s.kv_budget)
         m.add_gauge("kvcmas_kv_stored_bytes", "KV bytes held by stored shared spans.", lambda: s.stored_bytes)
+        if hasattr(model, "kv_bytes_allocated"):  # cores before the KV pool could trim report only what is in use
+            m.add_gauge(
+                "kvcmas_kv_allocated_bytes",
+                "KV block memory the engine holds: in use plus free blocks kept for reuse (bytes).",
+                lambda: model.kv_bytes_allocated,
+            )
+            m.add_gauge(
+                "kvcmas_kv_trimmed_bytes",
+                "Free KV block memory handed back to the system when the server went idle, in all (bytes).",
+                lambda: s.trimmed_bytes,
+            )
         self.app = self._build_app()
 
     # ---------------------------------------------------------------------------------------------- the app
@@ -415,30 +444,48 @@ class Server:
             return parse_request(kind, raw, self.limits)
         return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
 
-    async def _image_segments(
+    async def _encode_image(self, data: bytes) -> np.ndarray:
+        """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""
+        key = hashlib.sha256(data).hexdigest()
+        if key not in self._images:
+            try:
+                encoded: np.ndarray = await run_in_threadpool(self.vision.encode, data)
+            except ValueError as e:  # ImageError, KvcmasError: unusable image
+                raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
+            self._images[key] = encoded
+            self.metrics.bump("images_encoded")
+            while len(self._images) > IMAGE_CACHE:
+                self._images.popitem(last=False)
+        self._images.move_to_end(key)
+        return self._images[key]
+
+    async def _image_prompt(
         self, body: ChatCompletionRequest, image_data: list[bytes]
-    ) -> tuple[list[dict[str, Any]], list[Any], int]:
-        """Messages with image markers, the prompt as text-id and embedding segments, and its length."""
-        n_images = 0
+    ) -> tuple[list[dict[str, Any]], list[Segment]]:
+        """A chat with images as (messages whose contents hold the images' embeddings between their texts, for a
+        sharing session; the rendered prompt as text-id and embedding segments, for a plain prefill)."""
+        images = [await self._encode_image(data) for data in image_data]
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
+        n_images = 0
 
         def mark(url: str) -> str:
             nonlocal n_images
             n_images += 1
             return f"{marker}{n_images - 1}{marker}"
 
-        messages = body.plain_messages(mark)
-        images = []
-        for data in image_data:
-            try:
-                images.append(await run_in_threadpool(self.vision.encode, data))
-            except ValueError as e:  # ImageError, KvcmasError: unusable image
-                raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
-        text = await run_in_threadpool(self.model.apply_chat_template, messages, True)
+        marked = body.plain_messages(mark)
+        messages: list[dict[str, Any]] = []
+        for msg in marked:
+            pieces = msg["content"].split(marker)  # text, index, text, index, ..., text
+            if len(pieces) == 1:
+                messages.append(msg)
+                continue
+            parts: list[str | np.ndarray] = [images[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
+            messages.append({"role": msg["role"], "content": [p for p in parts if not isinstance(p, str) or p]})
+        text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         tok = self.model.tokenizer
-        pieces = text.split(marker)  # text, index, text, index, ..., text
-        segments: list[Any] = []
-        for i, piece in enumerate(pieces):
+        segments: list[Segment] = []
+        for i, piece in enumerate(text.split(marker)):
             if i % 2:
                 segments.append(images[int(piece)])
                 continue
@@ -446,46 +493,30 @@ class Server:
             if i == 0 and tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
                 ids = [tok.bos_id, *ids]
             segments.append(ids)
-        return messages, segments, sum(len(seg) for seg in segments)
+        return messages, segments
 
     async def chat_completions(self, request: Request) -> Response:
         parsed = await self._parse("chat", request)
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
-        segments: list[Any] | None = None
-        if body.has_images() and self.vision is not None:
+        segments: list[Segment] | None = None
+        if not (body.has_images() and self.vision is not None):
             try:
-                messages, segments, n_prompt = await self._image_segments(body, parsed.images)
-            except ValueError as e:  # template or tokenizer refusals
-                raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
-            ids = [t for seg in segments if isinstance(seg, list) for t in seg]
-            max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
-            queue, sink = self._event_queue()
-            job = Job(
-                id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                ids=ids,
-                max_tokens=max_tokens,
-                params=parsed.sampling,
-                stops=parsed.stops,
-                sink=sink,
-                deadline=self._deadline(),
-                segments=segments,
-                n_prompt=n_prompt,
-            )
-            self._submit(job)
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            extra: dict[str, Any] = {"workflow": None, "agent": None, "images": len(segments) // 2}
-            return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
+                messages = body.plain_messages()
+            except ValueError as e:  # image parts without --mmproj
+                raise ApiError(400, str(e), "invalid_content", "messages") from None
         try:
-            messages = body.plain_messages()
-        except ValueError as e:
-            raise ApiError(400, str(e), "invalid_content", "messages") from None
-        try:
-            ids = await run_in_threadpool(self._chat_ids, messages)
+            if body.has_images() and self.vision is not None:
+                messages, segments = await self._image_prompt(body, parsed.images)
+                ids = [t for seg in segments if isinstance(seg, list) for t in seg]
+                n_prompt = sum(len(seg) for seg in segments)
+            else:
+                ids = await run_in_threadpool(self._chat_ids, messages)
+                n_prompt = len(ids)
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
-        max_tokens = self._budget_tokens(len(ids), parsed.max_tokens)
+        max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
@@ -504,11 +535,15 @@ class Server:
             messages=messages,
             agent=agent,
             session_key=(workflow, method),
+            segments=segments,
+            n_prompt=n_prompt,
         )
         self._submit(job)
-        extra_shared: dict[str, Any] = {"workflow": workflow, "agent": agent}
+        extra: dict[str, Any] = {"workflow": workflow, "agent": agent}
+        if segments is not None:
+            extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra_shared, "")
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse("completion", request)
@@ -660,12 +695,17 @@ class Server:
             "predicted_ms": round(s["predicted_ms"], 3),
             "predicted_per_second": round(s["predicted_per_second"], 2),
             "queue_ms": round(s["queue_ms"], 3),
+            "wait_ms": round(s["wait_ms"], 3),
+            "engine_ms": round(s["engine_ms"], 3),
+            "session_ms": round(s["session_ms"], 3),
+            "interleaved_ms": round(s["interleaved_ms"], 3),
             "ttft_ms": round(s["ttft_ms"], 3),
         }
         kvcmas = {
             "method": s["method"],
             "reused_tokens": s["reused_tokens"],
             "computed_tokens": s["computed_tokens"],
+            "mode": s["mode"],
             "gate": s["gate"],
             "kv_bytes": s["kv_bytes"],
             "corr_bytes": s["corr_bytes"],
@@ -692,17 +732,23 @@ class Server:
     def _log_done(self, job: Job, kind: str, done: Done) -> None:
         s = done.stats
         log.info(
-            "%s %s: prompt %d (reused %d) + %d tokens, %s, queue %.0f ms, ttft %.0f ms, %.1f tok/s, method %s, "
-            "agent %s",
+            "%s %s: prompt %d (reused %d) + %d tokens, %s, ttft %.0f ms = queue %.0f + wait %.0f + prefill %.0f "
+            "(engine %.0f, session %.0f, others' work %.0f), %.1f tok/s, method %s (%s), agent %s",
             kind,
             job.id,
             s["prompt_tokens"],
             s["reused_tokens"],
             s["completion_tokens"],
             done.finish_reason,
-            s["queue_ms"],
             s["ttft_ms"],
+            s["queue_ms"],
+            s["wait_ms"],
+            s["prompt_ms"],
+            s["engine_ms"],
+            s["session_ms"],
+            s["interleaved_ms"],
             s["predicted_per_second"],
             s["method"],
+            s["gate"] or s["mode"],
             job.agent,
         )

@@ -10,12 +10,17 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..agents import chunk_bounds
 from ..model import KVSequence, Model
+
+Segment = list[int] | np.ndarray  # text token ids, or input vectors [n, n_embd] (an image's embeddings)
+BetweenChunks = Callable[[], None]
 
 
 class Prefilled(Protocol):
@@ -29,7 +34,22 @@ class Prefilled(Protocol):
 class Backend(Protocol):
     method: str
 
-    def prefill_chat(self, messages: list[dict[str, Any]], ids: list[int], agent: str | None) -> Prefilled: ...
+    def prefill_chat(
+        self,
+        messages: list[dict[str, Any]],
+        segments: list[Segment],
+        agent: str | None,
+        between_chunks: BetweenChunks | None = None,
+        chunk_tokens: int = 256,
+    ) -> Prefilled:
+        """The chat's prompt in the engine: messages (contents: strings, or lists of strings and input vectors) for
+        sessions, segments (the rendered prompt) for a plain prefill. Appends run in chunks of at most chunk_tokens
+        rows with between_chunks() called between them."""
+        ...
+
+    def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Prompt tokens the backend holds already (an estimate of what a prefill will not compute)."""
+        ...
 
     def finish(self, p: Prefilled, generated_ids: list[int]) -> None: ...
 
@@ -43,66 +63,68 @@ class Backend(Protocol):
 
 @dataclass
 class PlainPrefilled:
-    """A prompt computed from scratch in its own sequence."""
+    """A prompt computed from scratch in its own sequence. engine_ms: time in its engine calls."""
 
     seq: KVSequence
     logits: np.ndarray
     stats: dict[str, Any] = field(default_factory=dict)
+    engine_ms: float = 0.0
 
     def close(self) -> None:
         self.seq.close()
 
 
-def prefill_plain(model: Model, ids: list[int], method: str = "nonshared") -> PlainPrefilled:
-    """Computes ids in a new sequence. The sequence is closed again if the engine refuses (e.g. KV budget)."""
+def prefill_segments(
+    model: Model,
+    segments: list[Segment],
+    between_chunks: BetweenChunks | None = None,
+    chunk_tokens: int = 1 << 30,
+    method: str = "nonshared",
+) -> PlainPrefilled:
+    """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence, each
+    segment in chunks of about chunk_tokens rows (agents.chunk_bounds) with between_chunks() called between them.
+    Each row attends to the rows before it whatever the chunking, so the rows and logits equal a one-piece prefill.
+    The sequence is closed again if the engine refuses (e.g. KV budget)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    pieces = [seg[a:b] for seg in segments for a, b in chunk_bounds(len(seg), chunk_tokens)]
+    if not pieces:
+        raise ValueError("the prompt is empty")
     t0 = time.perf_counter()
+    engine_s = 0.0
     seq = model.new_sequence()
+    n_prompt = sum(len(seg) for seg in segments)
+    logits: np.ndarray | None = None
     try:
-        logits = seq.append(ids, logits="last")
+        for k, chunk in enumerate(pieces):
+            last = k == len(pieces) - 1
+            t_call = time.perf_counter()
+            if isinstance(chunk, np.ndarray):
+                logits = seq.append_embeddings(chunk, logits=last)
+            else:
+                logits = seq.append(chunk, logits="last" if last else "none")
+            engine_s += time.perf_counter() - t_call
+            if not last and between_chunks is not None:
+                between_chunks()
     except BaseException:
         seq.close()
         raise
     assert logits is not None
     stats = {
         "method": method,
-        "prompt_tokens": len(ids),
-        "computed_tokens": len(ids),
-        "reused_tokens": 0,
-        "ttft_ms": (time.perf_counter() - t0) * 1000.0,
-        "gate": None,
-    }
-    return PlainPrefilled(seq, logits, stats)
-
-
-def prefill_segments(model: Model, segments: list[list[int] | np.ndarray]) -> PlainPrefilled:
-    """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence."""
-    t0 = time.perf_counter()
-    seq = model.new_sequence()
-    n_prompt = 0
-    logits: np.ndarray | None = None
-    try:
-        for i, segment in enumerate(segments):
-            last = i == len(segments) - 1
-            if isinstance(segment, np.ndarray):
-                logits = seq.append_embeddings(segment, logits=last)
-            elif segment:
-                logits = seq.append(segment, logits="last" if last else "none")
-            n_prompt += len(segment)
-    except BaseException:
-        seq.close()
-        raise
-    if logits is None:
-        seq.close()
-        raise ValueError("the prompt ends with an empty text segment")
-    stats = {
-        "method": "nonshared",
+        "mode": "source",
         "prompt_tokens": n_prompt,
         "computed_tokens": n_prompt,
         "reused_tokens": 0,
         "ttft_ms": (time.perf_counter() - t0) * 1000.0,
         "gate": None,
     }
-    return PlainPrefilled(seq, logits, stats)
+    return PlainPrefilled(seq, logits, stats, engine_s * 1000.0)
+
+
+def prefill_plain(model: Model, ids: list[int], method: str = "nonshared") -> PlainPrefilled:
+    """Computes ids in a new sequence, in one piece."""
+    return prefill_segments(model, [ids], method=method)
 
 
 class PlainBackend:
@@ -113,8 +135,18 @@ class PlainBackend:
     def __init__(self, model: Model) -> None:
         self.model = model
 
-    def prefill_chat(self, messages: list[dict[str, Any]], ids: list[int], agent: str | None) -> Prefilled:
-        return prefill_plain(self.model, ids)
+    def prefill_chat(
+        self,
+        messages: list[dict[str, Any]],
+        segments: list[Segment],
+        agent: str | None,
+        between_chunks: BetweenChunks | None = None,
+        chunk_tokens: int = 256,
+    ) -> Prefilled:
+        return prefill_segments(self.model, segments, between_chunks, chunk_tokens)
+
+    def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
+        return 0
 
     def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
         pass
@@ -133,14 +165,34 @@ class PlainBackend:
 class SessionBackend:
     """An AgentSession (kvcmas_cpp.agents): spans computed by any agent of the workflow are reused by the method."""
 
-    def __init__(self, model: Model, method: str) -> None:
+    def __init__(self, model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> None:
+        """calibration_bytes: the least memory the method's shared estimator may hold in training reads of edges
+        still calibrating (kvcmas: a read of an n-row span holds 4 x n_layer x n x kv_dim floats, ~37 MB for 400
+        rows of SmolLM2-135M; an edge needs CALIBRATION_READS of them before it shares)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
-        self.session = agents.AgentSession(model, method=method)
+        self.session = agents.AgentSession(model, method=method, vision=vision)
+        if calibration_bytes is not None:
+            estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
+            with lock:
+                if getattr(estimator, "max_pending_bytes", calibration_bytes) < calibration_bytes:
+                    estimator.max_pending_bytes = calibration_bytes
 
-    def prefill_chat(self, messages: list[dict[str, Any]], ids: list[int], agent: str | None) -> Prefilled:
-        p: Prefilled = self.session.prefill(messages, agent=agent)
+    def prefill_chat(
+        self,
+        messages: list[dict[str, Any]],
+        segments: list[Segment],
+        agent: str | None,
+        between_chunks: BetweenChunks | None = None,
+        chunk_tokens: int = 256,
+    ) -> Prefilled:
+        p: Prefilled = self.session.prefill(
+            messages, agent=agent, between_chunks=between_chunks, chunk_tokens=chunk_tokens
+        )
         return p
+
+    def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
+        return int(self.session.reusable_tokens(messages))
 
     def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
         self.session.finish(p, generated_ids)
@@ -167,9 +219,10 @@ def agents_available() -> bool:
     return hasattr(module, "AgentSession")
 
 
-def make_backend(model: Model, method: str) -> Backend:
+def make_backend(model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> Backend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
-    and so do the sharing methods (their stats then say method 'nonshared')."""
+    and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
+    any (the session checks that its embeddings fit the model). calibration_bytes: see SessionBackend."""
     if agents_available():
-        return SessionBackend(model, method)
+        return SessionBackend(model, method, vision, calibration_bytes)
     return PlainBackend(model)

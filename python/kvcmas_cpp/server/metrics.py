@@ -49,6 +49,7 @@ class Metrics:
         self.rejected_too_many_requests = 0
         self.timed_out = 0
         self.evictions = 0
+        self.images_encoded = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
@@ -122,6 +123,11 @@ class Metrics:
                 ),
                 ("kvcmas_timed_out_total", "Requests ended by --request-timeout.", self.timed_out),
                 ("kvcmas_evictions_total", "Shared spans evicted to make room in the KV budget.", self.evictions),
+                (
+                    "kvcmas_images_encoded_total",
+                    "Images run through the vision encoder (a repeated image comes from the cache).",
+                    self.images_encoded,
+                ),
             ):
                 metric(name, "counter", help_text, [("", value)])
             h = self.ttft

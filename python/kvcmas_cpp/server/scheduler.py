@@ -1,14 +1,24 @@
-"""Continuous batching on one engine thread.
+"""Continuous batching with chunked prefill on one engine thread.
 
 The HTTP layer submits Jobs; one scheduler thread owns every engine call. Each turn it drops cancelled jobs, admits
-waiting jobs while a slot (--parallel) and KV memory (--kv-budget) allow, prefilling each (prefill first keeps TTFT
-low), then runs ONE batched decode step over every active job (Model.decode_batch), so jobs join and leave the batch
-between steps. Results go back through each job's sink, a thread-safe callback (the app forwards them to asyncio).
+waiting jobs while a slot (--parallel) and KV memory (--kv-budget) allow, prefills the admitted job with the fewest
+prompt rows left to compute (shortest first: a later agent that reuses most of its prompt is not stuck behind
+another workflow's long first prompt), then runs ONE batched decode step over every job that is generating
+(Model.decode_batch), so jobs join and leave the batch between steps. Results go back through each job's sink, a
+thread-safe callback (the app forwards them to asyncio).
+
+Chunked prefill: a prompt is appended in chunks of --prefill-chunk rows (the same rows and logits as one piece:
+each row attends to the rows before it either way). Between two chunks the scheduler admits new jobs, prefills one
+that has fewer rows left than the current one (on the same thread, one level deep; never a job of the same sharing
+session), and runs a decode step, so neither a short prompt nor the generating jobs wait for a long prefill. Work
+that would touch a session in the middle of its prefill (registering a finished reply, failing a job, evicting
+spans) is deferred until that prefill returns.
 
 KV admission is conservative: a job reserves blocks for its prompt plus max_tokens; memory in use is read from the
 engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit, stored spans of the
 least recently used sharing sessions are evicted first, then the job waits; the queue holds at most max_queue jobs
-and further submissions get QueueFull (HTTP 429 with Retry-After).
+and further submissions get QueueFull (HTTP 429 with Retry-After). When the server goes idle, freed heap and free KV
+blocks go back to the system.
 """
 
 from __future__ import annotations
@@ -22,18 +32,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
-
 from .._native import KvcmasError
 from ..model import Model
 from ..sampling import Sampler, SamplingParams, StopMatcher
 from ..tokenizer import StreamDecoder
-from .backend import Backend, PlainBackend, Prefilled, make_backend, prefill_plain, prefill_segments
+from .backend import Backend, PlainBackend, Prefilled, Segment, make_backend
 from .metrics import Metrics
 
 log = logging.getLogger("kvcmas.server")
 
 KV_BLOCK_ROWS = 32  # rows per engine KV block (cpp/engine/kv-cache.h kKvBlockRows)
+# Prompt rows per prefill chunk (--prefill-chunk): a short prompt waits at most about one chunk of another's prefill.
+# 128 rows keep the matrix products efficient (the weights are read once per chunk) while a chunk of SmolLM2-135M
+# takes a few hundred ms on two cores.
+PREFILL_CHUNK = 128
+# Training reads kvcmas may hold for edges still calibrating (--calibration-memory). A read of a span holds its base
+# and exact K/V at every layer, ~92 KB per row for SmolLM2-135M: a 4-agent workflow over a 400-token context
+# calibrates 3 edges on that context, 4 reads each, ~440 MB. Below that an edge never collects its reads and kvcmas
+# never shares it. The reads are dropped as soon as their edge is fitted.
+CALIBRATION_BYTES = 512 << 20
 MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
 # A session keeps every message it has seen (its shared context only grows), so a long-lived one (the default
 # session of unmodified clients) is replaced by a fresh one after this many requests, when idle. What kvcmas
@@ -107,10 +124,11 @@ class Job:
     stops: list[str]
     sink: Callable[[Event], None]
     deadline: float | None = None  # time.perf_counter() by which the job must be done; then it fails with 408
-    messages: list[dict[str, Any]] | None = None  # chat requests: what a sharing session prefills
+    # chat requests: what a sharing session prefills (contents: strings, or lists of strings and image embeddings)
+    messages: list[dict[str, Any]] | None = None
     agent: str | None = None
     session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
-    segments: list[list[int] | np.ndarray] | None = None  # prompts with images: text ids and image embeddings
+    segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -124,8 +142,14 @@ class Job:
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     pending_token: int = -1
-    t_admit: float = 0.0
+    remaining: int = 0  # prompt rows still to compute (an estimate): the shortest prefill goes first
+    prefilling: bool = False  # its prefill is running (possibly paused between chunks)
+    ending: bool = False  # finished or failed inside another job's prefill; completed when that returns
+    t_admit: float = 0.0  # got a slot and its KV reservation
+    t_prefill: float = 0.0  # its prefill started
     t_first: float = 0.0
+    engine_ms: float = 0.0  # time in its own prefill's engine calls
+    interleaved_ms: float = 0.0  # time other jobs' work ran between its prefill chunks
 
     def __post_init__(self) -> None:
         if not self.n_prompt:
@@ -151,13 +175,21 @@ class Scheduler:
         kv_budget: int,
         max_queue: int,
         metrics: Metrics,
+        prefill_chunk: int = PREFILL_CHUNK,
+        vision: Any = None,
+        calibration_bytes: int | None = CALIBRATION_BYTES,
     ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model
         self.method = method
         self.parallel = parallel
         self.kv_budget = kv_budget
         self.max_queue = max_queue
         self.metrics = metrics
+        self.prefill_chunk = prefill_chunk
+        self.vision = vision  # sessions get the vision encoder: image embeddings in their messages
+        self.calibration_bytes = calibration_bytes
         core = model._core
         element_bytes = 2 if getattr(core, "kv_type", "f32") == "f16" else 4
         self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * element_bytes
@@ -171,6 +203,10 @@ class Scheduler:
         self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
         self.peak_kv_bytes = 0
+        self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
+        self._depth = 0  # > 0: running between the chunks of a prefill
+        self._busy: set[int] = set()  # id() of sessions whose prefill is on the stack
+        self._deferred: list[Callable[[], None]] = []  # completions postponed until the prefill on the stack returns
         self._thread = threading.Thread(target=self._run, name="kvcmas-scheduler", daemon=True)
         self._thread.start()
 
@@ -230,7 +266,7 @@ class Scheduler:
                 idle = not self._active and not self._pending and not self._drops
             if idle and busy:  # outside the lock: submissions do not wait for it
                 busy = False
-                _return_free_heap()
+                self._release_free_memory()
             with self._cond:
                 while not self._stopping and not self._active and not self._pending and not self._drops:
                     self._cond.wait()
@@ -252,20 +288,33 @@ class Scheduler:
         for s in self._sessions.values():
             s.backend.close()
 
+    def _release_free_memory(self) -> None:
+        """Idle: gives freed heap pages and free KV blocks back to the system (RSS would stay at the load's peak)."""
+        _return_free_heap()
+        trim = getattr(self.model, "kv_trim", None)  # cores built before Model.kv_trim keep their free blocks
+        if trim is not None:
+            released = int(trim())
+            self.trimmed_bytes += released
+            if released:
+                log.debug("idle: %d bytes of free KV blocks released", released)
+
     def _turn(self) -> None:
         self._drop_cancelled()
         self._drop_expired()
         self._drop_workflows()
-        self._admit()
-        if self._active:
+        self._admit(evict=True)
+        job = self._next_prefill()
+        if job is not None:
+            self._prefill(job)
+        if self._generating():
             self._decode_step()
-        elif self._pending:
+        elif not self._active and self._pending:
             # Nothing runs and the head job still does not fit: nothing will ever free memory for it.
             with self._cond:
-                job = self._pending.popleft() if self._pending and not self._active else None
-            if job is not None:
-                need = self.reservation_bytes(job.n_prompt + job.max_tokens)
-                job.sink(
+                head = self._pending.popleft() if self._pending and not self._active else None
+            if head is not None:
+                need = self.reservation_bytes(head.n_prompt + head.max_tokens)
+                head.sink(
                     Failed(
                         400,
                         f"the request needs {need} bytes of KV memory but only "
@@ -283,7 +332,7 @@ class Scheduler:
                 self._pending.remove(j)
         if gone:
             self.metrics.bump("cancelled", len(gone))
-        for j in [j for j in self._active if j.cancelled]:
+        for j in [j for j in self._active if j.cancelled and not j.ending]:
             self._release(j)
             self.metrics.bump("cancelled")
             log.info("%s cancelled after %d tokens", j.id, len(j.generated))
@@ -295,7 +344,9 @@ class Scheduler:
             late = [j for j in self._pending if j.deadline is not None and now > j.deadline and not j.cancelled]
             for j in late:
                 self._pending.remove(j)
-        late += [j for j in self._active if j.deadline is not None and now > j.deadline and not j.cancelled]
+        late += [
+            j for j in self._active if j.deadline is not None and now > j.deadline and not j.cancelled and not j.ending
+        ]
         for j in late:
             log.warning("%s timed out after %d tokens", j.id, len(j.generated))
             self.metrics.bump("timed_out")
@@ -318,8 +369,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ admission
     def _outstanding_bytes(self) -> int:
-        """KV the active jobs may still allocate (their remaining tokens)."""
-        return sum(self.reservation_bytes(j.max_tokens - len(j.generated)) for j in self._active)
+        """KV the admitted jobs may still allocate: their remaining tokens, and their prompts until prefilled."""
+        return sum(
+            self.reservation_bytes(j.max_tokens - len(j.generated) + (j.n_prompt if j.prefilled is None else 0))
+            for j in self._active
+        )
 
     def _fits(self, job: Job) -> bool:
         need = self.reservation_bytes(job.n_prompt + job.max_tokens)
@@ -327,9 +381,10 @@ class Scheduler:
 
     def _evict_one(self) -> bool:
         """Evicts one stored span, from the least recently used session that has any; when none has, closes the
-        least recently used idle session (which drops whatever else it holds, e.g. prefix caches)."""
+        least recently used idle session (which drops whatever else it holds, e.g. prefix caches). Sessions in the
+        middle of a prefill are left alone."""
         for s in self._sessions.values():
-            if s.backend.evict_lru():
+            if id(s) not in self._busy and s.backend.evict_lru():
                 self.metrics.bump("evictions")
                 return True
         for key, s in self._sessions.items():
@@ -340,21 +395,22 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self) -> None:
+    def _admit(self, evict: bool) -> None:
+        """Gives waiting jobs a slot while their KV reservation fits (evicting stored spans for it if `evict`)."""
         while len(self._active) < self.parallel:
             with self._cond:
                 if not self._pending:
                     return
                 job = self._pending[0]
             while not self._fits(job):
-                if not self._evict_one():
+                if not evict or not self._evict_one():
                     return
             with self._cond:
                 self._pending.popleft()
             if job.cancelled:
                 self.metrics.bump("cancelled")
                 continue
-            self._start(job)
+            self._bind(job)
 
     def _session(self, key: tuple[str, str]) -> _Session:
         s = self._sessions.get(key)
@@ -363,7 +419,7 @@ class Scheduler:
             s.backend.close()
             s = None
         if s is None:
-            s = _Session(make_backend(self.model, key[1]))
+            s = _Session(make_backend(self.model, key[1], self.vision, self.calibration_bytes))
             self._sessions[key] = s
             while len(self._sessions) > MAX_SESSIONS:
                 idle = next((k for k, v in self._sessions.items() if v.active == 0 and k != key), None)
@@ -375,41 +431,119 @@ class Scheduler:
         s.requests += 1
         return s
 
-    def _start(self, job: Job) -> None:
-        """Prefills the job and samples its first token."""
+    def _bind(self, job: Job) -> None:
+        """An admitted job: its sampler, its backend (the sharing session for chat) and how much it will compute."""
         job.t_admit = time.perf_counter()
         try:
             job.sampler = Sampler(job.params)
-            if job.segments is not None:
-                job.backend = self._plain
-                job.prefilled = prefill_segments(self.model, job.segments)
-            elif job.session_key is not None and job.messages is not None:
+            if job.session_key is not None and job.messages is not None:
                 session = self._session(job.session_key)
                 session.active += 1  # until _release: the session stays open while the job holds its KV
                 job.session = session
                 job.backend = session.backend
-                job.prefilled = session.backend.prefill_chat(job.messages, job.ids, job.agent)
+                job.remaining = job.n_prompt - session.backend.reusable_tokens(job.messages)
             else:
                 job.backend = self._plain
-                job.prefilled = prefill_plain(self.model, job.ids)
-        except KvcmasError as e:
-            log.warning("%s: prefill refused by the engine: %s", job.id, e)
-            self._fail(job, 503, f"the engine could not take the request now: {e}", "server_busy")
-            return
-        except ValueError as e:  # e.g. a chat template that rejects the messages
+                job.remaining = job.n_prompt
+        except ValueError as e:  # sampling parameters, or messages the session cannot read
             self._fail(job, 400, str(e), "invalid_request_error")
-            return
-        except Exception as e:  # a bug in a backend must cost this job only
-            log.exception("%s: prefill failed", job.id)
-            self._fail(job, 500, f"internal error during prefill: {type(e).__name__}: {e}", "internal_error")
             return
         job.decoder = StreamDecoder(self.model.tokenizer)
         job.matcher = StopMatcher(job.stops)
         job.history = list(job.ids)
         self._active.append(job)
-        if job.cancelled:
-            return
-        self._sample_and_accept(job, job.prefilled.logits)
+
+    # -------------------------------------------------------------------------------------------- prefill
+    def _next_prefill(self, below: int | None = None) -> Job | None:
+        """The admitted job with the fewest prompt rows left (fewer than `below`), not of a session on the stack."""
+        ready = [
+            j
+            for j in self._active
+            if j.prefilled is None
+            and not j.prefilling
+            and not j.cancelled
+            and not j.ending
+            and (j.session is None or id(j.session) not in self._busy)
+            and (below is None or j.remaining < below)
+        ]
+        return min(ready, key=lambda j: (j.remaining, j.t_arrival), default=None)
+
+    def _prefill(self, job: Job) -> None:
+        """Computes the job's prompt (in chunks, other work between them) and samples its first token."""
+        assert job.backend is not None
+        job.prefilling = True
+        job.t_prefill = time.perf_counter()
+        session_id = id(job.session) if job.session is not None else None
+        if session_id is not None:
+            self._busy.add(session_id)
+        segments: list[Segment] = job.segments if job.segments is not None else [job.ids]
+
+        def between_chunks() -> None:
+            self._between_chunks(job)
+
+        try:
+            if job.session is not None and job.messages is not None:
+                prefilled = job.backend.prefill_chat(
+                    job.messages, segments, job.agent, between_chunks, self.prefill_chunk
+                )
+            else:
+                prefilled = self._plain.prefill_chat([], segments, None, between_chunks, self.prefill_chunk)
+        except KvcmasError as e:
+            log.warning("%s: prefill refused by the engine: %s", job.id, e)
+            self._fail(job, 503, f"the engine could not take the request now: {e}", "server_busy")
+            prefilled = None
+        except ValueError as e:  # e.g. a chat template that rejects the messages
+            self._fail(job, 400, str(e), "invalid_request_error")
+            prefilled = None
+        except Exception as e:  # a bug in a backend must cost this job only
+            log.exception("%s: prefill failed", job.id)
+            self._fail(job, 500, f"internal error during prefill: {type(e).__name__}: {e}", "internal_error")
+            prefilled = None
+        finally:
+            job.prefilling = False
+            if session_id is not None:
+                self._busy.discard(session_id)
+        if prefilled is not None:
+            job.prefilled = prefilled
+            job.engine_ms = float(getattr(prefilled, "engine_ms", getattr(prefilled.seq, "engine_ms", 0.0)))
+            job.remaining = 0
+            if not job.cancelled:  # a cancelled job is released on the next turn
+                self._sample_and_accept(job, prefilled.logits)  # its first token comes before the postponed work
+        if self._depth == 0:
+            self._run_deferred()
+
+    def _between_chunks(self, job: Job) -> None:
+        """Runs between two chunks of job's prefill: new arrivals are admitted, a prefill with fewer rows left than
+        job's runs (one level deep), and the generating jobs take one decode step."""
+        t0 = time.perf_counter()
+        job.remaining = max(0, job.remaining - self.prefill_chunk)
+        self._depth += 1
+        try:
+            if self._depth == 1:
+                self._admit(evict=False)  # evicting could touch a session whose prefill is on the stack
+                shorter = self._next_prefill(below=job.remaining)
+                if shorter is not None:
+                    self._prefill(shorter)
+            if self._generating():
+                self._decode_step()
+        finally:
+            self._depth -= 1
+            job.interleaved_ms += (time.perf_counter() - t0) * 1000.0
+
+    def _later(self, job: Job, action: Callable[[], None]) -> bool:
+        """Inside a prefill's chunk break, postpones a job's completion (it may touch that prefill's session) until
+        the prefill returns; returns True then. The job takes no more decode steps meanwhile."""
+        if self._depth == 0:
+            return False
+        job.ending = True
+        self._deferred.append(action)
+        return True
+
+    def _run_deferred(self) -> None:
+        while self._deferred:
+            actions, self._deferred = self._deferred, []
+            for action in actions:
+                action()
 
     def _sample_and_accept(self, job: Job, logits: Any) -> None:
         assert job.sampler is not None
@@ -424,8 +558,11 @@ class Scheduler:
         self._accept(job, token)
 
     # --------------------------------------------------------------------------------------------- decoding
+    def _generating(self) -> list[Job]:
+        return [j for j in self._active if j.prefilled is not None and not j.cancelled and not j.ending]
+
     def _decode_step(self) -> None:
-        running = [j for j in self._active if not j.cancelled and j.prefilled is not None]
+        running = self._generating()
         if not running:
             return
         steps = [(j.prefilled.seq, [j.pending_token]) for j in running if j.prefilled is not None]
@@ -460,6 +597,8 @@ class Scheduler:
             job.pending_token = token
 
     def _finish(self, job: Job, reason: Literal["stop", "length"]) -> None:
+        if self._later(job, lambda: self._finish(job, reason)):
+            return
         assert job.decoder is not None and job.matcher is not None and job.prefilled is not None
         t_end = time.perf_counter()
         if not job.matcher.stopped:
@@ -486,19 +625,25 @@ class Scheduler:
         n_prompt = int(s.get("prompt_tokens", job.n_prompt))
         reused = int(s.get("reused_tokens", 0))
         n_gen = len(job.generated)
-        prompt_ms = (job.t_first - job.t_admit) * 1000.0
+        prompt_ms = (job.t_first - job.t_prefill) * 1000.0  # the prefill's wall time, interleaved work included
         predicted_ms = (t_end - job.t_first) * 1000.0
-        computed = n_prompt - reused
+        computed = int(s.get("computed_tokens", n_prompt - reused))
+        own_ms = prompt_ms - job.interleaved_ms
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_gen,
             "reused_tokens": reused,
-            "computed_tokens": int(s.get("computed_tokens", computed)),
+            "computed_tokens": computed,
             "method": s.get("method", "nonshared"),
+            "mode": s.get("mode"),
             "gate": s.get("gate"),
             "queue_ms": (job.t_admit - job.t_arrival) * 1000.0,
+            "wait_ms": (job.t_prefill - job.t_admit) * 1000.0,
             "prompt_ms": prompt_ms,
-            "prompt_per_second": computed / (prompt_ms / 1000.0) if prompt_ms > 0 else 0.0,
+            "engine_ms": job.engine_ms,
+            "interleaved_ms": job.interleaved_ms,
+            "session_ms": max(0.0, own_ms - job.engine_ms),
+            "prompt_per_second": computed / (own_ms / 1000.0) if own_ms > 0 else 0.0,
             "ttft_ms": (job.t_first - job.t_arrival) * 1000.0,
             "predicted_ms": predicted_ms,
             "predicted_per_second": (n_gen - 1) / (predicted_ms / 1000.0) if n_gen > 1 and predicted_ms > 0 else 0.0,
@@ -517,5 +662,7 @@ class Scheduler:
             job.session = None
 
     def _fail(self, job: Job, status: int, message: str, code: str = "server_error") -> None:
+        if self._later(job, lambda: self._fail(job, status, message, code)):
+            return
         self._release(job)
         job.sink(Failed(status, message, code))

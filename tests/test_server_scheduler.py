@@ -1,0 +1,229 @@
+"""kvcmas-server's scheduler in-process: chunked prefill computes what a one-piece prefill computes (logits and KV
+rows, bit for bit, plain prompts, image embeddings and agent sessions alike), the shortest prompt is prefilled first
+even when a long one is half done, generating jobs keep decoding during a long prefill, and an idle scheduler hands
+free KV blocks back.
+
+References: the same prompt appended in one piece in a fresh sequence, and greedy generation by Model.generate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession, chunk_bounds
+from kvcmas_cpp.sampling import SamplingParams
+from kvcmas_cpp.server.backend import prefill_segments
+from kvcmas_cpp.server.metrics import Metrics
+from kvcmas_cpp.server.scheduler import Delta, Done, Event, Failed, Job, Scheduler
+
+TEXT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did Natalia sell altogether in April and May? Weng earns $12 an hour for babysitting. Yesterday, she just did "
+    "50 minutes of babysitting. How much did she earn? Betty is saving money for a new wallet which costs $100. "
+)
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path: Path) -> kc.Model:
+    return kc.Model(str(default_model_path), n_threads=2)
+
+
+def _one_piece(model: kc.Model, segments: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Logits after the prompt and its K, V rows, the prompt appended one segment at a time."""
+    with model.new_sequence() as seq:
+        logits = None
+        for i, seg in enumerate(segments):
+            last = i == len(segments) - 1
+            if isinstance(seg, np.ndarray):
+                logits = seq.append_embeddings(seg, logits=last)
+            else:
+                logits = seq.append(seg, logits="last" if last else "none")
+        k, v = seq.kv()
+        assert logits is not None
+        return logits, k, v
+
+
+def test_chunk_bounds_cover_the_append_without_small_chunks() -> None:
+    for n in (1, 15, 16, 17, 100, 128, 129, 140, 144, 1000):
+        for chunk in (1, 16, 50, 128):
+            bounds = chunk_bounds(n, chunk)
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a < b and (i == 0 or bounds[i - 1][1] == a) for i, (a, b) in enumerate(bounds))
+            # no chunk in the engine's decode-kernel range, unless the append is that short
+            assert all(b - a >= MIN_CHUNK_ROWS for a, b in bounds) or bounds == [(0, n)]
+            assert all(b - a < max(chunk, MIN_CHUNK_ROWS) * 2 for a, b in bounds)
+
+
+def test_chunked_prefill_equals_one_piece(model: kc.Model) -> None:
+    ids = model.tokenize(TEXT)
+    rng = np.random.default_rng(0)
+    image = (rng.standard_normal((21, model.n_embd)) * 0.02).astype(np.float32)  # stands in for an image's rows
+    for segments in ([ids], [ids[:40], image, ids[40:]]):
+        want_logits, want_k, want_v = _one_piece(model, segments)
+        calls: list[int] = []
+        p = prefill_segments(model, segments, lambda calls=calls: calls.append(1), chunk_tokens=16)
+        try:
+            k, v = p.seq.kv()
+            assert np.array_equal(p.logits, want_logits)
+            assert np.array_equal(k, want_k) and np.array_equal(v, want_v)
+            n_chunks = sum(len(chunk_bounds(len(s), 16)) for s in segments)
+            assert len(calls) == n_chunks - 1  # between every two chunks, never after the last
+            assert p.stats["prompt_tokens"] == sum(len(s) for s in segments)
+        finally:
+            p.close()
+
+
+@pytest.mark.parametrize("method", ["nonshared", "fullshared"])
+def test_chunked_session_prefill_equals_one_piece(model: kc.Model, method: str) -> None:
+    """An agent session's hops (the first computes everything, a later one reuses spans and computes the rest) give
+    the same logits and rows whether their appends run in chunks or in one piece."""
+    roles = ["You are a planner.", "You are a solver."]
+    calls: list[int] = []
+    with AgentSession(model, method=method) as whole, AgentSession(model, method=method) as chunked:
+        reply: list[str] = []
+        for hop, role in enumerate(roles):
+            messages = [{"role": "system", "content": role}, {"role": "user", "content": TEXT}]
+            messages += [{"role": "user", "content": r} for r in reply]
+            a = whole.prefill(messages, agent=f"agent{hop}")
+            b = chunked.prefill(messages, agent=f"agent{hop}", between_chunks=lambda: calls.append(1), chunk_tokens=8)
+            try:
+                assert a.hop.mode == b.hop.mode
+                assert np.array_equal(a.logits, b.logits)
+                ka, va = a.seq.kv()
+                kb, vb = b.seq.kv()
+                assert np.array_equal(ka, kb) and np.array_equal(va, vb)
+                out = _greedy(model, a.seq, a.logits, 6)
+                for t in out[:-1]:  # the same decode steps (one row per call) as in _greedy
+                    model.decode_batch([(b.seq, [t])])
+                whole.finish(a, out)
+                chunked.finish(b, out)
+                reply.append(model.detokenize(out))
+            finally:
+                a.close()
+                b.close()
+        assert calls  # the first hop's prompt (> 8 rows) ran in chunks
+        if method == "fullshared":
+            assert chunked.reusable_tokens(messages) > 0
+
+
+def _greedy(model: kc.Model, seq: kc.KVSequence, logits: np.ndarray, n: int) -> list[int]:
+    out = [int(np.argmax(logits))]
+    while len(out) < n:
+        out.append(int(np.argmax(model.decode_batch([(seq, [out[-1]])])[0])))
+    return out
+
+
+def test_a_reply_sent_back_as_text_is_its_span(model: kc.Model) -> None:
+    """A client sends an agent's reply back as text. When the generated tokens are not the text's canonical
+    tokenization, the session still recognises the reply by its text and reuses its rows."""
+    tok = model.tokenizer
+    out = [*tok.encode("They sold 48", False), *tok.encode(" cl", False), *tok.encode("ips in April.", False)]
+    text = model.detokenize(out)
+    assert tok.encode(text, False) != out  # the precondition: re-tokenizing the text gives other ids
+    with AgentSession(model, method="fullshared") as team:
+        first = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT}]
+        p = team.prefill(first, agent="planner")
+        team.finish(p, out)
+        p.close()
+        second = [{"role": "system", "content": "You are a checker."}, {"role": "user", "content": TEXT}]
+        second.append({"role": "user", "content": text})
+        assert team.reusable_tokens(second) >= len(out)
+        q = team.prefill(second, agent="checker")
+        try:
+            assert q.hop.mode == "reuse"
+            assert "agent_0_current" in q.pos_map and q.pos_map["agent_0_current"][1] == len(out)
+            assert [it.ph for it in team._items].count("agent_0_current") == 1 and len(team._items) == 2
+        finally:
+            q.close()
+
+
+class Recorder:
+    """A job's events in arrival order, with a global sequence number to compare jobs."""
+
+    counter = 0
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, Event]] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        with Recorder.lock:
+            Recorder.counter += 1
+            self.events.append((Recorder.counter, event))
+        if isinstance(event, (Done, Failed)):
+            self.done.set()
+
+    def first(self) -> int:
+        return next(n for n, e in self.events if isinstance(e, Delta))
+
+    def text(self) -> str:
+        return "".join(e.text for _, e in self.events if isinstance(e, Delta))
+
+    def tokens(self) -> list[int]:
+        return [e.token for _, e in self.events if isinstance(e, Delta) and e.token is not None]
+
+
+def _job(name: str, ids: list[int], max_tokens: int) -> tuple[Job, Recorder]:
+    rec = Recorder()
+    return Job(name, ids, max_tokens, SamplingParams(temperature=0.0), [], rec), rec
+
+
+def test_shortest_prefill_first_and_decoding_goes_on(model: kc.Model) -> None:
+    """A long prompt is being prefilled in chunks; a short prompt that arrives meanwhile gets its first token before
+    the long one, and a job that was already generating keeps getting tokens. Every output equals greedy
+    generation of its prompt alone."""
+    long_ids = model.tokenize(TEXT * 5)
+    short_ids = model.tokenize("Say hello.")
+    gen_ids = model.tokenize("Count from one to ten:")
+    sched = Scheduler(model, "nonshared", 4, 1 << 30, 8, Metrics(), prefill_chunk=16)
+    try:
+        gen_job, gen = _job("generating", gen_ids, 40)
+        sched.submit(gen_job)
+        while not gen.events:
+            time.sleep(0.005)
+        long_job, long = _job("long", long_ids, 4)
+        sched.submit(long_job)
+        deadline = time.monotonic() + 60
+        while not long_job.prefilling and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert long_job.prefilling, "the long prefill never started"
+        short_job, short = _job("short", short_ids, 4)
+        sched.submit(short_job)
+        for rec in (gen, long, short):
+            assert rec.done.wait(120)
+        assert short.first() < long.first()  # overtook the long prefill that was already running
+        # the generating job got tokens while the long prompt was being prefilled
+        during = [n for n, e in gen.events if isinstance(e, Delta) and n < long.first()]
+        assert len(during) > 1
+        done = [e for _, e in long.events if isinstance(e, Done)][0]
+        assert done.stats["interleaved_ms"] > 0 and done.stats["engine_ms"] > 0
+        for ids, rec, n in ((long_ids, long, 4), (short_ids, short, 4), (gen_ids, gen, 40)):
+            want = model.generate(ids, max_tokens=n, temperature=0)
+            assert rec.text() == want.text
+    finally:
+        sched.stop()
+
+
+def test_idle_scheduler_trims_free_kv_blocks(model: kc.Model) -> None:
+    if not hasattr(model, "kv_trim"):
+        pytest.skip("this kvcmas core cannot trim its KV pool")
+    sched = Scheduler(model, "nonshared", 2, 1 << 30, 8, Metrics())
+    try:
+        job, rec = _job("one", model.tokenize(TEXT), 8)
+        sched.submit(job)
+        assert rec.done.wait(60)
+        deadline = time.monotonic() + 10
+        while sched.trimmed_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.trimmed_bytes > 0  # the finished job's blocks went back to the system
+        assert model.kv_bytes_allocated == model.kv_bytes_in_use
+    finally:
+        sched.stop()
