@@ -215,3 +215,56 @@ def test_materialized_segment_reads_like_the_fused_one(default_model_path, kv_ty
         core.seq_materialize_last(m._core, empty.id)
     for s in (src, fused, copied, empty):
         s.close()
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, kv_type) -> None:
+    """Random maps (rank 6, some layers without a map) applied to a reader's view that carries its own correction,
+    read at another position than the span's stored frame: A = [(x - mu_x)·proj, 1] on the canonical view (numpy,
+    from seq.kv), B_k = [vt; mu_y] rotated by frame0, the view's correction in front; f16 rows too."""
+    m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type)
+    kd, n_layer, r = m.n_head_kv * m._core.head_dim, m.n_layer, 6
+    rng = np.random.default_rng(1)
+    src = m.new_sequence()
+    src.append(m.tokenize("Context: " + "numbers and words, " * 12, add_special=False), logits="none")
+    frame0, n = 3, len(src) - 5
+    prev = core.KvCorrection(n, 2, kd, n_layer)
+    for il in range(2, n_layer):
+        prev.set_layer(il, *(rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((n, 2), (2, kd)) * 2))
+    view = m.new_sequence()
+    view.append(m.tokenize("A reader's own words first", add_special=False), logits="none")
+    pos = len(view)
+    view.append_shared(src.share(frame0, n), prev)
+    maps = core.RidgeMaps(n_layer, kd, r)
+    params: dict[int, list[np.ndarray]] = {}
+    for il in range(1, n_layer, 2):  # even layers (and 0) have no map
+        params[il] = [rng.standard_normal(s).astype(np.float32) for s in ((kd,), (kd, r), (r, kd), (kd,)) * 2]
+        maps.set_layer(il, *params[il])
+    got = numpy_factors(core.ridge_correction(m._core, maps, view.id, pos, n, frame0, prev), n_layer)
+    base_k, base_v = _canonical(m, view, pos, n)
+    prev_f = numpy_factors(prev, n_layer)
+    for il in range(n_layer):
+        if il not in params and prev_f[il] is None:
+            assert got[il] is None
+            continue
+        ref: list[tuple[np.ndarray, ...]] = [prev_f[il]] if prev_f[il] is not None else []
+        if il in params:
+            mu_k, proj_k, vt_k, muy_k, mu_v, proj_v, vt_v, muy_v = params[il]
+            ones = np.ones((n, 1), np.float32)
+            bk = m._core.rope_rotate(np.concatenate([vt_k, muy_k[None]]), frame0)
+            ref.append(
+                (
+                    np.concatenate([(base_k[il] - mu_k) @ proj_k, ones], 1),
+                    bk,
+                    np.concatenate([(base_v[il] - mu_v) @ proj_v, ones], 1),
+                    np.concatenate([vt_v, muy_v[None]]),
+                )
+            )
+        want = est._pad_rank(est.concat([[f] for f in ref])[0])
+        width = got[il][0].shape[1]
+        for g, w, is_a in zip(got[il], want, (True, False, True, False), strict=True):
+            pad = width - w.shape[1 if is_a else 0]
+            w = np.pad(w, ((0, 0), (0, pad)) if is_a else ((0, pad), (0, 0)))
+            assert _rel(g, w) < 1e-5, (il, _rel(g, w))
+    for s in (src, view):
+        s.close()
