@@ -131,6 +131,11 @@ def test_memory_accounting_matches_allocations(model, workflow) -> None:
     # KV is allocated in whole blocks of 32 rows: every hop's bytes are a multiple of one block
     block = 32 * n_layer * 2 * kd * 4
     assert all(h.kv_bytes % block == 0 and h.kv_bytes > 0 for h in res.hops)
+    # the request's peak: what the engine holds for it once its last hop ran, rows plus every sequence's factors
+    held_corr = sum(s["corr_bytes"] for seq in res.seqs for s in model._core.seq_segments(seq.id))
+    peak = model.kv_bytes_in_use - before - runner.template_kv_bytes + held_corr
+    assert res.hops[-1].peak_bytes == peak
+    assert all(a.peak_bytes < b.peak_bytes for a, b in zip(res.hops[:-1], res.hops[1:], strict=True))
     res.close()
     runner.close()
     assert model.kv_bytes_in_use == before

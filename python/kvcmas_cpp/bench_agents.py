@@ -129,6 +129,7 @@ def speed_and_memory(
                             "kv_bytes": int(sum(h.kv_bytes for h in res.hops)),
                             "kv_bytes_per_hop": [int(h.kv_bytes) for h in res.hops],
                             "corr_bytes": int(sum(h.corr_bytes for h in res.hops)),
+                            "peak_bytes": int(res.hops[-1].peak_bytes),
                             "corr_rank": [h.corr_rank for h in res.hops],
                             "materialized_tokens": [h.materialized_tokens for h in res.hops],
                             "estimator_state_bytes": int(runner.estimator.state_bytes()),

@@ -112,6 +112,7 @@ class HopReport:
     corr_rank: int = 0
     corr_factor_bytes: int = 0  # the same, counted from the corrections handed to the engine and kept fused
     materialized_tokens: int = 0  # corrected span rows copied into the sequence (MethodConfig.apply) instead
+    peak_bytes: int = 0  # KV + correction bytes the request holds after this hop: its peak so far (nothing is freed)
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
     tf_logits: np.ndarray | None = None  # teacher-forced logits over the generated tokens [len-1, n_vocab]
@@ -319,6 +320,7 @@ class WorkflowRunner:
             hop.generated = gen
             hop.kv_bytes = m.kv_bytes_in_use - st.kv0 - self._template_bytes_in_hop
             self._template_bytes_in_hop = 0
+            hop.peak_bytes = sum(h.kv_bytes + h.corr_bytes for h in st.hops)
             out = gen[:-1] if a < n_agents - 1 else None  # the rows the sequence holds after its prompt
             self.finish_hop(a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact)
         result = RequestResult(st.hops, seqs, st.spans_at, st.prompts)
