@@ -21,7 +21,16 @@ from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession, chunk_bounds
 from kvcmas_cpp.sampling import SamplingParams
 from kvcmas_cpp.server.backend import prefill_segments
 from kvcmas_cpp.server.metrics import Metrics
-from kvcmas_cpp.server.scheduler import Delta, Done, Event, Failed, Job, Scheduler
+from kvcmas_cpp.server.scheduler import (
+    PREFILL_AGING_ROWS_PER_S,
+    Delta,
+    Done,
+    Event,
+    Failed,
+    Job,
+    Scheduler,
+    prefill_rank,
+)
 
 TEXT = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
@@ -210,6 +219,19 @@ def test_shortest_prefill_first_and_decoding_goes_on(model: kc.Model) -> None:
             assert rec.text() == want.text
     finally:
         sched.stop()
+
+
+def test_prefill_order_is_shortest_first_without_starving_long_prompts() -> None:
+    now = 1000.0
+    fresh_short, fresh_long, old_long = (_job(name, [1], 1)[0] for name in ("short", "long", "old"))
+    fresh_short.remaining, fresh_long.remaining, old_long.remaining = 40, 500, 500
+    fresh_short.t_arrival = fresh_long.t_arrival = now
+    assert prefill_rank(fresh_short, now) < prefill_rank(fresh_long, now)
+    # a long prompt that has waited long enough goes before a fresh short one
+    old_long.t_arrival = now - (500 - 40) / PREFILL_AGING_ROWS_PER_S - 0.5
+    assert prefill_rank(old_long, now) < prefill_rank(fresh_short, now)
+    # the same rows left: the one that has waited longer first
+    assert prefill_rank(old_long, now) < prefill_rank(fresh_long, now)
 
 
 def test_idle_scheduler_trims_free_kv_blocks(model: kc.Model) -> None:

@@ -46,6 +46,11 @@ KV_BLOCK_ROWS = 32  # rows per engine KV block (cpp/engine/kv-cache.h kKvBlockRo
 # 128 rows keep the matrix products efficient (the weights are read once per chunk) while a chunk of SmolLM2-135M
 # takes a few hundred ms on two cores.
 PREFILL_CHUNK = 128
+# Shortest first would starve a long prompt while shorter ones keep coming (an overloaded server: nonshared later
+# hops are longer than the first hops that keep arriving). Waiting ages a job: it ranks as if it had this many rows
+# fewer left per second since it arrived, so after a few seconds it goes before fresh prompts. A shorter prompt still
+# runs between the chunks of a long one that is running (that compares the rows actually left).
+PREFILL_AGING_ROWS_PER_S = 128
 # Training reads kvcmas may hold for edges still calibrating (--calibration-memory). A read of a span holds its base
 # and exact K/V at every layer, ~92 KB per row for SmolLM2-135M: a 4-agent workflow over a 400-token context
 # calibrates 3 edges on that context, 4 reads each, ~440 MB. Below that an edge never collects its reads and kvcmas
@@ -154,6 +159,12 @@ class Job:
     def __post_init__(self) -> None:
         if not self.n_prompt:
             self.n_prompt = len(self.ids)
+
+
+def prefill_rank(job: Job, now: float) -> tuple[float, float]:
+    """Prefill order, lowest first: the rows left, less PREFILL_AGING_ROWS_PER_S for every second waited; then
+    arrival."""
+    return (job.remaining - PREFILL_AGING_ROWS_PER_S * (now - job.t_arrival), job.t_arrival)
 
 
 @dataclass
@@ -455,7 +466,8 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------------- prefill
     def _next_prefill(self, below: int | None = None) -> Job | None:
-        """The admitted job with the fewest prompt rows left (fewer than `below`), not of a session on the stack."""
+        """The admitted job to prefill next (prefill_rank), not of a session on the stack; with `below`, only one
+        with fewer rows left than that."""
         ready = [
             j
             for j in self._active
@@ -466,7 +478,8 @@ class Scheduler:
             and (j.session is None or id(j.session) not in self._busy)
             and (below is None or j.remaining < below)
         ]
-        return min(ready, key=lambda j: (j.remaining, j.t_arrival), default=None)
+        now = time.perf_counter()
+        return min(ready, key=lambda j: prefill_rank(j, now), default=None)
 
     def _prefill(self, job: Job) -> None:
         """Computes the job's prompt (in chunks, other work between them) and samples its first token."""
