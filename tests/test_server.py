@@ -315,7 +315,9 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
         assert gained >= task_tokens // 2, (k, last[k]["kvcmas"], plain[k]["kvcmas"])
         assert last[k]["kvcmas"]["computed_tokens"] < plain[k]["kvcmas"]["computed_tokens"]
         assert last[k]["kvcmas"]["gate"] == "reuse"
-    assert server.metrics()["kvcmas_reused_tokens_total"] >= 3 * (task_tokens // 2)
+    metrics = server.metrics()
+    assert metrics["kvcmas_reused_tokens_total"] >= 3 * (task_tokens // 2)
+    assert metrics["kvcmas_estimator_bytes"] > 0  # the maps kvcmas learned (and reads of edges still calibrating)
 
 
 _TOKENIZER: list[kc.Model] = []
@@ -411,15 +413,14 @@ def test_metrics_count_requests_and_ttft(server: ServerProcess) -> None:
     counts = [v for _, v in buckets]
     assert counts == sorted(counts) and counts[-1] == after["kvcmas_ttft_seconds_count"]
     assert after["kvcmas_kv_budget_bytes"] > 0 and after["kvcmas_kv_peak_bytes"] >= after["kvcmas_kv_bytes"]
-    if "kvcmas_kv_allocated_bytes" in after:  # a core whose KV pool can hand free blocks back
-        assert after["kvcmas_kv_allocated_bytes"] >= after["kvcmas_kv_bytes"]
-        # idle, the server hands the finished request's free blocks back: the pool holds what is in use only
-        deadline = time.monotonic() + 10
-        while after["kvcmas_kv_allocated_bytes"] != after["kvcmas_kv_bytes"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-            after = server.metrics()
-        assert after["kvcmas_kv_allocated_bytes"] == after["kvcmas_kv_bytes"]
-        assert after["kvcmas_kv_trimmed_bytes"] > 0
+    assert after["kvcmas_kv_allocated_bytes"] >= after["kvcmas_kv_bytes"]
+    # idle, the server hands the finished request's free blocks back: the pool holds what is in use only
+    deadline = time.monotonic() + 10
+    while after["kvcmas_kv_allocated_bytes"] != after["kvcmas_kv_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = server.metrics()
+    assert after["kvcmas_kv_allocated_bytes"] == after["kvcmas_kv_bytes"]
+    assert after["kvcmas_kv_trimmed_bytes"] > 0
 
 
 def _png(seed: int) -> bytes:

@@ -69,6 +69,14 @@ _estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Es
 _estimators_lock = threading.Lock()
 
 
+def estimator_bytes(model: Model) -> int:
+    """Memory the shared estimators of a model hold: learned state plus training reads still pending. Call it where
+    no session is using them (a server's engine thread)."""
+    with _estimators_lock:
+        items = list(_estimators.get(model, {}).values())
+    return sum(e.state_bytes() + e.pending_bytes() for e, _ in items)
+
+
 def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Estimator, threading.RLock]:
     """The estimator sessions of one workflow kind share on a model (what kvcmas learns carries across sessions),
     with the lock that serialises its use."""

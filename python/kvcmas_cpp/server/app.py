@@ -225,17 +225,22 @@ class Server:
         m.add_gauge("kvcmas_kv_peak_bytes", "Most KV memory in use so far (bytes).", lambda: s.peak_kv_bytes)
         m.add_gauge("kvcmas_kv_budget_bytes", "KV memory budget (bytes).", lambda: s.kv_budget)
         m.add_gauge("kvcmas_kv_stored_bytes", "KV bytes held by stored shared spans.", lambda: s.stored_bytes)
-        if hasattr(model, "kv_bytes_allocated"):  # cores before the KV pool could trim report only what is in use
-            m.add_gauge(
-                "kvcmas_kv_allocated_bytes",
-                "KV block memory the engine holds: in use plus free blocks kept for reuse (bytes).",
-                lambda: model.kv_bytes_allocated,
-            )
-            m.add_gauge(
-                "kvcmas_kv_trimmed_bytes",
-                "Free KV block memory handed back to the system when the server went idle, in all (bytes).",
-                lambda: s.trimmed_bytes,
-            )
+        m.add_gauge(
+            "kvcmas_kv_allocated_bytes",
+            "KV block memory the engine holds: in use plus free blocks kept for reuse (bytes).",
+            lambda: model.kv_bytes_allocated,
+        )
+        m.add_gauge(
+            "kvcmas_kv_trimmed_bytes",
+            "Free KV block memory handed back to the system when the server went idle, in all (bytes).",
+            lambda: s.trimmed_bytes,
+        )
+        m.add_gauge(
+            "kvcmas_estimator_bytes",
+            "What the KV-correction estimators hold: learned maps plus calibration reads pending, bounded by "
+            "--calibration-memory (bytes).",
+            lambda: s.estimator_bytes,
+        )
         self.app = self._build_app()
 
     # ---------------------------------------------------------------------------------------------- the app

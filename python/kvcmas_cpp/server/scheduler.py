@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .. import agents
 from .._native import KvcmasError
 from ..model import Model
 from ..sampling import Sampler, SamplingParams, StopMatcher
@@ -213,6 +214,7 @@ class Scheduler:
         self._drops: set[str] = set()  # workflows whose sessions are to be closed
         self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
+        self.estimator_bytes = 0  # snapshot of what the shared estimators hold (updated each turn)
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
         self._depth = 0  # > 0: running between the chunks of a prefill
@@ -302,12 +304,10 @@ class Scheduler:
     def _release_free_memory(self) -> None:
         """Idle: gives freed heap pages and free KV blocks back to the system (RSS would stay at the load's peak)."""
         _return_free_heap()
-        trim = getattr(self.model, "kv_trim", None)  # cores built before Model.kv_trim keep their free blocks
-        if trim is not None:
-            released = int(trim())
-            self.trimmed_bytes += released
-            if released:
-                log.debug("idle: %d bytes of free KV blocks released", released)
+        released = self.model.kv_trim()
+        self.trimmed_bytes += released
+        if released:
+            log.debug("idle: %d bytes of free KV blocks released", released)
 
     def _turn(self) -> None:
         self._drop_cancelled()
@@ -334,6 +334,7 @@ class Scheduler:
                     )
                 )
         self.stored_bytes = sum(s.backend.stored_bytes for s in self._sessions.values())
+        self.estimator_bytes = agents.estimator_bytes(self.model)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
 
     def _drop_cancelled(self) -> None:

@@ -140,6 +140,10 @@ class Estimator:
         """Persistent estimator state (maps, anchor pools) in bytes."""
         return 0
 
+    def pending_bytes(self) -> int:
+        """Bytes held by training reads not yet turned into state (online calibration)."""
+        return 0
+
 
 class OracleEstimator(Estimator):
     """The exact delta truncated to rank r per layer (layer 0 uncorrected)."""

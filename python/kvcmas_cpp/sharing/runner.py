@@ -210,7 +210,7 @@ def is_core_correction(corr: object) -> bool:
 
 def correction_rank(corr: est.Correction | Any) -> int:
     """Rank of numpy factors or of a core KvCorrection."""
-    return int(corr.rank) if is_core_correction(corr) else est.correction_rank(corr)
+    return est.correction_rank(corr) if isinstance(corr, list) else int(corr.rank)
 
 
 def numpy_factors(corr: Any, n_layer: int) -> est.Correction:
@@ -457,7 +457,7 @@ class WorkflowRunner:
                     pending = []
                 pos, n = len(seq), len(ids) - h
                 corr = self._correction(a, ph, b, pos, n, message, exact)
-                kc = None
+                kc: Any = None  # a core KvCorrection
                 if corr is not None:
                     corrs[ph] = corr
                     kc = corr if is_core_correction(corr) else self._kv_correction(corr, n)
@@ -517,7 +517,7 @@ class WorkflowRunner:
         e = self.estimator
         if self.config.ridge_path != "core" or not isinstance(e, est.RidgeEstimator):
             return _NUMPY
-        prev = b.factors
+        prev: Any = b.factors
         if prev is not None and not is_core_correction(prev):
             return _NUMPY
         maps = e.core_maps((ph, a))
