@@ -28,6 +28,7 @@ TESTS=(
   tests/test_concurrency.py
   tests/test_kv_types.py
   tests/test_agents.py
+  tests/test_sharing_core.py
 )
 
 start=$(date +%s)

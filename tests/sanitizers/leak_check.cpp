@@ -73,6 +73,10 @@ void exercise_model(const std::string & path) {
     model.read_kv(c, 0, 2, k.data(), v.data());
     kv.seq_remove(b);
     kv.seq_remove(a);
+    // free blocks go back to the system; c keeps its rows and grows into newly mapped blocks
+    const size_t in_use = kv.pool().bytes_in_use();
+    expect(kv.pool_trim() > 0 && kv.pool().bytes_allocated() == in_use, "trim releases exactly the free blocks");
+    decode_tokens(model, c, std::vector<int32_t>(40, 17));
     // c stays open: the model's destructor must free it.
 }
 
