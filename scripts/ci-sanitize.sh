@@ -30,6 +30,12 @@ TESTS=(
   tests/test_agents.py
   tests/test_sharing_core.py
 )
+# Fidelity tests that repeat C++ paths covered above (ridge corrections: test_sharing_core) many times over: minutes
+# under ASan for no new code reached.
+SKIP=(
+  --deselect tests/test_agents.py::test_kvcmas_calibrates_online_then_reuses_with_corrections
+  --deselect tests/test_agents.py::test_kvcmas_is_closer_to_exact_than_fullshared
+)
 
 start=$(date +%s)
 generator=()
@@ -54,7 +60,7 @@ status=0
 asan_python=(env PYTHONPATH="$PWD/python" KVCMAS_CORE_PATH="$core_so" LD_PRELOAD="$libasan $libstdcxx"
   ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" "$PY")
-"${asan_python[@]}" -m pytest -q -s -p no:cacheprovider "${TESTS[@]}" "$@" 2>&1 | tee "$log" || status=$?
+"${asan_python[@]}" -m pytest -q -s -p no:cacheprovider --durations=10 "${TESTS[@]}" "${SKIP[@]}" "$@" 2>&1 | tee "$log" || status=$?
 
 # Leaks, without Python: tests/sanitizers/leak_check.cpp drives the core directly with LeakSanitizer on. A canary
 # that leaks on purpose first proves LeakSanitizer works on this machine (it cannot run under ptrace, for example).
