@@ -214,7 +214,8 @@ class Scheduler:
         self._drops: set[str] = set()  # workflows whose sessions are to be closed
         self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
-        self.estimator_bytes = 0  # snapshot of what the shared estimators hold (updated each turn)
+        self.estimator_bytes = 0  # snapshot of what the shared estimators hold (after prefills and finishes)
+        self._estimators_touched = False  # a prefill or a finish ran since the snapshot: they feed the estimators
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
         self._depth = 0  # > 0: running between the chunks of a prefill
@@ -334,7 +335,9 @@ class Scheduler:
                     )
                 )
         self.stored_bytes = sum(s.backend.stored_bytes for s in self._sessions.values())
-        self.estimator_bytes = agents.estimator_bytes(self.model)
+        if self._estimators_touched:
+            self._estimators_touched = False
+            self.estimator_bytes = agents.estimator_bytes(self.model)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
 
     def _drop_cancelled(self) -> None:
@@ -484,6 +487,7 @@ class Scheduler:
 
     def _prefill(self, job: Job) -> None:
         """Computes the job's prompt (in chunks, other work between them) and samples its first token."""
+        self._estimators_touched = True
         assert job.backend is not None
         job.prefilling = True
         job.t_prefill = time.perf_counter()
@@ -620,6 +624,7 @@ class Scheduler:
             if tail:
                 job.sink(Delta(tail))
         p = job.prefilled
+        self._estimators_touched = True
         try:
             if job.backend is not None:
                 job.backend.finish(p, list(job.generated))
