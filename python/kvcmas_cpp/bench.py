@@ -180,7 +180,7 @@ def format_table(results: list[CoreResult]) -> str:
 
 
 def add_core_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", action="append", help="GGUF file (repeat for several; default: the default model)")
+    p.add_argument("--model", action="append", help="GGUF file or model name (repeatable; default: the default model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens to prefill")
     p.add_argument("--gen", type=int, default=128, help="tokens to decode")
@@ -196,9 +196,9 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_core(args: argparse.Namespace) -> int:
-    from .model import default_model_path
+    from .model import resolve_model_path
 
-    models = args.model or [default_model_path()]
+    models = [resolve_model_path(m) for m in args.model] if args.model else [resolve_model_path(None)]
     results = bench_core(models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import Model, default_model_path
+from .model import Model, resolve_model_path
 from .sharing import estimators as est
 from .sharing._blas import single_threaded_blas
 from .sharing.evaluate import build_runners, evaluate, question_ids
@@ -30,7 +30,7 @@ from .sharing.workflow import gsm8k_workflow, load_gsm8k
 
 def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `kvcmas bench agents`."""
-    p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-m", "--model", default=None, help="GGUF file or model name (default: SmolLM2-135M)")
     p.add_argument(
         "--method",
         default="nonshared,fullshared,kvcmas,kvcomm",
@@ -268,7 +268,7 @@ def run_agents(args: argparse.Namespace) -> int:
     decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
     if not decodes or min(decodes) < 1:
         raise ValueError("--decode takes positive token counts, e.g. 8,64")
-    path = args.model or default_model_path()
+    path = resolve_model_path(args.model)
     n_ctx = max(sizes, default=0) + 1024
     model = Model(path, n_threads=args.threads, n_ctx=n_ctx, kv_budget=max(1 << 30, 16 * n_ctx * 30 * 2 * 192 * 4))
     t0 = time.perf_counter()
@@ -306,7 +306,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     """Accuracy (--task) and concurrent (--concurrent) modes, through the agent-session API."""
     from . import bench_tasks as bt
 
-    model = Model(args.model or default_model_path(), n_threads=args.threads)
+    model = Model(resolve_model_path(args.model), n_threads=args.threads)
     result: dict[str, Any] = {"model": model.path, "methods": methods}
     if args.task:
         out = Path(args.out) if args.out else None

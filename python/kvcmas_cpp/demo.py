@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .agents import CALIBRATION_READS, AgentSession, Response
-from .model import Model, default_model_path
+from .model import Model, resolve_model_path
 from .sharing.estimators import RidgeEstimator
 from .sharing.persist import load_ridge, save_ridge
 from .sharing.runner import MethodConfig
@@ -26,7 +26,7 @@ CALIBRATION_OFFSET = 1000  # training questions come from a different slice of t
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-m", "--model", default=None, help="GGUF file or model name (default: SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
     p.add_argument("--questions", type=int, default=3, help="GSM8K questions to answer")
@@ -97,7 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(
             "--image and --mmproj go together (no vision-language weights ship with kvcmas: see docs/vision.md)"
         )
-    model = Model(args.model or default_model_path(), n_threads=args.threads, kv_type=args.kv_type)
+    model = Model(resolve_model_path(args.model), n_threads=args.threads, kv_type=args.kv_type)
     image = None
     if args.image is not None:
         from .vision import VisionEncoder

@@ -46,6 +46,19 @@ def default_model_path() -> str:
     return str(path)
 
 
+def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
+    """The GGUF file a `--model` option names: None -> the default model (default_model_path); the name of a model
+    the store installs (`kvcmas models list`, e.g. `qwen2.5-coder-0.5b`) -> its file, checked by size and sha256;
+    anything else -> a path, as given. Every CLI and server entry point resolves its model here."""
+    if model is None or str(model) == "":
+        return default_model_path()
+    from . import model_store
+
+    if str(model) in model_store.MODELS:
+        return model_store.resolve(str(model))
+    return str(model)
+
+
 @dataclass
 class Timings:
     """What one generation cost. Times are wall-clock milliseconds."""

