@@ -256,3 +256,11 @@ def reference() -> object:
 
     _require_transformers()
     return _Reference()
+
+
+@pytest.fixture(scope="module")
+def sharing_model(default_model_path: Path):  # -> kvcmas_cpp.Model
+    """The default model as the method-layer tests load it (2 threads, 1024-token context, 256 MiB of KV)."""
+    import kvcmas_cpp as kc
+
+    return kc.Model(default_model_path, n_threads=2, n_ctx=1024, kv_budget=256 << 20)

@@ -27,6 +27,8 @@ releases the GIL; the engine serialises compute), each with its own shared conte
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import threading
 import time
@@ -44,7 +46,7 @@ from .sharing import estimators as est
 from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 
-METHODS = ("nonshared", "fullshared", "kvcmas", "kvcomm")
+METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
 # The engine computes appends of up to 12 rows with its decode kernels, which round differently from its prefill
 # kernels: a chunked append never makes a chunk that small (unless the whole append is), so it computes the same rows.
@@ -115,6 +117,7 @@ class ResponseStats:
     kv_bytes: int = 0
     corr_bytes: int = 0
     corr_rank: int = 0
+    recomputed_tokens: int = 0  # shared-span tokens recomputed in this agent's context (counted in computed_tokens)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -325,12 +328,15 @@ class AgentSession:
         estimator: est.Estimator | None = None,
         config: MethodConfig | None = None,
         vision: Any = None,
+        recompute: float | None = None,
     ) -> None:
         """method: nonshared (every agent prefills its whole prompt; own prefix cache), fullshared (spans shared
         without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
         from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
         anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
-        kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd)."""
+        kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd).
+        recompute: the share of each shared span a later agent recomputes in its own context (MethodConfig.recompute,
+        sharing/recompute.py): 0 = pure reuse (default), 1 = what nonshared computes; prefill() may override it."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
@@ -344,6 +350,8 @@ class AgentSession:
             )
         if config.tail != "exact":
             raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
+        if recompute is not None:
+            config = dataclasses.replace(config, recompute=float(recompute))  # validated by MethodConfig
         if estimator is not None:
             self._estimator_lock = threading.RLock()
         else:
@@ -507,18 +515,20 @@ class AgentSession:
         *,
         between_chunks: Callable[[], None] | None = None,
         chunk_tokens: int = 256,
+        recompute: float | None = None,
     ) -> Prefilled:
         """Puts a chat (OpenAI-style messages) in the engine under the method. A content is a string, or a list of
         strings and input vectors [n, n_embd] (e.g. an image's embeddings from the session's vision encoder). The
         agent is `agent` or the system prompt's text; each other message's content is a span keyed by its token ids
         (vectors by their rows), reused if the session computed it before. between_chunks: appends of the prompt
         run in chunks of at most chunk_tokens rows, with this called between them (the same rows and logits as in
-        one piece). Call finish() after generating, then close()."""
+        one piece). recompute: this call's recompute budget instead of the session's. Call finish() after
+        generating, then close()."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
         if chunk_tokens < 1:
             raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
-        with self._lock:
+        with self._lock, self._recompute_budget(recompute):
             system = ""
             rendered: list[dict[str, str]] = []
             for i, msg in enumerate(messages):
@@ -555,6 +565,19 @@ class AgentSession:
             if isinstance(p.seq, _ChunkedSequence):
                 p.seq.between = None  # generation and finish() append in one piece
             return p
+
+    @contextlib.contextmanager
+    def _recompute_budget(self, recompute: float | None) -> Iterator[None]:
+        """The runner's config with another recompute budget while the block runs (the session's lock is held)."""
+        base = self._runner.config
+        if recompute is None or recompute == base.recompute:
+            yield
+            return
+        self._runner.config = dataclasses.replace(base, recompute=float(recompute))
+        try:
+            yield
+        finally:
+            self._runner.config = base
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         """Tokens of these messages' contents the session holds stored spans for: what prefill() would not compute
@@ -747,6 +770,7 @@ class AgentSession:
             (h.computed_tokens + gen) * self._row_bytes,
             h.corr_bytes,
             h.corr_rank,
+            h.recomputed_tokens,
         )
 
     def _respond(self, ag: Agent, max_tokens: int, params: SamplingParams, stops: list[str]) -> Iterator[ResponseChunk]:

@@ -40,6 +40,13 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -80,6 +87,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
     )
     p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
+    p.add_argument(
+        "--recompute",
+        type=_budget,
+        default=0.0,
+        help="share of each shared span later agents recompute in their own context, 0..1 (default 0: pure reuse)",
+    )
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; beyond it: 429 (default 64)"
@@ -165,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ctx_size=args.ctx_size,
         kv_budget=args.kv_budget,
         method=args.method,
+        recompute=args.recompute,
         threads=args.threads,
         max_queue=args.max_queue,
         alias=args.alias,

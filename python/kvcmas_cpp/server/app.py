@@ -67,6 +67,7 @@ class ServerConfig:
     ctx_size: int | None = None
     kv_budget: int | None = None
     method: str = "kvcmas"
+    recompute: float = 0.0  # default share of each shared span recomputed by later agents (request: kvcmas.recompute)
     threads: int | None = None
     max_queue: int = 64
     alias: str | None = None
@@ -540,6 +541,7 @@ class Server:
             messages=messages,
             agent=agent,
             session_key=(workflow, method),
+            recompute=options.recompute if options and options.recompute is not None else self.cfg.recompute,
             segments=segments,
             n_prompt=n_prompt,
         )

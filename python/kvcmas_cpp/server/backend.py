@@ -41,10 +41,12 @@ class Backend(Protocol):
         agent: str | None,
         between_chunks: BetweenChunks | None = None,
         chunk_tokens: int = 256,
+        recompute: float = 0.0,
     ) -> Prefilled:
         """The chat's prompt in the engine: messages (contents: strings, or lists of strings and input vectors) for
         sessions, segments (the rendered prompt) for a plain prefill. Appends run in chunks of at most chunk_tokens
-        rows with between_chunks() called between them."""
+        rows with between_chunks() called between them. recompute: a session's recompute budget for this prompt
+        (sharing/recompute.py); a plain prefill computes every row anyway."""
         ...
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -142,6 +144,7 @@ class PlainBackend:
         agent: str | None,
         between_chunks: BetweenChunks | None = None,
         chunk_tokens: int = 256,
+        recompute: float = 0.0,
     ) -> Prefilled:
         return prefill_segments(self.model, segments, between_chunks, chunk_tokens)
 
@@ -185,9 +188,10 @@ class SessionBackend:
         agent: str | None,
         between_chunks: BetweenChunks | None = None,
         chunk_tokens: int = 256,
+        recompute: float = 0.0,
     ) -> Prefilled:
         p: Prefilled = self.session.prefill(
-            messages, agent=agent, between_chunks=between_chunks, chunk_tokens=chunk_tokens
+            messages, agent=agent, between_chunks=between_chunks, chunk_tokens=chunk_tokens, recompute=recompute
         )
         return p
 

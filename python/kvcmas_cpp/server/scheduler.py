@@ -134,6 +134,7 @@ class Job:
     messages: list[dict[str, Any]] | None = None
     agent: str | None = None
     session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
+    recompute: float = 0.0  # chat: the share of each shared span the agent recomputes (MethodConfig.recompute)
     segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -502,7 +503,7 @@ class Scheduler:
         try:
             if job.session is not None and job.messages is not None:
                 prefilled = job.backend.prefill_chat(
-                    job.messages, segments, job.agent, between_chunks, self.prefill_chunk
+                    job.messages, segments, job.agent, between_chunks, self.prefill_chunk, job.recompute
                 )
             else:
                 prefilled = self._plain.prefill_chat([], segments, None, between_chunks, self.prefill_chunk)

@@ -70,11 +70,13 @@ class StreamOptions(_Body):
 
 
 class KvcmasOptions(_Body):
-    """Groups requests into one sharing workflow and names the agent; method overrides the server's --method."""
+    """Groups requests into one sharing workflow and names the agent; method and recompute (the share of each shared
+    span recomputed in the agent's context) override the server's --method and --recompute."""
 
     workflow: StrictStr | None = Field(default=None, max_length=256)
     agent: StrictStr | None = Field(default=None, max_length=256)
     method: Literal["nonshared", "fullshared", "kvcmas"] | None = None
+    recompute: Number | None = Field(default=None, ge=0.0, le=1.0)  # overrides the server's --recompute
 
 
 class _Sampling(_Body):

@@ -28,6 +28,7 @@ import numpy as np
 from .._native import core
 from ..model import KVSequence, Model, SharedKV
 from . import estimators as est
+from . import recompute as recompute_mod
 from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
@@ -69,7 +70,11 @@ class MethodConfig:
     'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
     correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
     otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
-    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation)."""
+    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation).
+    recompute: the share of each shared span's rows (after the head) a reader recomputes in its own context, chosen
+    by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
+    nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
+    estimator still scores the rows)."""
 
     name: str
     head: int = 0
@@ -80,6 +85,15 @@ class MethodConfig:
     calibrate: int = 0  # ridge learned online: an edge without a map runs dense until it has this many reads
     apply: Literal["auto", "fused", "materialize"] = "auto"
     ridge_path: Literal["core", "numpy"] = "core"
+    recompute: float = 0.0
+    recompute_block: int = recompute_mod.DEFAULT_BLOCK
+    correct: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute <= 1.0:
+            raise ValueError(f"recompute must be in [0, 1], got {self.recompute}")
+        if self.recompute_block < 1:
+            raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
 
 
 def default_config(name: str) -> MethodConfig:
@@ -112,6 +126,7 @@ class HopReport:
     corr_rank: int = 0
     corr_factor_bytes: int = 0  # the same, counted from the corrections handed to the engine and kept fused
     materialized_tokens: int = 0  # corrected span rows copied into the sequence (MethodConfig.apply) instead
+    recomputed_tokens: int = 0  # shared span rows this reader forwarded itself (MethodConfig.recompute; in computed)
     peak_bytes: int = 0  # KV + correction bytes the request holds after this hop: its peak so far (nothing is freed)
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
@@ -257,6 +272,7 @@ class WorkflowRunner:
         self._template_seqs: list[KVSequence | None] = [None] * len(self.templates)
         self._factor_bytes = 0
         self._materialized = 0
+        self._recomputed = 0
         self._template_bytes_in_hop = 0
         self.template_kv_bytes = model.kv_bytes_in_use - kv0  # prefix caches
 
@@ -385,7 +401,8 @@ class WorkflowRunner:
             first_logits=logits,
         )
         hop.corr_factor_bytes, hop.materialized_tokens = self._factor_bytes, self._materialized
-        self._factor_bytes = self._materialized = 0
+        hop.recomputed_tokens = self._recomputed
+        self._factor_bytes = self._materialized = self._recomputed = 0
         st.hops.append(hop)
         return seq, logits, hop, pos_map, corrs
 
@@ -450,6 +467,16 @@ class WorkflowRunner:
             b = buckets.get(ph)
             if b is None or b.shared is None:  # nobody has computed this span yet: this reader does, exactly
                 pending += ids[h:]
+            elif len(ids) > h and (cfg.recompute > 0 or not cfg.correct):  # sharing/recompute.py
+                n = len(ids) - h
+                corr = None
+                if 0 < cfg.recompute < 1:  # budget 1 forwards every row, budget 0 scores none: no correction needed
+                    corr = self._correction(a, ph, b, len(seq) + len(pending), n, message, exact)
+                if corr is not None and cfg.correct:
+                    corrs[ph] = corr
+                pending, flushed, chosen = recompute_mod.append_span(self, seq, st, b.shared, ids[h:], corr, pending)
+                computed += flushed
+                self._recomputed += chosen
             elif len(ids) > h:
                 if pending:
                     append_mixed(seq, pending, "none", st.vectors)
@@ -470,7 +497,7 @@ class WorkflowRunner:
                         self._factor_bytes += kc.bytes
             tail = t.texts[i + 1]
             last = i == len(t.placeholders) - 1
-            if cfg.tail == "rotate" and len(tail) > (1 if last else 0):
+            if cfg.tail == "rotate" and cfg.recompute < 1 and len(tail) > (1 if last else 0):
                 if pending:
                     append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)

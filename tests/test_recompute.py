@@ -1,0 +1,217 @@
+"""The recompute dial (sharing/recompute.py): a share of each shared span recomputed in the reader's own context.
+
+Budget 0 is the method unchanged, budget 1 is nonshared bit for bit, the rows recomputed are the ones the rule
+picks, and the KV / computed-token accounting includes them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp.sharing import MethodConfig, WorkflowRunner, gsm8k_workflow, load_gsm8k
+from kvcmas_cpp.sharing import estimators as est
+from kvcmas_cpp.sharing import recompute as rc
+from kvcmas_cpp.sharing.evaluate import build_runners, question_ids
+
+GEN = 4
+
+
+@pytest.fixture(scope="module")
+def model(sharing_model: kc.Model) -> kc.Model:
+    return sharing_model
+
+
+@pytest.fixture(scope="module")
+def workflow():
+    return gsm8k_workflow(4)
+
+
+@pytest.fixture(scope="module")
+def fitted(model, workflow) -> est.RidgeEstimator:
+    """kvcmas' ridge maps fitted on 3 training questions (the rule scores rows from their corrections)."""
+    runners = build_runners(
+        model, workflow, ["kvcmas"], load_gsm8k(40, 3), gen_tokens=GEN, configs={"kvcmas": MethodConfig("kvcmas", 4)}
+    )
+    r = runners["kvcmas"]
+    r.close()
+    assert isinstance(r.estimator, est.RidgeEstimator) and r.estimator.maps
+    return r.estimator
+
+
+def _run(model, workflow, cfg, q, estimator=None):
+    runner = WorkflowRunner(model, workflow, cfg, estimator)
+    return runner, runner.run(question_ids(model, q), "msg", max_new_tokens=GEN)
+
+
+def _own_rows(model, seq, pos: int, n: int) -> np.ndarray:
+    """Mask over positions [pos, pos + n) of seq: True where the sequence holds rows it computed itself."""
+    own = np.zeros(len(seq), bool)
+    for s in model._core.seq_segments(seq.id):
+        if not s["shared"]:
+            own[s["pos"] : s["pos"] + s["n"]] = True
+    return own[pos : pos + n]
+
+
+def test_the_rule_picks_the_blocks_with_the_largest_mean_score() -> None:
+    scores = np.zeros(100)
+    scores[40:48] = 5.0  # block 2 (rows 32..47): mean 2.5
+    scores[70] = 100.0  # block 4 (rows 64..79): mean 6.25
+    scores[99] = 1.0  # block 6 (rows 96..99, short): mean 0.25
+    mask = rc.select_rows(scores, 0.1, block=16)  # 10 rows wanted: one block of 16
+    assert np.flatnonzero(mask).tolist() == list(range(64, 80))
+    mask = rc.select_rows(scores, 0.2, block=16)  # 20 rows: two blocks
+    assert np.flatnonzero(mask).tolist() == list(range(32, 48)) + list(range(64, 80))
+    assert not rc.select_rows(scores, 0.0).any() and rc.select_rows(scores, 1.0).all()
+    ties = rc.select_rows(np.ones(64), 0.25, block=16)  # equal scores: the earliest block
+    assert np.flatnonzero(ties).tolist() == list(range(16))
+    assert rc.runs(np.array([1, 1, 0, 1], bool)) == [(0, 2, True), (2, 3, False), (3, 4, True)]
+    with pytest.raises(ValueError, match="budget"):
+        rc.select_rows(scores, 1.5)
+    with pytest.raises(ValueError, match="recompute"):
+        MethodConfig("kvcmas", recompute=-0.1)
+
+
+def test_scores_are_the_normalised_deviation_of_the_correction() -> None:
+    rng = np.random.default_rng(0)
+    n, kd, r = 20, 12, 3
+    corr: est.Correction = [None] + [
+        tuple(rng.standard_normal(s).astype(np.float32) for s in ((n, r), (r, kd), (n, r), (r, kd)))  # type: ignore[misc]
+        for _ in range(2)
+    ]
+    want = np.zeros(n)
+    for f in corr[1:]:
+        assert f is not None
+        for a, b in ((f[0], f[1]), (f[2], f[3])):
+            d = (a.astype(np.float64) @ b.astype(np.float64)) ** 2
+            rows = d.sum(1)
+            want += rows / rows.mean()
+    np.testing.assert_allclose(rc.deviation_scores(corr, n, 3), want, rtol=1e-9)
+    assert not rc.deviation_scores(None, n, 3).any()
+
+
+def test_budget_zero_is_the_method_unchanged(model, workflow, fitted) -> None:
+    """recompute=0 is today's path; a budget too small to choose a row runs the recompute path with nothing
+    chosen: both equal the default kvcmas bit for bit."""
+    q = load_gsm8k(0, 1)[0]
+    base_runner, base = _run(model, workflow, MethodConfig("kvcmas", 4), q, fitted)
+    for budget in (0.0, 1e-12):
+        runner, res = _run(model, workflow, MethodConfig("kvcmas", 4, recompute=budget), q, fitted)
+        for h, b in zip(res.hops, base.hops, strict=True):
+            np.testing.assert_array_equal(h.first_logits, b.first_logits)
+            assert h.generated == b.generated and h.recomputed_tokens == 0
+            assert (h.computed_tokens, h.kv_bytes, h.corr_bytes) == (b.computed_tokens, b.kv_bytes, b.corr_bytes)
+        assert any(h.mode == "reuse" and h.corr_rank > 0 for h in res.hops)
+        res.close()
+        runner.close()
+    base.close()
+    base_runner.close()
+
+
+def test_budget_one_is_nonshared_bit_for_bit(model, workflow, fitted) -> None:
+    q = load_gsm8k(1, 1)[0]
+    exact_runner, exact = _run(model, workflow, MethodConfig("nonshared"), q)
+    runner, res = _run(model, workflow, MethodConfig("kvcmas", 4, recompute=1.0), q, fitted)
+    for a, (h, e) in enumerate(zip(res.hops, exact.hops, strict=True)):
+        np.testing.assert_array_equal(h.first_logits, e.first_logits)
+        assert h.generated == e.generated
+        assert h.computed_tokens == e.computed_tokens and h.kv_bytes == e.kv_bytes
+        n = len(res.prompt_ids[a])
+        for x, y in zip(res.seqs[a].kv(0, n), exact.seqs[a].kv(0, n), strict=True):
+            np.testing.assert_array_equal(x, y)
+        if a:  # the reader ran the method's reuse path and recomputed every shared row
+            assert h.mode == "reuse" and h.recomputed_tokens > 0 and h.corr_bytes == 0
+    res.close()
+    exact.close()
+    runner.close()
+    exact_runner.close()
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_partial_budget_recomputes_the_chosen_rows_and_counts_them(model, workflow, fitted, correct) -> None:
+    q = load_gsm8k(2, 1)[0]
+    budget = 0.3
+    before = model.kv_bytes_in_use
+    base_runner, base = _run(model, workflow, MethodConfig("kvcmas", 4, correct=correct), q, fitted)
+    runner = WorkflowRunner(model, workflow, MethodConfig("kvcmas", 4, recompute=budget, correct=correct), fitted)
+    # the rule, applied independently to agent 1's question span: its correction as the estimator makes it
+    ids = question_ids(model, q)
+    res = runner.run(ids, "msg", max_new_tokens=GEN)
+    hop = res.hops[1]
+    pos, n_q = res.span_pos[1]["user_question"]
+    n = n_q - 4  # after the exact head
+    maps = fitted.core_maps(("user_question", 1))
+    assert maps is not None
+    view_pos = res.span_pos[0]["user_question"][0] + 4
+    corr = kc._native.core.ridge_correction(model._core, maps, res.seqs[0].id, view_pos, n, view_pos, None)
+    want = rc.select_rows(rc.deviation_scores(corr, n, model.n_layer), budget)
+    assert 0 < want.sum() < n
+    np.testing.assert_array_equal(_own_rows(model, res.seqs[1], pos + 4, n), want)
+    # accounting: the recomputed rows are computed tokens, KV the hop holds, and part of its TTFT's work
+    for h, b in zip(res.hops[1:], base.hops[1:], strict=True):
+        assert h.mode == b.mode == "reuse"
+        assert h.recomputed_tokens > 0 and h.computed_tokens == b.computed_tokens + h.recomputed_tokens
+        assert h.reused_tokens == b.reused_tokens - h.recomputed_tokens
+        assert h.kv_bytes >= b.kv_bytes
+    assert hop.recomputed_tokens >= math.ceil(budget * n)
+    assert (
+        runner.template_kv_bytes
+        + sum(h.kv_bytes for h in res.hops)
+        + sum(h.kv_bytes for h in base.hops)
+        + base_runner.template_kv_bytes
+        == model.kv_bytes_in_use - before
+    )
+    # the reused rows carry the correction only when it is applied
+    assert (hop.corr_bytes > 0) == correct
+    for x in (res, base):
+        x.close()
+    runner.close()
+    base_runner.close()
+
+
+def test_agent_session_budget_one_answers_like_nonshared(model) -> None:
+    """AgentSession(recompute=1): later agents recompute every shared token and reply exactly like nonshared;
+    prefill(recompute=...) sets one call's budget (the server's per-request kvcmas.recompute)."""
+    from kvcmas_cpp.agents import AgentSession
+
+    q = load_gsm8k(3, 1)[0]
+    replies = {}
+    for method, budget in (("nonshared", None), ("kvcmas", 1.0)):
+        cfg = MethodConfig(method, 4) if method == "kvcmas" else None  # no calibration reads: reuse at once
+        with AgentSession(model, method, workflow=f"recompute-{method}", config=cfg, recompute=budget) as team:
+            agents = [team.agent(n, system=f"You are agent {n}.") for n in ("A", "B", "C")]
+            team.share(q)
+            replies[method] = [a.respond(max_tokens=6) for a in agents]
+    for r0, r1 in zip(replies["nonshared"], replies["kvcmas"], strict=True):
+        assert r0.ids == r1.ids
+        np.testing.assert_array_equal(r0.first_logits, r1.first_logits)
+    assert all(r.stats.recomputed_tokens > 0 for r in replies["kvcmas"][1:])
+
+    cfg = MethodConfig("kvcmas", 4)
+    with AgentSession(model, "kvcmas", workflow="recompute-override", config=cfg) as team:
+        team.share(q)
+        team.agent("A", system="You are agent A.").respond(max_tokens=2)
+        msgs = [{"role": "system", "content": "You are agent B."}, {"role": "user", "content": q}]
+        for budget, want in ((None, 0), (1.0, len(question_ids(model, q)) - 4)):
+            p = team.prefill(msgs, recompute=budget)
+            assert p.hop.mode == "reuse" and p.hop.recomputed_tokens == want
+            p.close()
+        assert team._runner.config.recompute == 0.0  # the override lasted one call
+
+
+def test_server_request_field_is_validated() -> None:
+    from pydantic import ValidationError
+
+    from kvcmas_cpp.server.schemas import ChatCompletionRequest
+
+    ok = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "kvcmas": {"recompute": 0.25}}
+    )
+    assert ok.kvcmas is not None and ok.kvcmas.recompute == 0.25
+    for bad in (1.5, -0.1, "half"):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(
+                {"messages": [{"role": "user", "content": "x"}], "kvcmas": {"recompute": bad}}
+            )
