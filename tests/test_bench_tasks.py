@@ -51,6 +51,18 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     again = bt.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=True)
     assert len(out.read_text().splitlines()) == 1  # nothing recomputed
     assert again["summary"] == res["summary"]
+    # resumed by (example, method): a method added later runs alone (with the nonshared reference); at recompute
+    # budget 1 kvcmas' team answers exactly like nonshared's, teacher-forced top-1 100%
+    more = bt.accuracy(model, "gsm8k", ["fullshared", "kvcmas@1"], 1, 4, 0, out, resume=True)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and set(json.loads(lines[1])["per_method"]) == {"nonshared", "kvcmas@1"}
+    row = {r["method"]: r for r in more["summary"]}
+    speedup = "later_ttft_speedup"  # against the re-run nonshared reference's timing
+    assert {k: v for k, v in row["fullshared"].items() if k != speedup} == {
+        k: v for k, v in res["summary"][1].items() if k != speedup
+    }
+    assert row["kvcmas@1"]["identical_replies"] == 1.0 and row["kvcmas@1"]["tf_top1"] == 1.0
+    assert row["kvcmas@1"]["recomputed_tokens"] > 0 and row["kvcmas@1"]["vs_nonshared"]["diff"] == 0.0
     with pytest.raises(ValueError, match="accuracy mode runs"):
         bt.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
 
@@ -64,12 +76,27 @@ def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
         {"method": m, "shared_tokens": n, "later_ttft_ms": t, "kv_bytes_per_hop": [1 << 20] * 4}
         for m, n, t in (("nonshared", 256, 100.0), ("nonshared", 1024, 400.0), ("kvcmas", 256, 50.0))
     ]
-    acc = {"task": "gsm8k", "examples": 1, "summary": [{"method": "x", "accuracy": 0.5, "identical_replies": 1.0}]}
+    acc = {
+        "task": "gsm8k",
+        "examples": 1,
+        "summary": [
+            {
+                "method": m,
+                "accuracy": 0.5,
+                "identical_replies": 1.0,
+                "later_ttft_ms": t,
+                "first_token_kl": kl,
+                "tf_top1": 1,
+            }
+            for m, t, kl in (("nonshared", 100.0, 0.0), ("kvcmas", 20.0, 1e-3), ("kvcmas@0.1", 30.0, 1e-4))
+        ],
+    }
     files = bt.plot({"speed": speed, "accuracy": acc, "concurrent": rows}, tmp_path)
     assert {f.name for f in files} == {
         "ttft_vs_shared_length.png",
         "memory_vs_agents.png",
         "accuracy_gsm8k.png",
+        "pareto_gsm8k.png",
         "concurrent_ttft.png",
     }
     for f in files:
@@ -84,3 +111,17 @@ def test_bench_attention_compares_fused_with_materialized() -> None:
         assert r["max_rel_diff"] < tol and r["fused_us"] > 0 and r["materialized_us"] > 0
         assert r["fused_bytes_per_agent"] == (2 * 64 * 8 + 2 * 8 * 64) * 4
         assert r["materialized_bytes_per_agent"] == 2 * 64 * 64 * (2 if kv_type == "f16" else 4)
+
+
+def test_paired_interval_and_mcnemar() -> None:
+    base = [True] * 10 + [False] * 10
+    other = [False] * 10 + [False] * 10  # ten losses, no wins
+    v = bt.paired(base, other)
+    assert v["diff"] == pytest.approx(-0.5) and (v["wins"], v["losses"]) == (0, 10)
+    assert v["mcnemar_p"] == pytest.approx(2 / 2**10)
+    lo, hi = v["ci95"]
+    assert lo <= -0.5 <= hi < 0
+    sd = np.std([-1.0] * 10 + [0.0] * 10, ddof=1)
+    assert v["questions_for_3pt"] == int(np.ceil((1.96 * sd / 0.03) ** 2))
+    same = bt.paired(base, base)
+    assert same["diff"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["mcnemar_p"] == 1.0

@@ -106,6 +106,8 @@ def test_run_main_job_runs_the_team_under_both_methods(tmp_path: Path) -> None:
     # after calibrating on two questions, kvcmas' later agents read the shared spans instead of computing them
     assert "| 0 | Mathematical Analyst | kvcmas | reuse |" in out.stdout
     assert "| kvcmas |" in out.stdout.split("summary")[1]
+    # fidelity beside speed: per agent whether kvcmas' answer and reply equal nonshared's
+    assert "answer as nonshared" in out.stdout and "| answer = nonshared | reply = nonshared |" in out.stdout
     assert saved.is_file() and "saved to" in out.stderr
     # a second run loads the saved corrections: no calibration, the same kvcmas replies
     again = kvcmas("run", "--questions", "1", "-n", "8", "--calibrate", "2", "-t", "2", "--calibration", str(saved))
@@ -115,6 +117,14 @@ def test_run_main_job_runs_the_team_under_both_methods(tmp_path: Path) -> None:
     rows2 = [ln for ln in again.stdout.splitlines() if "| kvcmas |" in ln and ln.startswith("| 0 |")]
     strip = [r.split("|")[2:5] + r.split("|")[6:8] for r in rows]  # agent, method, mode, computed, reused
     assert strip == [r.split("|")[2:5] + r.split("|")[6:8] for r in rows2]
+
+
+def test_run_at_recompute_budget_one_answers_like_nonshared() -> None:
+    out = kvcmas("run", "--questions", "1", "-n", "6", "--calibrate", "0", "-t", "2", "--recompute", "1")
+    assert out.returncode == 0, out.stderr
+    assert "DIFFERENT answer" not in out.stdout and "reply differs" not in out.stdout
+    row = next(ln for ln in out.stdout.split("summary")[1].splitlines() if ln.startswith("| kvcmas |"))
+    assert "| 3/3 | 3/3 | 0.0e+00 (3) |" in row  # answers, replies, first-token KL of the 3 later agents
 
 
 def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:

@@ -24,7 +24,8 @@ from .model import Model, resolve_model_path
 from .sharing import estimators as est
 from .sharing._blas import single_threaded_blas
 from .sharing.evaluate import build_runners, evaluate, question_ids
-from .sharing.runner import METHODS, MethodConfig, WorkflowRunner, default_config
+from .sharing.recompute import labelled_config, parse_label
+from .sharing.runner import METHODS, MethodConfig, WorkflowRunner
 from .sharing.workflow import gsm8k_workflow, load_gsm8k
 
 
@@ -34,7 +35,8 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         default="nonshared,fullshared,kvcmas,kvcomm",
-        help=f"comma-separated methods among {', '.join(METHODS)}",
+        help=f"comma-separated methods among {', '.join(METHODS)}; METHOD@B: at recompute budget B (0..1), "
+        "recompute@B: the selective-recompute-only baseline (docs/recompute.md)",
     )
     p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
     p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
@@ -108,7 +110,7 @@ def speed_and_memory(
     for n, decode in ((n, d) for n in sizes for d in decodes):
         contexts = _shared_context(model, n)
         for name in methods:
-            cfg = default_config(name)
+            cfg = labelled_config(name)
             cfg.apply = apply  # type: ignore[assignment]
             runner = WorkflowRunner(model, wf, cfg, fitted[name].estimator if name in fitted else None)
             for i, ctx in enumerate(contexts):
@@ -218,12 +220,26 @@ def fidelity(
     if "oracle" not in names:
         names.append("oracle")
     configs = {"oracle": MethodConfig("oracle", rank=oracle_rank)}
+    # labels with a budget on the ridge method read the base method's fitted estimator (fitted once); the others
+    # (anchor pools learn online) get their own
+    ridge_labels = [m for m in names if "@" in m and parse_label(m)[0] == "kvcmas"]
+    fit = [m for m in names if m not in ridge_labels]
+    if ridge_labels and "kvcmas" not in fit:
+        fit.append("kvcmas")
+    configs.update({m: labelled_config(m) for m in fit if "@" in m})
     train = load_gsm8k(40, n_train)
-    bar = _progress(n_train * sum(m in ("kvcmas", "kvcmas-ref", "kvcomm") for m in names), "fit")
-    runners = build_runners(
-        model, wf, names, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(), configs=configs
+    learned = [m for m in fit if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
+    bar = _progress(n_train * len(learned), "fit")
+    built = build_runners(
+        model, wf, fit, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(), configs=configs
     )
     bar.close()
+    runners = {m: built[m] for m in names if m in built}
+    for m in ridge_labels:
+        runners[m] = WorkflowRunner(model, wf, labelled_config(m), built["kvcmas"].estimator)
+    if "kvcmas" not in names:
+        built["kvcmas"].close()
+    runners = {m: runners[m] for m in names}
     bar = _progress(n_questions, "fidelity")
     ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens, progress=lambda: bar.update())
     bar.close()
@@ -259,8 +275,10 @@ def run_agents(args: argparse.Namespace) -> int:
     """Runs the three parts (or the accuracy / concurrent mode) and prints tables (or JSON)."""
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     for m in methods:
-        if m not in METHODS:
-            print(f"bench agents: unknown method {m!r} (choose from {', '.join(METHODS)})", file=sys.stderr)
+        try:
+            parse_label(m)
+        except ValueError as e:
+            print(f"bench agents: {e}", file=sys.stderr)
             return 2
     if args.task or args.concurrent:
         return _run_session_modes(args, methods)

@@ -4,7 +4,11 @@
   examples through the agent-session API, free-running (greedy); per method the task accuracy of the decision
   agent's answer, and fidelity against `nonshared`: replies identical, first-token top-1 agreement and KL on the
   hops whose prompt is still identical to nonshared's (once an upstream reply differs, later prompts differ too).
-  Results go to a JSONL file one example at a time, so a long run can resume (`--resume`).
+  Then each method's team is teacher-forced on nonshared's replies: teacher-forced top-1 per hop. Accuracy differences
+  against nonshared come with a paired 95% bootstrap interval and McNemar's exact test. Methods may carry a
+  recompute budget (`kvcmas@0.1`) or be the selective-recompute-only baseline (`recompute@0.1`).
+  Results go to a JSONL file one example at a time, keyed by (example, method), so a long run can resume
+  (`--resume`) and new methods can be added to a finished run.
 - concurrent: N workflows at once (threads, each its own session) per level and method: TTFT percentiles of later
   hops, throughput and peak KV bytes.
 - plots (matplotlib, PNG): accuracy per method, TTFT vs shared length and KV memory vs agents from the speed part.
@@ -12,7 +16,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 import threading
 import time
@@ -24,10 +30,11 @@ import numpy as np
 
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model
+from .sharing.recompute import parse_label
 from .sharing.runner import MethodConfig
 from .tasks import Example, Task, get_task
 
-SESSION_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcomm")
+SESSION_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_OFFSET = {"gsm8k": 1000, "mmlu": 1000, "humaneval": None}  # None: the last problems of the set
 
 
@@ -41,15 +48,54 @@ def _config(method: str, calibrate: int) -> MethodConfig | None:
     return MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate) if method == "kvcmas" else None
 
 
+def session_spec(label: str, calibrate: int) -> tuple[str, MethodConfig | None]:
+    """The AgentSession method and config a method label names (a name, METHOD@B or recompute@B)."""
+    name, budget, correct = parse_label(label)
+    if name not in SESSION_METHODS:
+        raise ValueError(f"accuracy mode runs {', '.join(SESSION_METHODS)} (and @budgets); got {label!r}")
+    cfg = _config(name, calibrate)
+    if budget is None:
+        return name, cfg
+    base = cfg or (MethodConfig(name, rank=0) if name == "kvcomm" else MethodConfig(name))
+    return name, dataclasses.replace(base, recompute=budget, correct=correct)
+
+
 def run_workflow(
-    model: Model, task: Task, method: str, question: str, max_tokens: int, calibrate: int = CALIBRATION_READS
-) -> list[Response]:
-    """One request of the task's team under a method; the estimator is shared by every request of the task."""
+    model: Model,
+    task: Task,
+    method: str,
+    question: str,
+    max_tokens: int,
+    calibrate: int = CALIBRATION_READS,
+    forced: Sequence[Sequence[int]] | None = None,
+) -> list[Response] | list[float]:
+    """One request of the task's team under a method label; the estimator is shared by every request of the task
+    (and by every budget of a method). forced: per agent, the reply ids to teacher-force (nonshared's); then the
+    result is each agent's teacher-forced top-1 agreement with them instead of its responses."""
     wf = task.workflow()
-    with AgentSession(model, method, workflow=f"bench-{task.name}", config=_config(method, calibrate)) as team:
+    name, cfg = session_spec(method, calibrate)
+    with AgentSession(model, name, workflow=f"bench-{task.name}", config=cfg) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
         team.share(question)
-        return [a.respond(max_tokens=max_tokens) for a in agents]
+        if forced is None:
+            return [a.respond(max_tokens=max_tokens) for a in agents]
+        return [_teacher_forced(team, a, list(ids)) for a, ids in zip(agents, forced, strict=True)]
+
+
+def _teacher_forced(team: AgentSession, agent: Any, ids: list[int]) -> float:
+    """The agent's prompt under the method, then `ids` fed as its reply: the share of steps whose argmax is the next
+    id (the reply becomes the span later agents read, as a generated one would)."""
+    p = team.prefill_agent(agent)
+    try:
+        preds = [int(np.argmax(p.logits))]
+        if len(ids) > 1:
+            logits = p.seq.append(ids[:-1], logits="all")
+            assert logits is not None
+            preds += [int(x) for x in np.argmax(logits, axis=1)]
+        team.finish(p, ids)
+        return float(np.mean([a == b for a, b in zip(preds, ids, strict=False)])) if ids else 1.0
+    finally:
+        p.close()
 
 
 def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
@@ -96,24 +142,24 @@ def accuracy(
     calibrate: int,
     out_path: Path | None,
     resume: bool,
+    teacher_forced: bool = True,
 ) -> dict[str, Any]:
     """Runs every method on examples [0, limit) and returns the per-method summary (see the module doc)."""
     for m in methods:
-        if m not in SESSION_METHODS:
-            raise ValueError(f"accuracy mode runs {', '.join(SESSION_METHODS)}; got {m!r}")
+        session_spec(m, calibrate)  # validates the label
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     task = get_task(task_name)
     examples = task.load(0, limit)
-    done: dict[str, dict[str, Any]] = {}
+    done: dict[str, dict[str, Any]] = {}  # example id -> method -> result (later lines win)
     if out_path is not None and resume and out_path.is_file():
         for line in out_path.read_text().splitlines():
             if line.strip():
                 old = json.loads(line)
-                if set(methods) <= set(old["methods"]):
-                    done[old["id"]] = old
+                done.setdefault(old["id"], {}).update(old["per_method"])
     if calibrate:
-        learned = [m for m in methods if m in ("kvcmas", "kvcomm")]
+        learned = list(dict.fromkeys(session_spec(m, calibrate)[0] for m in methods))
+        learned = [m for m in learned if m in ("kvcmas", "kvcmas-ref", "kvcomm")]
         train = calibration_examples(task, calibrate, limit)
         bar = _progress(len(train) * len(learned), "calibration")
         for m in learned:
@@ -126,20 +172,30 @@ def accuracy(
     out = out_path.open("a") if out_path is not None else None
     try:
         for ex in examples:
-            if ex.id in done:
-                records.append(done[ex.id])
+            have = done.get(ex.id, {})
+            missing = [m for m in methods if m not in have]
+            if not missing:
+                records.append({"id": ex.id, "per_method": {m: have[m] for m in methods}})
                 bar.update()
                 continue
-            runs = {m: run_workflow(model, task, m, ex.question, max_tokens, calibrate) for m in methods}
-            rec: dict[str, Any] = {"id": ex.id, "methods": methods, "per_method": {}}
+            todo = ["nonshared", *[m for m in missing if m != "nonshared"]]  # the reference runs again (greedy)
+            runs: dict[str, list[Response]] = {}
+            for m in todo:
+                runs[m] = run_workflow(model, task, m, ex.question, max_tokens, calibrate)  # type: ignore[assignment]
+            forced = [r.ids for r in runs["nonshared"]]
+            rec: dict[str, Any] = {"id": ex.id, "methods": todo, "per_method": {}}
             for m, rs in runs.items():
+                tf: list[float] = [1.0] * len(rs)
+                if teacher_forced and m != "nonshared":
+                    tf = run_workflow(model, task, m, ex.question, max_tokens, calibrate, forced)  # type: ignore[assignment]
                 rec["per_method"][m] = {
                     "correct": bool(task.score(ex, rs[-1].text)),
                     "answer": task.extract(rs[-1].text),
                     "hops": [r.stats.as_dict() for r in rs],
                     "fidelity": compare(runs["nonshared"], rs),
+                    "tf_top1": tf,
                 }
-            records.append(rec)
+            records.append({"id": ex.id, "per_method": {**have, **rec["per_method"]}})
             if out is not None:
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
@@ -151,23 +207,54 @@ def accuracy(
     return {"task": task.name, "examples": len(records), "summary": summarize(records, methods)}
 
 
+def paired(base: Sequence[bool], other: Sequence[bool], n_boot: int = 10000, seed: int = 0) -> dict[str, Any]:
+    """Accuracy of `other` minus `base` over the same questions: the mean difference, its 95% paired bootstrap
+    interval, McNemar's exact two-sided p-value, the discordant counts, and how many questions would make the
+    interval's half-width 3 points at the observed spread of the per-question differences."""
+    a = np.asarray(base, dtype=np.float64)
+    b = np.asarray(other, dtype=np.float64)
+    d = b - a
+    n = len(d)
+    rng = np.random.default_rng(seed)
+    boots = d[rng.integers(0, n, size=(n_boot, n))].mean(axis=1) if n else np.zeros(1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    wins, losses = int(np.sum(d > 0)), int(np.sum(d < 0))
+    k, m = min(wins, losses), wins + losses
+    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m) if m else 1.0
+    sd = float(d.std(ddof=1)) if n > 1 else float("nan")
+    need = math.ceil((1.96 * sd / 0.03) ** 2) if n > 1 and sd > 0 else None
+    return {
+        "diff": float(d.mean()) if n else float("nan"),
+        "ci95": [float(lo), float(hi)],
+        "mcnemar_p": p,
+        "wins": wins,
+        "losses": losses,
+        "questions_for_3pt": need,
+    }
+
+
 def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    base_correct = [r["per_method"]["nonshared"]["correct"] for r in records]
     for m in methods:
         per = [r["per_method"][m] for r in records]
         hops = [h for p in per for h in p["hops"][1:]]
         fid = [f for p in per for f in p["fidelity"][1:]]
         aligned = [f for f in fid if "kl" in f]
+        tf = [t for p in per if "tf_top1" in p for t in p["tf_top1"][1:]]
         rows.append(
             {
                 "method": m,
                 "accuracy": float(np.mean([p["correct"] for p in per])),
+                "vs_nonshared": paired(base_correct, [p["correct"] for p in per]),
                 "identical_replies": float(np.mean([f["identical"] for f in fid])),
                 "aligned_hops": len(aligned),
                 "first_token_top1": float(np.mean([f["top1"] for f in aligned])) if aligned else float("nan"),
                 "first_token_kl": float(np.mean([f["kl"] for f in aligned])) if aligned else float("nan"),
+                "tf_top1": float(np.mean(tf)) if tf else float("nan"),
                 "later_ttft_ms": float(np.mean([h["ttft_ms"] for h in hops])),
                 "computed_tokens": float(np.mean([h["computed_tokens"] for h in hops])),
+                "recomputed_tokens": float(np.mean([h.get("recomputed_tokens", 0) for h in hops])),
                 "kv_bytes_per_request": float(np.mean([sum(h["kv_bytes"] for h in p["hops"]) for p in per])),
                 "corr_bytes_per_request": float(np.mean([sum(h["corr_bytes"] for h in p["hops"]) for p in per])),
                 "reuse_share": float(np.mean([h["mode"] == "reuse" for h in hops])),
@@ -243,20 +330,35 @@ def concurrent(
 
 
 def print_accuracy(res: dict[str, Any]) -> None:
-    print(f"## {res['task']}: {res['examples']} examples, free-running greedy; fidelity vs nonshared")
+    n = res["examples"]
+    print(f"## {res['task']}: {n} examples, free-running greedy; fidelity vs nonshared")
     print(
-        "| method | accuracy | identical replies | first-token top-1 (aligned hops) | first-token KL | "
-        "later-agent TTFT ms | speedup | computed tokens | KV MiB/request | correction MiB/request | reuse |"
+        "| method | accuracy | vs nonshared (95% CI, McNemar p) | identical replies | first-token top-1 (aligned hops) "
+        "| first-token KL | teacher-forced top-1 | later-agent TTFT ms | speedup | computed (recomputed) tokens "
+        "| KV MiB/request | correction MiB/request | reuse |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["summary"]:
+        v = r["vs_nonshared"]
+        lo, hi = v["ci95"]
         print(
-            f"| {r['method']} | {100 * r['accuracy']:.1f}% | {100 * r['identical_replies']:.1f}% | "
+            f"| {r['method']} | {100 * r['accuracy']:.1f}% | {100 * v['diff']:+.1f} pts "
+            f"[{100 * lo:+.1f}, {100 * hi:+.1f}], p={v['mcnemar_p']:.2f} | {100 * r['identical_replies']:.1f}% | "
             f"{100 * r['first_token_top1']:.1f}% ({r['aligned_hops']}) | {r['first_token_kl']:.2e} | "
-            f"{r['later_ttft_ms']:.0f} | {r['later_ttft_speedup']:.2f}x | {r['computed_tokens']:.0f} | "
-            f"{r['kv_bytes_per_request'] / 2**20:.1f} | {r['corr_bytes_per_request'] / 2**20:.2f} | "
-            f"{100 * r['reuse_share']:.0f}% |"
+            f"{100 * r['tf_top1']:.1f}% | {r['later_ttft_ms']:.0f} | {r['later_ttft_speedup']:.2f}x | "
+            f"{r['computed_tokens']:.0f} ({r['recomputed_tokens']:.0f}) | {r['kv_bytes_per_request'] / 2**20:.1f} | "
+            f"{r['corr_bytes_per_request'] / 2**20:.2f} | {100 * r['reuse_share']:.0f}% |"
         )
+    spreads = [r["vs_nonshared"]["questions_for_3pt"] for r in res["summary"][1:]]
+    spreads = [x for x in spreads if x is not None]
+    if spreads:
+        print(
+            f"\nQuestions for a 95% interval of +-3 points at the observed per-question spread: {min(spreads)} to "
+            f"{max(spreads)} (this run: {n}); a 3-point difference is "
+            f"{'visible' if n >= max(spreads) else 'NOT visible'} at this sample size."
+        )
+    else:
+        print("\nNo method's answers differed from nonshared's on this sample: the interval is a point at 0.")
 
 
 def print_concurrent(rows: list[dict[str, Any]]) -> None:
@@ -323,6 +425,21 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set(ylabel="%", title=f"{acc['task']}: {acc['examples']} examples", ylim=(0, 100))
         ax.legend()
         save(fig, f"accuracy_{acc['task']}.png")
+    if "accuracy" in result:
+        acc = result["accuracy"]
+        front = [
+            (r["method"], r["later_ttft_ms"], r["first_token_kl"], r["tf_top1"], r["identical_replies"])
+            for r in acc["summary"]
+        ]
+        save(_pareto(plt, front, f"{acc['task']}, {acc['examples']} examples"), f"pareto_{acc['task']}.png")
+    if "speed" in result and "fidelity" in result:
+        n_max = max(r["shared_tokens"] for r in result["speed"])
+        ttft = {r["method"]: r["later_ttft_ms"] for r in result["speed"] if r["shared_tokens"] == n_max}
+        fid = {r["method"]: r for r in result["fidelity"] if r["agents"] == "later agents"}
+        front = [(m, t, fid[m]["kl"], fid[m]["tf_top1"], None) for m, t in ttft.items() if m in fid]
+        if "nonshared" in ttft:
+            front.insert(0, ("nonshared", ttft["nonshared"], 0.0, 1.0, None))
+        save(_pareto(plt, front, f"teacher-forced GSM8K, TTFT at {n_max} shared tokens"), "pareto.png")
     if "concurrent" in result:
         rows = result["concurrent"]
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -333,3 +450,29 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.legend()
         save(fig, "concurrent_ttft.png")
     return written
+
+
+def _pareto(plt: Any, pts: list[tuple[Any, ...]], title: str) -> Any:
+    """Later-agent TTFT against first-token KL, teacher-forced top-1 and identical replies: one point per method
+    label, the budgets of one method (METHOD@B, with the method itself at 0) joined by a line."""
+    metrics = [("first-token KL vs nonshared", 2), ("teacher-forced top-1", 3), ("identical replies", 4)]
+    metrics = [(name, i) for name, i in metrics if any(p[i] is not None for p in pts)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    series: dict[str, list[tuple[float, tuple[Any, ...]]]] = {}
+    for p in pts:
+        base, _, budget = p[0].partition("@")
+        series.setdefault(base, []).append((float(budget) if budget else 0.0, p))
+    for ax, (name, i) in zip(axes[0], metrics, strict=True):
+        for base, items in series.items():
+            items.sort(key=lambda x: x[0])
+            xs = [p[1] for _, p in items if p[i] is not None]
+            ys = [max(float(p[i]), 1e-8) if i == 2 else 100 * float(p[i]) for _, p in items if p[i] is not None]
+            ax.plot(xs, ys, marker="o", label=base)
+            for _, p in items:
+                if p[i] is not None and "@" in p[0]:
+                    ax.annotate(p[0].partition("@")[2], (p[1], ys[[q for _, q in items if q[i] is not None].index(p)]))
+        ax.set(xlabel="later-agent TTFT (ms)", ylabel=name if i == 2 else f"{name} (%)", title=title)
+        if i == 2:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    return fig

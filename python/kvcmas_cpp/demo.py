@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .agents import CALIBRATION_READS, AgentSession, Response
+from .bench_tasks import compare
 from .model import Model, resolve_model_path
 from .sharing.estimators import RidgeEstimator
 from .sharing.persist import load_ridge, save_ridge
@@ -43,6 +44,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="file of kvcmas' learned corrections: loaded when it exists (no calibration run), else written after it",
     )
+    p.add_argument(
+        "--recompute",
+        type=float,
+        default=0.0,
+        help="kvcmas' recompute budget: share of each shared span later agents recompute (0..1, docs/recompute.md)",
+    )
     p.add_argument("--image", default=None, help="an image every agent reads with the question (needs --mmproj)")
     p.add_argument("--mmproj", default=None, help="the vision tower + projector GGUF for --image")
     p.add_argument("--json", action="store_true", help="print the per-hop rows as JSON at the end")
@@ -70,11 +77,14 @@ def run_team(
     calibrate: int = CALIBRATION_READS,
     estimator: RidgeEstimator | None = None,
     image: tuple[Any, str] | None = None,
+    recompute: float = 0.0,
 ) -> list[Response]:
     """One request: every agent of the task's workflow answers in order over the shared question. kvcmas learns
     each edge's correction from its first `calibrate` dense reads (shared across calls on this model)."""
     workflow = task.workflow()
-    config = MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate) if method == "kvcmas" else None
+    config = (
+        MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate, recompute=recompute) if method == "kvcmas" else None
+    )
     learned = estimator if method == "kvcmas" else None
     vision = image[0] if image else None
     with AgentSession(
@@ -91,8 +101,8 @@ def _short(text: str, width: int = 160) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    if args.questions < 1 or args.max_tokens < 1 or args.calibrate < 0:
-        raise ValueError("--questions and --max-tokens must be >= 1, --calibrate >= 0")
+    if args.questions < 1 or args.max_tokens < 1 or args.calibrate < 0 or not 0.0 <= args.recompute <= 1.0:
+        raise ValueError("--questions and --max-tokens must be >= 1, --calibrate >= 0, --recompute in [0, 1]")
     if (args.image is None) != (args.mmproj is None):
         raise ValueError(
             "--image and --mmproj go together (no vision-language weights ship with kvcmas: see docs/vision.md)"
@@ -130,49 +140,82 @@ def run_demo(args: argparse.Namespace) -> int:
     bar = _progress(len(examples) * len(METHODS), "questions x methods")
     for qi, ex in enumerate(examples):
         for method in METHODS:
-            for r in run_team(model, task, method, ex, args.max_tokens, args.calibrate, estimator, image):
+            team = run_team(model, task, method, ex, args.max_tokens, args.calibrate, estimator, image, args.recompute)
+            for r in team:
                 hops.append(Hop(qi, method, r))
             bar.update()
     bar.close()
 
     correct = {m: 0 for m in METHODS}
+    base = {(h.question, h.response.agent): h.response for h in hops if h.method == "nonshared"}
+    fidelity: dict[tuple[int, str], dict[str, Any]] = {}  # (question, agent) -> kvcmas' reply vs nonshared's
+    for qi in range(len(examples)):
+        mine = [h.response for h in hops if h.question == qi and h.method == "kvcmas"]
+        for f, r in zip(compare([base[(qi, r.agent)] for r in mine], mine), mine, strict=True):
+            fidelity[(qi, r.agent)] = f
+
+    def same_answer(h: Hop) -> bool:
+        return task.extract(h.response.text) == task.extract(base[(h.question, h.response.agent)].text)
+
     for qi, ex in enumerate(examples):
         print(f"\nQuestion {args.start + qi}: {_short(ex.question, 300)}")
         print(f"reference answer: {ex.reference}")
         for name in names:
-            row = {h.method: h.response for h in hops if h.question == qi and h.response.agent == name}
-            answers = ", ".join(f"{m}: {task.extract(row[m].text) or '-'}" for m in METHODS)
-            print(f"  {name} [{answers}]\n    {_short(row['kvcmas'].text)}")
+            row = {h.method: h for h in hops if h.question == qi and h.response.agent == name}
+            answers = ", ".join(f"{m}: {task.extract(row[m].response.text) or '-'}" for m in METHODS)
+            same = "same answer" if same_answer(row["kvcmas"]) else "DIFFERENT answer"
+            reply = "identical reply" if fidelity[(qi, name)]["identical"] else "reply differs"
+            print(f"  {name} [{answers}] kvcmas: {same} as nonshared, {reply}")
+            print(f"    {_short(row['kvcmas'].response.text)}")
         for m in METHODS:
             final = next(
                 h.response for h in hops if h.question == qi and h.method == m and h.response.agent == names[-1]
             )
             correct[m] += task.score(ex, final.text)
 
-    print("\nper hop:")
-    print("| question | agent | method | mode | TTFT ms | computed | reused | KV MiB | correction KiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\nper hop (fidelity: kvcmas against nonshared's hop; KL and top-1 of the first token while the prompt is")
+    print("still identical, i.e. every upstream reply was identical):")
+    print(
+        "| question | agent | method | mode | TTFT ms | computed (recomputed) | reused | KV MiB | correction KiB "
+        "| answer = nonshared | reply = nonshared | first-token KL | top-1 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for h in hops:
         s = h.response.stats
+        fid = fidelity.get((h.question, s.agent), {}) if h.method == "kvcmas" else {"identical": True}
+        kl = f"{fid['kl']:.1e}" if "kl" in fid else "-"
+        top1 = ("yes" if fid["top1"] else "no") if "top1" in fid else "-"
         print(
             f"| {args.start + h.question} | {s.agent} | {s.method} | {s.mode} | {s.ttft_ms:.0f} | {s.computed_tokens} "
-            f"| {s.reused_tokens} | {s.kv_bytes / 2**20:.2f} | {s.corr_bytes / 2**10:.0f} |"
+            f"({s.recomputed_tokens}) | {s.reused_tokens} | {s.kv_bytes / 2**20:.2f} | {s.corr_bytes / 2**10:.0f} "
+            f"| {'yes' if same_answer(h) else 'NO'} | {'yes' if fid['identical'] else 'no'} | {kl} | {top1} |"
         )
 
     print("\nsummary (later agents = every agent after the first):")
-    print("| method | later-agent TTFT ms | vs nonshared | prompt tokens computed | KV MiB per request | accuracy |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| method | later-agent TTFT ms | vs nonshared | prompt tokens computed | KV MiB per request | accuracy "
+        "| later answers = nonshared | later replies identical | first-token KL (aligned hops) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     base_ttft = 0.0
     for m in METHODS:
-        later = [h.response.stats for h in hops if h.method == m and h.response.agent != names[0]]
+        later_hops = [h for h in hops if h.method == m and h.response.agent != names[0]]
+        later = [h.response.stats for h in later_hops]
         every = [h.response.stats for h in hops if h.method == m]
         ttft = sum(s.ttft_ms for s in later) / len(later)
         base_ttft = base_ttft or ttft
         kv = sum(s.kv_bytes for s in every) / len(examples)
         computed = sum(s.computed_tokens for s in every)
+        fid_cols = "- | - | -"
+        if m != "nonshared":
+            later_f = [fidelity[(h.question, h.response.agent)] for h in later_hops]
+            kls = [f["kl"] for f in later_f if "kl" in f]
+            kl = f"{sum(kls) / len(kls):.1e} ({len(kls)})" if kls else "-"
+            n_same = sum(same_answer(h) for h in later_hops)
+            fid_cols = f"{n_same}/{len(later_hops)} | {sum(f['identical'] for f in later_f)}/{len(later_f)} | {kl}"
         print(
             f"| {m} | {ttft:.0f} | {base_ttft / ttft:.2f}x | {computed} | {kv / 2**20:.1f} "
-            f"| {correct[m]}/{len(examples)} |"
+            f"| {correct[m]}/{len(examples)} | {fid_cols} |"
         )
     if args.json:
         rows = [{"question": args.start + h.question, **h.response.stats.as_dict()} for h in hops]
