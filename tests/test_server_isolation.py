@@ -241,6 +241,27 @@ def test_image_bomb_refused_before_decoding(iso_server: ServerProcess, mmproj_pa
     assert _rss_peak_kb(iso_server.proc.pid) - peak0 < 64 * 1024  # KB: nothing near the 2 GB a decode takes
 
 
+def test_encoded_images_are_cached_per_namespace(iso_server: ServerProcess, mmproj_path: str | None) -> None:
+    """A cache hit would show in /metrics (and the timing): Bob's copy of Alice's image is encoded again."""
+    if mmproj_path is None:
+        pytest.skip("the core has no vision encoder")
+    import base64
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 90)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], max_tokens=1)
+    key = "kvcmas_images_encoded_total"
+    auth = {"Authorization": f"Bearer {KEYS['alice']}"}
+    counts = [iso_server.metrics(auth)[key]]
+    for tenant in ("alice", "alice", "bob"):
+        call(iso_server, tenant, body)
+        counts.append(iso_server.metrics(auth)[key])
+    assert [b - a for a, b in zip(counts, counts[1:], strict=False)] == [1, 0, 1]
+
+
 def test_requests_without_max_tokens_run_side_by_side(iso_server: ServerProcess) -> None:
     """Three long generations that name no max_tokens are admitted together (each reserves KV for a few hundred
     tokens and grows), not one at a time."""

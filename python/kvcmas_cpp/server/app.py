@@ -415,9 +415,14 @@ class Server:
         if cfg.mmproj:
             from ..vision import VisionEncoder
 
-            self.vision = VisionEncoder(cfg.mmproj, n_threads=cfg.threads, max_decode_bytes=cfg.max_image_memory)
+            # cache_size 0: the server keeps its own cache, per namespace (_encode_image)
+            self.vision = VisionEncoder(
+                cfg.mmproj, n_threads=cfg.threads, cache_size=0, max_decode_bytes=cfg.max_image_memory
+            )
             self.vision.check_text_model(model.n_embd)
-        self._images: OrderedDict[str, np.ndarray] = OrderedDict()  # image bytes' sha256 -> embeddings (LRU)
+        # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
+        # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
+        self._images: OrderedDict[tuple[Namespace, str], np.ndarray] = OrderedDict()
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(
             model,
@@ -670,9 +675,9 @@ class Server:
             return parse_request(kind, raw, self.limits)
         return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
 
-    async def _encode_image(self, data: bytes) -> np.ndarray:
+    async def _encode_image(self, data: bytes, namespace: Namespace) -> np.ndarray:
         """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""
-        key = hashlib.sha256(data).hexdigest()
+        key = (namespace, hashlib.sha256(data).hexdigest())
         if key not in self._images:
             try:
                 async with self._image_decodes:  # bounded concurrency: each decode may hold its decoded bytes
@@ -687,11 +692,11 @@ class Server:
         return self._images[key]
 
     async def _image_prompt(
-        self, body: ChatCompletionRequest, image_data: list[bytes]
+        self, body: ChatCompletionRequest, image_data: list[bytes], namespace: Namespace
     ) -> tuple[list[dict[str, Any]], list[Segment]]:
         """A chat with images as (messages whose contents hold the images' embeddings between their texts, for a
         sharing session; the rendered prompt as text-id and embedding segments, for a plain prefill)."""
-        images = [await self._encode_image(data) for data in image_data]
+        images = [await self._encode_image(data, namespace) for data in image_data]
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
         n_images = 0
 
@@ -727,6 +732,7 @@ class Server:
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
+        namespace = Namespace(request.state.tenant, body.cache_salt or "")
         segments: list[Segment] | None = None
         if not (body.has_images() and self.vision is not None):
             try:
@@ -735,7 +741,7 @@ class Server:
                 raise ApiError(400, str(e), "invalid_content", "messages") from None
         try:
             if body.has_images() and self.vision is not None:
-                messages, segments = await self._image_prompt(body, parsed.images)
+                messages, segments = await self._image_prompt(body, parsed.images, namespace)
                 ids = [t for seg in segments if isinstance(seg, list) for t in seg]
                 n_prompt = sum(len(seg) for seg in segments)
             else:
@@ -747,7 +753,6 @@ class Server:
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
-        namespace = Namespace(request.state.tenant, body.cache_salt or "")
         agent = options.agent if options else None
         if agent is None and (messages[0]["role"] != "system" or not messages[0]["content"]):
             agent = "assistant"  # no role prompt: every such request is the same anonymous agent
