@@ -258,6 +258,23 @@ def reference() -> object:
     return _Reference()
 
 
+@pytest.fixture(scope="session")
+def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """A tiny random-weight SigLIP tower + projector to the default model's width; None when the core has no
+    vision encoder."""
+    from kvcmas_cpp._native import core
+
+    if not hasattr(core, "VisionEncoder"):
+        return None
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    path = tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf"
+    write_random_mmproj(
+        path, image_size=56, patch_size=14, n_embd=32, n_ff=64, n_layer=2, n_head=2, n_embd_out=576, outtype="f32"
+    )
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def sharing_model(default_model_path: Path):  # -> kvcmas_cpp.Model
     """The default model as the method-layer tests load it (2 threads, 1024-token context, 256 MiB of KV)."""
