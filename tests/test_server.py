@@ -254,6 +254,7 @@ def _workflow(
     task: str = TASK,
     max_tokens: int = 12,
     headers: dict[str, str] | None = None,
+    recompute: float | None = None,
 ) -> list[dict[str, Any]]:
     """Four agents, each with its own system prompt, reading the task and every earlier agent's reply."""
     replies: list[str] = []
@@ -264,6 +265,8 @@ def _workflow(
         options: dict[str, Any] = {"workflow": workflow, "agent": f"agent{k}"}
         if method is not None:
             options["method"] = method
+        if recompute is not None:
+            options["recompute"] = recompute
         body = chat(server, messages, headers, max_tokens=max_tokens, kvcmas=options)
         replies.append(body["choices"][0]["message"]["content"])
         out.append(body)
@@ -298,6 +301,11 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
         assert gained >= task_tokens // 2, (k, last[k]["kvcmas"], plain[k]["kvcmas"])
         assert last[k]["kvcmas"]["computed_tokens"] < plain[k]["kvcmas"]["computed_tokens"]
         assert last[k]["kvcmas"]["gate"] == "reuse"
+    # per request, kvcmas.recompute=1: the calibrated edges recompute every shared token, answers equal nonshared's
+    exact = _workflow(server, "wf-kv-exact", None, max_tokens=8, recompute=1.0)
+    for k in (1, 2, 3):
+        assert exact[k]["choices"][0]["message"]["content"] == plain[k]["choices"][0]["message"]["content"]
+        assert exact[k]["kvcmas"]["gate"] == "reuse" and exact[k]["kvcmas"]["recomputed_tokens"] > 0
     metrics = server.metrics()
     assert metrics["kvcmas_reused_tokens_total"] >= 3 * (task_tokens // 2)
     assert metrics["kvcmas_estimator_bytes"] > 0  # the maps kvcmas learned (and reads of edges still calibrating)

@@ -455,7 +455,7 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
 def _pareto(plt: Any, pts: list[tuple[Any, ...]], title: str) -> Any:
     """Later-agent TTFT against first-token KL, teacher-forced top-1 and identical replies: one point per method
     label, the budgets of one method (METHOD@B, with the method itself at 0) joined by a line."""
-    metrics = [("first-token KL vs nonshared", 2), ("teacher-forced top-1", 3), ("identical replies", 4)]
+    metrics = [("first-token KL vs nonshared (0 at 1e-8)", 2), ("teacher-forced top-1", 3), ("identical replies", 4)]
     metrics = [(name, i) for name, i in metrics if any(p[i] is not None for p in pts)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     series: dict[str, list[tuple[float, tuple[Any, ...]]]] = {}

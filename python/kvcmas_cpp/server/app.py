@@ -942,6 +942,7 @@ class Server:
             "method": s["method"],
             "reused_tokens": s["reused_tokens"],
             "computed_tokens": s["computed_tokens"],
+            "recomputed_tokens": s["recomputed_tokens"],
             "mode": s["mode"],
             "gate": s["gate"],
             "kv_bytes": s["kv_bytes"],

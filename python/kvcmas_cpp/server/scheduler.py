@@ -720,6 +720,7 @@ class Scheduler:
             "completion_tokens": n_gen,
             "reused_tokens": reused,
             "computed_tokens": computed,
+            "recomputed_tokens": int(s.get("recomputed_tokens", 0) or 0),
             "method": s.get("method", "nonshared"),
             "mode": s.get("mode"),
             "gate": s.get("gate"),
