@@ -270,6 +270,17 @@ def test_cuda_request_is_a_clear_error_where_it_cannot_run() -> None:
     assert ("no CUDA backend" in str(info.value)) != built, str(info.value)
 
 
+def test_cli_device_flag_reports_an_unusable_cuda(capsys) -> None:
+    ok, _ = _usable("cuda")
+    if ok:
+        pytest.skip("a usable GPU is present")
+    from kvcmas_cpp import cli
+
+    path = mtm.ensure_tiny_models(variants=["llama"], types=["F32"])[("llama", "F32")]
+    assert cli.main(["generate", "-m", str(path), "--device", "cuda", "-n", "1", "--raw", "hi"]) == 1
+    assert "cuda" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tiny_f32() -> Path:
     return mtm.ensure_tiny_models(variants=["llama"], types=["F32"])[("llama", "F32")]

@@ -62,7 +62,7 @@ std::unique_ptr<Backend> make_backend(const std::string & name, int n_threads) {
             device = static_cast<int>(d);
         }
         std::string why;
-        KC_CHECK(cuda_usable(&why), "device 'cuda' requested, but %s", why.c_str());
+        KC_CHECK(cuda_usable(&why), "device '%s' requested: %s", name.c_str(), why.c_str());
         return make_cuda_backend(device);
 #else
         fail(

@@ -24,10 +24,10 @@ namespace {
 
 using namespace kvcmas::cuda;
 
-#define KC_CUDA(call)                                                                                          \
-    do {                                                                                                       \
-        const cudaError_t err_ = (call);                                                                       \
-        KC_CHECK(err_ == cudaSuccess, "cuda backend: %s failed: %s", #call, cudaGetErrorString(err_));          \
+#define KC_CUDA(call)                                                                                  \
+    do {                                                                                               \
+        const cudaError_t err_ = (call);                                                               \
+        KC_CHECK(err_ == cudaSuccess, "cuda backend: %s failed: %s", #call, cudaGetErrorString(err_)); \
     } while (0)
 
 void check_launch(const char * what) {
@@ -41,15 +41,15 @@ int blocks_for(int64_t n, int threads) {
 
 // ---------------------------------------------------------------------------------------------------------- kernels
 
-constexpr int kMatvecRows    = 8;  // weight rows per block (a warp each)
-constexpr int kMatvecMaxTok  = 8;  // tokens per mat-vec pass; larger batches take the GEMM
-constexpr int kTile          = 64;
-constexpr int kTileK         = 32;
+constexpr int kMatvecRows   = 8;  // weight rows per block (a warp each)
+constexpr int kMatvecMaxTok = 8;  // tokens per mat-vec pass; larger batches take the GEMM
+constexpr int kTile         = 64;
+constexpr int kTileK        = 32;
 
 // y[t][r] = w_r · x_t for nt <= kMatvecMaxTok tokens.
 template <int T>
-__global__ void matvec_kernel(const uint8_t * w, size_t row_bytes, int64_t n_in, int64_t n_out, const float * x,
-                              int nt, float * y) {
+__global__ void matvec_kernel(const uint8_t * w, size_t row_bytes, int64_t n_in, int64_t n_out, const float * x, int nt,
+                              float * y) {
     const int     lane = threadIdx.x % 32;
     const int64_t r    = static_cast<int64_t>(blockIdx.x) * kMatvecRows + threadIdx.x / 32;
     if (r >= n_out) {
@@ -151,8 +151,7 @@ __global__ void gemm_kernel(const uint8_t * w, size_t row_bytes, int64_t n_in, i
 }
 
 template <int T>
-__global__ void embed_kernel(const uint8_t * table, size_t row_bytes, int64_t n_in, const int32_t * tokens,
-                             float * x) {
+__global__ void embed_kernel(const uint8_t * table, size_t row_bytes, int64_t n_in, const int32_t * tokens, float * x) {
     const int32_t tok = tokens[blockIdx.x];
     if (tok < 0) {
         return;
@@ -184,8 +183,8 @@ __device__ double block_sum(double v, double * shared) {  // blockDim.x a multip
 
 __global__ void rms_norm_kernel(const float * x, const float * w, float * y, int64_t n, float eps) {
     __shared__ double part[32];
-    const float * xr  = x + blockIdx.x * n;
-    double        sum = 0.0;
+    const float *     xr  = x + blockIdx.x * n;
+    double            sum = 0.0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         sum += static_cast<double>(xr[i]) * xr[i];
     }
@@ -237,9 +236,9 @@ __device__ __forceinline__ float load_row(const uint8_t * src, int64_t d, bool f
 }
 
 // Token i: q_i, k_i rotated with the tables of row i; k_i, v_i stored at k_dst[i] (V at + v_offset).
-__global__ void rope_kv_write_kernel(float * q, float * k, const float * v, int n_head, int n_head_kv, int hd,
-                                     int half, bool neox, const float * cq, const float * sq, const float * ck,
-                                     const float * sk, uint8_t * const * k_dst, int64_t v_offset, bool f16) {
+__global__ void rope_kv_write_kernel(float * q, float * k, const float * v, int n_head, int n_head_kv, int hd, int half,
+                                     bool neox, const float * cq, const float * sq, const float * ck, const float * sk,
+                                     uint8_t * const * k_dst, int64_t v_offset, bool f16) {
     const int64_t i  = blockIdx.x;
     const int64_t qd = static_cast<int64_t>(n_head) * hd, kd = static_cast<int64_t>(n_head_kv) * hd;
     for (int p = threadIdx.x; p < n_head * half; p += blockDim.x) {
@@ -290,22 +289,22 @@ __global__ void attention_kernel(const float * q, float * out, const int32_t * t
                                  float scale, int64_t v_offset, int64_t row_bytes, bool f16, int n_rot, bool neox,
                                  const float * inv_freq, int max_rank) {
     extern __shared__ float smem[];
-    float *       q_rot  = smem;                   // [hd]
-    float *       qb     = q_rot + kMaxHeadDim;    // [max_rank]
-    float *       sv     = qb + max_rank;          // [max_rank]
-    float *       p      = sv + max_rank;          // [kAttnThreads]
-    float *       red    = p + kAttnThreads;       // [kAttnThreads / 32]
-    const int64_t i      = blockIdx.x;
-    const int     h      = blockIdx.y;
-    const int     group  = n_head / n_head_kv;
-    const int64_t kv_off = static_cast<int64_t>(h / group) * hd;
-    const float * qi     = q + (i * n_head + h) * hd;
-    const int     half   = n_rot / 2;
-    const int     d0 = threadIdx.x, d1 = threadIdx.x + kAttnThreads;  // the dims this thread accumulates
-    float         acc0 = 0.0f, acc1 = 0.0f, m = -INFINITY, l = 0.0f;
-    const int     t    = tab[i];
-    int64_t       left = n_visible[i];
-    int32_t       prev_shift = 0x7FFFFFFF;
+    float *                 q_rot  = smem;                 // [hd]
+    float *                 qb     = q_rot + kMaxHeadDim;  // [max_rank]
+    float *                 sv     = qb + max_rank;        // [max_rank]
+    float *                 p      = sv + max_rank;        // [kAttnThreads]
+    float *                 red    = p + kAttnThreads;     // [kAttnThreads / 32]
+    const int64_t           i      = blockIdx.x;
+    const int               h      = blockIdx.y;
+    const int               group  = n_head / n_head_kv;
+    const int64_t           kv_off = static_cast<int64_t>(h / group) * hd;
+    const float *           qi     = q + (i * n_head + h) * hd;
+    const int               half   = n_rot / 2;
+    const int               d0 = threadIdx.x, d1 = threadIdx.x + kAttnThreads;  // the dims this thread accumulates
+    float                   acc0 = 0.0f, acc1 = 0.0f, m = -INFINITY, l = 0.0f;
+    const int               t          = tab[i];
+    int64_t                 left       = n_visible[i];
+    int32_t                 prev_shift = 0x7FFFFFFF;
     for (int ri = table_first[t]; ri < table_first[t + 1] && left > 0; ++ri) {
         const DevRun r = runs[ri];
         const int    n = static_cast<int>(r.n < left ? r.n : left);
@@ -320,12 +319,12 @@ __global__ void attention_kernel(const float * q, float * out, const int32_t * t
                 for (int j = threadIdx.x; j < half; j += blockDim.x) {
                     int i0, i1;
                     rope_pair(j, half, neox, i0, i1);
-                    double      sn, cn;
+                    double sn, cn;
                     sincos(static_cast<double>(-r.shift) * static_cast<double>(inv_freq[j]), &sn, &cn);
                     const float c = static_cast<float>(cn), s = static_cast<float>(sn);
                     const float a = q_rot[i0], b = q_rot[i1];
-                    q_rot[i0]     = a * c - b * s;
-                    q_rot[i1]     = a * s + b * c;
+                    q_rot[i0] = a * c - b * s;
+                    q_rot[i1] = a * s + b * c;
                 }
             }
             prev_shift = r.shift;
@@ -425,12 +424,12 @@ __global__ void attention_kernel(const float * q, float * out, const int32_t * t
 // rotated by shift[i] (double angles). Written to dst[i] in the store's type (copy) or to f32 out rows (read).
 __global__ void materialize_kernel(const uint8_t * const * src, const float * const * a_k, const float * const * a_v,
                                    const int32_t * rank, const float * const * b_k, const float * const * b_v,
-                                   const int64_t * shift, int64_t kd, int64_t v_offset, bool f16, int n_head_kv,
-                                   int hd, int n_rot, bool neox, const float * inv_freq, uint8_t * const * dst,
-                                   float * k_out, float * v_out) {
+                                   const int64_t * shift, int64_t kd, int64_t v_offset, bool f16, int n_head_kv, int hd,
+                                   int n_rot, bool neox, const float * inv_freq, uint8_t * const * dst, float * k_out,
+                                   float * v_out) {
     extern __shared__ float row[];  // [kd]
-    const int64_t i = blockIdx.x;
-    const int     r = rank[i];
+    const int64_t           i = blockIdx.x;
+    const int               r = rank[i];
     for (int side = 0; side < 2; ++side) {
         const uint8_t * s = src[i] + (side ? v_offset : 0);
         const float *   a = side ? a_v[i] : a_k[i];
@@ -452,10 +451,10 @@ __global__ void materialize_kernel(const uint8_t * const * src, const float * co
                 double sn, cn;
                 sincos(static_cast<double>(shift[i]) * static_cast<double>(inv_freq[j]), &sn, &cn);
                 const float c = static_cast<float>(cn), sf = static_cast<float>(sn);
-                float *     x = row + h * hd;
+                float *     x  = row + h * hd;
                 const float av = x[i0], bv = x[i1];
-                x[i0]          = av * c - bv * sf;
-                x[i1]          = av * sf + bv * c;
+                x[i0] = av * c - bv * sf;
+                x[i1] = av * sf + bv * c;
             }
             __syncthreads();
         }
@@ -474,7 +473,7 @@ __global__ void materialize_kernel(const uint8_t * const * src, const float * co
 __global__ void ridge_kernel(const uint8_t * rows, int64_t row_bytes, bool f16, int64_t kd, const float * mu,
                              const float * proj, int rank, const float * a, int b_rank, const float * m, float * out) {
     extern __shared__ float x[];  // [kd]
-    const int64_t i = blockIdx.x;
+    const int64_t           i = blockIdx.x;
     for (int64_t d = threadIdx.x; d < kd; d += blockDim.x) {
         x[d] = load_row(rows + i * row_bytes, d, f16) - mu[d];
     }
@@ -496,11 +495,13 @@ __global__ void ridge_kernel(const uint8_t * rows, int64_t row_bytes, bool f16, 
 
 // ---------------------------------------------------------------------------------------------------------- backend
 
+struct TypeProbe {
+    template <int T>
+    void operator()() const {}
+};
+
 bool reads_type(int type) {
-    struct Probe {
-        template <int T> void operator()() const {}
-    };
-    return dispatch_type(type, Probe{});
+    return dispatch_type(type, TypeProbe{});
 }
 
 class DeviceFactors final : public Factors {
@@ -593,8 +594,8 @@ class CudaBackend final : public Backend {
     Weight upload_weight(GgmlType type, const void * host, int64_t n_in, int64_t n_out, size_t row_bytes) override {
         KC_CHECK(n_in % 32 == 0, "cuda backend: weight rows of %lld elements (the kernels need a multiple of 32)",
                  static_cast<long long>(n_in));
-        KC_CHECK(reads_type(static_cast<int>(type)),
-                 "cuda backend: weight type %s has no CUDA kernel", ggml_type_name(static_cast<uint32_t>(type)));
+        KC_CHECK(reads_type(static_cast<int>(type)), "cuda backend: weight type %s has no CUDA kernel",
+                 ggml_type_name(static_cast<uint32_t>(type)));
         const size_t bytes = row_bytes * static_cast<size_t>(n_out);
         void *       p     = device_malloc(bytes);
         try {
@@ -616,11 +617,11 @@ class CudaBackend final : public Backend {
 
     std::shared_ptr<const Factors> upload_factors(int rank, int32_t n_rows, int64_t kd, const float * a_k,
                                                   const float * b_k, const float * a_v, const float * b_v) override {
-        auto          f  = std::make_shared<DeviceFactors>();
-        const size_t  na = static_cast<size_t>(n_rows) * rank * sizeof(float);
-        const size_t  nb = static_cast<size_t>(rank) * kd * sizeof(float);
-        f->rank          = rank;
-        f->n_rows        = n_rows;
+        auto         f        = std::make_shared<DeviceFactors>();
+        const size_t na       = static_cast<size_t>(n_rows) * rank * sizeof(float);
+        const size_t nb       = static_cast<size_t>(rank) * kd * sizeof(float);
+        f->rank               = rank;
+        f->n_rows             = n_rows;
         const float ** dst[4] = { &f->a_k, &f->b_k, &f->a_v, &f->b_v };
         const float *  src[4] = { a_k, b_k, a_v, b_v };
         for (int i = 0; i < 4; ++i) {  // f frees what was taken if a later one fails
@@ -642,8 +643,8 @@ class CudaBackend final : public Backend {
         Buffer tok = put(tokens, n);
         dispatch_type(static_cast<int>(table.type), [&]<int T>() {
             embed_kernel<T><<<static_cast<unsigned>(n), 128>>>(static_cast<const uint8_t *>(table.data),
-                                                                table.row_bytes, table.n_in,
-                                                                static_cast<const int32_t *>(tok.data()), x);
+                                                               table.row_bytes, table.n_in,
+                                                               static_cast<const int32_t *>(tok.data()), x);
         });
         check_launch("embed_rows");
     }
@@ -753,8 +754,8 @@ class CudaBackend final : public Backend {
         attention_kernel<<<grid, kAttnThreads, smem>>>(
             q, out, static_cast<const int32_t *>(d_tab.data()), static_cast<const int64_t *>(d_vis.data()),
             static_cast<const DevRun *>(d_runs.data()), static_cast<const int32_t *>(d_first.data()), shape.n_head,
-            shape.n_head_kv, shape.head_dim, shape.scale, store.v_offset, store.row_bytes,
-            store.kv_type == KvType::F16, rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()), max_rank);
+            shape.n_head_kv, shape.head_dim, shape.scale, store.v_offset, store.row_bytes, store.kv_type == KvType::F16,
+            rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()), max_rank);
         check_launch("attention");
     }
 
@@ -797,8 +798,8 @@ class CudaBackend final : public Backend {
                 a = (job.values ? job.f->a_v : job.f->a_k) +
                     (static_cast<int64_t>(job.run.corr_row0) + job.j0) * job.f->rank;
             }
-            const uint8_t * rows = row_addr(store, layer, job.run.block, job.run.row0 + job.j0) +
-                                   (job.values ? store.v_offset : 0);
+            const uint8_t * rows =
+                row_addr(store, layer, job.run.block, job.run.row0 + job.j0) + (job.values ? store.v_offset : 0);
             ridge_kernel<<<static_cast<unsigned>(n), 128, sizeof(float) * kd>>>(
                 rows, store.row_bytes, store.kv_type == KvType::F16, kd, mu.f32(), proj.f32(), rank, a, job.b_rank,
                 m.f32(), out.f32());
@@ -813,7 +814,8 @@ class CudaBackend final : public Backend {
     }
 
   private:
-    template <typename V> Buffer put(const V * host, int64_t count) {
+    template <typename V>
+    Buffer put(const V * host, int64_t count) {
         Buffer b(*this, sizeof(V) * static_cast<size_t>(std::max<int64_t>(count, 1)));
         if (count > 0) {
             upload(b.data(), host, sizeof(V) * static_cast<size_t>(count));
@@ -871,14 +873,13 @@ class CudaBackend final : public Backend {
         Buffer d_src = put(src.data(), n), d_ak = put(ak.data(), n), d_av = put(av.data(), n);
         Buffer d_bk = put(bk.data(), n), d_bv = put(bv.data(), n), d_rank = put(rank.data(), n);
         Buffer d_shift = put(shifts, n), d_dst = put(dst.data(), static_cast<int64_t>(dst.size()));
-        Buffer d_inv   = put(rope.inv_freq.data(), static_cast<int64_t>(rope.inv_freq.size()));
+        Buffer d_inv = put(rope.inv_freq.data(), static_cast<int64_t>(rope.inv_freq.size()));
         materialize_kernel<<<static_cast<unsigned>(n), 128, sizeof(float) * store.n_kv_dim>>>(
             static_cast<const uint8_t * const *>(d_src.data()), static_cast<const float * const *>(d_ak.data()),
             static_cast<const float * const *>(d_av.data()), static_cast<const int32_t *>(d_rank.data()),
             static_cast<const float * const *>(d_bk.data()), static_cast<const float * const *>(d_bv.data()),
-            static_cast<const int64_t *>(d_shift.data()), store.n_kv_dim, store.v_offset,
-            store.kv_type == KvType::F16, s.n_head_kv, s.head_dim, rope.n_rot, rope.neox,
-            static_cast<const float *>(d_inv.data()),
+            static_cast<const int64_t *>(d_shift.data()), store.n_kv_dim, store.v_offset, store.kv_type == KvType::F16,
+            s.n_head_kv, s.head_dim, rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()),
             slots != nullptr ? static_cast<uint8_t * const *>(d_dst.data()) : nullptr, k_out, v_out);
         check_launch("materialize");
     }
@@ -892,10 +893,10 @@ class CudaBackend final : public Backend {
         cache_.clear();
     }
 
-    int                                  device_;
-    cudaDeviceProp                       prop_{};
-    std::vector<void *>                  weights_;
-    std::mutex                           cache_mutex_;
+    int                                   device_;
+    cudaDeviceProp                        prop_{};
+    std::vector<void *>                   weights_;
+    std::mutex                            cache_mutex_;
     std::map<size_t, std::vector<void *>> cache_;  // freed activation buffers by size, for reuse
 };
 
