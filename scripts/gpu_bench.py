@@ -3,6 +3,8 @@ scripts/gpu-check.sh. Prints one line per figure (also as JSON with --json) and 
 the deadline. Figures are measured, never asserted.
 
     python3 scripts/gpu_bench.py MODEL_DIR [--deadline-s 300] [--skip-torch]
+    python3 scripts/gpu_bench.py MODEL_DIR --device cpu --skip-torch --models smollm2-135m --prefill 64 --steps 4 \
+        --ttft ""      # a smoke run of this script without a GPU
 
 MODEL_DIR holds the files of models/make_bench_models.py (bench-<name>-f16.gguf).
 """
@@ -52,10 +54,11 @@ def kvcmas_prefill(m, seq: int, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def bench_kvcmas(rep: Report, name: str, path: Path, s: Shape) -> dict:
+def bench_kvcmas(rep: Report, name: str, path: Path, s: Shape, args: argparse.Namespace) -> dict:
     res = {}
-    m = core.Model(str(path), n_threads=4, n_ctx=4096 + 256, kv_budget=24 << 30, kv_type="f16", device="cuda")
-    for n in (512, 4096):
+    m = core.Model(str(path), n_threads=4, n_ctx=4096 + 256, kv_budget=24 << 30, kv_type="f16", device=args.device)
+    steps = args.steps
+    for n in args.prefill:
         if rep.left() < 20:
             return res
         seq = m.seq_new()
@@ -79,12 +82,12 @@ def bench_kvcmas(rep: Report, name: str, path: Path, s: Shape) -> dict:
         sid = np.array(seqs, np.int32)
         m.decode(sid, tok, ones)  # warm-up step
         t0 = time.perf_counter()
-        for _ in range(128):
+        for _ in range(steps):
             logits = m.decode(sid, tok, ones)
             tok = logits.argmax(axis=1).astype(np.int32)
         dt = time.perf_counter() - t0
-        res[f"decode_b{batch}"] = 128 * batch / dt
-        rep.put(engine="kvcmas", model=name, op=f"decode 128 batch {batch}", tok_s=round(128 * batch / dt, 1))
+        res[f"decode_b{batch}"] = steps * batch / dt
+        rep.put(engine="kvcmas", model=name, op=f"decode {steps} batch {batch}", tok_s=round(steps * batch / dt, 1))
         for sq in seqs:
             m.seq_remove(sq)
     return res
@@ -114,13 +117,14 @@ def torch_model(s: Shape):
     return model.eval()
 
 
-def bench_torch(rep: Report, name: str, s: Shape) -> dict:
+def bench_torch(rep: Report, name: str, s: Shape, args: argparse.Namespace) -> dict:
     import torch
 
     res = {}
     model = torch_model(s)
+    steps = args.steps
     with torch.no_grad():
-        for n in (512, 4096):
+        for n in args.prefill:
             if rep.left() < 20:
                 return res
             ids = torch.tensor(_ids(n, s.n_vocab, n)[None], device="cuda", dtype=torch.long)
@@ -142,13 +146,13 @@ def bench_torch(rep: Report, name: str, s: Shape) -> dict:
             past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(128):
+            for _ in range(steps):
                 out = model(tok, past_key_values=past, use_cache=True)
                 past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            res[f"decode_b{batch}"] = 128 * batch / dt
-            rep.put(engine="torch", model=name, op=f"decode 128 batch {batch}", tok_s=round(128 * batch / dt, 1))
+            res[f"decode_b{batch}"] = steps * batch / dt
+            rep.put(engine="torch", model=name, op=f"decode {steps} batch {batch}", tok_s=round(steps * batch / dt, 1))
     del model
     torch.cuda.empty_cache()
     return res
@@ -161,11 +165,11 @@ def weight_bytes_per_token(s: Shape) -> int:
     return 2 * (s.n_layer * per_layer + s.n_vocab * s.n_embd + s.n_embd)
 
 
-def bench_ttft(rep: Report, path: Path, s: Shape, lengths: list[int]) -> None:
+def bench_ttft(rep: Report, path: Path, s: Shape, lengths: list[int], device: str) -> None:
     """A later agent's time to first token after a first agent computed the shared context: nonshared prefills
     context + own prompt; kvcmas appends the first agent's span (no copy) with a rank-8 correction on every layer
     but the first, fused in attention, then prefills its own 64 tokens."""
-    m = core.Model(str(path), n_threads=4, n_ctx=max(lengths) + 256, kv_budget=60 << 30, kv_type="f16", device="cuda")
+    m = core.Model(str(path), n_threads=4, n_ctx=max(lengths) + 256, kv_budget=60 << 30, kv_type="f16", device=device)
     kd, own = s.n_head_kv * s.head_dim, 64
     for n in lengths:
         if rep.left() < 30:
@@ -197,7 +201,7 @@ def bench_ttft(rep: Report, path: Path, s: Shape, lengths: list[int]) -> None:
         m.seq_remove(later)
         m.seq_remove(first)
         rep.put(
-            op="ttft later agent (8B shape)",
+            op=f"ttft later agent ({s.n_layer} layers x {s.n_embd})",
             shared=n,
             nonshared_s=round(times["nonshared"], 3),
             kvcmas_s=round(times["kvcmas"], 3),
@@ -211,18 +215,25 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="smollm2-135m,qwen2-0.5b,llama3-8b")
+    ap.add_argument("--prefill", default="512,4096", help="prompt lengths of the prefill figures")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps")
+    ap.add_argument("--ttft", default="2048,8192,16384,32768", help="shared lengths of the TTFT figures (8B shape)")
+    ap.add_argument("--ttft-model", default="llama3-8b")
     args = ap.parse_args()
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
     rep = Report(time.perf_counter() + args.deadline_s, args.json)
-    ops = core.BackendOps("cuda", 1)
+    ops = core.BackendOps(args.device, 4)
     rep.put(device=ops.device_description)
-    for name in ("smollm2-135m", "qwen2-0.5b", "llama3-8b"):
+    for name in args.models.split(","):
         path = args.model_dir / f"bench-{name}-f16.gguf"
         if not path.exists():
             rep.put(model=name, skipped=f"{path} missing")
             continue
         s = SHAPES[name]
         try:
-            ours = bench_kvcmas(rep, name, path, s)
+            ours = bench_kvcmas(rep, name, path, s, args)
             if name == "llama3-8b" and "decode_b1" in ours:
                 bw = ours["decode_b1"] * weight_bytes_per_token(s)
                 rep.put(
@@ -235,13 +246,14 @@ def main() -> None:
             rep.put(engine="kvcmas", model=name, error=repr(exc)[:300])
         if not args.skip_torch:
             try:
-                bench_torch(rep, name, s)
+                bench_torch(rep, name, s, args)
             except Exception as exc:
                 rep.put(engine="torch", model=name, error=repr(exc)[:300])
-    path = args.model_dir / "bench-llama3-8b-f16.gguf"
-    if path.exists():
+    path = args.model_dir / f"bench-{args.ttft_model}-f16.gguf"
+    lengths = [int(x) for x in args.ttft.split(",") if x]
+    if path.exists() and lengths:
         try:
-            bench_ttft(rep, path, SHAPES["llama3-8b"], [2048, 8192, 16384, 32768])
+            bench_ttft(rep, path, SHAPES[args.ttft_model], lengths, args.device)
         except Exception as exc:
             rep.put(op="ttft", error=repr(exc)[:300])
 

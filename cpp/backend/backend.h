@@ -64,15 +64,18 @@ struct KvRunRef {
 
 // One layer of a low-rank correction in backend memory: K + A_k·B_k, V + A_v·B_v with A [n_rows][rank] and
 // B [rank][n_kv_dim]. Made by Backend::upload_factors; freed with the last reference (also after its backend).
+// host_b_k / host_b_v are the host arrays it was made from (host code such as the ridge map's setup reads B).
 class Factors {
   public:
-    virtual ~Factors()   = default;
-    int           rank   = 0;
-    int32_t       n_rows = 0;
-    const float * a_k    = nullptr;
-    const float * b_k    = nullptr;
-    const float * a_v    = nullptr;
-    const float * b_v    = nullptr;
+    virtual ~Factors()     = default;
+    int           rank     = 0;
+    int32_t       n_rows   = 0;
+    const float * a_k      = nullptr;  // backend addresses
+    const float * b_k      = nullptr;
+    const float * a_v      = nullptr;
+    const float * b_v      = nullptr;
+    const float * host_b_k = nullptr;  // host
+    const float * host_b_v = nullptr;
 };
 
 // The runs a sequence reads in one layer, in position order, and the corrections they name.

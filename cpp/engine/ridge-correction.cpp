@@ -131,9 +131,9 @@ void ridge_layer_jobs(const RidgeMaps & maps, int il, const cpu::Rope & rope, in
             const int                b_rank = f != nullptr ? f->rank : 0;
             const int64_t            shift  = static_cast<int64_t>(r.shift) - pos;
             const RunMap &           rk     = run_map(cache_k, mk, rank, kd, &rope, n_head_kv, head_dim, shift,
-                                                      f != nullptr ? f->b_k : nullptr, b_rank);
+                                                      f != nullptr ? f->host_b_k : nullptr, b_rank);
             const RunMap &           rv     = run_map(cache_v, mv, rank, kd, nullptr, n_head_kv, head_dim, 0,
-                                                      f != nullptr ? f->b_v : nullptr, b_rank);
+                                                      f != nullptr ? f->host_b_v : nullptr, b_rank);
             const int64_t            i0     = at + j0 - pos;
             for (const bool values : { false, true }) {
                 const RunMap &    rm = values ? rv : rk;

@@ -95,13 +95,15 @@ class CpuBackend final : public Backend {
 
     std::shared_ptr<const Factors> upload_factors(int rank, int32_t n_rows, int64_t, const float * a_k,
                                                   const float * b_k, const float * a_v, const float * b_v) override {
-        auto f    = std::make_shared<HostFactors>();
-        f->rank   = rank;
-        f->n_rows = n_rows;
-        f->a_k    = a_k;
-        f->b_k    = b_k;
-        f->a_v    = a_v;
-        f->b_v    = b_v;
+        auto f      = std::make_shared<HostFactors>();
+        f->rank     = rank;
+        f->n_rows   = n_rows;
+        f->a_k      = a_k;
+        f->b_k      = b_k;
+        f->a_v      = a_v;
+        f->b_v      = b_v;
+        f->host_b_k = b_k;
+        f->host_b_v = b_v;
         return f;
     }
 

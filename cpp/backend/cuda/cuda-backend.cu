@@ -565,19 +565,29 @@ class CudaBackend final : public Backend {
         return p;
     }
 
+    // Activation buffers are cached by size class (a quarter of the size's power of two, at least 4 KiB), so a
+    // server's varying batch sizes reuse a bounded set of buffers.
+    static size_t size_class(size_t bytes) {
+        size_t step = 4096;
+        while (step * 8 <= bytes) {
+            step *= 2;
+        }
+        return (bytes + step - 1) / step * step;
+    }
     void * alloc(size_t bytes) override {
+        const size_t                cls = size_class(bytes);
         std::lock_guard<std::mutex> lock(cache_mutex_);
-        auto                        it = cache_.find(bytes);
+        auto                        it = cache_.find(cls);
         if (it != cache_.end() && !it->second.empty()) {
             void * p = it->second.back();
             it->second.pop_back();
             return p;
         }
-        return device_malloc(bytes);
+        return device_malloc(cls);
     }
     void free(void * p, size_t bytes) override {
         std::lock_guard<std::mutex> lock(cache_mutex_);
-        cache_[bytes].push_back(p);
+        cache_[size_class(bytes)].push_back(p);
     }
     size_t free_bytes() const override {
         size_t free_b = 0, total_b = 0;
@@ -630,6 +640,8 @@ class CudaBackend final : public Backend {
             *dst[i]            = p;
             upload(p, src[i], bytes);
         }
+        f->host_b_k = b_k;
+        f->host_b_v = b_v;
         return f;
     }
 
