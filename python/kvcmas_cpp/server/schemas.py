@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
 
 Fields follow OpenAI's chat/completions and completions APIs; llama.cpp-style extras (top_k, min_p,
-repeat_penalty) and the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. Unknown
-fields are ignored, as OpenAI clients send more than a local server needs. Types are strict (no "0.5" for a number,
-no 1 for a bool), so a wrong type is a 400 rather than a silent coercion.
+repeat_penalty) and the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. A field the
+server does not implement is refused (400 naming it) rather than silently ignored, except the harmless ones in
+HARMLESS_FIELDS (bookkeeping that does not change the answer). Types are strict (no "0.5" for a number, no 1 for a
+bool), so a wrong type is a 400 rather than a silent coercion.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ Number = StrictFloat | StrictInt
 METHODS = ("nonshared", "fullshared", "kvcmas")
 
 
+# Accepted and ignored: they label or route a request on OpenAI's side and do not change what is generated.
+HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Body):
@@ -28,6 +33,7 @@ class TextPart(_Body):
 
 class ImageUrl(_Body):
     url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None  # a resolution hint; the vision tower has one resolution
 
 
 class ImagePart(_Body):
@@ -44,6 +50,7 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    refusal: StrictStr | None = None  # echoed back by clients that resend a reply; not rendered
 
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
@@ -90,8 +97,14 @@ class _Sampling(_Body):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
     kvcmas: KvcmasOptions | None = None
+    # HARMLESS_FIELDS: accepted, not used
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
 
     @field_validator("n")
     @classmethod
@@ -129,7 +142,13 @@ class ChatCompletionRequest(_Sampling):
     def plain_messages(self, image_marker: Callable[[str], str] | None = None) -> list[dict[str, Any]]:
         """OpenAI-style dicts with string content (what the chat template and AgentSession take); image parts
         become image_marker(url)."""
-        return [{"role": m.role, "content": m.text(image_marker)} for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(image_marker)}
+            if m.name is not None:
+                msg["name"] = m.name  # kept: templates that know names render it (e.g. an agent's name)
+            out.append(msg)
+        return out
 
 
 class CompletionRequest(_Sampling):

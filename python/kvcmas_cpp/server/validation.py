@@ -70,6 +70,9 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return f"'{param}' is not supported by this server{more}", param
     where = f"'{param}': " if param else "request body: "
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{where}{first.get('msg', 'invalid value')}{more}", param
