@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
+import kvcmas_cpp as kc
 from test_server import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -30,6 +32,24 @@ def client(server: ServerProcess) -> Any:
 @pytest.fixture(scope="module")
 def model(client: Any) -> str:
     return str(client.models.list().data[0].id)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Any) -> kc.Model:
+    """The in-process engine: reference logits and greedy outputs."""
+    return kc.Model(str(default_model_path), n_threads=1)
+
+
+def prompt_ids(engine: kc.Model, messages: list[dict[str, Any]]) -> list[int]:
+    """The rendered chat prompt's ids, as Model.chat and the server build them."""
+    tok = engine.tokenizer
+    ids = tok.encode(engine.apply_chat_template(messages), add_special=False, parse_special=True)
+    return [tok.bos_id, *ids] if tok.add_bos and tok.bos_id is not None and ids[:1] != [tok.bos_id] else ids
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -75,3 +95,128 @@ def test_harmless_fields_and_message_names_are_accepted(client: Any, model: str)
         extra_body={"prompt_cache_key": "k", "safety_identifier": "s"},
     )
     assert out.choices[0].message.content
+
+
+# ------------------------------------------------------------------------------------ logprobs and sampling parity
+def test_chat_logprobs_agree_with_the_engine_streamed_and_not(client: Any, model: str, engine: kc.Model) -> None:
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    want = engine.chat(messages, max_tokens=8, temperature=0)
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(want.tokens) == out.usage.completion_tokens
+    ids = prompt_ids(engine, messages)
+    rows = engine.logits(ids + want.tokens)[len(ids) - 1 : -1]
+    total = 0.0
+    for entry, token, row in zip(content, want.tokens, rows, strict=True):
+        ref = log_softmax(row)
+        assert entry.logprob == pytest.approx(ref[token], abs=2e-3)
+        assert bytes(entry.bytes) == engine.tokenizer.token_to_piece(token)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the most likely token
+        assert entry.top_logprobs[2].logprob == pytest.approx(np.sort(ref)[-3], abs=2e-3)
+        total += float(ref[token])
+    assert sum(e.logprob for e in content) == pytest.approx(total, abs=1e-2)
+    assert "".join(e.token for e in content) == out.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    parts = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in parts] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_logprobs(client: Any, model: str, engine: kc.Model) -> None:
+    out = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    ids = engine.tokenize("The capital of France is")
+    want = engine.generate(ids, max_tokens=5, temperature=0)
+    rows = engine.logits(ids + want.tokens)[len(ids) - 1 : -1]
+    for value, token, row in zip(lp.token_logprobs, want.tokens, rows, strict=True):
+        assert value == pytest.approx(log_softmax(row)[token], abs=2e-3)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+def test_logit_bias_moves_the_choice(client: Any, model: str, engine: kc.Model) -> None:
+    prompt = "One, two, three,"
+    ids = engine.tokenize(prompt)
+    row = engine.logits(ids)[-1]
+    order = np.argsort(-row)
+    best, second, unlikely = int(order[0]), int(order[1]), int(order[5000])
+
+    def first_token_text(bias: dict[str, int]) -> str:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logit_bias=bias)
+        return str(out.choices[0].text)
+
+    piece = engine.tokenizer.token_to_piece
+    assert first_token_text({}) == piece(best).decode()
+    assert first_token_text({str(best): -100}) == piece(second).decode()
+    assert first_token_text({str(unlikely): 100}) == piece(unlikely).decode(errors="replace")
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula(client: Any, model: str, engine: kc.Model) -> None:
+    """Greedy decoding under logit[j] -= presence * (c_j > 0) + frequency * c_j (c_j: times j was generated)."""
+    prompt = "1, 2, 3, 4,"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    changed = 0
+    for presence, frequency in ((0.0, 1.5), (1.8, 0.0), (-1.0, 0.5)):
+        ids = engine.tokenize(prompt)
+        counts: dict[int, int] = {}
+        tokens: list[int] = []
+        with engine.new_sequence() as seq:
+            row = seq.append(ids, logits="last")
+            for _ in range(12):
+                x = row.astype(np.float64)
+                for t, c in counts.items():
+                    x[t] -= presence + frequency * c
+                t = int(np.argmax(x))
+                if t in engine.tokenizer.eog_ids:
+                    break
+                tokens.append(t)
+                counts[t] = counts.get(t, 0) + 1
+                row = seq.append([t], logits="last")
+        out = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+        )
+        assert out.choices[0].text == engine.detokenize(tokens)
+        changed += out.choices[0].text != plain.choices[0].text
+    assert changed  # (frequency 1.5 turns "5, 6, 7, 8," into "5, 6, 7, and so on")
+
+
+def test_n_choices_fork_one_prefill(server: ServerProcess, client: Any, model: str) -> None:
+    messages = [{"role": "user", "content": "Write a word that starts with b."}]
+    greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    before = server.metrics()
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=3)
+    after = server.metrics()
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert {c.message.content for c in out.choices} == {greedy.choices[0].message.content}
+    assert out.usage.prompt_tokens == greedy.usage.prompt_tokens
+    assert out.usage.completion_tokens == 3 * greedy.usage.completion_tokens
+    # the prompt counted (and at most computed) once, three completions generated
+    assert after["kvcmas_prompt_tokens_total"] - before["kvcmas_prompt_tokens_total"] == greedy.usage.prompt_tokens
+    generated = after["kvcmas_generated_tokens_total"] - before["kvcmas_generated_tokens_total"]
+    assert generated == 3 * greedy.usage.completion_tokens
+    sampled = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert len({c.message.content for c in sampled.choices}) > 1  # seeds 5, 6, 7: different draws
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, temperature=1.0, seed=5, n=3, stream=True
+        )
+    )
+    texts = ["", "", ""]
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in sampled.choices]
+    assert sum(1 for ch in chunks for c in ch.choices if c.finish_reason) == 3

@@ -30,7 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..model import Model
+from ..tools import ToolCallStream
 from .backend import Segment
+from .choices import Choice
 from .metrics import Metrics
 from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -342,6 +344,11 @@ class Server:
         return self._model_card()
 
     # ---------------------------------------------------------------------------------------- generation
+    def _check_logit_bias(self, parsed: ParsedRequest) -> None:
+        bad = next((t for t in parsed.sampling.logit_bias or {} if t >= self.model.n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value")
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(
@@ -505,6 +512,7 @@ class Server:
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
+        self._check_logit_bias(parsed)
         segments: list[Segment] | None = None
         if not (body.has_images() and self.vision is not None):
             try:
@@ -534,6 +542,8 @@ class Server:
             ids=ids,
             max_tokens=max_tokens,
             params=parsed.sampling,
+            n=body.n,
+            logprobs=parsed.logprobs,
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
@@ -555,6 +565,7 @@ class Server:
         body = parsed.body
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
+        self._check_logit_bias(parsed)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]
@@ -575,6 +586,8 @@ class Server:
             ids=ids,
             max_tokens=max_tokens,
             params=parsed.sampling,
+            n=body.n,
+            logprobs=parsed.logprobs,
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
@@ -594,34 +607,47 @@ class Server:
         include_usage: bool,
         extra: dict[str, Any],
         echo: str,
+        tools: frozenset[str] | None = None,
     ) -> Response:
-        """Waits for the first event (so early failures keep their status code), then answers or streams."""
+        """Waits for the first event (so early failures keep their status code), then answers or streams. tools:
+        the names of the functions the output may call (None: no tool-call parsing)."""
         first = await self._next_event(queue, request)
         if first is None:
             self.scheduler.cancel(job)
             return Response(status_code=499)
         if isinstance(first, Failed):
+            self.scheduler.cancel(job)  # the other choices (n > 1)
             raise ApiError(first.status, first.message, first.code)
+        choices = self._new_choices(job, kind, echo, tools)
         if not stream:
-            pieces = [echo]
+            dones: list[Done] = []
             event: Event | None = first
             while True:
-                if event is None:
+                if event is None or isinstance(event, Failed):
                     self.scheduler.cancel(job)
-                    return Response(status_code=499)
-                if isinstance(event, Failed):
+                    if event is None:
+                        return Response(status_code=499)
                     raise ApiError(event.status, event.message, event.code)
                 if isinstance(event, Done):
-                    break
-                pieces.append(event.text)
+                    choices[event.index].on_done(event)
+                    dones.append(event)
+                    if len(dones) == len(choices):
+                        break
+                else:
+                    choices[event.index].on_delta(event)
                 event = await self._next_event(queue, request)
-            self._log_done(job, kind, event)
-            return JSONResponse(self._final_body(job, kind, "".join(pieces), event, extra))
+            dones.sort(key=lambda d: d.index)
+            self._log_done(job, kind, dones[0])
+            return JSONResponse(self._final_body(job, kind, choices, dones, extra))
         return StreamingResponse(
-            self._stream(job, queue, kind, first, include_usage, extra, echo),
+            self._stream(job, queue, kind, first, include_usage, extra, choices),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+    def _new_choices(self, job: Job, kind: str, echo: str, tools: frozenset[str] | None) -> list[Choice]:
+        tok = self.model.tokenizer
+        return [Choice(i, kind, tok, ToolCallStream(tools) if tools is not None else None, echo) for i in range(job.n)]
 
     async def _stream(
         self,
@@ -631,36 +657,46 @@ class Server:
         first: Event,
         include_usage: bool,
         extra: dict[str, Any],
-        echo: str,
+        choices: list[Choice],
     ) -> AsyncIterator[bytes]:
         finished = False
         created = int(time.time())
+        dones: list[Done] = []
         try:
-            if kind == "chat":
-                yield _sse(self._chunk(job, kind, created, {"role": "assistant", "content": ""}, None))
-            if echo:
-                yield _sse(self._chunk(job, kind, created, echo, None))
+            for c in choices:
+                if kind == "chat":
+                    opening: dict[str, Any] = {"role": "assistant", "content": ""}
+                    yield _sse(self._chunk(job, kind, created, [c._stream_choice(opening, None, None)]))
+                if c.echo_len:
+                    yield _sse(self._chunk(job, kind, created, [c._stream_choice(c.text[0], None, None)]))
             event = first
             while True:
                 if isinstance(event, Failed):
                     finished = True
+                    self.scheduler.cancel(job)  # the other choices (n > 1)
                     yield _sse(error_body(event.status, event.message, event.code))
                     break
                 if isinstance(event, Done):
-                    finished = True
-                    self._log_done(job, kind, event)
-                    delta: dict[str, Any] | str = {} if kind == "chat" else ""
-                    chunk = self._chunk(job, kind, created, delta, event.finish_reason)
-                    chunk.update(self._extras(event, extra))
+                    dones.append(event)
+                    last = choices[event.index].on_done(event)
+                    for part in last[:-1]:
+                        yield _sse(self._chunk(job, kind, created, [part]))
+                    chunk = self._chunk(job, kind, created, last[-1:])
+                    if len(dones) == len(choices):
+                        finished = True
+                        dones.sort(key=lambda d: d.index)
+                        self._log_done(job, kind, dones[0])
+                        chunk.update(self._extras(dones, extra))
+                        yield _sse(chunk)
+                        if include_usage:
+                            usage_chunk = self._chunk(job, kind, created, [])
+                            usage_chunk["usage"] = self._usage(dones)
+                            yield _sse(usage_chunk)
+                        break
                     yield _sse(chunk)
-                    if include_usage:
-                        usage_chunk = self._chunk(job, kind, created, None, None)
-                        usage_chunk["choices"] = []
-                        usage_chunk["usage"] = self._usage(event)
-                        yield _sse(usage_chunk)
-                    break
-                text_delta: dict[str, Any] | str = {"content": event.text} if kind == "chat" else event.text
-                yield _sse(self._chunk(job, kind, created, text_delta, None))
+                else:
+                    for part in choices[event.index].on_delta(event):
+                        yield _sse(self._chunk(job, kind, created, [part]))
                 event = await queue.get()
             yield _sse("[DONE]")
         finally:
@@ -668,29 +704,24 @@ class Server:
                 self.scheduler.cancel(job)
 
     # ------------------------------------------------------------------------------------------- bodies
-    def _chunk(
-        self, job: Job, kind: str, created: int, delta: dict[str, Any] | str | None, finish: str | None
-    ) -> dict[str, Any]:
-        if kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+    def _chunk(self, job: Job, kind: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": choices}
 
     @staticmethod
-    def _usage(done: Done) -> dict[str, Any]:
-        s = done.stats
+    def _usage(dones: list[Done]) -> dict[str, Any]:
+        """The prompt once (n > 1 choices are forks of one prefill), the completions of every choice."""
+        s = dones[0].stats
+        completion = sum(d.stats["completion_tokens"] for d in dones)
         return {
             "prompt_tokens": s["prompt_tokens"],
-            "completion_tokens": s["completion_tokens"],
-            "total_tokens": s["prompt_tokens"] + s["completion_tokens"],
+            "completion_tokens": completion,
+            "total_tokens": s["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": s["reused_tokens"]},
         }
 
-    def _extras(self, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
-        s = done.stats
+    def _extras(self, dones: list[Done], extra: dict[str, Any]) -> dict[str, Any]:
+        s = dones[0].stats
         timings = {
             "prompt_n": s["prompt_tokens"] - s["reused_tokens"],
             "cache_n": s["reused_tokens"],
@@ -716,22 +747,20 @@ class Server:
             "corr_bytes": s["corr_bytes"],
             **extra,
         }
-        return {"usage": self._usage(done), "timings": timings, "kvcmas": kvcmas}
+        return {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}
 
-    def _final_body(self, job: Job, kind: str, text: str, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
-        if kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": done.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-            obj = "text_completion"
-        body = {"id": job.id, "object": obj, "created": int(time.time()), "model": self.model_id, "choices": [choice]}
-        body.update(self._extras(done, extra))
+    def _final_body(
+        self, job: Job, kind: str, choices: list[Choice], dones: list[Done], extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        body = {
+            "id": job.id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_id,
+            "choices": [c.final() for c in choices],
+        }
+        body.update(self._extras(dones, extra))
         return body
 
     def _log_done(self, job: Job, kind: str, done: Done) -> None:

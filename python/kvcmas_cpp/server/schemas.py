@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = StrictFloat | StrictInt
+MAX_CHOICES = 16  # n: choices per request (forks of one prefill)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions: 5)
 METHODS = ("nonshared", "fullshared", "kvcmas")
 
 
@@ -94,7 +96,10 @@ class _Sampling(_Body):
     repeat_penalty: Number = Field(default=1.0, gt=0.0, le=10.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     kvcmas: KvcmasOptions | None = None
@@ -106,12 +111,18 @@ class _Sampling(_Body):
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"logit_bias keys are token ids written as strings, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {key}")
         return v
+
+    def bias_by_id(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -132,6 +143,14 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprobs_top(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -155,6 +174,10 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -112,6 +112,7 @@ class ParsedRequest:
     stops: list[str]
     max_tokens: int | None  # None: fill what the context and the KV budget leave (capped by Limits.max_tokens)
     images: list[bytes] = field(default_factory=list)  # decoded image_url payloads, in order (chat only)
+    logprobs: int | None = None  # None: no logprobs; else the alternatives to report per token
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -123,6 +124,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         min_p=float(body.min_p),
         repeat_penalty=float(body.repeat_penalty),
         seed=body.seed,
+        presence_penalty=float(body.presence_penalty),
+        frequency_penalty=float(body.frequency_penalty),
+        logit_bias=body.bias_by_id(),
     )
     try:
         params.validate()
@@ -162,6 +166,10 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
             "max_tokens_exceeded",
             param or "max_tokens",
         )
+    try:
+        logprobs = body.logprobs_top()
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_value", "top_logprobs") from None
     images: list[bytes] = []
     if isinstance(body, ChatCompletionRequest):
         urls: list[str] = []
@@ -182,4 +190,4 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
                 "messages",
             )
         images = [decode_data_url(url) for url in urls]
-    return ParsedRequest(body, sampling_params(body), body.stop_list(), requested, images)
+    return ParsedRequest(body, sampling_params(body), body.stop_list(), requested, images, logprobs)
