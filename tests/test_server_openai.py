@@ -5,6 +5,7 @@ engine, jsonschema, numpy softmax)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,3 +221,119 @@ def test_n_choices_fork_one_prefill(server: ServerProcess, client: Any, model: s
             texts[c.index] += c.delta.content or ""
     assert texts == [c.message.content for c in sampled.choices]
     assert sum(1 for ch in chunks for c in ch.choices if c.finish_reason) == 3
+
+
+# ---------------------------------------------------------------------------------------------------- tools
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _valid_call(call: Any, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    jsonschema = pytest.importorskip("jsonschema")
+    spec = next(t["function"] for t in tools if t["function"]["name"] == call.function.name)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, spec["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+    return dict(args)
+
+
+def test_forced_tool_call_is_schema_valid(client: Any, model: str) -> None:
+    tools = [WEATHER, TIME]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        out = client.chat.completions.create(
+            model=model, messages=ASK_WEATHER, tools=tools, tool_choice=choice, temperature=0, max_tokens=60
+        )
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        for call in c.message.tool_calls:
+            _valid_call(call, tools)
+        if isinstance(choice, dict):
+            assert {call.function.name for call in c.message.tool_calls} == {"get_time"}
+
+
+def test_streamed_tool_calls_reassemble_to_the_same_call(client: Any, model: str) -> None:
+    kw: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "required", "temperature": 0, "max_tokens": 40}
+    kw["parallel_tool_calls"] = False
+    whole = client.chat.completions.create(model=model, messages=ASK_WEATHER, **kw)
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model=model, messages=ASK_WEATHER, stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                slot = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                slot["name"] += d.function.name or ""
+                slot["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    want = [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.choices[0].message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == want
+
+
+def test_parallel_tool_calls_false_gives_one_call(client: Any, model: str) -> None:
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Weather in Paris, London and Rome?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
+    assert len(out.choices[0].message.tool_calls) == 1
+
+
+def test_tool_round_trip_and_the_result_is_a_shared_span(client: Any, model: str) -> None:
+    first = client.chat.completions.create(
+        model=model,
+        messages=ASK_WEATHER,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=40,
+    )
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    result = "Paris: 18 degrees celsius, light rain, wind 12 km/h from the west, humidity 81 percent. " * 2
+    history = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+    final = client.chat.completions.create(
+        model=model, messages=history, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=8
+    )
+    assert final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.content
+    assert final.choices[0].message.tool_calls is None
+    # Two agents of one workflow read the same tool result: the second reuses its span.
+    opts = {"kvcmas": {"workflow": "tool-sharing", "method": "fullshared"}}
+    for i, system in enumerate(("You are a travel agent.", "You are a weather reporter.")):
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, *history],
+            temperature=0,
+            max_tokens=4,
+            extra_body=opts,
+        )
+        reused = out.model_extra["kvcmas"]["reused_tokens"]
+        if i == 1:
+            assert reused >= 60, out.model_extra["kvcmas"]

@@ -3,10 +3,14 @@ the tool-call parsers on well-formed and malformed output, and grammar-constrain
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pytest
 
 from kvcmas_cpp.sampling import Sampler, SamplingParams, token_logprobs
+from kvcmas_cpp.tools import ToolCallStream, format_tool_call, parse_tool_calls, render_tool_messages
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -50,3 +54,106 @@ def test_token_logprobs_is_log_softmax() -> None:
     assert lp.logprob == pytest.approx(ref[7], abs=1e-9)
     assert [t for t, _ in lp.top] == list(np.argsort(-ref)[:5])
     assert [v for _, v in lp.top] == pytest.approx(list(np.sort(ref)[::-1][:5]))
+
+
+# ------------------------------------------------------------------------------------------- tool-call parsers
+NAMES = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize(
+    "text,content,calls",
+    [
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            None,
+            [("get_weather", {"city": "Paris"})],
+        ),
+        (
+            'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>',
+            "Let me check.",
+            [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Rome"})],
+        ),
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+            None,  # stopped before closing
+            [("get_weather", {"city": "Oslo"})],
+        ),
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+        ('```json\n[{"name": "get_time", "parameters": {"zone": "CET"}}]\n```', None, [("get_time", {"zone": "CET"})]),
+        (
+            '{"tool_calls": [{"type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}',
+            None,
+            [("get_time", {})],
+        ),
+        ("The weather is nice.", "The weather is nice.", []),
+    ],
+)
+def test_tool_call_parser_reads_well_formed_calls(text: str, content: str | None, calls: list[Any]) -> None:
+    got_content, got = parse_tool_calls(text, NAMES)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
+        '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # unknown tool
+        '<tool_call>\n["get_weather", {"city": "Paris"}]\n</tool_call>',  # not an object
+        '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
+        '<tool_call>\n{"name": "get_weather", "arguments": "not json"}\n</tool_call>',
+        '{"name": "get_weather", "arguments": {"city": "Paris"}',  # truncated generic form
+        '{"answer": 42}',  # JSON, but not a call
+        "<tool_call",  # a partial tag at the end
+        "",
+    ],
+)
+def test_malformed_tool_calls_stay_plain_content(text: str) -> None:
+    content, calls = parse_tool_calls(text, NAMES)
+    assert calls == []
+    assert content == (text or None)
+
+
+def test_streamed_parsing_equals_whole_parsing_at_every_split() -> None:
+    text = (
+        'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool_call>"}}\n</tool_call>'
+    )
+    whole_content, whole = parse_tool_calls(text, NAMES)
+    for step in (1, 2, 3, 7, 13):
+        stream = ToolCallStream(frozenset(NAMES))
+        pieces: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for i in range(0, len(text), step):
+            c, new = stream.feed(text[i : i + step])
+            pieces.append(c)
+            calls += new
+        c, new = stream.finish()
+        pieces.append(c)
+        calls += new
+        assert "".join(pieces).strip() == whole_content
+        assert [x["function"] for x in calls] == [x["function"] for x in whole]
+    # content before the first call streams out before the call completes
+    stream = ToolCallStream(frozenset(NAMES))
+    assert stream.feed("Sure. <tool_")[0] == "Sure."
+
+
+def test_tool_messages_render_as_spans() -> None:
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    msgs = render_tool_messages(
+        [
+            {"role": "system", "content": "You are a clock."},
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+        ],
+        tools,
+    )
+    assert msgs[0]["content"].startswith("You are a clock.\n\n# Tools") and '"get_time"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content": format_tool_call("get_time", '{"zone": "UTC"}')}
+    assert msgs[3] == {"role": "tool", "content": "12:00"}
+    # the call as written reads back as the same call
+    assert parse_tool_calls(msgs[2]["content"], NAMES)[1][0]["function"] == calls[0]["function"]

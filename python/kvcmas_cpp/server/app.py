@@ -33,6 +33,7 @@ from ..model import Model
 from ..tools import ToolCallStream
 from .backend import Segment
 from .choices import Choice
+from .structured import output_plan
 from .metrics import Metrics
 from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -530,6 +531,7 @@ class Server:
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
         max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
+        plan = await run_in_threadpool(output_plan, body, self.model)  # tools, response_format
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
@@ -552,13 +554,16 @@ class Server:
             session_key=(workflow, method),
             segments=segments,
             n_prompt=n_prompt,
+            constraint=plan.constraint,
         )
         self._submit(job)
         extra: dict[str, Any] = {"workflow": workflow, "agent": agent}
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
+        return await self._respond(
+            job, queue, request, "chat", body.stream, include_usage, extra, "", plan.parse_tools
+        )
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse("completion", request)

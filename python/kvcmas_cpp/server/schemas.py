@@ -12,7 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from ..tools import render_tool_messages
 
 Number = StrictFloat | StrictInt
 MAX_CHOICES = 16  # n: choices per request (forks of one prefill)
@@ -48,11 +60,66 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionDef(_Body):
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: StrictBool | None = None  # arguments always follow the schema when the call is constrained
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: StrictStr = Field(max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the output always follows the schema (constrained decoding)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' (and only then)")
+        return self
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     refusal: StrictStr | None = None  # echoed back by clients that resend a reply; not rendered
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: StrictStr | None = None  # tool messages: the call this is the result of
 
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
@@ -145,6 +212,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def logprobs_top(self) -> int | None:
         """None: no logprobs; else how many alternatives per token."""
@@ -166,8 +249,11 @@ class ChatCompletionRequest(_Sampling):
             msg: dict[str, Any] = {"role": m.role, "content": m.text(image_marker)}
             if m.name is not None:
                 msg["name"] = m.name  # kept: templates that know names render it (e.g. an agent's name)
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             out.append(msg)
-        return out
+        # tools into the system prompt, tool calls into their assistant message's text (kvcmas_cpp.tools)
+        return render_tool_messages(out, self.tool_dicts())
 
 
 class CompletionRequest(_Sampling):
