@@ -337,3 +337,57 @@ def test_tool_round_trip_and_the_result_is_a_shared_span(client: Any, model: str
         reused = out.model_extra["kvcmas"]["reused_tokens"]
         if i == 1:
             assert reused >= 60, out.model_extra["kvcmas"]
+
+
+# --------------------------------------------------------------------------------------------- structured output
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+}
+
+
+def test_json_schema_output_validates_over_twenty_seeds(client: Any, model: str) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    texts: list[str] = []
+    for seed in (1, 100):  # 2 x 10 choices: seeds 1..10 and 100..109 (forks of one prefill each)
+        out = client.chat.completions.create(
+            model=model, messages=messages, response_format=fmt, temperature=1.0, seed=seed, n=10, max_tokens=60
+        )
+        texts += [c.message.content for c in out.choices]
+        assert all(c.finish_reason == "stop" for c in out.choices)
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, response_format=fmt, temperature=1.0, seed=1, max_tokens=60, stream=True
+    )
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == texts[0]
+
+
+def test_json_object_and_bad_schemas(client: Any, model: str) -> None:
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=60,
+    )
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert out.choices[0].message.content.startswith("{")
+    for fmt in (
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        {"type": "json_schema"},
+        {"type": "yaml"},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=HELLO, response_format=fmt, max_tokens=2)
+        assert e.value.body["param"].startswith("response_format"), e.value.body

@@ -157,3 +157,78 @@ def test_tool_messages_render_as_spans() -> None:
     assert msgs[3] == {"role": "tool", "content": "12:00"}
     # the call as written reads back as the same call
     assert parse_tool_calls(msgs[2]["content"], NAMES)[1][0]["function"] == calls[0]["function"]
+
+
+# ------------------------------------------------------------------------------------------ constrained decoding
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Any) -> Any:
+    pytest.importorskip("llguidance")
+    import kvcmas_cpp as kc
+
+    return kc.Model(str(default_model_path), n_threads=1).tokenizer
+
+
+def _drive(constraint: Any, tok: Any, rng: np.random.Generator, max_steps: int = 400) -> str:
+    """Random logits under the mask until the grammar ends: the mask alone must keep the output valid."""
+    out: list[int] = []
+    for _ in range(max_steps):
+        allowed = constraint.allowed()
+        logits = rng.normal(size=allowed.shape[0]).astype(np.float32)
+        token = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=int(rng.integers(1 << 30))))
+        t = token.sample(logits, allowed=allowed)
+        if t in tok.eog_ids:
+            break
+        constraint.accept(t)
+        out.append(t)
+        if constraint.finished:
+            break
+    return str(tok.decode(out))
+
+
+def test_json_schema_mask_keeps_random_draws_valid(tokenizer: Any) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from kvcmas_cpp.constrained import Constraint, json_object_grammar, json_schema_grammar  # noqa: I001
+
+    rng = np.random.default_rng(0)
+    grammar = json_schema_grammar(BOUNDED)
+    for _ in range(5):
+        text = _drive(Constraint(tokenizer, grammar), tokenizer, rng)
+        jsonschema.validate(json.loads(text), BOUNDED)
+    c = Constraint(tokenizer, json_object_grammar())
+    first = [tokenizer.token_to_piece(int(t)) for t in np.flatnonzero(c.allowed())]
+    assert first and all(p.startswith(b"{") for p in first)  # an object, nothing before it
+
+
+def test_tool_call_grammar_and_fork(tokenizer: Any) -> None:
+    from kvcmas_cpp.constrained import Constraint, tool_call_grammar
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": BOUNDED}}]
+    c = Constraint(tokenizer, tool_call_grammar(tools, parallel=False))
+    rng = np.random.default_rng(1)
+    fork = c.fork()
+    text = _drive(c, tokenizer, rng)
+    _, calls = parse_tool_calls(text, ["get_time"])
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_time", text
+    assert not fork.finished and fork.allowed().sum() < 50  # the fork is still at the start: "<" of "<tool_call>"
+
+
+def test_bad_schemas_are_refused(tokenizer: Any) -> None:
+    from kvcmas_cpp.constrained import Constraint, GrammarError, json_schema_grammar
+
+    for bad in ({"type": "strin"}, {"$ref": "#/nowhere"}):
+        with pytest.raises(GrammarError):
+            Constraint(tokenizer, json_schema_grammar(bad))
+    with pytest.raises(GrammarError):
+        json_schema_grammar([1, 2])  # type: ignore[arg-type]

@@ -42,16 +42,24 @@ class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile (the message says why)."""
 
 
-def _closed_objects(schema: Any) -> Any:
+def _closed_objects(schema: Any, close: bool = True) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties and does not
     say: what is generated still validates against the original schema (a subset of what it allows), and a small
-    model does not go on inventing keys."""
+    model does not go on inventing keys. The parts of an allOf stay open (closing one would refuse the properties
+    the others add)."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [_closed_objects(s, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed_objects(v) if k not in ("const", "enum", "default", "examples") else v for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("const", "enum", "default", "examples"):
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = _closed_objects(value, close and key != "allOf")
+    if close and isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out
 

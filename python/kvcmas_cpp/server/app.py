@@ -33,10 +33,10 @@ from ..model import Model
 from ..tools import ToolCallStream
 from .backend import Segment
 from .choices import Choice
-from .structured import output_plan
 from .metrics import Metrics
 from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured import output_plan
 from .validation import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -561,9 +561,7 @@ class Server:
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(
-            job, queue, request, "chat", body.stream, include_usage, extra, "", plan.parse_tools
-        )
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "", plan.parse_tools)
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse("completion", request)

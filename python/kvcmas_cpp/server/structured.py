@@ -5,6 +5,7 @@ json_schema, constrained decoding). The grammars are llguidance's (kvcmas_cpp.co
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from ..constrained import Constraint, GrammarError, json_object_grammar, json_schema_grammar, tool_call_grammar
 from ..model import Model
 from .schemas import ChatCompletionRequest, NamedToolChoice
@@ -52,7 +53,8 @@ def output_plan(body: ChatCompletionRequest, model: Model) -> OutputPlan:
                 grammar = json_schema_grammar(fmt.json_schema.schema_ or {})
         constraint = Constraint(model.tokenizer, grammar, model.n_vocab) if grammar is not None else None
     except GrammarError as e:
-        raise ApiError(400, f"{param}: the schema cannot be compiled to a grammar: {e}", "invalid_schema", param) from None
+        message = f"{param}: the schema cannot be compiled to a grammar: {e}"
+        raise ApiError(400, message, "invalid_schema", param) from None
     except ImportError:
         raise ApiError(
             400, "structured output and forced tool calls need the llguidance package", "unsupported", param
