@@ -391,3 +391,37 @@ def test_json_object_and_bad_schemas(client: Any, model: str) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=HELLO, response_format=fmt, max_tokens=2)
         assert e.value.body["param"].startswith("response_format"), e.value.body
+
+
+# ------------------------------------------------------------------------------------------ utility endpoints
+def test_tokenize_detokenize_round_trip(server: ServerProcess, engine: kc.Model) -> None:
+    text = "Héllo, wörld! <|im_start|> 你好 🙂"
+    status, _, out = server.request("POST", "/tokenize", {"content": text})
+    assert status == 200 and out["tokens"] == engine.tokenize(text, add_special=False)
+    status, _, back = server.request("POST", "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back["content"] == text
+    status, _, pieces = server.request("POST", "/tokenize", {"content": text, "with_pieces": True})
+    assert [p["id"] for p in pieces["tokens"]] == out["tokens"]
+    joined = b"".join(
+        p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces["tokens"]
+    )
+    assert joined.decode() == text
+    _, _, plain = server.request("POST", "/tokenize", {"content": "<|im_start|>", "parse_special": False})
+    assert len(plain["tokens"]) > 1  # the text, not the special token
+    for path, body in (("/detokenize", {"tokens": [engine.n_vocab]}), ("/tokenize", {"text": "x"})):
+        status, _, err = server.request("POST", path, body)
+        assert status == 400 and err["error"]["type"] == "invalid_request_error", err
+
+
+def test_apply_template_and_props(server: ServerProcess, engine: kc.Model, default_model_path: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    status, _, out = server.request("POST", "/apply-template", {"messages": messages})
+    assert status == 200 and out["prompt"] == engine.apply_chat_template(messages)
+    status, _, out = server.request("POST", "/apply-template", {"messages": messages, "tools": [WEATHER]})
+    assert status == 200 and "<tools>" in out["prompt"] and '"get_weather"' in out["prompt"]
+    status, _, props = server.request("GET", "/props")
+    assert status == 200
+    assert props["model_path"] == str(default_model_path) and props["n_ctx"] == engine.n_ctx
+    assert props["method"] == "kvcmas" and props["total_slots"] == 4
+    assert props["chat_template"] == engine.tokenizer.chat_template
+    assert props["backends"][0]["name"] == "cpu" and props["build_info"].startswith("kvcmas ")

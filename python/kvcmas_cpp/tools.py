@@ -56,7 +56,7 @@ def format_tool_call(name: str, arguments: str) -> str:
     try:
         json.loads(arguments)
         args = arguments
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         args = json.dumps(arguments, ensure_ascii=False)  # not JSON: carried as a string
     return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{CLOSE}'
 
@@ -104,7 +104,7 @@ def _as_call(obj: Any, names: frozenset[str] | None) -> dict[str, Any] | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -118,7 +118,7 @@ def _generic_calls(text: str, names: frozenset[str] | None) -> list[dict[str, An
         s = s.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
     try:
         obj = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     items = obj.get("tool_calls") if isinstance(obj, dict) and "tool_calls" in obj else obj
     items = items if isinstance(items, list) else [items]
@@ -203,7 +203,7 @@ class ToolCallStream:
         inner = block[len(OPEN) : -len(CLOSE)].strip()
         try:
             return _as_call(json.loads(inner), self.names)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
 

@@ -37,6 +37,7 @@ from .metrics import Metrics
 from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .structured import output_plan
+from .utility import utility_routes
 from .validation import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -280,6 +281,8 @@ class Server:
             app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
             app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
         app.add_api_route("/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, methods=["DELETE"])
+        for path, handler, methods in utility_routes(self):  # /tokenize, /detokenize, /apply-template, /props
+            app.add_api_route(path, handler, methods=methods)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         known = frozenset(
@@ -437,6 +440,13 @@ class Server:
 
     async def _parse(self, kind: Literal["chat", "completion"], request: Request) -> ParsedRequest:
         """Reads the body (at most --max-body-bytes, whatever Content-Length said) and validates it."""
+        raw = await self.read_body(request)
+        if len(raw) < 65536:
+            return parse_request(kind, raw, self.limits)
+        return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, at most --max-body-bytes (413 beyond, whatever Content-Length said)."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -452,10 +462,7 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
             raise ApiError(499, "the client disconnected while sending the body", "client_disconnected") from None
-        raw = b"".join(chunks)
-        if size < 65536:
-            return parse_request(kind, raw, self.limits)
-        return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
+        return b"".join(chunks)
 
     async def _encode_image(self, data: bytes) -> np.ndarray:
         """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""

@@ -11,9 +11,9 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..sampling import SamplingParams
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -135,8 +135,11 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
     return params
 
 
-def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limits) -> ParsedRequest:
-    """Raw POST body -> ParsedRequest. Raises ApiError (413 for an oversized body, 400 for anything invalid)."""
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
+    """Raw POST body -> a validated `schema` instance. Raises ApiError (413 oversized, 400 invalid)."""
     if len(raw) > limits.max_body_bytes:
         raise ApiError(
             413, f"the request body has {len(raw)} bytes; the limit is {limits.max_body_bytes}", "body_too_large"
@@ -147,14 +150,20 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request") from None
-    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
-        body: ChatCompletionRequest | CompletionRequest = schema.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
         raise ApiError(400, message, "invalid_request", param) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
+
+
+def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limits) -> ParsedRequest:
+    """Raw POST body -> ParsedRequest. Raises ApiError (413 for an oversized body, 400 for anything invalid)."""
+    body: ChatCompletionRequest | CompletionRequest = (
+        parse_body(raw, ChatCompletionRequest, limits) if kind == "chat" else parse_body(raw, CompletionRequest, limits)
+    )
     requested = body.effective_max_tokens()
     if requested is not None and requested > limits.max_tokens:
         param = (
