@@ -425,3 +425,89 @@ def test_apply_template_and_props(server: ServerProcess, engine: kc.Model, defau
     assert props["method"] == "kvcmas" and props["total_slots"] == 4
     assert props["chat_template"] == engine.tokenizer.chat_template
     assert props["backends"][0]["name"] == "cpu" and props["build_info"].startswith("kvcmas ")
+
+
+# ---------------------------------------------------------------------------------------------- /v1/responses
+RESP_WEATHER = {"type": "function", "strict": True, **{k: v for k, v in WEATHER["function"].items()}}
+
+
+def test_responses_text_matches_chat(client: Any, model: str) -> None:
+    out = client.responses.create(
+        model=model, instructions="Be brief.", input="Name a color.", max_output_tokens=8, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert out.object == "response" and out.id.startswith("resp_")
+    assert out.output_text == chat.choices[0].message.content
+    assert (
+        out.usage.input_tokens == chat.usage.prompt_tokens and out.usage.output_tokens == chat.usage.completion_tokens
+    )
+    assert out.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(
+        client.responses.create(
+            model=model,
+            instructions="Be brief.",
+            input="Name a color.",
+            max_output_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{out.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output[0].content[0].text == out.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_agents_sdk_shape_with_function_tools(client: Any, model: str) -> None:
+    """The request the OpenAI Agents SDK sends: input items, function tools (flat, strict), include=[]."""
+    request: dict[str, Any] = {
+        "model": model,
+        "instructions": "You are a weather agent. Use the tools.",
+        "input": [{"content": "What is the weather in Paris?", "role": "user"}],
+        "tools": [RESP_WEATHER],
+        "include": [],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_output_tokens": 40,
+    }
+    out = client.responses.create(**request)
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    streamed = list(client.responses.create(**request, stream=True))
+    done = [e.item for e in streamed if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(calls[0].name, calls[0].arguments)]
+    # the round trip: the call and its output go back as input items
+    follow = client.responses.create(
+        **{
+            **request,
+            "tool_choice": "none",
+            "max_output_tokens": 8,
+            "input": [
+                *request["input"],
+                {
+                    "type": "function_call",
+                    "call_id": calls[0].call_id,
+                    "name": "get_weather",
+                    "arguments": calls[0].arguments,
+                },
+                {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 24 degrees celsius."},
+            ],
+        }
+    )
+    assert follow.output_text and not [i for i in follow.output if i.type == "function_call"]
+    for bad in (
+        {"previous_response_id": "resp_x"},
+        {"include": ["reasoning.encrypted_content"]},
+        {"tools": [{"type": "web_search"}]},
+    ):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=model, input="hi", max_output_tokens=2, extra_body=bad)

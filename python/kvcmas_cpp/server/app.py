@@ -516,7 +516,10 @@ class Server:
         return messages, segments
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = await self._parse("chat", request)
+        return await self.chat(await self._parse("chat", request), request)
+
+    async def chat(self, parsed: ParsedRequest, request: Request) -> Response:
+        """A validated chat request, answered as chat.completion (or its chunks); /v1/responses goes through here."""
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)

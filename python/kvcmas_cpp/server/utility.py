@@ -1,5 +1,6 @@
 """The endpoints people script against, in llama.cpp server's shapes: POST /tokenize, POST /detokenize,
-POST /apply-template and GET /props. They never touch the engine (tokenizer and chat template only)."""
+POST /apply-template and GET /props (tokenizer and chat template only, never the engine); and POST /v1/responses
+(responses.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from .._native import core
+from .responses import create_response
 from .schemas import ChatCompletionRequest, _Body
 from .validation import ApiError, parse_body
 
 if TYPE_CHECKING:
     from .app import Server
 
-Handler = Callable[[Request], Awaitable[dict[str, Any]]]
+Handler = Callable[[Request], Awaitable[Any]]
 
 
 class TokenizeRequest(_Body):
@@ -99,7 +102,11 @@ def utility_routes(server: Server) -> list[tuple[str, Handler, list[str]]]:
             },
         }
 
+    async def responses(request: Request) -> Response:
+        return await create_response(server, request)
+
     return [
+        ("/v1/responses", responses, ["POST"]),
         ("/tokenize", tokenize, ["POST"]),
         ("/detokenize", detokenize, ["POST"]),
         ("/apply-template", apply_template, ["POST"]),
