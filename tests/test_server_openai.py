@@ -511,3 +511,44 @@ def test_responses_agents_sdk_shape_with_function_tools(client: Any, model: str)
     ):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model=model, input="hi", max_output_tokens=2, extra_body=bad)
+
+
+# ------------------------------------------------------------------------------ the Python API, one implementation
+def test_model_chat_gives_what_the_server_gives(client: Any, model: str, engine: kc.Model) -> None:
+    kw: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    got = engine.chat(ASK_WEATHER, max_tokens=40, temperature=0, **kw)
+    want = client.chat.completions.create(model=model, messages=ASK_WEATHER, max_tokens=40, temperature=0, **kw)
+    assert got.finish_reason == "tool_calls" and got.tool_calls is not None
+    assert [c["function"] for c in got.tool_calls] == [
+        c.function.model_dump() for c in want.choices[0].message.tool_calls
+    ]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    got = engine.chat(messages, response_format=fmt, max_tokens=60, temperature=0, logprobs=True, top_logprobs=2)
+    want = client.chat.completions.create(
+        model=model, messages=messages, response_format=fmt, max_tokens=60, temperature=0, logprobs=True, top_logprobs=2
+    )
+    assert got.text == want.choices[0].message.content
+    assert got.logprobs is not None
+    assert [e["token"] for e in got.logprobs] == [e.token for e in want.choices[0].logprobs.content]
+    assert [e["logprob"] for e in got.logprobs] == pytest.approx(
+        [e.logprob for e in want.choices[0].logprobs.content], abs=2e-3
+    )
+
+
+def test_agent_respond_with_tools_and_structured_output(default_model_path: Any) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from kvcmas_cpp.agents import AgentSession
+    from kvcmas_cpp.tools import tools_system_text
+
+    m = kc.Model(str(default_model_path), n_threads=1)
+    with AgentSession(m, method="fullshared") as session:
+        session.share("What is the weather like in Paris today?")
+        caller = session.agent("caller", "You are a weather agent.\n\n" + tools_system_text([WEATHER]))
+        reply = caller.respond(40, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, logprobs=True)
+        assert reply.finish_reason == "tool_calls" and reply.tool_calls and len(reply.tool_calls) == 1
+        jsonschema.validate(json.loads(reply.tool_calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+        assert reply.logprobs is not None and len(reply.logprobs) == len(reply.ids)
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        person = session.agent("writer", "You write JSON.").respond(60, response_format=fmt)
+        jsonschema.validate(json.loads(person.text), PERSON)

@@ -27,6 +27,7 @@ __all__ = [
     "GrammarError",
     "json_object_grammar",
     "json_schema_grammar",
+    "output_constraint",
     "tool_call_grammar",
 ]
 
@@ -39,7 +40,12 @@ TOOL_CALL_CLOSE = "\n</tool_call>"
 
 
 class GrammarError(ValueError):
-    """A schema or grammar llguidance cannot compile (the message says why)."""
+    """A schema or grammar llguidance cannot compile, or output settings that contradict each other (the message
+    says why; param names the request field: "tools", "tool_choice" or "response_format")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _closed_objects(schema: Any, close: bool = True) -> Any:
@@ -79,7 +85,7 @@ def json_schema_grammar(schema: Mapping[str, Any]) -> str:
     try:
         grammar: str = llguidance.LLMatcher.grammar_from_json_schema(_with_options(schema))
     except ValueError as e:
-        raise GrammarError(f"invalid JSON schema: {e}") from None
+        raise GrammarError(f"invalid JSON schema: {e}", "response_format") from None
     return grammar
 
 
@@ -192,3 +198,60 @@ class Constraint:
     def finished(self) -> bool:
         """True once the grammar admits no further token: the output is complete."""
         return bool(self._matcher.is_stopped())
+
+
+def output_constraint(
+    tok: Tokenizer,
+    n_logits: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    response_format: Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
+) -> tuple[Constraint | None, frozenset[str] | None]:
+    """OpenAI's output settings (tools, tool_choice, response_format, as their JSON objects) -> (the constraint the
+    output follows or None, the names of the tools whose calls are read from the output or None).
+
+    tool_choice "required" or a named function forces a call (constrained); "auto" (the default with tools) leaves
+    the output free and reads calls from it; "none" reads none. response_format json_object / json_schema
+    constrains the output to JSON. Raises GrammarError (with .param) for schemas llguidance cannot compile and
+    contradicting settings."""
+    tools = list(tools or [])
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or tool.get("type") != "function" or not isinstance(fn.get("name"), str):
+            raise GrammarError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", "tools")
+    names = [t["function"]["name"] for t in tools]
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, Mapping):
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise GrammarError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        forced = [t for t in tools if t["function"]["name"] == name]
+    elif choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise GrammarError("tool_choice 'required' needs tools", "tool_choice")
+        forced = tools if choice == "required" else []
+    else:
+        raise GrammarError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}")
+    fmt_type = (response_format or {}).get("type", "text")
+    if fmt_type not in ("text", "json_object", "json_schema"):
+        raise GrammarError(f"response_format type must be text, json_object or json_schema, got {fmt_type!r}")
+    grammar: str | None = None
+    param = "tools"
+    if forced:
+        if fmt_type != "text":
+            raise GrammarError("response_format cannot be combined with a forced tool call", "response_format")
+        grammar = tool_call_grammar(forced, parallel_tool_calls)
+    elif fmt_type == "json_object":
+        param, grammar = "response_format", json_object_grammar()
+    elif fmt_type == "json_schema":
+        param = "response_format"
+        spec = (response_format or {}).get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise GrammarError("response_format json_schema needs a 'json_schema' object", param)
+        grammar = json_schema_grammar(spec.get("schema") or {})
+    try:
+        constraint = Constraint(tok, grammar, n_logits) if grammar is not None else None
+    except GrammarError as e:
+        raise GrammarError(f"the schema cannot be compiled to a grammar: {e}", param) from None
+    return constraint, (frozenset(names) if names and choice != "none" else None)

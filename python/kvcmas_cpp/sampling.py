@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampler", "SamplingParams", "StopMatcher", "TokenLogprob", "token_logprobs"]
+__all__ = ["Sampler", "SamplingParams", "StopMatcher", "TokenLogprob", "chat_logprobs", "token_logprobs"]
 
 
 @dataclass
@@ -260,6 +261,17 @@ def token_logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> TokenLogpr
         order = part[np.argsort(-x[part], kind="stable")]
         top = [(int(i), float(x[i] - log_z)) for i in order]
     return TokenLogprob(int(token), float(x[token] - log_z), top)
+
+
+def chat_logprobs(tokenizer: Any, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs "content" entries ({"token", "logprob", "bytes", "top_logprobs"}) of these tokens;
+    tokenizer: anything with token_to_piece(id) -> bytes."""
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        raw = tokenizer.token_to_piece(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
+
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
 class StopMatcher:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling import TokenLogprob
+from ..sampling import TokenLogprob, chat_logprobs
 from ..tokenizer import Tokenizer
 from ..tools import ToolCallStream
 from .scheduler import Delta, Done
@@ -15,19 +15,6 @@ from .scheduler import Delta, Done
 def _piece(tok: Tokenizer, token: int) -> tuple[str, list[int]]:
     raw = tok.token_to_piece(token)
     return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI's chat logprobs object for these tokens."""
-    content = []
-    for lp in lps:
-        text, raw = _piece(tok, lp.token)
-        top = []
-        for token, value in lp.top:
-            t_text, t_raw = _piece(tok, token)
-            top.append({"token": t_text, "logprob": value, "bytes": t_raw})
-        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
-    return {"content": content, "refusal": None}
 
 
 def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -107,7 +94,7 @@ class Choice:
 
     def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         if self.kind == "chat":
-            return chat_logprobs(self.tok, lps)
+            return {"content": chat_logprobs(self.tok, lps), "refusal": None}
         return completion_logprobs(self.tok, lps, self.offset)
 
     # ------------------------------------------------------------------------------------------------- whole
@@ -121,7 +108,7 @@ class Choice:
         lp = None
         if self.logprobs is not None:
             lp = (
-                chat_logprobs(self.tok, self.logprobs)
+                {"content": chat_logprobs(self.tok, self.logprobs), "refusal": None}
                 if self.kind == "chat"
                 else completion_logprobs(self.tok, self.logprobs, self.echo_len)
             )

@@ -1,14 +1,15 @@
 """What a chat request asks of its output beyond text: tool calls (parsed from the output; forced by constrained
 decoding under tool_choice "required" or a named function) and structured output (response_format json_object /
-json_schema, constrained decoding). The grammars are llguidance's (kvcmas_cpp.constrained)."""
+json_schema, constrained decoding). The logic is kvcmas_cpp.constrained.output_constraint, shared with Model.chat;
+this maps a request body onto it and its errors onto 400s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constrained import Constraint, GrammarError, json_object_grammar, json_schema_grammar, tool_call_grammar
+from ..constrained import Constraint, GrammarError, output_constraint
 from ..model import Model
-from .schemas import ChatCompletionRequest, NamedToolChoice
+from .schemas import ChatCompletionRequest
 from .validation import ApiError
 
 
@@ -24,40 +25,20 @@ class OutputPlan:
 def output_plan(body: ChatCompletionRequest, model: Model) -> OutputPlan:
     """The request's tool and response_format settings as an OutputPlan. Raises ApiError 400 for a schema the
     grammar compiler refuses or settings that contradict each other."""
-    tools = body.tool_dicts() or []
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    choice = body.tool_choice
     fmt = body.response_format
-    grammar: str | None = None
-    param = "tools"
     try:
-        if tools and choice != "none":
-            if isinstance(choice, NamedToolChoice):
-                forced = [t for t in tools if t["function"]["name"] == choice.function.name]
-            else:
-                forced = tools if choice == "required" else []
-            if forced:
-                if fmt is not None and fmt.type != "text":
-                    raise ApiError(
-                        400,
-                        "response_format cannot be combined with a forced tool call (tool_choice)",
-                        "invalid_request",
-                        "response_format",
-                    )
-                grammar = tool_call_grammar(forced, body.parallel_tool_calls is not False)
-        if grammar is None and fmt is not None and fmt.type != "text":
-            param = "response_format"
-            if fmt.type == "json_object":
-                grammar = json_object_grammar()
-            else:
-                assert fmt.json_schema is not None
-                grammar = json_schema_grammar(fmt.json_schema.schema_ or {})
-        constraint = Constraint(model.tokenizer, grammar, model.n_vocab) if grammar is not None else None
+        constraint, names = output_constraint(
+            model.tokenizer,
+            model.n_vocab,
+            body.tool_dicts(),
+            choice.model_dump() if choice is not None and not isinstance(choice, str) else choice,
+            fmt.model_dump(by_alias=True) if fmt is not None else None,
+            body.parallel_tool_calls is not False,
+        )
     except GrammarError as e:
-        message = f"{param}: the schema cannot be compiled to a grammar: {e}"
-        raise ApiError(400, message, "invalid_schema", param) from None
+        raise ApiError(400, f"{e.param or 'request'}: {e}", "invalid_schema", e.param) from None
     except ImportError:
-        raise ApiError(
-            400, "structured output and forced tool calls need the llguidance package", "unsupported", param
-        ) from None
-    names = frozenset(t["function"]["name"] for t in tools) if tools and choice != "none" else None
+        message = "structured output and forced tool calls need the llguidance package"
+        raise ApiError(400, message, "unsupported", "response_format") from None
     return OutputPlan(constraint, names)
