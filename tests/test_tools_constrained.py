@@ -173,11 +173,16 @@ BOUNDED = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer(default_model_path: Any) -> Any:
-    pytest.importorskip("llguidance")
+def model(default_model_path: Any) -> Any:
     import kvcmas_cpp as kc
 
-    return kc.Model(str(default_model_path), n_threads=1).tokenizer
+    return kc.Model(str(default_model_path), n_threads=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model: Any) -> Any:
+    pytest.importorskip("llguidance")
+    return model.tokenizer
 
 
 def _drive(constraint: Any, tok: Any, rng: np.random.Generator, max_steps: int = 400) -> str:
@@ -232,3 +237,54 @@ def test_bad_schemas_are_refused(tokenizer: Any) -> None:
             Constraint(tokenizer, json_schema_grammar(bad))
     with pytest.raises(GrammarError):
         json_schema_grammar([1, 2])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ n > 1 in the scheduler
+def test_n_choices_are_forks_of_one_prefill(model: Any) -> None:
+    """The scheduler computes an n = 3 prompt once (one prefill call, whatever the choices) and every greedy choice
+    equals Model.generate; with a seed the choices draw differently."""
+    import threading
+
+    from kvcmas_cpp.server.metrics import Metrics
+    from kvcmas_cpp.server.scheduler import Delta, Done, Event, Job, Scheduler
+
+    ids = model.tokenize("The three primary colors are")
+    sched = Scheduler(model, "nonshared", 4, 1 << 30, 8, Metrics())
+    prefills: list[int] = []
+    real = sched._plain.prefill_chat
+
+    def counting(*args: Any, **kwargs: Any) -> Any:  # the real prefill, counted
+        prefills.append(1)
+        return real(*args, **kwargs)
+
+    sched._plain.prefill_chat = counting  # type: ignore[method-assign]
+    try:
+        for params, distinct in (
+            (SamplingParams(temperature=0.0), False),
+            (SamplingParams(temperature=1.0, seed=3), True),
+        ):
+            events: list[Event] = []
+            done = threading.Event()
+
+            def sink(e: Event, events: list[Event] = events, done: threading.Event = done) -> None:
+                events.append(e)
+                if sum(isinstance(x, Done) for x in events) == 3:
+                    done.set()
+
+            prefills.clear()
+            sched.submit(Job("n3", ids, 8, params, [], sink, n=3, logprobs=1))
+            assert done.wait(120)
+            assert len(prefills) == 1
+            texts = ["".join(e.text for e in events if isinstance(e, Delta) and e.index == i) for i in range(3)]
+            lps = [
+                [lp for e in events if isinstance(e, Delta) and e.index == i for lp in e.logprobs or []]
+                for i in range(3)
+            ]
+            if not distinct:
+                want = model.generate(ids, max_tokens=8, temperature=0)
+                assert texts == [want.text] * 3
+                assert [len(x) for x in lps] == [len(want.tokens)] * 3
+            else:
+                assert len(set(texts)) > 1
+    finally:
+        sched.stop()

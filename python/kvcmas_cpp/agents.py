@@ -342,7 +342,8 @@ class Agent:
         if names is not None:
             _, calls = parse_tool_calls(last.text, names)
             if calls:
-                last.tool_calls, last.finish_reason = calls, "tool_calls"
+                last.tool_calls = calls
+                last.finish_reason = "tool_calls" if last.finish_reason == "stop" else last.finish_reason
         return last
 
     async def arespond(self, max_tokens: int = 256, **kwargs: Any) -> Response:

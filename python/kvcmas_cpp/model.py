@@ -440,7 +440,8 @@ class Model:
         if isinstance(out, Completion) and names is not None:
             content, calls = parse_tool_calls(out.text, names)
             if calls:
-                out.text, out.tool_calls, out.finish_reason = content or "", calls, "tool_calls"
+                out.text, out.tool_calls = content or "", calls
+                out.finish_reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
         return out
 
     def _generate(

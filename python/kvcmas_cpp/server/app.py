@@ -502,12 +502,14 @@ class Server:
             app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
             app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
         app.add_api_route("/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, methods=["DELETE"])
-        for path, handler, methods in utility_routes(self):  # /tokenize, /detokenize, /apply-template, /props
+        extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
+        for path, handler, methods in extra_routes:
             app.add_api_route(path, handler, methods=methods)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
+            | {path for path, _, _ in extra_routes}
         )
         if self.cfg.cors_origins:  # off unless asked: browsers on other origins get no CORS headers
             from starlette.middleware.cors import CORSMiddleware

@@ -101,7 +101,8 @@ class Choice:
     @property
     def finish_reason(self) -> str:
         assert self.done is not None
-        return "tool_calls" if self.tool_calls else self.done.finish_reason
+        # cut by max_tokens stays "length" (a later call may be cut off), as OpenAI reports it
+        return "tool_calls" if self.tool_calls and self.done.finish_reason == "stop" else self.done.finish_reason
 
     def final(self) -> dict[str, Any]:
         """The non-streamed choice object (after on_done)."""
