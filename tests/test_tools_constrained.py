@@ -288,3 +288,21 @@ def test_n_choices_are_forks_of_one_prefill(model: Any) -> None:
                 assert len(set(texts)) > 1
     finally:
         sched.stop()
+
+
+def test_bench_constrained_reports_overhead_and_coverage(default_model_path: Any, capsys: Any) -> None:
+    """`kvcmas bench constrained` runs end to end (few tokens): the mask's share of a decode step and the schema
+    coverage table, llguidance compiling every schema but the if/then one it refuses by name."""
+    import argparse
+
+    from kvcmas_cpp.bench_constrained import add_constrained_arguments, run_constrained
+
+    p = argparse.ArgumentParser()
+    add_constrained_arguments(p)
+    args = p.parse_args(["--model", str(default_model_path), "--tokens", "3", "--rounds", "1", "--threads", "2"])
+    args.json = True
+    assert run_constrained(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["decode"]["mask_ms_per_token"] < out["decode"]["engine_ms_per_token"]
+    ll = {name: r["llguidance"] for name, r in out["coverage"].items()}
+    assert [n for n, r in ll.items() if not r["ok"]] == ["if/then"] and "if" in ll["if/then"]["error"]
