@@ -36,7 +36,9 @@ class TensorPlan:
 
 
 def _int(config: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    value = config.get(key, default)
+    value = config.get(key)
+    if value is None:  # absent, or null as transformers writes unset optional values
+        value = default
     if value is None:
         raise ConvertError(f"{where}: config.json has no '{key}'")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -97,6 +99,7 @@ class ModelClass:
         self.n_head = _int(c, "num_attention_heads", where)
         self.n_head_kv = _int(c, "num_key_value_heads", where, self.n_head)
         self.head_dim = _int(c, "head_dim", where, self.n_embd // self.n_head)
+        self.explicit_head_dim = c.get("head_dim") is not None
         self.n_ctx = _int(c, "max_position_embeddings", where, 4096)
         self.rms_eps = float(c.get("rms_norm_eps", 1e-6))
         self.tied = bool(c.get("tie_word_embeddings", False))
@@ -132,7 +135,8 @@ class ModelClass:
         writer.add_float32(a + C.ARCH_KEY_ROPE_FREQ_BASE, self.rope_base)
         writer.add_uint32(a + C.ARCH_KEY_ROPE_DIMENSION_COUNT, self.head_dim)
         writer.add_uint32(a + C.ARCH_KEY_VOCAB_SIZE, self.n_vocab)
-        if self.head_dim != self.n_embd // self.n_head:
+        # llama.cpp's converter writes the head size whenever config.json gives one (even hidden / heads).
+        if self.explicit_head_dim or self.head_dim != self.n_embd // self.n_head:
             writer.add_uint32(a + C.ARCH_KEY_KEY_LENGTH, self.head_dim)
             writer.add_uint32(a + C.ARCH_KEY_VALUE_LENGTH, self.head_dim)
         if self.rope_type == "linear":
