@@ -740,6 +740,14 @@ def large_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def _default_signals() -> None:
+    """In the child: the default dispositions (a background shell starts its jobs with SIGINT ignored)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_signal_mid_write_leaves_no_temporary(large_checkpoint: Path, tmp_path: Path, signame: str) -> None:
     """A real conversion signalled while its temporary file is being filled: the process ends by that signal, the
@@ -754,15 +762,18 @@ def test_signal_mid_write_leaves_no_temporary(large_checkpoint: Path, tmp_path: 
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcmas_convert", str(large_checkpoint), "-o", str(out), "--outtype", "q4_0",
          "--no-vocab", "--no-progress", "--force"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_signals,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         tmp = None
         while time.monotonic() < deadline and proc.poll() is None:
             found = [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
-            if found and found[0].stat().st_size > (2 << 20):  # header written, tensors being written
-                tmp = found[0]
+            try:
+                if found and found[0].stat().st_size > (2 << 20):  # header written, tensors being written
+                    tmp = found[0]
+                    break
+            except FileNotFoundError:  # renamed into place meanwhile: the assertion below reports it
                 break
             time.sleep(0.005)
         assert tmp is not None and proc.poll() is None, "the conversion ended before it could be signalled"
