@@ -265,6 +265,10 @@ class Model:
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
+    layer_window = property(
+        lambda self: list(self._core.layer_window),
+        doc="per layer: how many of the last positions a query attends to (sliding window); 0: all of them",
+    )
 
     @property
     def kv_bytes_in_use(self) -> int:
