@@ -87,6 +87,7 @@ void Model::load_params() {
             KC_CHECK(type == "none" || type == "llama3", "%s: rope scaling '%s' is not supported", path, type.c_str());
         }
     }
+    load_sliding_window();
     arch_->configure(p_);
     const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
     KC_CHECK(emb != nullptr, "%s: tensor '%s' is missing", path, names::kTensorTokenEmbd);
@@ -107,6 +108,37 @@ void Model::load_params() {
             inv /= factors[j];
         }
         rope_.inv_freq[static_cast<size_t>(j)] = static_cast<float>(inv * p_.rope_scale);
+    }
+}
+
+void Model::load_sliding_window() {
+    const gguf::GgufFile & f    = *file_;
+    const std::string      a    = p_.arch + ".";
+    const char *           path = f.path().c_str();
+    p_.layer_window.assign(static_cast<size_t>(p_.n_layer), 0);
+    if (f.find(a + names::kArchKeySlidingWindow) == nullptr) {
+        return;
+    }
+    const int64_t window = f.get_int(a + names::kArchKeySlidingWindow);
+    KC_CHECK(window > 0 && window <= (int64_t{ 1 } << 31), "%s: %s%s = %lld out of range", path, a.c_str(),
+             names::kArchKeySlidingWindow, static_cast<long long>(window));
+    const gguf::Value * pattern = f.find(a + names::kArchKeySlidingWindowPattern);
+    for (int64_t il = 0; il < p_.n_layer; ++il) {
+        bool windowed = true;  // no pattern: every layer
+        if (pattern != nullptr && pattern->type == gguf::ValueType::ARRAY &&
+            pattern->array_type == gguf::ValueType::BOOL) {
+            KC_CHECK(static_cast<int64_t>(pattern->ints.size()) == p_.n_layer,
+                     "%s: %s%s has %zu entries for %lld layers", path, a.c_str(), names::kArchKeySlidingWindowPattern,
+                     pattern->ints.size(), static_cast<long long>(p_.n_layer));
+            windowed = pattern->ints[static_cast<size_t>(il)] != 0;
+        } else if (pattern != nullptr) {
+            // llama.cpp's integer form: in every group of n layers the last one attends to everything (0: none).
+            const int64_t n = f.get_int(a + names::kArchKeySlidingWindowPattern);
+            KC_CHECK(n >= 0 && n <= p_.n_layer, "%s: %s%s = %lld is neither a bool per layer nor a layer period", path,
+                     a.c_str(), names::kArchKeySlidingWindowPattern, static_cast<long long>(n));
+            windowed = n == 0 || il % n < n - 1;
+        }
+        p_.layer_window[static_cast<size_t>(il)] = windowed ? window : 0;
     }
 }
 

@@ -33,6 +33,9 @@ struct ModelParams {
     bool        rope_neox    = false;  // set by the architecture: rotate (i, i + n_rot/2), else (2i, 2i + 1)
     bool        has_qkv_bias = false;  // set by the architecture
     bool        tied_output  = false;
+    // Per layer: attend only to the last this many positions (sliding-window attention; 0: all positions).
+    // From "<arch>.attention.sliding_window" and, when only some layers slide, "...sliding_window_pattern".
+    std::vector<int64_t> layer_window;
 };
 
 // One token (or embedding vector) of a batch.
@@ -122,6 +125,7 @@ class Model {
     friend int32_t                       materialize_last_segment(Model &, int32_t);
 
     void load_params();
+    void load_sliding_window();
     void load_weights();
     void forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                  std::vector<float> & logits);

@@ -736,6 +736,9 @@ class CudaBackend final : public Backend {
                    int64_t) override {
         KC_CHECK(shape.head_dim <= kMaxHeadDim, "cuda backend: head size %d over the attention kernel's %d",
                  shape.head_dim, kMaxHeadDim);
+        KC_CHECK(shape.window == 0,
+                 "cuda backend: sliding-window attention (window %lld) has no CUDA kernel yet; use device 'cpu'",
+                 static_cast<long long>(shape.window));
         int n_tables = 0;
         for (int b = 0; b < n_blocks; ++b) {
             n_tables = std::max(n_tables, blocks[b].table + 1);

@@ -50,7 +50,9 @@ void attention_block(ForwardState & st, int il, const LayerWeights & L) {
     for (size_t s = 0; s < st.seq_ids.size(); ++s) {
         st.kv.runs(st.seq_ids[s], il, st.tables[s]);
     }
-    be.attention(st.shape, st.rope, st.store, il, st.q.f32(), st.att.f32(), n, st.blocks.data(),
+    backend::AttentionShape shape = st.shape;
+    shape.window                  = p.layer_window[static_cast<size_t>(il)];  // sliding-window layers: > 0
+    be.attention(shape, st.rope, st.store, il, st.q.f32(), st.att.f32(), n, st.blocks.data(),
                  static_cast<int>(st.blocks.size()), st.tables.data(), st.max_visible);
     be.matmul(L.wo, st.att.f32(), st.tmp.f32(), n);
     be.add(st.x.f32(), st.tmp.f32(), n * E);
