@@ -168,13 +168,14 @@ void bind_engine(nb::module_ & m) {
         .def(
             "__init__",
             [](Model * self, const std::string & path, int n_threads, int n_ctx, size_t kv_budget,
-               const std::string & kv_type) {
+               const std::string & kv_type, const std::string & activations) {
                 const cpu::KvType      type = parse_kv_type(kv_type);
+                const cpu::Activations act  = parse_activations(activations);
                 nb::gil_scoped_release release;
-                new (self) Model(path, n_threads, n_ctx, kv_budget, type);
+                new (self) Model(path, n_threads, n_ctx, kv_budget, type, act);
             },
             nb::arg("path"), nb::arg("n_threads") = 0, nb::arg("n_ctx") = 0, nb::arg("kv_budget") = 0,
-            nb::arg("kv_type") = "f32")
+            nb::arg("kv_type") = "f32", nb::arg("activations") = "q8")
         .def_prop_ro("arch", [](const Model & m) { return m.params().arch; })
         .def_prop_ro("n_vocab", [](const Model & m) { return m.params().n_vocab; })
         .def_prop_ro("n_ctx_train", [](const Model & m) { return m.params().n_ctx_train; })
@@ -195,6 +196,8 @@ void bind_engine(nb::module_ & m) {
             "kv_trim", [](Model & m) { KC_LOCKED(return kv.pool_trim();) },
             "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
+        .def_prop_ro("activations",
+                     [](const Model & m) { return m.activations() == cpu::Activations::Q8 ? "q8" : "f32"; })
         .def("seq_new", [](Model & m) { KC_LOCKED(return kv.seq_new();) })
         .def(
             "seq_fork", [](Model & m, int32_t src) { KC_LOCKED(return kv.seq_fork(src);) }, nb::arg("src"))

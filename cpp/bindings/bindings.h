@@ -3,6 +3,10 @@
 
 #include <nanobind/nanobind.h>
 
+#include <string>
+
+#include "cpu/matmul.h"
+
 namespace kvcmas::py {
 
 void bind_gguf(nanobind::module_ & m);       // bind-gguf.cpp: GgufFile
@@ -12,5 +16,8 @@ void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attentio
 void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
 // bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
 void bind_correction(nanobind::module_ & m);
+
+// "q8" | "f32" -> how decode matmuls take their activations; anything else is an error naming the option.
+cpu::Activations parse_activations(const std::string & name);
 
 }  // namespace kvcmas::py

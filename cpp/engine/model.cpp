@@ -22,8 +22,9 @@ static int default_threads(int n_threads) {
     return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
 }
 
-Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type)
-    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)) {
+Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type,
+             cpu::Activations activations)
+    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)), activations_(activations) {
     load_params();
     load_weights();
     if (n_ctx <= 0) {
@@ -292,7 +293,7 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         {
             const cpu::WeightView qkv[3] = { L.wq, L.wk, L.wv };
             float * const         out[3] = { q.data(), k.data(), v.data() };
-            cpu::matmul_multi(qkv, out, 3, xn.data(), n, pool_);
+            cpu::matmul_multi(qkv, out, 3, xn.data(), n, pool_, activations_);
         }
         // Biases, RoPE and the KV write, token by token; a decode step's few tokens are not worth a pool round.
         const auto finish_qkv = [&](long long b, long long e) {
@@ -339,7 +340,7 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
                 t += h1 - h0;
             }
         });
-        cpu::matmul(L.wo, att.data(), tmp.data(), n, pool_);
+        cpu::matmul(L.wo, att.data(), tmp.data(), n, pool_, activations_);
         add_rows(x.data(), tmp.data(), n * E);
         for (int64_t i = 0; i < n; ++i) {
             cpu::rms_norm(&x[i * E], L.ffn_norm.data(), &xn[i * E], E, p_.rms_eps);
@@ -347,7 +348,7 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         {
             const cpu::WeightView gate_up[2] = { L.w_gate, L.w_up };
             float * const         out[2]     = { g.data(), u.data() };
-            cpu::matmul_multi(gate_up, out, 2, xn.data(), n, pool_);
+            cpu::matmul_multi(gate_up, out, 2, xn.data(), n, pool_, activations_);
         }
         if (n < pool_.size() * 4) {  // element-wise: a decode step's few rows are not worth a pool round
             cpu::silu_mul(g.data(), u.data(), g.data(), n * F);
@@ -358,7 +359,7 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
                 cpu::silu_mul(&g[b * F], &u[b * F], &g[b * F], (e - b) * F);
             });
         }
-        cpu::matmul(L.w_down, g.data(), tmp.data(), n, pool_);
+        cpu::matmul(L.w_down, g.data(), tmp.data(), n, pool_, activations_);
         add_rows(x.data(), tmp.data(), n * E);
     }
     std::vector<float> last;
@@ -371,7 +372,7 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
     const int64_t n_out = static_cast<int64_t>(last.size()) / E;
     logits.assign(static_cast<size_t>(n_out * p_.n_vocab), 0.0f);
     if (n_out > 0) {
-        cpu::matmul(output_, last.data(), logits.data(), n_out, pool_);
+        cpu::matmul(output_, last.data(), logits.data(), n_out, pool_, activations_);
     }
 }
 

@@ -53,9 +53,11 @@ class Model {
   public:
     // Loads `path`. n_ctx: most tokens a sequence may hold (<= 0: min(n_ctx_train, 8192)). kv_budget_bytes: memory
     // all KV blocks may take (0: enough for 4 full sequences). kv_type: how K and V rows are stored (F16 halves
-    // their memory; attention still computes in f32). Throws kvcmas::Error naming the file and problem.
+    // their memory; attention still computes in f32). activations: what the decode steps' matmuls over quantized
+    // weights multiply with (Q8: 8-bit activations, integer dot products, llama.cpp's speed; F32: exact, the
+    // logits transformers computes). Throws kvcmas::Error naming the file and problem.
     Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes,
-          cpu::KvType kv_type = cpu::KvType::F32);
+          cpu::KvType kv_type = cpu::KvType::F32, cpu::Activations activations = cpu::Activations::Q8);
 
     const ModelParams &    params() const { return p_; }
     const gguf::GgufFile & file() const { return *file_; }
@@ -77,6 +79,7 @@ class Model {
 
     const cpu::Rope & rope() const { return rope_; }
     cpu::KvType       kv_type() const { return kv_->pool().layout().kv_type; }
+    cpu::Activations  activations() const { return activations_; }
 
   private:
     struct Layer {
@@ -103,6 +106,7 @@ class Model {
     cpu::ThreadPool                 pool_;
     std::unique_ptr<KvCache>        kv_;
     std::mutex                      mutex_;
+    cpu::Activations                activations_;
 };
 
 }  // namespace kvcmas

@@ -229,6 +229,11 @@ class Model:
         kv_budget: bytes all KV blocks may take (default: four full sequences).
         kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
             like llama.cpp's default; attention still computes in f32).
+        activations: what the decode steps' matrix products over quantized weights (Q4_0 ... Q8_0, Q4_K, Q5_K,
+            Q6_K) multiply with: "q8" (default) quantizes the activations to 8 bits per 32 elements for integer dot
+            products, as llama.cpp does (fast; logits within a stated bound of the exact ones, docs/quant-kernels.md);
+            "f32" keeps them exact (the logits transformers computes, to f32 rounding). F16/BF16/F32 weights and
+            prefill always use f32 activations.
     """
 
     def __init__(
@@ -238,6 +243,7 @@ class Model:
         n_ctx: int | None = None,
         kv_budget: int | None = None,
         kv_type: Literal["f32", "f16"] = "f32",
+        activations: Literal["q8", "f32"] = "q8",
     ) -> None:
         self.path = os.fspath(path)
         for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
@@ -245,9 +251,14 @@ class Model:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if kv_type not in ("f32", "f16"):
             raise ValueError(f"kv_type must be 'f32' or 'f16', got {kv_type!r}")
+        if activations not in ("q8", "f32"):
+            raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
         core_args: tuple[Any, ...] = (self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
-        if kv_type != "f32":  # only then: cores built before the option still load models the default way
+        # Only when not the defaults: cores built before the options still load models their default way.
+        if kv_type != "f32" or activations != "q8":
             core_args += (kv_type,)
+        if activations != "q8":
+            core_args += (activations,)
         self._core = core.Model(*core_args)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
@@ -262,6 +273,9 @@ class Model:
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
+    activations = property(
+        lambda self: getattr(self._core, "activations", "f32"), doc="'q8' or 'f32' (see the constructor)"
+    )
 
     @property
     def kv_bytes_in_use(self) -> int:

@@ -79,6 +79,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
     )
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+    )
     p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
@@ -155,7 +161,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     path = args.model or default_model_path()
     kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
-    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
+    model = Model(
+        path,
+        n_threads=args.threads,
+        n_ctx=args.ctx_size,
+        kv_budget=args.kv_budget,
+        activations=args.activations,
+        **kv_type,
+    )
     cfg = ServerConfig(
         model_path=path,
         host=args.host,
