@@ -45,11 +45,15 @@ template <int NT>
 struct Q8Rows {
     const int8_t * q[NT];
     const float *  d[NT];
+    const int8_t * qr[NT];
+    const float *  dr[NT];
     const float *  sums[NT];
     explicit Q8Rows(const Q8Acts & a) {
         for (int t = 0; t < NT; ++t) {
             q[t]    = a.q + t * a.ldq;
             d[t]    = a.d + t * a.ld_blocks;
+            qr[t]   = a.qr + t * a.ldq;
+            dr[t]   = a.dr + t * a.ld_blocks;
             sums[t] = a.block_sums != nullptr ? a.block_sums + t * a.ld_blocks : nullptr;
         }
     }
@@ -142,6 +146,14 @@ void dot_q32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64
             }
             const __m256 s = _mm256_cvtepi32_ps(dot_u8_i8(qa, xq));
             acc[t][u]      = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * x.d[t][i]), acc[t][u]);
+            if (x.dr[t][i] != 0.0f) {  // residual pass of an outlier block
+                __m256i xr = load256(x.qr[t] + 32 * i);
+                if constexpr (Q::kSigned) {
+                    xr = _mm256_sign_epi8(xr, q);
+                }
+                acc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(qa, xr)), _mm256_set1_ps(dw * x.dr[t][i]),
+                                            acc[t][u]);
+            }
             if constexpr (Q::kHasMin) {
                 corr[t] += block_min<Q>(b[i]) * x.sums[t][i];
             }
@@ -174,8 +186,8 @@ inline __m256i bit_to_0x10(__m256i v) {
 }
 
 template <typename Block, bool HasHigh, int NT, int C>
-inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const Q8Rows<NT> & x, int64_t k0,
-                    __m256 acc[NT][2]) {
+inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const float * rscale, const Q8Rows<NT> & x,
+                    int64_t k0, __m256 acc[NT][2]) {
     const __m256i v  = load256(blk.qs + 32 * C);
     __m256i       lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
     __m256i       hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
@@ -189,6 +201,15 @@ inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const Q8
         const __m256   s1 = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(xq + 32)));
         acc[t][0]         = _mm256_fmadd_ps(s0, _mm256_broadcast_ss(scale + 8 * t + 2 * C), acc[t][0]);
         acc[t][1]         = _mm256_fmadd_ps(s1, _mm256_broadcast_ss(scale + 8 * t + 2 * C + 1), acc[t][1]);
+        const int64_t j   = k0 / 32 + 2 * C;  // activation block of sub-block 2C
+        if (x.dr[t][j] != 0.0f) {
+            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.qr[t] + k0 + 64 * C)));
+            acc[t][0]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C), acc[t][0]);
+        }
+        if (x.dr[t][j + 1] != 0.0f) {
+            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.qr[t] + k0 + 64 * C + 32)));
+            acc[t][1]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C + 1), acc[t][1]);
+        }
     }
 }
 
@@ -209,17 +230,18 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
                                                                           _mm_loadl_epi64(reinterpret_cast<const __m128i *>(sc)))));
         const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i *>(mn)))));
-        alignas(32) float scale[8 * NT];  // d·sc_j·d_x,j per token
+        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·sc_j·d_x,j and d·sc_j·dr_x,j per token
         for (int t = 0; t < NT; ++t) {
             _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[t] + 8 * i)));
+            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.dr[t] + 8 * i)));
             corr[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x.sums[t] + 8 * i), corr[t]);
         }
         const __m256i qh    = HasHigh ? load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16) : _mm256_setzero_si256();
         const int64_t k0    = 256 * i;
-        k4_pair<Block, HasHigh, NT, 0>(b[i], qh, scale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 1>(b[i], qh, scale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 2>(b[i], qh, scale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 3>(b[i], qh, scale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 0>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 1>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 2>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 3>(b[i], qh, scale, rscale, x, k0, acc);
     }
     for (int t = 0; t < NT; ++t) {
         out[t * os] = hsum(_mm256_sub_ps(_mm256_add_ps(acc[t][0], acc[t][1]), corr[t]));
@@ -240,8 +262,8 @@ void dot_q5_k(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os
 // 2 bits from bits 2C of qh[32h + e]; w = d·scale_g·(q - 32) with g = 8h + 2C for e < 16, 8h + 2C + 1 for e >= 16.
 // The int16 scales of a chunk's two groups fill the low / high 128-bit lane of one vector, so madd applies them.
 template <int NT, int C>
-inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const Q8Rows<NT> & x, int64_t k,
-                     __m256 acc[NT][2]) {
+inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const float * rscale, const Q8Rows<NT> & x,
+                     int64_t k, __m256 acc[NT][2]) {
     // Lane 0 repeats int16 element 2C of scales16, lane 1 element 2C + 1 (both lanes of scales16 hold the half's 8).
     const __m256i pick = _mm256_setr_epi8(4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1,
                                           4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1,
@@ -255,6 +277,11 @@ inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const Q8R
         const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + k + 32 * C), w);
         const __m256  s  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xq), sc));
         acc[t][C % 2]    = _mm256_fmadd_ps(s, _mm256_broadcast_ss(scale + 8 * t + C), acc[t][C % 2]);
+        if (x.dr[t][k / 32 + C] != 0.0f) {
+            const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + k + 32 * C), w);
+            const __m256  r  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xr), sc));
+            acc[t][C % 2]    = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + C), acc[t][C % 2]);
+        }
     }
 }
 
@@ -269,10 +296,11 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < n / 256; ++i) {
         const __m256i     all16 = _mm256_cvtepi8_epi16(load128(b[i].scales));
-        alignas(32) float scale[8 * NT];  // d·d_x of the 8 activation blocks, per token
+        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·d_x and d·dr_x of the 8 activation blocks, per token
         const __m256      d = _mm256_set1_ps(h2f(b[i].d));
         for (int t = 0; t < NT; ++t) {
             _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.d[t] + 8 * i)));
+            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.dr[t] + 8 * i)));
         }
         for (int h = 0; h < 2; ++h) {
             const __m256i sc16 = h == 0 ? _mm256_permute2x128_si256(all16, all16, 0x00)
@@ -281,15 +309,16 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
             const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(b[i].qh + 32 * h);
             const int64_t   k   = 256 * i + 128 * h;
             const float *   s   = scale + 4 * h;
+            const float *   rs  = rscale + 4 * h;
             const __m256i   q0  = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
             const __m256i   q1  = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
             const __m256i   q2  = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
             const __m256i   q3 =
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            q6_chunk<NT, 0>(q0, sc16, s, x, k, acc);
-            q6_chunk<NT, 1>(q1, sc16, s, x, k, acc);
-            q6_chunk<NT, 2>(q2, sc16, s, x, k, acc);
-            q6_chunk<NT, 3>(q3, sc16, s, x, k, acc);
+            q6_chunk<NT, 0>(q0, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 1>(q1, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 2>(q2, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 3>(q3, sc16, s, rs, x, k, acc);
         }
     }
     for (int t = 0; t < NT; ++t) {
@@ -339,30 +368,64 @@ KC_ROW_DOT_Q8(dot_q6_k)
 
 }  // namespace
 
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, float * d, float * sums) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int64_t b = 0; b < n / kQ8Block; ++b) {
-        const float * xb = x + 32 * b;
-        __m256        v[4];
+namespace {
+
+// 32 f32 values v · inv rounded to nearest (ties to even) as int8 in element order, stored at q; the rounded values
+// are also returned as f32 in r.
+inline void round_to_i8(const __m256 v[4], float inv, int8_t * q, __m256 r[4]) {
+    __m256i i32[4];
+    for (int p = 0; p < 4; ++p) {
+        r[p]   = _mm256_round_ps(_mm256_mul_ps(v[p], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i32[p] = _mm256_cvtps_epi32(r[p]);
+    }
+    // packs work per 128-bit lane: the bytes come out in dword order 0,4,1,5,2,6,3,7; permute back.
+    const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(q),
+                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline float abs_max(const __m256 v[4]) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    return hmax(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], m), _mm256_and_ps(v[1], m)),
+                              _mm256_max_ps(_mm256_and_ps(v[2], m), _mm256_and_ps(v[3], m))));
+}
+
+inline float scale_inverse(float d) { return d != 0.0f ? 1.0f / d : 0.0f; }
+
+}  // namespace
+
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, float * d, int8_t * qr, float * dr, float * sums) {
+    const int64_t nb = n / kQ8Block;
+    // Pass 1: block maxima (kept in d for now) and the row's mean of them.
+    float         total = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4];
         for (int p = 0; p < 4; ++p) {
-            v[p] = _mm256_loadu_ps(xb + 8 * p);
+            v[p] = _mm256_loadu_ps(x + 32 * b + 8 * p);
         }
-        sums[b]           = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        const __m256 mx   = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
-                                          _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
-        const float  amax = hmax(mx);
-        const float  db   = amax / 127.0f;
-        const float  id   = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b]              = db;
-        __m256i i32[4];
+        sums[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        d[b]    = abs_max(v);
+        total += d[b];
+    }
+    const float hot = kQ8HotRatio * total / static_cast<float>(nb);
+    // Pass 2: quantize; blocks above the hot threshold also get their residual quantized.
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4], r[4];
         for (int p = 0; p < 4; ++p) {
-            i32[p] = _mm256_cvtps_epi32(_mm256_mul_ps(v[p], _mm256_set1_ps(id)));
+            v[p] = _mm256_loadu_ps(x + 32 * b + 8 * p);
         }
-        // packs work per 128-bit lane: the bytes come out in dword order 0,4,1,5,2,6,3,7; permute back.
-        const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-        const __m256i i8   = _mm256_packs_epi16(i16a, i16b);
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(q + 32 * b),
-                            _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const float amax = d[b];
+        d[b]             = amax / 127.0f;
+        round_to_i8(v, scale_inverse(d[b]), q + 32 * b, r);
+        dr[b] = 0.0f;
+        if (amax > hot) {
+            for (int p = 0; p < 4; ++p) {
+                v[p] = _mm256_fnmadd_ps(_mm256_set1_ps(d[b]), r[p], v[p]);  // x - d·q, rounded once
+            }
+            dr[b] = abs_max(v) / 127.0f;
+            round_to_i8(v, scale_inverse(dr[b]), qr + 32 * b, r);
+        }
     }
 }
 
