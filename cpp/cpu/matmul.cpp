@@ -325,6 +325,11 @@ thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and the
 RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 #if defined(KC_X86)
     if (act == Activations::Q8 && cpu_features().avx2_fma_f16c) {
+#    if defined(KC_AVXVNNI)
+        if (cpu_features().avx_vnni) {
+            return row_dot_q8_fn_avxvnni(type);
+        }
+#    endif
         return row_dot_q8_fn_avx2(type);
     }
 #endif

@@ -37,16 +37,18 @@ struct Q8Acts {
     int64_t        ld_blocks;
 };
 
-
 // One weight row of n elements against nt (1..4) quantized activation rows: out[t·out_stride] = Σ_blocks
 // d_w·d_x·Σ q_w·q_x (+ min terms).
-using RowDotQ8Fn = void (*)(const void * w_row, const Q8Acts & act, int nt, int64_t n, float * out,
-                            int64_t out_stride);
+using RowDotQ8Fn = void (*)(const void * w_row, const Q8Acts & act, int nt, int64_t n, float * out, int64_t out_stride);
 
 // Only AVX2 kernels exist: without AVX2 (or for f32 / f16 / bf16 weights) the decode path keeps f32 activations.
 #if defined(KC_X86)
 // AVX2 kernels (quants-dot-avx2.cpp); nullptr for types without an integer kernel (f32, f16, bf16).
 RowDotQ8Fn row_dot_q8_fn_avx2(GgmlType type);
+#if defined(KC_AVXVNNI)
+// The same kernels with AVX-VNNI (quants-dot-avxvnni.cpp); only once cpu_features().avx_vnni is true.
+RowDotQ8Fn row_dot_q8_fn_avxvnni(GgmlType type);
+#endif
 // Quantizes n (a multiple of 32) f32 values x into q[n], d[n/32], the residual qr[n] / dr[n/32] and sums[n/32] (Σ of
 // the f32 values). Rounding: x·(1/d) in f32 to nearest, ties to even; the residual is x - d·q rounded once.
 void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, float * d, int8_t * qr, float * dr, float * sums);

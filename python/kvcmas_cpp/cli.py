@@ -15,7 +15,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
-    p.add_argument("--activations", choices=("q8", "f32"), default="q8", help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)")
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
