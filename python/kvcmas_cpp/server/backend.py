@@ -165,13 +165,22 @@ class PlainBackend:
 class SessionBackend:
     """An AgentSession (kvcmas_cpp.agents): spans computed by any agent of the workflow are reused by the method."""
 
-    def __init__(self, model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> None:
-        """calibration_bytes: the least memory the method's shared estimator may hold in training reads of edges
+    def __init__(
+        self,
+        model: Model,
+        method: str,
+        vision: Any = None,
+        calibration_bytes: int | None = None,
+        estimator_name: str = "default",
+    ) -> None:
+        """estimator_name: sessions with the same name share what the method's estimator learns (the server gives
+        each namespace its own, so nothing learned from one tenant's reads shapes another's answers).
+        calibration_bytes: the least memory the method's shared estimator may hold in training reads of edges
         still calibrating (kvcmas: a read of an n-row span holds 4 x n_layer x n x kv_dim floats, ~37 MB for 400
         rows of SmolLM2-135M; an edge needs CALIBRATION_READS of them before it shares)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
-        self.session = agents.AgentSession(model, method=method, vision=vision)
+        self.session = agents.AgentSession(model, method=method, workflow=estimator_name, vision=vision)
         if calibration_bytes is not None:
             estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
             with lock:
@@ -219,10 +228,17 @@ def agents_available() -> bool:
     return hasattr(module, "AgentSession")
 
 
-def make_backend(model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> Backend:
+def make_backend(
+    model: Model,
+    method: str,
+    vision: Any = None,
+    calibration_bytes: int | None = None,
+    estimator_name: str = "default",
+) -> Backend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
-    any (the session checks that its embeddings fit the model). calibration_bytes: see SessionBackend."""
+    any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name: see
+    SessionBackend."""
     if agents_available():
-        return SessionBackend(model, method, vision, calibration_bytes)
+        return SessionBackend(model, method, vision, calibration_bytes, estimator_name)
     return PlainBackend(model)
