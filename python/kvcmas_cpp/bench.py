@@ -171,9 +171,14 @@ def bench_core(
     return results
 
 
-def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
-    """This machine's memory bandwidth as a large numpy copy sees it (read + write bytes / s, best of `repeats`;
-    one thread)."""
+def memory_bandwidth_gb_s() -> float:
+    """This machine's memory bandwidth as a large numpy copy sees it (read + write bytes / s, best of 5; one
+    thread), measured in a subprocess: the workers would otherwise inherit its 1 GiB as their peak RSS."""
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--bandwidth"]
+    return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+
+
+def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     src = np.ones(mib << 18, dtype=np.float32)
     dst = np.empty_like(src)
     best = float("inf")
@@ -270,7 +275,9 @@ def run_core(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+    if sys.argv[1:] == ["--bandwidth"]:
+        print(_copy_bandwidth_gb_s())
+    elif len(sys.argv) == 8 and sys.argv[1] == "--worker":
         _, _, eng, path, th, pr, ge, kv = sys.argv
         print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv))))
     else:
