@@ -28,10 +28,11 @@ enum class Activations { F32, Q8 };
 
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
 // Splits the work over the pool. Small n_tok (decode: below 6-12 tokens depending on the type) runs dot products
-// straight from the stored format with f32 activations, up to 4 tokens per pass over a row; larger n_tok
-// dequantizes tiles of w to f32 for a register-blocked GEMM. Every path computes dequantize_row(w)·x with f32
-// products and sums, so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the
-// thread count or the CPU path.
+// straight from the stored format, up to 4 tokens per pass over a row; larger n_tok dequantizes tiles of w to f32
+// for a register-blocked GEMM. With act == F32 every path computes dequantize_row(w)·x with f32 products and sums,
+// so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the thread count or the CPU
+// path. With act == Q8 the decode path of the quantized types (up to 16 tokens) uses 8-bit activations instead
+// (cpu/quants-dot.h: error bound); a row's result still does not depend on n_tok (below 17) or the thread count.
 void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
             Activations act = Activations::F32);
 
