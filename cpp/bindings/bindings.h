@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "cpu/matmul.h"
+#include "backend/cpu/matmul.h"
 
 namespace kvcmas::py {
 
@@ -16,6 +16,7 @@ void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attentio
 void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
 // bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
 void bind_correction(nanobind::module_ & m);
+void bind_backend(nanobind::module_ & m);  // bind-backend.cpp: the backends' ops one by one, for tests
 
 // "q8" | "f32" -> how decode matmuls take their activations; anything else is an error naming the option.
 cpu::Activations parse_activations(const std::string & name);

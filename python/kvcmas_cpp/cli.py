@@ -15,6 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
     p.add_argument(
         "--activations",
         choices=("q8", "f32"),
@@ -40,7 +41,14 @@ def _load(args: argparse.Namespace) -> Any:
     from .model import Model, default_model_path
 
     path = args.model or default_model_path()
-    return Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type, activations=args.activations)
+    return Model(
+        path,
+        n_threads=args.threads,
+        n_ctx=args.ctx_size,
+        kv_type=args.kv_type,
+        device=args.device,
+        activations=args.activations,
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     pv = bench_sub.add_parser("vision", help="an image in the shared context: encode time, later-agent TTFT, memory")
     add_vision_arguments(pv)
     pv.set_defaults(func=run_vision)
+
+    from .bench_constrained import add_constrained_arguments, run_constrained
+
+    pg = bench_sub.add_parser("constrained", help="grammar-constrained decoding: mask cost at batch 1, schema coverage")
+    add_constrained_arguments(pg)
+    pg.set_defaults(func=run_constrained)
 
     from .server import add_serve_arguments, run_serve
 

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 __all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
 
@@ -106,6 +107,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
     )
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
     p.add_argument(
         "--activations",
         choices=("q8", "f32"),
@@ -194,15 +196,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
         return 2
     path = args.model or default_model_path()
-    kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
-    model = Model(
-        path,
-        n_threads=args.threads,
-        n_ctx=args.ctx_size,
-        kv_budget=args.kv_budget,
-        activations=args.activations,
-        **kv_type,
-    )
+    kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
+    if args.device != "cpu":
+        kv_type["device"] = args.device
+    if args.activations != "q8":
+        kv_type["activations"] = args.activations
+    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
     cfg = ServerConfig(
         model_path=path,
         host=args.host,
