@@ -68,7 +68,7 @@ TINY_DECODE_STEPS = 192
 
 @functools.lru_cache(maxsize=3)
 def engine_model(path: str) -> kc.Model:
-    return kc.Model(path, n_threads=2)
+    return kc.Model(path, n_threads=2, activations="f32")  # the exact path: what transformers computes
 
 
 def compare(engine: np.ndarray, ref: np.ndarray) -> dict[str, float]:

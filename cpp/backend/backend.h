@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/attention.h"  // KvType, AttentionShape, kMaxCorrectionRank (plain descriptions)
+#include "backend/cpu/matmul.h"     // Activations
 #include "backend/cpu/ops.h"        // Rope: the rotation's parameters and its host reference math
 #include "common/ggml-types.h"
 
@@ -147,6 +148,10 @@ class Backend {
     virtual void rms_norm(const float * x, const float * w, float * y, int64_t n_rows, int64_t n, float eps) = 0;
     // y [n_tok][w.n_out] = x [n_tok][w.n_in] · wᵀ, any weight type.
     virtual void matmul(const Weight & w, const float * x, float * y, int64_t n_tok) = 0;
+    // What matmul's decode path over quantized weights multiplies with from now on (cpu::Activations, default F32;
+    // Model sets it, Q8 by default: docs/quant-kernels.md). A backend without an 8-bit path keeps f32, reports F32.
+    virtual void             set_activations(cpu::Activations act) { (void) act; }
+    virtual cpu::Activations activations() const { return cpu::Activations::F32; }
     // n_mats products of the same x (Q/K/V, gate/up); each y[i] equals matmul(w[i], x, y[i], n_tok).
     virtual void matmul_multi(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok) = 0;
     // y [n_rows][n] += b [n] (a bias row).

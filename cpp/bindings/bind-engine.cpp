@@ -171,13 +171,14 @@ void bind_engine(nb::module_ & m) {
         .def(
             "__init__",
             [](Model * self, const std::string & path, int n_threads, int n_ctx, size_t kv_budget,
-               const std::string & kv_type, const std::string & device) {
+               const std::string & kv_type, const std::string & device, const std::string & activations) {
                 const cpu::KvType      type = parse_kv_type(kv_type);
+                const cpu::Activations act  = parse_activations(activations);
                 nb::gil_scoped_release release;
-                new (self) Model(path, n_threads, n_ctx, kv_budget, type, device);
+                new (self) Model(path, n_threads, n_ctx, kv_budget, type, device, act);
             },
             nb::arg("path"), nb::arg("n_threads") = 0, nb::arg("n_ctx") = 0, nb::arg("kv_budget") = 0,
-            nb::arg("kv_type") = "f32", nb::arg("device") = "cpu")
+            nb::arg("kv_type") = "f32", nb::arg("device") = "cpu", nb::arg("activations") = "q8")
         .def_prop_ro("device", &Model::backend_name, "the backend the model runs on: 'cpu' or 'cuda'")
         .def_prop_ro("device_description", &Model::device_description)
         .def_prop_ro("arch", [](const Model & m) { return m.params().arch; })
@@ -201,6 +202,8 @@ void bind_engine(nb::module_ & m) {
         .def("kv_trim", &Model::kv_trim,
              "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
+        .def_prop_ro("activations",
+                     [](const Model & m) { return m.activations() == cpu::Activations::Q8 ? "q8" : "f32"; })
         // Sequence bookkeeping is cheap: the model takes its lock without the GIL being released.
         .def("seq_new", &Model::seq_new)
         .def("seq_fork", &Model::seq_fork, nb::arg("src"))

@@ -79,7 +79,8 @@ NumpyArray py_dequantize(uint32_t type_id, const nb::bytes & data, int64_t n) {
 }
 
 NumpyArray py_matmul(uint32_t type_id, const nb::bytes & weight, int64_t n_in, int64_t n_out, const FloatMatrix & x,
-                     int n_threads) {
+                     int n_threads, const std::string & activations) {
+    const cpu::Activations act = parse_activations(activations);
     const cpu::WeightView w = weight_view(type_id, weight, n_in, n_out, x, "matmul");
     const int64_t         n_tok = static_cast<int64_t>(x.shape(0));
     float *               out;
@@ -87,7 +88,7 @@ NumpyArray py_matmul(uint32_t type_id, const nb::bytes & weight, int64_t n_in, i
     {
         nb::gil_scoped_release release;
         cpu::ThreadPool        pool(n_threads);
-        cpu::matmul(w, x.data(), out, n_tok, pool);
+        cpu::matmul(w, x.data(), out, n_tok, pool, act);
     }
     return result;
 }
@@ -115,7 +116,8 @@ double thread_cpu_seconds() {
 // returns the best wall time and the best CPU time of the calling thread (seconds) of one such pass; with one thread
 // the CPU time is the kernel's own speed even on a busy machine.
 std::pair<double, double> py_matmul_bench(uint32_t type_id, const std::vector<nb::bytes> & weights, int64_t n_in, int64_t n_out,
-                       const FloatMatrix & x, int n_threads, int repeats) {
+                       const FloatMatrix & x, int n_threads, int repeats, const std::string & activations) {
+    const cpu::Activations act = parse_activations(activations);
     KC_CHECK(repeats >= 1 && !weights.empty(), "matmul_bench: need repeats >= 1 and at least one weight");
     std::vector<cpu::WeightView> views;
     for (const nb::bytes & w : weights) {
@@ -131,7 +133,7 @@ std::pair<double, double> py_matmul_bench(uint32_t type_id, const std::vector<nb
             const auto   t0     = std::chrono::steady_clock::now();
             const double t0_cpu = thread_cpu_seconds();
             for (const cpu::WeightView & w : views) {
-                cpu::matmul(w, x.data(), out.data(), n_tok, pool);
+                cpu::matmul(w, x.data(), out.data(), n_tok, pool, act);
             }
             const double s     = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             const double s_cpu = thread_cpu_seconds() - t0_cpu;
@@ -168,6 +170,14 @@ std::vector<int> py_thread_pool_check(int n_threads, int rounds, int fail_ith) {
 
 }  // namespace
 
+cpu::Activations parse_activations(const std::string & name) {
+    if (name == "q8") {
+        return cpu::Activations::Q8;
+    }
+    KC_CHECK(name == "f32", "activations must be 'q8' or 'f32', got '%s'", name.c_str());
+    return cpu::Activations::F32;
+}
+
 void bind_kernels(nb::module_ & m) {
     m.def("thread_pool_check", &py_thread_pool_check, nb::arg("n_threads"), nb::arg("rounds"), nb::arg("fail_ith") = -1,
           "Runs `rounds` jobs on a pool and returns how often each thread index ran (tests); with fail_ith, that "
@@ -175,14 +185,15 @@ void bind_kernels(nb::module_ & m) {
     m.def("dequantize", &py_dequantize, nb::arg("type_id"), nb::arg("data"), nb::arg("n"),
           "Dequantizes n elements of GGUF type `type_id` (raw bytes, whole blocks) to a float32 array.");
     m.def("matmul", &py_matmul, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"), nb::arg("n_out"), nb::arg("x"),
-          nb::arg("n_threads") = 1,
+          nb::arg("n_threads") = 1, nb::arg("activations") = "f32",
           "y = x @ W.T for W stored as n_out rows of n_in elements of `type_id`; x float32 (n_tok, n_in), "
-          "returns (n_tok, n_out). The engine's kernels: f32 activations on every path, so a row's result agrees with "
-          "dequantize(W) @ x to f32 rounding whatever n_tok or n_threads.");
+          "returns (n_tok, n_out). The engine's kernels. activations 'f32': f32 activations on every path, so a row's "
+          "result agrees with dequantize(W) @ x to f32 rounding whatever n_tok or n_threads. 'q8': the decode path "
+          "of quantized types quantizes x to 8 bits per 32 elements and uses integer dot products.");
     m.def("matmul_reference", &py_matmul_reference, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"),
           nb::arg("n_out"), nb::arg("x"), "Same as matmul, plain reference code (dequantize, f64 sums).");
     m.def("matmul_bench", &py_matmul_bench, nb::arg("type_id"), nb::arg("weights"), nb::arg("n_in"), nb::arg("n_out"),
-          nb::arg("x"), nb::arg("n_threads") = 1, nb::arg("repeats") = 10,
+          nb::arg("x"), nb::arg("n_threads") = 1, nb::arg("repeats") = 10, nb::arg("activations") = "f32",
           "(best wall seconds, best caller-thread CPU seconds) of one pass of matmul over all `weights` on one "
           "thread pool (benchmarks).");
     m.def(
@@ -190,6 +201,7 @@ void bind_kernels(nb::module_ & m) {
         [] {
             nb::dict d;
             d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
+            d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
             return d;
         },
         "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");

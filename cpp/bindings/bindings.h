@@ -3,6 +3,10 @@
 
 #include <nanobind/nanobind.h>
 
+#include <string>
+
+#include "backend/cpu/matmul.h"
+
 namespace kvcmas::py {
 
 void bind_gguf(nanobind::module_ & m);       // bind-gguf.cpp: GgufFile
@@ -13,5 +17,8 @@ void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (
 // bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
 void bind_correction(nanobind::module_ & m);
 void bind_backend(nanobind::module_ & m);  // bind-backend.cpp: the backends' ops one by one, for tests
+
+// "q8" | "f32" -> how decode matmuls take their activations; anything else is an error naming the option.
+cpu::Activations parse_activations(const std::string & name);
 
 }  // namespace kvcmas::py

@@ -16,7 +16,7 @@ namespace kvcmas {
 namespace names = gguf_names;
 
 Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type,
-             const std::string & device)
+             const std::string & device, cpu::Activations activations)
     : file_(std::make_unique<gguf::GgufFile>(path)), kv_type_(kv_type) {
     load_params();
     KC_CHECK(kv_type == cpu::KvType::F32 || kv_type == cpu::KvType::F16, "unknown KV type %d",
@@ -27,6 +27,7 @@ Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budge
     KC_CHECK(n_ctx <= (1 << 24), "n_ctx %d is too large", n_ctx);
     n_ctx_   = n_ctx;
     backend_ = backend::make_backend(device, n_threads);
+    backend_->set_activations(activations);
     load_weights();
     KvLayout layout{ static_cast<int>(p_.n_layer), static_cast<int>(p_.n_head_kv * p_.head_dim), kv_type };
     if (kv_budget_bytes == 0) {

@@ -71,9 +71,12 @@ class Model {
     // (<= 0: all cores, at most 64). n_ctx: most tokens a sequence may hold (<= 0: min(n_ctx_train, 8192)).
     // kv_budget_bytes: memory all KV blocks may take (0: enough for 4 full sequences). kv_type: how K and V rows
     // are stored (F16 halves their memory; attention still computes in f32). Throws kvcmas::Error naming the file
-    // and problem, or the device and why it cannot be used.
+    // and problem, or the device and why it cannot be used. activations: what the decode steps' matmuls over
+    // quantized weights multiply with (Q8: 8-bit activations, integer dot products, llama.cpp's speed; F32: exact,
+    // the logits transformers computes); backends without an 8-bit path always run F32.
     Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes,
-          cpu::KvType kv_type = cpu::KvType::F32, const std::string & device = "cpu");
+          cpu::KvType kv_type = cpu::KvType::F32, const std::string & device = "cpu",
+          cpu::Activations activations = cpu::Activations::Q8);
     ~Model();
 
     const ModelParams &    params() const { return p_; }
@@ -83,6 +86,7 @@ class Model {
     std::string            device_description() const { return backend_->device(); }
     const cpu::Rope &      rope() const { return rope_; }
     cpu::KvType            kv_type() const { return kv_type_; }
+    cpu::Activations       activations() const { return backend_->activations(); }
 
     // Runs the batch: appends every item to its sequence and returns the logits of the items with want_logits,
     // in batch order, as [n_wanted][n_vocab]. Validates all ids, sequences and context sizes before changing any

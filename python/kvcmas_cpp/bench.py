@@ -1,9 +1,14 @@
 """`kvcmas bench core`: prefill and decode speed of the engine, side by side with llama.cpp and PyTorch.
 
 Each measurement runs in a fresh subprocess, so peak RSS belongs to one engine alone, and engines are
-interleaved round by round, so a slow moment of the machine hits all of them alike. The best round is kept.
-kvcmas stores its KV cache as f16 here by default (`--kv-type`), as llama.cpp does by default, so both engines
-read the same amount of KV per token.
+interleaved round by round, so a slow moment of the machine hits all of them alike. Each figure is the median of the
+rounds. kvcmas stores its KV cache as f16 here by default (`--kv-type`), as llama.cpp does by default, so both engines
+read the same amount of KV per token, and runs with 8-bit activations (`--activations q8`, the engine's default), as
+llama.cpp does.
+
+Decode is bounded by memory bandwidth: every token reads all weights once. The table gives each decode rate as a
+fraction of this machine's bandwidth (weights read per token × tokens/s ÷ the bandwidth of a large numpy copy,
+measured in the same run), so the remaining headroom is visible.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class CoreResult:
     decode_tok_s: float  # 0 when the engine measured prefill only
     peak_rss_mb: float
     kv_type: str = "-"  # KV cache storage of the run ("-": the engine's own default, or no KV cache)
+    activations: str = "-"  # kvcmas: activations of the decode matmuls ("q8" | "f32")
 
 
 def _prompt_ids(n_vocab: int, n: int) -> list[int]:
@@ -49,7 +55,8 @@ def _peak_rss_mb() -> float:
 def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
     from .model import Model
 
-    model = Model(model_path, n_threads=threads, n_ctx=prompt + gen + 8, kv_type=kv_type)  # type: ignore[arg-type]
+    kv, _, act = kv_type.partition(":")  # "<kv type>:<activations>"
+    model = Model(model_path, n_threads=threads, n_ctx=prompt + gen + 8, kv_type=kv, activations=act or "q8")  # type: ignore[arg-type]
     ids = _prompt_ids(model.n_vocab, prompt)
     with model.new_sequence() as warm:  # first touch of the mapped weights
         warm.append(ids[:32])
@@ -118,8 +125,9 @@ _ENGINE_KV = {"llama-cpp": "f16", "torch-bf16": "-"}
 def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
     runner = {"kvcmas": _run_kvcmas, "llama-cpp": _run_llama_cpp, "torch-bf16": _run_torch_bf16}[engine]
     prefill, decode = runner(model_path, threads, prompt, gen, kv_type)
-    kv = kv_type if engine == "kvcmas" else _ENGINE_KV[engine]
-    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb(), kv)
+    kv = kv_type.partition(":")[0] if engine == "kvcmas" else _ENGINE_KV[engine]
+    act = (kv_type.partition(":")[2] or "q8") if engine == "kvcmas" else "-"
+    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb(), kv, act)
 
 
 def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
@@ -132,36 +140,73 @@ def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, 
 
 
 def bench_core(
-    models: list[str], threads: int, prompt: int, gen: int, compare: list[str], rounds: int, kv_type: str = "f16"
+    models: list[str],
+    threads: int,
+    prompt: int,
+    gen: int,
+    compare: list[str],
+    rounds: int,
+    kv_type: str = "f16",
+    activations: str = "q8",
 ) -> list[CoreResult]:
-    """Best of `rounds` interleaved rounds for kvcmas (KV stored as `kv_type`) and each engine in `compare`, per
-    model."""
+    """Medians of `rounds` interleaved rounds for kvcmas (KV stored as `kv_type`, decode matmuls with `activations`)
+    and each engine in `compare`, per model (peak RSS: the largest)."""
     from tqdm import tqdm
 
     engines = ["kvcmas", *[e for e in compare if e != "kvcmas"]]
-    best: dict[tuple[str, str], CoreResult] = {}
+    runs: dict[tuple[str, str], list[CoreResult]] = {}
     jobs = [(m, e) for _ in range(rounds) for m in models for e in engines]
     for model_path, engine in tqdm(jobs, desc="bench core", unit="run", file=sys.stderr):
-        if engine == "torch-bf16" and (model_path, engine) in best:
+        if engine == "torch-bf16" and (model_path, engine) in runs:
             continue  # slow to load; one round tells the anchor
-        r = _measure(engine, model_path, threads, prompt, gen, kv_type)
-        key = (model_path, engine)
-        old = best.get(key)
-        if old is None:
-            best[key] = r
-        else:
-            old.prefill_tok_s = max(old.prefill_tok_s, r.prefill_tok_s)
-            old.decode_tok_s = max(old.decode_tok_s, r.decode_tok_s)
-            old.peak_rss_mb = max(old.peak_rss_mb, r.peak_rss_mb)
-    return list(best.values())
+        r = _measure(engine, model_path, threads, prompt, gen, f"{kv_type}:{activations}")
+        runs.setdefault((model_path, engine), []).append(r)
+    results = []
+    for rs in runs.values():
+        r = rs[0]
+        r.prefill_tok_s = float(np.median([x.prefill_tok_s for x in rs]))
+        r.decode_tok_s = float(np.median([x.decode_tok_s for x in rs]))
+        r.peak_rss_mb = max(x.peak_rss_mb for x in rs)
+        results.append(r)
+    return results
 
 
-def format_table(results: list[CoreResult]) -> str:
-    """Markdown table with our/other ratios per model."""
+def memory_bandwidth_gb_s() -> float:
+    """This machine's memory bandwidth as a large numpy copy sees it (read + write bytes / s, best of 5; one
+    thread), measured in a subprocess: the workers would otherwise inherit its 1 GiB as their peak RSS."""
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--bandwidth"]
+    return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+
+
+def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
+    src = np.ones(mib << 18, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(model_path: str) -> int:
+    """Bytes of weights a decode step reads: every matrix once; of the token embedding only one row, unless the
+    output projection is tied to it."""
+    from ._native import core
+
+    tensors = core.GgufFile(model_path).tensors()
+    names = {t["name"] for t in tensors}
+    return sum(int(t["n_bytes"]) for t in tensors if t["name"] != "token_embd.weight" or "output.weight" not in names)
+
+
+def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None) -> str:
+    """Markdown table with our/other ratios per model, and decode as a fraction of the memory bandwidth."""
     lines = [
-        "| model | engine | threads | KV | prefill tok/s | decode tok/s | peak RSS MB | prefill ratio | decode ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | engine | threads | KV | activations | prefill tok/s | decode tok/s | decode GB/s (of bandwidth) "
+        "| peak RSS MB | prefill ratio | decode ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    per_token = {r.model: weight_bytes_per_token(r.model) for r in results}
     ours = {r.model: r for r in results if r.engine == "kvcmas"}
     for r in results:
         base = ours.get(r.model)
@@ -170,12 +215,20 @@ def format_table(results: list[CoreResult]) -> str:
             pre = f"{base.prefill_tok_s / r.prefill_tok_s:.2f}x" if r.prefill_tok_s else ""
             dec = f"{base.decode_tok_s / r.decode_tok_s:.2f}x" if r.decode_tok_s else ""
         decode = f"{r.decode_tok_s:.1f}" if r.decode_tok_s else "-"
+        gb_s = r.decode_tok_s * per_token[r.model] / 1e9
+        frac = f" ({gb_s / bandwidth_gb_s:.0%})" if bandwidth_gb_s else ""
+        traffic = f"{gb_s:.1f}{frac}" if r.decode_tok_s else "-"
         lines.append(
-            f"| {Path(r.model).name} | {r.engine} | {r.threads} | {r.kv_type} | {r.prefill_tok_s:.1f} | {decode} "
-            f"| {r.peak_rss_mb:.0f} | {pre} | {dec} |"
+            f"| {Path(r.model).name} | {r.engine} | {r.threads} | {r.kv_type} | {r.activations} "
+            f"| {r.prefill_tok_s:.1f} | {decode} | {traffic} | {r.peak_rss_mb:.0f} | {pre} | {dec} |"
         )
     lines.append("")
-    lines.append("ratio = kvcmas / that engine (above 1: kvcmas is faster)")
+    lines.append("ratio = kvcmas / that engine (above 1: kvcmas is faster); figures are medians of the rounds")
+    if bandwidth_gb_s:
+        lines.append(
+            "decode GB/s = weights read per token x decode tok/s; "
+            f"memory bandwidth (numpy copy) {bandwidth_gb_s:.1f} GB/s"
+        )
     return "\n".join(lines)
 
 
@@ -185,7 +238,13 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens to prefill")
     p.add_argument("--gen", type=int, default=128, help="tokens to decode")
     p.add_argument("--compare", action="append", default=[], choices=["llama-cpp", "torch-bf16"])
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best is kept")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument(
+        "--activations",
+        default="q8",
+        choices=["q8", "f32"],
+        help="kvcmas decode matmul activations (default q8, as llama.cpp; f32: the exact path)",
+    )
     p.add_argument(
         "--kv-type",
         default="f16",
@@ -199,16 +258,26 @@ def run_core(args: argparse.Namespace) -> int:
     from .model import resolve_model_path
 
     models = [resolve_model_path(m) for m in args.model] if args.model else [resolve_model_path(None)]
-    results = bench_core(models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type)
+    bandwidth = memory_bandwidth_gb_s()
+    results = bench_core(
+        models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type, args.activations
+    )
+    bandwidth = max(bandwidth, memory_bandwidth_gb_s())  # before and after: the better of the two
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
+        rows = [
+            {**asdict(r), "memory_bandwidth_gb_s": bandwidth, "weight_bytes_per_token": weight_bytes_per_token(r.model)}
+            for r in results
+        ]
+        print(json.dumps(rows, indent=2))
     else:
-        print(format_table(results))
+        print(format_table(results, bandwidth))
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "--worker":
+    if sys.argv[1:] == ["--bandwidth"]:
+        print(_copy_bandwidth_gb_s())
+    elif len(sys.argv) == 8 and sys.argv[1] == "--worker":
         _, _, eng, path, th, pr, ge, kv = sys.argv
         print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv))))
     else:

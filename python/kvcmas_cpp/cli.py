@@ -20,6 +20,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +45,14 @@ def _load(args: argparse.Namespace) -> Any:
     from .model import Model, resolve_model_path
 
     path = resolve_model_path(args.model)
-    return Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type, device=args.device)
+    return Model(
+        path,
+        n_threads=args.threads,
+        n_ctx=args.ctx_size,
+        kv_type=args.kv_type,
+        device=args.device,
+        activations=args.activations,
+    )
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

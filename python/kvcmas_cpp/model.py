@@ -245,6 +245,11 @@ class Model:
         kv_budget: bytes all KV blocks may take (default: four full sequences).
         kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
             like llama.cpp's default; attention still computes in f32).
+        activations: what the decode steps' matrix products over quantized weights (Q4_0 ... Q8_0, Q4_K, Q5_K,
+            Q6_K) multiply with: "q8" (default) quantizes the activations to 8 bits per 32 elements for integer dot
+            products, as llama.cpp does (fast; logits within a stated bound of the exact ones, docs/quant-kernels.md);
+            "f32" keeps them exact (the logits transformers computes, to f32 rounding). F16/BF16/F32 weights,
+            prefill and the CUDA backend always use f32 activations.
     """
 
     def __init__(
@@ -255,6 +260,7 @@ class Model:
         kv_budget: int | None = None,
         kv_type: Literal["f32", "f16"] = "f32",
         device: str = "cpu",
+        activations: Literal["q8", "f32"] = "q8",
     ) -> None:
         """device: "cpu", or "cuda" / "cuda:N" on a build with the CUDA backend (see `kvcmas_cpp.backends()`)."""
         self.path = os.fspath(path)
@@ -268,6 +274,10 @@ class Model:
             core_args += (kv_type,)
         if device != "cpu":  # likewise: cores built before the backend seam have no device argument
             core_args = (*core_args[:4], kv_type, device)
+        if activations not in ("q8", "f32"):
+            raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
+        if activations != "q8":  # likewise: cores built before the option run q8's place with f32
+            core_args = (*core_args[:4], kv_type, device, activations)
         self._core = core.Model(*core_args)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
@@ -275,6 +285,9 @@ class Model:
     # ----------------------------------------------------------------------------------------------- properties
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
     device = property(lambda self: getattr(self._core, "device", "cpu"), doc="backend it runs on: 'cpu' or 'cuda'")
+    activations = property(
+        lambda self: getattr(self._core, "activations", "f32"), doc="'q8' or 'f32' (see the constructor)"
+    )
     n_vocab = property(lambda self: self._core.n_vocab, doc="vocabulary size")
     n_ctx_train = property(lambda self: self._core.n_ctx_train, doc="context length the model was trained for")
     n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")

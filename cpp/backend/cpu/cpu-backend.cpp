@@ -145,8 +145,11 @@ class CpuBackend final : public Backend {
     }
 
     void matmul(const Weight & w, const float * x, float * y, int64_t n_tok) override {
-        cpu::matmul(view(w), x, y, n_tok, pool_);
+        cpu::matmul(view(w), x, y, n_tok, pool_, act_);
     }
+
+    void             set_activations(cpu::Activations act) override { act_ = act; }
+    cpu::Activations activations() const override { return act_; }
 
     void matmul_multi(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok) override {
         KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti, "matmul_multi: %d matrices", n_mats);
@@ -154,7 +157,7 @@ class CpuBackend final : public Backend {
         for (int i = 0; i < n_mats; ++i) {
             v[i] = view(w[i]);
         }
-        cpu::matmul_multi(v, y, n_mats, x, n_tok, pool_);
+        cpu::matmul_multi(v, y, n_mats, x, n_tok, pool_, act_);
     }
 
     void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
@@ -386,6 +389,7 @@ class CpuBackend final : public Backend {
     }
 
     cpu::ThreadPool                      pool_;
+    cpu::Activations                     act_ = cpu::Activations::F32;  // exact until told (Model sets Q8)
     std::vector<std::vector<cpu::KvRun>> runs_;
     std::vector<float>                   scratch_;
 };

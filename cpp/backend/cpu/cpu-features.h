@@ -6,6 +6,9 @@ namespace kvcmas::cpu {
 
 struct CpuFeatures {
     bool avx2_fma_f16c = false;  // AVX2 + FMA3 + F16C (Haswell, Zen and later)
+    // AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): 8-bit dot products in one instruction, used by the
+    // q8 activation kernels. KVCMAS_NO_VNNI=1 turns it off (tests compare the two kernel sets).
+    bool avx_vnni = false;
 };
 
 const CpuFeatures & cpu_features();

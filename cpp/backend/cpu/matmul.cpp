@@ -11,6 +11,7 @@
 #include "common/error.h"
 #include "backend/cpu/cpu-features.h"
 #include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/quants-dot.h"
 #include "backend/cpu/quants.h"
 
 namespace kvcmas::cpu {
@@ -255,7 +256,14 @@ using namespace detail;
 // read once per 4 tokens); from here on dequantizing row tiles to f32 once for the packed GEMM wins. Measured on
 // Zen 3 (1 thread, 1536 × 576/768 weights): unpacking quants to f32 costs more per token than widening halves,
 // so the quantized types cross over earlier, nibble types first.
-int64_t decode_max_tokens(GgmlType type) {
+// With 8-bit activations the integer dot products stay ahead of dequantize + f32 GEMM up to here (the server's
+// batched decode step over up to 16 sequences reads each weight row once for all of them).
+constexpr int64_t kQ8DecodeMaxTokens = 17;
+
+int64_t decode_max_tokens(GgmlType type, bool q8) {
+    if (q8) {
+        return kQ8DecodeMaxTokens;
+    }
     switch (type) {
         case GgmlType::F32:
         case GgmlType::F16:
@@ -311,6 +319,45 @@ class ScratchBuffer {
 
 thread_local ScratchBuffer tl_tile_buffer;  // prefill: dequantized weight tile
 thread_local ScratchBuffer tl_sums_buffer;  // decode: per-32 sums of the activations (caller thread)
+thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and their scales (caller thread)
+
+// The integer kernel of `type` when act asks for 8-bit activations and the CPU runs it; nullptr otherwise.
+RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
+#if defined(KC_X86)
+    if (act == Activations::Q8 && cpu_features().avx2_fma_f16c) {
+#    if defined(KC_AVXVNNI)
+        if (cpu_features().avx_vnni) {
+            return row_dot_q8_fn_avxvnni(type);
+        }
+#    endif
+        return row_dot_q8_fn_avx2(type);
+    }
+#endif
+    (void) type;
+    (void) act;
+    return nullptr;
+}
+
+// x [n_tok][n_in] quantized per 32 into the caller thread's scratch buffer.
+Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
+    const int64_t nb     = n_in / kQ8Block;
+    const size_t  qbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
+    const size_t  fbytes = static_cast<size_t>(n_tok * nb) * sizeof(float);
+    char *        buf    = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 3 * fbytes));
+    auto *        q      = reinterpret_cast<int8_t *>(buf);
+    auto *        qr     = reinterpret_cast<int8_t *>(buf + qbytes);
+    auto *        d      = reinterpret_cast<float *>(buf + 2 * qbytes);
+    float *       dr     = d + n_tok * nb;
+    float *       sums   = dr + n_tok * nb;
+#if defined(KC_X86)
+    for (int64_t t = 0; t < n_tok; ++t) {
+        quantize_q8_avx2(x + t * n_in, n_in, q + t * n_in, d + t * nb, qr + t * n_in, dr + t * nb, sums + t * nb);
+    }
+#else
+    (void) x;
+#endif
+    return Q8Acts{ q, d, qr, dr, sums, n_in, nb };
+}
 
 void check_weight(const WeightView & w, const char * what) {
     const GgmlTypeTraits * t = ggml_type_traits(static_cast<uint32_t>(w.type));
@@ -356,12 +403,14 @@ struct DecodeTarget {
     const WeightView * w;
     Kernels            k;
     float *            y;
+    RowDotQ8Fn         q8;  // integer kernel over the 8-bit activations, or nullptr: f32 activations
 };
 
 constexpr int64_t kDecodeChunk = 16;  // rows handed out at a time
 
 // Rows [r0, r1) of one matrix of a decode job, for all n_tok tokens.
-void decode_rows(const DecodeTarget & m, const DecodeActs & act, int64_t n_tok, int64_t r0, int64_t r1) {
+void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & q8, int64_t n_tok, int64_t r0,
+                 int64_t r1) {
     // Weights stream from memory once per token: ask for a row a few rows ahead, so that its cache lines are on
     // the way while this one is computed (the hardware prefetcher alone lags here).
     constexpr int64_t  kPrefetchRows = 4;
@@ -373,6 +422,16 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, int64_t n_tok, 
             for (size_t off = 0; off < w.row_bytes; off += 64) {
                 __builtin_prefetch(ahead + off);
             }
+        }
+        if (m.q8 != nullptr) {
+            for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
+                const int    nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
+                const Q8Acts group{ q8.q + t0 * q8.ldq,         q8.d + t0 * q8.ld_blocks,
+                                    q8.qr + t0 * q8.ldq,        q8.dr + t0 * q8.ld_blocks,
+                                    q8.block_sums + t0 * q8.ld_blocks, q8.ldq, q8.ld_blocks };
+                m.q8(base + r * w.row_bytes, group, nt, w.n_in, m.y + t0 * w.n_out + r, w.n_out);
+            }
+            continue;
         }
         for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
             const int        nt = static_cast<int>(n_tok - t0 < 4 ? n_tok - t0 : 4);
@@ -387,11 +446,13 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, int64_t n_tok, 
 // matrices are handed out from one shared counter, so a thread that was descheduled does not hold up the rest and
 // the pool synchronizes once for all of them.
 void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
-    bool need_sums = false;
+    bool need_sums = false, need_q8 = false;
     for (int i = 0; i < n_mats; ++i) {
-        need_sums = need_sums || has_block_min(mats[i].w->type);
+        need_sums = need_sums || (mats[i].q8 == nullptr && has_block_min(mats[i].w->type));
+        need_q8   = need_q8 || mats[i].q8 != nullptr;
     }
     const DecodeActs act = decode_acts(need_sums, mats[0].w->n_in, x, n_tok);
+    const Q8Acts     q8  = need_q8 ? quantize_acts(mats[0].w->n_in, x, n_tok) : Q8Acts{};
     int64_t          first_chunk[8];  // chunk id of each matrix's first rows; [n_mats] = total
     first_chunk[0] = 0;
     for (int i = 0; i < n_mats; ++i) {
@@ -410,7 +471,7 @@ void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64
             }
             const int64_t r0 = (c - first_chunk[m]) * kDecodeChunk;
             const int64_t r1 = r0 + kDecodeChunk < mats[m].w->n_out ? r0 + kDecodeChunk : mats[m].w->n_out;
-            decode_rows(mats[m], act, n_tok, r0, r1);
+            decode_rows(mats[m], act, q8, n_tok, r0, r1);
         }
     });
 }
@@ -460,7 +521,7 @@ void matmul_prefill(const WeightView & w, const float * x, float * y, int64_t n_
 
 }  // namespace
 
-void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool) {
+void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool, Activations act) {
     check_weight(w, "matmul");
     KC_CHECK(n_tok >= 0 && n_tok <= (int64_t(1) << 30), "matmul: bad token count %lld", static_cast<long long>(n_tok));
     if (n_tok == 0 || w.n_out == 0) {
@@ -469,8 +530,9 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     const Kernels k = select_kernels(w.type);
     KC_CHECK(k.dequant != nullptr && k.row_dot != nullptr, "matmul: no kernel for %s",
              ggml_type_name(static_cast<uint32_t>(w.type)));
-    if (n_tok < decode_max_tokens(w.type)) {
-        const DecodeTarget m{ &w, k, y };
+    const RowDotQ8Fn q8 = select_q8_kernel(w.type, act);
+    if (n_tok < decode_max_tokens(w.type, q8 != nullptr)) {
+        const DecodeTarget m{ &w, k, y, q8 };
         matmul_decode(&m, 1, x, n_tok, pool);
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
@@ -478,7 +540,7 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
 }
 
 void matmul_multi(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
-                  ThreadPool & pool) {
+                  ThreadPool & pool, Activations act) {
     KC_CHECK(n_mats >= 1 && n_mats <= kMaxMatmulMulti, "matmul_multi: %d matrices, at most %d", n_mats,
              kMaxMatmulMulti);
     KC_CHECK(n_tok >= 0 && n_tok <= (int64_t(1) << 30), "matmul_multi: bad token count %lld",
@@ -489,14 +551,14 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
         check_weight(w[i], "matmul_multi");
         KC_CHECK(w[i].n_in == w[0].n_in, "matmul_multi: matrix %d has %lld inputs, matrix 0 has %lld", i,
                  static_cast<long long>(w[i].n_in), static_cast<long long>(w[0].n_in));
-        mats[i] = DecodeTarget{ &w[i], select_kernels(w[i].type), y[i] };
+        mats[i] = DecodeTarget{ &w[i], select_kernels(w[i].type), y[i], select_q8_kernel(w[i].type, act) };
         KC_CHECK(mats[i].k.dequant != nullptr && mats[i].k.row_dot != nullptr, "matmul_multi: no kernel for %s",
                  ggml_type_name(static_cast<uint32_t>(w[i].type)));
-        decode = decode && n_tok < decode_max_tokens(w[i].type) && w[i].n_out > 0;
+        decode = decode && n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
     }
     if (!decode) {  // prefill (or an empty matrix): each product on its own, exactly as matmul() runs it
         for (int i = 0; i < n_mats; ++i) {
-            matmul(w[i], x, y[i], n_tok, pool);
+            matmul(w[i], x, y[i], n_tok, pool, act);
         }
         return;
     }

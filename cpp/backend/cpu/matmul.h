@@ -19,13 +19,22 @@ struct WeightView {
     size_t       row_bytes;
 };
 
+// What the decode path multiplies quantized weights with. F32: the activations as they are (exact: every path
+// computes dequantize_row(w)·x to f32 rounding). Q8: the activations quantized to 8 bits per 32 elements and integer
+// dot products with the stored blocks (as llama.cpp does; much faster, error bound in backend/cpu/quants-dot.h). Q8 applies
+// to the decode path (n_tok below the prefill threshold) of the quantized types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K on CPUs with AVX2; everything else runs as with F32.
+enum class Activations { F32, Q8 };
+
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
 // Splits the work over the pool. Small n_tok (decode: below 6-12 tokens depending on the type) runs dot products
-// straight from the stored format with f32 activations, up to 4 tokens per pass over a row; larger n_tok
-// dequantizes tiles of w to f32 for a register-blocked GEMM. Every path computes dequantize_row(w)·x with f32
-// products and sums, so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the
-// thread count or the CPU path.
-void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
+// straight from the stored format, up to 4 tokens per pass over a row; larger n_tok dequantizes tiles of w to f32
+// for a register-blocked GEMM. With act == F32 every path computes dequantize_row(w)·x with f32 products and sums,
+// so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the thread count or the CPU
+// path. With act == Q8 the decode path of the quantized types (up to 16 tokens) uses 8-bit activations instead
+// (backend/cpu/quants-dot.h: error bound); a row's result still does not depend on n_tok (below 17) or the thread count.
+void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
+            Activations act = Activations::F32);
 
 // n_mats (<= kMaxMatmulMulti) products of the same activations, y[i] = x · w[i]ᵀ, every w[i] with the same n_in
 // (a layer's Q, K and V; its gate and up). Each y[i] is exactly what matmul(w[i], x, y[i], n_tok, pool) computes;
@@ -33,7 +42,7 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
 // pool instead of n_mats, and no thread idle at the end of a small matrix).
 constexpr int kMaxMatmulMulti = 7;
 void          matmul_multi(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
-                           ThreadPool & pool);
+                           ThreadPool & pool, Activations act = Activations::F32);
 
 // Same contract, plain reference implementation (dequantize each row, f64 accumulation); for tests.
 void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok);

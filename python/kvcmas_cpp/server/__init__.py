@@ -115,6 +115,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
     )
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+    )
     p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
     p.add_argument(
         "--recompute",
@@ -206,6 +212,8 @@ def run_serve(args: argparse.Namespace) -> int:
     kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
     if args.device != "cpu":
         kv_type["device"] = args.device
+    if args.activations != "q8":
+        kv_type["activations"] = args.activations
     model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
     cfg = ServerConfig(
         model_path=path,

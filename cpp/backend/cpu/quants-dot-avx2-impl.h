@@ -1,0 +1,424 @@
+// The 8-bit activation kernels, included by quants-dot-avx2.cpp (KC_Q8_VNNI 0: maddubs + madd) and by
+// quants-dot-avxvnni.cpp (KC_Q8_VNNI 1: AVX-VNNI vpdpbusd, the same sums in one instruction). Layouts:
+// matmul-impl.h; contract: quants-dot.h.
+//
+// Every weight block is unpacked to 32 bytes of integer quants in element order, multiplied with the activation
+// bytes by maddubs (unsigned × signed bytes -> pairs summed into int16) and summed to int32 lanes by madd (or both at
+// once by vpdpbusd). Weights with signed quants (offsets such as Q4_0's -8 applied first) go through |w| and
+// sign(x, w). No intermediate can saturate: |pair| <= 2·128·127 (Q8_0) and the int32 sums of Q6_K's scaled pairs
+// stay below 2^22.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstring>
+
+#include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/quants-dot.h"
+
+#ifndef KC_Q8_VNNI
+#error "define KC_Q8_VNNI (0 or 1) before including quants-dot-avx2-impl.h"
+#endif
+
+namespace kvcmas::cpu::detail {
+namespace KC_Q8_NS {
+
+inline float h2f(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s        = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s        = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s        = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s        = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline __m256i load256(const void * p) {
+    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
+}
+inline __m128i load128(const void * p) {
+    return _mm_loadu_si128(static_cast<const __m128i *>(p));
+}
+
+// Σ of 4 adjacent products u·s (u unsigned bytes, s signed bytes) per int32 lane.
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if KC_Q8_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// Activation rows of one call: row t's bytes and per-32 scales.
+template <int NT>
+struct Q8Rows {
+    const int8_t * q[NT];
+    const float *  d[NT];
+    const int8_t * qr[NT];
+    const float *  dr[NT];
+    const float *  sums[NT];
+    explicit Q8Rows(const Q8Acts & a) {
+        for (int t = 0; t < NT; ++t) {
+            q[t]    = a.q + t * a.ldq;
+            d[t]    = a.d + t * a.ld_blocks;
+            qr[t]   = a.qr + t * a.ldq;
+            dr[t]   = a.dr + t * a.ld_blocks;
+            sums[t] = a.block_sums != nullptr ? a.block_sums + t * a.ld_blocks : nullptr;
+        }
+    }
+};
+
+// ---- 32-element block types -------------------------------------------------------------------------------------
+
+// 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15) then high nibbles (16..31).
+inline __m256i nibbles32(const uint8_t * qs) {
+    const __m128i v = load128(qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// Bit j of the little-endian 32 bits at qh as 0x10 in byte j.
+inline __m256i high_bits32(const uint8_t * qh) {
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
+    // Byte j takes source byte j / 8 (each 128-bit lane holds all four), then tests its bit j % 8.
+    const __m256i pick  = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), pick);
+    const __m256i bit   = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    const __m256i set   = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// quants(b): the block's 32 integer quants as bytes (signed when kSigned: w = d·q; else w = d·q + m).
+struct Q4_0 {
+    using Block                   = BlockQ4_0;
+    static constexpr bool kSigned = true;
+    static constexpr bool kHasMin = false;
+    static __m256i        quants(const Block & b) { return _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)); }
+};
+struct Q4_1 {
+    using Block                   = BlockQ4_1;
+    static constexpr bool kSigned = false;
+    static constexpr bool kHasMin = true;
+    static __m256i        quants(const Block & b) { return nibbles32(b.qs); }
+};
+struct Q5_0 {
+    using Block                   = BlockQ5_0;
+    static constexpr bool kSigned = true;
+    static constexpr bool kHasMin = false;
+    static __m256i        quants(const Block & b) {
+        return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b.qs), high_bits32(b.qh)), _mm256_set1_epi8(16));
+    }
+};
+struct Q5_1 {
+    using Block                   = BlockQ5_1;
+    static constexpr bool kSigned = false;
+    static constexpr bool kHasMin = true;
+    static __m256i        quants(const Block & b) { return _mm256_or_si256(nibbles32(b.qs), high_bits32(b.qh)); }
+};
+struct Q8_0 {
+    using Block                   = BlockQ8_0;
+    static constexpr bool kSigned = true;
+    static constexpr bool kHasMin = false;
+    static __m256i        quants(const Block & b) { return load256(b.qs); }
+};
+
+template <typename Q>
+float block_min(const typename Q::Block & b) {
+    if constexpr (Q::kHasMin) {
+        return h2f(b.m);
+    } else {
+        (void)b;
+        return 0.0f;
+    }
+}
+
+// Two blocks per step into separate accumulators, so that the FMA latency chains overlap.
+template <typename Q, int NT>
+void dot_q32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const typename Q::Block *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2];
+    float        corr[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        corr[t]               = 0.0f;
+    }
+    const auto step = [&](int64_t i, int u) {
+        const __m256i q  = Q::quants(b[i]);
+        const __m256i qa = Q::kSigned ? _mm256_sign_epi8(q, q) : q;
+        const float   dw = h2f(b[i].d);
+        for (int t = 0; t < NT; ++t) {
+            __m256i xq = load256(x.q[t] + 32 * i);
+            if constexpr (Q::kSigned) {
+                xq = _mm256_sign_epi8(xq, q);
+            }
+            const __m256 s = _mm256_cvtepi32_ps(dot_u8_i8(qa, xq));
+            acc[t][u]      = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * x.d[t][i]), acc[t][u]);
+            if (x.dr[t][i] != 0.0f) {  // residual pass of an outlier block
+                __m256i xr = load256(x.qr[t] + 32 * i);
+                if constexpr (Q::kSigned) {
+                    xr = _mm256_sign_epi8(xr, q);
+                }
+                acc[t][u] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(qa, xr)), _mm256_set1_ps(dw * x.dr[t][i]), acc[t][u]);
+            }
+            if constexpr (Q::kHasMin) {
+                corr[t] += block_min<Q>(b[i]) * x.sums[t][i];
+            }
+        }
+    };
+    const int64_t nb = n / 32;
+    int64_t       i  = 0;
+    for (; i + 2 <= nb; i += 2) {
+        step(i, 0);
+        step(i + 1, 1);
+    }
+    if (i < nb) {
+        step(i, 0);
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) + corr[t];
+    }
+}
+
+// ---- K-quants --------------------------------------------------------------------------------------------------
+
+// Q4_K / Q5_K: qs[32C + l] holds element l of sub-block 2C (low nibble) and 2C + 1 (high nibble); Q5_K's bit 4 of
+// sub-block j, element l is bit j of qh[l]. Sub-block j adds (d·sc_j·d_x,j)·Σq·x_q - (dmin·m_j)·Σx_j.
+
+// Bit J of every byte of v moved to 0x10 (16-bit shifts: the bit that lands on 4 comes from the same byte).
+template <int J>
+inline __m256i bit_to_0x10(__m256i v) {
+    const __m256i moved = J < 4 ? _mm256_slli_epi16(v, 4 - J) : (J > 4 ? _mm256_srli_epi16(v, J - 4) : v);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+template <typename Block, bool HasHigh, int NT, int C>
+inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const float * rscale, const Q8Rows<NT> & x,
+                    int64_t k0, __m256 acc[NT][2]) {
+    const __m256i v  = load256(blk.qs + 32 * C);
+    __m256i       lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    __m256i       hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    if constexpr (HasHigh) {
+        lo = _mm256_or_si256(lo, bit_to_0x10<2 * C>(qh));
+        hi = _mm256_or_si256(hi, bit_to_0x10<2 * C + 1>(qh));
+    }
+    for (int t = 0; t < NT; ++t) {
+        const int8_t * xq = x.q[t] + k0 + 64 * C;
+        const __m256   s0 = _mm256_cvtepi32_ps(dot_u8_i8(lo, load256(xq)));
+        const __m256   s1 = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(xq + 32)));
+        acc[t][0]         = _mm256_fmadd_ps(s0, _mm256_broadcast_ss(scale + 8 * t + 2 * C), acc[t][0]);
+        acc[t][1]         = _mm256_fmadd_ps(s1, _mm256_broadcast_ss(scale + 8 * t + 2 * C + 1), acc[t][1]);
+        const int64_t j   = k0 / 32 + 2 * C;  // activation block of sub-block 2C
+        if (x.dr[t][j] != 0.0f) {
+            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.qr[t] + k0 + 64 * C)));
+            acc[t][0]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C), acc[t][0]);
+        }
+        if (x.dr[t][j + 1] != 0.0f) {
+            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.qr[t] + k0 + 64 * C + 32)));
+            acc[t][1]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C + 1), acc[t][1]);
+        }
+    }
+}
+
+template <typename Block, bool HasHigh, int NT>
+void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const Block *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2], corr[NT];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / 256; ++i) {
+        alignas(8) uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) {
+            get_scale_min_k4(j, b[i].scales, sc[j], mn[j]);
+        }
+        const __m256 dsc = _mm256_mul_ps(
+            _mm256_set1_ps(h2f(b[i].d)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sc)))));
+        const __m256 dmn = _mm256_mul_ps(
+            _mm256_set1_ps(h2f(b[i].dmin)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(mn)))));
+        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·sc_j·d_x,j and d·sc_j·dr_x,j per token
+        for (int t = 0; t < NT; ++t) {
+            _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[t] + 8 * i)));
+            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.dr[t] + 8 * i)));
+            corr[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x.sums[t] + 8 * i), corr[t]);
+        }
+        const __m256i qh = HasHigh ? load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16) : _mm256_setzero_si256();
+        const int64_t k0 = 256 * i;
+        k4_pair<Block, HasHigh, NT, 0>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 1>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 2>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 3>(b[i], qh, scale, rscale, x, k0, acc);
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_sub_ps(_mm256_add_ps(acc[t][0], acc[t][1]), corr[t]));
+    }
+}
+static_assert(offsetof(BlockQ5_K, qh) == 16, "Q5_K: qh follows d, dmin and scales");
+
+template <int NT>
+void dot_q4_k(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ4_K, false, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q5_k(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4<BlockQ5_K, true, NT>(w, a, n, o, os);
+}
+
+// Q6_K, half h (elements 128h + 32C + e, chunk C = 0..3): low 4 bits from nibble C/2 of ql[64h + 32(C%2) + e], high
+// 2 bits from bits 2C of qh[32h + e]; w = d·scale_g·(q - 32) with g = 8h + 2C for e < 16, 8h + 2C + 1 for e >= 16.
+// The int16 scales of a chunk's two groups fill the low / high 128-bit lane of one vector, so madd applies them.
+template <int NT, int C>
+inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const float * rscale, const Q8Rows<NT> & x,
+                     int64_t k, __m256 acc[NT][2]) {
+    // Lane 0 repeats int16 element 2C of scales16, lane 1 element 2C + 1 (both lanes of scales16 hold the half's 8).
+    const __m256i pick = _mm256_setr_epi8(
+        4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1,
+        4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2,
+        4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3);
+    const __m256i sc = _mm256_shuffle_epi8(scales16, pick);
+    const __m256i w  = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    const __m256i wa = _mm256_sign_epi8(w, w);
+    for (int t = 0; t < NT; ++t) {
+        const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + k + 32 * C), w);
+        const __m256  s  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xq), sc));
+        acc[t][C % 2]    = _mm256_fmadd_ps(s, _mm256_broadcast_ss(scale + 8 * t + C), acc[t][C % 2]);
+        if (x.dr[t][k / 32 + C] != 0.0f) {
+            const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + k + 32 * C), w);
+            const __m256  r  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xr), sc));
+            acc[t][C % 2]    = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + C), acc[t][C % 2]);
+        }
+    }
+}
+
+template <int NT>
+void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockQ6_K *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const __m256i     all16 = _mm256_cvtepi8_epi16(load128(b[i].scales));
+        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·d_x and d·dr_x of the 8 activation blocks, per token
+        const __m256      d = _mm256_set1_ps(h2f(b[i].d));
+        for (int t = 0; t < NT; ++t) {
+            _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.d[t] + 8 * i)));
+            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.dr[t] + 8 * i)));
+        }
+        for (int h = 0; h < 2; ++h) {
+            const __m256i sc16 =
+                h == 0 ? _mm256_permute2x128_si256(all16, all16, 0x00) : _mm256_permute2x128_si256(all16, all16, 0x11);
+            const uint8_t * ql  = b[i].ql + 64 * h;
+            const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(b[i].qh + 32 * h);
+            const int64_t   k  = 256 * i + 128 * h;
+            const float *   s  = scale + 4 * h;
+            const float *   rs = rscale + 4 * h;
+            const __m256i   q0 =
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+            const __m256i q1 =
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+            const __m256i q2 =
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+            q6_chunk<NT, 0>(q0, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 1>(q1, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 2>(q2, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 3>(q3, sc16, s, rs, x, k, acc);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
+}
+
+template <int NT>
+void dot_q4_0(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q4_0, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q4_1(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q4_1, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q5_0(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q5_0, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q5_1(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q5_1, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q8_0(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<Q8_0, NT>(w, a, n, o, os);
+}
+
+#define KC_ROW_DOT_Q8(name)                                                                               \
+    inline void name##_rows(const void * w, const Q8Acts & a, int nt, int64_t n, float * o, int64_t os) { \
+        switch (nt) {                                                                                     \
+            case 1:                                                                                       \
+                name<1>(w, a, n, o, os);                                                                  \
+                break;                                                                                    \
+            case 2:                                                                                       \
+                name<2>(w, a, n, o, os);                                                                  \
+                break;                                                                                    \
+            case 3:                                                                                       \
+                name<3>(w, a, n, o, os);                                                                  \
+                break;                                                                                    \
+            default:                                                                                      \
+                name<4>(w, a, n, o, os);                                                                  \
+                break;                                                                                    \
+        }                                                                                                 \
+    }
+KC_ROW_DOT_Q8(dot_q4_0)
+KC_ROW_DOT_Q8(dot_q4_1)
+KC_ROW_DOT_Q8(dot_q5_0)
+KC_ROW_DOT_Q8(dot_q5_1)
+KC_ROW_DOT_Q8(dot_q8_0)
+KC_ROW_DOT_Q8(dot_q4_k)
+KC_ROW_DOT_Q8(dot_q5_k)
+KC_ROW_DOT_Q8(dot_q6_k)
+#undef KC_ROW_DOT_Q8
+
+// The kernel of `type`, nullptr for types without one.
+inline RowDotQ8Fn row_dot_q8_fn(GgmlType type) {
+    switch (type) {
+        case GgmlType::Q4_0:
+            return dot_q4_0_rows;
+        case GgmlType::Q4_1:
+            return dot_q4_1_rows;
+        case GgmlType::Q5_0:
+            return dot_q5_0_rows;
+        case GgmlType::Q5_1:
+            return dot_q5_1_rows;
+        case GgmlType::Q8_0:
+            return dot_q8_0_rows;
+        case GgmlType::Q4_K:
+            return dot_q4_k_rows;
+        case GgmlType::Q5_K:
+            return dot_q5_k_rows;
+        case GgmlType::Q6_K:
+            return dot_q6_k_rows;
+        default:
+            return nullptr;
+    }
+}
+
+}  // namespace KC_Q8_NS
+}  // namespace kvcmas::cpu::detail
