@@ -256,3 +256,10 @@ def reference() -> object:
 
     _require_transformers()
     return _Reference()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets its own $XDG_CACHE_HOME: learned corrections (kvcmas' calibration directory, on by default)
+    never go to the real home, and no test loads another's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))

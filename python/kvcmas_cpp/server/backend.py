@@ -51,7 +51,9 @@ class Backend(Protocol):
         """Prompt tokens the backend holds already (an estimate of what a prefill will not compute)."""
         ...
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None: ...
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
+        """Registers the reply: its ids and the text the client received (after stop strings)."""
+        ...
 
     def evict_lru(self) -> bool: ...
 
@@ -148,7 +150,7 @@ class PlainBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
         pass
 
     def evict_lru(self) -> bool:
@@ -165,13 +167,22 @@ class PlainBackend:
 class SessionBackend:
     """An AgentSession (kvcmas_cpp.agents): spans computed by any agent of the workflow are reused by the method."""
 
-    def __init__(self, model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> None:
-        """calibration_bytes: the least memory the method's shared estimator may hold in training reads of edges
-        still calibrating (kvcmas: a read of an n-row span holds 4 x n_layer x n x kv_dim floats, ~37 MB for 400
-        rows of SmolLM2-135M; an edge needs CALIBRATION_READS of them before it shares)."""
+    def __init__(
+        self,
+        model: Model,
+        method: str,
+        vision: Any = None,
+        calibration_bytes: int | None = None,
+        cold: str = "reuse",
+        calibration_dir: str | os.PathLike[str] | bool = True,
+    ) -> None:
+        """calibration_bytes: the least memory the method's shared estimator may hold in the statistics of edges
+        still calibrating (kvcmas: ~17 MB an edge on SmolLM2-135M, whatever the span). cold, calibration_dir: see
+        AgentSession (kvcmas)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
-        self.session = agents.AgentSession(model, method=method, vision=vision)
+        kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
+        self.session = agents.AgentSession(model, method=method, vision=vision, **kw)
         if calibration_bytes is not None:
             estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
             with lock:
@@ -194,8 +205,8 @@ class SessionBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return int(self.session.reusable_tokens(messages))
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
-        self.session.finish(p, generated_ids)
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
+        self.session.finish(p, generated_ids, text)
 
     def evict_lru(self) -> bool:
         return bool(self.session.evict_lru())
@@ -219,10 +230,18 @@ def agents_available() -> bool:
     return hasattr(module, "AgentSession")
 
 
-def make_backend(model: Model, method: str, vision: Any = None, calibration_bytes: int | None = None) -> Backend:
+def make_backend(
+    model: Model,
+    method: str,
+    vision: Any = None,
+    calibration_bytes: int | None = None,
+    cold: str = "reuse",
+    calibration_dir: str | os.PathLike[str] | bool = True,
+) -> Backend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
-    any (the session checks that its embeddings fit the model). calibration_bytes: see SessionBackend."""
+    any (the session checks that its embeddings fit the model). calibration_bytes, cold, calibration_dir: see
+    SessionBackend."""
     if agents_available():
-        return SessionBackend(model, method, vision, calibration_bytes)
+        return SessionBackend(model, method, vision, calibration_bytes, cold, calibration_dir)
     return PlainBackend(model)

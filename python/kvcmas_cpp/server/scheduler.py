@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -147,6 +148,7 @@ class Job:
     matcher: StopMatcher | None = None
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
+    received: str = ""  # the text the client got (stop strings cut)
     pending_token: int = -1
     remaining: int = 0  # prompt rows still to compute (an estimate): the shortest prefill goes first
     prefilling: bool = False  # its prefill is running (possibly paused between chunks)
@@ -190,6 +192,8 @@ class Scheduler:
         prefill_chunk: int = PREFILL_CHUNK,
         vision: Any = None,
         calibration_bytes: int | None = CALIBRATION_BYTES,
+        cold: str = "reuse",
+        calibration_dir: str | os.PathLike[str] | bool = True,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -202,9 +206,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.vision = vision  # sessions get the vision encoder: image embeddings in their messages
         self.calibration_bytes = calibration_bytes
-        core = model._core
-        element_bytes = 2 if getattr(core, "kv_type", "f32") == "f16" else 4
-        self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * element_bytes
+        self.cold, self.calibration_dir = cold, calibration_dir  # kvcmas sessions (AgentSession)
+        self.block_bytes = KV_BLOCK_ROWS * model.kv_row_bytes
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
@@ -434,7 +437,9 @@ class Scheduler:
             s.backend.close()
             s = None
         if s is None:
-            s = _Session(make_backend(self.model, key[1], self.vision, self.calibration_bytes))
+            s = _Session(
+                make_backend(self.model, key[1], self.vision, self.calibration_bytes, self.cold, self.calibration_dir)
+            )
             self._sessions[key] = s
             while len(self._sessions) > MAX_SESSIONS:
                 idle = next((k for k, v in self._sessions.items() if v.active == 0 and k != key), None)
@@ -606,6 +611,7 @@ class Scheduler:
         job.history.append(token)
         text, hit = job.matcher.feed(job.decoder.feed(token))
         if text:
+            job.received += text
             job.sink(Delta(text, token))
         if hit:
             self._finish(job, "stop")
@@ -622,12 +628,13 @@ class Scheduler:
         if not job.matcher.stopped:
             tail = job.matcher.flush(job.decoder.flush())
             if tail:
+                job.received += tail
                 job.sink(Delta(tail))
         p = job.prefilled
         self._estimators_touched = True
         try:
             if job.backend is not None:
-                job.backend.finish(p, list(job.generated))
+                job.backend.finish(p, list(job.generated), job.received)
         except Exception:
             log.exception("%s: registering the reply failed", job.id)
         stats = self._stats(job, t_end)
@@ -635,6 +642,9 @@ class Scheduler:
         self._service_s = 0.8 * self._service_s + 0.2 * (t_end - job.t_admit)
         self.metrics.count_generation(
             stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+        )
+        self.metrics.count_sharing(
+            stats["prefix_cached_tokens"], stats["span_tokens"], stats["calibration_tokens"], stats["dense_reason"]
         )
         job.sink(Done(reason, stats))
 
@@ -668,6 +678,10 @@ class Scheduler:
             "predicted_per_second": (n_gen - 1) / (predicted_ms / 1000.0) if n_gen > 1 and predicted_ms > 0 else 0.0,
             "kv_bytes": int(s.get("kv_bytes", 0) or 0),
             "corr_bytes": int(s.get("corr_bytes", 0) or 0),
+            "prefix_cached_tokens": int(s.get("prefix_cached_tokens", 0)),
+            "span_tokens": int(s.get("span_tokens", 0)),
+            "calibration_tokens": int(s.get("calibration_tokens", 0)),
+            "dense_reason": s.get("dense_reason"),
         }
 
     def _release(self, job: Job) -> None:
