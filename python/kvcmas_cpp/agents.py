@@ -518,8 +518,11 @@ class AgentSession:
     def fork(self) -> AgentSession:
         """A new session with the same agents and a copy of the shared context (spans re-computed on first read)."""
         with self._lock:
-            other = AgentSession(self.model, self.method, workflow=self.workflow, config=self._runner.config)
+            other = AgentSession(
+                self.model, self.method, workflow=self.workflow, config=self._runner.config, calibration_dir=False
+            )
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
+            other._store = self._store
             for a in self.agents:
                 other.agent(a.name, a.system, template=a.template)
             other.vision = self.vision

@@ -377,7 +377,7 @@ class WorkflowRunner:
         ):
             mode, gate, reason = "fallback", "novel -> dense", "gate"
         elif self._uncalibrated(a, phs, st):
-            if cfg.cold == "reuse" and cfg.gate != "reuse":
+            if cfg.cold == "reuse":
                 mode, gate = "reuse", "calibrating -> reuse"
             else:
                 mode, gate, reason = "fallback", "calibrating -> dense", "calibrating"
