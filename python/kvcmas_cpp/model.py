@@ -257,17 +257,17 @@ class Model:
     n_vocab = property(lambda self: self._core.n_vocab, doc="vocabulary size")
     n_ctx_train = property(lambda self: self._core.n_ctx_train, doc="context length the model was trained for")
     n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")
+    n_layer = property(lambda self: self._core.n_layer, doc="transformer blocks")
+    n_embd = property(lambda self: self._core.n_embd, doc="hidden size")
+    n_head = property(lambda self: self._core.n_head, doc="query heads")
+    n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
+    n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
 
     @property
     def kv_row_bytes(self) -> int:
         """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
         element = 2 if getattr(self._core, "kv_type", "f32") == "f16" else 4
         return self.n_layer * 2 * self.n_head_kv * self._core.head_dim * element
-    n_layer = property(lambda self: self._core.n_layer, doc="transformer blocks")
-    n_embd = property(lambda self: self._core.n_embd, doc="hidden size")
-    n_head = property(lambda self: self._core.n_head, doc="query heads")
-    n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
-    n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
 
     @property
     def kv_bytes_in_use(self) -> int:
