@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI: bounded coverage-guided fuzzing (atheris / libFuzzer) of the GGUF reader, the tokenizer, chat templates and
-# image decoding, and the server's request parsing.
+# image decoding, the server's request parsing, and the request-content path of a sharing session.
 #
 # Each target runs for FUZZ_SECONDS (default 45) from its seed corpus in fuzz/corpus/<target>/ and the inputs of
 # past findings in fuzz/regressions/<target>/, with a fixed libFuzzer seed (FUZZ_SEED, default 1) so that a run is
@@ -12,7 +12,7 @@
 # The package is the installed one, or python/ with the core named by KVCMAS_CORE_PATH. Exits non-zero on the first
 # crash, hang (10 s), exception or sanitizer report; the failing input is kept under $FUZZ_OUT (printed).
 #
-# Usage: scripts/ci-fuzz.sh [target...]     (targets: gguf tokenizer chat image server; default all)
+# Usage: scripts/ci-fuzz.sh [target...]     (targets: gguf tokenizer chat image server content; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +20,7 @@ SECONDS_PER_TARGET=${FUZZ_SECONDS:-45}
 SEED=${FUZZ_SEED:-1}
 OUT=${FUZZ_OUT:-$(mktemp -d -t kvcmas-fuzz-XXXXXX)}
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer chat image server)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf tokenizer chat image server content)
 
 "$PY" -c "import atheris" 2>/dev/null || { echo "ci-fuzz: atheris is not installed (pip install atheris)" >&2; exit 2; }
 if [ -n "${KVCMAS_CORE_PATH:-}" ]; then

@@ -271,3 +271,20 @@ def _private_cache_home_for_the_session(tmp_path_factory: pytest.TempPathFactory
 def _private_cache_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test gets its own $XDG_CACHE_HOME on top: no test loads another's learned corrections."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+@pytest.fixture(scope="session")
+def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """A tiny random-weight SigLIP tower + projector to the default model's width; None when the core has no
+    vision encoder."""
+    from kvcmas_cpp._native import core
+
+    if not hasattr(core, "VisionEncoder"):
+        return None
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    path = tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf"
+    write_random_mmproj(
+        path, image_size=56, patch_size=14, n_embd=32, n_ff=64, n_layer=2, n_head=2, n_embd_out=576, outtype="f32"
+    )
+    return str(path)

@@ -137,23 +137,6 @@ def model_path(default_model_path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
-    """A tiny random-weight SigLIP tower + projector to the default model's width; None when the core has no
-    vision encoder."""
-    from kvcmas_cpp._native import core
-
-    if not hasattr(core, "VisionEncoder"):
-        return None
-    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
-
-    path = tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf"
-    write_random_mmproj(
-        path, image_size=56, patch_size=14, n_embd=32, n_ff=64, n_layer=2, n_head=2, n_embd_out=576, outtype="f32"
-    )
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def server(model_path: str, mmproj_path: str | None) -> Iterator[ServerProcess]:
     vision = ["--mmproj", mmproj_path] if mmproj_path else []
     # Small prefill chunks: every prompt here runs in several chunks with other requests' work between them, and the

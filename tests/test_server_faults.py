@@ -8,6 +8,7 @@ starts its own server. Route list, CORS and the API-key comparison are checked i
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import shutil
@@ -31,6 +32,8 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy continues counting: a long
 CTX = 512
 KINDS: tuple[Literal["chat", "completion"], ...] = ("chat", "completion")
 TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 1.5
+HEADER_TIMEOUT_S = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,10 @@ def limits_server(model_path: str) -> Iterator[ServerProcess]:
         "2",
         "--request-timeout",
         str(TIMEOUT_S),
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
+        "--header-timeout",
+        str(HEADER_TIMEOUT_S),
     )
     yield srv
     srv.stop()
@@ -111,7 +118,13 @@ def test_body_size_limit_413(limits_server: ServerProcess) -> None:
     assert status == 413 and out["error"]["code"] == "body_too_large", out
     # Without a Content-Length (chunked), the limit holds while the body is read.
     conn = http.client.HTTPConnection("127.0.0.1", limits_server.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", body=iter([big[:3000], big[3000:]]), encode_chunked=True)
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body=iter([big[:3000], big[3000:]]),
+        headers={"Content-Type": "application/json"},
+        encode_chunked=True,
+    )
     resp = conn.getresponse()
     out = json.loads(resp.read())
     conn.close()
@@ -153,29 +166,64 @@ def test_images_per_request_limit_400(limits_server: ServerProcess) -> None:
     assert status == 400 and out["error"]["code"] != "too_many_images" and "--mmproj" in out["error"]["message"]
 
 
-def test_requests_in_flight_limit_503_with_retry_after(limits_server: ServerProcess) -> None:
-    # Two requests that never finish sending their body are in flight; the third is refused at once.
-    held = []
-    for _ in range(2):
+def _recv_all(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends on a socket until it closes it (or the timeout passes)."""
+    sock.settimeout(timeout)
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def test_inflight_limit_counts_complete_requests_and_times_out_slow_clients(limits_server: ServerProcess) -> None:
+    """Bodies that never complete hold a connection, not an in-flight slot, and get 408 after --body-timeout;
+    a connection that never completes its headers is closed after --header-timeout; requests that run do fill
+    --max-inflight (2): the third gets 503 with Retry-After, while /health still answers."""
+    before = limits_server.metrics()
+    half_sent = []
+    for _ in range(4):  # more than --max-inflight
         sock = socket.create_connection(("127.0.0.1", limits_server.port), timeout=30)
-        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"messages"')
-        held.append(sock)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"messages"'
+        )
+        half_sent.append(sock)
+    slow_headers = socket.create_connection(("127.0.0.1", limits_server.port), timeout=30)
+    slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: local")
+    t0 = time.monotonic()
     try:
         time.sleep(0.3)
-        status, headers, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
-        assert status == 503 and int(headers["retry-after"]) >= 1, out
-        assert out["error"]["code"] == "too_many_requests"
-        assert limits_server.request("GET", "/health")[0] == 200  # probes are not limited
+        status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert status == 200, out  # the half-sent bodies hold no slot
+        long_body = {"prompt": COUNTING, "max_tokens": 480, "temperature": 0}
+        streams = [_open_stream(limits_server, "/v1/completions", long_body) for _ in range(2)]
+        try:
+            status, headers, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+            assert status == 503 and int(headers["retry-after"]) >= 1, out
+            assert out["error"]["code"] == "too_many_requests"
+            assert limits_server.request("GET", "/health")[0] == 200  # probes are not limited
+        finally:
+            for conn, _ in streams:
+                conn.close()
+        for sock in half_sent:
+            reply = _recv_all(sock, BODY_TIMEOUT_S + 10)
+            assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+            assert b'"body_timeout"' in reply
+        assert _recv_all(slow_headers, HEADER_TIMEOUT_S + 10) == b""  # closed without an answer
+        assert time.monotonic() - t0 < max(BODY_TIMEOUT_S, HEADER_TIMEOUT_S) + 8
     finally:
-        for sock in held:
+        for sock in [*half_sent, slow_headers]:
             sock.close()
     deadline = time.monotonic() + 10
     status = 503
-    while status == 503 and time.monotonic() < deadline:  # the held ones are gone: requests run again
+    while status == 503 and time.monotonic() < deadline:  # the streams are gone: requests run again
         status, _, out = limits_server.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
         time.sleep(0.05)
     assert status == 200, out
-    assert limits_server.metrics()["kvcmas_rejected_inflight_total"] >= 1
+    after = limits_server.metrics()
+    assert after["kvcmas_rejected_inflight_total"] >= before["kvcmas_rejected_inflight_total"] + 1
+    assert after["kvcmas_rejected_body_timeout_total"] == before["kvcmas_rejected_body_timeout_total"] + 4
 
 
 def test_request_timeout_ends_the_request_and_frees_its_kv(limits_server: ServerProcess) -> None:
@@ -293,7 +341,7 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
 
         monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
         origin = {"Origin": "http://ok.example"}
-        with TestClient(plain.app) as c:
+        with TestClient(plain.app, base_url="http://127.0.0.1") as c:
             assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
             r = c.get("/v1/models", headers={"Authorization": "Bearer k3y", **origin})
             assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -304,7 +352,7 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
             r = c.get("/v1/models/..%2F..%2Fetc%2Fpasswd", headers={"Authorization": "Bearer k3y"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert (b"nope", b"k3y") in calls and (b"k3y", b"k3y") in calls
-        with TestClient(cors.app) as c:
+        with TestClient(cors.app, base_url="http://localhost") as c:
             pre = c.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "GET"})
             assert pre.headers["access-control-allow-origin"] == "http://ok.example"
             other = c.get("/v1/models", headers={"Origin": "http://evil.example"})

@@ -30,6 +30,8 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import re
+import secrets
 import threading
 import time
 import weakref
@@ -572,6 +574,10 @@ class AgentSession:
         if chunk_tokens < 1:
             raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
         with self._lock:
+            # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
+            # braces and all, is data and never expanded as a placeholder.
+            nonce = secrets.token_hex(8)
+            marker_re = re.compile(rf"<kvcmas-span-{nonce}:(\w+)>")
             system = ""
             rendered: list[dict[str, str]] = []
             for i, msg in enumerate(messages):
@@ -593,12 +599,12 @@ class AgentSession:
                     n_ctx = sum(1 for it in self._items if it.author is None)
                     ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
                     self._add_item(_Item(ph, ids, None, None, f"message:{role}"))
-                rendered.append({"role": role, "content": "{" + ph + "}"})
+                rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
             key = agent if agent is not None else (system or "assistant")
             ag = next((a for a in self.agents if a.name == key), None)
             if ag is None:
                 ag = self.agent(key, system)
-            template = template_from_messages(self.model, rendered, ag.name)
+            template = template_from_messages(self.model, rendered, ag.name, marker_re)
             if between_chunks is None:
                 return self._prefill_template(ag, template)
             t0 = time.perf_counter()

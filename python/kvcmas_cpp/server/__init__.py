@@ -68,6 +68,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="API keys, one per line as `NAME KEY` or `KEY`; each key is its own tenant (sharing and workflow ids "
+        "never cross tenants)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="a Host header name to serve besides localhost/127.0.0.1/[::1] (repeatable; '*' for any). Bound to "
+        "loopback, other Host names are refused (DNS rebinding)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a request body may take to arrive once its headers are in; then 408 (default 30)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="seconds a connection may take to send a request's line and headers; then it is closed (default 10)",
+    )
     p.add_argument("-np", "--parallel", type=_positive_int, default=8, help="sequences generated at once (default 8)")
     p.add_argument("-c", "--ctx-size", type=_positive_int, default=None, help="most tokens per sequence")
     p.add_argument(
@@ -101,6 +128,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="most new tokens one request may ask for (larger max_tokens: 400) or get by default (default 4096)",
     )
     p.add_argument("--max-images", type=int, default=8, help="image parts per chat request; beyond it: 400 (default 8)")
+    p.add_argument(
+        "--max-image-memory",
+        type=parse_bytes,
+        default="256M",
+        help="memory decoding one image may take, judged from its header before decoding (two decode at once); "
+        "beyond it: 400 (default 256M)",
+    )
     p.add_argument(
         "--request-timeout",
         type=_positive_float,
@@ -158,7 +192,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..model import Model, default_model_path
-    from .app import Server, ServerConfig
+    from .app import HeaderTimeoutH11, Server, ServerConfig
     from .backend import agents_available
 
     logging.basicConfig(
@@ -176,6 +210,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
         parallel=args.parallel,
         ctx_size=args.ctx_size,
         kv_budget=args.kv_budget,
@@ -194,6 +229,10 @@ def run_serve(args: argparse.Namespace) -> int:
         calibration_bytes=args.calibration_memory,
         cold=args.cold,
         calibration_dir=False if args.no_calibration_dir else (args.calibration_dir or True),
+        allowed_hosts=tuple(args.allowed_host),
+        max_image_memory=args.max_image_memory,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
     )
     server = Server(cfg, model)
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"
@@ -218,10 +257,12 @@ def run_serve(args: argparse.Namespace) -> int:
     # it makes a drained shutdown exit 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
+    protocol = type("KvcmasH11", (HeaderTimeoutH11,), {"header_timeout": cfg.header_timeout})
     config = uvicorn.Config(
         server.app,
         host=cfg.host,
         port=cfg.port,
+        http=protocol,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + 5,

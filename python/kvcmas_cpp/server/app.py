@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import h11
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,11 +30,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import Model
 from .backend import Segment
 from .metrics import Metrics
-from .scheduler import CALIBRATION_BYTES, PREFILL_CHUNK, Done, Event, Failed, Job, QueueFull, Scheduler
+from .scheduler import (
+    CALIBRATION_BYTES,
+    GENERATION_RESERVE,
+    PREFILL_CHUNK,
+    Done,
+    Event,
+    Failed,
+    Job,
+    Namespace,
+    QueueFull,
+    Scheduler,
+    SessionKey,
+)
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .validation import (
     DEFAULT_MAX_BODY_BYTES,
@@ -51,8 +66,12 @@ __all__ = ["ApiError", "Server", "ServerConfig", "error_body", "error_response"]
 log = logging.getLogger("kvcmas.server")
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
-DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow
+DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow (one per namespace)
 IMAGE_CACHE = 32  # encoded images kept (by content): agents that read the same image do not encode it again
+IMAGE_DECODES = 2  # images decoded at once: each may take up to --max-image-memory
+DEFAULT_IMAGE_MEMORY = 256 << 20  # decoding one image may take this much (checked from its header, before decoding)
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers are in (--body-timeout)
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for the request line and headers to arrive (--header-timeout)
 
 
 @dataclass
@@ -63,6 +82,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    api_key_file: str | None = None  # `NAME KEY` or `KEY` per line: each key its own tenant
     parallel: int = 8
     ctx_size: int | None = None
     kv_budget: int | None = None
@@ -81,6 +101,21 @@ class ServerConfig:
     calibration_bytes: int = CALIBRATION_BYTES  # training statistics kvcmas may hold while it calibrates
     cold: str = "reuse"  # kvcmas before an edge is calibrated: reuse (fullshared-like) or dense
     calibration_dir: str | bool = True  # kvcmas' learned maps across restarts: True = the user's cache dir
+    allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+
+    def host_allow_list(self) -> frozenset[str] | None:
+        """The Host names accepted: bound to loopback, the loopback names and --allowed-host (a page on another
+        site that rebinds its DNS name to 127.0.0.1 still sends its own name); otherwise only --allowed-host, if
+        given (None: any Host)."""
+        extra = {host_name(h) for h in self.allowed_hosts}
+        if "*" in extra:
+            return None
+        if loopback_host(self.host):
+            return frozenset(LOOPBACK_NAMES | extra | {host_name(self.host)})
+        return frozenset(extra) if extra else None
 
 
 def error_response(
@@ -89,9 +124,93 @@ def error_response(
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+JSON_MEDIA_TYPES = frozenset({"application/json"})
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+def loopback_host(host: str) -> bool:
+    """True when a bind address is a loopback one (then Host headers are checked against LOOPBACK_NAMES)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port: 'localhost:8080' -> 'localhost', '[::1]:80' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class Tenants:
+    """API keys -> tenants. Each key is its own tenant: sharing (spans, prefix caches, what the estimators learn from)
+    and workflow ids never cross tenants. Without keys every client is the one tenant LOCAL_TENANT."""
+
+    LOCAL_TENANT = "local"
+
+    def __init__(self, api_key: str | None = None, key_file: str | None = None) -> None:
+        self.keys: dict[bytes, str] = {}
+        if api_key is not None:
+            self._add(api_key, "default", "--api-key")
+        if key_file is not None:
+            self._load(key_file)
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys)
+
+    def _add(self, key: str, name: str, where: str) -> None:
+        if not key:
+            raise ValueError(f"{where}: an API key must not be empty")
+        raw = key.encode()
+        if raw in self.keys:
+            raise ValueError(f"{where}: the same API key is given twice")
+        if name in self.keys.values():
+            raise ValueError(f"{where}: the tenant name {name!r} is given twice")
+        self.keys[raw] = name
+
+    def _load(self, path: str) -> None:
+        """One key per line, `NAME KEY` or just `KEY` (the tenant is then named by the key's hash); '#' comments."""
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()  # noqa: SIM115 (read at once)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {path}: cannot read it: {e}") from None
+        for n, line in enumerate(lines, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) > 2:
+                raise ValueError(f"--api-key-file {path}, line {n}: expected `NAME KEY` or `KEY`")
+            key = words[-1]
+            name = words[0] if len(words) == 2 else "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+            self._add(key, name, f"--api-key-file {path}, line {n}")
+        if not self.keys:
+            raise ValueError(f"--api-key-file {path}: no keys in the file")
+
+    def tenant(self, token: str) -> str | None:
+        """The tenant a presented key belongs to (None: no such key). Every known key is compared in constant
+        time, so the time taken says nothing about which keys exist."""
+        if not self.keys:
+            return self.LOCAL_TENANT
+        found = None
+        presented = token.encode()
+        for key, name in self.keys.items():
+            if hmac.compare_digest(presented, key):
+                found = name
+        return found
+
+
 class _ApiKeyAndAccounting:
-    """Pure ASGI middleware (streaming-safe): checks the API key, refuses oversized bodies (by Content-Length) and
-    requests beyond the in-flight limit, and counts every request by endpoint and status."""
+    """Pure ASGI middleware (streaming-safe) in front of every route:
+    - Host header against an allow-list (DNS rebinding), and the API key -> the request's tenant (scope state);
+    - POST bodies must be JSON (Content-Type application/json: a browser cannot send that cross-site without a CORS
+      preflight) and are read here in full, within --max-body-bytes and --body-timeout, before the request counts
+      against --max-inflight: a client that sends half a body holds a connection, never a slot;
+    - requests beyond the in-flight limit get 503, and every request is counted by endpoint and status."""
 
     PUBLIC = frozenset({"/health"})
     UNLIMITED = frozenset({"/health", "/metrics"})  # probes still answer when the server is saturated
@@ -99,26 +218,25 @@ class _ApiKeyAndAccounting:
     def __init__(
         self,
         app: Any,
-        api_key: str | None,
+        tenants: Tenants,
         metrics: Metrics,
         known_paths: frozenset[str],
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_inflight: int = 256,
+        allowed_hosts: frozenset[str] | None = None,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.tenants = tenants
         self.metrics = metrics
         self.known_paths = known_paths
         self.max_body_bytes = max_body_bytes
         self.max_inflight = max_inflight
+        self.allowed_hosts = allowed_hosts
+        self.body_timeout = body_timeout
         self.inflight = 0
 
-    async def __call__(
-        self,
-        scope: MutableMapping[str, Any],
-        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
-        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
-    ) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -132,12 +250,20 @@ class _ApiKeyAndAccounting:
                 status_seen = int(message["status"])
             await send(message)
 
-        if scope.get("method") == "POST":
-            # Like llama.cpp's server, read the body as JSON whatever the Content-Type (curl -d sends a form type).
-            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
-            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
         limited = path not in self.UNLIMITED
-        refusal = self._refusal(scope, path, limited)
+        refusal = self._refusal(scope, path)
+        if refusal is None and scope.get("method") == "POST":
+            body, refusal = await self._read_body(receive)
+            if body is not None:
+                receive = _replay(body, receive)
+        if refusal is None and limited and self.inflight >= self.max_inflight:
+            self.metrics.bump("rejected_too_many_requests")
+            refusal = error_response(
+                503,
+                f"the server is handling {self.inflight} requests, its limit; retry shortly",
+                "too_many_requests",
+                headers={"Retry-After": "1"},
+            )
         if refusal is not None:
             await refusal(scope, receive, counting_send)
         else:
@@ -152,32 +278,120 @@ class _ApiKeyAndAccounting:
             level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
             log.log(level, "%s %s -> %d", scope.get("method", "?"), path, status_seen)
 
-    def _refusal(self, scope: MutableMapping[str, Any], path: str, limited: bool) -> JSONResponse | None:
-        """The error response for a request refused before it runs, or None."""
-        if self.api_key is not None and path not in self.PUBLIC and not self._authorized(scope):
+    def _refusal(self, scope: MutableMapping[str, Any], path: str) -> Response | None:
+        """The error response for a request refused on its headers alone, or None. Sets the request's tenant."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = headers.get("host")
+        if self.allowed_hosts is not None and host is not None and host_name(host) not in self.allowed_hosts:
+            self.metrics.bump("rejected_host")
+            return error_response(
+                400, "the Host header names a host this server does not serve (see --allowed-host)", "invalid_host"
+            )
+        auth = headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
+        tenant = self.tenants.tenant(token)
+        if tenant is None and path not in self.PUBLIC:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
-        length = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-length"), None)
+        scope.setdefault("state", {})["tenant"] = tenant
+        if scope.get("method") == "POST":
+            media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media_type not in JSON_MEDIA_TYPES:
+                self.metrics.bump("rejected_content_type")
+                shown = media_type.encode("ascii", "backslashreplace").decode() or "none"
+                return error_response(
+                    415,
+                    f"the request body must be JSON (Content-Type: application/json), not {shown}",
+                    "unsupported_media_type",
+                )
+        length = headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
             self.metrics.bump("rejected_body_too_large")
             return error_response(
                 413, f"the request body has {int(length)} bytes; the limit is {self.max_body_bytes}", "body_too_large"
             )
-        if limited and self.inflight >= self.max_inflight:
-            self.metrics.bump("rejected_too_many_requests")
-            return error_response(
-                503,
-                f"the server is handling {self.inflight} requests, its limit; retry shortly",
-                "too_many_requests",
-                headers={"Retry-After": "1"},
-            )
         return None
 
-    def _authorized(self, scope: MutableMapping[str, Any]) -> bool:
-        assert self.api_key is not None
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+    async def _read_body(self, receive: Receive) -> tuple[bytes | None, Response | None]:
+        """The whole body, or the response that refuses it: too large (413), not complete within body_timeout (408),
+        the client gone (None, None)."""
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.metrics.bump("rejected_body_timeout")
+                return None, error_response(
+                    408, f"the request body did not arrive within {self.body_timeout:g} s", "body_timeout"
+                )
+            if message["type"] != "http.request":  # http.disconnect
+                return None, Response(status_code=499)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                self.metrics.bump("rejected_body_too_large")
+                return None, error_response(
+                    413, f"the request body is over the limit of {self.max_body_bytes} bytes", "body_too_large"
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives the body read already, then what the connection says next (a disconnect)."""
+    sent = False
+
+    async def replay() -> MutableMapping[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for the request line and headers (uvicorn has none: a connection that
+    sends a header byte now and then is kept forever). The clock starts when the connection opens and again after
+    each response; a connection whose headers are not complete by then is closed."""
+
+    header_timeout = DEFAULT_HEADER_TIMEOUT
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _cancel_header_timer(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
 
 def _sse(payload: dict[str, Any] | str) -> bytes:
@@ -196,14 +410,21 @@ class Server:
         with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()
+        self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
+        self._image_decodes = asyncio.Semaphore(IMAGE_DECODES)
         self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images)
         self.vision: Any = None
         if cfg.mmproj:
             from ..vision import VisionEncoder
 
-            self.vision = VisionEncoder(cfg.mmproj, n_threads=cfg.threads)
+            # cache_size 0: the server keeps its own cache, per namespace (_encode_image)
+            self.vision = VisionEncoder(
+                cfg.mmproj, n_threads=cfg.threads, cache_size=0, max_decode_bytes=cfg.max_image_memory
+            )
             self.vision.check_text_model(model.n_embd)
-        self._images: OrderedDict[str, np.ndarray] = OrderedDict()  # image bytes' sha256 -> embeddings (LRU)
+        # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
+        # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
+        self._images: OrderedDict[tuple[Namespace, str], np.ndarray] = OrderedDict()
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(
             model,
@@ -297,11 +518,13 @@ class Server:
             )
         app.add_middleware(
             _ApiKeyAndAccounting,
-            api_key=self.cfg.api_key,
+            tenants=self.tenants,
             metrics=self.metrics,
             known_paths=known,
             max_body_bytes=self.cfg.max_body_bytes,
             max_inflight=self.cfg.max_inflight,
+            allowed_hosts=self.cfg.host_allow_list(),
+            body_timeout=self.cfg.body_timeout,
         )
         return app
 
@@ -309,9 +532,12 @@ class Server:
     async def health(self) -> dict[str, Any]:
         return {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
 
-    async def drop_workflow(self, workflow: str) -> dict[str, Any]:
-        """Ends a workflow: its sharing sessions and their stored spans are freed (after its running requests)."""
-        self.scheduler.drop_workflow(workflow)
+    async def drop_workflow(self, workflow: str, request: Request) -> dict[str, Any]:
+        """Ends one of the caller's workflows: its sharing sessions and their stored spans are freed (after its
+        running requests). Another tenant's workflow, or none by that id: 404 (the same answer for both)."""
+        if not self.scheduler.drop_workflow(request.state.tenant, workflow):
+            shown = workflow.encode("utf-8", "backslashreplace").decode()
+            raise ApiError(404, f"no workflow {shown!r} of yours is open", "workflow_not_found")
         return {"workflow": workflow, "deleted": True}
 
     async def prometheus(self) -> PlainTextResponse:
@@ -453,12 +679,13 @@ class Server:
             return parse_request(kind, raw, self.limits)
         return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
 
-    async def _encode_image(self, data: bytes) -> np.ndarray:
+    async def _encode_image(self, data: bytes, namespace: Namespace) -> np.ndarray:
         """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""
-        key = hashlib.sha256(data).hexdigest()
+        key = (namespace, hashlib.sha256(data).hexdigest())
         if key not in self._images:
             try:
-                encoded: np.ndarray = await run_in_threadpool(self.vision.encode, data)
+                async with self._image_decodes:  # bounded concurrency: each decode may hold its decoded bytes
+                    encoded: np.ndarray = await run_in_threadpool(self.vision.encode, data)
             except ValueError as e:  # ImageError, KvcmasError: unusable image
                 raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
             self._images[key] = encoded
@@ -469,11 +696,11 @@ class Server:
         return self._images[key]
 
     async def _image_prompt(
-        self, body: ChatCompletionRequest, image_data: list[bytes]
+        self, body: ChatCompletionRequest, image_data: list[bytes], namespace: Namespace
     ) -> tuple[list[dict[str, Any]], list[Segment]]:
         """A chat with images as (messages whose contents hold the images' embeddings between their texts, for a
         sharing session; the rendered prompt as text-id and embedding segments, for a plain prefill)."""
-        images = [await self._encode_image(data) for data in image_data]
+        images = [await self._encode_image(data, namespace) for data in image_data]
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
         n_images = 0
 
@@ -509,6 +736,7 @@ class Server:
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
+        namespace = Namespace(request.state.tenant, body.cache_salt or "")
         segments: list[Segment] | None = None
         if not (body.has_images() and self.vision is not None):
             try:
@@ -517,7 +745,7 @@ class Server:
                 raise ApiError(400, str(e), "invalid_content", "messages") from None
         try:
             if body.has_images() and self.vision is not None:
-                messages, segments = await self._image_prompt(body, parsed.images)
+                messages, segments = await self._image_prompt(body, parsed.images, namespace)
                 ids = [t for seg in segments if isinstance(seg, list) for t in seg]
                 n_prompt = sum(len(seg) for seg in segments)
             else:
@@ -537,13 +765,14 @@ class Server:
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             ids=ids,
             max_tokens=max_tokens,
+            reserve=max_tokens if parsed.max_tokens is not None else min(max_tokens, GENERATION_RESERVE),
             params=parsed.sampling,
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
             messages=messages,
             agent=agent,
-            session_key=(workflow, method),
+            session_key=SessionKey(namespace, workflow, method),
             segments=segments,
             n_prompt=n_prompt,
         )
@@ -578,6 +807,7 @@ class Server:
             id=f"cmpl-{uuid.uuid4().hex[:24]}",
             ids=ids,
             max_tokens=max_tokens,
+            reserve=max_tokens if parsed.max_tokens is not None else min(max_tokens, GENERATION_RESERVE),
             params=parsed.sampling,
             stops=parsed.stops,
             sink=sink,

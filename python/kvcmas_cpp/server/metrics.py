@@ -47,6 +47,9 @@ class Metrics:
         self.rejected_queue_full = 0
         self.rejected_body_too_large = 0
         self.rejected_too_many_requests = 0
+        self.rejected_host = 0
+        self.rejected_content_type = 0
+        self.rejected_body_timeout = 0
         self.timed_out = 0
         self.evictions = 0
         self.images_encoded = 0
@@ -148,6 +151,21 @@ class Metrics:
                     "kvcmas_rejected_inflight_total",
                     "Requests refused with 503 because --max-inflight requests were being handled.",
                     self.rejected_too_many_requests,
+                ),
+                (
+                    "kvcmas_rejected_host_total",
+                    "Requests refused with 400 because their Host header is not served (see --allowed-host).",
+                    self.rejected_host,
+                ),
+                (
+                    "kvcmas_rejected_content_type_total",
+                    "POST requests refused with 415 because their body was not declared as JSON.",
+                    self.rejected_content_type,
+                ),
+                (
+                    "kvcmas_rejected_body_timeout_total",
+                    "Requests refused with 408 because their body did not arrive within --body-timeout.",
+                    self.rejected_body_timeout,
                 ),
                 ("kvcmas_timed_out_total", "Requests ended by --request-timeout.", self.timed_out),
                 ("kvcmas_evictions_total", "Shared spans evicted to make room in the KV budget.", self.evictions),

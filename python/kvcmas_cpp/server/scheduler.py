@@ -23,6 +23,7 @@ blocks go back to the system.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from .. import agents
 from .._native import KvcmasError
@@ -63,6 +64,10 @@ MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are c
 # session of unmodified clients) is replaced by a fresh one after this many requests, when idle. What kvcmas
 # learned lives in the model-wide estimator and survives.
 MAX_SESSION_REQUESTS = 512
+# A request that names no max_tokens may generate up to the context, but reserves KV for this many new tokens at
+# first; the reservation doubles as the generation reaches it, while the budget allows (then the request ends with
+# finish_reason "length"). Reserving the whole context up front ran such requests one at a time.
+GENERATION_RESERVE = 256
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -114,6 +119,26 @@ class Failed:
 Event = Delta | Done | Failed
 
 
+class Namespace(NamedTuple):
+    """Who may share with whom: requests share spans, prefix caches and what the estimator learns only within one
+    namespace. tenant: the API key's tenant; salt: the request's cache_salt ('' when none)."""
+
+    tenant: str
+    salt: str = ""
+
+    def estimator_name(self) -> str:
+        """The name the namespace's sessions share their estimator under (AgentSession's workflow)."""
+        return "ns-" + hashlib.sha256(f"{self.tenant}\x00{self.salt}".encode()).hexdigest()[:24]
+
+
+class SessionKey(NamedTuple):
+    """A sharing session: one workflow of one namespace under one method."""
+
+    namespace: Namespace
+    workflow: str
+    method: str
+
+
 class QueueFull(Exception):
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the request queue is full; retry in {retry_after} s")
@@ -131,10 +156,11 @@ class Job:
     stops: list[str]
     sink: Callable[[Event], None]
     deadline: float | None = None  # time.perf_counter() by which the job must be done; then it fails with 408
+    reserve: int = 0  # new tokens whose KV is reserved (grows up to max_tokens); max_tokens when 0
     # chat requests: what a sharing session prefills (contents: strings, or lists of strings and image embeddings)
     messages: list[dict[str, Any]] | None = None
     agent: str | None = None
-    session_key: tuple[str, str] | None = None  # (workflow, method) for chat; None: plain prompt (completions)
+    session_key: SessionKey | None = None  # chat: its sharing session; None: plain prompt (completions)
     segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -162,6 +188,8 @@ class Job:
     def __post_init__(self) -> None:
         if not self.n_prompt:
             self.n_prompt = len(self.ids)
+        if not self.reserve:
+            self.reserve = self.max_tokens
 
 
 def prefill_rank(job: Job, now: float) -> tuple[float, float]:
@@ -211,10 +239,11 @@ class Scheduler:
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
-        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()  # least recently used first
+        self._sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self._plain = PlainBackend(model)
         self._stopping = False
-        self._drops: set[str] = set()  # workflows whose sessions are to be closed
+        self._drops: set[tuple[str, str]] = set()  # (tenant, workflow) whose sessions are to be closed
+        self._workflows: dict[tuple[str, str], int] = {}  # (tenant, workflow) -> open sessions (under _cond)
         self._service_s = 1.0  # moving average of a job's time in the engine, for Retry-After
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
         self.estimator_bytes = 0  # snapshot of what the shared estimators hold (after prefills and finishes)
@@ -262,12 +291,15 @@ class Scheduler:
             job.cancelled = True
             self._cond.notify()
 
-    def drop_workflow(self, workflow: str) -> None:
-        """Closes the workflow's sharing sessions (all methods), freeing their stored spans, once none of its jobs
-        holds them any more."""
+    def drop_workflow(self, tenant: str, workflow: str) -> bool:
+        """Closes the tenant's sharing sessions of this workflow (all methods and cache salts), freeing their stored
+        spans, once none of its jobs holds them any more. False when the tenant has no such workflow."""
         with self._cond:
-            self._drops.add(workflow)
-            self._cond.notify()
+            known = self._workflows.get((tenant, workflow), 0) > 0
+            if known:
+                self._drops.add((tenant, workflow))
+                self._cond.notify()
+            return known
 
     def stop(self) -> None:
         with self._cond:
@@ -324,11 +356,18 @@ class Scheduler:
         if self._generating():
             self._decode_step()
         elif not self._active and self._pending:
-            # Nothing runs and the head job still does not fit: nothing will ever free memory for it.
+            # Nothing runs. A prefill that ended at its first token freed its memory in this very turn: admission
+            # tries the head against what is free now, and only a head that still does not fit (nothing will ever
+            # free memory for it) is refused.
+            self._admit(evict=True)
             with self._cond:
-                head = self._pending.popleft() if self._pending and not self._active else None
+                head = self._pending[0] if self._pending and not self._active else None
+                if head is not None and not self._fits(head):
+                    self._pending.popleft()
+                else:
+                    head = None
             if head is not None:
-                need = self.reservation_bytes(head.n_prompt + head.max_tokens)
+                need = self.reservation_bytes(head.n_prompt + head.reserve)
                 head.sink(
                     Failed(
                         400,
@@ -373,14 +412,14 @@ class Scheduler:
     def _drop_workflows(self) -> None:
         with self._cond:
             drops = set(self._drops)
-        done: set[str] = set()
-        for workflow in drops:
-            keys = [k for k in self._sessions if k[0] == workflow]
+        done: set[tuple[str, str]] = set()
+        for tenant, workflow in drops:
+            keys = [k for k in self._sessions if k.namespace.tenant == tenant and k.workflow == workflow]
             for key in keys:
                 if self._sessions[key].active == 0:
-                    self._sessions.pop(key).backend.close()
+                    self._close_session(key)
             if all(k not in self._sessions for k in keys):
-                done.add(workflow)
+                done.add((tenant, workflow))
         if done:
             with self._cond:
                 self._drops -= done
@@ -389,13 +428,25 @@ class Scheduler:
     def _outstanding_bytes(self) -> int:
         """KV the admitted jobs may still allocate: their remaining tokens, and their prompts until prefilled."""
         return sum(
-            self.reservation_bytes(j.max_tokens - len(j.generated) + (j.n_prompt if j.prefilled is None else 0))
+            self.reservation_bytes(max(0, j.reserve - len(j.generated)) + (j.n_prompt if j.prefilled is None else 0))
             for j in self._active
         )
 
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(job.n_prompt + job.max_tokens)
+        need = self.reservation_bytes(job.n_prompt + job.reserve)
         return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
+
+    def _grow_reservation(self, job: Job) -> bool:
+        """A job whose generation reached its reservation: doubles it (up to max_tokens) if the budget allows,
+        evicting stored spans for it. False when it cannot grow."""
+        new = min(job.max_tokens, 2 * job.reserve)
+        while True:
+            extra = self.reservation_bytes(new - len(job.generated))
+            if self.model.kv_bytes_in_use + self._outstanding_bytes() + extra <= self.kv_budget:
+                job.reserve = new
+                return True
+            if not self._evict_one():
+                return False
 
     def _evict_one(self) -> bool:
         """Evicts one stored span, from the least recently used session that has any; when none has, closes the
@@ -407,11 +458,18 @@ class Scheduler:
                 return True
         for key, s in self._sessions.items():
             if s.active == 0 and s.backend.stored_bytes > 0:
-                del self._sessions[key]
-                s.backend.close()
+                self._close_session(key)
                 self.metrics.bump("evictions")
                 return True
         return False
+
+    def _close_session(self, key: SessionKey) -> None:
+        self._sessions.pop(key).backend.close()
+        with self._cond:
+            wf = (key.namespace.tenant, key.workflow)
+            self._workflows[wf] -= 1
+            if not self._workflows[wf]:
+                del self._workflows[wf]
 
     def _admit(self, evict: bool) -> None:
         """Gives waiting jobs a slot while their KV reservation fits (evicting stored spans for it if `evict`)."""
@@ -430,22 +488,31 @@ class Scheduler:
                 continue
             self._bind(job)
 
-    def _session(self, key: tuple[str, str]) -> _Session:
+    def _session(self, key: SessionKey) -> _Session:
         s = self._sessions.get(key)
         if s is not None and s.requests >= MAX_SESSION_REQUESTS and s.active == 0:
-            del self._sessions[key]
-            s.backend.close()
+            self._close_session(key)
             s = None
         if s is None:
-            s = _Session(
-                make_backend(self.model, key[1], self.vision, self.calibration_bytes, self.cold, self.calibration_dir)
+            backend = make_backend(
+                self.model,
+                key.method,
+                self.vision,
+                self.calibration_bytes,
+                key.namespace.estimator_name(),
+                self.cold,
+                self.calibration_dir,
             )
+            s = _Session(backend)
             self._sessions[key] = s
+            with self._cond:
+                wf = (key.namespace.tenant, key.workflow)
+                self._workflows[wf] = self._workflows.get(wf, 0) + 1
             while len(self._sessions) > MAX_SESSIONS:
                 idle = next((k for k, v in self._sessions.items() if v.active == 0 and k != key), None)
                 if idle is None:
                     break
-                self._sessions.pop(idle).backend.close()
+                self._close_session(idle)
         self._sessions.move_to_end(key)
         s.last_used = time.monotonic()
         s.requests += 1
@@ -616,6 +683,9 @@ class Scheduler:
         if hit:
             self._finish(job, "stop")
         elif len(job.generated) >= job.max_tokens:
+            self._finish(job, "length")
+        elif len(job.generated) >= job.reserve and not self._grow_reservation(job):
+            log.info("%s: KV budget exhausted after %d tokens: ends with 'length'", job.id, len(job.generated))
             self._finish(job, "length")
         else:
             job.pending_token = token

@@ -91,6 +91,9 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # Narrows the namespace that may share this request's cached KV (as vLLM's cache_salt): only requests of the
+    # same tenant with the same salt share spans, prefix caches and learned corrections.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     kvcmas: KvcmasOptions | None = None
 
     @field_validator("n")

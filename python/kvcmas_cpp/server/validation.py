@@ -54,11 +54,42 @@ ERROR_TYPES = {
 }
 
 
+def printable(text: str) -> str:
+    """text as UTF-8 can carry it: lone surrogates (which a JSON string may hold) written as \\udXXX escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    """The JSON body of an error response, as OpenAI's API writes it."""
+    """The JSON body of an error response, as OpenAI's API writes it (messages quote client input: made printable)."""
     return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+        "error": {
+            "message": printable(message),
+            "type": ERROR_TYPES.get(status, "server_error"),
+            "param": printable(param) if param is not None else None,
+            "code": code,
+        }
     }
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where a JSON value holds a string with a lone UTF-16 surrogate (not UTF-8 text: nothing downstream can
+    encode it), as a dotted path; None when there is none."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where or "(body)"
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((k, where or "(body)"))
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
@@ -140,6 +171,11 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_request") from None
+    bad = lone_surrogate_at(obj)
+    if bad is not None:
+        raise ApiError(
+            400, f"'{printable(bad)}' holds a lone UTF-16 surrogate: not valid Unicode text", "invalid_request", bad
+        )
     schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         body: ChatCompletionRequest | CompletionRequest = schema.model_validate(obj)

@@ -391,8 +391,12 @@ class WorkflowRunner:
         st.spans_at.append(pos_map)
         corrs: dict[str, est.Correction] = {}
         if mode != "reuse":
-            logits = append_mixed(seq, prompt[len(t.texts[0]) :], "last", st.vectors)
-            computed = len(prompt) - len(t.texts[0])
+            rest = prompt[len(t.texts[0]) :]
+            if not rest:  # the prefix is the whole prompt (no spans): its last row is computed again, for the logits
+                seq.truncate(len(prompt) - 1)
+                rest = prompt[-1:]
+            logits = append_mixed(seq, rest, "last", st.vectors)
+            computed = len(rest)
         else:
             logits, computed, corrs = self._assemble(a, t, seq, st, exact)
         ttft = (time.perf_counter() - t0) * 1000.0

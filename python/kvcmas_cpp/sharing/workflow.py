@@ -58,14 +58,22 @@ def build_template(model: Model, agent: Agent) -> Template:
     return template_from_messages(model, messages, agent.name)
 
 
-def template_from_messages(model: Model, messages: list[dict[str, str]], name: str = "agent") -> Template:
+def template_from_messages(
+    model: Model,
+    messages: list[dict[str, str]],
+    name: str = "agent",
+    placeholder_re: re.Pattern[str] = PLACEHOLDER_RE,
+) -> Template:
     """Renders chat messages whose contents hold placeholders ({user_question}, {agent_<i>_current},
     {condition_<k>_current}) with the model's chat template and the generation prompt, and tokenizes the text
     pieces between placeholders separately. Raises ValueError when the rendering breaks the alternation the method
-    needs (non-empty prefix, non-empty text after every placeholder)."""
+    needs (non-empty prefix, non-empty text after every placeholder).
+
+    placeholder_re: what marks a placeholder (one group: its name). Operator templates use the spec's grammar;
+    client messages use an unguessable per-call marker (AgentSession.prefill), so client text is never a template."""
     text = model.apply_chat_template(messages, add_generation_prompt=True)
     tok = model.tokenizer
-    pieces = PLACEHOLDER_RE.split(text)  # text, name, text, name, ..., text
+    pieces = placeholder_re.split(text)  # text, name, text, name, ..., text
     texts_str, names = pieces[0::2], pieces[1::2]
     texts: list[list[int]] = []
     for i, piece in enumerate(texts_str):

@@ -11,7 +11,14 @@ import numpy as np
 from PIL import Image
 
 from .._native import core
-from .image import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageSource, image_hash, load_image
+from .image import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_DECODE_BYTES,
+    DEFAULT_MAX_PIXELS,
+    ImageSource,
+    image_hash,
+    load_image,
+)
 from .preprocess import PreprocessConfig, preprocess
 
 
@@ -25,7 +32,7 @@ class VisionEncoder:
         mmproj_path: the mmproj GGUF (written by ``kvcmas_convert.vision.convert_mmproj`` or llama.cpp).
         n_threads: compute threads (default: all cores).
         cache_size: most images whose features are kept (least recently used dropped first); 0 disables caching.
-        max_pixels, max_bytes: limits for images loaded from paths / bytes (see ``load_image``).
+        max_pixels, max_bytes, max_decode_bytes: limits for images loaded from paths / bytes (see ``load_image``).
     """
 
     def __init__(
@@ -35,6 +42,7 @@ class VisionEncoder:
         cache_size: int = 16,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        max_decode_bytes: int = DEFAULT_MAX_DECODE_BYTES,
     ) -> None:
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads <= 0):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
@@ -46,6 +54,7 @@ class VisionEncoder:
         self.cache_size = cache_size
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
+        self.max_decode_bytes = max_decode_bytes
         self.encode_count = 0  # images actually run through the tower (cache misses)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # cache + encode: concurrent readers of one image wait for one encode
@@ -58,7 +67,9 @@ class VisionEncoder:
 
     def load(self, image: ImageSource) -> Image.Image:
         """The image decoded to RGB under this encoder's limits (raises ImageError)."""
-        return load_image(image, max_pixels=self.max_pixels, max_bytes=self.max_bytes)
+        return load_image(
+            image, max_pixels=self.max_pixels, max_bytes=self.max_bytes, max_decode_bytes=self.max_decode_bytes
+        )
 
     def image_hash(self, image: ImageSource) -> str:
         """Content hash of the decoded pixels: the cache key (equal for the same picture as a file, bytes or PIL)."""
