@@ -96,9 +96,12 @@ def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model, 
         assert modes[0][1:] == ["reuse", "reuse"] and gates[0][1:] == ["calibrating -> reuse"] * 2
         cfg = kc.agents.MethodConfig("fullshared", head=4)  # kvcmas' exact head
         fs = run_team(model, "fullshared", question=f"{questions[0]} (case 0)", config=cfg)
-        for r, f in zip(first, fs, strict=True):  # the cold hops are fullshared's, bit for bit
+        for r, f in zip(first[:2], fs[:2], strict=True):  # the first cold reader is fullshared's, bit for bit
             np.testing.assert_array_equal(r.first_logits, f.first_logits)
             assert r.ids == f.ids and r.stats.computed_tokens == f.stats.computed_tokens
+        # the next one reads the question from the exact rows computed for the first reader's training read
+        assert first[2].stats.computed_tokens == fs[2].stats.computed_tokens
+        assert first[1].stats.calibration_tokens > 0
     assert modes[-1][1:] == ["reuse", "reuse"] and gates[-1][1:] == ["reuse", "reuse"]
     last = out[1].stats
     assert last.corr_rank > 0 and last.corr_bytes > 0

@@ -799,6 +799,10 @@ class AgentSession:
             )
             if fitted and self._store is not None and isinstance(self._runner.estimator, est.RidgeEstimator):
                 self._store.save(self._runner.estimator, fitted)
+        for s in self._state.owned:  # a cold-reuse hop's exact rows the chain reads on
+            self._seqs.append(s)
+            self._owned_rows[id(s)] = p.hop.shadow_tokens
+        self._state.owned.clear()
         if relay is not None:
             self._items.append(_Item(p.reply_ph, out, None, ag, key))
             self._span_keys[p.reply_ph] = key

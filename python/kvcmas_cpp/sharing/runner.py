@@ -169,6 +169,7 @@ class RequestState:
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+    owned: list[KVSequence] = field(default_factory=list)  # sequences buckets read besides the hops' (caller closes)
 
     def add_vectors(self, rows: np.ndarray) -> list[int]:
         """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
@@ -207,9 +208,10 @@ class RequestResult:
     seqs: list[KVSequence]
     span_pos: list[dict[str, tuple[int, int]]]  # per agent: placeholder -> (position, length) in its sequence
     prompt_ids: list[list[int]]
+    owned: list[KVSequence] = field(default_factory=list)  # RequestState.owned
 
     def close(self) -> None:
-        for s in self.seqs:
+        for s in self.seqs + self.owned:
             s.close()
 
 
@@ -346,7 +348,7 @@ class WorkflowRunner:
             self.finish_hop(
                 a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact, self.prefixes[a]
             )
-        result = RequestResult(st.hops, seqs, st.spans_at, st.prompts)
+        result = RequestResult(st.hops, seqs, st.spans_at, st.prompts, st.owned)
         if exact is not None:
             self._evaluate(result, exact, teacher_forced=forced is not None)
         return result
@@ -473,11 +475,14 @@ class WorkflowRunner:
                 append_mixed(shadow, hop.prompt[len(prefix) : end], "none", st.vectors)
                 hop.shadow_tokens = end - len(prefix)
                 source = shadow
+        kept = False
         try:
-            self._update_buckets(a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, train, source)
+            kept = self._update_buckets(a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, train, source)
         finally:
-            if shadow is not None:
+            if shadow is not None and not kept:
                 shadow.close()
+        if shadow is not None and kept:
+            st.owned.append(shadow)
         if train and not ridge_training:
             e = self.estimator
             assert isinstance(e, est.RidgeEstimator)
@@ -658,12 +663,16 @@ class WorkflowRunner:
         exact: RequestResult | None,
         train: list[str] | None,
         source: KVSequence,
-    ) -> None:
+    ) -> bool:
         """train: spans whose edges get a ridge training read (their exact rows in `source` at the prompt's
-        positions); the anchor estimators record every dense hop's delta."""
+        positions); the anchor estimators record every dense hop's delta. A cold-reuse hop's exact rows (`source`
+        is not seq) continue the chain of the spans it trained on, as a dense hop's rows would: the next reader's
+        base, while calibrating and after, is then a reader's exact view, the same as under cold='dense'. Returns
+        whether a bucket now reads `source`."""
         m, cfg = self.model, self.config
         h = cfg.head
         e = self.estimator
+        kept = False
         for ph, (p, n) in pos_map.items():
             if n <= h:
                 continue
@@ -681,9 +690,13 @@ class WorkflowRunner:
                 continue  # relayed outputs: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
                 buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)
+            elif mode == "reuse" and cfg.chain and source is not seq and train is not None and ph in train:
+                buckets[ph] = _Bucket(source.share(p + h, n - h), None, p + h, source, p + h)
+                kept = True
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
                 buckets[ph] = _Bucket(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
+        return kept
 
     def _ridge_read(
         self, edge: est.Edge, base: KVSequence, base_pos: int, exact: KVSequence, exact_pos: int, n: int
