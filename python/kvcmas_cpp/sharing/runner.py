@@ -369,7 +369,7 @@ class WorkflowRunner:
         reason: str | None = None
         if cfg.name == "nonshared" or cfg.gate == "dense":
             mode, gate = ("source" if not st.hops else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
-            reason = "forced"
+            reason = None if cfg.name == "nonshared" else "forced"  # nonshared shares nothing: no reason to give
         elif not any(ph in st.buckets for ph in phs):
             mode, gate, reason = "source", "n/a", "no match"
         elif (
