@@ -27,8 +27,9 @@ def rotate(x: np.ndarray, pos: float, head_dim: int, n_rot: int, neox: bool, bas
     return h.reshape(n, width)
 
 
-def reference(q, runs, n_head_kv, n_rot, neox, base, n_visible):
-    """Materializes every run's keys at their sequence positions (rotated by +shift, corrected) and attends."""
+def reference(q, runs, n_head_kv, n_rot, neox, base, n_visible, window=0):
+    """Materializes every run's keys at their sequence positions (rotated by +shift, corrected) and attends to the
+    first n_visible rows (only the last `window` of them when window > 0)."""
     n_head, hd = q.shape
     keys, values = [], []
     for r in runs:
@@ -39,8 +40,9 @@ def reference(q, runs, n_head_kv, n_rot, neox, base, n_visible):
             v = v + r["a_v"].astype(np.float64) @ r["b_v"].astype(np.float64)
         keys.append(rotate(k, r.get("shift", 0), hd, n_rot, neox, base))
         values.append(v)
-    K = np.concatenate(keys)[:n_visible]
-    V = np.concatenate(values)[:n_visible]
+    first = max(0, n_visible - window) if window > 0 else 0
+    K = np.concatenate(keys)[first:n_visible]
+    V = np.concatenate(values)[first:n_visible]
     group = n_head // n_head_kv
     out = np.zeros((n_head, hd))
     for h in range(n_head):
@@ -137,16 +139,61 @@ def test_split_into_runs_does_not_change_the_result() -> None:
     np.testing.assert_array_equal(core.attend_test(q, parts, 3, 64, False, 10000.0, 45), one)
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_sliding_window_attends_only_the_last_rows(case, kv_type) -> None:
+    """window > 0: only the last `window` visible rows count, wherever runs, shifts and corrections begin and end
+    (windows starting inside a run, at a run boundary, inside a corrected segment, or covering everything)."""
+    n_head, n_head_kv, hd, n_rot, neox, lengths, shifts, ranks = case
+    rng = np.random.default_rng(hash(str(case)) % 2**32 + 1)
+    runs = make_runs(rng, lengths, shifts, ranks, n_head_kv, hd, shared_factors=True)
+    if kv_type == "f16":  # the kernel reads halves; the reference gets the same rounded values
+        runs = [dict(r, k=r["k"].astype(np.float16), v=r["v"].astype(np.float16)) for r in runs]
+        bits = [dict(r, k=r["k"].view(np.uint16), v=r["v"].view(np.uint16)) for r in runs]
+    else:
+        bits = runs
+    q = rng.standard_normal((n_head, hd)).astype(np.float32)
+    total = sum(lengths)
+    for n_visible in (1, total // 2 + 1, total):
+        for window in (1, 5, lengths[0], lengths[0] + 1, n_visible - 1, n_visible, total + 7):
+            if window <= 0:
+                continue
+            got = core.attend_test(q, bits, n_head_kv, n_rot, neox, 10000.0, n_visible, kv_type, window)
+            ref = reference(q, runs, n_head_kv, n_rot, neox, 10000.0, n_visible, window)
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err <= 1e-5, (case, kv_type, n_visible, window, err)
+    full = core.attend_test(q, bits, n_head_kv, n_rot, neox, 10000.0, total, kv_type)
+    np.testing.assert_array_equal(
+        core.attend_test(q, bits, n_head_kv, n_rot, neox, 10000.0, total, kv_type, total), full
+    )
+
+
+def test_rows_before_the_window_are_never_read() -> None:
+    """Rows before the window may hold anything (NaN keys, values and correction rows here): they are not read."""
+    rng = np.random.default_rng(9)
+    runs = make_runs(rng, [30, 20], [0, 6], [4, 4], 2, 64, shared_factors=True)
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    for window, poisoned_rows in ((20, 30), (25, 25)):
+        poisoned = [dict(r) for r in runs]  # B_k, B_v stay shared: the runs remain one corrected segment
+        for key in ("k", "v", "a_k", "a_v"):
+            poisoned[0][key] = runs[0][key].copy()
+            poisoned[0][key][:poisoned_rows] = np.nan
+        got = core.attend_test(q, poisoned, 2, 64, False, 1e4, 50, "f32", window)
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got, core.attend_test(q, runs, 2, 64, False, 1e4, 50, "f32", window))
+
+
 def test_portable_path_agrees() -> None:
-    """KVCMAS_FORCE_SCALAR=1 (no AVX2) computes the same attention."""
+    """KVCMAS_FORCE_SCALAR=1 (no AVX2) computes the same attention, with a sliding window too."""
     code = (
         "import numpy as np, sys; sys.path.insert(0, 'tests');"
         "from test_attention_kernel import make_runs, reference; from kvcmas_cpp._native import core;"
         "rng=np.random.default_rng(3); runs=make_runs(rng,[32,20],[0,9],[0,8],3,64);"
         "q=rng.standard_normal((9,64)).astype(np.float32);"
         "got=core.attend_test(q,runs,3,64,False,10000.0,52); ref=reference(q,runs,3,64,False,10000.0,52);"
+        "gw=core.attend_test(q,runs,3,64,False,10000.0,52,'f32',27); rw=reference(q,runs,3,64,False,10000.0,52,27);"
         "assert not core.cpu_features()['avx2_fma_f16c'];"
-        "print(np.abs(got-ref).max()/np.abs(ref).max())"
+        "print(max(np.abs(got-ref).max()/np.abs(ref).max(), np.abs(gw-rw).max()/np.abs(rw).max()))"
     )
     import os
 

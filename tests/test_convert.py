@@ -37,7 +37,7 @@ if importlib.util.find_spec("kvcmas_convert") is None:
 import kvcmas_convert as kc  # noqa: E402
 from kvcmas_convert import constants as C  # noqa: E402
 from kvcmas_convert.cli import main as convert_main  # noqa: E402
-from kvcmas_convert.vocab import export_vocab  # noqa: E402
+from kvcmas_convert.vocab import _pre_name, export_vocab  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -406,9 +406,13 @@ def test_real_vocabulary_matches_llama_cpp_converter(default_model_path: Path, t
     hf.save_pretrained(tmp_path)
     original = core.GgufFile(str(default_model_path)).metadata()
     exported = export_vocab(tmp_path, len(original[C.KEY_TOKENS]), {}).values
-    for key in (C.KEY_TOKENIZER_MODEL, C.KEY_TOKENS, C.KEY_TOKEN_TYPE, C.KEY_MERGES, C.KEY_BOS_ID, C.KEY_EOS_ID,
-                C.KEY_PAD_ID, C.KEY_ADD_BOS, C.KEY_CHAT_TEMPLATE):  # fmt: skip
+    for key in (C.KEY_TOKENIZER_MODEL, C.KEY_TOKENIZER_PRE, C.KEY_TOKENS, C.KEY_TOKEN_TYPE, C.KEY_MERGES,
+                C.KEY_BOS_ID, C.KEY_EOS_ID, C.KEY_PAD_ID, C.KEY_ADD_BOS, C.KEY_CHAT_TEMPLATE):  # fmt: skip
         assert exported.get(key) == original.get(key), key
+    # llama.cpp names SmolLM2's tokenizer by its fingerprint; its description alone would read as another
+    assert original[C.KEY_TOKENIZER_PRE] == exported[C.KEY_TOKENIZER_PRE] == "smollm"
+    pre = json.loads((tmp_path / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert _pre_name(pre, tmp_path / "tokenizer.json") == "gpt-2"
 
 
 def test_sentencepiece_round_trip(checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -637,7 +641,7 @@ def test_failure_while_writing_keeps_old_output(
 
     monkeypatch.setattr(kc.convert.__globals__["CheckpointTensors"], "load", failing_load)
     with pytest.raises(kc.ConvertError, match="simulated read failure"):
-        kc.convert(checkpoints["llama-f32"], out, progress=False)
+        kc.convert(checkpoints["llama-f32"], out, progress=False, overwrite=True)
     assert out.read_bytes() == b"previous" and no_leftovers(tmp_path) == ["m.gguf"]
 
 
@@ -651,6 +655,163 @@ def test_bad_arguments(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(kc.ConvertError, match="no such file"):
         kc.set_values(tmp_path / "absent.gguf", {"kvcmas.rank_k": 1})
     assert no_leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------------------------ output safety
+def _digests(folder: Path) -> dict[str, bytes]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).digest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_never_replaces_its_own_inputs(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """An output that is one of the files being read (any shard, the index, config or tokenizer; through a symlinked
+    file or folder, or a hard link) is refused, with --force too, and every input stays byte for byte."""
+    import os
+
+    folder = _copy(checkpoints["mistral-f32-sharded"], tmp_path / "ckpt")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    before = _digests(folder)
+    (tmp_path / "link.gguf").symlink_to(shards[-1])
+    (tmp_path / "dir-link").symlink_to(folder, target_is_directory=True)
+    os.link(shards[1], tmp_path / "hard.gguf")
+    targets = [
+        *shards, folder / "model.safetensors.index.json", folder / "config.json", folder / "tokenizer.model",
+        tmp_path / "link.gguf", tmp_path / "dir-link" / shards[0].name, tmp_path / "hard.gguf",
+        folder / "config.json" / "inside.gguf",
+    ]  # fmt: skip
+    for out in targets:
+        with pytest.raises(kc.ConvertError, match=r"(is|lies inside) the input file .*write the output elsewhere"):
+            kc.convert(folder, out, outtype="f32", progress=False, overwrite=True)
+        assert convert_main([str(folder), "-o", str(out), "--force", "--no-progress"]) == 1
+    assert _digests(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "dir-link", "hard.gguf", "link.gguf"]
+    # the folder itself is a fine place for the output
+    kc.convert(folder, folder / "model.gguf", outtype="f32", progress=False)
+    assert {k: v for k, v in _digests(folder).items() if k != "model.gguf"} == before
+
+
+def test_existing_output_needs_force(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"previous")
+    with pytest.raises(kc.ConvertError, match=r"m\.gguf: exists \(pass --force to replace it\)"):
+        kc.convert(checkpoints["qwen2-f32-tied"], out, progress=False)
+    assert convert_main([str(checkpoints["qwen2-f32-tied"]), "-o", str(out), "--no-progress"]) == 1
+    assert "pass --force" in capsys.readouterr().err and out.read_bytes() == b"previous"
+    assert convert_main([str(checkpoints["qwen2-f32-tied"]), "-o", str(out), "--no-progress", "--force"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF" and no_leftovers(tmp_path) == ["m.gguf"]
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama of 75 MB (f32): converting it to q4_0 takes seconds, time to signal it mid-write."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path_factory.mktemp("large")
+    E, F, L, V = 256, 768, 20, 2048
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": V, "hidden_size": E, "intermediate_size": F,
+        "num_hidden_layers": L, "num_attention_heads": 4, "max_position_embeddings": 256,
+    }))  # fmt: skip
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.embed_tokens.weight": rng.standard_normal((V, E), np.float32),
+        "lm_head.weight": rng.standard_normal((V, E), np.float32),
+        "model.norm.weight": np.ones(E, np.float32),
+    }
+    shapes = {
+        "self_attn.q_proj": (E, E),
+        "self_attn.k_proj": (E, E),
+        "self_attn.v_proj": (E, E),
+        "self_attn.o_proj": (E, E),
+        "mlp.gate_proj": (F, E),
+        "mlp.up_proj": (F, E),
+        "mlp.down_proj": (E, F),
+    }
+    for il in range(L):
+        for name, shape in shapes.items():
+            tensors[f"model.layers.{il}.{name}.weight"] = rng.standard_normal(shape, np.float32)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{il}.{name}.weight"] = np.ones(E, np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def _default_signals() -> None:
+    """In the child: the default dispositions (a background shell starts its jobs with SIGINT ignored)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_signal_mid_write_leaves_no_temporary(large_checkpoint: Path, tmp_path: Path, signame: str) -> None:
+    """A real conversion signalled while its temporary file is being filled: the process ends by that signal, the
+    temporary file is gone and the previous output is untouched."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"previous")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "convert"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcmas_convert", str(large_checkpoint), "-o", str(out), "--outtype", "q4_0",
+         "--no-vocab", "--no-progress", "--force"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_signals,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        tmp = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+            try:
+                if found and found[0].stat().st_size > (2 << 20):  # header written, tensors being written
+                    tmp = found[0]
+                    break
+            except FileNotFoundError:  # renamed into place meanwhile: the assertion below reports it
+                break
+            time.sleep(0.005)
+        assert tmp is not None and proc.poll() is None, "the conversion ended before it could be signalled"
+        proc.send_signal(getattr(signal, signame))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -getattr(signal, signame), (proc.returncode, err[-2000:])
+    assert not tmp.exists() and out.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_metadata_keys_as_llama_cpp_writes_them(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """general.quantization_version on every output, and the head size whenever config.json gives head_dim, under
+    gguf-py's key names."""
+    import gguf
+
+    for key, outtype in (("llama-f32", "f32"), ("mistral-bf16", "bf16"), ("qwen2-f32-tied", "f16"),
+                         ("mistral-f32-sharded", "q8_0"), ("qwen2-f32-tied", "q4_0")):  # fmt: skip
+        config = json.loads((checkpoints[key] / "config.json").read_text())
+        out = tmp_path / f"{key}.{outtype}.gguf"
+        kc.convert(checkpoints[key], out, outtype=outtype, progress=False)
+        meta = kc.read_metadata(out)
+        arch = meta[gguf.Keys.General.ARCHITECTURE]
+        assert meta[gguf.Keys.General.QUANTIZATION_VERSION] == gguf.GGML_QUANT_VERSION, (key, outtype)
+        assert meta[gguf.Keys.General.FILE_TYPE] == int(kc.OUTTYPES[outtype][1])
+        k_len, v_len = (gguf.Keys.Attention.KEY_LENGTH.format(arch=arch),
+                        gguf.Keys.Attention.VALUE_LENGTH.format(arch=arch))  # fmt: skip
+        if config.get("head_dim") is not None:
+            assert meta[k_len] == meta[v_len] == config["head_dim"], key
+        else:
+            assert k_len not in meta and v_len not in meta, key
+    # a head_dim equal to hidden / heads is still written (the Llama checkpoints carry one)
+    llama = json.loads((checkpoints["llama-f32"] / "config.json").read_text())
+    assert llama["head_dim"] == llama["hidden_size"] // llama["num_attention_heads"]
+    assert kc.read_metadata(tmp_path / "llama-f32.f32.gguf")["llama.attention.key_length"] == llama["head_dim"]
 
 
 # ---------------------------------------------------------------------------------------------------- constants

@@ -56,6 +56,8 @@ def _write(path: Path, edit: Callable[[dict, dict], None] | None = None) -> Path
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         else:
             writer.add_uint32(key, int(value))
     for name, array in tensors.items():
@@ -89,6 +91,27 @@ def _reshape(name: str, shape: tuple[int, ...]) -> Callable[[dict, dict], None]:
     return edit
 
 
+def _sliding(pattern: object, window: int = 4) -> Callable[[dict, dict], None]:
+    def edit(keys: dict, tensors: dict) -> None:
+        keys["llama.attention.sliding_window"] = window
+        keys["llama.attention.sliding_window_pattern"] = pattern
+
+    return edit
+
+
+def test_sliding_window_keys_load(tmp_path: Path) -> None:
+    """The window applies to every layer, to the layers a bool pattern marks, or by llama.cpp's integer period."""
+    for name, edit, expected in (
+        ("none", None, [0, 0]),
+        ("all", _set("llama.attention.sliding_window", 4), [4, 4]),
+        ("bools", _sliding([False, True]), [0, 4]),
+        ("period", _sliding(2), [4, 0]),
+    ):
+        model = kc.Model(_write(tmp_path / f"{name}.gguf", edit), n_threads=1)
+        assert model.layer_window == expected, name
+        assert np.all(np.isfinite(model.logits(list(range(1, 12)))))
+
+
 def _rename_arch(keys: dict, tensors: dict) -> None:
     for k in [k for k in keys if k.startswith("llama.")]:
         keys["gptx." + k[len("llama.") :]] = keys.pop(k)
@@ -110,6 +133,9 @@ def _rename_arch(keys: dict, tensors: dict) -> None:
         (_set("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
         (lambda k, t: k.pop("llama.embedding_length"), "llama.embedding_length"),
         (_set("llama.embedding_length", "wide"), "llama.embedding_length"),
+        (_set("llama.attention.sliding_window", 0), "llama.attention.sliding_window = 0 out of range"),
+        (_sliding([True, False, True]), "sliding_window_pattern has 3 entries for 2 layers"),
+        (_sliding(7), "sliding_window_pattern = 7 is neither a bool per layer nor a layer period"),
     ],
 )
 def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict], None], message: str) -> None:

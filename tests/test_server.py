@@ -521,7 +521,7 @@ BAD_BODIES: list[tuple[str, Any, str | None]] = [
     ("max_tokens zero", {**GOOD, "max_tokens": 0}, "max_tokens"),
     ("max_tokens a float", {**GOOD, "max_tokens": 2.5}, "max_tokens"),
     ("stream a string", {**GOOD, "stream": "yes"}, "stream"),
-    ("n two", {**GOOD, "n": 2}, "n"),
+    ("n too many", {**GOOD, "n": 99}, "n"),
     ("seed negative", {**GOOD, "seed": -3}, "seed"),
     ("stop empty", {**GOOD, "stop": [""]}, "stop"),
     ("stop too many", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),

@@ -307,6 +307,11 @@ EXPECTED_ROUTES = {
     ("DELETE", "/v1/kvcmas/workflows/{workflow:path}"),
     ("GET", "/health"),
     ("GET", "/metrics"),
+    ("POST", "/v1/responses"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/apply-template"),
+    ("GET", "/props"),
 }
 
 

@@ -32,7 +32,7 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vocab", action="store_true", help="write no tokenizer")
     p.add_argument("--dry-run", action="store_true", help="validate and list what would be written; write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-overwrite", action="store_true", help="fail if the output file exists")
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
     g = p.add_argument_group("KVCMAS correction settings (written as kvcmas.* keys; defaults from the method)")
     g.add_argument("--kvcmas-rank", metavar="R", help="rank of both the K and V corrections (sets rank_k and rank_v)")
     for s in KVCMAS_SETTINGS:
@@ -58,7 +58,7 @@ def run_convert(args: argparse.Namespace) -> int:
     result = convert(
         args.model_dir, args.outfile, outtype=args.outtype, kvcmas=_kvcmas_overrides(args),
         vocab=not args.no_vocab, vocab_pre=args.vocab_pre, name=args.name, dry_run=args.dry_run,
-        progress=not args.no_progress, overwrite=not args.no_overwrite,
+        progress=not args.no_progress, overwrite=args.force,
     )  # fmt: skip
     if result.dry_run:
         print(f"dry run: would write {result.output} ({result.architecture}, {len(result.tensors)} tensors)")

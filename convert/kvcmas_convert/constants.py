@@ -27,6 +27,8 @@ ARCH_KEY_HEAD_COUNT_KV: Final = "attention.head_count_kv"
 ARCH_KEY_KEY_LENGTH: Final = "attention.key_length"
 ARCH_KEY_VALUE_LENGTH: Final = "attention.value_length"
 ARCH_KEY_RMS_EPS: Final = "attention.layer_norm_rms_epsilon"
+ARCH_KEY_SLIDING_WINDOW: Final = "attention.sliding_window"  # uint32: a query at p sees keys in (p - window, p]
+ARCH_KEY_SLIDING_WINDOW_PATTERN: Final = "attention.sliding_window_pattern"  # bool per layer: windowed (absent: all)
 ARCH_KEY_ROPE_DIMENSION_COUNT: Final = "rope.dimension_count"
 ARCH_KEY_ROPE_FREQ_BASE: Final = "rope.freq_base"
 ARCH_KEY_ROPE_SCALING_TYPE: Final = "rope.scaling.type"
@@ -37,6 +39,7 @@ ARCH_KEY_VOCAB_SIZE: Final = "vocab_size"
 ARCH_KEYS: Final = (
     ARCH_KEY_CONTEXT_LENGTH, ARCH_KEY_EMBEDDING_LENGTH, ARCH_KEY_BLOCK_COUNT, ARCH_KEY_FEED_FORWARD_LENGTH,
     ARCH_KEY_HEAD_COUNT, ARCH_KEY_HEAD_COUNT_KV, ARCH_KEY_KEY_LENGTH, ARCH_KEY_VALUE_LENGTH, ARCH_KEY_RMS_EPS,
+    ARCH_KEY_SLIDING_WINDOW, ARCH_KEY_SLIDING_WINDOW_PATTERN,
     ARCH_KEY_ROPE_DIMENSION_COUNT, ARCH_KEY_ROPE_FREQ_BASE, ARCH_KEY_ROPE_SCALING_TYPE, ARCH_KEY_ROPE_SCALING_FACTOR,
     ARCH_KEY_ROPE_SCALING_ORIG_CTX, ARCH_KEY_VOCAB_SIZE,
 )  # fmt: skip

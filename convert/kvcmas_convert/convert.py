@@ -7,20 +7,25 @@ and each tensor is read from its memory-mapped shard, transformed, converted and
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from . import constants as C
 from .errors import ConvertError
 from .models import ModelClass, TensorPlan, model_class_for
 from .settings import default_settings, validate_settings
-from .source import CheckpointTensors, load_config
+from .source import BIN_INDEX, SAFETENSORS_INDEX, CheckpointTensors, load_config
 from .vocab import VocabExport, export_vocab
 
 OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
@@ -117,6 +122,84 @@ def temp_path_for(output: Path) -> Path:
     return output.with_name(f".{output.name}.{os.getpid()}.tmp")
 
 
+# Files of a checkpoint folder a conversion reads besides the weights.
+_READ_FILES = ("config.json", SAFETENSORS_INDEX, BIN_INDEX, "tokenizer.json", "tokenizer.model",
+               "tokenizer_config.json", "chat_template.jinja", "chat_template.json")  # fmt: skip
+
+
+def input_files(model_dir: Path, tensors: CheckpointTensors) -> list[Path]:
+    """Every file a conversion of ``model_dir`` reads: config, index, tokenizer files and each weight shard."""
+    files = {model_dir / name for name in _READ_FILES if (model_dir / name).exists()}
+    files.update(ref.path for ref in tensors.refs.values())
+    return sorted(files)
+
+
+def check_output(out: Path, inputs: Iterable[Path], overwrite: bool) -> None:
+    """Refuses an output that would replace (or lie inside) one of the files being read, a folder, or, without
+    ``overwrite``, an existing file. Symbolic links are resolved and hard links compared by inode."""
+    target = out.resolve()
+    for src in inputs:
+        real = src.resolve()
+        same = target == real or (out.exists() and src.exists() and os.path.samefile(out, src))
+        if same or real in target.parents:
+            what = "is" if same else "lies inside"
+            raise ConvertError(f"{out}: {what} the input file {src}; write the output elsewhere")
+    if out.is_dir():
+        raise ConvertError(f"{out}: is a directory (give the output file name)")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out.parent}: output folder does not exist")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise ConvertError(f"{out}: exists (pass --force to replace it)")
+
+
+class _Terminated(BaseException):
+    """A termination signal received while a temporary output existed (raised from the signal handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise _Terminated(signum)
+
+
+@contextmanager
+def temporary_output(out: Path) -> Iterator[Path]:
+    """Yields the temporary path to write ``out`` through; the caller renames it into place at the end.
+
+    On any exception, Ctrl-C, SIGTERM or SIGHUP the temporary file is removed; a signal is then delivered again
+    with its previous handler, so the process ends the way it would have (SIGKILL cannot be caught: it leaves the
+    hidden ``.<name>.<pid>.tmp`` behind). Signal handlers are installed only from the main thread.
+    """
+    tmp = temp_path_for(out)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handler = signal.getsignal(sig)
+            if handler not in (signal.SIG_IGN, None):  # None: installed outside Python; leave it alone
+                previous[sig] = handler
+                signal.signal(sig, _raise_terminated)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        previous.clear()
+
+    try:
+        yield tmp
+    except _Terminated as e:
+        tmp.unlink(missing_ok=True)
+        restore()
+        signal.raise_signal(e.signum)  # the default action ends the process here
+        raise SystemExit(128 + e.signum) from None  # a Python handler returned
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        restore()
+
+
 def convert(
     model_dir: str | os.PathLike[str],
     output: str | os.PathLike[str],
@@ -127,7 +210,7 @@ def convert(
     name: str | None = None,
     dry_run: bool = False,
     progress: bool = True,
-    overwrite: bool = True,
+    overwrite: bool = False,
     log: TextIO | None = None,
 ) -> ConvertResult:
     """Converts a Hugging Face checkpoint folder to a GGUF file.
@@ -135,7 +218,8 @@ def convert(
     Args:
         model_dir: folder with config.json, the weights (safetensors, sharded or not, or .bin) and tokenizer files.
         output: the GGUF file to write. Written to a temporary file in the same folder and renamed at the end, so a
-            failed conversion leaves no output behind (and an existing file untouched).
+            failed or interrupted conversion leaves no output behind (and an existing file untouched). Never one of
+            the files being read.
         outtype: f32, f16, bf16, q8_0 or q4_0 (see ``tensor_type``).
         kvcmas: ``kvcmas.*`` settings overriding the defaults (full or short keys).
         vocab: export the tokenizer (tokenizer.json or tokenizer.model must then exist).
@@ -143,7 +227,7 @@ def convert(
         name: ``general.name`` (default: the folder name).
         dry_run: plan and validate everything and report what would be written, writing nothing.
         progress: show a tqdm progress bar on stderr.
-        overwrite: replace an existing output file.
+        overwrite: replace an existing output file (the CLI's ``--force``); without it an existing file is an error.
 
     Raises:
         ConvertError: a message naming the file or tensor at fault.
@@ -165,6 +249,7 @@ def convert(
             C.KEY_ARCHITECTURE: model.gguf_architecture,
             C.KEY_NAME: name or model_dir.resolve().name,
             C.KEY_FILE_TYPE: int(OUTTYPES[outtype][1]),
+            C.KEY_QUANTIZATION_VERSION: GGML_QUANT_VERSION,  # llama.cpp's converter writes it for every type
         }
         if vocab_export is not None:
             metadata.update(vocab_export.values)
@@ -174,19 +259,10 @@ def convert(
         result = ConvertResult(out, model.gguf_architecture, listing, metadata, dry_run)
         if dry_run:
             return result
-        if out.is_dir():
-            raise ConvertError(f"{out}: is a directory (give the output file name)")
-        if not out.parent.is_dir():
-            raise ConvertError(f"{out.parent}: output folder does not exist")
-        if out.exists() and not overwrite:
-            raise ConvertError(f"{out}: exists (pass --force to replace it)")
-        tmp = temp_path_for(out)
-        try:
-            _write(tmp, model, plans, types, metadata, settings, outtype, tensors, progress)
+        check_output(out, input_files(model_dir, tensors), overwrite)
+        with temporary_output(out) as tmp:
+            _write(tmp, model, plans, types, metadata, settings, tensors, progress)
             os.replace(tmp, out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         return result
     finally:
         tensors.close()
@@ -199,7 +275,6 @@ def _write(
     types: list[GGMLQuantizationType],
     metadata: dict[str, Any],
     settings: dict[str, Any],
-    outtype: str,
     tensors: CheckpointTensors,
     progress: bool,
 ) -> None:
@@ -207,8 +282,7 @@ def _write(
     try:
         writer.add_string(C.KEY_NAME, metadata[C.KEY_NAME])
         writer.add_uint32(C.KEY_FILE_TYPE, metadata[C.KEY_FILE_TYPE])
-        if outtype in ("q8_0", "q4_0"):
-            writer.add_uint32(C.KEY_QUANTIZATION_VERSION, 2)
+        writer.add_uint32(C.KEY_QUANTIZATION_VERSION, metadata[C.KEY_QUANTIZATION_VERSION])
         model.write_params(writer)
         for key, value in metadata.items():
             if key.startswith("tokenizer."):

@@ -15,11 +15,12 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from . import constants as C
-from .convert import temp_path_for
+from .convert import temporary_output
 from .errors import ConvertError
 from .settings import parse_setting
 
 _ARRAY_PREVIEW = 8
+_SETTING_TYPES = {"bool": GGUFValueType.BOOL, "uint32": GGUFValueType.UINT32}
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
@@ -93,36 +94,32 @@ def set_values(path: str | os.PathLike[str], values: Mapping[str, Any]) -> None:
     arch_field = reader.fields.get(C.KEY_ARCHITECTURE)
     if arch_field is None:
         raise ConvertError(f"{src}: has no {C.KEY_ARCHITECTURE}")
-    tmp = temp_path_for(src)
-    writer = GGUFWriter(tmp, str(arch_field.contents()))
     try:
-        try:
-            for field in reader.fields.values():
-                if field.name.startswith("GGUF.") or field.name == C.KEY_ARCHITECTURE or field.name in values:
-                    continue
-                main, sub = _value_type(field)
-                if field.name == "general.alignment":
-                    writer.add_custom_alignment(int(field.contents()))
-                    continue
-                writer.add_key_value(field.name, field.contents(), main, sub)
-            for key, value in values.items():
-                kind = C.KVCMAS_SETTINGS_BY_KEY[key].type
-                vtype = {"bool": GGUFValueType.BOOL, "uint32": GGUFValueType.UINT32}.get(kind, GGUFValueType.FLOAT32)
-                writer.add_key_value(key, value, vtype)
-            for t in reader.tensors:
-                data = t.data
-                writer.add_tensor_info(t.name, data.shape, data.dtype, int(data.nbytes), raw_dtype=t.tensor_type)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for t in reader.tensors:
-                writer.write_tensor_data(np.asarray(t.data))
-        finally:
-            writer.close()
-        os.replace(tmp, src)
+        with temporary_output(src) as tmp:
+            writer = GGUFWriter(tmp, str(arch_field.contents()))
+            try:
+                for field in reader.fields.values():
+                    if field.name.startswith("GGUF.") or field.name == C.KEY_ARCHITECTURE or field.name in values:
+                        continue
+                    main, sub = _value_type(field)
+                    if field.name == "general.alignment":
+                        writer.add_custom_alignment(int(field.contents()))
+                        continue
+                    writer.add_key_value(field.name, field.contents(), main, sub)
+                for key, value in values.items():
+                    kind = C.KVCMAS_SETTINGS_BY_KEY[key].type
+                    vtype = _SETTING_TYPES.get(kind, GGUFValueType.FLOAT32)
+                    writer.add_key_value(key, value, vtype)
+                for t in reader.tensors:
+                    data = t.data
+                    writer.add_tensor_info(t.name, data.shape, data.dtype, int(data.nbytes), raw_dtype=t.tensor_type)
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+                for t in reader.tensors:
+                    writer.write_tensor_data(np.asarray(t.data))
+            finally:
+                writer.close()
+            os.replace(tmp, src)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ConvertError(f"{src}: cannot rewrite: {e}") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -36,7 +36,9 @@ class TensorPlan:
 
 
 def _int(config: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
-    value = config.get(key, default)
+    value = config.get(key)
+    if value is None:  # absent, or null as transformers writes unset optional values
+        value = default
     if value is None:
         raise ConvertError(f"{where}: config.json has no '{key}'")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -97,6 +99,7 @@ class ModelClass:
         self.n_head = _int(c, "num_attention_heads", where)
         self.n_head_kv = _int(c, "num_key_value_heads", where, self.n_head)
         self.head_dim = _int(c, "head_dim", where, self.n_embd // self.n_head)
+        self.explicit_head_dim = c.get("head_dim") is not None
         self.n_ctx = _int(c, "max_position_embeddings", where, 4096)
         self.rms_eps = float(c.get("rms_norm_eps", 1e-6))
         self.tied = bool(c.get("tie_word_embeddings", False))
@@ -119,6 +122,36 @@ class ModelClass:
         if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ConvertError(f"{where}: partial_rotary_factor is not supported")
 
+    def sliding_window(self) -> tuple[int, list[bool]] | None:
+        """(window, windowed per layer) when attention slides on some layer, else None.
+
+        config.json's ``layer_types`` ("sliding_attention" / "full_attention") decides per layer when present;
+        otherwise ``default_window_layers`` does (every layer for Mistral).
+        """
+        c, where = self.config, self.where
+        if c.get("sliding_window") is None or not self.window_enabled():
+            return None
+        window = _int(c, "sliding_window", where)
+        types = c.get("layer_types")
+        if types is None:
+            layers = self.default_window_layers()
+        else:
+            if not isinstance(types, list) or len(types) != self.n_layer:
+                raise ConvertError(f"{where}: config.json 'layer_types' must list one type per layer ({self.n_layer})")
+            unknown = sorted({str(t) for t in types} - {"sliding_attention", "full_attention"})
+            if unknown:
+                raise ConvertError(f"{where}: config.json 'layer_types' has unsupported {', '.join(unknown)}")
+            layers = [t == "sliding_attention" for t in types]
+        return (window, layers) if any(layers) else None
+
+    def window_enabled(self) -> bool:
+        """Whether config.json's ``sliding_window`` applies (as in transformers' class for the architecture)."""
+        return False
+
+    def default_window_layers(self) -> list[bool]:
+        """Windowed layers when config.json has no ``layer_types``."""
+        return [True] * self.n_layer
+
     def write_params(self, writer: Any) -> None:
         """Writes the ``<arch>.*`` keys through a ``gguf.GGUFWriter``."""
         a = self.gguf_architecture + "."
@@ -132,9 +165,16 @@ class ModelClass:
         writer.add_float32(a + C.ARCH_KEY_ROPE_FREQ_BASE, self.rope_base)
         writer.add_uint32(a + C.ARCH_KEY_ROPE_DIMENSION_COUNT, self.head_dim)
         writer.add_uint32(a + C.ARCH_KEY_VOCAB_SIZE, self.n_vocab)
-        if self.head_dim != self.n_embd // self.n_head:
+        # llama.cpp's converter writes the head size whenever config.json gives one (even hidden / heads).
+        if self.explicit_head_dim or self.head_dim != self.n_embd // self.n_head:
             writer.add_uint32(a + C.ARCH_KEY_KEY_LENGTH, self.head_dim)
             writer.add_uint32(a + C.ARCH_KEY_VALUE_LENGTH, self.head_dim)
+        sliding = self.sliding_window()
+        if sliding is not None:  # the keys llama.cpp's converter writes (gguf-py add_sliding_window[_pattern])
+            window, layers = sliding
+            writer.add_uint32(a + C.ARCH_KEY_SLIDING_WINDOW, window)
+            if not all(layers):
+                writer.add_array(a + C.ARCH_KEY_SLIDING_WINDOW_PATTERN, layers)
         if self.rope_type == "linear":
             writer.add_string(a + C.ARCH_KEY_ROPE_SCALING_TYPE, "linear")
             writer.add_float32(a + C.ARCH_KEY_ROPE_SCALING_FACTOR, float(self.rope["factor"]))
@@ -240,10 +280,13 @@ class LlamaModel(ModelClass):
 class MistralModel(LlamaModel):
     """``MistralForCausalLM``: the same tensors as Llama; llama.cpp runs it as "llama".
 
-    Its sliding window is not applied (by kvcmas or llama.cpp): sequences longer than it differ from transformers.
+    Its ``sliding_window`` (every layer) is written as ``llama.attention.sliding_window``, which kvcmas applies.
     """
 
     hf_architecture = "MistralForCausalLM"
+
+    def window_enabled(self) -> bool:
+        return True
 
 
 @register
@@ -254,10 +297,15 @@ class Qwen2Model(ModelClass):
     gguf_architecture = C.ARCH_QWEN2
     qkv_bias = True
 
-    def __init__(self, config: dict[str, Any], where: str) -> None:
-        super().__init__(config, where)
-        if config.get("use_sliding_window"):
-            raise ConvertError(f"{where}: use_sliding_window = true is not supported")
+    def window_enabled(self) -> bool:
+        return bool(self.config.get("use_sliding_window"))
+
+    def default_window_layers(self) -> list[bool]:
+        # transformers' Qwen2: with use_sliding_window, layers from max_window_layers on slide
+        first = self.config.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ConvertError(f"{self.where}: config.json 'max_window_layers' = {first!r} must be an integer >= 0")
+        return [il >= first for il in range(self.n_layer)]
 
 
 def model_class_for(config: dict[str, Any], where: str) -> ModelClass:

@@ -28,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from .convert import ConvertResult, convert, encode_tensor, temp_path_for
+from .convert import ConvertResult, check_output, convert, encode_tensor, input_files, temporary_output
 from .errors import ConvertError
 from .source import CheckpointTensors, load_config
 
@@ -328,7 +328,7 @@ def convert_mmproj(
     feature_layer: int | None = None,
     select_strategy: str | None = None,
     name: str | None = None,
-    overwrite: bool = True,
+    overwrite: bool = False,
 ) -> MmprojResult:
     """Writes the mmproj GGUF of a Hugging Face vision checkpoint.
 
@@ -341,7 +341,7 @@ def convert_mmproj(
             ``vision_feature_layer``, or ``last_hidden_state`` for a bare tower).
         select_strategy: "default" (drop the class token) or "full" (keep it).
         name: general.name (default: the folder name).
-        overwrite: replace an existing output file.
+        overwrite: replace an existing output file (``--force``).
 
     Raises:
         ConvertError: a message naming the file or tensor at fault.
@@ -349,45 +349,39 @@ def convert_mmproj(
     src, out = Path(model_dir), Path(output)
     if outtype not in MMPROJ_OUTTYPES:
         raise ConvertError(f"--outtype {outtype!r} is not one of {', '.join(MMPROJ_OUTTYPES)} for an mmproj file")
-    if out.exists() and not overwrite:
-        raise ConvertError(f"{out}: exists")
-    if not out.parent.is_dir():
-        raise ConvertError(f"{out.parent}: output folder does not exist")
     tensors = CheckpointTensors(src) if src.is_dir() else None
     if tensors is None:
         raise ConvertError(f"{src}: not a directory (expected a Hugging Face checkpoint folder)")
     try:
+        check_output(out, [src / "config.json", *(ref.path for ref in tensors.refs.values())], overwrite)
         plan = plan_mmproj(src, tensors, feature_layer, select_strategy)
         qtype = MMPROJ_OUTTYPES[outtype]
         listing: list[tuple[str, str, tuple[int, ...]]] = []
-        tmp = temp_path_for(out)
-        writer = GGUFWriter(tmp, ARCH_CLIP)
-        try:
-            writer.add_string("general.name", name or src.resolve().name)
-            writer.add_uint32("general.file_type", 1 if qtype == GGMLQuantizationType.F16 else 0)
-            for key, value in plan.metadata.items():
-                _add(writer, key, value)
-            types = []
-            for gguf_name, _, shape in plan.tensors:
-                # Matrices (and the 4-D patch kernel) take the outtype; vectors and embedding tables stay f32.
-                is_matrix = len(shape) >= 2 and not gguf_name.startswith(("v.position_embd", "v.class_embd"))
-                t = qtype if is_matrix else GGMLQuantizationType.F32
-                types.append(t)
-                dtype = np.float16 if t == GGMLQuantizationType.F16 else np.float32
-                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-                writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), nbytes, raw_dtype=t)
-                listing.append((gguf_name, t.name, shape))
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for (_, hf_name, _), t in zip(plan.tensors, types, strict=True):
-                writer.write_tensor_data(encode_tensor(tensors.load(hf_name), t))
-            writer.close()
+        with temporary_output(out) as tmp:
+            writer = GGUFWriter(tmp, ARCH_CLIP)
+            try:
+                writer.add_string("general.name", name or src.resolve().name)
+                writer.add_uint32("general.file_type", 1 if qtype == GGMLQuantizationType.F16 else 0)
+                for key, value in plan.metadata.items():
+                    _add(writer, key, value)
+                types = []
+                for gguf_name, _, shape in plan.tensors:
+                    # Matrices (and the 4-D patch kernel) take the outtype; vectors and embedding tables stay f32.
+                    is_matrix = len(shape) >= 2 and not gguf_name.startswith(("v.position_embd", "v.class_embd"))
+                    t = qtype if is_matrix else GGMLQuantizationType.F32
+                    types.append(t)
+                    dtype = np.float16 if t == GGMLQuantizationType.F16 else np.float32
+                    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                    writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), nbytes, raw_dtype=t)
+                    listing.append((gguf_name, t.name, shape))
+                writer.write_header_to_file()
+                writer.write_kv_data_to_file()
+                writer.write_ti_data_to_file()
+                for (_, hf_name, _), t in zip(plan.tensors, types, strict=True):
+                    writer.write_tensor_data(encode_tensor(tensors.load(hf_name), t))
+            finally:
+                writer.close()
             os.replace(tmp, out)
-        except BaseException:
-            writer.close()
-            tmp.unlink(missing_ok=True)
-            raise
     finally:
         tensors.close()
     meta = plan.metadata
@@ -476,6 +470,11 @@ def convert_llava_text(
     """The text GGUF of a LLaVA checkpoint: ``extract_llava_text`` into a temporary folder beside ``output``, then
     ``convert`` (keyword arguments go to it)."""
     out = Path(output)
+    source = CheckpointTensors(Path(model_dir))
+    try:  # the extracted copy is checked by convert; the LLaVA checkpoint's own files must not be replaced either
+        check_output(out, input_files(Path(model_dir), source), overwrite=True)
+    finally:
+        source.close()
     with tempfile.TemporaryDirectory(prefix=".llava-text-", dir=out.parent if out.parent.is_dir() else None) as tmp:
         extract_llava_text(model_dir, tmp)
         kwargs.setdefault("name", Path(model_dir).resolve().name)
@@ -495,6 +494,7 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
     p.add_argument("--feature-layer", type=int, help="hidden state feeding the projector (default: from config)")
     p.add_argument("--select-strategy", choices=("default", "full"), help="drop ('default') or keep the class token")
     p.add_argument("--name", help="general.name (default: the folder name)")
+    p.add_argument("--force", action="store_true", help="replace output files that exist")
     p.add_argument("--text-outfile", metavar="TEXT.gguf", help="also convert a LLaVA checkpoint's language model")
     p.add_argument("--text-outtype", default="f16", help="weight type of the text GGUF (as convert --outtype)")
     p.set_defaults(func=_run_mmproj)
@@ -502,10 +502,12 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
 
 def _run_mmproj(args: argparse.Namespace) -> int:
     result = convert_mmproj(args.model_dir, args.outfile, outtype=args.outtype, feature_layer=args.feature_layer,
-                            select_strategy=args.select_strategy, name=args.name)  # fmt: skip
+                            select_strategy=args.select_strategy, name=args.name, overwrite=args.force)  # fmt: skip
     print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {result.n_tokens} image tokens)",
           file=sys.stderr)  # fmt: skip
     if args.text_outfile:
-        text = convert_llava_text(args.model_dir, args.text_outfile, outtype=args.text_outtype, progress=False)
+        text = convert_llava_text(
+            args.model_dir, args.text_outfile, outtype=args.text_outtype, progress=False, overwrite=args.force
+        )
         print(f"wrote {text.output} ({text.architecture}, {len(text.tensors)} tensors)", file=sys.stderr)
     return 0

@@ -4,7 +4,10 @@ Sources, in order of preference:
 
 * ``tokenizer.json`` with a byte-level BPE model -> ``tokenizer.ggml.model = "gpt2"``: tokens by id, merges, token
   types (added special tokens CONTROL, other added tokens USER_DEFINED) and ``tokenizer.ggml.pre``, the name of the
-  pre-tokenizer, recognised from the pre-tokenizer description (``--vocab-pre`` overrides it).
+  pre-tokenizer (``--vocab-pre`` overrides it). llama.cpp names a pre-tokenizer after the tokenizer family it
+  recognises by fingerprint: the SHA-256 of the token ids of a fixed reference text. A known fingerprint gives
+  llama.cpp's name (``smollm`` for SmolLM's tokenizer, although its description is StarCoder's); an unknown one
+  falls back to recognising the pre-tokenizer description.
 * ``tokenizer.model`` (SentencePiece) -> ``tokenizer.ggml.model = "llama"``: pieces, scores and types read from the
   protobuf directly (the wire format is simple; no protobuf package needed), ``add_space_prefix`` from its
   normalizer spec.
@@ -17,6 +20,7 @@ from the tokenizer's post-processor (or ``tokenizer_config.json``), and the chat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -36,6 +40,50 @@ _HF_QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _REGEX_PRE_NAMES = {_HF_LLAMA3_REGEX: "llama-bpe", _HF_QWEN2_REGEX: "qwen2"}
+
+# The reference text llama.cpp's converter tokenizes to fingerprint a BPE tokenizer (whitespace runs, emoji with
+# joiners, digit runs, Khmer, CJK, Cyrillic, punctuation runs, contractions in mixed case). Byte-identical to
+# llama.cpp's, or no fingerprint matches.
+_FINGERPRINT_TEXT = "".join((
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n",
+    "\U0001f680 (normal) \U0001f636\u200d\U0001f32b\ufe0f (multiple emojis concatenated) \u2705 \U0001f999\U0001f999 ",
+    "3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 ",
+    "\u1780\u17b6\u1793\u17cb\u178f\u17c2\u1796\u17b7\u179f\u17c1\u179f\u17a2\u17b6\u1785\U0001f601 ",
+    "?\u6211\u60f3\u5728apple\u5de5\u4f5c1314151\u5929\uff5e ",
+    "------======= \u043d\u0435\u0449\u043e \u043d\u0430 \u0411\u044a\u043b\u0433\u0430\u0440\u0441\u043a\u0438 ",
+    "''''''```````\"\"\"\"......!!!!!!?????? ",
+    "I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL",
+))  # fmt: skip
+# Fingerprint (sha256 of str(list of token ids), special tokens included) -> llama.cpp's pre-tokenizer name, for
+# the tokenizer families whose pre-tokenizer the kvcmas tokenizer implements. Values from llama.cpp's
+# convert_hf_to_gguf.py; a family missing here is named from its description instead.
+_FINGERPRINT_NAMES = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Meta-Llama-3
+    "347715f544604f9118bb75ed199f68779f423cabb20db6de6f31b908d04d7821": "deepseek-coder",
+    "8aeee3860c56296a157a1fe2fad249ec40aa59b1bb5709f4ade11c4e6fe652ed": "falcon",
+    "9d032fcbd5501f4a38150912590928bfb36091efb5df11b8e2124b0390e3fb1e": "falcon3",
+    "35d91631860c815f952d711435f48d356ebac988362536bed955d43bfa436e34": "starcoder",  # starcoder2
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+    "6221ad2852e85ce96f791f476e0b390cf9b474c9e3d1362f53a24a06dc8220ff": "refact",
+    "9c2227e4dd922002fb81bde4fc02b0483ca4f12911410dee2255e4987644e3f8": "command-r",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5 / Qwen2
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM / SmolLM2
+    "b3f499bb4255f8ca19fccd664443283318f2fd2414d5e0b040fbdd0cc195d6c5": "deepseek-r1-qwen",
+}
+
+
+def tokenizer_fingerprint(path: Path) -> str | None:
+    """llama.cpp's fingerprint of a tokenizer.json (see _FINGERPRINT_TEXT); None when it cannot be loaded."""
+    try:
+        import tokenizers
+    except ImportError:
+        return None
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception:  # a file the Rust loader rejects is still described by its JSON: fall back to that
+        return None
+    ids = tok.encode(_FINGERPRINT_TEXT).ids
+    return hashlib.sha256(str(ids).encode("utf-8")).hexdigest()
 
 
 @dataclass
@@ -182,7 +230,9 @@ def _from_tokenizer_json(path: Path, n_vocab: int, pre_override: str | None) -> 
         merges.append(m if isinstance(m, str) else " ".join(m))
     values: dict[str, Any] = {
         C.KEY_TOKENIZER_MODEL: C.TOKENIZER_MODEL_BPE,
-        C.KEY_TOKENIZER_PRE: pre_override or _pre_name(data.get("pre_tokenizer"), path),
+        C.KEY_TOKENIZER_PRE: pre_override
+        or _FINGERPRINT_NAMES.get(tokenizer_fingerprint(path) or "")
+        or _pre_name(data.get("pre_tokenizer"), path),
         C.KEY_TOKENS: _pad(tokens, types, n_vocab, path),
         C.KEY_TOKEN_TYPE: types,
         C.KEY_MERGES: merges,

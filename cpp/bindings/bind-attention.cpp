@@ -38,7 +38,7 @@ struct TestRun {
 };
 
 MatOut attend_test(Mat q, const std::vector<nb::dict> & runs, int n_head_kv, int n_rot, bool neox, double rope_base,
-                   int64_t n_visible, const std::string & kv_type) {
+                   int64_t n_visible, const std::string & kv_type, int64_t window) {
     const int64_t n_head = static_cast<int64_t>(q.shape(0)), hd = static_cast<int64_t>(q.shape(1));
     KC_CHECK(n_head_kv > 0 && n_head % n_head_kv == 0, "attend_test: n_head %lld not a multiple of n_head_kv %d",
              static_cast<long long>(n_head), n_head_kv);
@@ -91,6 +91,7 @@ MatOut attend_test(Mat q, const std::vector<nb::dict> & runs, int n_head_kv, int
         total += r.n;
         kv_runs.push_back(r);
     }
+    KC_CHECK(window >= 0, "attend_test: window %lld is negative", static_cast<long long>(window));
     KC_CHECK(n_visible > 0 && n_visible <= total, "attend_test: n_visible %lld outside [1, %lld]",
              static_cast<long long>(n_visible), static_cast<long long>(total));
     const cpu::AttentionShape shape{ static_cast<int>(n_head),
@@ -98,7 +99,8 @@ MatOut attend_test(Mat q, const std::vector<nb::dict> & runs, int n_head_kv, int
                                      static_cast<int>(hd),
                                      kd,
                                      static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
-                                     f16 ? cpu::KvType::F16 : cpu::KvType::F32 };
+                                     f16 ? cpu::KvType::F16 : cpu::KvType::F32,
+                                     window };
     std::vector<float>        scratch(static_cast<size_t>(cpu::attention_scratch_floats(shape, n_visible)));
     auto *                    out = new std::vector<float>(static_cast<size_t>(n_head * hd));
     cpu::attend(shape, rope, q.data(), kv_runs.data(), static_cast<int>(kv_runs.size()), n_visible, 0,
@@ -112,9 +114,10 @@ MatOut attend_test(Mat q, const std::vector<nb::dict> & runs, int n_head_kv, int
 void bind_attention(nb::module_ & m) {
     m.def("attend_test", &attend_test, nb::arg("q"), nb::arg("runs"), nb::arg("n_head_kv"), nb::arg("n_rot"),
           nb::arg("neox"), nb::arg("rope_base"), nb::arg("n_visible"), nb::arg("kv_type") = "f32",
+          nb::arg("window") = 0,
           "Attention of one query [n_head, head_dim] over runs of KV (dicts: k, v, shift, optional a_k/b_k/a_v/b_v "
           "low-rank corrections); the kernel the engine uses, for tests. kv_type 'f16': k and v are uint16 arrays "
-          "holding IEEE half bits.");
+          "holding IEEE half bits. window > 0: only the last `window` of the n_visible rows are attended.");
 }
 
 }  // namespace kvcmas::py

@@ -184,6 +184,9 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_head_kv", [](const Model & m) { return m.params().n_head_kv; })
         .def_prop_ro("head_dim", [](const Model & m) { return m.params().head_dim; })
         .def_prop_ro("n_ff", [](const Model & m) { return m.params().n_ff; })
+        .def_prop_ro(
+            "layer_window", [](const Model & m) { return m.params().layer_window; },
+            "per layer: the positions a query attends to (sliding window), 0 for all")
         .def_prop_ro("n_threads", &Model::n_threads)
         .def_prop_ro("n_ctx", [](Model & m) { return m.kv().n_ctx_max(); })
         .def_prop_ro("kv_bytes_in_use", [](Model & m) { return m.kv().pool().bytes_in_use(); })

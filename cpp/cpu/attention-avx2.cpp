@@ -150,10 +150,14 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
         const auto    out_row = [&](int r) {
             return out + (r / n_h) * out_stride + static_cast<int64_t>(h0 + r % n_h) * hd;
         };
-        const auto visible      = [&](int r) { return n_visible0 + r / n_h; };
-        int64_t    seen         = 0;
-        bool       have_rot     = false;
-        int32_t    cached_shift = 0;
+        const auto visible = [&](int r) { return n_visible0 + r / n_h; };
+        // First key a row attends: its window's start (keys before it are scored with the group and ignored).
+        const auto first = [&](int r) {
+            return shape.window > 0 ? std::max<int64_t>(0, visible(r) - shape.window) : int64_t{ 0 };
+        };
+        int64_t seen         = 0;
+        bool    have_rot     = false;
+        int32_t cached_shift = 0;
         for (int r = 0; r < rows; ++r) {
             corr[r].reset();
         }
@@ -219,8 +223,9 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
         // Softmax of each row over its visible keys.
         float inv[kMaxAttentionBlock];
         for (int r = 0; r < rows; ++r) {
-            float *       row = score + r * ld;
-            const int64_t nv  = visible(r);
+            // The row from its first attended key: groups of 8 start there, as in a call that holds only its window.
+            float *       row = score + r * ld + first(r);
+            const int64_t nv  = visible(r) - first(r);
             float         mx  = -INFINITY;
             for (int64_t j = 0; j < nv; ++j) {
                 mx = std::max(mx, row[j]);
@@ -279,17 +284,19 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
                         v_stride = 64;
                     }
                     for (int r = 0; r < rows; ++r) {
-                        const int64_t m = std::min<int64_t>(tn, visible(r) - done - t0);
-                        if (m <= 0) {
+                        const int64_t m  = std::min<int64_t>(tn, visible(r) - done - t0);
+                        const int64_t s0 = std::max<int64_t>(0, first(r) - done - t0);  // rows before the window
+                        if (m <= s0) {
                             continue;
                         }
-                        const float * p  = score + r * ld + done + t0;
+                        const float * p  = score + r * ld + done + t0 + s0;
+                        const float * vr = v0 + s0 * v_stride;
                         float *       oh = out_row(r) + 8 * c0;
                         if (nc == 8) {
-                            accumulate_values<8>(p, v0, v_stride, m, oh);
+                            accumulate_values<8>(p, vr, v_stride, m - s0, oh);
                         } else {
                             for (int c = 0; c < nc; ++c) {  // uncommon head sizes: one chunk at a time
-                                accumulate_values<1>(p, v0 + 8 * c, v_stride, m, oh + 8 * c);
+                                accumulate_values<1>(p, vr + 8 * c, v_stride, m - s0, oh + 8 * c);
                             }
                         }
                     }
@@ -303,8 +310,8 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
             for (int c = 0; c < n_chunks; ++c) {
                 _mm256_storeu_ps(oh + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(oh + 8 * c), vinv));
             }
-            portable_in_avx2::add_output_corrections(runs, n_runs, visible(r), score + r * ld, hd, shape.row_stride,
-                                                     kv_off, inv[r], oh);
+            portable_in_avx2::add_output_corrections(runs, n_runs, first(r), visible(r), score + r * ld, hd,
+                                                     shape.row_stride, kv_off, inv[r], oh);
         }
         h0 = h1;
     }

@@ -71,10 +71,10 @@ static inline void add_score_corrections(const KvRun & run, const float * qb, in
     }
 }
 
-// out[0, hd) += factor · Σ over corrected runs of (Σ_j p_j a_v[j])·B_v, for the first n_seen keys whose weights are
-// p[0, n_seen). Consecutive runs sharing B_v (one corrected segment) are summed before the product with B_v.
-static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_seen, const float * p, int hd,
-                                   int64_t hd_kv, int64_t kv_off, float factor, float * out) {
+// out[0, hd) += factor · Σ over corrected runs of (Σ_j p_j a_v[j])·B_v, for the keys [n_first, n_seen) whose weights
+// are p[n_first, n_seen). Consecutive runs sharing B_v (one corrected segment) are summed before the product with B_v.
+static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_first, int64_t n_seen, const float * p,
+                                   int hd, int64_t hd_kv, int64_t kv_off, float factor, float * out) {
     float         pa[kMaxCorrectionRank];
     const float * group_b = nullptr;
     int           group_r = 0;
@@ -88,7 +88,8 @@ static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_see
     for (int i = 0; i < n_runs && seen < n_seen; ++i) {
         const KvRun & run = runs[i];
         const int64_t n   = std::min<int64_t>(run.n, n_seen - seen);
-        if (run.rank > 0) {
+        const int64_t j0  = std::clamp<int64_t>(n_first - seen, 0, n);  // rows before the window: not attended
+        if (run.rank > 0 && j0 < n) {
             if (run.b_v != group_b) {
                 if (group_b != nullptr) {
                     flush();
@@ -97,7 +98,7 @@ static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_see
                 group_r = run.rank;
                 std::fill(pa, pa + group_r, 0.0f);
             }
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = j0; j < n; ++j) {
                 axpy(p[seen + j], run.a_v + j * run.rank, pa, run.rank);
             }
         }
@@ -117,6 +118,8 @@ static void attend_t(const AttentionShape & shape, const Rope & rope, const floa
     float *   q_rot   = scratch;                                            // [n_head * hd], q re-rotated for a shift
     float *   score   = scratch + static_cast<int64_t>(shape.n_head) * hd;  // [n_visible]
     float *   row_buf = score + n_visible + 16;                             // [hd], an f16 head slice as f32
+    // Keys [first, n_visible) are attended (all with no window); scores before first are computed and ignored.
+    const int64_t first = shape.window > 0 ? std::max<int64_t>(0, n_visible - shape.window) : 0;
     for (int h = h_begin; h < h_end; ++h) {
         const int64_t kv_off = static_cast<int64_t>(h / group) * hd;
         // Pass 1: scores of every visible key.
@@ -150,11 +153,11 @@ static void attend_t(const AttentionShape & shape, const Rope & rope, const floa
         }
         // Softmax.
         float mx = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {
+        for (int64_t j = first; j < seen; ++j) {
             mx = std::max(mx, score[j]);
         }
         float sum = 0.0f;
-        for (int64_t j = 0; j < seen; ++j) {
+        for (int64_t j = first; j < seen; ++j) {
             score[j] = std::exp(score[j] - mx);
             sum += score[j];
         }
@@ -167,12 +170,12 @@ static void attend_t(const AttentionShape & shape, const Rope & rope, const floa
             const KvRun & run = runs[r];
             const int64_t n   = std::min<int64_t>(run.n, n_visible - seen);
             const T *     v   = static_cast<const T *>(run.v) + kv_off;
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = std::clamp<int64_t>(first - seen, 0, n); j < n; ++j) {
                 axpy(score[seen + j], head_f32(v + j * shape.row_stride, row_buf, hd), oh, hd);
             }
             seen += n;
         }
-        add_output_corrections(runs, n_runs, seen, score, hd, shape.row_stride, kv_off, 1.0f, oh);
+        add_output_corrections(runs, n_runs, first, seen, score, hd, shape.row_stride, kv_off, 1.0f, oh);
         for (int i = 0; i < hd; ++i) {
             oh[i] *= inv;
         }

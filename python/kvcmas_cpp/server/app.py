@@ -33,7 +33,9 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import Model
+from ..tools import ToolCallStream
 from .backend import Segment
+from .choices import Choice
 from .metrics import Metrics
 from .scheduler import (
     CALIBRATION_BYTES,
@@ -49,6 +51,8 @@ from .scheduler import (
     SessionKey,
 )
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .structured import output_plan
+from .utility import utility_routes
 from .validation import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGES,
@@ -502,10 +506,14 @@ class Server:
             app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
             app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
         app.add_api_route("/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, methods=["DELETE"])
+        extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
+        for path, handler, methods in extra_routes:
+            app.add_api_route(path, handler, methods=methods)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
+            | {path for path, _, _ in extra_routes}
         )
         if self.cfg.cors_origins:  # off unless asked: browsers on other origins get no CORS headers
             from starlette.middleware.cors import CORSMiddleware
@@ -572,6 +580,11 @@ class Server:
         return self._model_card()
 
     # ---------------------------------------------------------------------------------------- generation
+    def _check_logit_bias(self, parsed: ParsedRequest) -> None:
+        bad = next((t for t in parsed.sampling.logit_bias or {} if t >= self.model.n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"logit_bias: token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value")
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(
@@ -659,6 +672,13 @@ class Server:
 
     async def _parse(self, kind: Literal["chat", "completion"], request: Request) -> ParsedRequest:
         """Reads the body (at most --max-body-bytes, whatever Content-Length said) and validates it."""
+        raw = await self.read_body(request)
+        if len(raw) < 65536:
+            return parse_request(kind, raw, self.limits)
+        return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, at most --max-body-bytes (413 beyond, whatever Content-Length said)."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -674,10 +694,7 @@ class Server:
                 chunks.append(chunk)
         except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
             raise ApiError(499, "the client disconnected while sending the body", "client_disconnected") from None
-        raw = b"".join(chunks)
-        if size < 65536:
-            return parse_request(kind, raw, self.limits)
-        return await run_in_threadpool(parse_request, kind, raw, self.limits)  # big bodies: off the event loop
+        return b"".join(chunks)
 
     async def _encode_image(self, data: bytes, namespace: Namespace) -> np.ndarray:
         """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""
@@ -732,10 +749,14 @@ class Server:
         return messages, segments
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = await self._parse("chat", request)
+        return await self.chat(await self._parse("chat", request), request)
+
+    async def chat(self, parsed: ParsedRequest, request: Request) -> Response:
+        """A validated chat request, answered as chat.completion (or its chunks); /v1/responses goes through here."""
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
         self._check_model(body.model)
+        self._check_logit_bias(parsed)
         namespace = Namespace(request.state.tenant, body.cache_salt or "")
         segments: list[Segment] | None = None
         if not (body.has_images() and self.vision is not None):
@@ -754,6 +775,7 @@ class Server:
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
         max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
+        plan = await run_in_threadpool(output_plan, body, self.model)  # tools, response_format
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
@@ -767,6 +789,8 @@ class Server:
             max_tokens=max_tokens,
             reserve=max_tokens if parsed.max_tokens is not None else min(max_tokens, GENERATION_RESERVE),
             params=parsed.sampling,
+            n=body.n,
+            logprobs=parsed.logprobs,
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
@@ -775,19 +799,21 @@ class Server:
             session_key=SessionKey(namespace, workflow, method),
             segments=segments,
             n_prompt=n_prompt,
+            constraint=plan.constraint,
         )
         self._submit(job)
         extra: dict[str, Any] = {"workflow": workflow, "agent": agent}
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "")
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "", plan.parse_tools)
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse("completion", request)
         body = parsed.body
         assert isinstance(body, CompletionRequest)
         self._check_model(body.model)
+        self._check_logit_bias(parsed)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]
@@ -809,6 +835,8 @@ class Server:
             max_tokens=max_tokens,
             reserve=max_tokens if parsed.max_tokens is not None else min(max_tokens, GENERATION_RESERVE),
             params=parsed.sampling,
+            n=body.n,
+            logprobs=parsed.logprobs,
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
@@ -828,34 +856,47 @@ class Server:
         include_usage: bool,
         extra: dict[str, Any],
         echo: str,
+        tools: frozenset[str] | None = None,
     ) -> Response:
-        """Waits for the first event (so early failures keep their status code), then answers or streams."""
+        """Waits for the first event (so early failures keep their status code), then answers or streams. tools:
+        the names of the functions the output may call (None: no tool-call parsing)."""
         first = await self._next_event(queue, request)
         if first is None:
             self.scheduler.cancel(job)
             return Response(status_code=499)
         if isinstance(first, Failed):
+            self.scheduler.cancel(job)  # the other choices (n > 1)
             raise ApiError(first.status, first.message, first.code)
+        choices = self._new_choices(job, kind, echo, tools)
         if not stream:
-            pieces = [echo]
+            dones: list[Done] = []
             event: Event | None = first
             while True:
-                if event is None:
+                if event is None or isinstance(event, Failed):
                     self.scheduler.cancel(job)
-                    return Response(status_code=499)
-                if isinstance(event, Failed):
+                    if event is None:
+                        return Response(status_code=499)
                     raise ApiError(event.status, event.message, event.code)
                 if isinstance(event, Done):
-                    break
-                pieces.append(event.text)
+                    choices[event.index].on_done(event)
+                    dones.append(event)
+                    if len(dones) == len(choices):
+                        break
+                else:
+                    choices[event.index].on_delta(event)
                 event = await self._next_event(queue, request)
-            self._log_done(job, kind, event)
-            return JSONResponse(self._final_body(job, kind, "".join(pieces), event, extra))
+            dones.sort(key=lambda d: d.index)
+            self._log_done(job, kind, dones[0])
+            return JSONResponse(self._final_body(job, kind, choices, dones, extra))
         return StreamingResponse(
-            self._stream(job, queue, kind, first, include_usage, extra, echo),
+            self._stream(job, queue, kind, first, include_usage, extra, choices),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+    def _new_choices(self, job: Job, kind: str, echo: str, tools: frozenset[str] | None) -> list[Choice]:
+        tok = self.model.tokenizer
+        return [Choice(i, kind, tok, ToolCallStream(tools) if tools is not None else None, echo) for i in range(job.n)]
 
     async def _stream(
         self,
@@ -865,36 +906,46 @@ class Server:
         first: Event,
         include_usage: bool,
         extra: dict[str, Any],
-        echo: str,
+        choices: list[Choice],
     ) -> AsyncIterator[bytes]:
         finished = False
         created = int(time.time())
+        dones: list[Done] = []
         try:
-            if kind == "chat":
-                yield _sse(self._chunk(job, kind, created, {"role": "assistant", "content": ""}, None))
-            if echo:
-                yield _sse(self._chunk(job, kind, created, echo, None))
+            for c in choices:
+                if kind == "chat":
+                    opening: dict[str, Any] = {"role": "assistant", "content": ""}
+                    yield _sse(self._chunk(job, kind, created, [c._stream_choice(opening, None, None)]))
+                if c.echo_len:
+                    yield _sse(self._chunk(job, kind, created, [c._stream_choice(c.text[0], None, None)]))
             event = first
             while True:
                 if isinstance(event, Failed):
                     finished = True
+                    self.scheduler.cancel(job)  # the other choices (n > 1)
                     yield _sse(error_body(event.status, event.message, event.code))
                     break
                 if isinstance(event, Done):
-                    finished = True
-                    self._log_done(job, kind, event)
-                    delta: dict[str, Any] | str = {} if kind == "chat" else ""
-                    chunk = self._chunk(job, kind, created, delta, event.finish_reason)
-                    chunk.update(self._extras(event, extra))
+                    dones.append(event)
+                    last = choices[event.index].on_done(event)
+                    for part in last[:-1]:
+                        yield _sse(self._chunk(job, kind, created, [part]))
+                    chunk = self._chunk(job, kind, created, last[-1:])
+                    if len(dones) == len(choices):
+                        finished = True
+                        dones.sort(key=lambda d: d.index)
+                        self._log_done(job, kind, dones[0])
+                        chunk.update(self._extras(dones, extra))
+                        yield _sse(chunk)
+                        if include_usage:
+                            usage_chunk = self._chunk(job, kind, created, [])
+                            usage_chunk["usage"] = self._usage(dones)
+                            yield _sse(usage_chunk)
+                        break
                     yield _sse(chunk)
-                    if include_usage:
-                        usage_chunk = self._chunk(job, kind, created, None, None)
-                        usage_chunk["choices"] = []
-                        usage_chunk["usage"] = self._usage(event)
-                        yield _sse(usage_chunk)
-                    break
-                text_delta: dict[str, Any] | str = {"content": event.text} if kind == "chat" else event.text
-                yield _sse(self._chunk(job, kind, created, text_delta, None))
+                else:
+                    for part in choices[event.index].on_delta(event):
+                        yield _sse(self._chunk(job, kind, created, [part]))
                 event = await queue.get()
             yield _sse("[DONE]")
         finally:
@@ -902,29 +953,24 @@ class Server:
                 self.scheduler.cancel(job)
 
     # ------------------------------------------------------------------------------------------- bodies
-    def _chunk(
-        self, job: Job, kind: str, created: int, delta: dict[str, Any] | str | None, finish: str | None
-    ) -> dict[str, Any]:
-        if kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+    def _chunk(self, job: Job, kind: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": choices}
 
     @staticmethod
-    def _usage(done: Done) -> dict[str, Any]:
-        s = done.stats
+    def _usage(dones: list[Done]) -> dict[str, Any]:
+        """The prompt once (n > 1 choices are forks of one prefill), the completions of every choice."""
+        s = dones[0].stats
+        completion = sum(d.stats["completion_tokens"] for d in dones)
         return {
             "prompt_tokens": s["prompt_tokens"],
-            "completion_tokens": s["completion_tokens"],
-            "total_tokens": s["prompt_tokens"] + s["completion_tokens"],
+            "completion_tokens": completion,
+            "total_tokens": s["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": s["reused_tokens"]},
         }
 
-    def _extras(self, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
-        s = done.stats
+    def _extras(self, dones: list[Done], extra: dict[str, Any]) -> dict[str, Any]:
+        s = dones[0].stats
         timings = {
             "prompt_n": s["prompt_tokens"] - s["reused_tokens"],
             "cache_n": s["reused_tokens"],
@@ -954,22 +1000,20 @@ class Server:
             "dense_reason": s["dense_reason"],
             **extra,
         }
-        return {"usage": self._usage(done), "timings": timings, "kvcmas": kvcmas}
+        return {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}
 
-    def _final_body(self, job: Job, kind: str, text: str, done: Done, extra: dict[str, Any]) -> dict[str, Any]:
-        if kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": done.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-            obj = "text_completion"
-        body = {"id": job.id, "object": obj, "created": int(time.time()), "model": self.model_id, "choices": [choice]}
-        body.update(self._extras(done, extra))
+    def _final_body(
+        self, job: Job, kind: str, choices: list[Choice], dones: list[Done], extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        body = {
+            "id": job.id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_id,
+            "choices": [c.final() for c in choices],
+        }
+        body.update(self._extras(dones, extra))
         return body
 
     def _log_done(self, job: Job, kind: str, done: Done) -> None:

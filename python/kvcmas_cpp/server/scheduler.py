@@ -37,9 +37,9 @@ from typing import Any, Literal, NamedTuple
 from .. import agents
 from .._native import KvcmasError
 from ..model import Model
-from ..sampling import Sampler, SamplingParams, StopMatcher
+from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..tokenizer import StreamDecoder
-from .backend import Backend, PlainBackend, Prefilled, Segment, make_backend
+from .backend import Backend, PlainBackend, PlainPrefilled, Prefilled, Segment, make_backend
 from .metrics import Metrics
 
 log = logging.getLogger("kvcmas.server")
@@ -93,10 +93,12 @@ def _return_free_heap() -> None:
 
 @dataclass
 class Delta:
-    """Newly generated text (never part of a stop string)."""
+    """Newly generated text (never part of a stop string) of choice `index`; logprobs: its tokens' (when asked)."""
 
     text: str
     token: int | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Done:
 
     finish_reason: Literal["stop", "length"]
     stats: dict[str, Any]
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass
@@ -163,6 +166,9 @@ class Job:
     session_key: SessionKey | None = None  # chat: its sharing session; None: plain prompt (completions)
     segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
+    n: int = 1  # choices: n - 1 more continue forks of this job's prompt sequence (computed once)
+    logprobs: int | None = None  # None: none; else report each token's logprob and this many alternatives
+    constraint: Any = None  # constrained decoding (kvcmas_cpp.constrained.Constraint): the tokens allowed next
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     # runtime (scheduler thread only)
@@ -184,6 +190,9 @@ class Job:
     t_first: float = 0.0
     engine_ms: float = 0.0  # time in its own prefill's engine calls
     interleaved_ms: float = 0.0  # time other jobs' work ran between its prefill chunks
+    index: int = 0  # choice index (forks of an n > 1 job)
+    children: list[Job] = field(default_factory=list)  # its forks (n > 1)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not sent yet
 
     def __post_init__(self) -> None:
         if not self.n_prompt:
@@ -289,6 +298,8 @@ class Scheduler:
         """Stops a job (client gone); its KV is freed on the scheduler's next turn."""
         with self._cond:
             job.cancelled = True
+            for child in job.children:
+                child.cancelled = True
             self._cond.notify()
 
     def drop_workflow(self, tenant: str, workflow: str) -> bool:
@@ -429,11 +440,12 @@ class Scheduler:
         """KV the admitted jobs may still allocate: their remaining tokens, and their prompts until prefilled."""
         return sum(
             self.reservation_bytes(max(0, j.reserve - len(j.generated)) + (j.n_prompt if j.prefilled is None else 0))
+            + (self.reservation_bytes(j.reserve) * (j.n - 1) if j.prefilled is None else 0)  # its forks (n > 1)
             for j in self._active
         )
 
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(job.n_prompt + job.reserve)
+        need = self.reservation_bytes(job.n_prompt + job.reserve) + (job.n - 1) * self.reservation_bytes(job.reserve)
         return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
 
     def _grow_reservation(self, job: Job) -> bool:
@@ -598,9 +610,49 @@ class Scheduler:
             job.engine_ms = float(getattr(prefilled, "engine_ms", getattr(prefilled.seq, "engine_ms", 0.0)))
             job.remaining = 0
             if not job.cancelled:  # a cancelled job is released on the next turn
-                self._sample_and_accept(job, prefilled.logits)  # its first token comes before the postponed work
+                forks = self._fork_choices(job, prefilled) if job.n > 1 else []
+                for choice in [job, *forks]:  # first tokens come before the postponed work
+                    self._sample_and_accept(choice, prefilled.logits)
         if self._depth == 0:
             self._run_deferred()
+
+    def _fork_choices(self, job: Job, prefilled: Prefilled) -> list[Job]:
+        """n > 1: choices 1..n-1 continue forks of the job's prompt sequence (no prompt row is computed again), each
+        with its own sampler (seed + index when seeded) and constraint; they end like any job but register no reply
+        with the sharing session (choice 0 does)."""
+        forks: list[Job] = []
+        for i in range(1, job.n):
+            params = SamplingParams(**vars(job.params))
+            if params.seed is not None:
+                params.seed += i
+            fork = Job(
+                id=job.id,
+                ids=job.ids,
+                max_tokens=job.max_tokens,
+                reserve=job.reserve,
+                params=params,
+                stops=job.stops,
+                sink=job.sink,
+                deadline=job.deadline,
+                n_prompt=job.n_prompt,
+                logprobs=job.logprobs,
+                constraint=job.constraint.fork() if job.constraint is not None else None,
+                t_arrival=job.t_arrival,
+                index=i,
+            )
+            fork.sampler = Sampler(params)
+            fork.decoder = StreamDecoder(self.model.tokenizer)
+            fork.matcher = StopMatcher(job.stops)
+            fork.history = list(job.history)
+            fork.t_admit, fork.t_prefill, fork.engine_ms = job.t_admit, job.t_prefill, job.engine_ms
+            stats = dict(prefilled.stats, computed_tokens=0)
+            fork.prefilled = PlainPrefilled(prefilled.seq.fork(), prefilled.logits, stats)
+            with self._cond:
+                fork.cancelled = job.cancelled
+                job.children.append(fork)
+            self._active.append(fork)
+            forks.append(fork)
+        return forks
 
     def _between_chunks(self, job: Job) -> None:
         """Runs between two chunks of job's prefill: new arrivals are admitted, a prefill with fewer rows left than
@@ -638,7 +690,12 @@ class Scheduler:
     def _sample_and_accept(self, job: Job, logits: Any) -> None:
         assert job.sampler is not None
         try:
-            token = job.sampler.sample(logits, job.history)
+            allowed = job.constraint.allowed() if job.constraint is not None else None
+            token = job.sampler.sample(logits, job.history, allowed)
+            if job.logprobs is not None and token not in self.model.tokenizer.eog_ids:
+                job.pending_logprobs.append(token_logprobs(logits, token, job.logprobs))
+            if job.constraint is not None:
+                job.constraint.accept(token)
         except ValueError as e:  # NaN logits and the like: this job cannot go on, the others can
             log.error("%s: sampling failed: %s", job.id, e)
             self._fail(job, 500, f"sampling failed: {e}", "internal_error")
@@ -679,8 +736,8 @@ class Scheduler:
         text, hit = job.matcher.feed(job.decoder.feed(token))
         if text:
             job.received += text
-            job.sink(Delta(text, token))
-        if hit:
+            job.sink(Delta(text, token, job.index, self._take_logprobs(job)))
+        if hit or (job.constraint is not None and job.constraint.finished):
             self._finish(job, "stop")
         elif len(job.generated) >= job.max_tokens:
             self._finish(job, "length")
@@ -697,9 +754,9 @@ class Scheduler:
         t_end = time.perf_counter()
         if not job.matcher.stopped:
             tail = job.matcher.flush(job.decoder.flush())
-            if tail:
+            if tail or job.pending_logprobs:
                 job.received += tail
-                job.sink(Delta(tail))
+                job.sink(Delta(tail, None, job.index, self._take_logprobs(job)))
         p = job.prefilled
         self._estimators_touched = True
         try:
@@ -710,13 +767,23 @@ class Scheduler:
         stats = self._stats(job, t_end)
         self._release(job)
         self._service_s = 0.8 * self._service_s + 0.2 * (t_end - job.t_admit)
-        self.metrics.count_generation(
-            stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
-        )
-        self.metrics.count_sharing(
-            stats["prefix_cached_tokens"], stats["span_tokens"], stats["calibration_tokens"], stats["dense_reason"]
-        )
-        job.sink(Done(reason, stats))
+        if job.index == 0:
+            self.metrics.count_generation(
+                stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+            )
+            self.metrics.count_sharing(
+                stats["prefix_cached_tokens"], stats["span_tokens"], stats["calibration_tokens"], stats["dense_reason"]
+            )
+        else:  # a fork: its prompt was counted with choice 0
+            self.metrics.count_generation(0, 0, stats["completion_tokens"], None)
+        job.sink(Done(reason, stats, job.index))
+
+    @staticmethod
+    def _take_logprobs(job: Job) -> list[TokenLogprob] | None:
+        if job.logprobs is None:
+            return None
+        taken, job.pending_logprobs = job.pending_logprobs, []
+        return taken
 
     def _stats(self, job: Job, t_end: float) -> dict[str, Any]:
         assert job.prefilled is not None

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
 
 Fields follow OpenAI's chat/completions and completions APIs; llama.cpp-style extras (top_k, min_p,
-repeat_penalty) and the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. Unknown
-fields are ignored, as OpenAI clients send more than a local server needs. Types are strict (no "0.5" for a number,
-no 1 for a bool), so a wrong type is a 400 rather than a silent coercion.
+repeat_penalty) and the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. A field the
+server does not implement is refused (400 naming it) rather than silently ignored, except the harmless ones in
+HARMLESS_FIELDS (bookkeeping that does not change the answer). Types are strict (no "0.5" for a number, no 1 for a
+bool), so a wrong type is a 400 rather than a silent coercion.
 """
 
 from __future__ import annotations
@@ -11,14 +12,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from ..tools import render_tool_messages
 
 Number = StrictFloat | StrictInt
+MAX_CHOICES = 16  # n: choices per request (forks of one prefill)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions: 5)
 METHODS = ("nonshared", "fullshared", "kvcmas")
 
 
+# Accepted and ignored: they label or route a request on OpenAI's side and do not change what is generated.
+HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Body):
@@ -28,6 +47,7 @@ class TextPart(_Body):
 
 class ImageUrl(_Body):
     url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None  # a resolution hint; the vision tower has one resolution
 
 
 class ImagePart(_Body):
@@ -40,10 +60,66 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionDef(_Body):
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: StrictBool | None = None  # arguments always follow the schema when the call is constrained
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: StrictStr = Field(max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the output always follows the schema (constrained decoding)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' (and only then)")
+        return self
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    refusal: StrictStr | None = None  # echoed back by clients that resend a reply; not rendered
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: StrictStr | None = None  # tool messages: the call this is the result of
 
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
@@ -87,21 +163,36 @@ class _Sampling(_Body):
     repeat_penalty: Number = Field(default=1.0, gt=0.0, le=10.0)
     seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
     # Narrows the namespace that may share this request's cached KV (as vLLM's cache_salt): only requests of the
     # same tenant with the same salt share spans, prefix caches and learned corrections.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     kvcmas: KvcmasOptions | None = None
+    # HARMLESS_FIELDS: accepted, not used
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"logit_bias keys are token ids written as strings, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {key}")
         return v
+
+    def bias_by_id(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -122,6 +213,30 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = {t.function.name for t in self.tools or []}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names '{self.tool_choice.function.name}', which is not among the tools")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def logprobs_top(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -132,13 +247,26 @@ class ChatCompletionRequest(_Sampling):
     def plain_messages(self, image_marker: Callable[[str], str] | None = None) -> list[dict[str, Any]]:
         """OpenAI-style dicts with string content (what the chat template and AgentSession take); image parts
         become image_marker(url)."""
-        return [{"role": m.role, "content": m.text(image_marker)} for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(image_marker)}
+            if m.name is not None:
+                msg["name"] = m.name  # kept: templates that know names render it (e.g. an agent's name)
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            out.append(msg)
+        # tools into the system prompt, tool calls into their assistant message's text (kvcmas_cpp.tools)
+        return render_tool_messages(out, self.tool_dicts())
 
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt]
     echo: StrictBool = False
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

@@ -11,9 +11,9 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..sampling import SamplingParams
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -101,6 +101,9 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+        return f"'{param}' is not supported by this server{more}", param
     where = f"'{param}': " if param else "request body: "
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{where}{first.get('msg', 'invalid value')}{more}", param
@@ -140,6 +143,7 @@ class ParsedRequest:
     stops: list[str]
     max_tokens: int | None  # None: fill what the context and the KV budget leave (capped by Limits.max_tokens)
     images: list[bytes] = field(default_factory=list)  # decoded image_url payloads, in order (chat only)
+    logprobs: int | None = None  # None: no logprobs; else the alternatives to report per token
 
 
 def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -151,6 +155,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
         min_p=float(body.min_p),
         repeat_penalty=float(body.repeat_penalty),
         seed=body.seed,
+        presence_penalty=float(body.presence_penalty),
+        frequency_penalty=float(body.frequency_penalty),
+        logit_bias=body.bias_by_id(),
     )
     try:
         params.validate()
@@ -159,8 +166,11 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
     return params
 
 
-def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limits) -> ParsedRequest:
-    """Raw POST body -> ParsedRequest. Raises ApiError (413 for an oversized body, 400 for anything invalid)."""
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
+    """Raw POST body -> a validated `schema` instance. Raises ApiError (413 oversized, 400 invalid)."""
     if len(raw) > limits.max_body_bytes:
         raise ApiError(
             413, f"the request body has {len(raw)} bytes; the limit is {limits.max_body_bytes}", "body_too_large"
@@ -176,14 +186,20 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
         raise ApiError(
             400, f"'{printable(bad)}' holds a lone UTF-16 surrogate: not valid Unicode text", "invalid_request", bad
         )
-    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
-        body: ChatCompletionRequest | CompletionRequest = schema.model_validate(obj)
+        return schema.model_validate(obj)
     except ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
         raise ApiError(400, message, "invalid_request", param) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
+
+
+def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limits) -> ParsedRequest:
+    """Raw POST body -> ParsedRequest. Raises ApiError (413 for an oversized body, 400 for anything invalid)."""
+    body: ChatCompletionRequest | CompletionRequest = (
+        parse_body(raw, ChatCompletionRequest, limits) if kind == "chat" else parse_body(raw, CompletionRequest, limits)
+    )
     requested = body.effective_max_tokens()
     if requested is not None and requested > limits.max_tokens:
         param = (
@@ -195,6 +211,10 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
             "max_tokens_exceeded",
             param or "max_tokens",
         )
+    try:
+        logprobs = body.logprobs_top()
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_value", "top_logprobs") from None
     images: list[bytes] = []
     if isinstance(body, ChatCompletionRequest):
         urls: list[str] = []
@@ -215,4 +235,4 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
                 "messages",
             )
         images = [decode_data_url(url) for url in urls]
-    return ParsedRequest(body, sampling_params(body), body.stop_list(), requested, images)
+    return ParsedRequest(body, sampling_params(body), body.stop_list(), requested, images, logprobs)

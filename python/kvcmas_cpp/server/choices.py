@@ -1,0 +1,123 @@
+"""One choice of a chat or text completion, assembled from the scheduler's events in OpenAI's shapes: its text, its
+logprobs (chat: {"content": [...]}, completions: tokens / token_logprobs / top_logprobs / text_offset) and, for chat
+requests with tools, its tool calls (kvcmas_cpp.tools.ToolCallStream), streamed or whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..sampling import TokenLogprob, chat_logprobs
+from ..tokenizer import Tokenizer
+from ..tools import ToolCallStream
+from .scheduler import Delta, Done
+
+
+def _piece(tok: Tokenizer, token: int) -> tuple[str, list[int]]:
+    raw = tok.token_to_piece(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's (legacy) completions logprobs object; offset: the text offset of the first token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        text, _ = _piece(tok, lp.token)
+        tokens.append(text)
+        values.append(lp.logprob)
+        top: dict[str, float] = {}
+        for token, value in lp.top:
+            top.setdefault(_piece(tok, token)[0], value)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+class Choice:
+    """What one choice produced so far. kind: "chat" or "completion"; tools: parse tool calls (chat with tools and
+    tool_choice other than "none"); echo: the prompt text a completion repeats."""
+
+    def __init__(self, index: int, kind: str, tok: Tokenizer, tools: ToolCallStream | None, echo: str = "") -> None:
+        self.index = index
+        self.kind = kind
+        self.tok = tok
+        self.tools = tools
+        self.text: list[str] = [echo] if echo else []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.offset = len(echo)
+        self.echo_len = len(echo)
+        self.done: Done | None = None
+        self.tool_calls: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------------------ stream
+    def on_delta(self, ev: Delta) -> list[dict[str, Any]]:
+        """The stream choice objects ({"index", "delta" | "text", "logprobs", "finish_reason"}) for this event."""
+        lp = None
+        if ev.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + ev.logprobs
+            lp = self._format_logprobs(ev.logprobs)
+        self.offset += len(ev.text)
+        if self.kind == "completion":
+            self.text.append(ev.text)
+            return [self._stream_choice(ev.text, lp, None)]
+        if self.tools is None:
+            self.text.append(ev.text)
+            return [self._stream_choice({"content": ev.text}, lp, None)]
+        content, calls = self.tools.feed(ev.text)
+        return self._tool_events(content, calls, lp)
+
+    def on_done(self, ev: Done) -> list[dict[str, Any]]:
+        """The last stream choice objects: what the tool parser still held, then the finish reason."""
+        self.done = ev
+        out: list[dict[str, Any]] = []
+        if self.tools is not None:
+            content, calls = self.tools.finish()
+            out = [c for c in self._tool_events(content, calls, None) if c["delta"]]
+        empty: dict[str, Any] | str = {} if self.kind == "chat" else ""
+        out.append(self._stream_choice(empty, None, self.finish_reason))
+        return out
+
+    def _tool_events(self, content: str, calls: list[dict[str, Any]], lp: Any) -> list[dict[str, Any]]:
+        out = []
+        if content or lp is not None:
+            self.text.append(content)
+            out.append(self._stream_choice({"content": content} if content else {}, lp, None))
+        for call in calls:
+            k = len(self.tool_calls)
+            self.tool_calls.append(call)
+            out.append(self._stream_choice({"tool_calls": [{"index": k, **call}]}, None, None))
+        return out
+
+    def _stream_choice(self, delta: dict[str, Any] | str, lp: Any, finish: str | None) -> dict[str, Any]:
+        key = "delta" if self.kind == "chat" else "text"
+        return {"index": self.index, key: delta, "logprobs": lp, "finish_reason": finish}
+
+    def _format_logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        if self.kind == "chat":
+            return {"content": chat_logprobs(self.tok, lps), "refusal": None}
+        return completion_logprobs(self.tok, lps, self.offset)
+
+    # ------------------------------------------------------------------------------------------------- whole
+    @property
+    def finish_reason(self) -> str:
+        assert self.done is not None
+        # cut by max_tokens stays "length" (a later call may be cut off), as OpenAI reports it
+        return "tool_calls" if self.tool_calls and self.done.finish_reason == "stop" else self.done.finish_reason
+
+    def final(self) -> dict[str, Any]:
+        """The non-streamed choice object (after on_done)."""
+        lp = None
+        if self.logprobs is not None:
+            lp = (
+                {"content": chat_logprobs(self.tok, self.logprobs), "refusal": None}
+                if self.kind == "chat"
+                else completion_logprobs(self.tok, self.logprobs, self.echo_len)
+            )
+        text = "".join(self.text)
+        if self.kind == "completion":
+            return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calls:
+            message["content"] = text.strip() or None
+            message["tool_calls"] = self.tool_calls
+        return {"index": self.index, "message": message, "logprobs": lp, "finish_reason": self.finish_reason}

@@ -1,0 +1,396 @@
+"""POST /v1/responses, minimal: OpenAI's Responses API (the OpenAI Agents SDK's default) for text and function tools,
+streamed and not.
+
+A request is translated into a chat request (instructions -> system message, input items -> messages, function_call
+/ function_call_output items -> assistant tool_calls / tool messages, text.format -> response_format) and answered
+by the chat path, whose output is translated back: a `message` item with `output_text`, and one `function_call`
+item per call. Not covered (400 naming the field): previous_response_id and conversation (nothing is stored),
+built-in tools (web search, file search, computer use...), reasoning items, `include` entries, prompt templates,
+background mode. Streaming sends the semantic events (response.created, output_item.added, output_text.delta,
+function_call_arguments.delta / .done, output_item.done, response.completed).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from .schemas import HARMLESS_FIELDS, KvcmasOptions, Number, _Body
+from .validation import parse_body, parse_request
+
+if TYPE_CHECKING:
+    from .app import Server
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: list[Any] | None = None  # on output_text parts a client sends back; not rendered
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | list[InputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunctionChoice(_Body):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only level a local model has
+
+
+class ResponsesRequest(_Body):
+    model: StrictStr | None = None
+    input: StrictStr | list[InputItem]
+    instructions: StrictStr | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextOptions | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    include: list[StrictStr] | None = Field(default=None, max_length=0)  # no extra output to include
+    truncation: Literal["disabled"] | None = None
+    reasoning: None = None
+    kvcmas: KvcmasOptions | None = None
+    # HARMLESS_FIELDS
+    user: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The equivalent chat/completions request body."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if (
+                    last is not None
+                    and last["role"] == "assistant"
+                    and not last.get("content")
+                    and "tool_calls" in last
+                ):
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        body: dict[str, Any] = {"messages": messages, "stream": self.stream}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.tools:
+            body["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in self.tools
+            ]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": choice.name}}
+                if isinstance(choice, NamedFunctionChoice)
+                else choice
+            )
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type != "text":
+            body["response_format"] = (
+                {"type": "json_object"}
+                if fmt.type == "json_object"
+                else {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.schema_ or {}}}
+            )
+        for key, value in (
+            ("model", self.model),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+            ("max_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("seed", self.seed),
+            ("kvcmas", self.kvcmas.model_dump(exclude_none=True) if self.kvcmas else None),
+        ):
+            if value is not None:
+                body[key] = value
+        return body
+
+
+assert all(f in ResponsesRequest.model_fields for f in HARMLESS_FIELDS)
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+    }
+
+
+def _call_item(call: dict[str, Any], status: str, arguments: str | None = None) -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "id": f"fc_{call['id'].removeprefix('call_')}",
+        "type": "function_call",
+        "status": status,
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"] if arguments is None else arguments,
+    }
+
+
+class _Translator:
+    """Builds the response object (and its stream events) from the chat path's output."""
+
+    def __init__(self, body: ResponsesRequest, model_id: str) -> None:
+        self.body = body
+        self.id = f"resp_{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model_id = model_id
+        self.output: list[dict[str, Any]] = []
+        self.seq = 0
+
+    def response(
+        self, status: str, usage: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        b = self.body
+        tools = [t.model_dump(exclude_none=True) for t in b.tools or []]
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model_id,
+            "output": self.output,
+            "instructions": b.instructions,
+            "tools": tools,
+            "tool_choice": (b.tool_choice.model_dump() if isinstance(b.tool_choice, _Body) else b.tool_choice)
+            or "auto",
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "temperature": b.temperature if b.temperature is not None else 1.0,
+            "top_p": b.top_p if b.top_p is not None else 1.0,
+            "max_output_tokens": b.max_output_tokens,
+            "text": {"format": {"type": "text"}}
+            if b.text is None
+            else b.text.model_dump(exclude_none=True, by_alias=True),
+            "metadata": b.metadata or {},
+            "error": None,
+            "incomplete_details": None,
+            "usage": None,
+        }
+        if usage is not None:
+            out["usage"] = {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {
+                    "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                },
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            }
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if extra:
+            out.update(extra)
+        return out
+
+    def from_completion(self, chat: dict[str, Any]) -> dict[str, Any]:
+        choice = chat["choices"][0]
+        message = choice["message"]
+        if message.get("content"):
+            self.output.append(_message_item(f"msg_{uuid.uuid4().hex[:24]}", message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            self.output.append(_call_item(call, "completed"))
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        return self.response(status, chat.get("usage"), {"kvcmas": chat.get("kvcmas")})
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+    async def stream(self, chunks: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:
+        """The chat SSE stream -> the Responses API's events."""
+        yield self.event("response.created", response=self.response("in_progress"))
+        yield self.event("response.in_progress", response=self.response("in_progress"))
+        msg_id: str | None = None
+        msg_index = -1
+        text: list[str] = []
+        finish: str | None = None
+        usage: dict[str, Any] | None = None
+
+        def close_message() -> list[bytes]:
+            nonlocal msg_id
+            if msg_id is None:
+                return []
+            full = "".join(text)
+            part = {"type": "output_text", "text": full, "annotations": []}
+            self.output[msg_index] = _message_item(msg_id, full, "completed")
+            out = [
+                self.event(
+                    "response.output_text.done",
+                    item_id=msg_id,
+                    output_index=msg_index,
+                    content_index=0,
+                    text=full,
+                    logprobs=[],
+                ),
+                self.event(
+                    "response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0, part=part
+                ),
+                self.event("response.output_item.done", output_index=msg_index, item=self.output[msg_index]),
+            ]
+            msg_id = None
+            return out
+
+        async for raw in chunks:
+            data = (raw.encode() if isinstance(raw, str) else raw).decode().removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                for e in close_message():
+                    yield e
+                yield self.event(
+                    "error", code=chunk["error"].get("code"), message=chunk["error"]["message"], param=None
+                )
+                yield self.event("response.failed", response=self.response("failed", None, {"error": chunk["error"]}))
+                return
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta") or {}
+                finish = choice.get("finish_reason") or finish
+                if delta.get("content"):
+                    if msg_id is None:
+                        msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+                        msg_index = len(self.output)
+                        self.output.append(_message_item(msg_id, "", "in_progress"))
+                        yield self.event(
+                            "response.output_item.added", output_index=msg_index, item=self.output[msg_index]
+                        )
+                        part = {"type": "output_text", "text": "", "annotations": []}
+                        yield self.event(
+                            "response.content_part.added",
+                            item_id=msg_id,
+                            output_index=msg_index,
+                            content_index=0,
+                            part=part,
+                        )
+                    text.append(delta["content"])
+                    yield self.event(
+                        "response.output_text.delta",
+                        item_id=msg_id,
+                        output_index=msg_index,
+                        content_index=0,
+                        delta=delta["content"],
+                        logprobs=[],
+                    )
+                for call in delta.get("tool_calls") or []:
+                    for e in close_message():
+                        yield e
+                    index = len(self.output)
+                    item = _call_item(call, "in_progress", "")
+                    self.output.append(item)
+                    yield self.event("response.output_item.added", output_index=index, item=item)
+                    arguments = call["function"]["arguments"]
+                    yield self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=arguments,
+                    )
+                    yield self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        name=item["name"],
+                        arguments=arguments,
+                    )
+                    self.output[index] = _call_item(call, "completed")
+                    yield self.event("response.output_item.done", output_index=index, item=self.output[index])
+        for e in close_message():
+            yield e
+        status = "incomplete" if finish == "length" else "completed"
+        yield self.event(f"response.{status}", response=self.response(status, usage))
+
+
+async def create_response(server: Server, request: Request) -> Response:
+    """POST /v1/responses."""
+    body = parse_body(await server.read_body(request), ResponsesRequest, server.limits)
+    parsed = parse_request("chat", json.dumps(body.chat_body()).encode(), server.limits)
+    answer = await server.chat(parsed, request)
+    translator = _Translator(body, server.model_id)
+    if isinstance(answer, StreamingResponse):
+        return StreamingResponse(
+            translator.stream(answer.body_iterator),  # type: ignore[arg-type]
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    if not isinstance(answer, JSONResponse) or answer.status_code != 200:
+        return answer  # 499: the client went away
+    return JSONResponse(translator.from_completion(json.loads(bytes(answer.body))))
