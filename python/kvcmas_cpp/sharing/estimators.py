@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from ._blas import single_threaded_blas
+
 LayerFactors = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 Correction = list[LayerFactors | None]
 Edge = tuple[str, int | str]  # (span key, reader key) an estimator learns per
@@ -207,7 +209,7 @@ def fit_ridge_map(x: np.ndarray, y: np.ndarray, rank: int, alpha: float) -> _Rid
     RowMoments.fit: the same fit from the same rows)."""
     m = RowMoments(1, x.shape[1])
     m.add(x[None], y[None])
-    return m.fit(0, rank, alpha)
+    return m.fit(rank, alpha)[0]
 
 
 class RowMoments:
@@ -253,22 +255,30 @@ class RowMoments:
         self.mu_y += dy * (n / total)
         self.count = total
 
-    def fit(self, i: int, rank: int, alpha: float) -> _RidgeMap:
-        """Map i's reduced-rank ridge fit: W = (G + lambda I)^-1 C with lambda = alpha times G's mean diagonal, then
-        the top `rank` right singular vectors V of the fitted values X_c W (eigenvectors of W^T G W)."""
+    def fit(self, rank: int, alpha: float) -> list[_RidgeMap]:
+        """Every map's reduced-rank ridge fit, batched: W = (G + lambda I)^-1 C with lambda = alpha times G's mean
+        diagonal, then the top `rank` right singular vectors V of the fitted values X_c W (eigenvectors of
+        W^T G W)."""
         if self.count == 0:
             raise ValueError("ridge fit: no rows")
-        g, c = self.gram[i].astype(np.float64), self.cross[i].astype(np.float64)
-        lam = alpha * max(float(np.trace(g)) / g.shape[0], 1e-12)
-        w = np.linalg.solve(g + lam * np.eye(g.shape[0]), c)
-        evals, evecs = np.linalg.eigh(w.T @ g @ w)
-        vt = evecs[:, np.argsort(evals)[::-1][: min(rank, len(evals))]].T
-        return _RidgeMap(
-            self.mu_x[i].astype(np.float32),
-            (w @ vt.T).astype(np.float32),
-            vt.astype(np.float32),
-            self.mu_y[i].astype(np.float32),
-        )
+        g, c = self.gram.astype(np.float64), self.cross.astype(np.float64)
+        kd = g.shape[1]
+        lam = alpha * np.maximum(np.trace(g, axis1=1, axis2=2) / kd, 1e-12)
+        w = np.linalg.solve(g + lam[:, None, None] * np.eye(kd), c)
+        wt = w.transpose(0, 2, 1)
+        evals, evecs = np.linalg.eigh(np.matmul(np.matmul(wt, g), w))
+        order = np.argsort(evals, axis=1)[:, ::-1][:, : min(rank, kd)]
+        vt = np.take_along_axis(evecs, order[:, None, :], axis=2).transpose(0, 2, 1)  # [n_maps, r, kd]
+        proj = np.matmul(w, vt.transpose(0, 2, 1))
+        return [
+            _RidgeMap(
+                self.mu_x[i].astype(np.float32),
+                proj[i].astype(np.float32),
+                vt[i].astype(np.float32),
+                self.mu_y[i].astype(np.float32),
+            )
+            for i in range(g.shape[0])
+        ]
 
 
 @dataclass
@@ -359,12 +369,10 @@ class RidgeEstimator(Estimator):
             em = self._pending.pop(edge, None)
             if em is None or em.moments.count == 0:
                 continue
-            n_maps = em.moments.mu_x.shape[0]
+            with single_threaded_blas():  # a loaded machine makes OpenBLAS' thread pool many times slower
+                fitted = em.moments.fit(self.rank, self.alpha)
             maps: list[tuple[_RidgeMap, _RidgeMap] | None] = [None]
-            for j in range(0, n_maps, 2):
-                mk = em.moments.fit(j, self.rank, self.alpha)
-                mv = em.moments.fit(j + 1, self.rank, self.alpha)
-                maps.append((mk, mv))
+            maps += [(fitted[j], fitted[j + 1]) for j in range(0, len(fitted), 2)]
             self.set_maps(edge, maps)
             done.append(edge)
         return done
