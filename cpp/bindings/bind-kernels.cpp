@@ -14,10 +14,10 @@
 #include "bindings/bindings.h"
 #include "common/error.h"
 #include "common/ggml-types.h"
-#include "cpu/cpu-features.h"
-#include "cpu/matmul.h"
-#include "cpu/quants.h"
-#include "cpu/threadpool.h"
+#include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/quants.h"
+#include "backend/cpu/threadpool.h"
 
 namespace nb = nanobind;
 

@@ -12,5 +12,6 @@ void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attentio
 void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
 // bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
 void bind_correction(nanobind::module_ & m);
+void bind_backend(nanobind::module_ & m);  // bind-backend.cpp: the backends' ops one by one, for tests
 
 }  // namespace kvcmas::py

@@ -30,4 +30,5 @@ NB_MODULE(_core, m) {
     kvcmas::py::bind_attention(m);
     kvcmas::py::bind_vision(m);
     kvcmas::py::bind_correction(m);
+    kvcmas::py::bind_backend(m);
 }

@@ -1,23 +1,27 @@
 #include "engine/kv-cache.h"
 
 #include <algorithm>
-#include <new>
-
-#if defined(__unix__) || defined(__APPLE__)
-#include <sys/mman.h>
-#endif
 
 #include "common/error.h"
 
 namespace kvcmas {
 
-KvBlockPool::KvBlockPool(KvLayout layout, size_t budget_bytes)
+KvBlockPool::KvBlockPool(backend::Backend & backend, KvLayout layout, size_t budget_bytes)
     : layout_(layout),
       elem_bytes_(cpu::kv_type_size(layout.kv_type)),
       block_bytes_(static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * static_cast<size_t>(layout.n_kv_dim) *
                    elem_bytes_),
-      budget_bytes_(budget_bytes) {
+      budget_bytes_(budget_bytes),
+      backend_(backend) {
     KC_CHECK(layout.n_layer > 0 && layout.n_kv_dim > 0, "KV layout needs layers and a row width");
+}
+
+KvBlockPool::~KvBlockPool() {
+    for (uint8_t * p : blocks_) {
+        if (p != nullptr) {
+            backend_.kv_block_free(p, block_bytes_);
+        }
+    }
 }
 
 int32_t KvBlockPool::allocate() {
@@ -28,49 +32,38 @@ int32_t KvBlockPool::allocate() {
     int32_t id;
     if (!free_.empty()) {
         id = free_.back();
-        if (!blocks_[static_cast<size_t>(id)]) {  // trimmed: map it again (may throw; then nothing changed)
-            blocks_[static_cast<size_t>(id)] = map_block();
+        if (blocks_[static_cast<size_t>(id)] == nullptr) {  // trimmed: allocate again (may throw; then no change)
+            blocks_[static_cast<size_t>(id)] = backend_.kv_block_alloc(block_bytes_);
             ++n_mapped_;
         }
         free_.pop_back();
     } else {
-        id = static_cast<int32_t>(blocks_.size());
-        blocks_.push_back(map_block());
+        uint8_t * p = backend_.kv_block_alloc(block_bytes_);
+        try {
+            blocks_.push_back(p);
+        } catch (...) {
+            backend_.kv_block_free(p, block_bytes_);
+            throw;
+        }
+        id = static_cast<int32_t>(blocks_.size() - 1);
         ++n_mapped_;
     }
     ++n_used_;
     return id;
 }
 
-// Each block is its own anonymous mapping: a heap chunk of this size would stay in the allocator's arenas after
-// being freed, so trimming would not lower the resident memory.
-KvBlockPool::BlockMemory KvBlockPool::map_block() const {
-#if defined(__unix__) || defined(__APPLE__)
-    void * p = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    KC_CHECK(p != MAP_FAILED, "KV cache: cannot map a block of %zu bytes (out of memory)", block_bytes_);
-    return BlockMemory(static_cast<uint8_t *>(p), BlockMemoryDeleter{ block_bytes_ });
-#else
-    uint8_t * p = new (std::nothrow) uint8_t[block_bytes_];
-    KC_CHECK(p != nullptr, "KV cache: cannot allocate a block of %zu bytes (out of memory)", block_bytes_);
-    return BlockMemory(p, BlockMemoryDeleter{ block_bytes_ });
-#endif
-}
-
-void KvBlockPool::BlockMemoryDeleter::operator()(uint8_t * p) const {
-#if defined(__unix__) || defined(__APPLE__)
-    munmap(p, bytes);
-#else
-    delete[] p;
-#endif
+backend::KvStore KvBlockPool::store() const {
+    return backend::KvStore{ &blocks_, layer_stride(), v_offset(), row_bytes(), layout_.n_kv_dim, layout_.kv_type };
 }
 
 size_t KvBlockPool::trim() {
     std::lock_guard<std::mutex> lock(mutex_);
     size_t                      released = 0;
     for (int32_t id : free_) {
-        BlockMemory & mem = blocks_[static_cast<size_t>(id)];
-        if (mem) {
-            mem.reset();
+        uint8_t *& mem = blocks_[static_cast<size_t>(id)];
+        if (mem != nullptr) {
+            backend_.kv_block_free(mem, block_bytes_);
+            mem = nullptr;
             --n_mapped_;
             released += block_bytes_;
         }
@@ -121,37 +114,13 @@ void KvSpan::resize(int32_t n) {
     n_rows_ = n;
 }
 
-void * KvSpan::k_row(int layer, int32_t row) {
-    uint8_t * block = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]);
-    return block + layer * pool_.layer_stride() + static_cast<int64_t>(row % kKvBlockRows) * pool_.row_bytes();
-}
-
-void * KvSpan::v_row(int layer, int32_t row) {
-    return static_cast<uint8_t *>(k_row(layer, row)) + pool_.v_offset();
-}
-
-void KvSpan::append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
-                         std::vector<cpu::KvRun> & out) const {
-    const KvCorrection::Layer * cl = nullptr;
-    if (corr != nullptr && corr->rank > 0 && !corr->layers[static_cast<size_t>(layer)].a_k.empty()) {
-        cl = &corr->layers[static_cast<size_t>(layer)];
-    }
+void KvSpan::append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, backend::RunTable & out) const {
     int32_t row = begin;
     while (row < begin + n) {
-        const int32_t   in_block = row % kKvBlockRows;
-        const int32_t   take     = std::min(kKvBlockRows - in_block, begin + n - row);
-        const uint8_t * k        = pool_.data(blocks_[static_cast<size_t>(row / kKvBlockRows)]) +
-                                   layer * pool_.layer_stride() + static_cast<int64_t>(in_block) * pool_.row_bytes();
-        cpu::KvRun      run{ k, k + pool_.v_offset(), take, shift };
-        if (cl != nullptr) {
-            const int64_t a_off = static_cast<int64_t>(row - begin) * corr->rank;
-            run.rank            = corr->rank;
-            run.a_k             = cl->a_k.data() + a_off;
-            run.a_v             = cl->a_v.data() + a_off;
-            run.b_k             = cl->b_k.data();
-            run.b_v             = cl->b_v.data();
-        }
-        out.push_back(run);
+        const int32_t in_block = row % kKvBlockRows;
+        const int32_t take     = std::min(kKvBlockRows - in_block, begin + n - row);
+        out.runs.push_back(backend::KvRunRef{ blocks_[static_cast<size_t>(row / kKvBlockRows)], in_block, take, shift,
+                                              corr, corr >= 0 ? row - begin : 0 });
         row += take;
     }
 }
@@ -182,8 +151,38 @@ void KvCorrection::validate(const KvLayout & layout) const {
     }
 }
 
-KvCache::KvCache(KvLayout layout, size_t budget_bytes, int32_t n_ctx_max)
-    : pool_(layout, budget_bytes), n_ctx_max_(n_ctx_max) {}
+void KvCorrection::bind(backend::Backend & backend) const {
+    sealed = true;
+    std::lock_guard<std::mutex> lock(bind_mutex_);
+    for (const Binding & b : bindings_) {
+        if (b.backend == &backend) {
+            return;
+        }
+    }
+    Binding b{ &backend, {} };
+    b.layers.resize(layers.size());
+    for (size_t il = 0; il < layers.size(); ++il) {
+        const Layer & l = layers[il];
+        if (rank > 0 && !l.a_k.empty()) {
+            b.layers[il] =
+                backend.upload_factors(rank, n_rows, n_kv_dim, l.a_k.data(), l.b_k.data(), l.a_v.data(), l.b_v.data());
+        }
+    }
+    bindings_.push_back(std::move(b));
+}
+
+const backend::Factors * KvCorrection::factors(const backend::Backend & backend, int il) const {
+    std::lock_guard<std::mutex> lock(bind_mutex_);
+    for (const Binding & b : bindings_) {
+        if (b.backend == &backend) {
+            return b.layers[static_cast<size_t>(il)].get();
+        }
+    }
+    fail("internal: a correction read by a backend it was not bound to");
+}
+
+KvCache::KvCache(backend::Backend & backend, KvLayout layout, size_t budget_bytes, int32_t n_ctx_max)
+    : backend_(backend), pool_(backend, layout, budget_bytes), n_ctx_max_(n_ctx_max) {}
 
 std::vector<KvSegment> & KvCache::segments(int32_t seq) {
     auto it = seqs_.find(seq);
@@ -287,18 +286,24 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
     }
     last.n += n;
     for (int32_t i = 0; i < n; ++i) {
-        slots.push_back(KvSlot{ &span, row0 + i, span.frame0() + row0 + i });
+        slots.push_back(KvSlot{ span.slot(row0 + i), span.frame0() + row0 + i });
     }
     return slots;
 }
 
-void KvCache::runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const {
+void KvCache::runs(int32_t seq, int layer, backend::RunTable & out) const {
     out.clear();
     int32_t pos0 = 0;
     for (const KvSegment & s : segments(seq)) {
         // A row r of the span sits at position pos0 + (r - begin) and was rotated at frame0 + r.
-        const int32_t shift = pos0 - s.begin - s.span->frame0();
-        s.span->append_runs(layer, s.begin, s.n, shift, s.corr.get(), out);
+        const int32_t            shift = pos0 - s.begin - s.span->frame0();
+        const backend::Factors * f     = s.corr != nullptr ? s.corr->factors(backend_, layer) : nullptr;
+        int32_t                  corr  = -1;
+        if (f != nullptr) {
+            corr = static_cast<int32_t>(out.corrs.size());
+            out.corrs.push_back(f);
+        }
+        s.span->append_runs(s.begin, s.n, shift, corr, out);
         pos0 += s.n;
     }
 }
@@ -335,7 +340,7 @@ void KvCache::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t
     if (corr != nullptr) {
         corr->validate(pool_.layout());
         KC_CHECK(corr->n_rows >= n, "the correction covers %d rows, the span part %d", corr->n_rows, n);
-        corr->sealed = true;
+        corr->bind(backend_);
     }
     segs.push_back(KvSegment{ std::move(span), begin, n, std::move(corr) });
 }

@@ -1,7 +1,7 @@
 // KV cache: fixed-size blocks from one pool, spans of rows stored once, and sequences that read spans through a
-// table of segments. Attention never sees a contiguous per-sequence buffer: it reads the runs a sequence's
-// segments point at (see cpu/attention.h), which is what lets a span be shared by many sequences at different
-// positions (forks now, cross-agent shared context next).
+// table of segments. Attention never sees a contiguous per-sequence buffer: it reads the run table a sequence's
+// segments give (block ids and rows, see backend/backend.h), which is what lets a span be shared by many
+// sequences at different positions. Block memory belongs to the backend (host pages, or device memory).
 #pragma once
 
 #include <cstddef>
@@ -11,7 +11,7 @@
 #include <mutex>
 #include <vector>
 
-#include "cpu/attention.h"
+#include "backend/backend.h"
 
 namespace kvcmas {
 
@@ -27,18 +27,22 @@ struct KvLayout {
 // [n_layer][2][kKvBlockRows][n_kv_dim] elements of layout.kv_type. Allocation fails with kvcmas::Error once the
 // byte budget is used up.
 // allocate/release are thread-safe: spans handed to Python may be freed by any thread, outside the model's lock.
-// release never touches blocks_, and allocate (which may grow it), trim and data() all run under the model's lock,
-// so data() on the hot path takes no lock of its own.
-// Freed blocks keep their memory for reuse until trim() hands it back to the operating system (blocks are mapped
-// pages of their own, not heap chunks, so giving them back really lowers the process's resident memory).
+// release never touches blocks_, and allocate (which may grow it), trim and store() all run under the model's
+// lock, so reading block addresses on the hot path takes no lock of its own.
+// Freed blocks keep their memory for reuse until trim() hands it back (the CPU backend maps each block as pages of
+// its own, not heap chunks, so giving them back really lowers the process's resident memory).
 class KvBlockPool {
   public:
-    KvBlockPool(KvLayout layout, size_t budget_bytes);
-    int32_t   allocate();
-    void      release(int32_t block);
-    uint8_t * data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
-    size_t    block_bytes() const { return block_bytes_; }
-    size_t    bytes_in_use() const;
+    KvBlockPool(backend::Backend & backend, KvLayout layout, size_t budget_bytes);
+    ~KvBlockPool();
+    KvBlockPool(const KvBlockPool &)             = delete;
+    KvBlockPool & operator=(const KvBlockPool &) = delete;
+    int32_t       allocate();
+    void          release(int32_t block);
+    // The blocks as backend ops address them.
+    backend::KvStore store() const;
+    size_t           block_bytes() const { return block_bytes_; }
+    size_t           bytes_in_use() const;
     // Bytes of block memory held, in use or free (what the pool adds to the process's memory).
     size_t bytes_allocated() const;
     // Returns the memory of every free block to the system; returns the bytes released.
@@ -58,17 +62,12 @@ class KvBlockPool {
     size_t             budget_bytes_;
     mutable std::mutex mutex_;  // guards n_used_, free_ and the growth of blocks_
     size_t             n_used_ = 0;
-    struct BlockMemoryDeleter {
-        size_t bytes;
-        void   operator()(uint8_t * p) const;
-    };
-    using BlockMemory = std::unique_ptr<uint8_t[], BlockMemoryDeleter>;
-    BlockMemory map_block() const;
+    backend::Backend & backend_;
 
-    // index = block id; a free block's memory is kept for reuse until trim() (then null, mapped again on reuse)
-    std::vector<BlockMemory> blocks_;
-    std::vector<int32_t>     free_;
-    size_t                   n_mapped_ = 0;
+    // index = block id; a free block's memory is kept for reuse until trim() (then null, allocated again on reuse)
+    std::vector<uint8_t *> blocks_;
+    std::vector<int32_t>   free_;
+    size_t                 n_mapped_ = 0;
 };
 
 struct KvCorrection;
@@ -86,13 +85,13 @@ class KvSpan {
     int32_t frame0() const { return frame0_; }
     // Grows the span to n rows (allocating blocks) or shrinks it (releasing whole unused blocks).
     void resize(int32_t n);
-    // Where row `row` of layer il is stored: n_kv_dim elements of the pool's kv_type.
-    void * k_row(int layer, int32_t row);
-    void * v_row(int layer, int32_t row);
-    // Appends the runs covering rows [begin, begin + n) of layer il to out, with the given shift; corr (may be
-    // null) corrects these rows, its row 0 being row `begin`.
-    void append_runs(int layer, int32_t begin, int32_t n, int32_t shift, const KvCorrection * corr,
-                     std::vector<cpu::KvRun> & out) const;
+    // Where row `row` is stored (every layer has the row at the same place of its block).
+    backend::KvSlotRef slot(int32_t row) const {
+        return backend::KvSlotRef{ blocks_[static_cast<size_t>(row / kKvBlockRows)], row % kKvBlockRows };
+    }
+    // Appends the runs covering rows [begin, begin + n) to out, with the given shift; corr (index into out.corrs,
+    // or -1) corrects these rows, its row 0 being row `begin`.
+    void append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, backend::RunTable & out) const;
 
     int32_t writer = -1;  // the sequence that may append to this span in place; -1: nobody (frozen)
 
@@ -106,7 +105,8 @@ class KvSpan {
 // A low-rank correction of the keys and values of n_rows consecutive rows (KVCMAS): in layer il the rows read as
 // K + A_k·B_k and V + A_v·B_v, with A [n_rows][rank] and B [rank][n_kv_dim] row-major, expressed in the frame the
 // keys are stored in (the span's frame). Layers with empty factors are not corrected. Immutable once built, so
-// any number of sequences can share it.
+// any number of sequences can share it. The factors live on the host; bind() gives a backend its copy (the CPU
+// backend reads the host arrays in place), made once when the first sequence of that backend reads it.
 struct KvCorrection {
     struct Layer {
         std::vector<float> a_k, b_k, a_v, b_v;
@@ -117,9 +117,21 @@ struct KvCorrection {
     std::vector<Layer> layers;          // [n_layer]
     mutable bool       sealed = false;  // set once a sequence reads it: from then on it must not change
 
-    size_t bytes() const;  // memory held by the factors
+    size_t bytes() const;  // memory held by the factors (host)
     // Checks shapes against a KV layout; throws kvcmas::Error naming the first problem.
     void validate(const KvLayout & layout) const;
+    // Seals the correction and makes sure `backend` holds its factors. Callers hold that backend's model lock.
+    void bind(backend::Backend & backend) const;
+    // Layer il's factors on `backend` (bound before), or null for an uncorrected layer.
+    const backend::Factors * factors(const backend::Backend & backend, int il) const;
+
+  private:
+    struct Binding {
+        const backend::Backend *                             backend;
+        std::vector<std::shared_ptr<const backend::Factors>> layers;
+    };
+    mutable std::mutex           bind_mutex_;  // models of one backend on different threads may bind it at once
+    mutable std::vector<Binding> bindings_;
 };
 
 // Rows [begin, begin + n) of a span, read by a sequence at positions [pos0, pos0 + n), where pos0 is the number of
@@ -133,15 +145,14 @@ struct KvSegment {
 
 // Where one new row of a sequence goes.
 struct KvSlot {
-    KvSpan * span;
-    int32_t  row;
-    int32_t  frame_pos;  // the position its key is rotated at
+    backend::KvSlotRef ref;
+    int32_t            frame_pos;  // the position its key is rotated at
 };
 
 // Sequences (ids >= 0) over a block pool. Positions of a sequence are 0..length-1, in segment order.
 class KvCache {
   public:
-    KvCache(KvLayout layout, size_t budget_bytes, int32_t n_ctx_max);
+    KvCache(backend::Backend & backend, KvLayout layout, size_t budget_bytes, int32_t n_ctx_max);
 
     int32_t seq_new();
     // A new sequence reading the same rows as src (no copy); both can grow independently afterwards.
@@ -159,8 +170,8 @@ class KvCache {
     // into rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
     std::vector<KvSlot> append(int32_t seq, int32_t n);
 
-    // The runs of layer il that seq reads, in position order.
-    void runs(int32_t seq, int layer, std::vector<cpu::KvRun> & out) const;
+    // The runs of layer il that seq reads, in position order, with the corrections they name.
+    void runs(int32_t seq, int layer, backend::RunTable & out) const;
 
     // Sharing spans between sequences (cross-agent KV reuse).
     // The span rows behind positions [pos, pos + n) of seq, which must lie in one segment; `begin` receives the
@@ -180,6 +191,7 @@ class KvCache {
     std::vector<KvSegment> &       segments(int32_t seq);
     const std::vector<KvSegment> & segments(int32_t seq) const;
 
+    backend::Backend &                        backend_;
     KvBlockPool                               pool_;
     int32_t                                   n_ctx_max_;
     int32_t                                   next_id_ = 0;

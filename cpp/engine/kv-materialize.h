@@ -14,8 +14,8 @@ class Model;
 // the sequence's positions, written in the cache's row type (f16 caches round the corrected rows once). The
 // sequence's length and positions do not change; it no longer refers to the span or the correction through that
 // segment. Returns the rows copied. Throws kvcmas::Error for an unknown or empty sequence or when the memory budget
-// cannot hold the copy (the segment is then left as it was). The caller holds the model's lock; layers run on the
-// model's threads.
+// cannot hold the copy (the segment is then left as it was). The caller holds the model's lock (Model::
+// materialize_last_segment takes it); the rows are copied by the model's backend (Backend::kv_copy).
 int32_t materialize_last_segment(Model & model, int32_t seq);
 
 }  // namespace kvcmas

@@ -4,48 +4,47 @@
 #include <cmath>
 #include <cstring>
 #include <map>
-#include <thread>
 
 #include "common/error.h"
-#include "cpu/quants.h"
 #include "engine/gguf-names.h"
+#include "engine/kv-materialize.h"
+#include "engine/ridge-correction.h"
+#include "engine/tensor-loader.h"
 
 namespace kvcmas {
 
 namespace names = gguf_names;
 
-static int default_threads(int n_threads) {
-    if (n_threads > 0) {
-        return n_threads;
-    }
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
-}
-
-Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type)
-    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)) {
+Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes, cpu::KvType kv_type,
+             const std::string & device)
+    : file_(std::make_unique<gguf::GgufFile>(path)), kv_type_(kv_type) {
     load_params();
-    load_weights();
+    KC_CHECK(kv_type == cpu::KvType::F32 || kv_type == cpu::KvType::F16, "unknown KV type %d",
+             static_cast<int>(kv_type));
     if (n_ctx <= 0) {
         n_ctx = static_cast<int>(std::min<int64_t>(p_.n_ctx_train > 0 ? p_.n_ctx_train : 8192, 8192));
     }
     KC_CHECK(n_ctx <= (1 << 24), "n_ctx %d is too large", n_ctx);
-    KC_CHECK(kv_type == cpu::KvType::F32 || kv_type == cpu::KvType::F16, "unknown KV type %d",
-             static_cast<int>(kv_type));
+    n_ctx_   = n_ctx;
+    backend_ = backend::make_backend(device, n_threads);
+    load_weights();
     KvLayout layout{ static_cast<int>(p_.n_layer), static_cast<int>(p_.n_head_kv * p_.head_dim), kv_type };
     if (kv_budget_bytes == 0) {
         const size_t blocks = static_cast<size_t>((n_ctx + kKvBlockRows - 1) / kKvBlockRows) + 1;
         kv_budget_bytes     = 4 * blocks * static_cast<size_t>(layout.n_layer) * 2 * kKvBlockRows * layout.n_kv_dim *
                               cpu::kv_type_size(kv_type);
     }
-    kv_ = std::make_unique<KvCache>(layout, kv_budget_bytes, n_ctx);
+    kv_ = std::make_unique<KvCache>(*backend_, layout, kv_budget_bytes, n_ctx);
 }
+
+Model::~Model() = default;
 
 void Model::load_params() {
     const gguf::GgufFile & f = *file_;
     p_.arch                  = f.get_string(names::kKeyArchitecture);
-    KC_CHECK(p_.arch == names::kArchLlama || p_.arch == names::kArchQwen2,
-             "%s: unsupported architecture '%s' (kvcmas runs llama and qwen2)", f.path().c_str(), p_.arch.c_str());
+    arch_                    = find_architecture(p_.arch);
+    KC_CHECK(arch_ != nullptr, "%s: unsupported architecture '%s' (kvcmas runs %s)", f.path().c_str(), p_.arch.c_str(),
+             architecture_names().c_str());
     const std::string a = p_.arch + ".";
     p_.n_embd           = f.get_int(a + names::kArchKeyEmbeddingLength);
     p_.n_layer          = f.get_int(a + names::kArchKeyBlockCount);
@@ -89,8 +88,7 @@ void Model::load_params() {
         }
     }
     load_sliding_window();
-    p_.rope_neox                 = p_.arch == names::kArchQwen2;
-    p_.has_qkv_bias              = p_.arch == names::kArchQwen2;
+    arch_->configure(p_);
     const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
     KC_CHECK(emb != nullptr, "%s: tensor '%s' is missing", path, names::kTensorTokenEmbd);
     KC_CHECK(emb->ne.size() == 2 && emb->ne[0] == p_.n_embd, "%s: tensor '%s' has the wrong shape", path,
@@ -101,7 +99,7 @@ void Model::load_params() {
     rope_.n_rot = static_cast<int>(p_.n_rot);
     rope_.neox  = p_.rope_neox;
     rope_.inv_freq.resize(static_cast<size_t>(p_.n_rot / 2));
-    const std::vector<float> factors = vector_f32(names::kTensorRopeFreqs, p_.n_rot / 2, false);
+    const std::vector<float> factors = TensorLoader(f).vector_f32(names::kTensorRopeFreqs, p_.n_rot / 2, false);
     for (int64_t j = 0; j < p_.n_rot / 2; ++j) {
         double inv = std::pow(p_.rope_base, -2.0 * static_cast<double>(j) / static_cast<double>(p_.n_rot));
         if (!factors.empty()) {
@@ -144,59 +142,23 @@ void Model::load_sliding_window() {
     }
 }
 
-cpu::WeightView Model::weight(const std::string & name, int64_t n_in, int64_t n_out) const {
-    const gguf::TensorInfo * t = file_->find_tensor(name);
-    KC_CHECK(t != nullptr, "%s: tensor '%s' is missing", file_->path().c_str(), name.c_str());
-    KC_CHECK(t->ne.size() == 2 && t->ne[0] == n_in && t->ne[1] == n_out,
-             "%s: tensor '%s' should have shape [%lld, %lld]", file_->path().c_str(), name.c_str(),
-             static_cast<long long>(n_in), static_cast<long long>(n_out));
-    const GgmlTypeTraits * tr = ggml_type_traits(static_cast<uint32_t>(t->type));
-    KC_CHECK(tr != nullptr && tr->weight, "%s: tensor '%s' has type %s, which kvcmas cannot use as a weight",
-             file_->path().c_str(), name.c_str(), ggml_type_name(static_cast<uint32_t>(t->type)));
-    return cpu::WeightView{ t->type, t->data, n_in, n_out, ggml_row_bytes(t->type, n_in) };
-}
-
-std::vector<float> Model::vector_f32(const std::string & name, int64_t n, bool required) const {
-    const gguf::TensorInfo * t = file_->find_tensor(name);
-    if (t == nullptr) {
-        KC_CHECK(!required, "%s: tensor '%s' is missing", file_->path().c_str(), name.c_str());
-        return {};
-    }
-    KC_CHECK(t->n_elements() == n && t->ne.size() == 1, "%s: tensor '%s' should have %lld elements",
-             file_->path().c_str(), name.c_str(), static_cast<long long>(n));
-    const GgmlTypeTraits * tr = ggml_type_traits(static_cast<uint32_t>(t->type));
-    KC_CHECK(tr != nullptr && tr->weight && n % tr->block == 0, "%s: tensor '%s' has unusable type %s",
-             file_->path().c_str(), name.c_str(), ggml_type_name(static_cast<uint32_t>(t->type)));
-    std::vector<float> out(static_cast<size_t>(n));
-    cpu::dequantize_row(t->type, t->data, out.data(), n);
-    return out;
-}
-
 void Model::load_weights() {
-    const int64_t E = p_.n_embd, qd = p_.n_head * p_.head_dim, kd = p_.n_head_kv * p_.head_dim;
-    tok_embd_    = weight(names::kTensorTokenEmbd, E, p_.n_vocab);
-    output_      = p_.tied_output ? tok_embd_ : weight(names::kTensorOutput, E, p_.n_vocab);
-    output_norm_ = vector_f32(names::kTensorOutputNorm, E, true);
+    const TensorLoader loader(*file_);
+    const int64_t      E    = p_.n_embd;
+    const auto         load = [&](const cpu::WeightView & w) {
+        return backend_->upload_weight(w.type, w.data, w.n_in, w.n_out, w.row_bytes);
+    };
+    tok_embd_    = load(loader.matrix(names::kTensorTokenEmbd, E, p_.n_vocab));
+    output_      = p_.tied_output ? tok_embd_ : load(loader.matrix(names::kTensorOutput, E, p_.n_vocab));
+    output_norm_ = backend::upload_floats(*backend_, loader.vector_f32(names::kTensorOutputNorm, E, true));
     layers_.resize(static_cast<size_t>(p_.n_layer));
     for (int64_t il = 0; il < p_.n_layer; ++il) {
-        Layer &           L  = layers_[static_cast<size_t>(il)];
-        const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
-        L.attn_norm          = vector_f32(bl + names::kBlkAttnNorm, E, true);
-        L.ffn_norm           = vector_f32(bl + names::kBlkFfnNorm, E, true);
-        L.wq                 = weight(bl + names::kBlkAttnQ, E, qd);
-        L.wk                 = weight(bl + names::kBlkAttnK, E, kd);
-        L.wv                 = weight(bl + names::kBlkAttnV, E, kd);
-        L.wo                 = weight(bl + names::kBlkAttnOutput, qd, E);
-        L.w_gate             = weight(bl + names::kBlkFfnGate, E, p_.n_ff);
-        L.w_up               = weight(bl + names::kBlkFfnUp, E, p_.n_ff);
-        L.w_down             = weight(bl + names::kBlkFfnDown, p_.n_ff, E);
-        L.bq                 = vector_f32(bl + names::kBlkAttnQBias, qd, p_.has_qkv_bias);
-        L.bk                 = vector_f32(bl + names::kBlkAttnKBias, kd, p_.has_qkv_bias);
-        L.bv                 = vector_f32(bl + names::kBlkAttnVBias, kd, p_.has_qkv_bias);
+        arch_->load_layer(loader, *backend_, p_, static_cast<int>(il), layers_[static_cast<size_t>(il)]);
     }
 }
 
 std::vector<float> Model::decode(const Batch & batch) {
+    std::lock_guard<std::mutex> lock(mutex_);
     KC_CHECK(!batch.items.empty(), "decode: the batch is empty");
     std::map<int32_t, int32_t> count, length;  // per sequence: new rows, rows before
     std::vector<int32_t>       order;          // sequences by first appearance
@@ -246,206 +208,194 @@ std::vector<float> Model::decode(const Batch & batch) {
     return logits;
 }
 
-static void add_rows(float * x, const float * y, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-        x[i] += y[i];
-    }
-}
-
 void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                     std::vector<float> & logits) {
-    const int64_t n = static_cast<int64_t>(batch.items.size());
-    const int64_t E = p_.n_embd, H = p_.n_head, hd = p_.head_dim, KVH = p_.n_head_kv, F = p_.n_ff;
-    const int64_t qd = H * hd, kd = KVH * hd, half = p_.n_rot / 2;
+    backend::Backend & be = *backend_;
+    const int64_t      n  = static_cast<int64_t>(batch.items.size());
+    const int64_t      E = p_.n_embd, H = p_.n_head, hd = p_.head_dim, KVH = p_.n_head_kv, F = p_.n_ff;
+    const int64_t      qd = H * hd, kd = KVH * hd, half = p_.n_rot / 2;
+    const auto         floats = [&](int64_t count) { return backend::Buffer(be, sizeof(float) * count); };
 
-    std::vector<float> x(n * E), xn(n * E), q(n * qd), k(n * kd), v(n * kd), att(n * qd), tmp(n * E);
-    std::vector<float> g(n * F), u(n * F);
+    ForwardState st(be, p_, rope_, *kv_, kv_->pool().store(), n);
+    st.shape = cpu::AttentionShape{ static_cast<int>(H),
+                                    static_cast<int>(KVH),
+                                    static_cast<int>(hd),
+                                    kd,
+                                    static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+                                    kv_type_ };
+    st.x     = floats(n * E);
+    st.xn    = floats(n * E);
+    st.q     = floats(n * qd);
+    st.k     = floats(n * kd);
+    st.v     = floats(n * kd);
+    st.att   = floats(n * qd);
+    st.tmp   = floats(n * E);
+    st.g     = floats(n * F);
+    st.u     = floats(n * F);
+
+    std::vector<int32_t> tokens(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
-        const BatchItem & it = batch.items[static_cast<size_t>(i)];
+        const BatchItem & it           = batch.items[static_cast<size_t>(i)];
+        tokens[static_cast<size_t>(i)] = it.embd_row >= 0 ? -1 : it.token;
         if (it.embd_row >= 0) {
-            std::memcpy(&x[i * E], batch.embd + static_cast<int64_t>(it.embd_row) * E, sizeof(float) * E);
-        } else {
-            const uint8_t * row = static_cast<const uint8_t *>(tok_embd_.data) + tok_embd_.row_bytes * it.token;
-            cpu::dequantize_row(tok_embd_.type, row, &x[i * E], E);
+            be.upload(st.x.f32() + i * E, batch.embd + static_cast<int64_t>(it.embd_row) * E, sizeof(float) * E);
         }
     }
+    be.embed_rows(tok_embd_, tokens.data(), n, st.x.f32());
+
     // RoPE angles: queries at their positions, keys at their frame positions (equal unless a span is shared).
-    std::vector<float> cq(n * half), sq(n * half), ck(n * half), sk(n * half);
-    for (int64_t i = 0; i < n; ++i) {
-        rope_.angles(static_cast<double>(positions[i]), &cq[i * half], &sq[i * half]);
-        rope_.angles(static_cast<double>(slots[i].frame_pos), &ck[i * half], &sk[i * half]);
+    {
+        std::vector<float> cq(n * half), sq(n * half), ck(n * half), sk(n * half);
+        for (int64_t i = 0; i < n; ++i) {
+            rope_.angles(static_cast<double>(positions[i]), &cq[i * half], &sq[i * half]);
+            rope_.angles(static_cast<double>(slots[i].frame_pos), &ck[i * half], &sk[i * half]);
+        }
+        st.cos_q = backend::upload_floats(be, cq);
+        st.sin_q = backend::upload_floats(be, sq);
+        st.cos_k = backend::upload_floats(be, ck);
+        st.sin_k = backend::upload_floats(be, sk);
     }
-    // Distinct sequences, their runs, and each item's index among them.
+    // Distinct sequences, and blocks of consecutive items of one sequence (a prompt): attention reads each key
+    // once per block.
     std::map<int32_t, int32_t> seq_index;
-    std::vector<int32_t>       seq_ids;
-    std::vector<int32_t>       item_seq(n);
-    int64_t                    max_visible = 0;
     for (int64_t i = 0; i < n; ++i) {
         const int32_t s   = batch.items[static_cast<size_t>(i)].seq;
-        auto          ins = seq_index.emplace(s, static_cast<int32_t>(seq_ids.size()));
+        auto          ins = seq_index.emplace(s, static_cast<int32_t>(st.seq_ids.size()));
         if (ins.second) {
-            seq_ids.push_back(s);
+            st.seq_ids.push_back(s);
         }
-        item_seq[i] = ins.first->second;
-        max_visible = std::max<int64_t>(max_visible, positions[i] + 1);
-    }
-    std::vector<std::vector<cpu::KvRun>> runs(seq_ids.size());
-    const cpu::KvType                    kv_type = kv_->pool().layout().kv_type;
-    const cpu::AttentionShape            shape{ static_cast<int>(H),
-                                                static_cast<int>(KVH),
-                                                static_cast<int>(hd),
-                                                kd,
-                                                static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
-                                                kv_type };
-    // Blocks of consecutive items of one sequence (a prompt): attention reads each key once per block.
-    struct QueryBlock {
-        int64_t first;
-        int     n;
-    };
-    std::vector<QueryBlock> blocks;
-    for (int64_t i = 0; i < n; ++i) {
-        QueryBlock * last = blocks.empty() ? nullptr : &blocks.back();
-        if (last != nullptr && last->n < cpu::kMaxAttentionBlock && item_seq[last->first] == item_seq[i] &&
-            positions[last->first] + last->n == positions[i]) {
-            ++last->n;
+        const int table = ins.first->second;
+        st.max_visible  = std::max<int64_t>(st.max_visible, positions[i] + 1);
+        st.slots.push_back(slots[static_cast<size_t>(i)].ref);
+        backend::QueryBlock * last = st.blocks.empty() ? nullptr : &st.blocks.back();
+        if (last != nullptr && last->nq < cpu::kMaxAttentionBlock && last->table == table &&
+            positions[last->first] + last->nq == positions[i]) {
+            ++last->nq;
         } else {
-            blocks.push_back(QueryBlock{ i, 1 });
+            st.blocks.push_back(backend::QueryBlock{ i, 1, positions[i] + 1, table });
         }
     }
-    const int     nth            = pool_.size();
-    const int64_t scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
-    std::vector<float> scratch(static_cast<size_t>(scratch_floats * nth));
+    st.tables.resize(st.seq_ids.size());
 
     for (int64_t il = 0; il < p_.n_layer; ++il) {
-        const Layer & L = layers_[static_cast<size_t>(il)];
-        for (int64_t i = 0; i < n; ++i) {
-            cpu::rms_norm(&x[i * E], L.attn_norm.data(), &xn[i * E], E, p_.rms_eps);
-        }
-        {
-            const cpu::WeightView qkv[3] = { L.wq, L.wk, L.wv };
-            float * const         out[3] = { q.data(), k.data(), v.data() };
-            cpu::matmul_multi(qkv, out, 3, xn.data(), n, pool_);
-        }
-        // Biases, RoPE and the KV write, token by token; a decode step's few tokens are not worth a pool round.
-        const auto finish_qkv = [&](long long b, long long e) {
-            for (long long i = b; i < e; ++i) {
-                float * qi = &q[i * qd];
-                float * ki = &k[i * kd];
-                float * vi = &v[i * kd];
-                if (p_.has_qkv_bias) {
-                    add_rows(qi, L.bq.data(), qd);
-                    add_rows(ki, L.bk.data(), kd);
-                    add_rows(vi, L.bv.data(), kd);
-                }
-                rope_.apply_cs(qi, static_cast<int>(H), static_cast<int>(hd), &cq[i * half], &sq[i * half]);
-                rope_.apply_cs(ki, static_cast<int>(KVH), static_cast<int>(hd), &ck[i * half], &sk[i * half]);
-                const KvSlot & slot = slots[static_cast<size_t>(i)];
-                cpu::kv_store_row(kv_type, ki, slot.span->k_row(static_cast<int>(il), slot.row), kd);
-                cpu::kv_store_row(kv_type, vi, slot.span->v_row(static_cast<int>(il), slot.row), kd);
-            }
-        };
-        if (n < pool_.size() * 4) {
-            finish_qkv(0, n);
-        } else {
-            pool_.run([&](int ith, int nth_) {
-                long long b, e;
-                cpu::split_range(n, ith, nth_, b, e);
-                finish_qkv(b, e);
-            });
-        }
-        for (size_t s = 0; s < seq_ids.size(); ++s) {
-            kv_->runs(seq_ids[s], static_cast<int>(il), runs[s]);
-        }
-        cpu::AttentionShape layer_shape = shape;
-        layer_shape.window              = p_.layer_window[static_cast<size_t>(il)];
-        const long long n_tasks         = static_cast<long long>(blocks.size()) * H;  // (block, head) pairs
-        pool_.run([&](int ith, int nth_) {
-            long long b, e;
-            cpu::split_range(n_tasks, ith, nth_, b, e);
-            float * scr = &scratch[static_cast<size_t>(ith) * scratch_floats];
-            for (long long t = b; t < e;) {
-                const QueryBlock & blk = blocks[static_cast<size_t>(t / H)];
-                const int          h0  = static_cast<int>(t % H);
-                const int          h1  = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
-                const auto &       r   = runs[static_cast<size_t>(item_seq[blk.first])];
-                cpu::attend_block(layer_shape, rope_, &q[blk.first * qd], qd, blk.n, r.data(),
-                                  static_cast<int>(r.size()), positions[blk.first] + 1, h0, h1, &att[blk.first * qd],
-                                  qd, scr);
-                t += h1 - h0;
-            }
-        });
-        cpu::matmul(L.wo, att.data(), tmp.data(), n, pool_);
-        add_rows(x.data(), tmp.data(), n * E);
-        for (int64_t i = 0; i < n; ++i) {
-            cpu::rms_norm(&x[i * E], L.ffn_norm.data(), &xn[i * E], E, p_.rms_eps);
-        }
-        {
-            const cpu::WeightView gate_up[2] = { L.w_gate, L.w_up };
-            float * const         out[2]     = { g.data(), u.data() };
-            cpu::matmul_multi(gate_up, out, 2, xn.data(), n, pool_);
-        }
-        if (n < pool_.size() * 4) {  // element-wise: a decode step's few rows are not worth a pool round
-            cpu::silu_mul(g.data(), u.data(), g.data(), n * F);
-        } else {
-            pool_.run([&](int ith, int nth_) {
-                long long b, e;
-                cpu::split_range(n, ith, nth_, b, e);
-                cpu::silu_mul(&g[b * F], &u[b * F], &g[b * F], (e - b) * F);
-            });
-        }
-        cpu::matmul(L.w_down, g.data(), tmp.data(), n, pool_);
-        add_rows(x.data(), tmp.data(), n * E);
+        arch_->forward_layer(st, static_cast<int>(il), layers_[static_cast<size_t>(il)]);
     }
-    std::vector<float> last;
+
+    int64_t n_out = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (batch.items[static_cast<size_t>(i)].want_logits) {
-            last.resize(last.size() + E);
-            cpu::rms_norm(&x[i * E], output_norm_.data(), &last[last.size() - E], E, p_.rms_eps);
+            be.rms_norm(st.x.f32() + i * E, output_norm_.f32(), st.xn.f32() + n_out * E, 1, E, p_.rms_eps);
+            ++n_out;
         }
     }
-    const int64_t n_out = static_cast<int64_t>(last.size()) / E;
     logits.assign(static_cast<size_t>(n_out * p_.n_vocab), 0.0f);
     if (n_out > 0) {
-        cpu::matmul(output_, last.data(), logits.data(), n_out, pool_);
+        backend::Buffer out = floats(n_out * p_.n_vocab);
+        be.matmul(output_, st.xn.f32(), out.f32(), n_out);
+        be.download(logits.data(), out.data(), logits.size() * sizeof(float));
     }
 }
 
 void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out) {
-    const int32_t len = kv_->seq_length(seq);
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int32_t               len = kv_->seq_length(seq);
     KC_CHECK(pos >= 0 && n >= 0 && static_cast<int64_t>(pos) + n <= len,
              "positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, len);
-    const int64_t           kd = p_.n_head_kv * p_.head_dim;
-    const int               hd = static_cast<int>(p_.head_dim), n_kv = static_cast<int>(p_.n_head_kv);
-    const cpu::KvType       kv_type   = kv_->pool().layout().kv_type;
-    const int64_t           row_bytes = kd * static_cast<int64_t>(cpu::kv_type_size(kv_type));
-    std::vector<cpu::KvRun> runs;
+    const int64_t             kd    = p_.n_head_kv * p_.head_dim;
+    const backend::KvStore    store = kv_->pool().store();
+    const cpu::AttentionShape shape{
+        static_cast<int>(p_.n_head), static_cast<int>(p_.n_head_kv), static_cast<int>(p_.head_dim), kd, 1.0f, kv_type_
+    };
+    backend::RunTable table;
     for (int il = 0; il < p_.n_layer; ++il) {
-        kv_->runs(seq, il, runs);
+        kv_->runs(seq, il, table);
         int64_t at = 0;  // sequence position of the run's first row
-        for (const cpu::KvRun & r : runs) {
-            for (int32_t j = 0; j < r.n; ++j) {
-                const int64_t p = at + j;
-                if (p < pos || p >= pos + n) {
-                    continue;
-                }
-                float * k = k_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
-                float * v = v_out + (static_cast<int64_t>(il) * n + (p - pos)) * kd;
-                cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.k) + j * row_bytes, k, kd);
-                cpu::kv_load_row(kv_type, static_cast<const uint8_t *>(r.v) + j * row_bytes, v, kd);
-                for (int32_t c = 0; c < r.rank; ++c) {
-                    const float ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
-                    for (int64_t d = 0; d < kd; ++d) {
-                        k[d] += ak * r.b_k[c * kd + d];
-                        v[d] += av * r.b_v[c * kd + d];
-                    }
-                }
-                if (r.shift != 0) {
-                    rope_.apply(k, n_kv, hd, static_cast<double>(r.shift));
-                }
+        for (size_t r = 0; r < table.runs.size(); ++r) {
+            const int64_t j0 = std::max<int64_t>(0, pos - at);
+            const int64_t j1 = std::min<int64_t>(table.runs[r].n, static_cast<int64_t>(pos) + n - at);
+            if (j0 < j1) {
+                const int64_t out_row = static_cast<int64_t>(il) * n + (at + j0 - pos);
+                backend_->kv_read(rope_, shape, store, il, table, static_cast<int>(r), static_cast<int32_t>(j0),
+                                  static_cast<int32_t>(j1), k_out + out_row * kd, v_out + out_row * kd);
             }
-            at += r.n;
+            at += table.runs[r].n;
         }
     }
 }
+
+#define KC_LOCKED std::lock_guard<std::mutex> lock(mutex_)
+
+int32_t Model::seq_new() {
+    KC_LOCKED;
+    return kv_->seq_new();
+}
+int32_t Model::seq_fork(int32_t src) {
+    KC_LOCKED;
+    return kv_->seq_fork(src);
+}
+void Model::seq_truncate(int32_t seq, int32_t n) {
+    KC_LOCKED;
+    kv_->seq_truncate(seq, n);
+}
+void Model::seq_remove(int32_t seq) {
+    KC_LOCKED;
+    kv_->seq_remove(seq);
+}
+int32_t Model::seq_length(int32_t seq) {
+    KC_LOCKED;
+    return kv_->seq_length(seq);
+}
+bool Model::seq_exists(int32_t seq) {
+    KC_LOCKED;
+    return kv_->seq_exists(seq);
+}
+size_t Model::n_seqs() {
+    KC_LOCKED;
+    return kv_->n_seqs();
+}
+std::shared_ptr<KvSpan> Model::seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) {
+    KC_LOCKED;
+    return kv_->seq_span(seq, pos, n, begin);
+}
+void Model::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
+                            std::shared_ptr<const KvCorrection> corr) {
+    KC_LOCKED;
+    kv_->seq_append_span(seq, std::move(span), begin, n, std::move(corr));
+}
+std::vector<SegmentInfo> Model::seq_segments(int32_t seq) {
+    KC_LOCKED;
+    std::vector<SegmentInfo> out;
+    int32_t                  pos0 = 0;
+    for (const KvSegment & seg : kv_->seq_segments(seq)) {
+        out.push_back(SegmentInfo{ pos0, seg.n, pos0 - seg.begin - seg.span->frame0(), seg.span.use_count() > 1,
+                                   seg.corr ? seg.corr->bytes() : size_t{ 0 } });
+        pos0 += seg.n;
+    }
+    return out;
+}
+size_t Model::kv_bytes_in_use() const {
+    return kv_->pool().bytes_in_use();  // the pool's own lock
+}
+size_t Model::kv_budget() const {
+    return kv_->pool().budget_bytes();
+}
+size_t Model::kv_bytes_allocated() const {
+    return kv_->pool().bytes_allocated();
+}
+size_t Model::kv_trim() {
+    KC_LOCKED;
+    return kv_->pool_trim();
+}
+std::shared_ptr<KvCorrection> Model::ridge_correction(const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n,
+                                                      int32_t frame0, const KvCorrection * prev) {
+    KC_LOCKED;
+    return kvcmas::ridge_correction(*this, maps, seq, pos, n, frame0, prev);
+}
+int32_t Model::materialize_last_segment(int32_t seq) {
+    KC_LOCKED;
+    return kvcmas::materialize_last_segment(*this, seq);
+}
+
+#undef KC_LOCKED
 
 }  // namespace kvcmas

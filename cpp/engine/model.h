@@ -1,4 +1,5 @@
-// A decoder-only transformer loaded from GGUF (architectures llama and qwen2), its KV cache and the forward pass.
+// A decoder-only transformer loaded from GGUF (the architectures of engine/arch), its KV cache on a backend, and
+// the forward pass built from backend ops.
 #pragma once
 
 #include <cstdint>
@@ -7,9 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "cpu/matmul.h"
-#include "cpu/ops.h"
-#include "cpu/threadpool.h"
+#include "backend/backend.h"
+#include "engine/arch/arch.h"
 #include "engine/kv-cache.h"
 #include "gguf/gguf-file.h"
 
@@ -17,7 +17,7 @@ namespace kvcmas {
 
 // Hyperparameters, all read from GGUF metadata ("<arch>.*" keys) and tensor shapes.
 struct ModelParams {
-    std::string arch;  // "llama" | "qwen2"
+    std::string arch;  // a registered architecture (engine/arch/registry.cpp)
     int64_t     n_vocab      = 0;
     int64_t     n_ctx_train  = 0;
     int64_t     n_embd       = 0;
@@ -30,8 +30,8 @@ struct ModelParams {
     float       rms_eps      = 1e-5f;
     double      rope_base    = 10000.0;
     double      rope_scale   = 1.0;    // linear scaling: positions are multiplied by this
-    bool        rope_neox    = false;  // qwen2: rotate (i, i + n_rot/2); llama: (2i, 2i + 1)
-    bool        has_qkv_bias = false;
+    bool        rope_neox    = false;  // set by the architecture: rotate (i, i + n_rot/2), else (2i, 2i + 1)
+    bool        has_qkv_bias = false;  // set by the architecture
     bool        tied_output  = false;
     // Per layer: attend only to the last this many positions (sliding-window attention; 0: all positions).
     // From "<arch>.attention.sliding_window" and, when only some layers slide, "...sliding_window_pattern".
@@ -52,21 +52,37 @@ struct Batch {
     int64_t                n_embd_rows = 0;
 };
 
+// What a sequence's segment is, for accounting and tests.
+struct SegmentInfo {
+    int32_t pos;         // position of its first row in the sequence
+    int32_t n;           // rows
+    int32_t shift;       // RoPE shift its keys are read with
+    bool    shared;      // its span is read by another segment too
+    size_t  corr_bytes;  // host memory of its correction's factors (0: none)
+};
+
+class RidgeMaps;
+
+// A loaded model on a backend. Thread-safe: every public method takes the model's lock (one forward pass or
+// sequence operation at a time), except the read-only properties of the file.
 class Model {
   public:
-    // Loads `path`. n_ctx: most tokens a sequence may hold (<= 0: min(n_ctx_train, 8192)). kv_budget_bytes: memory
-    // all KV blocks may take (0: enough for 4 full sequences). kv_type: how K and V rows are stored (F16 halves
-    // their memory; attention still computes in f32). Throws kvcmas::Error naming the file and problem.
+    // Loads `path` onto `device` ("cpu", "cuda" or "cuda:N"; see backend::make_backend). n_threads: CPU threads
+    // (<= 0: all cores, at most 64). n_ctx: most tokens a sequence may hold (<= 0: min(n_ctx_train, 8192)).
+    // kv_budget_bytes: memory all KV blocks may take (0: enough for 4 full sequences). kv_type: how K and V rows
+    // are stored (F16 halves their memory; attention still computes in f32). Throws kvcmas::Error naming the file
+    // and problem, or the device and why it cannot be used.
     Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budget_bytes,
-          cpu::KvType kv_type = cpu::KvType::F32);
+          cpu::KvType kv_type = cpu::KvType::F32, const std::string & device = "cpu");
+    ~Model();
 
     const ModelParams &    params() const { return p_; }
     const gguf::GgufFile & file() const { return *file_; }
-    int                    n_threads() const { return pool_.size(); }
-    KvCache &              kv() { return *kv_; }
-    std::mutex &           mutex() { return mutex_; }  // callers hold it around kv() and decode()
-    // The compute threads, for core-side jobs outside decode (corrections, copies); run them under mutex().
-    cpu::ThreadPool & thread_pool() { return pool_; }
+    int                    n_threads() const { return backend_->n_threads(); }
+    std::string            backend_name() const { return backend_->name(); }
+    std::string            device_description() const { return backend_->device(); }
+    const cpu::Rope &      rope() const { return rope_; }
+    cpu::KvType            kv_type() const { return kv_type_; }
 
     // Runs the batch: appends every item to its sequence and returns the logits of the items with want_logits,
     // in batch order, as [n_wanted][n_vocab]. Validates all ids, sequences and context sizes before changing any
@@ -74,39 +90,62 @@ class Model {
     std::vector<float> decode(const Batch & batch);
 
     // The KV that attention uses for positions [pos, pos + n) of seq, materialized: stored rows converted to f32,
-    // corrections added, keys rotated at their positions in seq. k_out and v_out are [n_layer][n][n_head_kv *
+    // corrections added, keys rotated at their positions in seq. k_out and v_out are host [n_layer][n][n_head_kv *
     // head_dim]. The reference for tests and for measuring how a reused span deviates from an exact one.
     void read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out);
 
-    const cpu::Rope & rope() const { return rope_; }
-    cpu::KvType       kv_type() const { return kv_->pool().layout().kv_type; }
+    // Sequences (see KvCache for the contracts).
+    int32_t                  seq_new();
+    int32_t                  seq_fork(int32_t src);
+    void                     seq_truncate(int32_t seq, int32_t n);
+    void                     seq_remove(int32_t seq);
+    int32_t                  seq_length(int32_t seq);
+    bool                     seq_exists(int32_t seq);
+    size_t                   n_seqs();
+    int32_t                  n_ctx() const { return n_ctx_; }
+    std::shared_ptr<KvSpan>  seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin);
+    void                     seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
+                                             std::shared_ptr<const KvCorrection> corr);
+    std::vector<SegmentInfo> seq_segments(int32_t seq);
+
+    // KV memory: bytes of blocks in use, the budget, bytes held (in use or free), and trim (returns bytes freed).
+    size_t kv_bytes_in_use() const;
+    size_t kv_budget() const;
+    size_t kv_bytes_allocated() const;
+    size_t kv_trim();
+
+    // The sharing layer's core ops (engine/ridge-correction.h, engine/kv-materialize.h), under the lock.
+    std::shared_ptr<KvCorrection> ridge_correction(const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n,
+                                                   int32_t frame0, const KvCorrection * prev);
+    int32_t                       materialize_last_segment(int32_t seq);
 
   private:
-    struct Layer {
-        std::vector<float> attn_norm, ffn_norm;   // [n_embd]
-        cpu::WeightView    wq, wk, wv, wo;        // [n_embd, n_head*hd] [n_embd, n_kv*hd] x2, [n_head*hd, n_embd]
-        std::vector<float> bq, bk, bv;            // qwen2 biases [n_head*hd] [n_kv*hd] [n_kv*hd]
-        cpu::WeightView    w_gate, w_up, w_down;  // [n_embd, n_ff] x2, [n_ff, n_embd]
-    };
+    friend std::shared_ptr<KvCorrection> ridge_correction(Model &, const RidgeMaps &, int32_t, int32_t, int32_t,
+                                                          int32_t, const KvCorrection *);
+    friend int32_t                       materialize_last_segment(Model &, int32_t);
 
-    void               load_params();
-    void               load_sliding_window();
-    void               load_weights();
-    cpu::WeightView    weight(const std::string & name, int64_t n_in, int64_t n_out) const;
-    std::vector<float> vector_f32(const std::string & name, int64_t n, bool required) const;
+    void load_params();
+    void load_sliding_window();
+    void load_weights();
     void forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                  std::vector<float> & logits);
+    // For the engine's helpers that run under the lock.
+    KvCache &          kv() { return *kv_; }
+    backend::Backend & backend() { return *backend_; }
 
-    std::unique_ptr<gguf::GgufFile> file_;
-    ModelParams                     p_;
-    cpu::Rope                       rope_;
-    cpu::WeightView                 tok_embd_;
-    cpu::WeightView                 output_;
-    std::vector<float>              output_norm_;
-    std::vector<Layer>              layers_;
-    cpu::ThreadPool                 pool_;
-    std::unique_ptr<KvCache>        kv_;
-    std::mutex                      mutex_;
+    std::unique_ptr<gguf::GgufFile>   file_;
+    ModelParams                       p_;
+    const Architecture *              arch_ = nullptr;
+    cpu::Rope                         rope_;
+    cpu::KvType                       kv_type_;
+    int32_t                           n_ctx_ = 0;
+    std::unique_ptr<backend::Backend> backend_;  // declared before what it holds memory for: destroyed last
+    backend::Weight                   tok_embd_;
+    backend::Weight                   output_;
+    backend::Buffer                   output_norm_;
+    std::vector<LayerWeights>         layers_;
+    std::unique_ptr<KvCache>          kv_;
+    std::mutex                        mutex_;
 };
 
 }  // namespace kvcmas

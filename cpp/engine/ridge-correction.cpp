@@ -4,15 +4,9 @@
 #include <cstring>
 
 #include "common/error.h"
-#include "cpu/cpu-features.h"
 #include "engine/model.h"
 
 namespace kvcmas {
-
-#ifdef KC_X86
-void ridge_rows_avx2(const float * x, int64_t n, int64_t kd, const float * mu, const float * proj, int rank,
-                     float * out, int64_t out_stride);  // ridge-correction-avx2.cpp
-#endif
 
 RidgeMaps::RidgeMaps(int n_layer, int n_kv_dim, int rank) : n_kv_dim_(n_kv_dim), rank_(rank) {
     KC_CHECK(n_layer > 0 && n_kv_dim > 0, "RidgeMaps: n_layer (%d) and n_kv_dim (%d) must be positive", n_layer,
@@ -114,80 +108,49 @@ const RunMap & run_map(std::vector<RunMap> & cache, const RidgeMaps::Map & map, 
     return cache.back();
 }
 
-// out[i * out_stride + c] = ((x_i - rm.mu) · rm.proj)[c] for rows x_i of x [n][kd], c < rank: the map's product,
-// without the correction term and the offset column.
-void ridge_rows(const RunMap & rm, int rank, const float * x, int64_t n, int64_t kd, float * out, int64_t out_stride) {
-#ifdef KC_X86
-    if (cpu::cpu_features().avx2_fma_f16c) {
-        ridge_rows_avx2(x, n, kd, rm.mu.data(), rm.proj.data(), rank, out, out_stride);
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < n; ++i) {
-        const float * xi = x + i * kd;
-        float *       o  = out + i * out_stride;
-        std::fill(o, o + rank, 0.0f);
-        for (int64_t d = 0; d < kd; ++d) {  // rank-wide inner loop: vectorizes, no reduction across iterations
-            const float   xd = xi[d] - rm.mu[static_cast<size_t>(d)];
-            const float * p  = &rm.proj[static_cast<size_t>(d * rank)];
-            for (int c = 0; c < rank; ++c) {
-                o[c] += xd * p[c];
-            }
-        }
-    }
-}
-
-// Rows [j0, j1) of one side (K or V) of a run: A columns = map product + a·(B·proj), then the offset column 1.
-void ridge_run_side(const RunMap & rm, int rank, cpu::KvType kv_type, const void * rows, int64_t row_bytes,
-                    const float * a_run, int32_t a_rank, int64_t j0, int64_t j1, int64_t kd, std::vector<float> & buf,
-                    float * out, int64_t out_stride) {
-    const uint8_t * first = static_cast<const uint8_t *>(rows) + j0 * row_bytes;
-    const float *   x     = reinterpret_cast<const float *>(first);
-    if (kv_type != cpu::KvType::F32) {
-        buf.resize(static_cast<size_t>((j1 - j0) * kd));
-        for (int64_t j = j0; j < j1; ++j) {
-            cpu::kv_load_row(kv_type, first + (j - j0) * row_bytes, &buf[static_cast<size_t>((j - j0) * kd)], kd);
-        }
-        x = buf.data();
-    }
-    ridge_rows(rm, rank, x, j1 - j0, kd, out, out_stride);
-    for (int64_t j = j0; j < j1; ++j) {
-        float * o = out + (j - j0) * out_stride;
-        for (int q = 0; q < rm.b_rank; ++q) {
-            const float   aq = a_run[j * a_rank + q];
-            const float * mq = &rm.m[static_cast<size_t>(q) * rank];
-            for (int c = 0; c < rank; ++c) {
-                o[c] += aq * mq[c];
-            }
-        }
-        o[rank] = 1.0f;
-    }
-}
-
-// Layer il's map factors A_k, A_v (columns [col, col + rank + 1) of rows with stride a_stride) from the view's
-// runs covering positions [pos, pos + n).
-void ridge_layer_a(const RidgeMaps & maps, int il, const cpu::Rope & rope, cpu::KvType kv_type, int n_head_kv,
-                   int head_dim, const std::vector<cpu::KvRun> & runs, int32_t pos, int32_t n, float * a_k, float * a_v,
-                   int64_t a_stride) {
-    const int              rank      = maps.rank();
-    const int64_t          kd        = static_cast<int64_t>(n_head_kv) * head_dim;
-    const int64_t          row_bytes = kd * static_cast<int64_t>(cpu::kv_type_size(kv_type));
-    const RidgeMaps::Map & mk        = maps.k(il);
-    const RidgeMaps::Map & mv        = maps.v(il);
-    std::vector<RunMap>    cache_k, cache_v;
-    std::vector<float>     buf;
-    int64_t                at = 0;  // sequence position of the run's first row
-    for (const cpu::KvRun & r : runs) {
+// Layer il's ridge jobs for the view's runs covering positions [pos, pos + n): A_k, A_v columns [col, col + rank
+// + 1) of rows with stride a_stride (host). The run maps are kept in cache_k / cache_v, which outlive the jobs.
+void ridge_layer_jobs(const RidgeMaps & maps, int il, const cpu::Rope & rope, int n_head_kv, int head_dim,
+                      const backend::RunTable & table, int32_t pos, int32_t n, float * a_k, float * a_v,
+                      int64_t a_stride, std::vector<RunMap> & cache_k, std::vector<RunMap> & cache_v,
+                      std::vector<backend::RidgeJob> & jobs) {
+    const int              rank = maps.rank();
+    const int64_t          kd   = static_cast<int64_t>(n_head_kv) * head_dim;
+    const RidgeMaps::Map & mk   = maps.k(il);
+    const RidgeMaps::Map & mv   = maps.v(il);
+    cache_k.clear();
+    cache_v.clear();
+    cache_k.reserve(table.runs.size());  // jobs point into the caches: no reallocation while they are made
+    cache_v.reserve(table.runs.size());
+    jobs.clear();
+    int64_t at = 0;  // sequence position of the run's first row
+    for (const backend::KvRunRef & r : table.runs) {
         const int64_t j0 = std::max<int64_t>(0, pos - at), j1 = std::min<int64_t>(r.n, pos + n - at);
         if (j0 < j1) {
-            const int64_t  shift = static_cast<int64_t>(r.shift) - pos;
-            const RunMap & rk    = run_map(cache_k, mk, rank, kd, &rope, n_head_kv, head_dim, shift, r.b_k, r.rank);
-            const RunMap & rv    = run_map(cache_v, mv, rank, kd, nullptr, n_head_kv, head_dim, 0, r.b_v, r.rank);
-            const int64_t  i0    = at + j0 - pos;
-            ridge_run_side(rk, rank, kv_type, r.k, row_bytes, r.a_k, r.rank, j0, j1, kd, buf, a_k + i0 * a_stride,
-                           a_stride);
-            ridge_run_side(rv, rank, kv_type, r.v, row_bytes, r.a_v, r.rank, j0, j1, kd, buf, a_v + i0 * a_stride,
-                           a_stride);
+            const backend::Factors * f      = r.corr >= 0 ? table.corrs[static_cast<size_t>(r.corr)] : nullptr;
+            const int                b_rank = f != nullptr ? f->rank : 0;
+            const int64_t            shift  = static_cast<int64_t>(r.shift) - pos;
+            const RunMap &           rk     = run_map(cache_k, mk, rank, kd, &rope, n_head_kv, head_dim, shift,
+                                                      f != nullptr ? f->host_b_k : nullptr, b_rank);
+            const RunMap &           rv     = run_map(cache_v, mv, rank, kd, nullptr, n_head_kv, head_dim, 0,
+                                                      f != nullptr ? f->host_b_v : nullptr, b_rank);
+            const int64_t            i0     = at + j0 - pos;
+            for (const bool values : { false, true }) {
+                const RunMap &    rm = values ? rv : rk;
+                backend::RidgeJob job;
+                job.run        = r;
+                job.f          = f;
+                job.values     = values;
+                job.j0         = static_cast<int32_t>(j0);
+                job.j1         = static_cast<int32_t>(j1);
+                job.mu         = rm.mu.data();
+                job.proj       = rm.proj.data();
+                job.m          = rm.m.data();
+                job.b_rank     = rm.b_rank;
+                job.out        = (values ? a_v : a_k) + i0 * a_stride;
+                job.out_stride = a_stride;
+                jobs.push_back(job);
+            }
         }
         at += r.n;
     }
@@ -227,56 +190,56 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
     out->n_kv_dim = static_cast<int32_t>(kd);
     out->layers.resize(static_cast<size_t>(layout.n_layer));
 
-    const cpu::Rope & rope = model.rope();
-    const int         n_kv = static_cast<int>(p.n_head_kv), hd = static_cast<int>(p.head_dim);
-    const size_t      na = static_cast<size_t>(n) * rank, nb = static_cast<size_t>(rank) * kd;
-    model.thread_pool().run([&](int ith, int nth) {
-        long long l0, l1;
-        cpu::split_range(layout.n_layer, ith, nth, l0, l1);
-        std::vector<cpu::KvRun> runs;
-        for (long long il = l0; il < l1; ++il) {
-            const bool has_prev = prev != nullptr && !prev->layers[static_cast<size_t>(il)].a_k.empty();
-            const bool has_map  = maps.has_layer(static_cast<int>(il));
-            if (!has_prev && !has_map) {
-                continue;
+    const cpu::Rope &              rope = model.rope();
+    const int                      n_kv = static_cast<int>(p.n_head_kv), hd = static_cast<int>(p.head_dim);
+    const size_t                   na = static_cast<size_t>(n) * rank, nb = static_cast<size_t>(rank) * kd;
+    const backend::KvStore         store = kv.pool().store();
+    backend::RunTable              table;
+    std::vector<RunMap>            cache_k, cache_v;
+    std::vector<backend::RidgeJob> jobs;
+    for (int il = 0; il < layout.n_layer; ++il) {
+        const bool has_prev = prev != nullptr && !prev->layers[static_cast<size_t>(il)].a_k.empty();
+        const bool has_map  = maps.has_layer(il);
+        if (!has_prev && !has_map) {
+            continue;
+        }
+        KvCorrection::Layer & l = out->layers[static_cast<size_t>(il)];
+        l.a_k.assign(na, 0.0f);
+        l.a_v.assign(na, 0.0f);
+        l.b_k.assign(nb, 0.0f);
+        l.b_v.assign(nb, 0.0f);
+        int col = 0;  // parts are concatenated in order (previous, then this edge's) and zero-padded at the end
+        if (has_prev) {
+            const KvCorrection::Layer & pl = prev->layers[static_cast<size_t>(il)];
+            for (int32_t i = 0; i < n; ++i) {
+                std::memcpy(&l.a_k[static_cast<size_t>(i) * rank], &pl.a_k[static_cast<size_t>(i) * prev_rank],
+                            sizeof(float) * prev_rank);
+                std::memcpy(&l.a_v[static_cast<size_t>(i) * rank], &pl.a_v[static_cast<size_t>(i) * prev_rank],
+                            sizeof(float) * prev_rank);
             }
-            KvCorrection::Layer & l = out->layers[static_cast<size_t>(il)];
-            l.a_k.assign(na, 0.0f);
-            l.a_v.assign(na, 0.0f);
-            l.b_k.assign(nb, 0.0f);
-            l.b_v.assign(nb, 0.0f);
-            int col = 0;  // parts are concatenated in order (previous, then this edge's) and zero-padded at the end
-            if (has_prev) {
-                const KvCorrection::Layer & pl = prev->layers[static_cast<size_t>(il)];
-                for (int32_t i = 0; i < n; ++i) {
-                    std::memcpy(&l.a_k[static_cast<size_t>(i) * rank], &pl.a_k[static_cast<size_t>(i) * prev_rank],
-                                sizeof(float) * prev_rank);
-                    std::memcpy(&l.a_v[static_cast<size_t>(i) * rank], &pl.a_v[static_cast<size_t>(i) * prev_rank],
-                                sizeof(float) * prev_rank);
-                }
-                std::memcpy(l.b_k.data(), pl.b_k.data(), sizeof(float) * prev_rank * kd);
-                std::memcpy(l.b_v.data(), pl.b_v.data(), sizeof(float) * prev_rank * kd);
-                col = prev_rank;
-            }
-            if (has_map) {
-                kv.runs(seq, static_cast<int>(il), runs);
-                ridge_layer_a(maps, static_cast<int>(il), rope, layout.kv_type, n_kv, hd, runs, pos, n,
-                              &l.a_k[static_cast<size_t>(col)], &l.a_v[static_cast<size_t>(col)], rank);
-                const RidgeMaps::Map & mk = maps.k(static_cast<int>(il));
-                const RidgeMaps::Map & mv = maps.v(static_cast<int>(il));
-                float *                bk = &l.b_k[static_cast<size_t>(col) * kd];
-                std::memcpy(bk, mk.b.data(), sizeof(float) * map_rank * kd);
-                std::memcpy(&l.b_v[static_cast<size_t>(col) * kd], mv.b.data(), sizeof(float) * map_rank * kd);
-                // Canonical-frame key deltas to the stored frame: a constant RoPE shift is linear on the row width
-                // and commutes with the row-wise A, so rotating the rows of B_k by frame0 suffices.
-                if (frame0 != 0) {
-                    for (int c = 0; c < map_rank; ++c) {
-                        rope.apply(bk + static_cast<int64_t>(c) * kd, n_kv, hd, static_cast<double>(frame0));
-                    }
+            std::memcpy(l.b_k.data(), pl.b_k.data(), sizeof(float) * prev_rank * kd);
+            std::memcpy(l.b_v.data(), pl.b_v.data(), sizeof(float) * prev_rank * kd);
+            col = prev_rank;
+        }
+        if (has_map) {
+            kv.runs(seq, il, table);
+            ridge_layer_jobs(maps, il, rope, n_kv, hd, table, pos, n, &l.a_k[static_cast<size_t>(col)],
+                             &l.a_v[static_cast<size_t>(col)], rank, cache_k, cache_v, jobs);
+            model.backend().ridge_rows(store, il, jobs.data(), static_cast<int>(jobs.size()), maps.rank());
+            const RidgeMaps::Map & mk = maps.k(il);
+            const RidgeMaps::Map & mv = maps.v(il);
+            float *                bk = &l.b_k[static_cast<size_t>(col) * kd];
+            std::memcpy(bk, mk.b.data(), sizeof(float) * map_rank * kd);
+            std::memcpy(&l.b_v[static_cast<size_t>(col) * kd], mv.b.data(), sizeof(float) * map_rank * kd);
+            // Canonical-frame key deltas to the stored frame: a constant RoPE shift is linear on the row width
+            // and commutes with the row-wise A, so rotating the rows of B_k by frame0 suffices.
+            if (frame0 != 0) {
+                for (int c = 0; c < map_rank; ++c) {
+                    rope.apply(bk + static_cast<int64_t>(c) * kd, n_kv, hd, static_cast<double>(frame0));
                 }
             }
         }
-    });
+    }
     return out;
 }
 

@@ -54,7 +54,8 @@ class RidgeMaps {
 // base view already carries relative to the stored rows, is concatenated in front along the rank axis, so the
 // result corrects the stored rows to base + this edge's delta; its rows must cover n. Layers where neither part
 // has factors stay empty. Throws kvcmas::Error on bad shapes, positions outside seq, or a total rank over
-// cpu::kMaxCorrectionRank (fold prev first). The caller holds the model's lock; layers run on the model's threads.
+// cpu::kMaxCorrectionRank (fold prev first). The caller holds the model's lock (Model::ridge_correction
+// takes it); the rows are read by the model's backend (Backend::ridge_rows).
 std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & maps, int32_t seq, int32_t pos,
                                                int32_t n, int32_t frame0, const KvCorrection * prev);
 

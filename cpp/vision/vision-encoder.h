@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "cpu/matmul.h"
-#include "cpu/threadpool.h"
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/threadpool.h"
 #include "gguf/gguf-file.h"
 #include "vision/vision-ops.h"
 
@@ -81,10 +81,8 @@ class VisionEncoder {
         std::vector<float> bq, bk, bv, bo, b_up, b_down;  // empty when the file has no bias
     };
 
-    void               load_params();
-    void               load_weights();
-    cpu::WeightView    weight(const std::string & name, int64_t n_in, int64_t n_out) const;
-    std::vector<float> vector_f32(const std::string & name, int64_t n, bool required) const;
+    void load_params();
+    void load_weights();
     // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty).
     void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
     void attention(const Layer & L, const float * xn, float * out, int64_t n_tok);

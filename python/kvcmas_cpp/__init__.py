@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._native import KvcmasError
+from ._native import KvcmasError, backends
 from .agents import Agent, AgentSession, Response, ResponseChunk
 from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, Timings, default_model_path
 
@@ -21,5 +21,6 @@ __all__ = [
     "SharedKV",
     "Timings",
     "__version__",
+    "backends",
     "default_model_path",
 ]

@@ -25,3 +25,12 @@ def _load() -> ModuleType:
 
 core = _load()
 KvcmasError = core.KvcmasError
+
+
+def backends() -> dict[str, tuple[bool, str]]:
+    """Backends compiled into the core: {name: (usable on this machine, why not)}. "cpu" is always there and usable;
+    "cuda" is there on builds with KVCMAS_CUDA=ON and usable where a GPU and driver are."""
+    listing = getattr(core, "backends", None)
+    if listing is None:  # a core built before the backend seam
+        return {"cpu": (True, "")}
+    return {str(name): (bool(ok), str(why)) for name, (ok, why) in listing().items()}

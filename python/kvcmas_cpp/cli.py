@@ -15,6 +15,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> Any:
     from .model import Model, default_model_path
 
-    return Model(args.model or default_model_path(), n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type)
+    path = args.model or default_model_path()
+    return Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_type=args.kv_type, device=args.device)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

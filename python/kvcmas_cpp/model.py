@@ -241,7 +241,9 @@ class Model:
         n_ctx: int | None = None,
         kv_budget: int | None = None,
         kv_type: Literal["f32", "f16"] = "f32",
+        device: str = "cpu",
     ) -> None:
+        """device: "cpu", or "cuda" / "cuda:N" on a build with the CUDA backend (see `kvcmas_cpp.backends()`)."""
         self.path = os.fspath(path)
         for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -251,12 +253,15 @@ class Model:
         core_args: tuple[Any, ...] = (self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
         if kv_type != "f32":  # only then: cores built before the option still load models the default way
             core_args += (kv_type,)
+        if device != "cpu":  # likewise: cores built before the backend seam have no device argument
+            core_args = (*core_args[:4], kv_type, device)
         self._core = core.Model(*core_args)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
 
     # ----------------------------------------------------------------------------------------------- properties
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
+    device = property(lambda self: getattr(self._core, "device", "cpu"), doc="backend it runs on: 'cpu' or 'cuda'")
     n_vocab = property(lambda self: self._core.n_vocab, doc="vocabulary size")
     n_ctx_train = property(lambda self: self._core.n_ctx_train, doc="context length the model was trained for")
     n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 __all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
 
@@ -106,6 +107,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
     )
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
     p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
@@ -203,7 +205,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
         return 2
     path = args.model or default_model_path()
-    kv_type = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without the option load f32
+    kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
+    if args.device != "cpu":
+        kv_type["device"] = args.device
     model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
     cfg = ServerConfig(
         model_path=path,

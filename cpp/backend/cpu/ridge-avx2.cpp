@@ -1,9 +1,9 @@
-// The ridge map's row product with AVX2/FMA; called only when the CPU has them (see ridge-correction.cpp).
+// The ridge map's row product with AVX2/FMA; called only when the CPU has them (see cpu-backend.cpp).
 #include <cstdint>
 
-#include "cpu/simd-avx2.h"
+#include "backend/cpu/simd-avx2.h"
 
-namespace kvcmas {
+namespace kvcmas::cpu {
 
 // out[i * out_stride + c] = Σ_d (x[i * kd + d] - mu[d]) · proj[d * rank + c] for i < n, c < rank.
 void ridge_rows_avx2(const float * x, int64_t n, int64_t kd, const float * mu, const float * proj, int rank,
@@ -58,4 +58,4 @@ void ridge_rows_avx2(const float * x, int64_t n, int64_t kd, const float * mu, c
     }
 }
 
-}  // namespace kvcmas
+}  // namespace kvcmas::cpu

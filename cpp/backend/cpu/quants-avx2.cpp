@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "cpu/matmul-impl.h"
+#include "backend/cpu/matmul-impl.h"
 
 namespace kvcmas::cpu::detail {
 namespace {

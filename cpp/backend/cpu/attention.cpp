@@ -2,8 +2,8 @@
 #include <vector>
 #define KC_ATTN_NS portable
 #include "common/error.h"
-#include "cpu/attention-impl.h"
-#include "cpu/cpu-features.h"
+#include "backend/cpu/attention-impl.h"
+#include "backend/cpu/cpu-features.h"
 
 namespace kvcmas::cpu {
 

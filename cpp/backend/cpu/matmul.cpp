@@ -1,6 +1,6 @@
 // The matrix-product driver (decode / prefill paths, work split over the pool), the portable kernels it falls back
 // on, and the reference implementation.
-#include "cpu/matmul.h"
+#include "backend/cpu/matmul.h"
 
 #include <atomic>
 #include <cmath>
@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "common/error.h"
-#include "cpu/cpu-features.h"
-#include "cpu/matmul-impl.h"
-#include "cpu/quants.h"
+#include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/quants.h"
 
 namespace kvcmas::cpu {
 namespace detail {

@@ -1,14 +1,14 @@
 // Portable (scalar) dequantization of every weight type, and the run-time dispatch to the AVX2 versions.
 // The products are ordered as in gguf-py's reference (e.g. (d·sc)·q - dmin·m), and each is exact in f32, so the
 // result is bit-identical to it whether or not the compiler fuses multiply-adds.
-#include "cpu/quants.h"
+#include "backend/cpu/quants.h"
 
 #include <cmath>
 #include <cstring>
 
 #include "common/error.h"
-#include "cpu/cpu-features.h"
-#include "cpu/matmul-impl.h"
+#include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul-impl.h"
 
 namespace kvcmas::cpu {
 

@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/attention.h"
-#include "cpu/quants.h"
+#include "backend/cpu/attention.h"
+#include "backend/cpu/quants.h"
 
 namespace kvcmas::cpu::KC_ATTN_NS {
 

@@ -1,4 +1,4 @@
-#include "cpu/threadpool.h"
+#include "backend/cpu/threadpool.h"
 
 #include <atomic>
 #include <chrono>

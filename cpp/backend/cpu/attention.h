@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/ops.h"
+#include "backend/cpu/ops.h"
 
 namespace kvcmas::cpu {
 

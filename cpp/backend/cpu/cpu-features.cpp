@@ -1,4 +1,4 @@
-#include "cpu/cpu-features.h"
+#include "backend/cpu/cpu-features.h"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,8 +1,8 @@
-#include "cpu/ops.h"
+#include "backend/cpu/ops.h"
 
 #include <cmath>
 
-#include "cpu/cpu-features.h"
+#include "backend/cpu/cpu-features.h"
 
 namespace kvcmas::cpu {
 

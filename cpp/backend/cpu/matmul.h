@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "common/ggml-types.h"
-#include "cpu/threadpool.h"
+#include "backend/cpu/threadpool.h"
 
 namespace kvcmas::cpu {
 

@@ -1,7 +1,7 @@
 // Row kernels of the forward pass with AVX2/FMA; called only when the CPU has them (see ops.cpp).
 #include <cmath>
 
-#include "cpu/simd-avx2.h"
+#include "backend/cpu/simd-avx2.h"
 
 namespace kvcmas::cpu {
 

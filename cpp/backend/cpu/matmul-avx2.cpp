@@ -8,7 +8,7 @@
 #include <new>
 #include <type_traits>
 
-#include "cpu/matmul-impl.h"
+#include "backend/cpu/matmul-impl.h"
 
 namespace kvcmas::cpu::detail {
 namespace {

@@ -10,8 +10,8 @@
 #include <type_traits>
 
 #define KC_ATTN_NS portable_in_avx2
-#include "cpu/attention-impl.h"
-#include "cpu/simd-avx2.h"
+#include "backend/cpu/attention-impl.h"
+#include "backend/cpu/simd-avx2.h"
 
 namespace kvcmas::cpu {
 

@@ -1,0 +1,83 @@
+#include "backend/backend.h"
+
+#include <cstdlib>
+
+#include "backend/cpu/cpu-backend.h"
+#include "common/error.h"
+
+#ifdef KVCMAS_CUDA
+#include "backend/cuda/cuda-backend.h"
+#endif
+
+namespace kvcmas::backend {
+
+Buffer upload_floats(Backend & b, const std::vector<float> & host) {
+    Buffer buf(b, host.size() * sizeof(float));
+    if (!host.empty()) {
+        b.upload(buf.data(), host.data(), host.size() * sizeof(float));
+    }
+    return buf;
+}
+
+std::vector<std::string> compiled_backends() {
+#ifdef KVCMAS_CUDA
+    return { "cpu", "cuda" };
+#else
+    return { "cpu" };
+#endif
+}
+
+bool backend_usable(const std::string & name, std::string * reason) {
+    if (name == "cpu") {
+        return true;
+    }
+    if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+#ifdef KVCMAS_CUDA
+        return cuda_usable(reason);
+#else
+        if (reason != nullptr) {
+            *reason = "this build of kvcmas has no CUDA backend (rebuild with -DKVCMAS_CUDA=ON)";
+        }
+        return false;
+#endif
+    }
+    if (reason != nullptr) {
+        *reason = "unknown backend '" + name + "'";
+    }
+    return false;
+}
+
+std::unique_ptr<Backend> make_backend(const std::string & name, int n_threads) {
+    if (name == "cpu") {
+        return make_cpu_backend(n_threads);
+    }
+    if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+#ifdef KVCMAS_CUDA
+        int device = 0;
+        if (name.size() > 5) {
+            char *     end = nullptr;
+            const long d   = std::strtol(name.c_str() + 5, &end, 10);
+            KC_CHECK(end != nullptr && *end == '\0' && d >= 0 && d < 1024, "device '%s': expected cuda or cuda:N",
+                     name.c_str());
+            device = static_cast<int>(d);
+        }
+        std::string why;
+        KC_CHECK(cuda_usable(&why), "device '%s' requested: %s", name.c_str(), why.c_str());
+        return make_cuda_backend(device);
+#else
+        fail(
+            "device '%s' requested, but this build of kvcmas has no CUDA backend (CPU-only build; rebuild with "
+            "-DKVCMAS_CUDA=ON, e.g. pip install . -C cmake.define.KVCMAS_CUDA=ON)",
+            name.c_str());
+#endif
+    }
+    fail("unknown device '%s' (this build has: cpu%s)", name.c_str(),
+#ifdef KVCMAS_CUDA
+         ", cuda"
+#else
+         ""
+#endif
+    );
+}
+
+}  // namespace kvcmas::backend

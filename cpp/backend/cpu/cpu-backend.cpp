@@ -1,0 +1,399 @@
+#include "backend/cpu/cpu-backend.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/ops.h"
+#include "backend/cpu/quants.h"
+#include "backend/cpu/threadpool.h"
+#include "common/error.h"
+
+namespace kvcmas::cpu {
+#ifdef KC_X86
+void ridge_rows_avx2(const float * x, int64_t n, int64_t kd, const float * mu, const float * proj, int rank,
+                     float * out, int64_t out_stride);  // ridge-avx2.cpp
+#endif
+}  // namespace kvcmas::cpu
+
+namespace kvcmas::backend {
+namespace {
+
+int default_threads(int n_threads) {
+    if (n_threads > 0) {
+        return n_threads;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
+}
+
+// Factors read in place from the host arrays of the correction that made them.
+class HostFactors final : public Factors {};
+
+cpu::WeightView view(const Weight & w) {
+    return cpu::WeightView{ w.type, w.data, w.n_in, w.n_out, w.row_bytes };
+}
+
+// out[i * out_stride + c] = ((x_i - mu) · proj)[c] for rows x_i of x [n][kd], c < rank.
+void ridge_product(const float * x, int64_t n, int64_t kd, const float * mu, const float * proj, int rank, float * out,
+                   int64_t out_stride) {
+#ifdef KC_X86
+    if (cpu::cpu_features().avx2_fma_f16c) {
+        cpu::ridge_rows_avx2(x, n, kd, mu, proj, rank, out, out_stride);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+        const float * xi = x + i * kd;
+        float *       o  = out + i * out_stride;
+        std::fill(o, o + rank, 0.0f);
+        for (int64_t d = 0; d < kd; ++d) {  // rank-wide inner loop: vectorizes, no reduction across iterations
+            const float   xd = xi[d] - mu[d];
+            const float * p  = &proj[d * rank];
+            for (int c = 0; c < rank; ++c) {
+                o[c] += xd * p[c];
+            }
+        }
+    }
+}
+
+class CpuBackend final : public Backend {
+  public:
+    explicit CpuBackend(int n_threads) : pool_(default_threads(n_threads)) {}
+
+    std::string name() const override { return "cpu"; }
+    std::string device() const override {
+        return std::to_string(pool_.size()) + " CPU threads" +
+               (cpu::cpu_features().avx2_fma_f16c ? " (AVX2/FMA/F16C)" : " (portable kernels)");
+    }
+    int n_threads() const override { return pool_.size(); }
+
+    void * alloc(size_t bytes) override {
+        void * p = std::malloc(bytes == 0 ? 1 : bytes);
+        KC_CHECK(p != nullptr, "cpu backend: cannot allocate %zu bytes (out of memory)", bytes);
+        return p;
+    }
+    void   free(void * p, size_t) override { std::free(p); }
+    size_t free_bytes() const override { return 0; }  // host memory: the process's, not counted here
+    void   upload(void * dst, const void * src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+    void   download(void * dst, const void * src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+
+    Weight upload_weight(GgmlType type, const void * host, int64_t n_in, int64_t n_out, size_t row_bytes) override {
+        return Weight{ type, host, n_in, n_out, row_bytes };
+    }
+
+    void free_weight(const Weight &) override {}  // the file's mapping: nothing was copied
+
+    std::shared_ptr<const Factors> upload_factors(int rank, int32_t n_rows, int64_t, const float * a_k,
+                                                  const float * b_k, const float * a_v, const float * b_v) override {
+        auto f      = std::make_shared<HostFactors>();
+        f->rank     = rank;
+        f->n_rows   = n_rows;
+        f->a_k      = a_k;
+        f->b_k      = b_k;
+        f->a_v      = a_v;
+        f->b_v      = b_v;
+        f->host_b_k = b_k;
+        f->host_b_v = b_v;
+        return f;
+    }
+
+    // Each block is its own anonymous mapping: a heap chunk of this size would stay in the allocator's arenas
+    // after being freed, so trimming the pool would not lower the resident memory.
+    uint8_t * kv_block_alloc(size_t bytes) override {
+#if defined(__unix__) || defined(__APPLE__)
+        void * p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        KC_CHECK(p != MAP_FAILED, "KV cache: cannot map a block of %zu bytes (out of memory)", bytes);
+        return static_cast<uint8_t *>(p);
+#else
+        uint8_t * p = new (std::nothrow) uint8_t[bytes];
+        KC_CHECK(p != nullptr, "KV cache: cannot allocate a block of %zu bytes (out of memory)", bytes);
+        return p;
+#endif
+    }
+    void kv_block_free(uint8_t * p, size_t bytes) override {
+#if defined(__unix__) || defined(__APPLE__)
+        munmap(p, bytes);
+#else
+        (void)bytes;
+        delete[] p;
+#endif
+    }
+
+    void embed_rows(const Weight & table, const int32_t * tokens, int64_t n, float * x) override {
+        for (int64_t i = 0; i < n; ++i) {
+            if (tokens[i] >= 0) {
+                const uint8_t * row = static_cast<const uint8_t *>(table.data) + table.row_bytes * tokens[i];
+                cpu::dequantize_row(table.type, row, x + i * table.n_in, table.n_in);
+            }
+        }
+    }
+
+    void rms_norm(const float * x, const float * w, float * y, int64_t n_rows, int64_t n, float eps) override {
+        for (int64_t i = 0; i < n_rows; ++i) {
+            cpu::rms_norm(x + i * n, w, y + i * n, n, eps);
+        }
+    }
+
+    void matmul(const Weight & w, const float * x, float * y, int64_t n_tok) override {
+        cpu::matmul(view(w), x, y, n_tok, pool_);
+    }
+
+    void matmul_multi(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok) override {
+        KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti, "matmul_multi: %d matrices", n_mats);
+        cpu::WeightView v[cpu::kMaxMatmulMulti];
+        for (int i = 0; i < n_mats; ++i) {
+            v[i] = view(w[i]);
+        }
+        cpu::matmul_multi(v, y, n_mats, x, n_tok, pool_);
+    }
+
+    void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
+        for (int64_t i = 0; i < n_rows; ++i) {
+            add(y + i * n, b, n);
+        }
+    }
+
+    void rope_kv_write(const Rope & rope, const AttentionShape & s, float * q, float * k, const float * v, int64_t n,
+                       const float * cos_q, const float * sin_q, const float * cos_k, const float * sin_k,
+                       const KvStore & store, int layer, const KvSlotRef * slots) override {
+        const int64_t qd = static_cast<int64_t>(s.n_head) * s.head_dim, kd = store.n_kv_dim;
+        const int64_t half = rope.n_rot / 2;
+        const auto    rows = [&](long long b, long long e) {
+            for (long long i = b; i < e; ++i) {
+                rope.apply_cs(q + i * qd, s.n_head, s.head_dim, cos_q + i * half, sin_q + i * half);
+                rope.apply_cs(k + i * kd, s.n_head_kv, s.head_dim, cos_k + i * half, sin_k + i * half);
+                uint8_t * kr = row(store, layer, slots[i].block, slots[i].row);
+                cpu::kv_store_row(store.kv_type, k + i * kd, kr, kd);
+                cpu::kv_store_row(store.kv_type, v + i * kd, kr + store.v_offset, kd);
+            }
+        };
+        if (n < pool_.size() * 4) {  // a decode step's few tokens are not worth a pool round
+            rows(0, n);
+        } else {
+            pool_.run([&](int ith, int nth) {
+                long long b, e;
+                cpu::split_range(n, ith, nth, b, e);
+                rows(b, e);
+            });
+        }
+    }
+
+    void attention(const AttentionShape & shape, const Rope & rope, const KvStore & store, int layer, const float * q,
+                   float * out, int64_t, const QueryBlock * blocks, int n_blocks, const RunTable * tables,
+                   int64_t max_visible) override {
+        // The tables as the kernel reads them: runs with host pointers (tables_ keeps its memory between calls).
+        int n_tables = 0;
+        for (int b = 0; b < n_blocks; ++b) {
+            n_tables = std::max(n_tables, blocks[b].table + 1);
+        }
+        if (static_cast<int>(runs_.size()) < n_tables) {
+            runs_.resize(static_cast<size_t>(n_tables));
+        }
+        for (int t = 0; t < n_tables; ++t) {
+            std::vector<cpu::KvRun> & out_runs = runs_[static_cast<size_t>(t)];
+            out_runs.clear();
+            const RunTable & table = tables[t];
+            for (const KvRunRef & r : table.runs) {
+                out_runs.push_back(kernel_run(store, layer, table, r));
+            }
+        }
+        const int     nth            = pool_.size();
+        const int64_t scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
+        scratch_.resize(static_cast<size_t>(scratch_floats * nth));
+        const int64_t   qd      = static_cast<int64_t>(shape.n_head) * shape.head_dim;
+        const int       H       = shape.n_head;
+        const long long n_tasks = static_cast<long long>(n_blocks) * H;  // (block, head) pairs
+        pool_.run([&](int ith, int nth_) {
+            long long b, e;
+            cpu::split_range(n_tasks, ith, nth_, b, e);
+            float * scr = &scratch_[static_cast<size_t>(ith) * scratch_floats];
+            for (long long t = b; t < e;) {
+                const QueryBlock & blk = blocks[t / H];
+                const int          h0  = static_cast<int>(t % H);
+                const int          h1  = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
+                const auto &       r   = runs_[static_cast<size_t>(blk.table)];
+                cpu::attend_block(shape, rope, q + blk.first * qd, qd, blk.nq, r.data(), static_cast<int>(r.size()),
+                                  blk.n_visible0, h0, h1, out + blk.first * qd, qd, scr);
+                t += h1 - h0;
+            }
+        });
+    }
+
+    void swiglu(float * g, const float * u, int64_t n_rows, int64_t n) override {
+        if (n_rows < pool_.size() * 4) {  // element-wise: a decode step's few rows are not worth a pool round
+            cpu::silu_mul(g, u, g, n_rows * n);
+        } else {
+            pool_.run([&](int ith, int nth) {
+                long long b, e;
+                cpu::split_range(n_rows, ith, nth, b, e);
+                cpu::silu_mul(g + b * n, u + b * n, g + b * n, (e - b) * n);
+            });
+        }
+    }
+
+    void add(float * x, const float * y, int64_t n) override {
+        for (int64_t i = 0; i < n; ++i) {
+            x[i] += y[i];
+        }
+    }
+
+    void kv_read(const Rope & rope, const AttentionShape & s, const KvStore & store, int layer, const RunTable & table,
+                 int ri, int32_t j0, int32_t j1, float * k_out, float * v_out) override {
+        const cpu::KvRun r  = kernel_run(store, layer, table, table.runs[static_cast<size_t>(ri)]);
+        const int64_t    kd = store.n_kv_dim;
+        for (int32_t j = j0; j < j1; ++j) {
+            float * k = k_out + (j - j0) * kd;
+            float * v = v_out + (j - j0) * kd;
+            cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.k) + j * store.row_bytes, k, kd);
+            cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.v) + j * store.row_bytes, v, kd);
+            for (int32_t c = 0; c < r.rank; ++c) {
+                const float ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
+                for (int64_t d = 0; d < kd; ++d) {
+                    k[d] += ak * r.b_k[c * kd + d];
+                    v[d] += av * r.b_v[c * kd + d];
+                }
+            }
+            if (r.shift != 0) {
+                rope.apply(k, s.n_head_kv, s.head_dim, static_cast<double>(r.shift));
+            }
+        }
+    }
+
+    void kv_copy(const Rope & rope, const AttentionShape & s, const KvStore & store, int layer, const RunTable & table,
+                 int r0, int r1, const int64_t * shifts, const KvSlotRef * slots) override {
+        // Rows of the runs, numbered in order: (run, row in run) of each.
+        std::vector<std::pair<int, int32_t>> rows;
+        for (int ri = r0; ri < r1; ++ri) {
+            for (int32_t j = 0; j < table.runs[static_cast<size_t>(ri)].n; ++j) {
+                rows.emplace_back(ri, j);
+            }
+        }
+        const int64_t   kd = store.n_kv_dim;
+        const long long n  = static_cast<long long>(rows.size());
+        pool_.run([&](int ith, int nth) {
+            long long b, e;
+            cpu::split_range(n, ith, nth, b, e);
+            std::vector<float> k(static_cast<size_t>(kd)), v(static_cast<size_t>(kd));
+            std::vector<float> cs(static_cast<size_t>(rope.n_rot / 2)), sn(static_cast<size_t>(rope.n_rot / 2));
+            int64_t            cached_shift = 0;
+            bool               have_angles  = false;
+            for (long long i = b; i < e; ++i) {
+                const int        ri = rows[static_cast<size_t>(i)].first;
+                const int32_t    j  = rows[static_cast<size_t>(i)].second;
+                const cpu::KvRun r  = kernel_run(store, layer, table, table.runs[static_cast<size_t>(ri)]);
+                cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.k) + j * store.row_bytes, k.data(), kd);
+                cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.v) + j * store.row_bytes, v.data(), kd);
+                if (r.rank > 0) {
+                    const float * ak = r.a_k + static_cast<int64_t>(j) * r.rank;
+                    const float * av = r.a_v + static_cast<int64_t>(j) * r.rank;
+                    for (int c = 0; c < r.rank; ++c) {
+                        const float * bk = r.b_k + static_cast<int64_t>(c) * kd;
+                        const float * bv = r.b_v + static_cast<int64_t>(c) * kd;
+                        for (int64_t d = 0; d < kd; ++d) {
+                            k[d] += ak[c] * bk[d];
+                            v[d] += av[c] * bv[d];
+                        }
+                    }
+                }
+                const int64_t shift = shifts[i];
+                if (shift != 0) {  // constant over consecutive rows: the angles are computed once
+                    if (!have_angles || shift != cached_shift) {
+                        rope.angles(static_cast<double>(shift), cs.data(), sn.data());
+                        cached_shift = shift;
+                        have_angles  = true;
+                    }
+                    rope.apply_cs(k.data(), s.n_head_kv, s.head_dim, cs.data(), sn.data());
+                }
+                uint8_t * dst = row(store, layer, slots[i].block, slots[i].row);
+                cpu::kv_store_row(store.kv_type, k.data(), dst, kd);
+                cpu::kv_store_row(store.kv_type, v.data(), dst + store.v_offset, kd);
+            }
+        });
+    }
+
+    void ridge_rows(const KvStore & store, int layer, const RidgeJob * jobs, int n_jobs, int rank) override {
+        const int64_t kd = store.n_kv_dim;
+        pool_.run([&](int ith, int nth) {
+            long long b, e;
+            cpu::split_range(n_jobs, ith, nth, b, e);
+            std::vector<float> buf;
+            for (long long t = b; t < e; ++t) {
+                const RidgeJob & job = jobs[t];
+                const uint8_t *  base =
+                    row(store, layer, job.run.block, job.run.row0) + (job.values ? store.v_offset : 0);
+                const uint8_t * first = base + static_cast<int64_t>(job.j0) * store.row_bytes;
+                const int64_t   n     = job.j1 - job.j0;
+                const float *   x     = reinterpret_cast<const float *>(first);
+                if (store.kv_type != KvType::F32) {
+                    buf.resize(static_cast<size_t>(n * kd));
+                    for (int64_t j = 0; j < n; ++j) {
+                        cpu::kv_load_row(store.kv_type, first + j * store.row_bytes, &buf[static_cast<size_t>(j * kd)],
+                                         kd);
+                    }
+                    x = buf.data();
+                }
+                ridge_product(x, n, kd, job.mu, job.proj, rank, job.out, job.out_stride);
+                const float * a      = nullptr;
+                int           a_rank = 0;
+                if (job.f != nullptr) {
+                    a_rank = job.f->rank;
+                    a      = (job.values ? job.f->a_v : job.f->a_k) + static_cast<int64_t>(job.run.corr_row0) * a_rank;
+                }
+                for (int64_t j = job.j0; j < job.j1; ++j) {
+                    float * o = job.out + (j - job.j0) * job.out_stride;
+                    for (int qi = 0; qi < job.b_rank; ++qi) {
+                        const float   aq = a[j * a_rank + qi];
+                        const float * mq = job.m + static_cast<int64_t>(qi) * rank;
+                        for (int c = 0; c < rank; ++c) {
+                            o[c] += aq * mq[c];
+                        }
+                    }
+                    o[rank] = 1.0f;
+                }
+            }
+        });
+    }
+
+  private:
+    static uint8_t * row(const KvStore & store, int layer, int32_t block, int32_t r) {
+        return (*store.blocks)[static_cast<size_t>(block)] + layer * store.layer_stride +
+               static_cast<int64_t>(r) * store.row_bytes;
+    }
+
+    static cpu::KvRun kernel_run(const KvStore & store, int layer, const RunTable & table, const KvRunRef & r) {
+        const uint8_t * k = row(store, layer, r.block, r.row0);
+        cpu::KvRun      run{ k, k + store.v_offset, r.n, r.shift };
+        if (r.corr >= 0) {
+            const Factors * f   = table.corrs[static_cast<size_t>(r.corr)];
+            const int64_t   off = static_cast<int64_t>(r.corr_row0) * f->rank;
+            run.rank            = f->rank;
+            run.a_k             = f->a_k + off;
+            run.a_v             = f->a_v + off;
+            run.b_k             = f->b_k;
+            run.b_v             = f->b_v;
+        }
+        return run;
+    }
+
+    cpu::ThreadPool                      pool_;
+    std::vector<std::vector<cpu::KvRun>> runs_;
+    std::vector<float>                   scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
+    return std::make_unique<CpuBackend>(n_threads);
+}
+
+}  // namespace kvcmas::backend

@@ -1,0 +1,354 @@
+"""Every op of the backend seam (cpp/backend/backend.h) on every usable backend, against independent numpy references
+(in the spirit of llama.cpp's test-backend-ops), over the shape matrix the CPU kernel tests use: GQA ratios, head
+sizes, ranks 0-32, several shifted segments, f16/f32 KV, every weight type. The CPU backend always runs; CUDA runs on
+a build with KVCMAS_CUDA=ON on a machine with a GPU, and skips saying which of the two is missing. Whole-model
+checks of CUDA against the CPU backend are at the end (GPU only)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp._native import core
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_attention_kernel import make_runs, reference, rotate  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+mtm = pytest.importorskip("make_test_models")
+
+BACKENDS = ["cpu", "cuda"]
+WEIGHT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+BASE = 10000.0
+
+# Relative error bounds (of the reference's scale) per backend: the CPU computes in f32 with f32 sums; CUDA's
+# prefill GEMM uses TF32 tensor cores (10-bit mantissa inputs, f32 sums).
+MATMUL_TOL = {"cpu": 2e-6, "cuda": 2e-3}
+OP_TOL = {"cpu": 1e-6, "cuda": 1e-5}
+ATTN_TOL = {"cpu": 5e-5, "cuda": 2e-4}  # rank-32 corrections at shift 2048: ~2e-5 on the CPU
+
+
+def _usable(name: str) -> tuple[bool, str]:
+    listing = kc.backends()
+    if name not in listing:
+        return False, f"backend '{name}' is not compiled into this build (CPU-only; rebuild with KVCMAS_CUDA=ON)"
+    return listing[name]
+
+
+@pytest.fixture(params=BACKENDS, scope="module")
+def ops(request):
+    ok, why = _usable(request.param)
+    if not ok:
+        pytest.skip(f"{request.param}: {why}")
+    return core.BackendOps(request.param, 2)
+
+
+def _inv_freq(n_rot: int) -> np.ndarray:
+    return (BASE ** (-2.0 * np.arange(n_rot // 2) / n_rot)).astype(np.float32)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _weight(rng, type_name: str, n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(raw bytes, values as stored [n_out, n_in], GGUF type id) of a random weight."""
+    w = (rng.standard_normal((n_out, n_in)) * 0.5).astype(np.float32)
+    if type_name == "BF16":
+        bits = (w.view(np.uint32) + 0x7FFF + ((w.view(np.uint32) >> 16) & 1)) >> 16  # round to nearest even
+        raw = bits.astype(np.uint16)
+        return (
+            raw.view(np.uint8).ravel(),
+            (raw.astype(np.uint32) << 16).view(np.float32),
+            int(gguf.GGMLQuantizationType.BF16),
+        )
+    data, qtype = mtm.encode(w, type_name)
+    values = mtm.decode(data, qtype).reshape(n_out, n_in)
+    return np.ascontiguousarray(data).view(np.uint8).ravel(), values, int(qtype)
+
+
+# --------------------------------------------------------------------------------------------------- matmul, rows
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 17, 40])
+def test_matmul_every_weight_type(ops, type_name: str, n_tok: int) -> None:
+    rng = np.random.default_rng(hash((type_name, n_tok)) % 2**32)
+    n_in, n_out = 512, 96
+    raw, w, type_id = _weight(rng, type_name, n_in, n_out)
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    got = ops.matmul(type_id, raw, n_in, n_out, x)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert np.all(np.abs(got - ref) <= MATMUL_TOL[ops.name] * scale + 1e-30), type_name
+
+
+@pytest.mark.parametrize("n_tok", [1, 12])
+def test_matmul_multi_equals_separate_products(ops, n_tok: int) -> None:
+    rng = np.random.default_rng(n_tok)
+    n_in, outs = 256, [64, 32, 32]
+    parts = [_weight(rng, "Q8_0", n_in, n) for n in outs]
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    got = ops.matmul_multi(parts[0][2], [p[0] for p in parts], n_in, outs, x)
+    for (raw, _, type_id), n_out, y in zip(parts, outs, got, strict=True):
+        np.testing.assert_array_equal(y, ops.matmul(type_id, raw, n_in, n_out, x))
+
+
+@pytest.mark.parametrize("type_name", WEIGHT_TYPES)
+def test_embed_rows(ops, type_name: str) -> None:
+    rng = np.random.default_rng(3)
+    raw, w, type_id = _weight(rng, type_name, 256, 50)
+    tokens = np.array([7, -1, 0, 49, 7], np.int32)
+    got = ops.embed_rows(type_id, raw, 256, 50, tokens)
+    for i, t in enumerate(tokens):
+        np.testing.assert_array_equal(got[i], w[t] if t >= 0 else 0.0)
+
+
+def test_rms_norm_add_bias_add_swiglu(ops) -> None:
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 576)).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    y = rng.standard_normal((5, 576)).astype(np.float32)
+    tol = OP_TOL[ops.name]
+    x64 = x.astype(np.float64)
+    norm = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(ops.rms_norm(x, w, 1e-5), norm, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ops.add_bias(x, w), x64 + w, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ops.add(x, y), x64 + y, rtol=tol, atol=tol)
+    silu = x64 / (1.0 + np.exp(-x64)) * y
+    np.testing.assert_allclose(ops.swiglu(x, y), silu, rtol=2 * tol, atol=2 * tol)
+
+
+# --------------------------------------------------------------------------------------------------- KV and attention
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize(
+    "n_head,n_head_kv,hd,n_rot,neox", [(9, 3, 64, 64, False), (8, 2, 128, 128, True), (6, 2, 32, 16, True)]
+)
+def test_rope_kv_write(ops, kv_type, n_head, n_head_kv, hd, n_rot, neox) -> None:
+    rng = np.random.default_rng(n_head * hd)
+    n, kd = 37, n_head_kv * hd  # over one block of 32 rows
+    q = rng.standard_normal((n, n_head * hd)).astype(np.float32)
+    k = rng.standard_normal((n, kd)).astype(np.float32)
+    v = rng.standard_normal((n, kd)).astype(np.float32)
+    pos_q = np.arange(100, 100 + n, dtype=np.int64)
+    pos_k = pos_q - 40  # a shared span's frame
+    qr, ks, vs = ops.rope_kv_write(n_head, n_head_kv, hd, kv_type, n_rot, neox, _inv_freq(n_rot), q, k, v, pos_q, pos_k)
+    store = _f16 if kv_type == "f16" else (lambda a: a)
+    for i in range(n):
+        np.testing.assert_allclose(qr[i], rotate(q[i : i + 1], pos_q[i], hd, n_rot, neox, BASE)[0], rtol=0, atol=2e-5)
+        kr = rotate(k[i : i + 1], pos_k[i], hd, n_rot, neox, BASE)[0]
+        np.testing.assert_allclose(ks[i], store(kr.astype(np.float32)), rtol=0, atol=2e-5 if kv_type == "f32" else 2e-3)
+    np.testing.assert_array_equal(vs, store(v))
+
+
+# (n_head, n_head_kv, head_dim, n_rot, neox, lengths, shifts, ranks): the CPU kernel tests' matrix
+ATTN_CASES = [
+    (4, 4, 64, 64, False, [32, 17], [0, 0], [0, 0]),
+    (9, 3, 64, 64, False, [32, 32, 5], [0, 40, 40], [0, 8, 8]),
+    (8, 2, 64, 64, True, [7, 30, 3], [0, -12, 100], [0, 32, 1]),
+    (8, 1, 128, 128, False, [40, 9], [3, 0], [16, 0]),
+    (6, 2, 32, 16, True, [13, 13, 13], [5, 6, 7], [2, 2, 2]),
+    (4, 2, 24, 24, False, [10, 11], [0, 9], [0, 3]),
+    (32, 8, 128, 128, False, [64, 64, 20], [0, 2048, 2048], [0, 32, 32]),  # Llama-3-8B heads
+]
+
+
+def _stack(runs, kv_type):
+    """Rows of all runs stacked (as stored), the run specs over them, and their corrections."""
+    k = np.concatenate([r["k"] for r in runs])
+    v = np.concatenate([r["v"] for r in runs])
+    if kv_type == "f16":
+        k, v = _f16(k), _f16(v)
+    specs, corrs, row = [], [], 0
+    for r in runs:
+        corr = -1
+        if "a_k" in r:
+            corrs.append((r["a_k"], r["b_k"], r["a_v"], r["b_v"]))
+            corr = len(corrs) - 1
+        specs.append((row, len(r["k"]), r["shift"], corr))
+        row += len(r["k"])
+    return k, v, specs, corrs
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("case", ATTN_CASES, ids=[str(i) for i in range(len(ATTN_CASES))])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_attention_shifted_corrected_runs(ops, case, kv_type, nq) -> None:
+    n_head, n_head_kv, hd, n_rot, neox, lengths, shifts, ranks = case
+    rng = np.random.default_rng(hash(str(case)) % 2**32)
+    runs = make_runs(rng, lengths, shifts, ranks, n_head_kv, hd)
+    k, v, specs, corrs = _stack(runs, kv_type)
+    stored = [dict(r, k=k[s[0] : s[0] + s[1]], v=v[s[0] : s[0] + s[1]]) for r, s in zip(runs, specs, strict=True)]
+    total = sum(lengths)
+    q = rng.standard_normal((nq, n_head * hd)).astype(np.float32)
+    n_visible0 = total - nq + 1
+    got = ops.attention(
+        n_head, n_head_kv, hd, kv_type, n_rot, neox, _inv_freq(n_rot), q, k, v, specs, corrs, n_visible0
+    )
+    for i in range(nq):
+        ref = reference(q[i].reshape(n_head, hd), stored, n_head_kv, n_rot, neox, BASE, n_visible0 + i).ravel()
+        err = np.abs(got[i] - ref).max() / np.abs(ref).max()
+        assert err <= ATTN_TOL[ops.name], (case, kv_type, i, err)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_kv_read_and_copy_materialize_corrected_shifted_rows(ops, kv_type) -> None:
+    n_head_kv, hd, n_rot, neox = 3, 64, 64, False
+    rng = np.random.default_rng(8)
+    runs = make_runs(rng, [20, 40], [0, 13], [0, 8], n_head_kv, hd)
+    k, v, specs, corrs = _stack(runs, kv_type)
+    want_k, want_v = [], []
+    for r, s in zip(runs, specs, strict=True):
+        kk, vv = k[s[0] : s[0] + s[1]].astype(np.float64), v[s[0] : s[0] + s[1]].astype(np.float64)
+        if "a_k" in r:
+            kk = kk + r["a_k"].astype(np.float64) @ r["b_k"]
+            vv = vv + r["a_v"].astype(np.float64) @ r["b_v"]
+        want_k.append(rotate(kk, s[2], hd, n_rot, neox, BASE))
+        want_v.append(vv)
+    want_k, want_v = np.concatenate(want_k), np.concatenate(want_v)
+    got_k, got_v = ops.kv_read(n_head_kv, hd, kv_type, n_rot, neox, _inv_freq(n_rot), k, v, specs, corrs)
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(got_v, want_v, rtol=0, atol=1e-4)
+    shifts = np.concatenate([np.full(s[1], s[2], np.int64) for s in specs])
+    cp_k, cp_v = ops.kv_copy(n_head_kv, hd, kv_type, n_rot, neox, _inv_freq(n_rot), k, v, specs, corrs, shifts)
+    store = _f16 if kv_type == "f16" else (lambda a: a.astype(np.float32))
+    atol = 1e-4 if kv_type == "f32" else 5e-3
+    np.testing.assert_allclose(cp_k, store(want_k.astype(np.float32)), rtol=0, atol=atol)
+    np.testing.assert_allclose(cp_v, store(want_v.astype(np.float32)), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("values", [False, True])
+@pytest.mark.parametrize("corr_rank", [0, 5])
+def test_ridge_rows(ops, kv_type, values, corr_rank) -> None:
+    rng = np.random.default_rng(9 + corr_rank)
+    kd, rank, n = 192, 7, 30
+    k = rng.standard_normal((n, kd)).astype(np.float32)
+    v = rng.standard_normal((n, kd)).astype(np.float32)
+    if kv_type == "f16":
+        k, v = _f16(k), _f16(v)
+    corrs, corr = [], -1
+    if corr_rank:
+        corrs = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((n, corr_rank), (corr_rank, kd)) * 2)]
+        corr = 0
+    mu = rng.standard_normal(kd).astype(np.float32)
+    proj = rng.standard_normal((kd, rank)).astype(np.float32)
+    m = rng.standard_normal((corr_rank, rank)).astype(np.float32)
+    got = ops.ridge_rows(kv_type, k, v, (0, n, 0, corr), corrs, values, 2, 27, mu, proj, m)
+    x = (v if values else k)[2:27].astype(np.float64)
+    want = (x - mu) @ proj
+    if corr_rank:
+        a = corrs[0][2 if values else 0][2:27].astype(np.float64)
+        want = want + a @ m
+    np.testing.assert_allclose(got[:, :rank], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(got[:, rank], 1.0)
+
+
+# --------------------------------------------------------------------------------------------------- whole model (GPU)
+
+
+def _need_cuda() -> None:
+    ok, why = _usable("cuda")
+    if not ok:
+        pytest.skip(f"cuda: {why}")
+
+
+def test_cuda_request_is_a_clear_error_where_it_cannot_run() -> None:
+    ok, why = _usable("cuda")
+    if ok:
+        pytest.skip("a usable GPU is present: the error path is not reachable here")
+    path = mtm.ensure_tiny_models(variants=["llama"], types=["F32"])[("llama", "F32")]
+    with pytest.raises(kc.KvcmasError, match="CUDA|cuda|GPU") as info:
+        kc.Model(path, device="cuda")
+    built = "cuda" in kc.backends()
+    assert ("no CUDA backend" in str(info.value)) != built, str(info.value)
+
+
+def test_cli_device_flag_reports_an_unusable_cuda(capsys) -> None:
+    ok, _ = _usable("cuda")
+    if ok:
+        pytest.skip("a usable GPU is present")
+    from kvcmas_cpp import cli
+
+    path = mtm.ensure_tiny_models(variants=["llama"], types=["F32"])[("llama", "F32")]
+    assert cli.main(["generate", "-m", str(path), "--device", "cuda", "-n", "1", "--raw", "hi"]) == 1
+    assert "cuda" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_f32() -> Path:
+    return mtm.ensure_tiny_models(variants=["llama"], types=["F32"])[("llama", "F32")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variant,type_name", [("llama", "F32"), ("qwen2", "Q8_0"), ("llama", "Q4_K"), ("llama_rope3", "F16")]
+)
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_cuda_logits_match_cpu(variant, type_name, kv_type) -> None:
+    _need_cuda()
+    path = mtm.ensure_tiny_models(variants=[variant], types=[type_name])[(variant, type_name)]
+    ids = list(np.random.default_rng(1).integers(0, 200, 70))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        m = kc.Model(path, n_ctx=256, kv_type=kv_type, device=dev)
+        with m.new_sequence() as s:
+            prefill = s.append(ids, logits="all")
+            steps = [s.append([int(np.argmax(prefill[-1]))], logits="last")]
+        out[dev] = np.concatenate([prefill, np.stack(steps)])
+    err = np.abs(out["cuda"] - out["cpu"]).max() / np.abs(out["cpu"]).max()
+    assert err <= 5e-3, err  # TF32 prefill GEMM
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_64_tokens_identical_on_f32(tiny_f32) -> None:
+    _need_cuda()
+    toks = {}
+    for dev in ("cpu", "cuda"):
+        m = kc.Model(tiny_f32, n_ctx=256, device=dev)
+        with m.new_sequence() as s:
+            logits = s.append([1, 5, 9, 14], logits="last")
+            seq = []
+            for _ in range(64):
+                t = int(np.argmax(logits))
+                seq.append(t)
+                logits = s.append([t], logits="last")
+        toks[dev] = seq
+    assert toks["cuda"] == toks["cpu"]
+
+
+@pytest.mark.gpu
+def test_cuda_shared_corrected_span_matches_cpu(tiny_f32) -> None:
+    """A kvcmas-style reuse on the device: a span shared at a shift with a correction, then decoded, as on the CPU."""
+    _need_cuda()
+    out = {}
+    for dev in ("cpu", "cuda"):
+        m = kc.Model(tiny_f32, n_ctx=256, device=dev)
+        rng = np.random.default_rng(2)
+        kd = m.n_head_kv * m._core.head_dim
+        corr = core.KvCorrection(40, 4, kd, m.n_layer)
+        for il in range(1, m.n_layer):
+            corr.set_layer(il, *(rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((40, 4), (4, kd)) * 2))
+        with m.new_sequence() as a, m.new_sequence() as b:
+            a.append(list(range(3, 53)), logits="none")
+            b.append(list(range(60, 67)), logits="none")
+            b.append_shared(a.share(10, 40), corr)
+            out[dev] = b.append([5, 6, 7], logits="all")
+    err = np.abs(out["cuda"] - out["cpu"]).max() / np.abs(out["cpu"]).max()
+    assert err <= 5e-3, err
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_memory_is_a_clear_error_and_frees_what_it_took() -> None:
+    _need_cuda()
+    ops = core.BackendOps("cuda", 1)
+    free0 = ops.free_bytes()
+    with pytest.raises(kc.KvcmasError, match="out of device memory"):
+        ops.try_alloc(free0 + (1 << 40))
+    assert abs(ops.free_bytes() - free0) < (64 << 20)
