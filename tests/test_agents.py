@@ -394,7 +394,7 @@ def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None
 def test_a_session_over_an_8k_token_context_calibrates_then_reuses(model: kc.Model) -> None:
     """Default settings, a shared context of ~7.5K tokens: the reader's edge gathers its reads in fixed memory (the
     ridge statistics, not the spans' rows), gets its map, and the next workflow reuses the span with corrections."""
-    from kvcmas_cpp.agents import estimator_bytes
+    from kvcmas_cpp.agents import shared_estimator
     from kvcmas_cpp.sharing.workflow import load_gsm8k
 
     questions = load_gsm8k(200, 400)
@@ -409,7 +409,8 @@ def test_a_session_over_an_8k_token_context_calibrates_then_reuses(model: kc.Mod
             team.share(context, label="Context")
             a.respond(max_tokens=1)
             stats.append(b.respond(max_tokens=1).stats)
-            assert estimator_bytes(model) < 64 << 20  # one edge's statistics (~17 MB), whatever the span
+            ridge = shared_estimator(model, "kvcmas", "test-8k")[0]
+            assert ridge.pending_bytes() + ridge.state_bytes() < 64 << 20  # an edge's statistics (~17 MB) + maps
     assert 7000 < stats[0].prompt_tokens < model.n_ctx, stats[0]
     assert [s.gate for s in stats[:CALIBRATION_READS]] == ["calibrating -> reuse"] * CALIBRATION_READS
     last = stats[-1]
