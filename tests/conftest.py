@@ -258,6 +258,21 @@ def reference() -> object:
     return _Reference()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_home_for_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """$XDG_CACHE_HOME in a temporary directory before any fixture runs (servers started by module fixtures
+    inherit it): learned corrections (kvcmas' calibration directory, on by default) never go to the real home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache-session")))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets its own $XDG_CACHE_HOME on top: no test loads another's learned corrections."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 @pytest.fixture(scope="session")
 def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     """A tiny random-weight SigLIP tower + projector to the default model's width; None when the core has no

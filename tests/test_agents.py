@@ -80,14 +80,29 @@ def test_gate_forced_dense_matches_nonshared(model: kc.Model) -> None:
     assert [r.ids for r in forced] == [r.ids for r in dense]
 
 
-def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model) -> None:
+@pytest.mark.parametrize("cold", ["dense", "reuse"])
+def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model, cold: str) -> None:
     questions = [QUESTION, "Weng earns $12 an hour for babysitting. How much did she earn for 50 minutes?"]
-    modes = []
+    modes, gates, first = [], [], []
     for i in range(CALIBRATION_READS + 1):
-        out = run_team(model, "kvcmas", question=f"{questions[i % 2]} (case {i})", workflow="test-cal")
+        q = f"{questions[i % 2]} (case {i})"
+        out = run_team(model, "kvcmas", question=q, workflow=f"test-cal-{cold}", cold=cold)
         modes.append([r.stats.mode for r in out])
-    assert modes[0][1:] == ["fallback", "fallback"]  # no map yet: later agents compute densely and learn
-    assert modes[-1][1:] == ["reuse", "reuse"]
+        gates.append([r.stats.gate for r in out])
+        first = out if i == 0 else first
+    if cold == "dense":  # no map yet: later agents compute densely and learn
+        assert modes[0][1:] == ["fallback", "fallback"] and gates[0][1] == "calibrating -> dense"
+    else:  # no map yet: later agents share like fullshared, and learn from exact rows computed after their reply
+        assert modes[0][1:] == ["reuse", "reuse"] and gates[0][1:] == ["calibrating -> reuse"] * 2
+        cfg = kc.agents.MethodConfig("fullshared", head=4)  # kvcmas' exact head
+        fs = run_team(model, "fullshared", question=f"{questions[0]} (case 0)", config=cfg)
+        for r, f in zip(first[:2], fs[:2], strict=True):  # the first cold reader is fullshared's, bit for bit
+            np.testing.assert_array_equal(r.first_logits, f.first_logits)
+            assert r.ids == f.ids and r.stats.computed_tokens == f.stats.computed_tokens
+        # the next one reads the question from the exact rows computed for the first reader's training read
+        assert first[2].stats.computed_tokens == fs[2].stats.computed_tokens
+        assert first[1].stats.calibration_tokens > 0
+    assert modes[-1][1:] == ["reuse", "reuse"] and gates[-1][1:] == ["reuse", "reuse"]
     last = out[1].stats
     assert last.corr_rank > 0 and last.corr_bytes > 0
 
@@ -108,7 +123,7 @@ def test_kvcmas_is_closer_to_exact_than_fullshared(model: kc.Model) -> None:
             a, b = _pair(team)
             team.share(q)
             a.respond(max_tokens=6)
-            assert b.respond(max_tokens=1).stats.mode == "fallback"  # calibrating: dense, and learned from
+            assert b.respond(max_tokens=1).stats.gate == "calibrating -> reuse"  # shared cold, and learned from
     assert len(est_ridge.maps) == 2
     kl: dict[str, list[float]] = {"fullshared": [], "kvcmas": []}
     for q in load_gsm8k(0, 3):
@@ -357,7 +372,7 @@ def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None
     write_random_mmproj(mmproj, image_size=56, n_embd=64, n_ff=128, n_layer=2, n_head=4, n_embd_out=model.n_embd)
     photo = Path(skimage.__file__).parent / "data" / "astronaut.png"
     vision = VisionEncoder(mmproj, n_threads=2)
-    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)  # one dense read per edge teaches it
+    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)  # one read per edge teaches it
     ridge = est.RidgeEstimator(rank=8)
     replies = {}
     for run, method in enumerate(("nonshared", "kvcmas", "kvcmas")):
@@ -368,8 +383,35 @@ def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None
             replies[run] = [a.respond(max_tokens=6) for a in agents]
     assert vision.encode_count == 1  # one encode, however many agents and sessions read it
     assert replies[1][0].ids == replies[0][0].ids == replies[2][0].ids  # the first agent is exact
-    assert [r.stats.mode for r in replies[1][1:]] == ["fallback"] * 2  # calibrating: dense, and learning
+    assert [r.stats.gate for r in replies[1][1:]] == ["calibrating -> reuse"] * 2  # cold reuse, and learning
     for r in replies[2][1:]:  # then the image rows come by reference, with the learned correction
         assert r.stats.mode == "reuse" and r.stats.reused_tokens >= vision.n_tokens and r.stats.corr_rank > 0
     with AgentSession(model, "fullshared", vision=vision) as team, pytest.raises(ValueError, match="image"):
         team.share(image=b"not an image at all")
+
+
+@pytest.mark.slow
+def test_a_session_over_an_8k_token_context_calibrates_then_reuses(model: kc.Model) -> None:
+    """Default settings, a shared context of ~7.5K tokens: the reader's edge gathers its reads in fixed memory (the
+    ridge statistics, not the spans' rows), gets its map, and the next workflow reuses the span with corrections."""
+    from kvcmas_cpp.agents import shared_estimator
+    from kvcmas_cpp.sharing.workflow import load_gsm8k
+
+    questions = load_gsm8k(200, 400)
+    stats = []
+    for i in range(CALIBRATION_READS + 1):
+        picked: list[str] = []  # ~7.5K tokens of questions (overlapping contexts, never the same one)
+        while len(model.tokenize("\n".join(picked), add_special=False)) < 7500:
+            picked += questions[i * 40 + len(picked) : i * 40 + len(picked) + 10]
+        context = "\n".join(picked)
+        with AgentSession(model, "kvcmas", workflow="test-8k") as team:
+            a, b = _pair(team)
+            team.share(context, label="Context")
+            a.respond(max_tokens=1)
+            stats.append(b.respond(max_tokens=1).stats)
+            ridge = shared_estimator(model, "kvcmas", "test-8k")[0]
+            assert ridge.pending_bytes() + ridge.state_bytes() < 64 << 20  # an edge's statistics (~17 MB) + maps
+    assert 7000 < stats[0].prompt_tokens < model.n_ctx, stats[0]
+    assert [s.gate for s in stats[:CALIBRATION_READS]] == ["calibrating -> reuse"] * CALIBRATION_READS
+    last = stats[-1]
+    assert last.gate == "reuse" and last.corr_rank > 0 and last.reused_tokens > 7000

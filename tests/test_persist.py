@@ -103,3 +103,73 @@ def test_a_failed_write_leaves_the_old_file(
         persist.save_ridge(fitted, path, model)
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["ridge.npz"]
+
+
+# ---------------------------------------------------------------------------------------------- calibration directory
+def _team_run(m: kc.Model, question: str, **kw: object) -> kc.agents.Response:
+    """Two agents over one question; returns the reader's response."""
+    from kvcmas_cpp.agents import AgentSession
+
+    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)  # one read fits an edge
+    with AgentSession(m, "kvcmas", workflow="persist", config=cfg, **kw) as team:  # type: ignore[arg-type]
+        a = team.agent("Solver", system="You are a math expert. Solve the problem.")
+        b = team.agent("Critic", system="You are a careful critic.")
+        team.share(question, label="Question")
+        a.respond(max_tokens=8)
+        return b.respond(max_tokens=1)
+
+
+Q1 = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?"
+Q2 = "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?"
+
+
+def test_a_restart_keeps_the_learned_corrections(default_model_path: str, tiny_models: dict, tmp_path: Path) -> None:
+    root = tmp_path / "calibration"
+    first = kc.Model(default_model_path, n_threads=2)
+    assert _team_run(first, Q1, calibration_dir=root).stats.gate == "calibrating -> reuse"
+    files = sorted(root.rglob("*.npz"))
+    assert len(files) == 2  # the question's edge and the reply's edge of the critic, one file each
+    assert all(f.parent.name == persist.model_fingerprint(first)[:16] for f in files)
+    assert not list(root.rglob("*.tmp"))
+    warm = _team_run(first, Q2, calibration_dir=root)  # the same process: maps in memory
+    assert warm.stats.gate == "reuse" and warm.stats.corr_rank > 0
+
+    # a damaged file and another model's file in the directory: refused by name, left as they are
+    damaged = files[0].parent / "0000damaged.npz"
+    damaged.write_bytes(b"not a zip at all")
+    tiny = kc.Model(tiny_models[("llama", "F32")], n_threads=1)
+    r = est.RidgeEstimator(rank=8)
+    kd = tiny.n_head_kv * tiny._core.head_dim
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((tiny.n_layer, 8, kd), np.float32)
+    r.add_example(est.EdgeContext("context:", "agent:x", "", base, base, base + 1, base - 1))
+    r.fit()
+    foreign = files[0].parent / "0001foreign.npz"
+    persist.save_ridge(r, foreign, tiny, extra={"method": "kvcmas", "workflow": "persist"})
+    foreign_bytes = foreign.read_bytes()
+
+    restarted = kc.Model(default_model_path, n_threads=2)  # a new process: fresh estimators, loaded from disk
+    again = _team_run(restarted, Q2, calibration_dir=root)
+    assert again.stats.gate == "reuse" and again.stats.corr_rank > 0  # the first workflow reuses, calibrated
+    np.testing.assert_array_equal(again.first_logits, warm.first_logits)  # with the very same maps
+    from kvcmas_cpp.agents import shared_estimator
+
+    store = persist.CalibrationStore(root, restarted, "kvcmas", "persist")
+    store.load_into(est.RidgeEstimator(rank=8))
+    assert any("0000damaged.npz" in m and "damaged" in m for m in store.refused)
+    assert any("0001foreign.npz" in m and "another model" in m for m in store.refused)
+    assert damaged.read_bytes() == b"not a zip at all" and foreign.read_bytes() == foreign_bytes  # nothing lost
+    assert len(shared_estimator(restarted, "kvcmas", "persist")[0].maps) == 2  # type: ignore[attr-defined]
+
+
+def test_no_calibration_dir_writes_nothing_and_the_default_is_the_cache_home(
+    default_model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert persist.default_calibration_dir() == tmp_path / "xdg" / "kvcmas"
+    m = kc.Model(default_model_path, n_threads=2)
+    _team_run(m, Q1, calibration_dir=False)
+    assert not (tmp_path / "xdg").exists()
+    m2 = kc.Model(default_model_path, n_threads=2)
+    _team_run(m2, Q1)  # default: on, under the cache home
+    assert len(list((tmp_path / "xdg" / "kvcmas").rglob("*.npz"))) == 2

@@ -284,13 +284,16 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
         b["kvcmas"]["workflow"] == "wf-kv-0" and b["kvcmas"]["agent"] == f"agent{k}" for k, b in enumerate(shared)
     )
     for body in shared + plain:
-        usage = body["usage"]
-        assert usage["prompt_tokens"] == body["kvcmas"]["reused_tokens"] + body["kvcmas"]["computed_tokens"]
-        assert usage["prompt_tokens_details"]["cached_tokens"] == body["kvcmas"]["reused_tokens"]
+        usage, k = body["usage"], body["kvcmas"]
+        assert usage["prompt_tokens"] == k["reused_tokens"] + k["computed_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == k["reused_tokens"]
+        assert k["reused_tokens"] == k["prefix_cached_tokens"] + k["span_tokens"]  # where the rows came from
+    # a new session's first agent computes everything, its system prompt included: nothing counts as cached
+    assert shared[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     if shared[0]["kvcmas"]["method"] != "kvcmas":
         pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
-    # kvcmas reads each edge densely while it calibrates (the gate says so), then shares it. Every workflow is a
-    # new session: what it reuses, its own first agent computed.
+    # kvcmas shares each edge uncorrected while it calibrates (the gate says so), then with its learned map. Every
+    # workflow is a new session: what it reuses, its own first agent computed.
     last, i = shared, 0
     while any("calibrating" in str(b["kvcmas"]["gate"]) for b in last[1:]) and i < 6:
         i += 1
@@ -308,6 +311,10 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
         assert exact[k]["kvcmas"]["gate"] == "reuse" and exact[k]["kvcmas"]["recomputed_tokens"] > 0
     metrics = server.metrics()
     assert metrics["kvcmas_reused_tokens_total"] >= 3 * (task_tokens // 2)
+    assert metrics["kvcmas_span_tokens_total"] >= 3 * (task_tokens // 2)
+    assert metrics["kvcmas_reused_tokens_total"] == (
+        metrics["kvcmas_span_tokens_total"] + metrics["kvcmas_prefix_cached_tokens_total"]
+    )
     assert metrics["kvcmas_estimator_bytes"] > 0  # the maps kvcmas learned (and reads of edges still calibrating)
 
 

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import os
 import re
 import secrets
 import threading
@@ -45,6 +46,7 @@ import numpy as np
 from .model import CompletionChunk, KVSequence, Model
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
+from .sharing.persist import CalibrationStore, default_calibration_dir
 from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 
@@ -70,6 +72,8 @@ def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
 _estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.RLock]]] = (
     weakref.WeakKeyDictionary()
 )
+# the calibration directories each shared estimator has loaded (model -> (method, workflow) -> resolved roots)
+_loaded_dirs: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], set[str]]] = weakref.WeakKeyDictionary()
 _estimators_lock = threading.Lock()
 
 
@@ -81,9 +85,11 @@ def estimator_bytes(model: Model) -> int:
     return sum(e.state_bytes() + e.pending_bytes() for e, _ in items)
 
 
-def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Estimator, threading.RLock]:
+def shared_estimator(
+    model: Model, method: str, workflow: str, store: CalibrationStore | None = None
+) -> tuple[est.Estimator, threading.RLock]:
     """The estimator sessions of one workflow kind share on a model (what kvcmas learns carries across sessions),
-    with the lock that serialises its use."""
+    with the lock that serialises its use. store: a calibration directory whose maps it loads (once per directory)."""
     with _estimators_lock:
         per_model = _estimators.setdefault(model, {})
         key = (method, workflow)
@@ -98,7 +104,18 @@ def shared_estimator(model: Model, method: str, workflow: str) -> tuple[est.Esti
                 "kvcmas-ref": lambda: reference_estimator(model, workflow),
             }[method]()
             per_model[key] = (estimator, threading.RLock())
-        return per_model[key]
+        estimator, lock = per_model[key]
+        loaded = _loaded_dirs.setdefault(model, {}).setdefault(key, set())
+        if store is not None and isinstance(estimator, est.RidgeEstimator) and str(store.dir) not in loaded:
+            loaded.add(str(store.dir))
+            with lock:
+                store.load_into(estimator)
+        return estimator, lock
+
+
+def agent_identity(system: str, template: str | None = None) -> str:
+    """A reader's key in the estimator: a hash of its role prompt (and template), not its arrival order."""
+    return "agent:" + hashlib.sha256(f"{system}\0{template or ''}".encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -113,13 +130,17 @@ class ResponseStats:
     ttft_ms: float
     prompt_tokens: int
     computed_tokens: int
-    reused_tokens: int
+    reused_tokens: int  # prefix_cached_tokens + span_tokens: rows served from earlier work
     generated_tokens: int = 0
     generation_ms: float = 0.0
     kv_bytes: int = 0
     corr_bytes: int = 0
     corr_rank: int = 0
     recomputed_tokens: int = 0  # shared-span tokens recomputed in this agent's context (counted in computed_tokens)
+    prefix_cached_tokens: int = 0  # rows of the agent's prompt prefix computed by an earlier call (exact)
+    span_tokens: int = 0  # rows of shared spans other calls computed, read by reference (corrected by the method)
+    dense_reason: str | None = None  # why this later call computed its shared spans: calibrating | gate | no match
+    calibration_tokens: int = 0  # rows computed after the reply as a training read (cold reuse while calibrating)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -156,10 +177,11 @@ class ResponseChunk:
 
 @dataclass
 class _Item:
-    ph: str  # placeholder naming the span in the method (edge key)
+    ph: str  # placeholder naming the span in the session's templates
     ids: list[int]
     label: str | None
     author: int | None  # agent index for replies
+    key: str = ""  # the span's role in the estimator's edges: "context:<label>", "message:<role>", "reply:<author>"
 
 
 @dataclass
@@ -174,6 +196,8 @@ class Prefilled:
     pos_map: dict[str, tuple[int, int]]
     corrs: dict[str, est.Correction]
     reply_ph: str
+    prefix_rows: int = 0  # rows of the agent's template prefix (before the first span)
+    prefix_cached: int = 0  # of them, rows an earlier call computed
     finished: bool = False
     released: bool = False
 
@@ -372,6 +396,8 @@ class AgentSession:
         config: MethodConfig | None = None,
         vision: Any = None,
         recompute: float | None = None,
+        cold: Literal["reuse", "dense"] | None = None,
+        calibration_dir: str | os.PathLike[str] | bool = True,
     ) -> None:
         """method: nonshared (every agent prefills its whole prompt; own prefix cache), fullshared (spans shared
         without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
@@ -379,7 +405,14 @@ class AgentSession:
         anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
         kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd).
         recompute: the share of each shared span a later agent recomputes in its own context (MethodConfig.recompute,
-        sharing/recompute.py): 0 = pure reuse (default), 1 = what nonshared computes; prefill() may override it."""
+        sharing/recompute.py): 0 = pure reuse (default), 1 = what nonshared computes; prefill() may override it.
+        cold (kvcmas, online calibration): what a reader does before its edge has a fitted map: 'reuse' (default:
+        shares the span like fullshared with an exact head and tail, and computes the exact rows after its reply as
+        the training read) or 'dense' (computes the span; overrides config.cold when given). calibration_dir
+        (kvcmas): where fitted maps are kept across processes, keyed by model, workflow and edge: True (default)
+        for $XDG_CACHE_HOME/kvcmas (sharing.persist.default_calibration_dir), a path, or False for none; maps found
+        there are loaded when the workflow's estimator is first used, and each fit is written there. An
+        `estimator` given here persists only with an explicit path."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
@@ -391,19 +424,33 @@ class AgentSession:
                 if method == "kvcmas"
                 else (MethodConfig(method, rank=0) if method == "kvcomm" else MethodConfig(method))
             )
+        if cold is not None:
+            if cold not in ("reuse", "dense"):
+                raise ValueError(f"cold must be 'reuse' or 'dense', got {cold!r}")
+            config = dataclasses.replace(config, cold=cold)
         if config.tail != "exact":
             raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
         if recompute is not None:
             config = dataclasses.replace(config, recompute=float(recompute))  # validated by MethodConfig
+        root: str | os.PathLike[str] | None = None
+        if calibration_dir is True:
+            root = default_calibration_dir() if estimator is None else None
+        elif calibration_dir is not False:
+            root = calibration_dir
+        self._store = CalibrationStore(root, model, method, workflow) if root and method == "kvcmas" else None
         if estimator is not None:
             self._estimator_lock = threading.RLock()
+            if self._store is not None and isinstance(estimator, est.RidgeEstimator):
+                self._store.load_into(estimator)
         else:
-            estimator, self._estimator_lock = shared_estimator(model, method, workflow)
+            estimator, self._estimator_lock = shared_estimator(model, method, workflow, self._store)
         self._runner = WorkflowRunner(model, Workflow(workflow, ()), config, estimator)
+        self._runner.edge_of = self._edge_of
         self._lock = threading.RLock()
         self.agents: list[Agent] = []
+        self._identities: list[str] = []  # per agent: agent_identity()
         self._prefixes: dict[int, tuple[tuple[int, ...], KVSequence]] = {}
-        self._row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
+        self._row_bytes = model.kv_row_bytes
         self._serial = 0
         self._reset_state()
 
@@ -418,6 +465,7 @@ class AgentSession:
                 raise ValueError(f"agent: an agent named {name!r} exists already in this session")
             ag = Agent(self, len(self.agents), name, system, template)
             self.agents.append(ag)
+            self._identities.append(agent_identity(system, template))
             self._runner.agent_names.append(name)
             return ag
 
@@ -453,7 +501,7 @@ class AgentSession:
                 raise ValueError("share: the content is empty")
             n_ctx = sum(1 for it in self._items if it.author is None)
             ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
-            self._add_item(_Item(ph, ids, label, None))
+            self._add_item(_Item(ph, ids, label, None, f"context:{label or ''}"))
 
     def _embedding_ids(self, embeddings: np.ndarray, where: str, register: bool = True) -> list[int] | None:
         """The prompt ids standing for input vectors [n, n_embd]; the same rows (by content) get the same ids. Rows
@@ -486,6 +534,7 @@ class AgentSession:
         self._state = RequestState(f"{self.workflow}#{id(self)}#{self._serial}", {})
         self._items: list[_Item] = []
         self._by_ids: dict[tuple[int, ...], str] = {}
+        self._span_keys: dict[str, str] = {}  # placeholder -> the span's role in estimator edges (_Item.key)
         # A reply's text -> its placeholder: a client sends a reply back as text, whose tokens need not be the
         # generated ones (a model may generate a non-canonical tokenization); the text still names the span.
         self._by_text: dict[str, str] = {}
@@ -519,8 +568,11 @@ class AgentSession:
     def fork(self) -> AgentSession:
         """A new session with the same agents and a copy of the shared context (spans re-computed on first read)."""
         with self._lock:
-            other = AgentSession(self.model, self.method, workflow=self.workflow, config=self._runner.config)
+            other = AgentSession(
+                self.model, self.method, workflow=self.workflow, config=self._runner.config, calibration_dir=False
+            )
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
+            other._store = self._store
             for a in self.agents:
                 other.agent(a.name, a.system, template=a.template)
             other.vision = self.vision
@@ -528,7 +580,7 @@ class AgentSession:
             other._vector_ids = dict(self._vector_ids)
             other._by_text = dict(self._by_text)
             for it in self._items:
-                other._add_item(_Item(it.ph, list(it.ids), it.label, it.author))
+                other._add_item(_Item(it.ph, list(it.ids), it.label, it.author, it.key))
             return other
 
     @property
@@ -596,7 +648,7 @@ class AgentSession:
                 if ph is None:
                     n_ctx = sum(1 for it in self._items if it.author is None)
                     ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
-                    self._add_item(_Item(ph, ids, None, None))
+                    self._add_item(_Item(ph, ids, None, None, f"message:{role}"))
                 rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
             key = agent if agent is not None else (system or "assistant")
             ag = next((a for a in self.agents if a.name == key), None)
@@ -606,9 +658,11 @@ class AgentSession:
             if between_chunks is None:
                 return self._prefill_template(ag, template)
             t0 = time.perf_counter()
+            cached = self._has_prefix(ag, template)
             prefix = self._prefix(ag, template)  # computed here when the agent's system prompt is new to the session
             prefix_ms = (time.perf_counter() - t0) * 1000.0
-            p = self._prefill_template(ag, template, _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms))
+            fork = _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms)
+            p = self._prefill_template(ag, template, fork, prefix_cached=cached)
             if isinstance(p.seq, _ChunkedSequence):
                 p.seq.between = None  # generation and finish() append in one piece
             return p
@@ -645,10 +699,11 @@ class AgentSession:
             return total
 
     def _span(self, ids: list[int], content: Any) -> str | None:
-        """The placeholder of a span the session holds already: by the content's ids, or a reply by its text."""
+        """The placeholder of a span the session holds already: by the content's ids, or a reply by the text its
+        client received (also when it comes back with surrounding whitespace trimmed or added)."""
         ph = self._by_ids.get(tuple(ids))
         if ph is None and isinstance(content, str):
-            ph = self._by_text.get(content)
+            ph = self._by_text.get(content) or self._by_text.get(content.strip())
         return ph
 
     def _content_ids(self, i: int, role: Any, content: Any, register: bool = True) -> list[int] | None:
@@ -682,9 +737,11 @@ class AgentSession:
             messages.append({"role": "user", "content": self._user_template(agent)})
             return self._prefill_template(agent, template_from_messages(self.model, messages, agent.name))
 
-    def finish(self, p: Prefilled, generated: Sequence[int]) -> None:
+    def finish(self, p: Prefilled, generated: Sequence[int], text: str | None = None) -> None:
         """Registers a generated reply (its ids; a trailing end-of-generation token is dropped) as a span later
-        prompts reuse. The rows of its last token are computed here if generation stopped before feeding it."""
+        prompts reuse. The rows of its last token are computed here if generation stopped before feeding it.
+        text: what the client received (e.g. cut before a stop string): the span keeps the tokens that text covers,
+        and the text (trimmed or not) names it when it comes back."""
         with self._lock:
             if p.finished:
                 raise ValueError("finish: this prompt was finished already")
@@ -694,13 +751,25 @@ class AgentSession:
             out = [int(t) for t in generated]
             if out and out[-1] in self.model.tokenizer.eog_ids:
                 out = out[:-1]
+            received = None
+            if text is not None:
+                out, received = self._received(out, text)
             p.hop.generated = out
             held = len(p.seq) - p.hop.prompt_tokens
             if held < len(out):
                 p.seq.append(out[held:], logits="none")
             elif held > len(out):
                 p.seq.truncate(p.hop.prompt_tokens + len(out))
-            self._finish(p, out)
+            self._finish(p, out, received)
+
+    def _received(self, out: list[int], text: str) -> tuple[list[int], str | None]:
+        """The generated ids cut to those whose text the client received (a stop string ends it early), and the
+        received text when those ids spell it (up to surrounding whitespace)."""
+        k = len(out)
+        while k > 0 and not text.startswith(self.model.detokenize(out[:k])):
+            k -= 1
+        spelled = self.model.detokenize(out[:k])
+        return out[:k], (text if spelled.strip() == text.strip() else None)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _ids(self, content: str | Sequence[int]) -> list[int]:
@@ -716,6 +785,7 @@ class AgentSession:
     def _add_item(self, it: _Item) -> None:
         self._items.append(it)
         self._state.relayed[it.ph] = it.ids
+        self._span_keys[it.ph] = it.key
         self._by_ids.setdefault(tuple(it.ids), it.ph)
 
     def _user_template(self, ag: Agent) -> str:
@@ -742,35 +812,63 @@ class AgentSession:
         self._prefixes[ag.index] = (key, s)
         return s
 
-    def _prefill_template(self, ag: Agent, t: Template, prefix: _ChunkedFork | None = None) -> Prefilled:
+    def _has_prefix(self, ag: Agent, t: Template) -> bool:
+        """The agent's template prefix is cached already (an earlier call computed it)."""
+        cached = self._prefixes.get(ag.index)
+        return cached is not None and cached[0] == tuple(t.texts[0])
+
+    def _edge_of(self, ph: str, reader: int) -> est.Edge:
+        """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
+        return (self._span_keys.get(ph, ph), self._identities[reader])
+
+    def _prefill_template(
+        self, ag: Agent, t: Template, prefix: _ChunkedFork | None = None, prefix_cached: bool | None = None
+    ) -> Prefilled:
         missing = [ph for ph in t.placeholders if ph not in self._state.relayed]
         if missing:
             raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
         n = self._replies.get(ag.index, 0)
         reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
         # The method only forks the prefix: a _ChunkedFork stands in for it where appends are to run in chunks.
+        if prefix_cached is None:
+            prefix_cached = self._has_prefix(ag, t)
         base = self._prefix(ag, t) if prefix is None else cast(KVSequence, prefix)
         with self._estimator_lock:
             seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, base, self._state)
         for ph in t.placeholders:
             if ph in self._lru:
                 self._lru.move_to_end(ph)
-        return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph)
+        n = len(t.texts[0])
+        return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph, n, n if prefix_cached else 0)
 
-    def _finish(self, p: Prefilled, out: list[int]) -> None:
+    def _finish(self, p: Prefilled, out: list[int], received: str | None = None) -> None:
         ag = p.agent
         self._replies[ag] = self._replies.get(ag, 0) + 1
         relay = out if out else None
+        key = f"reply:{self._identities[ag]}"
         if relay is not None:
-            self._by_text.setdefault(self.model.detokenize(out), p.reply_ph)
+            for text in (self.model.detokenize(out), received):
+                if text is not None:
+                    self._by_text.setdefault(text, p.reply_ph)
+                    self._by_text.setdefault(text.strip(), p.reply_ph)
         if self.method == "nonshared":  # nothing is stored: replies are re-read as text
             if relay is not None:
-                self._add_item(_Item(p.reply_ph, out, None, ag))
+                self._add_item(_Item(p.reply_ph, out, None, ag, key))
             return
         with self._estimator_lock:
-            self._runner.finish_hop(ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph)
+            prefix = self._prefixes[ag][1] if ag in self._prefixes else None
+            fitted = self._runner.finish_hop(
+                ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=prefix
+            )
+            if fitted and self._store is not None and isinstance(self._runner.estimator, est.RidgeEstimator):
+                self._store.save(self._runner.estimator, fitted)
+        for s in self._state.owned:  # a cold-reuse hop's exact rows the chain reads on
+            self._seqs.append(s)
+            self._owned_rows[id(s)] = p.hop.shadow_tokens
+        self._state.owned.clear()
         if relay is not None:
-            self._items.append(_Item(p.reply_ph, out, None, ag))
+            self._items.append(_Item(p.reply_ph, out, None, ag, key))
+            self._span_keys[p.reply_ph] = key
             self._by_ids.setdefault(tuple(out), p.reply_ph)
         self._seqs.append(p.seq)
         self._owned_rows[id(p.seq)] = p.hop.computed_tokens + len(out)
@@ -803,6 +901,7 @@ class AgentSession:
     def _stats(self, p: Prefilled, generation_ms: float = 0.0) -> ResponseStats:
         h = p.hop
         gen = len(h.generated)
+        computed = h.computed_tokens + p.prefix_rows - p.prefix_cached  # prefix rows this very call computed count
         return ResponseStats(
             self.agents[p.agent].name,
             self.method,
@@ -810,14 +909,18 @@ class AgentSession:
             h.gate,
             round(h.ttft_ms, 3),
             h.prompt_tokens,
-            h.computed_tokens,
-            h.reused_tokens,
+            computed,
+            h.prompt_tokens - computed,
             gen,
             round(generation_ms, 3),
-            (h.computed_tokens + gen) * self._row_bytes,
+            (computed + gen) * self._row_bytes,
             h.corr_bytes,
             h.corr_rank,
             h.recomputed_tokens,
+            p.prefix_cached,
+            h.prompt_tokens - computed - p.prefix_cached,
+            h.dense_reason if h.mode != "reuse" else None,
+            h.shadow_tokens,
         )
 
     def _respond(
@@ -854,10 +957,11 @@ class AgentSession:
                     pieces.append(c_.text)
                     if c_.text:
                         yield ResponseChunk(c_.text, c_.token)
-                self.finish(p, ids)
+                text = "".join(pieces)
+                self.finish(p, ids, text)
                 stats = self._stats(p, gen_ms)
                 chosen = chat_logprobs(self.model.tokenizer, lps) if logprobs is not None else None
-                response = Response(ag.name, "".join(pieces), ids, finish, stats, p.logits, chosen)
+                response = Response(ag.name, text, ids, finish, stats, p.logits, chosen)
                 yield ResponseChunk(pieces[-1] if pieces else "", None, finish, response)
             finally:
                 self._release(p)

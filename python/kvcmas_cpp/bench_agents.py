@@ -62,6 +62,9 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
     g.add_argument("--out", default=None, help="JSONL file of per-example results (appended as they finish)")
     g.add_argument("--resume", action="store_true", help="skip the examples already in --out")
+    g = p.add_argument_group("cold-start mode (--cold-start N): fresh sessions and estimators, N shared tokens")
+    g.add_argument("--cold-start", type=int, default=None, metavar="N", help="shared tokens of each workflow")
+    g.add_argument("--workflows", type=int, default=5, help="workflows per method (kvcmas calibrates on 4)")
     g = p.add_argument_group("concurrent mode (--concurrent): N workflows at once")
     g.add_argument("--concurrent", default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16")
     p.add_argument("--plot", default=None, help="directory for PNG plots of the results")
@@ -280,7 +283,7 @@ def run_agents(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"bench agents: {e}", file=sys.stderr)
             return 2
-    if args.task or args.concurrent:
+    if args.task or args.concurrent or args.cold_start:
         return _run_session_modes(args, methods)
     sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
     decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
@@ -336,6 +339,11 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
         if not levels or min(levels) < 1:
             raise ValueError("--concurrent takes positive workflow counts, e.g. 1,2,4")
         result["concurrent"] = bt.concurrent(model, methods, levels, args.max_tokens, args.calibrate)
+    if args.cold_start:
+        if args.cold_start < 1 or args.workflows < 1:
+            raise ValueError("--cold-start and --workflows take positive numbers")
+        with single_threaded_blas():
+            result["cold_start"] = bt.cold_start(model, args.cold_start, args.workflows, args.gen_tokens, args.agents)
     if args.json:
         print(json.dumps(result, indent=1, default=float))
     else:
@@ -343,6 +351,8 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             bt.print_accuracy(result["accuracy"])
         if "concurrent" in result:
             bt.print_concurrent(result["concurrent"])
+        if "cold_start" in result:
+            bt.print_cold_start(result["cold_start"])
     _plots(args, result)
     return 0
 

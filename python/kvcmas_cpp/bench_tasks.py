@@ -11,6 +11,9 @@
   (`--resume`) and new methods can be added to a finished run.
 - concurrent: N workflows at once (threads, each its own session) per level and method: TTFT percentiles of later
   hops, throughput and peak KV bytes.
+- cold start: fresh sessions of the GSM8K team over an N-token shared context, workflow after workflow from a fresh
+  estimator: later-agent TTFT and first-token KL against nonshared while kvcmas calibrates (cold reuse vs dense)
+  and after.
 - plots (matplotlib, PNG): accuracy per method, TTFT vs shared length and KV memory vs agents from the speed part.
 """
 
@@ -327,6 +330,112 @@ def concurrent(
             bar.update()
     bar.close()
     return rows
+
+
+COLD_METHODS = {  # row name -> (session method, cold policy)
+    "nonshared": ("nonshared", None),
+    "fullshared": ("fullshared", None),
+    "kvcmas": ("kvcmas", "reuse"),
+    "kvcmas cold=dense": ("kvcmas", "dense"),
+}
+
+
+def cold_start(
+    model: Model, shared_tokens: int, workflows: int, max_tokens: int, agents: int = 4
+) -> list[dict[str, Any]]:
+    """Per method (COLD_METHODS) and workflow: fresh sessions of the GSM8K team reading a new shared_tokens-token
+    context, the kvcmas estimators fresh at the first workflow (and kept in memory only). Replies are nonshared's
+    greedy ones, teacher-forced in the other methods, so every method's later agents see the same prompts: the
+    first-token KL is against nonshared's logits for the very same prompt. TTFT is the wall time of an agent's
+    prefill (its system prompt's, the first time, included); finish_ms is the work after the reply (cold reuse's
+    training reads)."""
+    from .sharing import estimators as est
+    from .sharing.workflow import gsm8k_workflow, load_gsm8k
+
+    wf = gsm8k_workflow(agents)
+    texts = load_gsm8k(100, 1000)
+    contexts: list[str] = []
+    picked: list[str] = []
+    for t in texts:
+        picked.append(t)
+        if len(model.tokenize("\n".join(picked), add_special=False)) >= shared_tokens:
+            contexts.append("\n".join(picked))
+            picked = []
+            if len(contexts) == workflows:
+                break
+    if len(contexts) < workflows:
+        raise ValueError(f"not enough GSM8K text for {workflows} contexts of {shared_tokens} tokens")
+    eog = model.tokenizer.eog_ids
+    forced: list[list[list[int]]] = []  # per workflow, per agent: nonshared's reply
+    reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits
+    rows: list[dict[str, Any]] = []
+    bar = _progress(len(COLD_METHODS) * workflows, "cold start")
+    for name, (method, cold) in COLD_METHODS.items():
+        ridge = est.RidgeEstimator(rank=8) if method == "kvcmas" else None
+        for w, ctx in enumerate(contexts):
+            kw: dict[str, Any] = {"cold": cold, "estimator": ridge} if cold else {}
+            ttft, kl, gates, finish_ms, cal = [], [], [], 0.0, 0
+            with AgentSession(model, method, calibration_dir=False, **kw) as team:
+                members = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
+                team.share(ctx)
+                for i, ag in enumerate(members):
+                    t0 = time.perf_counter()
+                    p = team.prefill_agent(ag)
+                    ttft.append((time.perf_counter() - t0) * 1000.0)
+                    if method == "nonshared":
+                        ids = [int(np.argmax(p.logits))]
+                        while len(ids) < max_tokens and ids[-1] not in eog:
+                            (lg,) = model.decode_batch([(p.seq, ids[-1:])])
+                            ids.append(int(np.argmax(lg)))
+                        if i == 0:
+                            forced.append([])
+                            reference.append([])
+                        forced[w].append(ids)
+                        reference[w].append(p.logits.astype(np.float64))
+                    else:
+                        ref = reference[w][i] - np.logaddexp.reduce(reference[w][i])
+                        q = p.logits.astype(np.float64)
+                        kl.append(float(np.sum(np.exp(ref) * (ref - (q - np.logaddexp.reduce(q))))))
+                    t1 = time.perf_counter()
+                    team.finish(p, forced[w][i])
+                    finish_ms += (time.perf_counter() - t1) * 1000.0
+                    gates.append(p.stats["gate"])
+                    cal += p.stats["calibration_tokens"]
+                    p.close()
+            rows.append(
+                {
+                    "method": name,
+                    "workflow": w + 1,
+                    "shared_tokens": shared_tokens,
+                    "later_ttft_ms": float(np.mean(ttft[1:])),
+                    "first_ttft_ms": ttft[0],
+                    "later_kl": float(np.mean(kl[1:])) if kl else 0.0,
+                    "gates": gates[1:],
+                    "finish_ms": finish_ms,
+                    "calibration_tokens": cal,
+                }
+            )
+            bar.update()
+    bar.close()
+    base = {r["workflow"]: r["later_ttft_ms"] for r in rows if r["method"] == "nonshared"}
+    for r in rows:
+        r["later_ttft_speedup"] = base[r["workflow"]] / max(r["later_ttft_ms"], 1e-9)
+    return rows
+
+
+def print_cold_start(rows: list[dict[str, Any]]) -> None:
+    print(f"## cold start: fresh sessions over {rows[0]['shared_tokens']} shared tokens, fresh estimators (GSM8K team)")
+    print(
+        "| method | workflow | later-agent TTFT ms | speedup vs nonshared | first-token KL (later agents) | "
+        "gates of later agents | work after replies ms | calibration rows |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['workflow']} | {r['later_ttft_ms']:.0f} | {r['later_ttft_speedup']:.2f}x | "
+            f"{r['later_kl']:.3e} | {', '.join(sorted(set(r['gates'])))} | {r['finish_ms']:.0f} | "
+            f"{r['calibration_tokens']} |"
+        )
 
 
 def print_accuracy(res: dict[str, Any]) -> None:

@@ -302,6 +302,12 @@ class Model:
     )
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
+        element = 2 if getattr(self._core, "kv_type", "f32") == "f16" else 4
+        return self.n_layer * 2 * self.n_head_kv * self._core.head_dim * element
+
+    @property
     def kv_bytes_in_use(self) -> int:
         """Bytes of the KV blocks that sequences and stored spans hold."""
         return int(self._core.kv_bytes_in_use)

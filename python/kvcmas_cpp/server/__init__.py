@@ -187,9 +187,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--calibration-memory",
         type=parse_bytes,
         default=512 << 20,
-        help="memory kvcmas may hold in training reads while it calibrates an edge (4 dense reads of the span, "
-        "~92 KB per row each for SmolLM2-135M), e.g. 512M (the default); freed as each edge is fitted",
+        help="memory kvcmas may hold in training statistics of edges still calibrating (~17 MB an edge for "
+        "SmolLM2-135M, whatever the span), e.g. 512M (the default); freed as each edge is fitted",
     )
+    p.add_argument(
+        "--cold",
+        choices=("reuse", "dense"),
+        default="reuse",
+        help="kvcmas before an edge is calibrated: reuse its spans uncorrected (fullshared with exact head and "
+        "tail; the exact rows for calibration are computed after the reply) or compute them densely (default reuse)",
+    )
+    cal = p.add_mutually_exclusive_group()
+    cal.add_argument(
+        "--calibration-dir",
+        default=None,
+        help="where kvcmas keeps learned corrections across restarts, per model (default: $XDG_CACHE_HOME/kvcmas, "
+        "i.e. ~/.cache/kvcmas)",
+    )
+    cal.add_argument("--no-calibration-dir", action="store_true", help="keep learned corrections in memory only")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -238,6 +253,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cors_origins=tuple(args.cors_origin),
         prefill_chunk=args.prefill_chunk,
         calibration_bytes=args.calibration_memory,
+        cold=args.cold,
+        calibration_dir=False if args.no_calibration_dir else (args.calibration_dir or True),
         allowed_hosts=tuple(args.allowed_host),
         max_image_memory=args.max_image_memory,
         body_timeout=args.body_timeout,

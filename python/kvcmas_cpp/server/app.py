@@ -103,7 +103,9 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token; then the request ends with 408
     cors_origins: tuple[str, ...] = ()  # origins allowed by CORS; empty: no CORS headers at all
     prefill_chunk: int = PREFILL_CHUNK  # prompt rows per prefill step (other requests' work runs between steps)
-    calibration_bytes: int = CALIBRATION_BYTES  # training reads kvcmas may hold while it calibrates
+    calibration_bytes: int = CALIBRATION_BYTES  # training statistics kvcmas may hold while it calibrates
+    cold: str = "reuse"  # kvcmas before an edge is calibrated: reuse (fullshared-like) or dense
+    calibration_dir: str | bool = True  # kvcmas' learned maps across restarts: True = the user's cache dir
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
@@ -439,6 +441,8 @@ class Server:
             cfg.prefill_chunk,
             self.vision,
             cfg.calibration_bytes,
+            cold=cfg.cold,
+            calibration_dir=cfg.calibration_dir,
         )
         self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
@@ -993,6 +997,10 @@ class Server:
             "gate": s["gate"],
             "kv_bytes": s["kv_bytes"],
             "corr_bytes": s["corr_bytes"],
+            "prefix_cached_tokens": s["prefix_cached_tokens"],
+            "span_tokens": s["span_tokens"],
+            "calibration_tokens": s["calibration_tokens"],
+            "dense_reason": s["dense_reason"],
             **extra,
         }
         return {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}

@@ -53,7 +53,9 @@ class Backend(Protocol):
         """Prompt tokens the backend holds already (an estimate of what a prefill will not compute)."""
         ...
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None: ...
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
+        """Registers the reply: its ids and the text the client received (after stop strings)."""
+        ...
 
     def evict_lru(self) -> bool: ...
 
@@ -151,7 +153,7 @@ class PlainBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
         pass
 
     def evict_lru(self) -> bool:
@@ -175,15 +177,18 @@ class SessionBackend:
         vision: Any = None,
         calibration_bytes: int | None = None,
         estimator_name: str = "default",
+        cold: str = "reuse",
+        calibration_dir: str | os.PathLike[str] | bool = True,
     ) -> None:
         """estimator_name: sessions with the same name share what the method's estimator learns (the server gives
-        each namespace its own, so nothing learned from one tenant's reads shapes another's answers).
-        calibration_bytes: the least memory the method's shared estimator may hold in training reads of edges
-        still calibrating (kvcmas: a read of an n-row span holds 4 x n_layer x n x kv_dim floats, ~37 MB for 400
-        rows of SmolLM2-135M; an edge needs CALIBRATION_READS of them before it shares)."""
+        each namespace its own, so nothing learned from one tenant's reads shapes another's answers; its
+        calibration files are keyed by it too). calibration_bytes: the least memory the method's shared estimator
+        may hold in the statistics of edges still calibrating (kvcmas: ~17 MB an edge on SmolLM2-135M, whatever
+        the span). cold, calibration_dir: see AgentSession (kvcmas)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
-        self.session = agents.AgentSession(model, method=method, workflow=estimator_name, vision=vision)
+        kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
+        self.session = agents.AgentSession(model, method=method, workflow=estimator_name, vision=vision, **kw)
         if calibration_bytes is not None:
             estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
             with lock:
@@ -207,8 +212,8 @@ class SessionBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return int(self.session.reusable_tokens(messages))
 
-    def finish(self, p: Prefilled, generated_ids: list[int]) -> None:
-        self.session.finish(p, generated_ids)
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
+        self.session.finish(p, generated_ids, text)
 
     def evict_lru(self) -> bool:
         return bool(self.session.evict_lru())
@@ -238,11 +243,13 @@ def make_backend(
     vision: Any = None,
     calibration_bytes: int | None = None,
     estimator_name: str = "default",
+    cold: str = "reuse",
+    calibration_dir: str | os.PathLike[str] | bool = True,
 ) -> Backend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
-    any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name: see
-    SessionBackend."""
+    any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name, cold,
+    calibration_dir: see SessionBackend."""
     if agents_available():
-        return SessionBackend(model, method, vision, calibration_bytes, estimator_name)
+        return SessionBackend(model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir)
     return PlainBackend(model)

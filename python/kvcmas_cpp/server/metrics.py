@@ -53,6 +53,10 @@ class Metrics:
         self.timed_out = 0
         self.evictions = 0
         self.images_encoded = 0
+        self.prefix_cached_tokens = 0
+        self.span_tokens = 0
+        self.calibration_tokens = 0
+        self.dense_hops: dict[str, int] = {}  # why a later hop computed its shared spans -> hops
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
@@ -72,6 +76,15 @@ class Metrics:
             self.generated_tokens += generated
             if ttft_s is not None:
                 self.ttft.observe(ttft_s)
+
+    def count_sharing(self, prefix_cached: int, span: int, calibration: int, dense_reason: str | None) -> None:
+        """Where a finished generation's reused prompt rows came from, and why it ran dense if it did."""
+        with self._lock:
+            self.prefix_cached_tokens += prefix_cached
+            self.span_tokens += span
+            self.calibration_tokens += calibration
+            if dense_reason is not None:
+                self.dense_hops[dense_reason] = self.dense_hops.get(dense_reason, 0) + 1
 
     def bump(self, name: str, by: int = 1) -> None:
         with self._lock:
@@ -104,8 +117,23 @@ class Metrics:
                 ),
                 (
                     "kvcmas_reused_tokens_total",
-                    "Prompt tokens whose KV was reused from shared spans.",
+                    "Prompt tokens whose KV was served from earlier work (prefix cache + shared spans).",
                     self.reused_tokens,
+                ),
+                (
+                    "kvcmas_prefix_cached_tokens_total",
+                    "Prompt tokens served exactly from an agent's cached prompt prefix.",
+                    self.prefix_cached_tokens,
+                ),
+                (
+                    "kvcmas_span_tokens_total",
+                    "Prompt tokens read by reference from spans other calls computed (corrected by the method).",
+                    self.span_tokens,
+                ),
+                (
+                    "kvcmas_calibration_tokens_total",
+                    "Rows computed after replies as training reads of edges still calibrating (cold reuse).",
+                    self.calibration_tokens,
                 ),
                 ("kvcmas_generated_tokens_total", "Tokens generated.", self.generated_tokens),
                 ("kvcmas_cancelled_total", "Generations cancelled by a client disconnect.", self.cancelled),
@@ -148,6 +176,12 @@ class Metrics:
                 ),
             ):
                 metric(name, "counter", help_text, [("", value)])
+            metric(
+                "kvcmas_dense_hops_total",
+                "counter",
+                "Generations whose shared spans were computed, by reason (calibrating, gate, no match, forced).",
+                [(f'{{reason="{r}"}}', n) for r, n in sorted(self.dense_hops.items())],
+            )
             h = self.ttft
             cumulative = 0
             buckets: list[tuple[str, float]] = []

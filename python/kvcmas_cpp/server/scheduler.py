@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -180,6 +181,7 @@ class Job:
     matcher: StopMatcher | None = None
     history: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
+    received: str = ""  # the text the client got (stop strings cut)
     pending_token: int = -1
     remaining: int = 0  # prompt rows still to compute (an estimate): the shortest prefill goes first
     prefilling: bool = False  # its prefill is running (possibly paused between chunks)
@@ -228,6 +230,8 @@ class Scheduler:
         prefill_chunk: int = PREFILL_CHUNK,
         vision: Any = None,
         calibration_bytes: int | None = CALIBRATION_BYTES,
+        cold: str = "reuse",
+        calibration_dir: str | os.PathLike[str] | bool = True,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -240,9 +244,8 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.vision = vision  # sessions get the vision encoder: image embeddings in their messages
         self.calibration_bytes = calibration_bytes
-        core = model._core
-        element_bytes = 2 if getattr(core, "kv_type", "f32") == "f16" else 4
-        self.block_bytes = model.n_layer * 2 * KV_BLOCK_ROWS * core.n_head_kv * core.head_dim * element_bytes
+        self.cold, self.calibration_dir = cold, calibration_dir  # kvcmas sessions (AgentSession)
+        self.block_bytes = KV_BLOCK_ROWS * model.kv_row_bytes
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
@@ -505,7 +508,13 @@ class Scheduler:
             s = None
         if s is None:
             backend = make_backend(
-                self.model, key.method, self.vision, self.calibration_bytes, key.namespace.estimator_name()
+                self.model,
+                key.method,
+                self.vision,
+                self.calibration_bytes,
+                key.namespace.estimator_name(),
+                self.cold,
+                self.calibration_dir,
             )
             s = _Session(backend)
             self._sessions[key] = s
@@ -727,6 +736,7 @@ class Scheduler:
         job.history.append(token)
         text, hit = job.matcher.feed(job.decoder.feed(token))
         if text:
+            job.received += text
             job.sink(Delta(text, token, job.index, self._take_logprobs(job)))
         if hit or (job.constraint is not None and job.constraint.finished):
             self._finish(job, "stop")
@@ -746,12 +756,13 @@ class Scheduler:
         if not job.matcher.stopped:
             tail = job.matcher.flush(job.decoder.flush())
             if tail or job.pending_logprobs:
+                job.received += tail
                 job.sink(Delta(tail, None, job.index, self._take_logprobs(job)))
         p = job.prefilled
         self._estimators_touched = True
         try:
             if job.backend is not None:
-                job.backend.finish(p, list(job.generated))
+                job.backend.finish(p, list(job.generated), job.received)
         except Exception:
             log.exception("%s: registering the reply failed", job.id)
         stats = self._stats(job, t_end)
@@ -760,6 +771,9 @@ class Scheduler:
         if job.index == 0:
             self.metrics.count_generation(
                 stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+            )
+            self.metrics.count_sharing(
+                stats["prefix_cached_tokens"], stats["span_tokens"], stats["calibration_tokens"], stats["dense_reason"]
             )
         else:  # a fork: its prompt was counted with choice 0
             self.metrics.count_generation(0, 0, stats["completion_tokens"], None)
@@ -803,6 +817,10 @@ class Scheduler:
             "predicted_per_second": (n_gen - 1) / (predicted_ms / 1000.0) if n_gen > 1 and predicted_ms > 0 else 0.0,
             "kv_bytes": int(s.get("kv_bytes", 0) or 0),
             "corr_bytes": int(s.get("corr_bytes", 0) or 0),
+            "prefix_cached_tokens": int(s.get("prefix_cached_tokens", 0)),
+            "span_tokens": int(s.get("span_tokens", 0)),
+            "calibration_tokens": int(s.get("calibration_tokens", 0)),
+            "dense_reason": s.get("dense_reason"),
         }
 
     def _release(self, job: Job) -> None:

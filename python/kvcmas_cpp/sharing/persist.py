@@ -5,6 +5,9 @@ alpha, the edges) and the maps' arrays. It is written atomically: a temporary fi
 and fsynced, then renamed over the target, so a crash or a full disk never leaves a half-written file under the
 name. Loading checks the format, the fingerprint (maps are only valid for the model they were fitted on), every
 array's shape, and that every value is finite; anything else is a ValueError naming the file.
+
+CalibrationStore keeps what agent sessions and the server learn across restarts: a directory with one such file per
+fitted edge, keyed by the model's fingerprint, the method, the workflow and the edge's (content) key.
 """
 
 from __future__ import annotations
@@ -12,38 +15,59 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
+import weakref
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..model import Model
-from .estimators import RidgeEstimator, _RidgeMap
+from .estimators import Edge, RidgeEstimator, _RidgeMap
+
+log = logging.getLogger("kvcmas")
 
 FORMAT = "kvcmas-ridge-v1"
 _FIELDS = ("mu_x", "proj", "vt", "mu_y")
 _HEAD_BYTES = 8 << 20  # the file's first bytes: header, metadata, tensor table and the first weights
 
 
+_fingerprints: weakref.WeakKeyDictionary[Model, str] = weakref.WeakKeyDictionary()
+
+
 def model_fingerprint(model: Model) -> str:
-    """Identifies the weights: shape parameters, file size and a hash of the file's first 8 MiB."""
+    """Identifies the weights: shape parameters, file size and a hash of the file's first 8 MiB (computed once per
+    loaded model)."""
+    known = _fingerprints.get(model)
+    if known is not None:
+        return known
     h = hashlib.sha256()
     shape = (model.arch, model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
     h.update(json.dumps(shape).encode())
     with open(model.path, "rb") as f:
         h.update(str(os.fstat(f.fileno()).st_size).encode())
         h.update(f.read(_HEAD_BYTES))
-    return h.hexdigest()
+    _fingerprints[model] = h.hexdigest()
+    return _fingerprints[model]
 
 
-def save_ridge(estimator: RidgeEstimator, path: str | os.PathLike[str], model: Model) -> None:
-    """Writes the fitted maps of `estimator` (fitted on `model`) to `path` atomically."""
+def save_ridge(
+    estimator: RidgeEstimator,
+    path: str | os.PathLike[str],
+    model: Model,
+    edges: Iterable[Edge] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Writes the fitted maps of `estimator` (fitted on `model`) to `path` atomically: those of `edges` (default:
+    every fitted edge), with `extra` header fields."""
     target = Path(path)
-    edges = sorted(estimator.maps)
+    edges = sorted(estimator.maps if edges is None else edges, key=str)
     header: dict[str, Any] = {
+        **(extra or {}),
         "format": FORMAT,
         "fingerprint": model_fingerprint(model),
         "rank": estimator.rank,
@@ -81,6 +105,11 @@ def save_ridge(estimator: RidgeEstimator, path: str | os.PathLike[str], model: M
 def load_ridge(path: str | os.PathLike[str], model: Model) -> RidgeEstimator:
     """The RidgeEstimator saved at `path`; raises ValueError when the file is not one, is damaged, or was saved for
     another model, and FileNotFoundError when it does not exist."""
+    return _load_ridge(path, model)[0]
+
+
+def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstimator, dict[str, Any]]:
+    """load_ridge, and the file's header."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such file")
@@ -109,9 +138,76 @@ def load_ridge(path: str | os.PathLike[str], model: Model) -> RidgeEstimator:
                                 raise ValueError(f"array {name} of edge {ph!r}/{reader} layer {il} is malformed")
                         pair.append(_RidgeMap(**a))
                     maps.append((pair[0], pair[1]))
-                est.maps[(str(ph), int(reader))] = maps
-            return est
+                if not isinstance(reader, (int, str)):
+                    raise ValueError(f"edge {ph!r}: reader key {reader!r} is neither a number nor a string")
+                est.maps[(str(ph), reader)] = maps
+            return est, header
     except (KeyError, TypeError, AttributeError, OSError, zipfile.BadZipFile, json.JSONDecodeError, EOFError) as e:
         raise ValueError(f"{p}: damaged kvcmas estimator file ({type(e).__name__}: {e})") from None
     except ValueError as e:
         raise ValueError(f"{p}: {e}") from None
+
+
+def default_calibration_dir() -> Path:
+    """Where learned corrections live by default: $XDG_CACHE_HOME/kvcmas (~/.cache/kvcmas)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvcmas"
+
+
+class CalibrationStore:
+    """Fitted ridge maps of one (model, method, workflow) kept in a directory: <root>/<fingerprint[:16]>/<key>.npz,
+    one file per edge (save_ridge's format; the key hashes method, workflow and edge). Writes are atomic; a file
+    that is damaged, of another format or saved for another model is refused with a warning naming it and left as
+    it is (`refused` lists the messages); the other files still load."""
+
+    def __init__(self, root: str | os.PathLike[str], model: Model, method: str, workflow: str) -> None:
+        self.model, self.method, self.workflow = model, method, workflow
+        self.fingerprint = model_fingerprint(model)
+        self.dir = Path(root) / self.fingerprint[:16]
+        self.refused: list[str] = []
+
+    def path(self, edge: Edge) -> Path:
+        key = json.dumps([self.method, self.workflow, list(edge)])
+        return self.dir / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
+
+    def save(self, estimator: RidgeEstimator, edges: Iterable[Edge]) -> None:
+        """Writes the given fitted edges, one file each; a failed write is logged (the maps stay in memory)."""
+        extra = {"method": self.method, "workflow": self.workflow}
+        for edge in edges:
+            if edge not in estimator.maps:
+                continue
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                save_ridge(estimator, self.path(edge), self.model, [edge], extra)
+            except OSError as e:
+                log.warning("kvcmas: could not save the calibration of edge %s to %s: %s", edge, self.dir, e)
+
+    def load_into(self, estimator: RidgeEstimator) -> int:
+        """Installs every stored edge of this method and workflow into `estimator` (fitted at its rank and alpha).
+        Returns how many edges were loaded."""
+        if not self.dir.is_dir():
+            return 0
+        loaded = 0
+        for path in sorted(self.dir.glob("*.npz")):
+            try:
+                got, header = _load_ridge(path, self.model)
+            except (ValueError, OSError) as e:
+                self._refuse(f"{e}")
+                continue
+            if header.get("method") != self.method or header.get("workflow") != self.workflow:
+                continue  # another workflow's or method's edge
+            if (got.rank, got.alpha) != (estimator.rank, estimator.alpha):
+                self._refuse(
+                    f"{path}: fitted at rank {got.rank}, alpha {got.alpha}; "
+                    f"this estimator uses rank {estimator.rank}, alpha {estimator.alpha}"
+                )
+                continue
+            for edge, maps in got.maps.items():
+                if estimator.calibrating(edge):  # what this process learned already stays
+                    estimator.set_maps(edge, maps)
+                    loaded += 1
+        return loaded
+
+    def _refuse(self, message: str) -> None:
+        self.refused.append(message)
+        log.warning("kvcmas: calibration file refused (left in place): %s", message)

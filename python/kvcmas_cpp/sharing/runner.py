@@ -20,6 +20,7 @@ producer's rows (star), as in the reference code.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from .._native import core
 from ..model import KVSequence, Model, SharedKV
 from . import estimators as est
 from . import recompute as recompute_mod
+from ._blas import single_threaded_blas
 from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
@@ -65,7 +67,11 @@ class MethodConfig:
     """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
     template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
     (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
-    calibrate > 0: a RidgeEstimator is fitted online, per edge, from the first `calibrate` dense reads.
+    calibrate > 0: a RidgeEstimator is fitted online, per edge, from its first `calibrate` training reads; cold: what
+    a reader does before its edge has a map: 'reuse' (share the span with the calibration-free correction, i.e. the
+    chain's correction so far: fullshared with exact head and tail on a fresh edge, and compute the exact rows after
+    the reply, off the first token's path, as the training read) or 'dense' (compute the span densely: that is the
+    training read).
     apply: how a reader holds a corrected span: 'fused' (the span by reference, factors applied inside attention),
     'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
     correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
@@ -82,7 +88,8 @@ class MethodConfig:
     gate: Literal["auto", "dense", "reuse"] = "auto"
     chain: bool = True
     rank: int = 8
-    calibrate: int = 0  # ridge learned online: an edge without a map runs dense until it has this many reads
+    calibrate: int = 0  # ridge learned online: an edge is fitted after this many training reads
+    cold: Literal["reuse", "dense"] = "reuse"  # an edge without a map (online calibration): shared, or dense
     apply: Literal["auto", "fused", "materialize"] = "auto"
     ridge_path: Literal["core", "numpy"] = "core"
     recompute: float = 0.0
@@ -127,6 +134,8 @@ class HopReport:
     corr_factor_bytes: int = 0  # the same, counted from the corrections handed to the engine and kept fused
     materialized_tokens: int = 0  # corrected span rows copied into the sequence (MethodConfig.apply) instead
     recomputed_tokens: int = 0  # shared span rows this reader forwarded itself (MethodConfig.recompute; in computed)
+    dense_reason: str | None = None  # why shared spans were computed: calibrating | gate | forced | no match
+    shadow_tokens: int = 0  # rows computed after the reply for training reads (cold reuse while calibrating)
     peak_bytes: int = 0  # KV + correction bytes the request holds after this hop: its peak so far (nothing is freed)
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
@@ -137,9 +146,10 @@ class HopReport:
     k_err: list[float] | None = None
     v_err: list[float] | None = None
     identical: bool | None = None
+    prompt: list[int] = field(default_factory=list, repr=False)  # the prompt ids
 
     def row(self) -> dict[str, object]:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("first_logits", "tf_logits", "generated")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("first_logits", "tf_logits", "generated", "prompt")}
         d["generated_tokens"] = len(self.generated)
         return d
 
@@ -174,6 +184,7 @@ class RequestState:
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+    owned: list[KVSequence] = field(default_factory=list)  # sequences buckets read besides the hops' (caller closes)
 
     def add_vectors(self, rows: np.ndarray) -> list[int]:
         """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
@@ -212,9 +223,10 @@ class RequestResult:
     seqs: list[KVSequence]
     span_pos: list[dict[str, tuple[int, int]]]  # per agent: placeholder -> (position, length) in its sequence
     prompt_ids: list[list[int]]
+    owned: list[KVSequence] = field(default_factory=list)  # RequestState.owned
 
     def close(self) -> None:
-        for s in self.seqs:
+        for s in self.seqs + self.owned:
             s.close()
 
 
@@ -236,11 +248,19 @@ def numpy_factors(corr: Any, n_layer: int) -> est.Correction:
 _NUMPY = object()  # _core_ridge's answer when the numpy path must compute the correction
 
 
-def _canonical(model: Model, seq: KVSequence, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """A sequence's view of rows [pos, pos + n) with keys rotated back to positions 0..n-1."""
-    k, v = seq.kv(pos, n)
+def _canonical(model: Model, seq: KVSequence, pos: int, n: int, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's view of span rows [first, first + n) of the span starting at pos, keys rotated back to span
+    positions first..first+n-1 (the canonical frame)."""
+    k, v = seq.kv(pos + first, n)
     k = np.stack([model._core.rope_rotate(np.ascontiguousarray(k[il]), -pos) for il in range(k.shape[0])])
     return k, v
+
+
+TRAINING_READ_ROWS = 512  # a training read goes into the ridge statistics in pieces of this many span rows
+
+
+def _default_edge(ph: str, reader: int) -> est.Edge:
+    return (ph, reader)
 
 
 class WorkflowRunner:
@@ -263,6 +283,9 @@ class WorkflowRunner:
                 "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
             }[config.name]
         self.estimator = estimator
+        # The estimator's edge for (placeholder, reader): placeholders and agent indices name the edges of a fixed
+        # workflow; agent sessions name them by content (the span's role and the reader's identity).
+        self.edge_of: Callable[[str, int], est.Edge] = _default_edge
         kv0 = model.kv_bytes_in_use
         self.prefixes = []
         for t in self.templates:
@@ -338,8 +361,10 @@ class WorkflowRunner:
             self._template_bytes_in_hop = 0
             hop.peak_bytes = sum(h.kv_bytes + h.corr_bytes for h in st.hops)
             out = gen[:-1] if a < n_agents - 1 else None  # the rows the sequence holds after its prompt
-            self.finish_hop(a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact)
-        result = RequestResult(st.hops, seqs, st.spans_at, st.prompts)
+            self.finish_hop(
+                a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact, self.prefixes[a]
+            )
+        result = RequestResult(st.hops, seqs, st.spans_at, st.prompts, st.owned)
         if exact is not None:
             self._evaluate(result, exact, teacher_forced=forced is not None)
         return result
@@ -357,18 +382,23 @@ class WorkflowRunner:
         st.kv0 = m.kv_bytes_in_use
         t0 = time.perf_counter()
         seq = prefix.fork()
+        reason: str | None = None
         if cfg.name == "nonshared" or cfg.gate == "dense":
             mode, gate = ("source" if not st.hops else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
+            reason = None if cfg.name == "nonshared" else "forced"  # nonshared shares nothing: no reason to give
         elif not any(ph in st.buckets for ph in phs):
-            mode, gate = "source", "n/a"
+            mode, gate, reason = "source", "n/a", "no match"
         elif (
             isinstance(self.estimator, est.AnchorEstimator)
             and cfg.gate == "auto"
             and self.estimator.needs_dense(a, phs, st.message)
         ):
-            mode, gate = "fallback", "novel -> dense"
+            mode, gate, reason = "fallback", "novel -> dense", "gate"
         elif self._uncalibrated(a, phs, st):
-            mode, gate = "fallback", "calibrating -> dense"
+            if cfg.cold == "reuse":
+                mode, gate = "reuse", "calibrating -> reuse"
+            else:
+                mode, gate, reason = "fallback", "calibrating -> dense", "calibrating"
         else:
             mode, gate = "reuse", "reuse"
         pos_map: dict[str, tuple[int, int]] = {}
@@ -403,6 +433,8 @@ class WorkflowRunner:
             corr_bytes,
             corr_rank=max((correction_rank(c) for c in corrs.values()), default=0),
             first_logits=logits,
+            dense_reason=reason,
+            prompt=prompt,
         )
         hop.corr_factor_bytes, hop.materialized_tokens = self._factor_bytes, self._materialized
         hop.recomputed_tokens = self._recomputed
@@ -412,10 +444,15 @@ class WorkflowRunner:
 
     def _uncalibrated(self, a: int, phs: list[str], st: RequestState) -> bool:
         """Online ridge: some span this reader would share has no fitted map for its edge yet."""
-        if not self.config.calibrate or not isinstance(self.estimator, est.RidgeEstimator):
-            return False
+        return bool(self._calibrating_spans(a, phs, st))
+
+    def _calibrating_spans(self, a: int, phs: Any, st: RequestState) -> list[str]:
+        """Online ridge: the spans this reader would share whose edge has no fitted map yet."""
+        e = self.estimator
+        if not self.config.calibrate or not isinstance(e, est.RidgeEstimator):
+            return []
         shared = [ph for ph in phs if ph in st.buckets and st.buckets[ph].shared is not None]
-        return any((ph, a) not in self.estimator.maps for ph in shared)
+        return [ph for ph in shared if e.calibrating(self.edge_of(ph, a))]
 
     def finish_hop(
         self,
@@ -429,20 +466,52 @@ class WorkflowRunner:
         out_ph: str,
         ridge_training: bool = False,
         exact: RequestResult | None = None,
-    ) -> None:
+        prefix: KVSequence | None = None,
+    ) -> list[est.Edge]:
         """After agent a's generation: its view of the spans becomes the next readers' base (chain), and `out` (the
-        ids whose rows seq holds right after the prompt; None: not relayed) becomes the shared span `out_ph`."""
+        ids whose rows seq holds right after the prompt; None: not relayed) becomes the shared span `out_ph`.
+        Calibrating edges get a training read: the dense hop's own rows, or (cold reuse) rows computed here in a
+        fork of `prefix` (the agent's template prefix the hop started from), which is then closed. Returns the edges
+        fitted here."""
+        cfg = self.config
+        fitted: list[est.Edge] = []
+        train: list[str] | None = None  # the spans whose edges get a training read
+        source = seq  # where their exact rows are
+        shadow: KVSequence | None = None
+        if ridge_training:
+            train = list(pos_map)
+        elif hop.gate.startswith("calibrating"):
+            train = self._calibrating_spans(a, pos_map, st)
+            gone = prefix is None or list(prefix.tokens) != hop.prompt[: len(prefix)]
+            if hop.mode == "reuse" and train and gone:
+                train = []  # the prefix is gone (a session replaced it): no read this time
+            if hop.mode == "reuse" and train:
+                assert prefix is not None
+                end = max(pos_map[ph][0] + pos_map[ph][1] for ph in train)
+                shadow = prefix.fork()
+                append_mixed(shadow, hop.prompt[len(prefix) : end], "none", st.vectors)
+                hop.shadow_tokens = end - len(prefix)
+                source = shadow
+        kept = False
+        try:
+            kept = self._update_buckets(a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, train, source)
+        finally:
+            if shadow is not None and not kept:
+                shadow.close()
+        if shadow is not None and kept:
+            st.owned.append(shadow)
+        if train and not ridge_training:
+            e = self.estimator
+            assert isinstance(e, est.RidgeEstimator)
+            edges = {self.edge_of(ph, a) for ph in train}
+            fitted = e.fit([edge for edge in edges if e.examples(edge) >= cfg.calibrate])
+        if out is not None:
+            self._relay(a, seq, hop, st, out, out_ph)
+        return fitted
+
+    def _relay(self, a: int, seq: KVSequence, hop: HopReport, st: RequestState, out: list[int], out_ph: str) -> None:
+        """`out` (rows of seq right after the prompt) becomes the shared span `out_ph`."""
         m, cfg = self.model, self.config
-        calibrating = hop.gate.startswith("calibrating")
-        self._update_buckets(
-            a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, ridge_training or calibrating
-        )
-        if calibrating:
-            assert isinstance(self.estimator, est.RidgeEstimator)
-            ready = [(ph, a) for ph in pos_map if self.estimator.examples((ph, a)) >= cfg.calibrate]
-            self.estimator.fit(ready)
-        if out is None:
-            return
         st.relayed[out_ph] = list(out)
         p_out = hop.prompt_tokens
         h = min(cfg.head, len(out))
@@ -519,8 +588,7 @@ class WorkflowRunner:
 
     def _copy_bytes(self, n: int) -> int:
         """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
-        elem = 2 if self.model._core.kv_type == "f16" else 4
-        return n * self.model.n_layer * 2 * self.kd * elem
+        return n * self.model.kv_row_bytes
 
     def _wants_copy(self, kc: Any, n: int) -> bool:
         """MethodConfig.apply for one corrected span of n rows: 'auto' copies when the correction's factors take at
@@ -534,14 +602,14 @@ class WorkflowRunner:
     ) -> est.Correction | Any | None:
         """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's. The
         ridge estimator's comes from the core as a ready KvCorrection; the other estimators' as numpy factors."""
-        made = self._core_ridge(a, ph, b, n)
+        made = self._core_ridge(self.edge_of(ph, a), b, n)
         if made is not _NUMPY:
             return made
         if b.factors is not None and is_core_correction(b.factors):  # a chain that must be folded in numpy
             b = _Bucket(b.shared, numpy_factors(b.factors, self.model.n_layer), b.frame0, b.view_seq, b.view_pos)
         return self._correction_numpy(a, ph, b, pos, n, message, exact)
 
-    def _core_ridge(self, a: int, ph: str, b: _Bucket, n: int) -> Any:
+    def _core_ridge(self, edge: est.Edge, b: _Bucket, n: int) -> Any:
         """The ridge estimator's total correction computed in the core from the reader's base view (b.view_seq at
         b.view_pos), b.factors in front; _NUMPY where the numpy path must do it (another estimator, the numpy
         reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
@@ -551,9 +619,9 @@ class WorkflowRunner:
         prev: Any = b.factors
         if prev is not None and not is_core_correction(prev):
             return _NUMPY
-        maps = e.core_maps((ph, a))
+        maps = e.core_maps(edge)
         if maps is None:
-            return _NUMPY if (ph, a) in e.maps else prev  # no map for this edge: the view's correction as it is
+            return _NUMPY if edge in e.maps else prev  # no map for this edge: the view's correction as it is
         if (prev.rank if prev is not None else 0) + maps.rank + 1 > est.MAX_KERNEL_RANK:
             return _NUMPY
         return core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev)
@@ -563,10 +631,11 @@ class WorkflowRunner:
     ) -> est.Correction | None:
         """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
         e = self.estimator
-        if not e.reads_base or (isinstance(e, est.RidgeEstimator) and (ph, a) not in e.maps):
+        ridge = isinstance(e, est.RidgeEstimator)
+        if not e.reads_base or (isinstance(e, est.RidgeEstimator) and e.calibrating(self.edge_of(ph, a))):
             return b.factors  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
-        ctx = est.EdgeContext(ph, a, message, base_k, base_v)
+        ctx = est.EdgeContext(*(self.edge_of(ph, a) if ridge else (ph, a)), message, base_k, base_v)
         if self.estimator.needs_exact:
             if exact is None:
                 raise ValueError(f"method {self.config.name!r} needs the exact run (evaluation mode)")
@@ -619,33 +688,57 @@ class WorkflowRunner:
         corrs: dict[str, est.Correction],
         message: str,
         exact: RequestResult | None,
-        ridge_training: bool,
-    ) -> None:
+        train: list[str] | None,
+        source: KVSequence,
+    ) -> bool:
+        """train: spans whose edges get a ridge training read (their exact rows in `source` at the prompt's
+        positions); the anchor estimators record every dense hop's delta. A cold-reuse hop's exact rows (`source`
+        is not seq) continue the chain of the spans it trained on, as a dense hop's rows would: the next reader's
+        base, while calibrating and after, is then a reader's exact view, the same as under cold='dense'. Returns
+        whether a bucket now reads `source`."""
         m, cfg = self.model, self.config
         h = cfg.head
+        e = self.estimator
+        kept = False
         for ph, (p, n) in pos_map.items():
             if n <= h:
                 continue
             prev = buckets.get(ph)
-            if prev is not None and (
-                ridge_training
-                or (mode != "reuse" and isinstance(self.estimator, est.AnchorEstimator) and cfg.name != "nonshared")
+            if prev is not None and train is not None and ph in train and isinstance(e, est.RidgeEstimator):
+                # the exact rows' delta against the base the reader would have read
+                self._ridge_read(self.edge_of(ph, a), prev.view_seq, prev.view_pos, source, p + h, n - h)
+            elif (
+                prev is not None and mode != "reuse" and isinstance(e, est.AnchorEstimator) and cfg.name != "nonshared"
             ):
-                # a dense hop measures its delta against the base it would have read
                 base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
-                ctx = est.EdgeContext(ph, a, message, base_k, base_v, ex_k, ex_v)
-                if ridge_training and isinstance(self.estimator, est.RidgeEstimator):
-                    self.estimator.add_example(ctx)
-                elif isinstance(self.estimator, est.AnchorEstimator):
-                    self.estimator.record(ctx, ph == QUESTION)
+                e.record(est.EdgeContext(ph, a, message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
             if prev is not None and not chains(ph):
                 continue  # relayed outputs: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
                 buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)
+            elif mode == "reuse" and cfg.chain and source is not seq and train is not None and ph in train:
+                buckets[ph] = _Bucket(source.share(p + h, n - h), None, p + h, source, p + h)
+                kept = True
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
                 buckets[ph] = _Bucket(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
+        return kept
+
+    def _ridge_read(
+        self, edge: est.Edge, base: KVSequence, base_pos: int, exact: KVSequence, exact_pos: int, n: int
+    ) -> None:
+        """One training read of n span rows into the ridge statistics, TRAINING_READ_ROWS rows at a time (the memory
+        it takes does not grow with the span)."""
+        e = self.estimator
+        assert isinstance(e, est.RidgeEstimator)
+        with single_threaded_blas():
+            for r0 in range(0, n, TRAINING_READ_ROWS):
+                nr = min(TRAINING_READ_ROWS, n - r0)
+                base_k, base_v = _canonical(self.model, base, base_pos, nr, r0)
+                ex_k, ex_v = _canonical(self.model, exact, exact_pos, nr, r0)
+                e.add_rows(edge, base_k, base_v, ex_k, ex_v)
+        e.end_read(edge)
 
     # ------------------------------------------------------------------------------------------- evaluation
     def _evaluate(self, res: RequestResult, exact: RequestResult, teacher_forced: bool) -> None:

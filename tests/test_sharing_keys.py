@@ -1,0 +1,110 @@
+"""What agent sessions key and count: estimator edges by the agents (not their arrival order), replies by the text
+the client received, cached tokens only for rows earlier calls computed, KV bytes in the cache's row type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from kvcmas_cpp.agents import AgentSession, agent_identity
+from kvcmas_cpp.sharing import estimators as est
+
+QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+SOLVER = ("Solver", "You are a math expert. Solve the problem step by step.")
+CRITIC = ("Critic", "You are a careful critic. Check the other agents' reasoning.")
+
+
+@pytest.fixture(scope="module")
+def model(default_model_path: str) -> kc.Model:
+    return kc.Model(default_model_path, n_threads=2)
+
+
+def _greedy(model: kc.Model, p: kc.agents.Prefilled, n: int) -> list[int]:
+    gen = [int(np.argmax(p.logits))]
+    for _ in range(n - 1):
+        (lg,) = model.decode_batch([(p.seq, gen[-1:])])
+        gen.append(int(np.argmax(lg)))
+    return gen
+
+
+def test_cached_tokens_are_only_rows_earlier_calls_computed(model: kc.Model) -> None:
+    user = {"role": "user", "content": QUESTION}
+    n_q = len(model.tokenize(QUESTION, add_special=False))
+    with AgentSession(model, "fullshared") as team:
+        one = [{"role": "system", "content": "You are agent one."}, user]
+        with team.prefill(one) as p:
+            s = p.stats  # everything computed here, the agent's prompt prefix included
+            assert s["prefix_cached_tokens"] == 0 and s["span_tokens"] == 0 and s["reused_tokens"] == 0
+            assert s["computed_tokens"] == s["prompt_tokens"] and s["dense_reason"] == "no match"
+            team.finish(p, _greedy(model, p, 4))
+        with team.prefill([{"role": "system", "content": "You are agent two."}, user]) as p:
+            s = p.stats  # its prefix is new (computed now); the question comes from agent one's rows
+            assert s["prefix_cached_tokens"] == 0 and s["span_tokens"] >= n_q
+            assert s["reused_tokens"] == s["span_tokens"] and s["dense_reason"] is None
+            assert s["computed_tokens"] + s["reused_tokens"] == s["prompt_tokens"]
+        with team.prefill(one) as p:  # agent one again: its prefix comes from the cache, exactly
+            s = p.stats
+            assert s["prefix_cached_tokens"] > 0 and s["span_tokens"] >= n_q
+            assert s["reused_tokens"] == s["prefix_cached_tokens"] + s["span_tokens"]
+            assert s["kv_bytes"] == s["computed_tokens"] * model.kv_row_bytes
+
+
+def test_a_reply_cut_by_a_stop_string_comes_back_trimmed_and_still_matches(model: kc.Model) -> None:
+    user = {"role": "user", "content": QUESTION}
+    with AgentSession(model, "fullshared") as team:
+        with team.prefill([{"role": "system", "content": "You are agent one."}, user]) as p1:
+            gen = _greedy(model, p1, 12)
+            received = model.detokenize(gen[:7])  # a stop string began right after token 7: the client got this
+            team.finish(p1, gen, text=received)
+            assert p1.hop.generated == gen[:7]  # the span holds what the client received
+        back = "\n  " + received.strip() + "  \n"  # the client trims it and wraps it in whitespace
+        msgs = [{"role": "system", "content": "You are agent two."}, user, {"role": "user", "content": back}]
+        assert model.tokenize(back, add_special=False) != gen[:7]  # the ids alone would not match
+        with team.prefill(msgs) as p2:
+            n_q = len(model.tokenize(QUESTION, add_special=False))
+            assert p2.stats["span_tokens"] >= n_q + 7  # question and reply by reference
+            tokens = list(p2.seq.tokens)
+            start = next(i for i in range(len(tokens)) if tokens[i : i + 7] == gen[:7])
+            assert tokens[start + 7 : start + 12] != gen[7:12]  # nothing the client did not receive
+
+
+def test_edges_follow_the_agents_not_their_arrival_order(model: kc.Model) -> None:
+    """A map learned for the critic reading the question and the solver's reply applies when the same agents
+    arrive in another order (and another agent comes first); edges are named by role and identity."""
+    ridge = est.RidgeEstimator(rank=8)
+    cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)
+    kw = {"estimator": ridge, "config": cfg, "calibration_dir": False}
+    with AgentSession(model, "kvcmas", **kw) as team:  # type: ignore[arg-type]
+        solver, critic = team.agent(*SOLVER), team.agent(*CRITIC)
+        team.share(QUESTION, label="Question")
+        solver.respond(max_tokens=8)
+        assert critic.respond(max_tokens=1).stats.gate == "calibrating -> reuse"
+    reader = agent_identity(CRITIC[1])
+    assert set(ridge.maps) == {("context:Question", reader), (f"reply:{agent_identity(SOLVER[1])}", reader)}
+    with AgentSession(model, "kvcmas", **kw) as team:  # type: ignore[arg-type]
+        team.agent("Bystander", system="You watch.")
+        critic, solver = team.agent(*CRITIC), team.agent(*SOLVER)  # other indices than before
+        team.share("Weng earns $12 an hour for babysitting. How much did she earn for 50 minutes?", label="Question")
+        solver.respond(max_tokens=8)
+        s = critic.respond(max_tokens=1).stats
+        assert s.gate == "reuse" and s.corr_rank > 0
+
+
+def test_kv_bytes_count_half_rows_with_an_f16_cache(default_model_path: str) -> None:
+    f32 = kc.Model(default_model_path, n_threads=2)
+    f16 = kc.Model(default_model_path, n_threads=2, kv_type="f16")
+    assert f16.kv_row_bytes * 2 == f32.kv_row_bytes
+    for m in (f32, f16):
+        base = m.kv_bytes_in_use
+        with m.new_sequence() as s:
+            s.append(list(range(100, 164)), logits="none")  # two whole 32-row blocks
+            assert m.kv_bytes_in_use - base == 64 * m.kv_row_bytes  # the engine's own accounting
+        with AgentSession(m, "fullshared") as team:
+            a, b = team.agent(*SOLVER), team.agent(*CRITIC)
+            team.share(QUESTION)
+            for r in (a.respond(max_tokens=4), b.respond(max_tokens=4)):
+                assert r.stats.kv_bytes == (r.stats.computed_tokens + r.stats.generated_tokens) * m.kv_row_bytes
