@@ -295,7 +295,7 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
     # kvcmas shares each edge uncorrected while it calibrates (the gate says so), then with its learned map. Every
     # workflow is a new session: what it reuses, its own first agent computed.
     last, i = shared, 0
-    while any("calibrating" in str(b["kvcmas"]["gate"]) for b in last[1:]) and i < 6:
+    while any("calibrating" in str(b["kvcmas"]["gate"]) for b in last[1:]) and i < 14:
         i += 1
         last = _workflow(server, f"wf-kv-{i}", None, max_tokens=8)
     task_tokens = len(server_tokens(TASK))
