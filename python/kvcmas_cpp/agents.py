@@ -52,9 +52,10 @@ from .sharing.workflow import QUESTION, Template, Workflow, template_from_messag
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
-# The engine computes appends of up to 12 rows with its decode kernels, which round differently from its prefill
-# kernels: a chunked append never makes a chunk that small (unless the whole append is), so it computes the same rows.
-MIN_CHUNK_ROWS = 16
+# The engine computes appends of up to 12 rows with its decode kernels, and of up to 16 rows over quantized weights
+# with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
+# that small (unless the whole append is), so it computes the same rows as one piece.
+MIN_CHUNK_ROWS = 17
 
 
 def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
