@@ -141,7 +141,11 @@ def server(model_path: str, mmproj_path: str | None) -> Iterator[ServerProcess]:
     vision = ["--mmproj", mmproj_path] if mmproj_path else []
     # Small prefill chunks: every prompt here runs in several chunks with other requests' work between them, and the
     # outputs are still compared with one-piece references.
-    srv = ServerProcess(model_path, "--method", "kvcmas", "--parallel", "8", "--prefill-chunk", "16", *vision)
+    # Exact activations: the server's outputs are compared with one-piece in-process references, and q8 activations
+    # (the default) round appends of up to 16 rows differently from longer ones (tests/test_quant_q8.py covers q8).
+    srv = ServerProcess(
+        model_path, "--method", "kvcmas", "--parallel", "8", "--prefill-chunk", "16", "--activations", "f32", *vision
+    )
     yield srv
     srv.stop()
 
@@ -149,7 +153,7 @@ def server(model_path: str, mmproj_path: str | None) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> kc.Model:
     """The in-process engine: the reference for greedy outputs."""
-    return kc.Model(model_path, n_threads=2)
+    return kc.Model(model_path, n_threads=2, activations="f32")
 
 
 @pytest.fixture(scope="module")
