@@ -388,9 +388,6 @@ def fault_server(model_path: str, tmp_path_factory: pytest.TempPathFactory) -> I
     srv.stop()
 
 
-@pytest.mark.skip(
-    reason="hangs on this session's merged tree (a request never answers on the 7-block KV budget): fix first"
-)
 def test_model_file_removed_after_load(fault_server: ServerProcess, model_path: str) -> None:
     client = openai.OpenAI(base_url=f"{fault_server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     engine = kc.Model(model_path, n_threads=1)

@@ -412,6 +412,9 @@ class Server:
         self.model = model
         # Load what the model reads lazily from its file now: the file may be gone later (the weights are mapped).
         _ = model.tokenizer
+        from ..sharing.persist import model_fingerprint
+
+        model_fingerprint(model)  # read from the file once, now (calibration files are keyed by it)
         with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()

@@ -548,6 +548,10 @@ class Scheduler:
         except ValueError as e:  # sampling parameters, or messages the session cannot read
             self._fail(job, 400, str(e), "invalid_request_error")
             return
+        except Exception as e:  # a bug in making its session must cost this job, never leave it unanswered
+            log.exception("%s: binding failed", job.id)
+            self._fail(job, 500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+            return
         job.decoder = StreamDecoder(self.model.tokenizer)
         job.matcher = StopMatcher(job.stops)
         job.history = list(job.ids)
