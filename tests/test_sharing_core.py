@@ -70,7 +70,7 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     src.append(q, logits="none")
     h, n = 4, len(q) - 4
     bucket = _Bucket(src.share(p0 + h, n), None, p0 + h, src, p0 + h)
-    kc1 = runner._core_ridge(1, QUESTION, bucket, n)
+    kc1 = runner._core_ridge(runner.edge_of(QUESTION, 1), bucket, n)
     ref1 = runner._correction_numpy(1, QUESTION, bucket, 0, n, "m", None)
     assert isinstance(kc1, core.KvCorrection) and kc1.rank == 9 and kc1.n_rows == n
     _assert_factors_equal(kc1, ref1, model.n_layer)
@@ -86,7 +86,7 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     assert pos1 != p0
     reader.append_shared(bucket.shared, kc1)
     chained = _Bucket(bucket.shared, kc1, bucket.frame0, reader, pos1)
-    kc2 = runner._core_ridge(2, QUESTION, chained, n)
+    kc2 = runner._core_ridge(runner.edge_of(QUESTION, 2), chained, n)
     ref2 = runner._correction_numpy(
         2, QUESTION, _Bucket(bucket.shared, numpy_factors(kc1, model.n_layer), p0 + h, reader, pos1), 0, n, "m", None
     )
@@ -103,7 +103,7 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     rot = np.stack([model._core.rope_rotate(np.ascontiguousarray(dk[il]), -(p0 + h)) for il in range(model.n_layer)])
     assert _rel(k2, k0 + rot) < 1e-5 and _rel(v2, v0 + dv) < 1e-5
     with pytest.raises(core.KvcmasError, match="outside sequence"):
-        core.ridge_correction(model._core, ridge.core_maps((QUESTION, 1)), src.id, p0, len(src), p0, None)
+        core.ridge_correction(model._core, ridge.core_maps(runner.edge_of(QUESTION, 1)), src.id, p0, len(src), p0, None)
     for s in (src, reader, reader2):
         s.close()
     runner.close()
@@ -186,7 +186,7 @@ def test_auto_apply_is_fused_at_kvcmas_rank_and_a_copy_at_full_rank(model, workf
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_materialized_segment_reads_like_the_fused_one(default_model_path, kv_type) -> None:
-    m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type)
+    m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type, activations="f32")
     ids = m.tokenize("Shared context: the quick brown fox jumps over the lazy dog, twice over.", add_special=False)
     src = m.new_sequence()
     src.append(ids, logits="none")
@@ -224,7 +224,7 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
     """Random maps (rank 6, some layers without a map) applied to a reader's view that carries its own correction,
     read at another position than the span's stored frame: A = [(x - mu_x)·proj, 1] on the canonical view (numpy,
     from seq.kv), B_k = [vt; mu_y] rotated by frame0, the view's correction in front; f16 rows too."""
-    m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type)
+    m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type, activations="f32")
     kd, n_layer, r = m.n_head_kv * m._core.head_dim, m.n_layer, 6
     rng = np.random.default_rng(1)
     src = m.new_sequence()
