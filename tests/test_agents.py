@@ -390,6 +390,42 @@ def test_an_image_in_the_shared_context(model: kc.Model, tmp_path: Path) -> None
         team.share(image=b"not an image at all")
 
 
+def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_calibrate(model: kc.Model) -> None:
+    """The README's session at the size users meet (issue 14): four agents with fixed roles, ~2K shared tokens, fresh
+    sessions of one named workflow with default settings. Every later agent reads the context by reference from the
+    very first workflow (cold reuse), its edges gather their reads in fixed memory, and once they hold
+    CALIBRATION_READS reads the later agents reuse with learned corrections."""
+    from kvcmas_cpp.agents import shared_estimator
+    from kvcmas_cpp.sharing.workflow import load_gsm8k
+
+    roles = (*ROLES, ("Programmer", "You are a programming expert. Check the arithmetic with code."))
+    questions = load_gsm8k(600, 200)
+    runs: list[list[kc.agents.Response]] = []
+    for i in range(CALIBRATION_READS + 1):
+        picked = questions[i * 40 : i * 40 + 12]
+        while len(model.tokenize("\n".join(picked), add_special=False)) < 2000:
+            picked.append(questions[i * 40 + len(picked)])
+        context = "\n".join(picked)
+        with AgentSession(model, "kvcmas", workflow="test-2k") as team:
+            agents = [team.agent(n, system=r) for n, r in roles]
+            team.share(context, label="Context")
+            runs.append([a.respond(max_tokens=1) for a in agents])
+            ridge = shared_estimator(model, "kvcmas", "test-2k")[0]
+            assert ridge.pending_bytes() + ridge.state_bytes() < 64 << 20
+    n_ctx_tokens = len(model.tokenize(context, add_special=False))
+    first = runs[0]
+    assert first[0].stats.mode == "source" and first[0].stats.computed_tokens > n_ctx_tokens
+    for r in first[1:]:  # the first workflow already reuses: a later agent computes its role and the exact head only
+        assert r.stats.gate == "calibrating -> reuse" and r.stats.mode == "reuse", r.stats
+        assert r.stats.span_tokens >= n_ctx_tokens - 8 and r.stats.computed_tokens < 100, r.stats
+        assert r.stats.calibration_tokens >= n_ctx_tokens  # the exact rows, computed after the reply
+    for run in runs[1:CALIBRATION_READS]:
+        assert [r.stats.gate for r in run[1:]] == ["calibrating -> reuse"] * 3
+    for r in runs[-1][1:]:  # calibrated: learned corrections, nothing computed for calibration any more
+        assert r.stats.gate == "reuse" and r.stats.mode == "reuse" and r.stats.corr_rank > 0, r.stats
+        assert r.stats.calibration_tokens == 0 and r.stats.computed_tokens < 100, r.stats
+
+
 @pytest.mark.slow
 def test_a_session_over_an_8k_token_context_calibrates_then_reuses(model: kc.Model) -> None:
     """Default settings, a shared context of ~7.5K tokens: the reader's edge gathers its reads in fixed memory (the
