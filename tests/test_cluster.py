@@ -84,6 +84,34 @@ def test_rendezvous_moves_only_what_churn_must() -> None:
     assert rendezvous_order("abc", [2, 0, 1]) == rendezvous_order("abc", range(3))  # order-free, deterministic
 
 
+# ------------------------------------------------------------------------------------------ 3 nodes
+@pytest.mark.slow
+def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path]) -> None:
+    """ray.cluster_utils.Cluster in a process of its own (tests/cluster_nodes_worker.py): one engine per node; the
+    node of a workflow's owner is removed after hop 2; hop 3 fails over (dense), hop 4 reuses there."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'")
+    before = _ray_processes()
+    env = dict(os.environ)
+    package_root = str(Path(kc.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
+    worker = Path(__file__).with_name("cluster_nodes_worker.py")
+    model = str(tiny_models[("llama", "Q8_0")])
+    done = subprocess.run(
+        [sys.executable, str(worker), model, str(_free_port())], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"owner"')))
+    hops = seen["hops"]
+    assert seen["nodes_used"] == 3
+    assert hops[0]["replica"] == hops[1]["replica"] == seen["owner"] and hops[1]["cached"] > 0
+    assert hops[2]["replica"] != seen["owner"] and hops[2]["cached"] == 0
+    assert hops[3]["replica"] == hops[2]["replica"] and hops[3]["cached"] > 0
+    assert not _left_behind(before) and not Path(seen["temp_dir"]).exists()
+
+
 # ------------------------------------------------------------------------------------------ the cluster
 class Cluster:
     def __init__(self, root: Path, model: Path) -> None:
@@ -104,10 +132,13 @@ class Cluster:
         return done
 
     def up(self) -> None:
-        done = self.cli(
-            "up", "--replicas", str(N_REPLICAS), "--port", str(self.port), "--num-cpus", "2", "--",
-            "--model", str(self.model), "-t", "1", "--calibration-dir", str(self.calibration_dir),
-        )  # fmt: skip
+        """From a Serve config file, as a deployment on N machines would be (docs/cluster.md), and a flag."""
+        config = self.log.parent / "kvcmas-cluster.json"
+        server_args = ["--model", str(self.model), "-t", "1", "--calibration-dir", str(self.calibration_dir)]
+        app = {"name": "kvcmas", "import_path": "kvcmas_cpp.cluster.serve_app:build"}
+        app["args"] = {"replicas": N_REPLICAS, "server_args": server_args}
+        config.write_text(json.dumps({"http_options": {"host": "127.0.0.1"}, "applications": [app]}))
+        done = self.cli("up", "--config", str(config), "--port", str(self.port), "--num-cpus", "2")
         assert done.returncode == 0, done.stdout + done.stderr
 
     def state(self) -> dict[str, Any]:
@@ -131,17 +162,18 @@ def cluster(tiny_models: dict[tuple[str, str], Path], tmp_path_factory: pytest.T
 
     if importlib.util.find_spec("ray") is None:
         pytest.skip("kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'")
-    import psutil
 
     from kvcmas_cpp.cluster.cli import connect
 
     token_file = Path.home() / ".ray" / "auth_token"
     had_token_file = token_file.exists()
     saved = dict(os.environ)
+    before = _ray_processes()
     c = Cluster(tmp_path_factory.mktemp("cluster"), tiny_models[("llama", "Q8_0")])
     try:
         c.up()
         state = c.state()
+        assert _left_behind(before)  # the reference below sees the cluster's processes
         connect(state)  # this process kills replicas' actors (Ray is imported here, with the cluster's settings)
         yield c
     finally:
@@ -153,13 +185,28 @@ def cluster(tiny_models: dict[tuple[str, str], Path], tmp_path_factory: pytest.T
         os.environ.update(saved)
         done = c.cli("down")
         assert done.returncode == 0, done.stdout + done.stderr
-    left = [
-        p.pid for p in psutil.process_iter(["cmdline"]) if any(state["temp_dir"] in a for a in p.info["cmdline"] or [])
-    ]
+    left = _left_behind(before)
     assert not left, f"processes of the cluster still running: {left}"
     assert not Path(state["temp_dir"]).exists()
     assert token_file.exists() == had_token_file  # the token lived in the state file only, now removed
     assert not (Path(c.env["XDG_CACHE_HOME"]) / "kvcmas" / "cluster.json").exists()
+
+
+def _ray_processes() -> dict[int, str]:
+    """Every Ray process on this machine (pid -> command line), whatever it calls itself."""
+    import psutil
+
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if proc.pid != os.getpid() and ("ray::" in line or "/ray/" in line or " ray." in line):
+            found[proc.pid] = line[:120]
+    return found
+
+
+def _left_behind(before: dict[int, str]) -> list[str]:
+    """Ray processes that were not running before (nothing else on this machine runs Ray)."""
+    return [line for pid, line in _ray_processes().items() if pid not in before]
 
 
 def _owner(key: str) -> str:

@@ -32,6 +32,8 @@ from typing import Any
 DEFAULT_PORT = 8000
 INSTALL_HINT = "kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'"
 LOOPBACK = "127.0.0.1"
+HEAD_MARKER = "KVCMAS_RAY_HEAD"  # in the environment of every process of a head `up` started: its temporary dir
+STOP_GRACE_S = 2.0  # after SIGTERM; GCS and raylet take longer to drain a cluster that is being thrown away
 
 
 def add_cluster_commands(sub: Any) -> None:
@@ -127,7 +129,7 @@ def _start_head(state: dict[str, Any], num_cpus: int | None) -> None:
         f"--temp-dir={temp_dir}",
         f"--num-cpus={num_cpus if num_cpus is not None else os.cpu_count() or 1}",
     )
-    env = {**os.environ, **ray_env(state)}
+    env = {**os.environ, **ray_env(state), HEAD_MARKER: temp_dir}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if done.returncode != 0:
         _stop_head(state)
@@ -137,9 +139,10 @@ def _start_head(state: dict[str, Any], num_cpus: int | None) -> None:
 
 
 def load_config(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(http_options, application args) from a Serve config file (YAML or JSON; applications[0] is kvcmas)."""
+    """(serve.start's options, the application's args) from a Serve config file (YAML or JSON; applications[0] is
+    kvcmas): http_options and proxy_location are read, the rest of the top level is Serve's own business."""
     if path is None:
-        return {}, {}
+        return {"http_options": {}}, {}
     text = Path(path).read_text()
     try:
         import yaml
@@ -150,7 +153,10 @@ def load_config(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a Serve config (a mapping with http_options and applications)")
     apps = data.get("applications") or [{}]
-    return dict(data.get("http_options") or {}), dict(apps[0].get("args") or {})
+    options: dict[str, Any] = {"http_options": dict(data.get("http_options") or {})}
+    if data.get("proxy_location"):
+        options["proxy_location"] = data["proxy_location"]
+    return options, dict(apps[0].get("args") or {})
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -169,7 +175,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if read_state() is not None:
         print("kvcmas: error: a cluster is up already (kvcmas cluster down first)", file=sys.stderr)
         return 1
-    http_options, config = load_config(args.config)
+    start_options, config = load_config(args.config)
+    http_options = start_options["http_options"]
     if args.replicas is not None:
         config["replicas"] = args.replicas
     server_args = [a for a in args.server_args if a != "--"] if args.server_args else []
@@ -185,7 +192,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         connect(state)
         t0 = time.monotonic()
-        serve.start(http_options=http_options)
+        serve.start(**start_options)
         serve.run(app, name=APP_NAME, route_prefix="/")
     except BaseException:
         _down(state)
@@ -196,15 +203,24 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- down, status
 def _head_processes(temp_dir: str) -> list[Any]:
-    """The processes of the head `up` started: each names its own temporary directory on its command line."""
+    """The processes of the head `up` started: those that inherit HEAD_MARKER=temp_dir from `ray start` (the client
+    server names no directory) or name the directory on their command line (GCS, raylet, monitors), and all their
+    descendants (agents and workers, which rename themselves `ray::...` over their environment)."""
     import psutil
 
-    found = []
+    found: dict[int, Any] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and any(temp_dir in part for part in proc.info["cmdline"] or []):
-                found.append(proc)
-    return found
+            if (
+                any(temp_dir in part for part in proc.info["cmdline"] or [])
+                or proc.environ().get(HEAD_MARKER) == temp_dir
+            ):
+                found[proc.pid] = proc
+    for proc in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            found |= {child.pid: child for child in proc.children(recursive=True)}
+    found.pop(os.getpid(), None)
+    return list(found.values())
 
 
 def _stop_head(state: dict[str, Any]) -> None:
@@ -217,7 +233,7 @@ def _stop_head(state: dict[str, Any]) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()

@@ -311,8 +311,8 @@ class Ingress:
         return response
 
     @ingress_app.get("/health")
-    async def health(self) -> Response:
-        replies = await self._everyone("/health")
+    async def health(self, request: Request) -> Response:
+        replies = await self._everyone("/health", request)
         replicas: dict[str, Any] = {}
         for rank, (status, text) in enumerate(replies):
             if status == 200:
@@ -325,8 +325,11 @@ class Ingress:
         return JSONResponse(body, status_code=200 if up else 503)
 
     @ingress_app.get("/metrics")
-    async def metrics(self) -> Response:
-        replies = await self._everyone("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        replies = await self._everyone("/metrics", request)
+        refused = next(((status, text) for status, text in replies if status in (400, 401)), None)
+        if refused is not None:  # the replicas' own API-key and Host checks: the same answer as one server's
+            return Response(refused[1], status_code=refused[0], media_type="application/json")
         seen: set[str] = set()
         lines: list[str] = []
         for rank, (status, text) in enumerate(replies):
@@ -369,11 +372,12 @@ class Ingress:
         headers = {k.lower(): v for k, v in request.headers.items()}
         return await self.forward(request, routing_key(body, headers), raw)
 
-    async def _everyone(self, path: str) -> list[tuple[int, str]]:
-        """GET path on every rank at once: (status, text) each; (503, why) for a rank that did not answer."""
+    async def _everyone(self, path: str, request: Request) -> list[tuple[int, str]]:
+        """GET path on every rank at once, with the request's headers (API key, Host): (status, text) each; (503,
+        why) for a rank that did not answer."""
 
         async def one(rank: int) -> tuple[int, str]:
-            call = ("GET", path, b"", [(b"host", b"127.0.0.1")], b"")
+            call = ("GET", path, b"", list(request.scope["headers"]), b"")
             try:
                 gen = self.engines[rank].options(stream=True).forward.remote(*call)
                 messages = await asyncio.wait_for(_collect(gen), HEALTH_TIMEOUT_S)

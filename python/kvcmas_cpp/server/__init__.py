@@ -304,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=cfg.host,
         port=cfg.port,
         http=protocol,
+        loop="asyncio",  # the loop it is tested on, also where an extra installed uvloop (kvcmas_cpp[cluster])
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
