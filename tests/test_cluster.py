@@ -84,6 +84,12 @@ def test_rendezvous_moves_only_what_churn_must() -> None:
     assert rendezvous_order("abc", [2, 0, 1]) == rendezvous_order("abc", range(3))  # order-free, deterministic
 
 
+def test_single_node_never_imports_ray() -> None:
+    code = "import sys, kvcmas_cpp.cli as c, kvcmas_cpp.server; c.build_parser(); print('ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+
+
 # ------------------------------------------------------------------------------------------ 3 nodes
 @pytest.mark.slow
 def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path]) -> None:
@@ -237,6 +243,8 @@ def test_workflows_stick_to_one_replica_and_reuse(cluster: Cluster) -> None:
         assert all(h["kvcmas"]["workflow"] == wf for h in hops)
         assert all(h["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for h in hops[1:]), wf
     assert len({hops[0]["kvcmas"]["replica"] for hops in runs.values()}) >= 2
+    # every replica was given the one shared --calibration-dir: the maps they learned are there for a replacement
+    assert list(cluster.calibration_dir.glob("*/*.npz"))
     for wf in runs:  # DELETE reaches the owner: the workflow is open there once, and only once
         assert cluster.request("DELETE", f"/v1/kvcmas/workflows/{wf}")[0] == 200
         assert cluster.request("DELETE", f"/v1/kvcmas/workflows/{wf}")[0] == 404
