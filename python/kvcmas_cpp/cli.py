@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p.set_defaults(func=run_serve)
 
+    from .cluster.cli import add_cluster_commands  # imports Ray only when a cluster command runs
+
+    add_cluster_commands(sub)
+
     from kvcmas_convert.cli import add_subcommands  # `convert` and `gguf show|set`
 
     add_subcommands(sub)

@@ -22,7 +22,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import Server
 
 __all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
 
@@ -208,21 +211,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Loads the model and serves until interrupted. Returns the exit status."""
-    import uvicorn
-
+def build_server(args: argparse.Namespace, replica: str | None = None) -> Server:
+    """The model and the Server (app and scheduler) that `args` (from add_serve_arguments) describe, not yet
+    serving. replica: the name this server answers in each response's `kvcmas.replica` (kvcmas.cluster)."""
     from ..model import Model, resolve_model_path
-    from .app import HeaderTimeoutH11, Server, ServerConfig
-    from .backend import agents_available
+    from .app import Server, ServerConfig
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    log = logging.getLogger("kvcmas.server")
     if args.max_queue < 0 or args.max_images < 0:
-        print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
-        return 2
+        raise ValueError("--max-queue and --max-images must be >= 0")
     path = resolve_model_path(args.model)
     kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
     if args.device != "cpu":
@@ -259,8 +255,27 @@ def run_serve(args: argparse.Namespace) -> int:
         max_image_memory=args.max_image_memory,
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,
+        replica=replica,
     )
-    server = Server(cfg, model)
+    return Server(cfg, model)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Loads the model and serves until interrupted. Returns the exit status."""
+    import uvicorn
+
+    from .app import HeaderTimeoutH11
+    from .backend import agents_available
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("kvcmas.server")
+    if args.max_queue < 0 or args.max_images < 0:
+        print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
+        return 2
+    server = build_server(args)
+    cfg, model = server.cfg, server.model
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"
     log.info(
         "kvcmas-server: %s (%s, n_ctx %d, %d threads), method %s (%s), parallel %d, KV budget %d bytes, "
@@ -289,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=cfg.host,
         port=cfg.port,
         http=protocol,
+        loop="asyncio",  # the loop it is tested on, also where an extra installed uvloop (kvcmas_cpp[cluster])
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=args.shutdown_timeout + 5,

@@ -110,6 +110,7 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
 
     def host_allow_list(self) -> frozenset[str] | None:
         """The Host names accepted: bound to loopback, the loopback names and --allowed-host (a page on another
@@ -1006,6 +1007,8 @@ class Server:
             "dense_reason": s["dense_reason"],
             **extra,
         }
+        if self.cfg.replica is not None:
+            kvcmas["replica"] = self.cfg.replica
         return {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}
 
     def _final_body(
