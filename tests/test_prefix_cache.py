@@ -6,7 +6,9 @@ prefix_cached_tokens and cached_tokens; nothing else is."""
 
 from __future__ import annotations
 
+import gc
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,16 @@ def test_the_cache_stays_within_its_share_of_a_small_budget(default_model_path: 
     while cache.evict_lru():
         pass
     assert cache.entries == 0 and small.kv_bytes_in_use == before  # evicting every entry frees every row
+
+
+def test_the_cache_goes_with_its_model(default_model_path: Path) -> None:
+    m = kc.Model(default_model_path, n_threads=1, n_ctx=128)
+    PrefixCache.of(m).prefix("", m.tokenize(SYSTEM))[0].close()
+    assert PrefixCache.of(m).entries == 1
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None  # entries refer to the model; nothing else keeps it (or them) alive
 
 
 # ------------------------------------------------------------------------------------------------- the server

@@ -24,7 +24,6 @@ Contracts:
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,7 +61,6 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-_caches: weakref.WeakKeyDictionary[Model, PrefixCache] = weakref.WeakKeyDictionary()
 _caches_lock = threading.Lock()
 
 
@@ -83,11 +81,13 @@ class PrefixCache:
 
     @staticmethod
     def of(model: Model) -> PrefixCache:
-        """The model's prefix cache (made on first use; sessions and the server share it)."""
+        """The model's prefix cache (made on first use; sessions and the server share it). It lives as long as the
+        model: an attribute of it (its entries' sequences refer to the model, so a table keyed by the model would
+        keep it alive for good; the cycle goes with the model)."""
         with _caches_lock:
-            cache = _caches.get(model)
-            if cache is None:
-                cache = _caches[model] = PrefixCache(model)
+            cache = model._prefix_cache
+            if not isinstance(cache, PrefixCache):
+                cache = model._prefix_cache = PrefixCache(model)
             return cache
 
     # ------------------------------------------------------------------------------------------------ queries
