@@ -11,6 +11,7 @@ import pytest
 
 import kvcmas_cpp as kc
 from kvcmas_cpp.agents import CALIBRATION_READS, AgentSession
+from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.sharing import estimators as est
 
 QUESTION = (
@@ -27,6 +28,12 @@ ROLES = (
 @pytest.fixture(scope="module")
 def model(default_model_path: str) -> kc.Model:
     return kc.Model(default_model_path, n_threads=2)
+
+
+def kv_without_prefix_cache(model: kc.Model) -> int:
+    """KV bytes in use once the model's prefix cache (which outlives sessions by design) is emptied."""
+    PrefixCache.of(model).clear()
+    return model.kv_bytes_in_use
 
 
 def run_team(model: kc.Model, method: str, question: str = QUESTION, max_tokens: int = 8, **kw: object) -> list:
@@ -46,7 +53,7 @@ def check_stats(r: kc.agents.Response, row_bytes: int) -> None:
 
 def test_every_method_answers_and_first_agent_is_exact(model: kc.Model) -> None:
     row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
-    base = model.kv_bytes_in_use
+    base = kv_without_prefix_cache(model)
     dense = run_team(model, "nonshared")
     for method in ("fullshared", "kvcmas", "kvcomm"):
         out = run_team(model, method, workflow=f"test-{method}-exact")
@@ -59,7 +66,7 @@ def test_every_method_answers_and_first_agent_is_exact(model: kc.Model) -> None:
     for r in dense:
         check_stats(r, row_bytes)
         assert r.stats.mode in ("source", "dense")
-    assert model.kv_bytes_in_use == base  # closing a session frees every row
+    assert kv_without_prefix_cache(model) == base  # closing a session frees every row
 
 
 def test_sharing_reuses_the_question_and_replies(model: kc.Model) -> None:
@@ -194,7 +201,7 @@ def test_templates_placeholders_and_errors(model: kc.Model) -> None:
 
 
 def test_reset_and_fork_release_memory(model: kc.Model) -> None:
-    base = model.kv_bytes_in_use
+    base = kv_without_prefix_cache(model)
     team = AgentSession(model, "fullshared")
     a = team.agent("Solver", system="Solve.")
     team.share(QUESTION)
@@ -209,7 +216,7 @@ def test_reset_and_fork_release_memory(model: kc.Model) -> None:
     team.share(QUESTION)
     assert a.respond(max_tokens=6).ids == r.ids
     team.close()
-    assert model.kv_bytes_in_use == base
+    assert kv_without_prefix_cache(model) == base
 
 
 def test_sessions_in_threads_match_sequential(model: kc.Model) -> None:
@@ -257,7 +264,7 @@ def test_sessions_from_asyncio_match_sequential(model: kc.Model) -> None:
 
 def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
     """The server's path: the system prompt names the agent; message contents are spans keyed by their ids."""
-    base = model.kv_bytes_in_use
+    base = kv_without_prefix_cache(model)
     with AgentSession(model, "fullshared") as team:
         user = {"role": "user", "content": QUESTION}
         p1 = team.prefill([{"role": "system", "content": "You are agent one."}, user])
@@ -289,7 +296,7 @@ def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
         with pytest.raises(ValueError, match="string 'role' and 'content'"):
             team.prefill([{"role": "user", "content": 3}])
         assert team.evict_lru()
-    assert model.kv_bytes_in_use == base
+    assert kv_without_prefix_cache(model) == base
 
 
 @pytest.mark.parametrize("topology", ["full", "chain"])

@@ -409,10 +409,24 @@ def test_model_file_removed_after_load(fault_server: ServerProcess, model_path: 
     assert fault_server.request("DELETE", "/v1/kvcmas/workflows/wf-removed")[0] == 200
 
 
-def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess) -> None:
-    """Non-streaming and streaming clients that disconnect mid-generation: their jobs are cancelled, KV freed."""
+def _prefix_cache_holding_only(srv: ServerProcess, model_path: str, prompt: str) -> dict[str, float]:
+    """Leaves the server's prefix cache holding the prompt's entry alone: a completion whose reservation needs the
+    whole KV budget evicts every entry before it runs, stores its prompt's rows, and stops at its first token.
+    Returns the metrics once idle (the KV in use is then that entry's)."""
+    n_prompt = len(kc.Model(model_path, n_threads=1, n_ctx=64).tokenize(prompt))
+    body = {"prompt": prompt, "max_tokens": 6 * 32 - n_prompt, "stop": [","], "temperature": 0}  # 7 blocks: all
+    status, _, out = srv.request("POST", "/v1/completions", body)
+    assert status == 200, out
+    m = _wait_idle(srv, srv.metrics()["kvcmas_kv_bytes"])
+    assert m["kvcmas_prefix_cache_entries"] == 1 and m["kvcmas_kv_bytes"] == BLOCK_BYTES
+    return m
+
+
+def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess, model_path: str) -> None:
+    """Non-streaming and streaming clients that disconnect mid-generation: their jobs are cancelled, KV freed (all
+    but the prompt's rows, which the prefix cache keeps)."""
     fault_server.request("DELETE", "/v1/kvcmas/workflows/default")
-    before = _wait_idle(fault_server, 0)
+    before = _prefix_cache_holding_only(fault_server, model_path, COUNTING)
     for stream in (False, True):
         _wait_idle(fault_server, before["kvcmas_kv_bytes"])
         conn = http.client.HTTPConnection("127.0.0.1", fault_server.port, timeout=60)
@@ -433,7 +447,8 @@ def test_client_vanishing_frees_its_sequence(fault_server: ServerProcess) -> Non
     assert after["kvcmas_cancelled_total"] == before["kvcmas_cancelled_total"] + 2
 
 
-def test_kv_budget_exhausted_429_then_recovers(fault_server: ServerProcess) -> None:
+def test_kv_budget_exhausted_429_then_recovers(fault_server: ServerProcess, model_path: str) -> None:
+    before = _prefix_cache_holding_only(fault_server, model_path, COUNTING)
     body = {"prompt": COUNTING, "max_tokens": 120, "temperature": 0}
     n = 5
     start = threading.Barrier(n)
@@ -451,8 +466,8 @@ def test_kv_budget_exhausted_429_then_recovers(fault_server: ServerProcess) -> N
             assert int(headers["retry-after"]) >= 1 and out["error"]["type"] == "rate_limit_error"
     texts = {r[2]["choices"][0]["text"] for r in results if r[0] == 200}
     assert len(texts) == 1  # the ones that waited for memory got the same greedy answer
-    after = _wait_idle(fault_server, 0)
-    assert after["kvcmas_kv_bytes"] == 0 and after["kvcmas_queued_requests"] == 0
+    after = _wait_idle(fault_server, before["kvcmas_kv_bytes"])  # the prompt's entry, stored again by each prefill
+    assert after["kvcmas_kv_bytes"] == before["kvcmas_kv_bytes"] and after["kvcmas_queued_requests"] == 0
     status, _, out = fault_server.request("POST", "/v1/completions", body)  # recovered: memory is free again
     assert status == 200 and out["choices"][0]["text"] in texts
 

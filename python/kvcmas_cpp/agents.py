@@ -44,6 +44,7 @@ from typing import Any, Literal, cast, overload
 import numpy as np
 
 from .model import CompletionChunk, KVSequence, Model
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
 from .sharing.persist import CalibrationStore, default_calibration_dir
@@ -198,7 +199,8 @@ class Prefilled:
     corrs: dict[str, est.Correction]
     reply_ph: str
     prefix_rows: int = 0  # rows of the agent's template prefix (before the first span)
-    prefix_cached: int = 0  # of them, rows an earlier call computed
+    prefix_cached: int = 0  # of them, rows an earlier call computed (served by the model's PrefixCache)
+    prefix: KVSequence | None = None  # the template prefix the hop forked (its own fork of the cache's rows)
     finished: bool = False
     released: bool = False
 
@@ -399,8 +401,9 @@ class AgentSession:
         recompute: float | None = None,
         cold: Literal["reuse", "dense"] | None = None,
         calibration_dir: str | os.PathLike[str] | bool = True,
+        cache_namespace: str = "",
     ) -> None:
-        """method: nonshared (every agent prefills its whole prompt; own prefix cache), fullshared (spans shared
+        """method: nonshared (every agent prefills its whole prompt), fullshared (spans shared
         without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
         from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
         anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
@@ -413,7 +416,11 @@ class AgentSession:
         (kvcmas): where fitted maps are kept across processes, keyed by model, workflow and edge: True (default)
         for $XDG_CACHE_HOME/kvcmas (sharing.persist.default_calibration_dir), a path, or False for none; maps found
         there are loaded when the workflow's estimator is first used, and each fit is written there. An
-        `estimator` given here persists only with an explicit path."""
+        `estimator` given here persists only with an explicit path. cache_namespace: an agent's template prefix
+        (system prompt and the chat template's text before the first span) comes from the model's exact prefix
+        cache (kvcmas_cpp.prefix_cache.PrefixCache), shared by every session on the model with the same
+        cache_namespace (the server gives each tenant and cache_salt its own): computed once, not once per
+        session."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
@@ -450,7 +457,8 @@ class AgentSession:
         self._lock = threading.RLock()
         self.agents: list[Agent] = []
         self._identities: list[str] = []  # per agent: agent_identity()
-        self._prefixes: dict[int, tuple[tuple[int, ...], KVSequence]] = {}
+        self.cache_namespace = cache_namespace
+        self._prefix_cache = PrefixCache.of(model)
         self._row_bytes = model.kv_row_bytes
         self._serial = 0
         self._reset_state()
@@ -553,12 +561,10 @@ class AgentSession:
             self._reset_state()
 
     def close(self) -> None:
-        """Frees every KV row of the session (prefix caches included)."""
+        """Frees every KV row of the session. Agents' template prefixes stay in the model's prefix cache for later
+        sessions (PrefixCache.of(model).clear() drops them)."""
         with self._lock:
             self.reset()
-            for _, s in self._prefixes.values():
-                s.close()
-            self._prefixes.clear()
 
     def __enter__(self) -> AgentSession:
         return self
@@ -570,7 +576,12 @@ class AgentSession:
         """A new session with the same agents and a copy of the shared context (spans re-computed on first read)."""
         with self._lock:
             other = AgentSession(
-                self.model, self.method, workflow=self.workflow, config=self._runner.config, calibration_dir=False
+                self.model,
+                self.method,
+                workflow=self.workflow,
+                config=self._runner.config,
+                calibration_dir=False,
+                cache_namespace=self.cache_namespace,
             )
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
             other._store = self._store
@@ -586,11 +597,10 @@ class AgentSession:
 
     @property
     def stored_bytes(self) -> int:
-        """KV bytes of the rows the session keeps computed (prefix caches, and the rows of finished calls that stored
-        spans still read), counted by rows (the pool allocates whole blocks)."""
+        """KV bytes of the rows the session keeps computed (the rows of finished calls that stored spans still read),
+        counted by rows (the pool allocates whole blocks). Template prefixes live in the model's prefix cache."""
         with self._lock:
             rows = sum(self._owned_rows.get(id(s), 0) for s in self._seqs)
-            rows += sum(len(s) for _, s in self._prefixes.values())
             return rows * self._row_bytes
 
     def evict_lru(self) -> bool:
@@ -659,11 +669,10 @@ class AgentSession:
             if between_chunks is None:
                 return self._prefill_template(ag, template)
             t0 = time.perf_counter()
-            cached = self._has_prefix(ag, template)
-            prefix = self._prefix(ag, template)  # computed here when the agent's system prompt is new to the session
+            prefix, cached = self._prefix(ag, template)  # computed here when the prefix cache has no match
             prefix_ms = (time.perf_counter() - t0) * 1000.0
             fork = _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms)
-            p = self._prefill_template(ag, template, fork, prefix_cached=cached)
+            p = self._prefill_template(ag, template, fork, (prefix, cached))
             if isinstance(p.seq, _ChunkedSequence):
                 p.seq.between = None  # generation and finish() append in one piece
             return p
@@ -801,29 +810,21 @@ class AgentSession:
         ctx = "\n\n".join(parts)
         return ag.template.replace("{context}", ctx) if ag.template is not None else ctx
 
-    def _prefix(self, ag: Agent, t: Template) -> KVSequence:
-        key = tuple(t.texts[0])
-        cached = self._prefixes.get(ag.index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if cached is not None:
-            cached[1].close()
-        s = self.model.new_sequence()
-        s.append(t.texts[0], logits="none")
-        self._prefixes[ag.index] = (key, s)
-        return s
-
-    def _has_prefix(self, ag: Agent, t: Template) -> bool:
-        """The agent's template prefix is cached already (an earlier call computed it)."""
-        cached = self._prefixes.get(ag.index)
-        return cached is not None and cached[0] == tuple(t.texts[0])
+    def _prefix(self, ag: Agent, t: Template) -> tuple[KVSequence, int]:
+        """A sequence holding the agent's template prefix (the caller owns it) and how many of its rows an earlier
+        call computed (the model's prefix cache, within the session's cache_namespace)."""
+        return self._prefix_cache.prefix(self.cache_namespace, t.texts[0])
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
         """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
         return (self._span_keys.get(ph, ph), self._identities[reader])
 
     def _prefill_template(
-        self, ag: Agent, t: Template, prefix: _ChunkedFork | None = None, prefix_cached: bool | None = None
+        self,
+        ag: Agent,
+        t: Template,
+        chunked: _ChunkedFork | None = None,
+        prefix: tuple[KVSequence, int] | None = None,
     ) -> Prefilled:
         missing = [ph for ph in t.placeholders if ph not in self._state.relayed]
         if missing:
@@ -831,16 +832,19 @@ class AgentSession:
         n = self._replies.get(ag.index, 0)
         reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
         # The method only forks the prefix: a _ChunkedFork stands in for it where appends are to run in chunks.
-        if prefix_cached is None:
-            prefix_cached = self._has_prefix(ag, t)
-        base = self._prefix(ag, t) if prefix is None else cast(KVSequence, prefix)
-        with self._estimator_lock:
-            seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, base, self._state)
+        prefix_seq, cached = self._prefix(ag, t) if prefix is None else prefix
+        base = prefix_seq if chunked is None else cast(KVSequence, chunked)
+        try:
+            with self._estimator_lock:
+                seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, base, self._state)
+        except BaseException:
+            prefix_seq.close()
+            raise
         for ph in t.placeholders:
             if ph in self._lru:
                 self._lru.move_to_end(ph)
         n = len(t.texts[0])
-        return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph, n, n if prefix_cached else 0)
+        return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph, n, cached, prefix_seq)
 
     def _finish(self, p: Prefilled, out: list[int], received: str | None = None) -> None:
         ag = p.agent
@@ -857,9 +861,8 @@ class AgentSession:
                 self._add_item(_Item(p.reply_ph, out, None, ag, key))
             return
         with self._estimator_lock:
-            prefix = self._prefixes[ag][1] if ag in self._prefixes else None
             fitted = self._runner.finish_hop(
-                ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=prefix
+                ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=p.prefix
             )
             if fitted and self._store is not None and isinstance(self._runner.estimator, est.RidgeEstimator):
                 self._store.save(self._runner.estimator, fitted)
@@ -886,6 +889,8 @@ class AgentSession:
             p.released = True
             if p.seq not in self._seqs:
                 p.seq.close()
+            if p.prefix is not None:
+                p.prefix.close()
 
     def _collect(self) -> None:
         """Closes session sequences no stored span reads any more."""

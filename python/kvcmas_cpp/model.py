@@ -281,6 +281,7 @@ class Model:
         self._core = core.Model(*core_args)
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
+        self._prefix_cache: Any = None  # kvcmas_cpp.prefix_cache.PrefixCache.of(self), made on first use
 
     # ----------------------------------------------------------------------------------------------- properties
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")

@@ -460,6 +460,16 @@ class Server:
         m.add_gauge("kvcmas_kv_budget_bytes", "KV memory budget (bytes).", lambda: s.kv_budget)
         m.add_gauge("kvcmas_kv_stored_bytes", "KV bytes held by stored shared spans.", lambda: s.stored_bytes)
         m.add_gauge(
+            "kvcmas_prefix_cache_entries",
+            "Token prefixes the exact prefix cache holds.",
+            lambda: s.prefix_cache.entries,
+        )
+        m.add_gauge(
+            "kvcmas_prefix_cache_tokens",
+            "Tokens of the prefix cache's entries (a run two entries share counted for each).",
+            lambda: s.prefix_cache.tokens,
+        )
+        m.add_gauge(
             "kvcmas_kv_allocated_bytes",
             "KV block memory the engine holds: in use plus free blocks kept for reuse (bytes).",
             lambda: model.kv_bytes_allocated,
@@ -846,6 +856,7 @@ class Server:
             stops=parsed.stops,
             sink=sink,
             deadline=self._deadline(),
+            namespace=Namespace(request.state.tenant, body.cache_salt or ""),
         )
         self._submit(job)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..agents import chunk_bounds
+from ..agents import MIN_CHUNK_ROWS, chunk_bounds
 from ..model import KVSequence, Model
+from ..prefix_cache import PrefixCache
 
 Segment = list[int] | np.ndarray  # text token ids, or input vectors [n, n_embd] (an image's embeddings)
 BetweenChunks = Callable[[], None]
@@ -84,20 +85,29 @@ def prefill_segments(
     between_chunks: BetweenChunks | None = None,
     chunk_tokens: int = 1 << 30,
     method: str = "nonshared",
+    namespace: str | None = None,
 ) -> PlainPrefilled:
     """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence, each
     segment in chunks of about chunk_tokens rows (agents.chunk_bounds) with between_chunks() called between them.
     Each row attends to the rows before it whatever the chunking, so the rows and logits equal a one-piece prefill.
-    The sequence is closed again if the engine refuses (e.g. KV budget)."""
+    The sequence is closed again if the engine refuses (e.g. KV budget). namespace: a text-only prompt starts from
+    the longest match in the model's prefix cache within this namespace and is stored there (None: neither)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    n_prompt = sum(len(seg) for seg in segments)
+    cache = PrefixCache.of(model) if namespace is not None and all(isinstance(g, list) for g in segments) else None
+    t0 = time.perf_counter()
+    if cache is not None and n_prompt:
+        assert namespace is not None
+        seq, cached = cache.reuse(namespace, [t for seg in segments for t in seg])
+        segments = [[t for seg in segments for t in seg][cached:]]
+    else:
+        seq, cached = model.new_sequence(), 0
     pieces = [seg[a:b] for seg in segments for a, b in chunk_bounds(len(seg), chunk_tokens)]
     if not pieces:
+        seq.close()
         raise ValueError("the prompt is empty")
-    t0 = time.perf_counter()
     engine_s = 0.0
-    seq = model.new_sequence()
-    n_prompt = sum(len(seg) for seg in segments)
     logits: np.ndarray | None = None
     try:
         for k, chunk in enumerate(pieces):
@@ -114,12 +124,16 @@ def prefill_segments(
         seq.close()
         raise
     assert logits is not None
+    if cache is not None:  # the request goes on in a fork: its generated rows stay out of the stored entry
+        assert namespace is not None
+        seq = cache.adopt(namespace, seq, n_prompt if n_prompt - cached >= MIN_CHUNK_ROWS else cached)
     stats = {
         "method": method,
         "mode": "source",
         "prompt_tokens": n_prompt,
-        "computed_tokens": n_prompt,
-        "reused_tokens": 0,
+        "computed_tokens": n_prompt - cached,
+        "reused_tokens": cached,
+        "prefix_cached_tokens": cached,
         "ttft_ms": (time.perf_counter() - t0) * 1000.0,
         "gate": None,
     }
@@ -132,12 +146,14 @@ def prefill_plain(model: Model, ids: list[int], method: str = "nonshared") -> Pl
 
 
 class PlainBackend:
-    """nonshared without the agents module: every request computes its whole prompt."""
+    """nonshared without the agents module: every request computes its prompt, less the longest match in the
+    model's prefix cache within `namespace` (None: no prefix cache)."""
 
     method = "nonshared"
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, namespace: str | None = None) -> None:
         self.model = model
+        self.namespace = namespace
 
     def prefill_chat(
         self,
@@ -147,8 +163,11 @@ class PlainBackend:
         between_chunks: BetweenChunks | None = None,
         chunk_tokens: int = 256,
         recompute: float = 0.0,
+        namespace: str | None = None,
     ) -> Prefilled:
-        return prefill_segments(self.model, segments, between_chunks, chunk_tokens)
+        """namespace: the prefix cache namespace of this prompt instead of the backend's."""
+        ns = namespace if namespace is not None else self.namespace
+        return prefill_segments(self.model, segments, between_chunks, chunk_tokens, namespace=ns)
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
@@ -180,15 +199,18 @@ class SessionBackend:
         cold: str = "reuse",
         calibration_dir: str | os.PathLike[str] | bool = True,
     ) -> None:
-        """estimator_name: sessions with the same name share what the method's estimator learns (the server gives
-        each namespace its own, so nothing learned from one tenant's reads shapes another's answers; its
+        """estimator_name: sessions with the same name share what the method's estimator learns and their agents'
+        template prefixes in the model's prefix cache (the server gives each namespace its own, so nothing learned
+        from one tenant's reads shapes another's answers, and no tenant reads another's prompt rows; its
         calibration files are keyed by it too). calibration_bytes: the least memory the method's shared estimator
         may hold in the statistics of edges still calibrating (kvcmas: ~17 MB an edge on SmolLM2-135M, whatever
         the span). cold, calibration_dir: see AgentSession (kvcmas)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
         kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
-        self.session = agents.AgentSession(model, method=method, workflow=estimator_name, vision=vision, **kw)
+        self.session = agents.AgentSession(
+            model, method=method, workflow=estimator_name, vision=vision, cache_namespace=estimator_name, **kw
+        )
         if calibration_bytes is not None:
             estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
             with lock:
@@ -252,4 +274,4 @@ def make_backend(
     calibration_dir: see SessionBackend."""
     if agents_available():
         return SessionBackend(model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir)
-    return PlainBackend(model)
+    return PlainBackend(model, estimator_name)

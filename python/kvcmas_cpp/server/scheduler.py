@@ -37,6 +37,7 @@ from typing import Any, Literal, NamedTuple
 from .. import agents
 from .._native import KvcmasError
 from ..model import Model
+from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..tokenizer import StreamDecoder
 from .backend import Backend, PlainBackend, PlainPrefilled, Prefilled, Segment, make_backend
@@ -164,6 +165,7 @@ class Job:
     messages: list[dict[str, Any]] | None = None
     agent: str | None = None
     session_key: SessionKey | None = None  # chat: its sharing session; None: plain prompt (completions)
+    namespace: Namespace | None = None  # plain prompt: whose prefix cache entries it may read (None: none)
     recompute: float = 0.0  # chat: the share of each shared span the agent recomputes (MethodConfig.recompute)
     segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
@@ -251,6 +253,7 @@ class Scheduler:
         self._active: list[Job] = []
         self._sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self._plain = PlainBackend(model)
+        self.prefix_cache = PrefixCache.of(model)  # agents' template prefixes and plain prompts, per namespace
         self._stopping = False
         self._drops: set[tuple[str, str]] = set()  # (tenant, workflow) whose sessions are to be closed
         self._workflows: dict[tuple[str, str], int] = {}  # (tenant, workflow) -> open sessions (under _cond)
@@ -462,13 +465,17 @@ class Scheduler:
                 return False
 
     def _evict_one(self) -> bool:
-        """Evicts one stored span, from the least recently used session that has any; when none has, closes the
-        least recently used idle session (which drops whatever else it holds, e.g. prefix caches). Sessions in the
-        middle of a prefill are left alone."""
+        """Evicts one stored span, from the least recently used session that has any; when none has, the least
+        recently used prefix cache entry (a prefill in progress holds its own fork of its prefix); when none is left,
+        closes the least recently used idle session (which drops whatever else it holds). Sessions in the middle of
+        a prefill are left alone."""
         for s in self._sessions.values():
             if id(s) not in self._busy and s.backend.evict_lru():
                 self.metrics.bump("evictions")
                 return True
+        if self.prefix_cache.evict_lru():
+            self.metrics.bump("evictions")
+            return True
         for key, s in self._sessions.items():
             if s.active == 0 and s.backend.stored_bytes > 0:
                 self._close_session(key)
@@ -594,7 +601,10 @@ class Scheduler:
                     job.messages, segments, job.agent, between_chunks, self.prefill_chunk, job.recompute
                 )
             else:
-                prefilled = self._plain.prefill_chat([], segments, None, between_chunks, self.prefill_chunk)
+                ns = job.namespace.estimator_name() if job.namespace is not None else None
+                prefilled = self._plain.prefill_chat(
+                    [], segments, None, between_chunks, self.prefill_chunk, namespace=ns
+                )
         except KvcmasError as e:
             log.warning("%s: prefill refused by the engine: %s", job.id, e)
             self._fail(job, 503, f"the engine could not take the request now: {e}", "server_busy")
