@@ -772,12 +772,16 @@ class AgentSession:
             if a <= pos and pieces:  # touches the span before it
                 continue
             if ph is not None:  # a span the session holds: its text must start and end at token boundaries
-                span = self._ids(content[a:b])
-                j = _find_run(ids, span, k)
-                if j < 0 or self.model.detokenize(ids[k:j]) != content[pos:a]:
-                    continue
-                pieces += [(content[pos:a], None), (content[a:b], ph)]
-                pos, k = b, j + len(span)
+                text = content[a:b]
+                start = a + len(text) - len(text.lstrip())
+                inner = (start, start + len(text.strip()))  # a reply is known with and without its whitespace
+                for x, y in [(a, b)] + ([inner] if self._by_text.get(text.strip()) == ph and inner != (a, b) else []):
+                    span = self._ids(content[x:y])
+                    j = _find_run(ids, span, k)
+                    if j >= 0 and self.model.detokenize(ids[k:j]) == content[pos:x]:
+                        pieces += [(content[pos:x], None), (content[x:y], ph)]
+                        pos, k = y, j + len(span)
+                        break
                 continue
             lead = a - 1 if a > 0 and content[a - 1].isspace() else a
             trail = b + len(content[b:]) - len(content[b:].lstrip("\n"))
