@@ -299,6 +299,97 @@ def test_message_prefill_shares_spans_between_agents(model: kc.Model) -> None:
     assert kv_without_prefix_cache(model) == base
 
 
+TASK_TEXT = (
+    "The library has twelve study rooms on three floors. Members book a room for one to three hours, at most twice "
+    "a week, up to fourteen days ahead; a booking nobody checks in to within fifteen minutes is released for "
+    "walk-ins. Staff block rooms for events, see who booked which room, and export a weekly usage report. The "
+    "service must run on old public computers in a plain browser and keep working when the network is down."
+)
+
+
+REPLY_WITH_SPACE = (
+    "The plan misses two things: what the front desk does when the network is down, and who keeps the booking "
+    "data once the developer has left. \n"
+)
+
+
+def _framed(header: str, context: list[str], footer: str = "Provide your complete response:") -> str:
+    """A user message the way CrewAI writes one: the shared task and earlier replies inside its own text."""
+    text = f"\nCurrent Task: {header}\n\n{TASK_TEXT}\n\nThis is the expected criteria for your answer.\n\n"
+    if context:
+        text += "This is the context you're working with:\n" + "\n\n----------\n\n".join(context) + "\n\n"
+    return text + footer
+
+
+def _reply(model: kc.Model, team: AgentSession, p: kc.agents.Prefilled, n: int = 24, text: str = "") -> str:
+    """Greedy `n` tokens, registered as received stripped; or `text`'s tokens, as received (whitespace and all)."""
+    if text:
+        team.finish(p, model.tokenizer.encode(text, add_special=False, parse_special=False), text)
+        p.close()
+        return text
+    gen = [int(np.argmax(p.logits))]
+    for _ in range(n - 1):
+        (lg,) = model.decode_batch([(p.seq, gen[-1:])])
+        gen.append(int(np.argmax(lg)))
+    text = model.detokenize(gen).strip()
+    team.finish(p, gen, text)
+    p.close()
+    return text
+
+
+def test_spans_are_found_inside_bigger_messages(model: kc.Model) -> None:
+    """A later agent's message that frames the shared task and an earlier reply in its own text (a different
+    header, the reply after other text) reads both from the stored spans; the first agent's prompt is the
+    whole-message tokenization, and text that matches nothing is computed."""
+    n_task = len(model.tokenize(TASK_TEXT, add_special=False))
+    with AgentSession(model, "fullshared", workflow="test-inline") as team:
+        first = [
+            {"role": "system", "content": "You are the planner."},
+            {"role": "user", "content": _framed("plan", [])},
+        ]
+        p1 = team.prefill(first)
+        canonical = model.tokenize(model.apply_chat_template(first, add_generation_prompt=True), add_special=True)
+        assert list(p1.hop.prompt) == canonical and p1.stats["reused_tokens"] == 0
+        reply = _reply(model, team, p1)
+        n_reply = len(model.tokenize(reply, add_special=False))
+        second = [
+            {"role": "system", "content": "You are the critic."},
+            {"role": "user", "content": _framed("critique the plan", [reply])},
+        ]
+        p2 = team.prefill(second)
+        # the task paragraph and the reply by reference
+        assert p2.stats["mode"] == "reuse" and p2.stats["span_tokens"] >= n_task + n_reply
+        assert model.detokenize(list(p2.hop.prompt)) == model.apply_chat_template(second, add_generation_prompt=True)
+        # a reply that ends in whitespace, passed on as received: the whitespace then runs into the next blank lines
+        reply2 = _reply(model, team, p2, text=REPLY_WITH_SPACE)
+        third = [
+            {"role": "system", "content": "You are the writer."},
+            {"role": "user", "content": _framed("write it up", [reply, reply2])},
+        ]
+        p3 = team.prefill(third)
+        n_reply2 = len(model.tokenize(reply2.strip(), add_special=False))
+        assert p3.stats["span_tokens"] >= n_task + n_reply + n_reply2
+        p3.close()
+        # another task in the same frame: nothing matches, nothing is reused
+        other = _framed("plan", []).replace(TASK_TEXT, TASK_TEXT.replace("library", "museum"))
+        p4 = team.prefill([{"role": "system", "content": "You are the writer."}, {"role": "user", "content": other}])
+        assert p4.stats["span_tokens"] == 0
+        p4.close()
+        # client text that spells a special token is never parsed as one: that message stays one span
+        tricky = _framed("plan <|im_end|>", [reply])
+        p5 = team.prefill([{"role": "system", "content": "You are the critic."}, {"role": "user", "content": tricky}])
+        content_ids = model.tokenizer.encode(tricky, add_special=False, parse_special=False)
+        prompt = list(p5.hop.prompt)
+        assert any(prompt[i : i + len(content_ids)] == content_ids for i in range(len(prompt)))
+        p5.close()
+    with AgentSession(model, "nonshared") as team:  # the reference: every message is one piece
+        p = team.prefill(second)
+        assert list(p.hop.prompt) == model.tokenize(
+            model.apply_chat_template(second, add_generation_prompt=True), add_special=True
+        )
+        p.close()
+
+
 @pytest.mark.parametrize("topology", ["full", "chain"])
 def test_workflow_graphs_relay_outputs_in_order(model: kc.Model, topology: str) -> None:
     from kvcmas_cpp.sharing.workflow import PLACEHOLDER_RE, gsm8k_workflow

@@ -57,6 +57,10 @@ CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares
 # with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
 # that small (unless the whole append is), so it computes the same rows as one piece.
 MIN_CHUNK_ROWS = 17
+# Inside a bigger message, a paragraph becomes its own span, and a span the session holds is found again, only from
+# this many tokens on: shorter runs cost more in exact head and tail rows than reusing them saves.
+MIN_PIECE_TOKENS = 16
+_PARAGRAPH_RE = re.compile(r"\S(?:.*?\S)?(?=\s*\n\s*\n|\s*$)", re.DOTALL)  # text between blank lines, stripped
 
 
 def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -175,6 +179,17 @@ class ResponseChunk:
     token: int | None
     finish_reason: Literal["stop", "length"] | None = None
     response: Response | None = None
+
+
+def _find_run(ids: list[int], piece: list[int], start: int = 0) -> int:
+    """Where `piece` first occurs in `ids` as a contiguous run at or after `start`; -1 if nowhere."""
+    if not piece:
+        return -1
+    hay, needle = np.asarray(ids, dtype=np.int64).tobytes(), np.asarray(piece, dtype=np.int64).tobytes()
+    at = hay.find(needle, start * 8)
+    while at >= 0 and at % 8:
+        at = hay.find(needle, at + 1)
+    return at // 8 if at >= 0 else -1
 
 
 @dataclass
@@ -656,10 +671,16 @@ class AgentSession:
                     rendered.append({"role": role, "content": content if isinstance(content, str) else ""})
                     continue
                 ph = self._span(ids, content)
+                pieces = self._pieces(content, ids) if ph is None and isinstance(content, str) else None
+                if pieces is not None:  # shared text inside a bigger message: its spans between literal text
+                    for text, piece_ph in pieces:
+                        if piece_ph is not None and piece_ph not in self._state.relayed:
+                            self._add_message_item(self._ids(text), text, role, piece_ph)
+                    marked = (text if p is None else f"<kvcmas-span-{nonce}:{p}>" for text, p in pieces)
+                    rendered.append({"role": role, "content": "".join(marked)})
+                    continue
                 if ph is None:
-                    n_ctx = sum(1 for it in self._items if it.author is None)
-                    ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
-                    self._add_item(_Item(ph, ids, None, None, f"message:{role}"))
+                    ph = self._add_message_item(ids, content if isinstance(content, str) else None, role)
                 rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
             key = agent if agent is not None else (system or "assistant")
             ag = next((a for a in self.agents if a.name == key), None)
@@ -704,9 +725,99 @@ class AgentSession:
                 except ValueError:
                     continue
                 ph = self._span(ids, content) if ids else None
-                if ph is not None and ph in self._state.buckets:
+                if ph is None and ids and isinstance(content, str):
+                    pieces = self._pieces(content, ids, register=False) or []
+                    total += sum(len(self._state.relayed[p]) for _, p in pieces if p in self._state.buckets)
+                elif ph is not None and ph in self._state.buckets:
                     total += len(self._state.relayed[ph])
             return total
+
+    def _add_message_item(self, ids: list[int], text: str | None, role: str, ph: str | None = None) -> str:
+        """Registers (part of) a client message as a new context span; returns its placeholder."""
+        if ph is None:
+            ph = self._next_context_ph()
+        self._add_item(_Item(ph, ids, None, None, f"message:{role}"))
+        if text is not None:
+            self._by_text.setdefault(text, ph)
+        return ph
+
+    def _next_context_ph(self, reserved: int = 0) -> str:
+        n_ctx = sum(1 for it in self._items if it.author is None) + reserved
+        return QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
+
+    def _pieces(self, content: str, ids: list[int], register: bool = True) -> list[tuple[str, str | None]] | None:
+        """A message content as literal text and spans, when shared text sits inside it: each span the session holds
+        whose text occurs in it (a reply, a paragraph of an earlier message), then each other paragraph of at least
+        MIN_PIECE_TOKENS tokens as a new span (placeholders the session has not registered yet; with `register`
+        False, new paragraphs stay literal text). None when nothing would be split off.
+
+        Cuts are made only at token boundaries of the content's own ids (`ids`). A new paragraph's span may take
+        the whitespace next to it, as the tokenizer groups it, and is cut only where the pieces tokenize to `ids`
+        exactly, so a first reader's prompt is the one a whole-message span gives. Around a span the session holds,
+        the literal text may tokenize its whitespace differently from `ids` (the same text; only later readers,
+        which reuse, see it). Spans are never adjacent (the method computes text between them), and literal text
+        holds no special-token text (the template parses its text for special tokens). Under nonshared, None."""
+        if self.method == "nonshared":
+            return None  # nothing is reused: every message stays one piece, the exact reference prompt
+        tok = self.model.tokenizer
+        # Candidates (start, end, placeholder; None: a new paragraph), with a character between any two.
+        found: list[tuple[int, int, str | None]] = []
+
+        def free(a: int, b: int) -> bool:
+            return all(b < s or a > e for s, e, _ in found)
+
+        known = [t for t, ph in self._by_text.items() if len(self._state.relayed.get(ph, ())) >= MIN_PIECE_TOKENS]
+        for text in sorted(known, key=len, reverse=True):
+            at = content.find(text) if text.strip() else -1
+            while at >= 0:
+                if free(at, at + len(text)):
+                    found.append((at, at + len(text), self._by_text[text]))
+                at = content.find(text, at + len(text))
+        found += [(m.start(), m.end(), None) for m in _PARAGRAPH_RE.finditer(content) if free(m.start(), m.end())]
+        found.sort()
+        pieces: list[tuple[str, str | None]] = []
+        pos, k, n_new = 0, 0, 0  # next character of the content, next id of `ids`, new spans so far
+        for a, b, ph in found:
+            if a <= pos and pieces:  # touches the span before it
+                continue
+            if ph is not None:  # a span the session holds: its text must start and end at token boundaries
+                text = content[a:b]
+                start = a + len(text) - len(text.lstrip())
+                inner = (start, start + len(text.strip()))  # a reply is known with and without its whitespace
+                for x, y in [(a, b)] + ([inner] if self._by_text.get(text.strip()) == ph and inner != (a, b) else []):
+                    span = self._ids(content[x:y])
+                    j = _find_run(ids, span, k)
+                    if j >= 0 and self.model.detokenize(ids[k:j]) == content[pos:x]:
+                        pieces += [(content[pos:x], None), (content[x:y], ph)]
+                        pos, k = y, j + len(span)
+                        break
+                continue
+            lead = a - 1 if a > 0 and content[a - 1].isspace() else a
+            trail = b + len(content[b:]) - len(content[b:].lstrip("\n"))
+            for x, y in dict.fromkeys((x, y) for x in (lead, a) for y in (b, trail)):
+                if x < pos or (x == pos and pieces):
+                    continue
+                literal, span = self._ids(content[pos:x]), self._ids(content[x:y])
+                n = len(literal) + len(span)
+                if len(span) < MIN_PIECE_TOKENS or ids[k : k + n] != literal + span:
+                    continue
+                ph = self._span(span, content[x:y])
+                if ph is None and register:
+                    ph = self._next_context_ph(n_new)
+                    n_new += 1
+                pieces += [(content[pos:x], None), (content[x:y], ph)]
+                pos, k = y, k + n
+                break
+        tail = content[pos:]
+        if not any(ph for _, ph in pieces) or self.model.detokenize(ids[k:]) != tail:
+            return None
+        for text, ph in [*pieces, (tail, None)]:
+            if ph is None and tok.encode(text, add_special=False, parse_special=True) != self._ids(text):
+                return None  # client text would read as special tokens in the template
+        new_whole = len(pieces) == 2 and pieces[1][1] is not None and pieces[1][1] not in self._state.relayed
+        if new_whole and not pieces[0][0].strip() and not tail.strip():
+            return None  # the whole message is one new paragraph: a whole-message span, as before
+        return [(text, ph) for text, ph in [*pieces, (tail, None)] if text or ph is not None]
 
     def _span(self, ids: list[int], content: Any) -> str | None:
         """The placeholder of a span the session holds already: by the content's ids, or a reply by the text its
