@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from kvcmas_cpp.sampling import Sampler, SamplingParams, token_logprobs
-from kvcmas_cpp.tools import ToolCallStream, format_tool_call, parse_tool_calls, render_tool_messages
+from kvcmas_cpp.tools import (
+    TOOLS_KEY,
+    ToolCallStream,
+    format_tool_call,
+    parse_tool_calls,
+    render_tool_messages,
+    tools_system_text,
+)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -152,11 +159,54 @@ def test_tool_messages_render_as_spans() -> None:
         ],
         tools,
     )
-    assert msgs[0]["content"].startswith("You are a clock.\n\n# Tools") and '"get_time"' in msgs[0]["content"]
+    assert msgs[0] == {"role": "system", "content": "You are a clock.", TOOLS_KEY: tools}  # the template's to render
     assert msgs[2] == {"role": "assistant", "content": format_tool_call("get_time", '{"zone": "UTC"}')}
     assert msgs[3] == {"role": "tool", "content": "12:00"}
     # the call as written reads back as the same call
     assert parse_tool_calls(msgs[2]["content"], NAMES)[1][0]["function"] == calls[0]["function"]
+
+
+# A template that renders `tools` itself, in a format of its own (not Hermes): Llama 3.1-like JSON in the user turn.
+NATIVE_TOOLS_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if tools and loop.last and message.role == 'user' %}{{- 'Functions:\\n' }}"
+    "{%- for tool in tools %}{{- tool.function | tojson + '\\n' }}{%- endfor %}{%- endif %}"
+    "{{- message.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_tools_go_to_a_template_that_renders_them_else_into_the_system_prompt(default_model_path: Any) -> None:
+    """Model.apply_chat_template (every path's renderer: Model.chat, AgentSession, the server): a template that reads
+    `tools` gets them as its variable, rendered exactly as transformers renders that template; a template that
+    ignores tools (SmolLM2's) gets Hermes' block appended to the system prompt, or a system message of its own."""
+    import kvcmas_cpp as kc
+
+    chat_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [{"role": "system", "content": "You are a clock."}, {"role": "user", "content": "time?"}]
+    m = kc.Model(str(default_model_path), n_threads=1)
+    plain = m.apply_chat_template(render_tool_messages(messages, tools))
+    assert plain == m.apply_chat_template(
+        [{"role": "system", "content": "You are a clock.\n\n" + tools_system_text(tools)}, messages[1]]
+    )
+    no_system = m.apply_chat_template(render_tool_messages(messages[1:], tools))
+    assert no_system == m.apply_chat_template([{"role": "system", "content": tools_system_text(tools)}, messages[1]])
+    m.tokenizer._chat_template = NATIVE_TOOLS_TEMPLATE  # the same model with a tool-aware template
+    native = m.apply_chat_template(render_tool_messages(messages, tools))
+    (want,), _ = chat_utils.render_jinja_template(
+        [messages], chat_template=NATIVE_TOOLS_TEMPLATE, tools=tools, add_generation_prompt=True
+    )
+    assert native == want and "Functions:\n" in native and "<tools>" not in native
+    # the sharing session renders the same prompt (the tools travel with its span-marked messages)
+    from kvcmas_cpp.agents import AgentSession
+
+    with AgentSession(m, "fullshared", calibration_dir=False) as session:
+        p = session.prefill(render_tool_messages(messages, tools))
+        try:
+            assert m.detokenize(p.seq.tokens) == m.detokenize(m.tokenize(native))
+        finally:
+            p.close()
 
 
 # ------------------------------------------------------------------------------------------ constrained decoding

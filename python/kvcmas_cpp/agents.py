@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -50,6 +51,7 @@ from .sharing import estimators as est
 from .sharing.persist import CalibrationStore, default_calibration_dir
 from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
+from .tools import TOOLS_KEY
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
@@ -655,7 +657,8 @@ class AgentSession:
             nonce = secrets.token_hex(8)
             marker_re = re.compile(rf"<kvcmas-span-{nonce}:(\w+)>")
             system = ""
-            rendered: list[dict[str, str]] = []
+            rendered: list[dict[str, Any]] = []
+            tools = next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
             for i, msg in enumerate(messages):
                 role, content = msg.get("role"), msg.get("content")
                 if not isinstance(role, str):
@@ -683,6 +686,11 @@ class AgentSession:
                     ph = self._add_message_item(ids, content if isinstance(content, str) else None, role)
                 rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
             key = agent if agent is not None else (system or "assistant")
+            if tools is not None:  # the tools are part of the agent's prompt prefix, and so of who it is
+                rendered[0][TOOLS_KEY] = tools
+                if agent is None:
+                    digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
+                    key = f"{key} [tools {digest}]"
             ag = next((a for a in self.agents if a.name == key), None)
             if ag is None:
                 ag = self.agent(key, system)

@@ -348,14 +348,27 @@ class Model:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders messages with the model's chat template (sandboxed; ChatML when the file has none)."""
+        """Renders messages with the model's chat template (sandboxed; ChatML when the file has none). A tool list
+        attached by kvcmas_cpp.tools.render_tool_messages (TOOLS_KEY) goes to the template as `tools` when the
+        template renders them, else into the system prompt as tools_system_text."""
+        from .tools import TOOLS_KEY, template_renders_tools, with_tools_text
+
         tok = self.tokenizer
+        tools = next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
+        extra: dict[str, Any] = {}
+        if tools is not None:
+            messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} for m in messages]
+            if template_renders_tools(tok.chat_template):
+                extra["tools"] = tools
+            else:
+                messages = with_tools_text(messages, tools)
         return render_chat(
             tok.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
             eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            **extra,
         )
 
     # ---------------------------------------------------------------------------------------------- compute

@@ -15,26 +15,37 @@ block is content, never an error.
 Tool calls and results become ordinary messages with string contents (render_tool_messages): an assistant message's
 calls are written as the `<tool_call>` text the model generated, and a `tool` message keeps its role, so both are
 spans of the sharing session like any other content (a tool result read by several agents is one shared span).
+
+The tool list itself goes to the model's chat template when the template renders `tools` (Qwen2.5, Llama 3.1,
+Mistral, ...: each writes its own format); render_tool_messages only attaches it to the first message under
+TOOLS_KEY, and Model.apply_chat_template, which knows the template, passes it on as the template's `tools` or, for
+a template that ignores tools (SmolLM2, ChatML), appends tools_system_text to the system prompt (with_tools_text).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "TOOLS_KEY",
     "ToolCallStream",
     "format_tool_call",
     "parse_tool_calls",
     "render_tool_messages",
+    "template_renders_tools",
     "tools_system_text",
+    "with_tools_text",
 ]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+TOOLS_KEY = "kvcmas_tools"  # the request's tool list, carried on its first message to the chat-template rendering
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
 
 
 def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -64,25 +75,39 @@ def format_tool_call(name: str, arguments: str) -> str:
 def render_tool_messages(
     messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
 ) -> list[dict[str, Any]]:
-    """Messages with string contents for the chat template and the sharing session: the tools appended to the
-    system prompt (a system message is added when there is none), an assistant message's tool_calls written as
-    `<tool_call>` blocks after its text, `tool` messages kept as they are (role "tool", content the result)."""
+    """Messages with string contents for the chat template and the sharing session: an assistant message's
+    tool_calls written as `<tool_call>` blocks after its text, `tool` messages kept as they are (role "tool", content
+    the result), and the tool list attached to the first message under TOOLS_KEY (Model.apply_chat_template
+    renders it)."""
     out: list[dict[str, Any]] = []
     for msg in messages:
-        m = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id")}
+        m = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id", TOOLS_KEY)}
         calls = msg.get("tool_calls") or []
         if calls:
             blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
             text = str(msg.get("content") or "")
             m["content"] = "\n".join([text, *blocks] if text else blocks)
         out.append(m)
-    if tools:
-        block = tools_system_text(tools)
-        if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
-            first = out[0]["content"]
-            out[0] = {**out[0], "role": "system", "content": f"{first}\n\n{block}" if first else block}
-        else:
-            out.insert(0, {"role": "system", "content": block})
+    if tools and out:
+        out[0][TOOLS_KEY] = [dict(t) for t in tools]
+    return out
+
+
+def template_renders_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable (then the tool list is its to format)."""
+    return bool(template) and _TOOLS_VARIABLE.search(template or "") is not None
+
+
+def with_tools_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that ignores tools: tools_system_text appended to the system prompt (a system message is
+    added when there is none)."""
+    out = [dict(m) for m in messages]
+    block = tools_system_text(tools)
+    if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
+        first = out[0]["content"]
+        out[0] = {**out[0], "role": "system", "content": f"{first}\n\n{block}" if first else block}
+    else:
+        out.insert(0, {"role": "system", "content": block})
     return out
 
 

@@ -257,7 +257,7 @@ class ChatCompletionRequest(_Sampling):
             if m.tool_calls:
                 msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             out.append(msg)
-        # tools into the system prompt, tool calls into their assistant message's text (kvcmas_cpp.tools)
+        # the tool list for the chat template, tool calls into their assistant message's text (kvcmas_cpp.tools)
         return render_tool_messages(out, self.tool_dicts())
 
 
