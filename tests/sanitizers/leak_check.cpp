@@ -47,35 +47,34 @@ bool throws_kvcmas_error(F && f) {
 }
 
 void exercise_model(const std::string & path) {
-    kvcmas::Model     model(path, 2, 128, 0);
-    kvcmas::KvCache & kv = model.kv();
-    const int32_t     a  = kv.seq_new();
+    kvcmas::Model model(path, 2, 128, 0);
+    const int32_t a = model.seq_new();
     expect(decode_tokens(model, a, { 1, 2, 3, 4, 5, 6, 7, 8 }).size() == static_cast<size_t>(model.params().n_vocab),
            "decode returns one row of logits");
-    const int32_t b = kv.seq_fork(a);
+    const int32_t b = model.seq_fork(a);
     decode_tokens(model, b, { 9, 10 });
     decode_tokens(model, a, { 11 });
     int32_t       begin = 0;
-    auto          span  = kv.seq_span(a, 2, 4, begin);
-    const int32_t c     = kv.seq_new();
+    auto          span  = model.seq_span(a, 2, 4, begin);
+    const int32_t c     = model.seq_new();
     decode_tokens(model, c, { 12, 13 });
-    kv.seq_append_span(c, span, begin, 4, nullptr);
+    model.seq_append_span(c, span, begin, 4, nullptr);
     span.reset();
     decode_tokens(model, c, { 14 });
-    kv.seq_truncate(a, 3);
+    model.seq_truncate(a, 3);
     decode_tokens(model, a, { 15, 16 });
     expect(throws_kvcmas_error([&] { decode_tokens(model, a, { -5 }); }), "a negative token id is refused");
     expect(throws_kvcmas_error([&] { decode_tokens(model, 12345, { 1 }); }), "an unknown sequence is refused");
-    expect(throws_kvcmas_error([&] { kv.seq_truncate(b, 1000); }), "truncating past the end is refused");
+    expect(throws_kvcmas_error([&] { model.seq_truncate(b, 1000); }), "truncating past the end is refused");
     std::vector<float> k(
         static_cast<size_t>(model.params().n_layer * 2 * model.params().n_head_kv * model.params().head_dim));
     std::vector<float> v(k.size());
     model.read_kv(c, 0, 2, k.data(), v.data());
-    kv.seq_remove(b);
-    kv.seq_remove(a);
+    model.seq_remove(b);
+    model.seq_remove(a);
     // free blocks go back to the system; c keeps its rows and grows into newly mapped blocks
-    const size_t in_use = kv.pool().bytes_in_use();
-    expect(kv.pool_trim() > 0 && kv.pool().bytes_allocated() == in_use, "trim releases exactly the free blocks");
+    const size_t in_use = model.kv_bytes_in_use();
+    expect(model.kv_trim() > 0 && model.kv_bytes_allocated() == in_use, "trim releases exactly the free blocks");
     decode_tokens(model, c, std::vector<int32_t>(40, 17));
     // c stays open: the model's destructor must free it.
 }
