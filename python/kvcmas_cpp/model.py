@@ -357,7 +357,7 @@ class Model:
         tools = next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
         extra: dict[str, Any] = {}
         if tools is not None:
-            messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} for m in messages]
+            messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} if isinstance(m, dict) else m for m in messages]
             if template_renders_tools(tok.chat_template):
                 extra["tools"] = tools
             else:
