@@ -51,7 +51,7 @@ from .sharing import estimators as est
 from .sharing.persist import CalibrationStore, default_calibration_dir
 from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
-from .tools import TOOLS_KEY
+from .tools import TOOLS_KEY, attached_tools
 
 METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
@@ -658,7 +658,7 @@ class AgentSession:
             marker_re = re.compile(rf"<kvcmas-span-{nonce}:(\w+)>")
             system = ""
             rendered: list[dict[str, Any]] = []
-            tools = next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
+            tools = attached_tools(messages)
             for i, msg in enumerate(messages):
                 role, content = msg.get("role"), msg.get("content")
                 if not isinstance(role, str):

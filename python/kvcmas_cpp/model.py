@@ -351,10 +351,10 @@ class Model:
         """Renders messages with the model's chat template (sandboxed; ChatML when the file has none). A tool list
         attached by kvcmas_cpp.tools.render_tool_messages (TOOLS_KEY) goes to the template as `tools` when the
         template renders them, else into the system prompt as tools_system_text."""
-        from .tools import TOOLS_KEY, template_renders_tools, with_tools_text
+        from .tools import TOOLS_KEY, attached_tools, template_renders_tools, with_tools_text
 
         tok = self.tokenizer
-        tools = next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
+        tools = attached_tools(messages)
         extra: dict[str, Any] = {}
         if tools is not None:
             messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} if isinstance(m, dict) else m for m in messages]

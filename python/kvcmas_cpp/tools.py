@@ -37,6 +37,7 @@ __all__ = [
     "format_tool_call",
     "parse_tool_calls",
     "render_tool_messages",
+    "attached_tools",
     "template_renders_tools",
     "tools_system_text",
     "with_tools_text",
@@ -91,6 +92,11 @@ def render_tool_messages(
     if tools and out:
         out[0][TOOLS_KEY] = [dict(t) for t in tools]
     return out
+
+
+def attached_tools(messages: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """The tool list render_tool_messages attached (TOOLS_KEY), or None."""
+    return next((m[TOOLS_KEY] for m in messages if isinstance(m, dict) and m.get(TOOLS_KEY)), None)
 
 
 def template_renders_tools(template: str | None) -> bool:
