@@ -2,11 +2,12 @@
 // quants-dot-avxvnni.cpp (KC_Q8_VNNI 1: AVX-VNNI vpdpbusd, the same sums in one instruction). Layouts:
 // matmul-impl.h; contract: quants-dot.h.
 //
-// Every weight block is unpacked to 32 bytes of integer quants in element order, multiplied with the activation
-// bytes by maddubs (unsigned × signed bytes -> pairs summed into int16) and summed to int32 lanes by madd (or both at
-// once by vpdpbusd). Weights with signed quants (offsets such as Q4_0's -8 applied first) go through |w| and
-// sign(x, w). No intermediate can saturate: |pair| <= 2·128·127 (Q8_0) and the int32 sums of Q6_K's scaled pairs
-// stay below 2^22.
+// Every weight block is unpacked to 32 bytes of integer quants in element order, multiplied with both passes of the
+// activation bytes by maddubs (unsigned × signed bytes -> pairs summed into int16) and summed to int32 lanes by madd
+// (or both at once by vpdpbusd); the first pass's sums are weighted by 256 (madd by 256, or a shift) and added to the
+// residual's. Weights with signed quants (offsets such as Q4_0's -8 applied first) go through |w| and sign(x, w).
+// Nothing overflows: |pair| <= 2·128·127 (Q8_0) in int16, and the int32 lanes stay below 2^25 (Q6_K's scaled pairs:
+// below 2^30).
 #pragma once
 
 #include <immintrin.h>
@@ -49,29 +50,29 @@ inline __m128i load128(const void * p) {
     return _mm_loadu_si128(static_cast<const __m128i *>(p));
 }
 
-// Σ of 4 adjacent products u·s (u unsigned bytes, s signed bytes) per int32 lane.
-inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+// Σ of 4 adjacent products u·(256·s + r) per int32 lane (u unsigned bytes, s and r signed bytes: the two passes).
+inline __m256i dot_u8_i8x2(__m256i u, __m256i s, __m256i r) {
 #if KC_Q8_VNNI
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+    const __m256i hi = _mm256_slli_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), 8);
+    return _mm256_dpbusd_avx_epi32(hi, u, r);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), _mm256_set1_epi16(1)));
 #endif
 }
 
-// Activation rows of one call: row t's bytes and per-32 scales.
+// Activation rows of one call: row t's bytes of both passes and per-32 steps.
 template <int NT>
 struct Q8Rows {
     const int8_t * q[NT];
-    const float *  d[NT];
     const int8_t * qr[NT];
-    const float *  dr[NT];
+    const float *  d[NT];
     const float *  sums[NT];
     explicit Q8Rows(const Q8Acts & a) {
         for (int t = 0; t < NT; ++t) {
             q[t]    = a.q + t * a.ldq;
-            d[t]    = a.d + t * a.ld_blocks;
             qr[t]   = a.qr + t * a.ldq;
-            dr[t]   = a.dr + t * a.ld_blocks;
+            d[t]    = a.d + t * a.ld_blocks;
             sums[t] = a.block_sums != nullptr ? a.block_sums + t * a.ld_blocks : nullptr;
         }
     }
@@ -158,20 +159,13 @@ void dot_q32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64
         const __m256i qa = Q::kSigned ? _mm256_sign_epi8(q, q) : q;
         const float   dw = h2f(b[i].d);
         for (int t = 0; t < NT; ++t) {
-            __m256i xq = load256(x.q[t] + 32 * i);
+            __m256i xq = load256(x.q[t] + 32 * i), xr = load256(x.qr[t] + 32 * i);
             if constexpr (Q::kSigned) {
                 xq = _mm256_sign_epi8(xq, q);
+                xr = _mm256_sign_epi8(xr, q);
             }
-            const __m256 s = _mm256_cvtepi32_ps(dot_u8_i8(qa, xq));
+            const __m256 s = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
             acc[t][u]      = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * x.d[t][i]), acc[t][u]);
-            if (x.dr[t][i] != 0.0f) {  // residual pass of an outlier block
-                __m256i xr = load256(x.qr[t] + 32 * i);
-                if constexpr (Q::kSigned) {
-                    xr = _mm256_sign_epi8(xr, q);
-                }
-                acc[t][u] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(qa, xr)), _mm256_set1_ps(dw * x.dr[t][i]), acc[t][u]);
-            }
             if constexpr (Q::kHasMin) {
                 corr[t] += block_min<Q>(b[i]) * x.sums[t][i];
             }
@@ -204,8 +198,8 @@ inline __m256i bit_to_0x10(__m256i v) {
 }
 
 template <typename Block, bool HasHigh, int NT, int C>
-inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const float * rscale, const Q8Rows<NT> & x,
-                    int64_t k0, __m256 acc[NT][2]) {
+inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const Q8Rows<NT> & x, int64_t k0,
+                    __m256 acc[NT][2]) {
     const __m256i v  = load256(blk.qs + 32 * C);
     __m256i       lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
     __m256i       hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
@@ -215,19 +209,11 @@ inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const fl
     }
     for (int t = 0; t < NT; ++t) {
         const int8_t * xq = x.q[t] + k0 + 64 * C;
-        const __m256   s0 = _mm256_cvtepi32_ps(dot_u8_i8(lo, load256(xq)));
-        const __m256   s1 = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(xq + 32)));
+        const int8_t * xr = x.qr[t] + k0 + 64 * C;
+        const __m256   s0 = _mm256_cvtepi32_ps(dot_u8_i8x2(lo, load256(xq), load256(xr)));
+        const __m256   s1 = _mm256_cvtepi32_ps(dot_u8_i8x2(hi, load256(xq + 32), load256(xr + 32)));
         acc[t][0]         = _mm256_fmadd_ps(s0, _mm256_broadcast_ss(scale + 8 * t + 2 * C), acc[t][0]);
         acc[t][1]         = _mm256_fmadd_ps(s1, _mm256_broadcast_ss(scale + 8 * t + 2 * C + 1), acc[t][1]);
-        const int64_t j   = k0 / 32 + 2 * C;  // activation block of sub-block 2C
-        if (x.dr[t][j] != 0.0f) {
-            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.qr[t] + k0 + 64 * C)));
-            acc[t][0]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C), acc[t][0]);
-        }
-        if (x.dr[t][j + 1] != 0.0f) {
-            const __m256 r = _mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.qr[t] + k0 + 64 * C + 32)));
-            acc[t][1]      = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + 2 * C + 1), acc[t][1]);
-        }
     }
 }
 
@@ -250,18 +236,17 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
         const __m256 dmn = _mm256_mul_ps(
             _mm256_set1_ps(h2f(b[i].dmin)),
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(mn)))));
-        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·sc_j·d_x,j and d·sc_j·dr_x,j per token
+        alignas(32) float scale[8 * NT];  // d·sc_j·d_x,j per token
         for (int t = 0; t < NT; ++t) {
             _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[t] + 8 * i)));
-            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.dr[t] + 8 * i)));
             corr[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x.sums[t] + 8 * i), corr[t]);
         }
         const __m256i qh = HasHigh ? load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16) : _mm256_setzero_si256();
         const int64_t k0 = 256 * i;
-        k4_pair<Block, HasHigh, NT, 0>(b[i], qh, scale, rscale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 1>(b[i], qh, scale, rscale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 2>(b[i], qh, scale, rscale, x, k0, acc);
-        k4_pair<Block, HasHigh, NT, 3>(b[i], qh, scale, rscale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 0>(b[i], qh, scale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 1>(b[i], qh, scale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 2>(b[i], qh, scale, x, k0, acc);
+        k4_pair<Block, HasHigh, NT, 3>(b[i], qh, scale, x, k0, acc);
     }
     for (int t = 0; t < NT; ++t) {
         out[t * os] = hsum(_mm256_sub_ps(_mm256_add_ps(acc[t][0], acc[t][1]), corr[t]));
@@ -280,27 +265,26 @@ void dot_q5_k(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os
 
 // Q6_K, half h (elements 128h + 32C + e, chunk C = 0..3): low 4 bits from nibble C/2 of ql[64h + 32(C%2) + e], high
 // 2 bits from bits 2C of qh[32h + e]; w = d·scale_g·(q - 32) with g = 8h + 2C for e < 16, 8h + 2C + 1 for e >= 16.
-// The int16 scales of a chunk's two groups fill the low / high 128-bit lane of one vector, so madd applies them.
+// The int16 scales of a chunk's two groups fill the low / high 128-bit lane of one vector, so madd applies them (×256
+// for the first pass: |scale·256| <= 2^15 fits int16).
 template <int NT, int C>
-inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const float * rscale, const Q8Rows<NT> & x,
-                     int64_t k, __m256 acc[NT][2]) {
+inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const Q8Rows<NT> & x, int64_t k,
+                     __m256 acc[NT][2]) {
     // Lane 0 repeats int16 element 2C of scales16, lane 1 element 2C + 1 (both lanes of scales16 hold the half's 8).
     const __m256i pick = _mm256_setr_epi8(
         4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1,
         4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2,
         4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3);
-    const __m256i sc = _mm256_shuffle_epi8(scales16, pick);
-    const __m256i w  = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-    const __m256i wa = _mm256_sign_epi8(w, w);
+    const __m256i sc    = _mm256_shuffle_epi8(scales16, pick);
+    const __m256i sc256 = _mm256_slli_epi16(sc, 8);
+    const __m256i w     = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+    const __m256i wa    = _mm256_sign_epi8(w, w);
     for (int t = 0; t < NT; ++t) {
         const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + k + 32 * C), w);
-        const __m256  s  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xq), sc));
-        acc[t][C % 2]    = _mm256_fmadd_ps(s, _mm256_broadcast_ss(scale + 8 * t + C), acc[t][C % 2]);
-        if (x.dr[t][k / 32 + C] != 0.0f) {
-            const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + k + 32 * C), w);
-            const __m256  r  = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xr), sc));
-            acc[t][C % 2]    = _mm256_fmadd_ps(r, _mm256_broadcast_ss(rscale + 8 * t + C), acc[t][C % 2]);
-        }
+        const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + k + 32 * C), w);
+        const __m256i si = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xq), sc256),
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xr), sc));
+        acc[t][C % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_broadcast_ss(scale + 8 * t + C), acc[t][C % 2]);
     }
 }
 
@@ -315,20 +299,18 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < n / 256; ++i) {
         const __m256i     all16 = _mm256_cvtepi8_epi16(load128(b[i].scales));
-        alignas(32) float scale[8 * NT], rscale[8 * NT];  // d·d_x and d·dr_x of the 8 activation blocks, per token
+        alignas(32) float scale[8 * NT];  // d·d_x of the 8 activation blocks, per token
         const __m256      d = _mm256_set1_ps(h2f(b[i].d));
         for (int t = 0; t < NT; ++t) {
             _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.d[t] + 8 * i)));
-            _mm256_store_ps(rscale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.dr[t] + 8 * i)));
         }
         for (int h = 0; h < 2; ++h) {
             const __m256i sc16 =
                 h == 0 ? _mm256_permute2x128_si256(all16, all16, 0x00) : _mm256_permute2x128_si256(all16, all16, 0x11);
             const uint8_t * ql  = b[i].ql + 64 * h;
             const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(b[i].qh + 32 * h);
-            const int64_t   k  = 256 * i + 128 * h;
-            const float *   s  = scale + 4 * h;
-            const float *   rs = rscale + 4 * h;
+            const int64_t   k = 256 * i + 128 * h;
+            const float *   s = scale + 4 * h;
             const __m256i   q0 =
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
             const __m256i q1 =
@@ -337,10 +319,10 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
             const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            q6_chunk<NT, 0>(q0, sc16, s, rs, x, k, acc);
-            q6_chunk<NT, 1>(q1, sc16, s, rs, x, k, acc);
-            q6_chunk<NT, 2>(q2, sc16, s, rs, x, k, acc);
-            q6_chunk<NT, 3>(q3, sc16, s, rs, x, k, acc);
+            q6_chunk<NT, 0>(q0, sc16, s, x, k, acc);
+            q6_chunk<NT, 1>(q1, sc16, s, x, k, acc);
+            q6_chunk<NT, 2>(q2, sc16, s, x, k, acc);
+            q6_chunk<NT, 3>(q3, sc16, s, x, k, acc);
         }
     }
     for (int t = 0; t < NT; ++t) {

@@ -10,19 +10,20 @@ using avx2::hsum;
 
 namespace {
 
-// 32 f32 values v · inv rounded to nearest (ties to even) as int8 in element order, stored at q; the rounded values
-// are also returned as f32 in r.
+// 32 f32 values v · inv rounded to nearest (ties to even) as int8 in element order (saturated to ±127), stored at q;
+// the rounded values are also returned as f32 in r.
 inline void round_to_i8(const __m256 v[4], float inv, int8_t * q, __m256 r[4]) {
     __m256i i32[4];
     for (int p = 0; p < 4; ++p) {
         r[p] = _mm256_round_ps(_mm256_mul_ps(v[p], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         i32[p] = _mm256_cvtps_epi32(r[p]);
     }
-    // packs work per 128-bit lane: the bytes come out in dword order 0,4,1,5,2,6,3,7; permute back.
+    // packs work per 128-bit lane: the bytes come out in dword order 0,4,1,5,2,6,3,7; permute back. They saturate to
+    // [-128, 127]; -128 is raised to -127 so that the kernels' sign trick cannot overflow.
     const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
-    _mm256_storeu_si256(
-        reinterpret_cast<__m256i *>(q),
-        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i i8 = _mm256_max_epi8(_mm256_packs_epi16(i16a, i16b), _mm256_set1_epi8(-127));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(q),
+                        _mm256_permutevar8x32_epi32(i8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 inline float abs_max(const __m256 v[4]) {
@@ -31,43 +32,23 @@ inline float abs_max(const __m256 v[4]) {
                               _mm256_max_ps(_mm256_and_ps(v[2], m), _mm256_and_ps(v[3], m))));
 }
 
-inline float scale_inverse(float d) {
-    return d != 0.0f ? 1.0f / d : 0.0f;
-}
-
 }  // namespace
 
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, float * d, int8_t * qr, float * dr, float * sums) {
-    const int64_t nb = n / kQ8Block;
-    // Pass 1: block maxima (kept in d for now) and the row's mean of them.
-    float total = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m256 v[4];
-        for (int p = 0; p < 4; ++p) {
-            v[p] = _mm256_loadu_ps(x + 32 * b + 8 * p);
-        }
-        sums[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-        d[b]    = abs_max(v);
-        total += d[b];
-    }
-    const float hot = kQ8HotRatio * total / static_cast<float>(nb);
-    // Pass 2: quantize; blocks above the hot threshold also get their residual quantized.
-    for (int64_t b = 0; b < nb; ++b) {
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums) {
+    for (int64_t b = 0; b < n / kQ8Block; ++b) {
         __m256 v[4], r[4];
         for (int p = 0; p < 4; ++p) {
             v[p] = _mm256_loadu_ps(x + 32 * b + 8 * p);
         }
-        const float amax = d[b];
-        d[b]             = amax / 127.0f;
-        round_to_i8(v, scale_inverse(d[b]), q + 32 * b, r);
-        dr[b] = 0.0f;
-        if (amax > hot) {
-            for (int p = 0; p < 4; ++p) {
-                v[p] = _mm256_fnmadd_ps(_mm256_set1_ps(d[b]), r[p], v[p]);  // x - d·q, rounded once
-            }
-            dr[b] = abs_max(v) / 127.0f;
-            round_to_i8(v, scale_inverse(dr[b]), qr + 32 * b, r);
+        sums[b]         = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        const float dx  = abs_max(v) / 127.0f;
+        const float inv = dx != 0.0f ? 1.0f / dx : 0.0f;
+        round_to_i8(v, inv, q + 32 * b, r);
+        for (int p = 0; p < 4; ++p) {
+            v[p] = _mm256_fnmadd_ps(_mm256_set1_ps(dx), r[p], v[p]);  // x - d·q, rounded once
         }
+        round_to_i8(v, 256.0f * inv, qr + 32 * b, r);
+        d[b] = dx * (1.0f / 256.0f);
     }
 }
 
