@@ -189,7 +189,7 @@ void bind_kernels(nb::module_ & m) {
           "y = x @ W.T for W stored as n_out rows of n_in elements of `type_id`; x float32 (n_tok, n_in), "
           "returns (n_tok, n_out). The engine's kernels. activations 'f32': f32 activations on every path, so a row's "
           "result agrees with dequantize(W) @ x to f32 rounding whatever n_tok or n_threads. 'q8': the decode path "
-          "of quantized types quantizes x to 8 bits per 32 elements and uses integer dot products.");
+          "of quantized types quantizes x per 32 elements in two 8-bit passes and uses integer dot products.");
     m.def("matmul_reference", &py_matmul_reference, nb::arg("type_id"), nb::arg("weight"), nb::arg("n_in"),
           nb::arg("n_out"), nb::arg("x"), "Same as matmul, plain reference code (dequantize, f64 sums).");
     m.def("matmul_bench", &py_matmul_bench, nb::arg("type_id"), nb::arg("weights"), nb::arg("n_in"), nb::arg("n_out"),

@@ -246,8 +246,9 @@ class Model:
         kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
             like llama.cpp's default; attention still computes in f32).
         activations: what the decode steps' matrix products over quantized weights (Q4_0 ... Q8_0, Q4_K, Q5_K,
-            Q6_K) multiply with: "q8" (default) quantizes the activations to 8 bits per 32 elements for integer dot
-            products, as llama.cpp does (fast; logits within a stated bound of the exact ones, docs/quant-kernels.md);
+            Q6_K) multiply with: "q8" (default) quantizes the activations per 32 elements in two 8-bit passes for
+            integer dot products, like llama.cpp (fast; logits within a stated bound of the exact ones, 100% top-1
+            agreement on real text, docs/quant-kernels.md);
             "f32" keeps them exact (the logits transformers computes, to f32 rounding). F16/BF16/F32 weights,
             prefill and the CUDA backend always use f32 activations.
     """

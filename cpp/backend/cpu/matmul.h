@@ -20,10 +20,10 @@ struct WeightView {
 };
 
 // What the decode path multiplies quantized weights with. F32: the activations as they are (exact: every path
-// computes dequantize_row(w)·x to f32 rounding). Q8: the activations quantized to 8 bits per 32 elements and integer
-// dot products with the stored blocks (as llama.cpp does; much faster, error bound in backend/cpu/quants-dot.h). Q8 applies
-// to the decode path (n_tok below the prefill threshold) of the quantized types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-// Q5_K, Q6_K on CPUs with AVX2; everything else runs as with F32.
+// computes dequantize_row(w)·x to f32 rounding). Q8: the activations quantized per 32 elements in two 8-bit passes and
+// integer dot products with the stored blocks (like llama.cpp, which does one pass; faster, error bound in
+// backend/cpu/quants-dot.h). Q8 applies to the decode path (n_tok below the prefill threshold) of the quantized types
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on CPUs with AVX2; everything else runs as with F32.
 enum class Activations { F32, Q8 };
 
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
