@@ -429,6 +429,44 @@ def test_failover_then_reuse_and_survivors_stay(cluster: Cluster) -> None:
     print(f"failover hop: {failover_s * 1000:.0f} ms")
 
 
+def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event(cluster: Cluster) -> None:
+    """The owner dies after the first streamed chunk: the client's stream ends (no hang) with the error event the
+    server's own stream errors have (code replica_lost), not with [DONE]; the replacement then comes up."""
+    import ray
+
+    eog = kc.Model(str(cluster.model), n_threads=1).tokenizer.eog_ids  # suppressed: the answer runs long
+    wf = "wf-lost-mid-stream"
+    body = {
+        "messages": [{"role": "user", "content": _task(7)}],
+        "temperature": 0,
+        "max_tokens": 1500,
+        "stream": True,
+        "logit_bias": {str(t): -100 for t in eog},
+        "kvcmas": {"workflow": wf, "method": "nonshared"},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list[bytes] = []
+    killed_at = None
+    for line in resp:
+        if line.startswith(b"data: "):
+            events.append(line[6:].strip())
+            if killed_at is None:
+                ray.kill(_engine_actor(int(_owner(workflow_key(wf))[1:])), no_restart=True)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    ended_s = time.monotonic() - killed_at
+    conn.close()
+    assert events[-1] != b"[DONE]", "the stream finished before the kill: make it longer"
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "replica_lost" and "send it again" in last["error"]["message"], last
+    tokens = sum(bool(json.loads(e)["choices"]) for e in events[:-1])
+    assert tokens < body["max_tokens"] and ended_s < 30, (tokens, ended_s)
+    assert _wait_healthy(cluster)["status"] == "ok"
+
+
 def test_cluster_metrics_and_health_per_replica(cluster: Cluster) -> None:
     health = _wait_healthy(cluster)
     assert set(health["replicas"]) == {f"r{r}" for r in range(N_REPLICAS)}

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..server.app import _replay
+from ..server.app import _replay, _sse
 from ..server.validation import DEFAULT_MAX_BODY_BYTES, error_body
 from .config import APP_NAME, engine_args, engine_name, ingress_args, parse_server_args
 from .routing import SESSION_HEADER, rendezvous_order, routing_key, workflow_key
@@ -60,14 +60,19 @@ async def _collect(gen: Any) -> list[dict[str, Any]]:
     return [m async for m in gen]
 
 
-async def _body(gen: Any) -> AsyncIterator[bytes]:
-    """The rest of an answer's body. A replica that dies mid-stream ends it early (no retry: bytes were sent)."""
+async def _body(gen: Any, sse: bool) -> AsyncIterator[bytes]:
+    """The rest of an answer's body. A replica that dies mid-answer cannot be retried (bytes were sent): an event
+    stream (sse) then ends with an error event in the shape the server's own stream errors have (code
+    `replica_lost`, no `[DONE]`); any other body ends short."""
     try:
         async for message in gen:
             if message["type"] == "http.response.body" and message.get("body"):
                 yield message["body"]
     except ray.exceptions.RayError as e:
         log.warning("a replica died mid-answer: %s", e)
+        if sse:
+            why = "the replica serving this stream was lost mid-answer; the answer is incomplete: send it again"
+            yield _sse(error_body(503, why, "replica_lost"))
     finally:
         gen.cancel()
 
@@ -277,7 +282,8 @@ class Ingress:
                 if k.decode("latin-1").lower() not in HOP_HEADERS
             }
             headers["x-kvcmas-replica"] = replica_name(rank)
-            return StreamingResponse(_body(gen), status_code=int(start["status"]), headers=headers)
+            sse = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(_body(gen, sse), status_code=int(start["status"]), headers=headers)
         message = "no replica could take the request: " + "; ".join(errors)
         return JSONResponse(
             error_body(503, message, "replica_unavailable"), status_code=503, headers={"Retry-After": "1"}
