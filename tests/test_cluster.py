@@ -168,6 +168,27 @@ def test_documented_config_is_what_cluster_config_writes_and_builds() -> None:
     assert done.stdout.split() == [app["name"] for app in documented["applications"]]
 
 
+def test_cluster_up_refuses_bad_settings_before_starting_anything(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("applications: [\n")
+    cases = {
+        ("--config", str(tmp_path / "missing.yaml")): "missing.yaml",
+        ("--config", str(bad_yaml)): "not YAML",
+        ("--replicas", "0"): "replicas must be >= 1",
+        ("--", "--no-such-flag"): "server_args",
+    }
+    for argv, message in cases.items():
+        cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "cluster", "up", *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "kvcmas: error" in done.stderr and message in done.stderr, done.stderr
+    assert not (tmp_path / "cache").exists()  # no state file: nothing was started
+
+
 def test_single_node_never_imports_ray() -> None:
     code = "import sys, kvcmas_cpp.cli as c, kvcmas_cpp.server; c.build_parser(); print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

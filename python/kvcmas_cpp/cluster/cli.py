@@ -162,12 +162,18 @@ def _start_head(state: dict[str, Any], num_cpus: int | None, resources: str | No
 
 
 def load_config(path: str) -> dict[str, Any]:
-    """A Serve config file (YAML or JSON)."""
-    text = Path(path).read_text()
+    """A Serve config file (YAML or JSON); ValueError when it cannot be read as one."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
     try:
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not YAML: {e}") from None
     except ImportError:
         data = json.loads(text)
     if not isinstance(data, dict):
