@@ -55,9 +55,13 @@ def main() -> None:
         port = int(json.load(f)["http_options"]["port"])
     temp_dir = TEMP_DIR  # every node's files, removed at the end
     head = {"num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [cluster.add_node(num_cpus=0, resources={"kvcmas_engine": 1}, temp_dir=temp_dir) for _ in range(3)]
     try:
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    try:
+        nodes = [cluster.add_node(num_cpus=0, resources={"kvcmas_engine": 1}, temp_dir=temp_dir) for _ in range(3)]
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
         cli = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
         done = subprocess.run(

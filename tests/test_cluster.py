@@ -510,10 +510,43 @@ def test_bad_requests_get_the_replicas_400(cluster: Cluster) -> None:
     conn.close()
 
 
+@contextlib.contextmanager
+def _traffic(c: Cluster) -> Iterator[list[tuple[int, str]]]:
+    """While the block runs, one client sends hops of workflows (a new one every 4 hops) one after another; yields
+    the list of their answers, (HTTP status, body), filled when the block ends."""
+    import threading
+
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        n = 0
+        while not stop.is_set():
+            wf, k = f"wf-traffic-{n // 4}", n % 4
+            body = {"messages": [{"role": "system", "content": ROLES[k]}, {"role": "user", "content": _task(n // 4)}]}
+            try:
+                status, _, out = c.request(
+                    "POST", "/v1/chat/completions", body | {"max_tokens": 4, "kvcmas": {"workflow": wf}}
+                )
+            except OSError as e:
+                status, out = -1, str(e)
+            answers.append((status, str(out)[:200]))
+            n += 1
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+
+
 def test_scale_up_keeps_the_running_engines(cluster: Cluster) -> None:
     """`kvcmas cluster up --replicas 4` on the running 3: the 3 engines keep their processes (and spans): a workflow
     whose owner stays reuses on its next hop; only the workflows the 4th rank now owns move, each to it, dense.
-    Then back to 3: the 4th rank goes, the others still keep their processes."""
+    Then back to 3: the 4th rank goes, the others still keep their processes. A client sends requests throughout
+    both changes: every one is answered 200 (a request for the rank being removed fails over)."""
     names = [f"wf-scale-{i}" for i in range(12)]
     replies: dict[str, list[str]] = {wf: [] for wf in names}
     for i, wf in enumerate(names):
@@ -522,8 +555,10 @@ def test_scale_up_keeps_the_running_engines(cluster: Cluster) -> None:
                 workflow_key(wf)
             )
     before = cluster.processes()
-    done = cluster.cli("up", "--replicas", str(N_REPLICAS + 1))
+    with _traffic(cluster) as answered:  # requests keep coming while the cluster changes: none fails
+        done = cluster.cli("up", "--replicas", str(N_REPLICAS + 1))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert answered and all(status == 200 for status, _ in answered), [a for a in answered if a[0] != 200]
     after = cluster.processes()
     assert set(after) == {f"r{r}" for r in range(N_REPLICAS + 1)}
     assert {name: after[name] for name in before} == before  # the same processes: not restarted
@@ -538,8 +573,10 @@ def test_scale_up_keeps_the_running_engines(cluster: Cluster) -> None:
             assert owner == f"r{N_REPLICAS}" and hop["span_tokens"] == 0, (wf, hop)
             moved.append(wf)
     assert 0 < len(moved) < len(names) / 2, moved  # about 1/4 (the 1/N property itself: the routing test)
-    done = cluster.cli("up", "--replicas", str(N_REPLICAS))
+    with _traffic(cluster) as answered:
+        done = cluster.cli("up", "--replicas", str(N_REPLICAS))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert answered and all(status == 200 for status, _ in answered), [a for a in answered if a[0] != 200]
     assert cluster.processes() == before
     for i, wf in enumerate(names):
         if wf not in moved:

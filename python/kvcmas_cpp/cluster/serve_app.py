@@ -32,6 +32,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from ..server.app import _replay, _sse
@@ -56,6 +57,13 @@ class _ReplicaDown(Exception):
     """The rank has no live replica (its actor died or Serve is replacing it)."""
 
 
+def _cancel(gen: Any) -> None:
+    """Cancels a handle call, best effort: Serve's cancel() re-raises the call's own error (a deployment scaled away:
+    DeploymentUnavailableError) when the call already failed."""
+    with contextlib.suppress(Exception):
+        gen.cancel()
+
+
 async def _collect(gen: Any) -> list[dict[str, Any]]:
     return [m async for m in gen]
 
@@ -68,13 +76,13 @@ async def _body(gen: Any, sse: bool) -> AsyncIterator[bytes]:
         async for message in gen:
             if message["type"] == "http.response.body" and message.get("body"):
                 yield message["body"]
-    except ray.exceptions.RayError as e:
+    except (ray.exceptions.RayError, RayServeException) as e:
         log.warning("a replica died mid-answer: %s", e)
         if sse:
             why = "the replica serving this stream was lost mid-answer; the answer is incomplete: send it again"
             yield _sse(error_body(503, why, "replica_lost"))
     finally:
-        gen.cancel()
+        _cancel(gen)
 
 
 def _labelled(sample: str, replica: str) -> str:
@@ -236,7 +244,11 @@ class Ingress:
 
     async def _first(self, rank: int, call: Any) -> tuple[Any, dict[str, Any]]:
         """Starts the call on the rank and waits for its first message; _ReplicaDown when the rank dies first."""
-        gen: Any = self.engines[rank].options(stream=True).forward.remote(*call)
+        gone = (ray.exceptions.RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+        try:
+            gen: Any = self.engines[rank].options(stream=True).forward.remote(*call)
+        except gone as e:
+            raise _ReplicaDown(str(e)) from None
         first = asyncio.ensure_future(gen.__anext__())
         first.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when abandoned
         try:
@@ -245,13 +257,14 @@ class Ingress:
                 if done:
                     try:
                         return gen, first.result()
-                    except ray.exceptions.RayActorError as e:
+                    # the actor died; or Serve no longer has the deployment (its rank was just scaled away)
+                    except gone as e:
                         raise _ReplicaDown(str(e)) from None
                 if not await self._live(rank):
                     raise _ReplicaDown(f"{engine_name(rank)} has no running replica")
         except BaseException:
             first.cancel()
-            gen.cancel()
+            _cancel(gen)
             raise
 
     async def forward(self, request: Request, key: str, body: bytes, path: str | None = None) -> Response:
@@ -377,7 +390,7 @@ class Ingress:
         async def one(rank: int) -> dict[str, Any]:
             try:
                 return dict(await asyncio.wait_for(self.engines[rank].process.remote(), HEALTH_TIMEOUT_S))
-            except (asyncio.TimeoutError, ray.exceptions.RayError):
+            except (asyncio.TimeoutError, ray.exceptions.RayError, RayServeException):
                 return {}
 
         return list(await asyncio.gather(*(one(r) for r in range(len(self.engines)))))
@@ -391,7 +404,7 @@ class Ingress:
             try:
                 gen = self.engines[rank].options(stream=True).forward.remote(*call)
                 messages = await asyncio.wait_for(_collect(gen), HEALTH_TIMEOUT_S)
-            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            except (asyncio.TimeoutError, ray.exceptions.RayError, RayServeException) as e:
                 return 503, f"{type(e).__name__}: {e}"[:300]
             status = next(int(m["status"]) for m in messages if m["type"] == "http.response.start")
             text = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
