@@ -3,11 +3,17 @@
   python scripts/cluster_bench.py keys                      # routing only (no Ray): keys moved on loss / scale-up
   python scripts/cluster_bench.py overhead --ingress URL --direct URL [-n 200]
   python scripts/cluster_bench.py failover --ingress URL    # kills a replica of the cluster `kvcmas cluster up` made
+  python scripts/cluster_bench.py load --ingress URL [--workflows 6 --hops 4 --rounds 3]
+  python scripts/cluster_bench.py scale --ingress URL --replicas 3 [--workflows 40]   # scales that cluster to 4
 
 `overhead` sends the same small request (1 new token, nonshared) alternately to the ingress and to a plain
 kvcmas-server on the same model and threads, and reports the latency the ingress adds (p50, p99 of each minus the
 other's). `failover` runs 2 hops of a workflow, kills the owner's actor, and times hop 3 (which fails over) against
-hop 4 (which reuses there).
+hop 4 (which reuses there). `load` runs --workflows concurrent 4-hop workflows (one thread each, streamed, a
+workflow's hops one after the other), --rounds times, and reports the time to the first streamed token of the later
+hops (2..4), to compare 1 and N replicas at the same offered load. `scale` runs 2 hops of --workflows workflows,
+scales the running cluster to --replicas + 1 with `kvcmas cluster up --replicas`, runs hop 3, and counts the
+workflows that moved, the ones that stayed and reused, and the engines whose process changed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import argparse
 import http.client
 import json
 import statistics
+import subprocess
+import sys
+import threading
 import time
 import urllib.parse
 from collections import Counter
@@ -35,6 +44,15 @@ def _post(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     conn.close()
     assert resp.status == 200, out
     return dt, out
+
+
+def _delete(url: str, wf: str) -> None:
+    """Ends a workflow (frees its spans: a long benchmark would fill the replicas' KV budget otherwise)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("DELETE", f"/v1/kvcmas/workflows/{wf}")
+    conn.getresponse().read()
+    conn.close()
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -130,6 +148,7 @@ def failover(args: argparse.Namespace) -> None:
             times.append(dt * 1000)
             replies.append(out["choices"][0]["message"]["content"])
         results.append(times)
+        _delete(args.ingress, wf)
         print(f"trial {trial}: hops ms {[round(t) for t in times]}")
         deadline = time.time() + 60
         while time.time() < deadline:  # the replacement, before the next trial
@@ -143,6 +162,151 @@ def failover(args: argparse.Namespace) -> None:
     hop4 = [t[3] for t in results]
     p50, worst, after = statistics.median(hop3), max(hop3), statistics.median(hop4)
     print(f"failover hop p50 {p50:.0f} ms (max {worst:.0f}); next hop {after:.0f} ms")
+
+
+def _stream_ttft(url: str, body: dict[str, Any]) -> tuple[float, float, dict[str, Any], str]:
+    """One streamed chat: (seconds to the first content token, seconds to the end, the last chunk's kvcmas, text)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    t0 = time.perf_counter()
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body | {"stream": True}), {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    first, text, info = None, [], {}
+    for line in resp:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        info = chunk.get("kvcmas") or info
+        piece = "".join(c["delta"].get("content") or "" for c in chunk.get("choices", []))
+        if piece and first is None:
+            first = time.perf_counter() - t0
+        text.append(piece)
+    total = time.perf_counter() - t0
+    conn.close()
+    return first if first is not None else total, total, info, "".join(text)
+
+
+ROLES = [
+    "You are a careful planner. List the steps needed to solve the problem.",
+    "You are a solver. Carry out the plan and compute the answer.",
+    "You are a checker. Verify the computation and point out any mistake.",
+    "You are a summarizer. State the final answer in one sentence.",
+]
+
+
+def _task(i: int) -> str:
+    return f"Problem {i}: a shop sells {i % 50 + 3} apples on Monday and twice as many on Tuesday. How many in all?"
+
+
+def _workflow_hop(url: str, wf: str, task: str, k: int, replies: list[str], max_tokens: int) -> tuple[float, dict]:
+    msgs = [{"role": "system", "content": ROLES[k % len(ROLES)]}, {"role": "user", "content": task}]
+    msgs += [{"role": "user", "content": r} for r in replies]
+    body = {"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "kvcmas": {"workflow": wf}}
+    ttft, _, info, text = _stream_ttft(url, body)
+    replies.append(text)
+    return ttft, info
+
+
+def load(args: argparse.Namespace) -> None:
+    later: list[float] = []
+    reused = dense = 0
+    replicas: Counter[str] = Counter()
+    t_all = time.perf_counter()
+    for rnd in range(args.rounds + 1):  # round 0 warms up (system prompts, first contact): not counted
+        stamp = time.time_ns()
+        out: list[list[tuple[float, dict]]] = [[] for _ in range(args.workflows)]
+
+        def run(w: int, stamp: int = stamp, out: list[list[tuple[float, dict]]] = out) -> None:
+            replies: list[str] = []
+            for k in range(args.hops):
+                out[w].append(
+                    _workflow_hop(args.ingress, f"wf-load-{stamp}-{w}", _task(w), k, replies, args.max_tokens)
+                )
+
+        threads = [threading.Thread(target=run, args=(w,)) for w in range(args.workflows)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        for w in range(args.workflows):
+            _delete(args.ingress, f"wf-load-{stamp}-{w}")
+        if rnd == 0:
+            t_all = time.perf_counter()
+            continue
+        for hops in out:
+            assert len(hops) == args.hops, "a workflow failed"
+            for ttft, info in hops[1:]:
+                later.append(ttft * 1000)
+                replicas[info.get("replica", "?")] += 1
+                if info.get("span_tokens", 0) > 0:
+                    reused += 1
+                else:
+                    dense += 1
+        print(f"round {rnd}: {args.workflows} workflows x {args.hops} hops in {wall:.1f} s")
+    elapsed = time.perf_counter() - t_all
+    print(f"replicas used by later hops: {dict(sorted(replicas.items()))}; reused {reused}, dense {dense}")
+    print("| later hops | p50 TTFT ms | p90 TTFT ms | mean TTFT ms | workflows/s |\n|---|---|---|---|---|")
+    rate = args.workflows * args.rounds / elapsed
+    print(
+        f"| {len(later)} | {_pct(later, 0.5):.0f} | {_pct(later, 0.9):.0f} | {statistics.mean(later):.0f} | "
+        f"{rate:.2f} |"
+    )
+
+
+def _processes(url: str) -> dict[str, tuple[int, float]]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", "/health")
+    health = json.loads(conn.getresponse().read())
+    conn.close()
+    return {name: (r.get("pid"), r.get("started")) for name, r in health["replicas"].items()}
+
+
+def scale(args: argparse.Namespace) -> None:
+    n = args.replicas
+    stamp = time.time_ns()
+    names = [f"wf-scale-{stamp}-{i}" for i in range(args.workflows)]
+    replies: dict[str, list[str]] = {wf: [] for wf in names}
+    where: dict[str, str] = {}
+    for i, wf in enumerate(names):
+        for k in range(2):
+            where[wf] = _workflow_hop(args.ingress, wf, _task(i), k, replies[wf], args.max_tokens)[1]["replica"]
+    before = _processes(args.ingress)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "cluster", "up", "--replicas", str(n + 1)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    scale_s = time.perf_counter() - t0
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = _processes(args.ingress)
+    restarted = [r for r in before if after.get(r) != before[r]]
+    moved = stayed_reused = stayed_dense = to_new = 0
+    for i, wf in enumerate(names):
+        ttft, info = _workflow_hop(args.ingress, wf, _task(i), 2, replies[wf], args.max_tokens)
+        if info["replica"] != where[wf]:
+            moved += 1
+            to_new += info["replica"] == f"r{n}"
+        elif info.get("span_tokens", 0) > 0:
+            stayed_reused += 1
+        else:
+            stayed_dense += 1
+    for wf in names:
+        _delete(args.ingress, wf)
+    w = len(names)
+    print(f"scale {n} -> {n + 1}: `kvcmas cluster up --replicas {n + 1}` took {scale_s:.1f} s")
+    print(
+        "| workflows | moved | of which to the new rank | stayed, next hop reused | stayed, next hop dense | "
+        "engines restarted |\n|---|---|---|---|---|---|"
+    )
+    print(
+        f"| {w} | {moved} ({moved / w:.0%}) | {to_new} | {stayed_reused} | {stayed_dense} | "
+        f"{len(restarted)} of {len(before)} |"
+    )
 
 
 def main() -> None:
@@ -162,6 +326,19 @@ def main() -> None:
     f.add_argument("--replicas", type=int, default=3)
     f.add_argument("--trials", type=int, default=3)
     f.set_defaults(func=failover)
+    ld = sub.add_parser("load")
+    ld.add_argument("--ingress", required=True)
+    ld.add_argument("--workflows", type=int, default=6)
+    ld.add_argument("--hops", type=int, default=4)
+    ld.add_argument("--rounds", type=int, default=3)
+    ld.add_argument("--max-tokens", type=int, default=16)
+    ld.set_defaults(func=load)
+    sc = sub.add_parser("scale")
+    sc.add_argument("--ingress", required=True)
+    sc.add_argument("--replicas", type=int, required=True, help="the running cluster's replicas (scaled to one more)")
+    sc.add_argument("--workflows", type=int, default=40)
+    sc.add_argument("--max-tokens", type=int, default=8)
+    sc.set_defaults(func=scale)
     args = p.parse_args()
     args.func(args)
 

@@ -1,8 +1,9 @@
 """A 3-node Ray cluster on this machine (ray.cluster_utils.Cluster), run by tests/test_cluster.py in its own process.
 
-argv: model path, HTTP port. One engine per node (each node offers one `kvcmas_engine` resource, as in
-docs/cluster.md's N-machine example); the node of one workflow's owner is removed after hop 2: hop 3 must succeed on
-another node (dense), hop 4 reuse there. Prints one JSON line with what it saw; the test asserts on it.
+argv: a Serve config file (docs/cluster.md's N-machine example with this machine's server arguments and a loopback
+HTTP address). Each node offers one `kvcmas_engine` resource, as that example's machines do; the file is deployed
+with Ray Serve's own CLI, `serve run CONFIG`. The node of one workflow's owner is removed after hop 2: hop 3 must
+succeed on another node (dense), hop 4 reuse there. Prints one JSON line with what it saw; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-# Loopback, no usage stats, a token only in this environment: before Ray is imported (kvcmas_cpp.cluster.cli).
+# Loopback, no usage stats, a token only in this environment, every file (also Ray's `ray_current_cluster` address
+# file, else in /tmp/ray) under one temporary directory: before Ray is imported (kvcmas_cpp.cluster.cli).
+TEMP_DIR = tempfile.mkdtemp(prefix="kvcmas-ray-")
+os.makedirs(os.path.join(TEMP_DIR, "ray"))
 os.environ |= {
+    "RAY_TMPDIR": TEMP_DIR,
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "token",
@@ -29,8 +35,8 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from kvcmas_cpp.cluster.config import engine_name  # noqa: E402
 from kvcmas_cpp.cluster.routing import rendezvous_order, workflow_key  # noqa: E402
-from kvcmas_cpp.cluster.serve_app import APP_NAME, build, engine_name  # noqa: E402
 
 
 def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -44,20 +50,34 @@ def post(port: int, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    model, port = sys.argv[1], int(sys.argv[2])
-    temp_dir = tempfile.mkdtemp(prefix="kvcmas-ray-")  # every node's files, removed at the end
+    config_path = sys.argv[1]
+    with open(config_path) as f:
+        port = int(json.load(f)["http_options"]["port"])
+    temp_dir = TEMP_DIR  # every node's files, removed at the end
     head = {"num_cpus": 2, "include_dashboard": False, "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [cluster.add_node(num_cpus=0, resources={"kvcmas_engine": 1}, temp_dir=temp_dir) for _ in range(3)]
     try:
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    try:
+        nodes = [cluster.add_node(num_cpus=0, resources={"kvcmas_engine": 1}, temp_dir=temp_dir) for _ in range(3)]
         ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = {
-            "replicas": 3,
-            "server_args": ["--model", model, "-t", "1", "--no-calibration-dir"],
-            "engine_actor_options": {"num_cpus": 0, "resources": {"kvcmas_engine": 1}},
-        }
-        serve.run(build(config), name=APP_NAME, route_prefix="/")
+        cli = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
+        done = subprocess.run(
+            [*cli, "run", "--non-blocking", "--address", cluster.address, config_path],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        deadline = time.monotonic() + 180
+        while True:
+            states = {n: str(a.status) for n, a in serve.status().applications.items()}
+            if len(states) == 4 and all(s.endswith("RUNNING") for s in states.values()):
+                break
+            assert time.monotonic() < deadline and not any("FAILED" in s for s in states.values()), states
+            time.sleep(0.5)
         placed = {}  # rank -> the node its replica runs on (asked of the replica's actor itself)
         for named in ray.util.list_named_actors(all_namespaces=True):
             for rank in range(3):

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 import kvcmas_cpp as kc
+from kvcmas_cpp.cluster.config import ENGINE_IMPORT, serve_config, settings_of
 from kvcmas_cpp.cluster.routing import SESSION_HEADER, rendezvous_order, routing_key, workflow_key
 from test_server import ServerProcess, _free_port
 
@@ -34,7 +35,8 @@ ROLES = [
     "You are a checker. Verify the computation and point out any mistake.",
     "You are a summarizer. State the final answer in one sentence.",
 ]
-N_REPLICAS = 3
+N_REPLICAS = 3  # the documented config's
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "cluster.md"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's own pydantic v1-style fields
 
 
@@ -84,6 +86,109 @@ def test_rendezvous_moves_only_what_churn_must() -> None:
     assert rendezvous_order("abc", [2, 0, 1]) == rendezvous_order("abc", range(3))  # order-free, deterministic
 
 
+def _documented() -> tuple[list[str], dict[str, Any]]:
+    """docs/cluster.md's N-machine example: the `kvcmas cluster config` command it shows and the file it shows."""
+    import shlex
+
+    yaml = pytest.importorskip("yaml")
+    text = DOCS.read_text()
+    section = text[text.index("## N machines") :]
+    command = next(line for line in section.splitlines() if line.startswith("kvcmas cluster config "))
+    block = section[section.index("```yaml\n") + 8 :]
+    return shlex.split(command.split(">")[0])[3:], dict(yaml.safe_load(block[: block.index("```")]))
+
+
+def _documented_here(server_args: list[str], port: int) -> dict[str, Any]:
+    """The documented config file with this machine's server arguments (model, threads) and a loopback port."""
+    config = _documented()[1]
+    for app in config["applications"]:
+        if app["import_path"] == ENGINE_IMPORT:
+            app["args"]["server_args"] = server_args
+    return config | {"http_options": {"host": "127.0.0.1", "port": port}}
+
+
+def test_serve_config_round_trip_and_refusals() -> None:
+    settings = {"replicas": 2, "server_args": ["--model", "m.gguf", "-t", "1"], "max_body_bytes": 1000}
+    config = serve_config(settings, {"host": "127.0.0.1", "port": 9})
+    assert [a["name"] for a in config["applications"]] == ["kvcmas-engine-0", "kvcmas-engine-1", "kvcmas"]
+    assert settings_of(config) == settings | {"engine_actor_options": {"num_cpus": 0}}
+    # one more rank leaves the existing ranks' applications as they were: what keeps Serve from restarting them
+    grown = serve_config(settings | {"replicas": 3}, {"host": "127.0.0.1", "port": 9})
+    assert grown["applications"][:2] == config["applications"][:2]
+    assert grown["applications"][-1]["args"]["replicas"] == 3
+    for bad in ({"replicas": 0}, {"replica": 2}, {"server_args": ["--no-such-flag"]}):
+        with pytest.raises(ValueError):
+            serve_config(bad)
+    for apps in (config["applications"][1:], config["applications"][:1] + config["applications"][2:]):
+        with pytest.raises(ValueError, match="ranks"):
+            settings_of({"applications": apps})
+    differ = json.loads(json.dumps(config))
+    differ["applications"][1]["args"]["server_args"][-1] = "2"
+    with pytest.raises(ValueError, match="different settings"):
+        settings_of(differ)
+
+
+def test_documented_config_is_what_cluster_config_writes_and_builds() -> None:
+    """The file docs/cluster.md tells users to `serve deploy` is what its `kvcmas cluster config` command prints;
+    Ray Serve's own config schema accepts it, and every application's import path builds with its args (as Serve's
+    build task does). Deploying it: the `cluster` fixture (kvcmas cluster up --config) and, with `serve run`, the
+    slow 3-node test."""
+    yaml = pytest.importorskip("yaml")
+    argv, documented = _documented()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcmas_cpp.cli", "cluster", "config", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(done.stdout) == documented
+    assert settings_of(documented)["replicas"] == N_REPLICAS
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'")
+    # in a process of its own: Ray reads its settings when it is imported, and this process' Ray is the cluster's
+    code = """if True:
+        import json, sys
+        from ray._common.utils import import_attr
+        from ray.serve import Application
+        from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+        from ray.serve.schema import ServeDeploySchema
+        schema = ServeDeploySchema.model_validate(json.loads(sys.stdin.read()))
+        for app in schema.applications:
+            built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
+            assert isinstance(built, Application), app.name
+            print(app.name)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps(documented), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [app["name"] for app in documented["applications"]]
+
+
+def test_cluster_up_refuses_bad_settings_before_starting_anything(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("kvcmas cluster needs Ray Serve: pip install 'kvcmas_cpp[cluster]'")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("applications: [\n")
+    cases = {
+        ("--config", str(tmp_path / "missing.yaml")): "missing.yaml",
+        ("--config", str(bad_yaml)): "not YAML",
+        ("--replicas", "0"): "replicas must be >= 1",
+        ("--", "--no-such-flag"): "server_args",
+    }
+    for argv, message in cases.items():
+        cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "cluster", "up", *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "kvcmas: error" in done.stderr and message in done.stderr, done.stderr
+    assert not (tmp_path / "cache").exists()  # no state file: nothing was started
+
+
 def test_single_node_never_imports_ray() -> None:
     code = "import sys, kvcmas_cpp.cli as c, kvcmas_cpp.server; c.build_parser(); print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -92,9 +197,10 @@ def test_single_node_never_imports_ray() -> None:
 
 # ------------------------------------------------------------------------------------------ 3 nodes
 @pytest.mark.slow
-def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path]) -> None:
-    """ray.cluster_utils.Cluster in a process of its own (tests/cluster_nodes_worker.py): one engine per node; the
-    node of a workflow's owner is removed after hop 2; hop 3 fails over (dense), hop 4 reuses there."""
+def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path], tmp_path: Path) -> None:
+    """ray.cluster_utils.Cluster in a process of its own (tests/cluster_nodes_worker.py): docs/cluster.md's config
+    file (this machine's server arguments, loopback) deployed by `serve run`, one engine per node; the node of a
+    workflow's owner is removed after hop 2; hop 3 fails over (dense), hop 4 reuses there."""
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -104,9 +210,12 @@ def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path]) -> No
     package_root = str(Path(kc.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
     worker = Path(__file__).with_name("cluster_nodes_worker.py")
-    model = str(tiny_models[("llama", "Q8_0")])
+    server_args = ["--model", str(tiny_models[("llama", "Q8_0")]), "-t", "1", "--no-calibration-dir"]
+    config = _documented_here(server_args, _free_port())
+    path = tmp_path / "kvcmas-cluster.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
     done = subprocess.run(
-        [sys.executable, str(worker), model, str(_free_port())], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(worker), str(path)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"owner"')))
@@ -138,14 +247,21 @@ class Cluster:
         return done
 
     def up(self) -> None:
-        """From a Serve config file, as a deployment on N machines would be (docs/cluster.md), and a flag."""
-        config = self.log.parent / "kvcmas-cluster.json"
+        """From docs/cluster.md's N-machine config file, with this machine's server arguments, loopback address and
+        port; the head offers the `kvcmas_engine` resource the file's engines ask for (one a machine there)."""
         server_args = ["--model", str(self.model), "-t", "1", "--calibration-dir", str(self.calibration_dir)]
-        app = {"name": "kvcmas", "import_path": "kvcmas_cpp.cluster.serve_app:build"}
-        app["args"] = {"replicas": N_REPLICAS, "server_args": server_args}
-        config.write_text(json.dumps({"http_options": {"host": "127.0.0.1"}, "applications": [app]}))
-        done = self.cli("up", "--config", str(config), "--port", str(self.port), "--num-cpus", "2")
+        config = _documented_here(server_args, self.port)
+        path = self.log.parent / "kvcmas-cluster.json"
+        path.write_text(json.dumps(config))
+        resources = json.dumps({"kvcmas_engine": N_REPLICAS + 1})  # + 1: test_scale_up_keeps_the_running_engines
+        done = self.cli("up", "--config", str(path), "--num-cpus", "2", "--resources", resources)
         assert done.returncode == 0, done.stdout + done.stderr
+
+    def processes(self) -> dict[str, tuple[int, float]]:
+        """Each replica's engine process as the cluster's /health reports it: (pid, start time)."""
+        health = _wait_healthy(self)
+        assert health["status"] == "ok", health
+        return {name: (r["pid"], r["started"]) for name, r in health["replicas"].items()}
 
     def state(self) -> dict[str, Any]:
         return dict(json.loads((Path(self.env["XDG_CACHE_HOME"]) / "kvcmas" / "cluster.json").read_text()))
@@ -334,6 +450,44 @@ def test_failover_then_reuse_and_survivors_stay(cluster: Cluster) -> None:
     print(f"failover hop: {failover_s * 1000:.0f} ms")
 
 
+def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event(cluster: Cluster) -> None:
+    """The owner dies after the first streamed chunk: the client's stream ends (no hang) with the error event the
+    server's own stream errors have (code replica_lost), not with [DONE]; the replacement then comes up."""
+    import ray
+
+    eog = kc.Model(str(cluster.model), n_threads=1).tokenizer.eog_ids  # suppressed: the answer runs long
+    wf = "wf-lost-mid-stream"
+    body = {
+        "messages": [{"role": "user", "content": _task(7)}],
+        "temperature": 0,
+        "max_tokens": 1500,
+        "stream": True,
+        "logit_bias": {str(t): -100 for t in eog},
+        "kvcmas": {"workflow": wf, "method": "nonshared"},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list[bytes] = []
+    killed_at = None
+    for line in resp:
+        if line.startswith(b"data: "):
+            events.append(line[6:].strip())
+            if killed_at is None:
+                ray.kill(_engine_actor(int(_owner(workflow_key(wf))[1:])), no_restart=True)
+                killed_at = time.monotonic()
+    assert killed_at is not None
+    ended_s = time.monotonic() - killed_at
+    conn.close()
+    assert events[-1] != b"[DONE]", "the stream finished before the kill: make it longer"
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "replica_lost" and "send it again" in last["error"]["message"], last
+    tokens = sum(bool(json.loads(e)["choices"]) for e in events[:-1])
+    assert tokens < body["max_tokens"] and ended_s < 30, (tokens, ended_s)
+    assert _wait_healthy(cluster)["status"] == "ok"
+
+
 def test_cluster_metrics_and_health_per_replica(cluster: Cluster) -> None:
     health = _wait_healthy(cluster)
     assert set(health["replicas"]) == {f"r{r}" for r in range(N_REPLICAS)}
@@ -354,3 +508,77 @@ def test_bad_requests_get_the_replicas_400(cluster: Cluster) -> None:
     resp = conn.getresponse()
     assert resp.status == 400, resp.read()
     conn.close()
+
+
+@contextlib.contextmanager
+def _traffic(c: Cluster) -> Iterator[list[tuple[int, str]]]:
+    """While the block runs, one client sends hops of workflows (a new one every 4 hops) one after another; yields
+    the list of their answers, (HTTP status, body), filled when the block ends."""
+    import threading
+
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        n = 0
+        while not stop.is_set():
+            wf, k = f"wf-traffic-{n // 4}", n % 4
+            body = {"messages": [{"role": "system", "content": ROLES[k]}, {"role": "user", "content": _task(n // 4)}]}
+            try:
+                status, _, out = c.request(
+                    "POST", "/v1/chat/completions", body | {"max_tokens": 4, "kvcmas": {"workflow": wf}}
+                )
+            except OSError as e:
+                status, out = -1, str(e)
+            answers.append((status, str(out)[:200]))
+            n += 1
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+
+
+def test_scale_up_keeps_the_running_engines(cluster: Cluster) -> None:
+    """`kvcmas cluster up --replicas 4` on the running 3: the 3 engines keep their processes (and spans): a workflow
+    whose owner stays reuses on its next hop; only the workflows the 4th rank now owns move, each to it, dense.
+    Then back to 3: the 4th rank goes, the others still keep their processes. A client sends requests throughout
+    both changes: every one is answered 200 (a request for the rank being removed fails over)."""
+    names = [f"wf-scale-{i}" for i in range(12)]
+    replies: dict[str, list[str]] = {wf: [] for wf in names}
+    for i, wf in enumerate(names):
+        for k in range(2):
+            assert _hop(cluster, k, _task(300 + i), replies[wf], {"workflow": wf})["kvcmas"]["replica"] == _owner(
+                workflow_key(wf)
+            )
+    before = cluster.processes()
+    with _traffic(cluster) as answered:  # requests keep coming while the cluster changes: none fails
+        done = cluster.cli("up", "--replicas", str(N_REPLICAS + 1))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert answered and all(status == 200 for status, _ in answered), [a for a in answered if a[0] != 200]
+    after = cluster.processes()
+    assert set(after) == {f"r{r}" for r in range(N_REPLICAS + 1)}
+    assert {name: after[name] for name in before} == before  # the same processes: not restarted
+    moved = []
+    for i, wf in enumerate(names):
+        hop = _hop(cluster, 2, _task(300 + i), replies[wf], {"workflow": wf})["kvcmas"]
+        owner = f"r{rendezvous_order(workflow_key(wf), range(N_REPLICAS + 1))[0]}"
+        assert hop["replica"] == owner, wf
+        if owner == _owner(workflow_key(wf)):
+            assert hop["span_tokens"] > 0, (wf, hop)  # its spans are still there
+        else:
+            assert owner == f"r{N_REPLICAS}" and hop["span_tokens"] == 0, (wf, hop)
+            moved.append(wf)
+    assert 0 < len(moved) < len(names) / 2, moved  # about 1/4 (the 1/N property itself: the routing test)
+    with _traffic(cluster) as answered:
+        done = cluster.cli("up", "--replicas", str(N_REPLICAS))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert answered and all(status == 200 for status, _ in answered), [a for a in answered if a[0] != 200]
+    assert cluster.processes() == before
+    for i, wf in enumerate(names):
+        if wf not in moved:
+            hop = _hop(cluster, 3, _task(300 + i), replies[wf], {"workflow": wf})["kvcmas"]
+            assert hop["replica"] == _owner(workflow_key(wf)) and hop["span_tokens"] > 0, (wf, hop)

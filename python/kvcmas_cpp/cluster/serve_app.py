@@ -1,52 +1,52 @@
-"""The Ray Serve application: one engine deployment per replica rank and a stateless HTTP ingress.
+"""The Ray Serve applications: one per engine rank and a stateless HTTP ingress (config.py writes their config).
 
-Engine deployment `kvcmas-engine-<rank>` (one replica each): runs the kvcmas server in-process, the same Server
-(FastAPI app and scheduler) `kvcmas-server` serves, built from the same command-line arguments; the ingress calls
-its ASGI app directly through `Engine.forward` (no HTTP hop, no port per replica). Serve health-checks it and
-replaces it when it dies; the replacement keeps the rank, so the hashing below sends it the same workflows.
+Engine application and deployment `kvcmas-engine-<rank>` (one replica each, `engine`): runs the kvcmas server
+in-process, the same Server (FastAPI app and scheduler) `kvcmas-server` serves, built from the same command-line
+arguments; the ingress calls its ASGI app directly through `Engine.forward` (no HTTP hop, no port per replica).
+Serve health-checks it and replaces it when it dies; the replacement keeps the rank, so the hashing below sends it
+the same workflows. Each rank is an application of its own so that adding or removing ranks leaves the others'
+replicas running (config.py says why).
 
-Ingress deployment `kvcmas-ingress`: the OpenAI endpoints of kvcmas-server. Each request goes to the first rank of
-`rendezvous_order(routing_key(...))` (see routing.py); before any byte of the answer has come back, a failed rank
-(its actor died, or it is down) is replaced once by the next rank, where the request runs dense. Keys that failed
-over stay on the rank that now holds their spans (a bounded per-ingress memory, `MOVED_KEYS`): later hops share
-again there, and the key's DELETE reaches it. `/health` and `/metrics` cover every rank (labelled `replica`).
+Ingress application `kvcmas` (`ingress`, deployment `kvcmas-ingress`): the OpenAI endpoints of kvcmas-server. Each
+request goes to the first rank of `rendezvous_order(routing_key(...))` (see routing.py); before any byte of the
+answer has come back, a failed rank (its actor died, it is down, or it is not deployed yet) is replaced once by the
+next rank, where the request runs dense. Keys that failed over stay on the rank that now holds their spans (a
+bounded per-ingress memory, `MOVED_KEYS`): later hops share again there, and the key's DELETE reaches it. `/health`
+and `/metrics` cover every rank (labelled `replica`).
 
 Ray Serve's own `ConsistentHashRouter` was not used: its ring hashes a replica's unique id, which changes when Serve
 replaces the replica, so a replacement would take keys from every survivor (docs/cluster.md).
 """
 
-import argparse
 import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, MutableMapping
-from typing import Any, NoReturn
+from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from ..server.app import _replay
+from ..server.app import _replay, _sse
 from ..server.validation import DEFAULT_MAX_BODY_BYTES, error_body
+from .config import APP_NAME, engine_args, engine_name, ingress_args, parse_server_args
 from .routing import SESSION_HEADER, rendezvous_order, routing_key, workflow_key
 
 log = logging.getLogger("kvcmas.cluster")
 
-APP_NAME = "kvcmas"
 INGRESS_NAME = "kvcmas-ingress"
 MOVED_KEYS = 100_000  # failed-over keys remembered per ingress replica (LRU): past it, the oldest return home
 HEALTH_TIMEOUT_S = 5.0  # per rank, for /health and /metrics
 DOWN_POLL_S = 0.5  # how often a request waiting for its first byte checks that its rank still has a live replica
 HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
-
-
-def engine_name(rank: int) -> str:
-    return f"kvcmas-engine-{rank}"
 
 
 def replica_name(rank: int) -> str:
@@ -57,20 +57,32 @@ class _ReplicaDown(Exception):
     """The rank has no live replica (its actor died or Serve is replacing it)."""
 
 
+def _cancel(gen: Any) -> None:
+    """Cancels a handle call, best effort: Serve's cancel() re-raises the call's own error (a deployment scaled away:
+    DeploymentUnavailableError) when the call already failed."""
+    with contextlib.suppress(Exception):
+        gen.cancel()
+
+
 async def _collect(gen: Any) -> list[dict[str, Any]]:
     return [m async for m in gen]
 
 
-async def _body(gen: Any) -> AsyncIterator[bytes]:
-    """The rest of an answer's body. A replica that dies mid-stream ends it early (no retry: bytes were sent)."""
+async def _body(gen: Any, sse: bool) -> AsyncIterator[bytes]:
+    """The rest of an answer's body. A replica that dies mid-answer cannot be retried (bytes were sent): an event
+    stream (sse) then ends with an error event in the shape the server's own stream errors have (code
+    `replica_lost`, no `[DONE]`); any other body ends short."""
     try:
         async for message in gen:
             if message["type"] == "http.response.body" and message.get("body"):
                 yield message["body"]
-    except ray.exceptions.RayError as e:
+    except (ray.exceptions.RayError, RayServeException) as e:
         log.warning("a replica died mid-answer: %s", e)
+        if sse:
+            why = "the replica serving this stream was lost mid-answer; the answer is incomplete: send it again"
+            yield _sse(error_body(503, why, "replica_lost"))
     finally:
-        gen.cancel()
+        _cancel(gen)
 
 
 def _labelled(sample: str, replica: str) -> str:
@@ -83,24 +95,6 @@ def _labelled(sample: str, replica: str) -> str:
     return f"{sample[: brace + 1]}{label}{sep}{sample[brace + 1 :]}"
 
 
-class _ArgumentError(ValueError):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _ArgumentError(f"server_args: {message}")
-
-
-def _parse_server_args(server_args: list[str]) -> argparse.Namespace:
-    """kvcmas-server's arguments, parsed by its own parser (ValueError when they are refused)."""
-    from ..server import add_serve_arguments
-
-    parser = _Parser(prog="kvcmas cluster engine")
-    add_serve_arguments(parser)
-    return parser.parse_args(server_args)
-
-
 @serve.deployment(max_ongoing_requests=1000, health_check_period_s=2, health_check_timeout_s=30)
 class Engine:
     """One kvcmas server in this replica's process (rank: its stable slot; server_args: kvcmas-server arguments)."""
@@ -108,15 +102,20 @@ class Engine:
     def __init__(self, rank: int, server_args: list[str]) -> None:
         from ..server import build_server
 
-        args = _parse_server_args(server_args)
+        args = parse_server_args(server_args)
         logging.basicConfig(level=getattr(logging, args.log_level.upper()))
         self.rank = rank
+        self.started = time.time()
         self.server = build_server(args, replica=replica_name(rank))
         self.app = self.server.app
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.server.scheduler.stop()
+
+    async def process(self) -> dict[str, Any]:
+        """Which process serves the rank: a replacement (or a restart on redeploy) has another pid and start."""
+        return {"pid": os.getpid(), "started": self.started, "node": ray.get_runtime_context().get_node_id()}
 
     async def check_health(self) -> None:
         if not self.server.scheduler._thread.is_alive():
@@ -185,8 +184,14 @@ ingress_app = FastAPI(title="kvcmas cluster", docs_url=None, redoc_url=None, ope
 class Ingress:
     """The cluster's HTTP front: routes by key (routing.py), fails over once, aggregates /health and /metrics."""
 
-    def __init__(self, *engines: DeploymentHandle, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.engines = list(engines)  # index: rank
+    def __init__(self, replicas: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        # index: rank. Handles to other applications, which may not be deployed yet (a declarative deploy builds
+        # every application at once): not checked here (the flag get_app_handle itself passes); a call to a rank
+        # without a running replica fails over (_first).
+        self.engines: list[DeploymentHandle] = [
+            serve.get_deployment_handle(engine_name(r), app_name=engine_name(r), _check_exists=False)
+            for r in range(replicas)
+        ]
         self.max_body_bytes = max_body_bytes
         self.moved: OrderedDict[str, int] = OrderedDict()  # key -> the rank that holds it after a failover
         self.failovers = 0
@@ -221,14 +226,15 @@ class Ingress:
             if time.monotonic() - self._status_at >= DOWN_POLL_S:
                 try:
                     status = await asyncio.to_thread(serve.status)
-                    deployments = status.applications[APP_NAME].deployments
+                    apps = status.applications
                     self._running = {
-                        r: any(
+                        r: engine_name(r) in apps
+                        and any(
                             getattr(state, "value", state) == "RUNNING" and n > 0
-                            for state, n in deployments[engine_name(r)].replica_states.items()
+                            for d in apps[engine_name(r)].deployments.values()
+                            for state, n in d.replica_states.items()
                         )
                         for r in range(len(self.engines))
-                        if engine_name(r) in deployments
                     }
                 except Exception as e:  # noqa: BLE001 - no view: assume live and let the call itself fail
                     log.warning("no Serve status: %s", e)
@@ -238,7 +244,11 @@ class Ingress:
 
     async def _first(self, rank: int, call: Any) -> tuple[Any, dict[str, Any]]:
         """Starts the call on the rank and waits for its first message; _ReplicaDown when the rank dies first."""
-        gen: Any = self.engines[rank].options(stream=True).forward.remote(*call)
+        gone = (ray.exceptions.RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+        try:
+            gen: Any = self.engines[rank].options(stream=True).forward.remote(*call)
+        except gone as e:
+            raise _ReplicaDown(str(e)) from None
         first = asyncio.ensure_future(gen.__anext__())
         first.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when abandoned
         try:
@@ -247,13 +257,14 @@ class Ingress:
                 if done:
                     try:
                         return gen, first.result()
-                    except ray.exceptions.RayActorError as e:
+                    # the actor died; or Serve no longer has the deployment (its rank was just scaled away)
+                    except gone as e:
                         raise _ReplicaDown(str(e)) from None
                 if not await self._live(rank):
                     raise _ReplicaDown(f"{engine_name(rank)} has no running replica")
         except BaseException:
             first.cancel()
-            gen.cancel()
+            _cancel(gen)
             raise
 
     async def forward(self, request: Request, key: str, body: bytes, path: str | None = None) -> Response:
@@ -284,7 +295,8 @@ class Ingress:
                 if k.decode("latin-1").lower() not in HOP_HEADERS
             }
             headers["x-kvcmas-replica"] = replica_name(rank)
-            return StreamingResponse(_body(gen), status_code=int(start["status"]), headers=headers)
+            sse = headers.get("content-type", "").startswith("text/event-stream")
+            return StreamingResponse(_body(gen, sse), status_code=int(start["status"]), headers=headers)
         message = "no replica could take the request: " + "; ".join(errors)
         return JSONResponse(
             error_body(503, message, "replica_unavailable"), status_code=503, headers={"Retry-After": "1"}
@@ -312,11 +324,11 @@ class Ingress:
 
     @ingress_app.get("/health")
     async def health(self, request: Request) -> Response:
-        replies = await self._everyone("/health", request)
+        replies, processes = await asyncio.gather(self._everyone("/health", request), self._processes())
         replicas: dict[str, Any] = {}
         for rank, (status, text) in enumerate(replies):
             if status == 200:
-                replicas[replica_name(rank)] = json.loads(text)
+                replicas[replica_name(rank)] = json.loads(text) | processes[rank]
             else:
                 replicas[replica_name(rank)] = {"status": "down", "error": text}
         up = sum(r.get("status") == "ok" for r in replicas.values())
@@ -372,6 +384,17 @@ class Ingress:
         headers = {k.lower(): v for k, v in request.headers.items()}
         return await self.forward(request, routing_key(body, headers), raw)
 
+    async def _processes(self) -> list[dict[str, Any]]:
+        """Engine.process of every rank ({} for one that did not answer)."""
+
+        async def one(rank: int) -> dict[str, Any]:
+            try:
+                return dict(await asyncio.wait_for(self.engines[rank].process.remote(), HEALTH_TIMEOUT_S))
+            except (asyncio.TimeoutError, ray.exceptions.RayError, RayServeException):
+                return {}
+
+        return list(await asyncio.gather(*(one(r) for r in range(len(self.engines)))))
+
     async def _everyone(self, path: str, request: Request) -> list[tuple[int, str]]:
         """GET path on every rank at once, with the request's headers (API key, Host): (status, text) each; (503,
         why) for a rank that did not answer."""
@@ -381,7 +404,7 @@ class Ingress:
             try:
                 gen = self.engines[rank].options(stream=True).forward.remote(*call)
                 messages = await asyncio.wait_for(_collect(gen), HEALTH_TIMEOUT_S)
-            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            except (asyncio.TimeoutError, ray.exceptions.RayError, RayServeException) as e:
                 return 503, f"{type(e).__name__}: {e}"[:300]
             status = next(int(m["status"]) for m in messages if m["type"] == "http.response.start")
             text = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
@@ -390,28 +413,25 @@ class Ingress:
         return list(await asyncio.gather(*(one(r) for r in range(len(self.engines)))))
 
 
-def build(config: dict[str, Any]) -> Any:
-    """The Serve application (a Serve config file's `import_path: kvcmas_cpp.cluster.serve_app:build`, with
-    `args` = config). config keys: replicas (int, default 1), server_args (kvcmas-server arguments, a list of
-    strings: --model, -t, --calibration-dir ...), engine_actor_options (Ray actor options of each engine, default
-    {"num_cpus": 0}), max_body_bytes."""
-    unknown = set(config) - {"replicas", "server_args", "engine_actor_options", "max_body_bytes"}
-    if unknown:
-        raise ValueError(f"unknown cluster settings: {', '.join(sorted(unknown))}")
-    replicas = int(config.get("replicas", 1))
-    if replicas < 1:
-        raise ValueError("replicas must be >= 1")
-    server_args = [str(a) for a in config.get("server_args", [])]
-    _parse_server_args(server_args)  # refused here, not in every replica
-    actor_options = dict(config.get("engine_actor_options") or {"num_cpus": 0})
-    engine: Any = Engine  # a Serve Deployment (its class type to a checker without Ray)
-    ingress: Any = Ingress
-    engines = [
-        engine.options(name=engine_name(rank), num_replicas=1, ray_actor_options=actor_options).bind(rank, server_args)
-        for rank in range(replicas)
-    ]
-    max_body = int(config.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
-    return ingress.options(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}).bind(*engines, max_body_bytes=max_body)
+def engine(args: dict[str, Any]) -> Any:
+    """The application of one engine rank (a Serve config's `import_path: kvcmas_cpp.cluster.serve_app:engine`):
+    args rank, server_args (kvcmas-server arguments: --model, -t, --calibration-dir ...) and engine_actor_options
+    (Ray actor options, default {"num_cpus": 0})."""
+    rank, server_args, actor_options = engine_args(args)
+    deployment: Any = Engine  # a Serve Deployment (its class type to a checker without Ray)
+    return deployment.options(name=engine_name(rank), num_replicas=1, ray_actor_options=actor_options).bind(
+        rank, server_args
+    )
 
 
-__all__ = ["APP_NAME", "SESSION_HEADER", "build", "engine_name", "replica_name"]
+def ingress(args: dict[str, Any]) -> Any:
+    """The ingress application (`import_path: kvcmas_cpp.cluster.serve_app:ingress`): args replicas (the ranks
+    0..replicas-1 it routes over) and max_body_bytes."""
+    replicas, max_body = ingress_args(args)
+    deployment: Any = Ingress
+    return deployment.options(name=INGRESS_NAME, ray_actor_options={"num_cpus": 0}).bind(
+        replicas, max_body_bytes=max_body or DEFAULT_MAX_BODY_BYTES
+    )
+
+
+__all__ = ["APP_NAME", "SESSION_HEADER", "engine", "engine_name", "ingress", "replica_name"]
