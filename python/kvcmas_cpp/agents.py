@@ -48,21 +48,13 @@ from .model import CompletionChunk, KVSequence, Model
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
+from .sharing import methods as registry
+from .sharing.methods import CALIBRATION_READS, MethodConfig  # noqa: F401 (kc.agents.*: public)
 from .sharing.persist import CalibrationStore, default_calibration_dir
-from .sharing.runner import (
-    HopReport,
-    MethodConfig,
-    RequestState,
-    TrainingRead,
-    WorkflowRunner,
-    chains,
-    reference_estimator,
-)
+from .sharing.runner import HopReport, RequestState, TrainingRead, WorkflowRunner, chains
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 from .tools import TOOLS_KEY, attached_tools
 
-METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
-CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
 # The engine computes appends of up to 12 rows with its decode kernels, and of up to 16 rows over quantized weights
 # with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
 # that small (unless the whole append is), so it computes the same rows as one piece.
@@ -110,16 +102,8 @@ def shared_estimator(
         per_model = _estimators.setdefault(model, {})
         key = (method, workflow)
         if key not in per_model:
-            estimator: est.Estimator = {
-                "nonshared": est.Estimator,
-                "fullshared": est.Estimator,
-                "kvcmas": lambda: est.RidgeEstimator(rank=8),
-                "kvcomm": lambda: est.AnchorEstimator(
-                    rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"
-                ),
-                "kvcmas-ref": lambda: reference_estimator(model, workflow),
-            }[method]()
-            per_model[key] = (estimator, threading.RLock())
+            config = registry.method(method, session=True).config(for_session=True)
+            per_model[key] = (registry.make_estimator(model, config, workflow), threading.RLock())
         estimator, lock = per_model[key]
         loaded = _loaded_dirs.setdefault(model, {}).setdefault(key, set())
         if store is not None and isinstance(estimator, est.RidgeEstimator) and str(store.dir) not in loaded:
@@ -448,17 +432,12 @@ class AgentSession:
         cache (kvcmas_cpp.prefix_cache.PrefixCache), shared by every session on the model with the same
         cache_namespace (the server gives each tenant and cache_salt its own): computed once, not once per
         session."""
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        entry = registry.method(method, session=True)
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
             vision.check_text_model(model.n_embd)
         if config is None:
-            config = (
-                MethodConfig(method, head=4, rank=8, calibrate=CALIBRATION_READS)
-                if method == "kvcmas"
-                else (MethodConfig(method, rank=0) if method == "kvcomm" else MethodConfig(method))
-            )
+            config = entry.config(for_session=True)
         if cold is not None:
             if cold not in ("reuse", "dense"):
                 raise ValueError(f"cold must be 'reuse' or 'dense', got {cold!r}")

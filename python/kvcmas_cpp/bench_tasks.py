@@ -33,11 +33,10 @@ import numpy as np
 
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model
+from .sharing.methods import SESSION_METHODS, MethodConfig
 from .sharing.recompute import parse_label
-from .sharing.runner import MethodConfig
 from .tasks import Example, Task, get_task
 
-SESSION_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_OFFSET = {"gsm8k": 1000, "mmlu": 1000, "humaneval": None}  # None: the last problems of the set
 
 

@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -32,89 +32,8 @@ from ..model import KVSequence, Model, SharedKV
 from . import estimators as est
 from . import recompute as recompute_mod
 from ._blas import single_threaded_blas
+from .methods import MethodConfig, make_estimator
 from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
-
-METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
-GAMMA = {"mmlu": 0.29, "gsm8k": 0.32, "humaneval": 0.34, "mathvista": 0.50, "videomme": 0.60}
-
-
-def reference_estimator(model: Model, workload: str, **overrides: Any) -> est.AnchorEstimator:
-    """The reference (`kvcmas-ref`) estimator configured from the model file's `kvcmas.*` settings (written by
-    `kvcmas convert` / `kvcmas gguf set`); keyword arguments named like the settings (`rank_k`, `anchor_pool_size`,
-    `anchor_window`, `gate_threshold`, `gate_top_p`, `rank_base_k`) override them. Without a file value the gate
-    threshold is the spec's per-workload γ."""
-    from kvcmas_convert import kvcmas_settings
-
-    settings: dict[str, Any] = dict(kvcmas_settings(model.metadata))
-    unknown = set(overrides) - set(settings)
-    if unknown:
-        raise ValueError(f"unknown kvcmas settings: {', '.join(sorted(unknown))}")
-    if "kvcmas.gate_threshold" not in model.metadata:
-        settings["gate_threshold"] = GAMMA.get(workload, settings["gate_threshold"])
-    settings.update(overrides)
-    settings = dict(kvcmas_settings({f"kvcmas.{k}": v for k, v in settings.items()}))  # validates the overrides
-    return est.AnchorEstimator(
-        rank=int(settings["rank_k"]),
-        base_rank=int(settings["rank_base_k"]) or None,
-        max_anchors=int(settings["anchor_pool_size"]),
-        window=int(settings["anchor_window"]),
-        gamma=float(settings["gate_threshold"]),
-        top_p=float(settings["gate_top_p"]),
-    )
-
-
-@dataclass
-class MethodConfig:
-    """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
-    template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
-    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
-    calibrate > 0: a RidgeEstimator is fitted online, per edge, from its first `calibrate` training reads; cold: what
-    a reader does before its edge has a map: 'reuse' (share the span with the calibration-free correction, i.e. the
-    chain's correction so far: fullshared with exact head and tail on a fresh edge, and compute the exact rows after
-    the reply, off the first token's path, as the training read) or 'dense' (compute the span densely: that is the
-    training read).
-    apply: how a reader holds a corrected span: 'fused' (the span by reference, factors applied inside attention),
-    'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
-    correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
-    otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
-    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation).
-    recompute: the share of each shared span's rows (after the head) a reader recomputes in its own context, chosen
-    by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
-    nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
-    estimator still scores the rows)."""
-
-    name: str
-    head: int = 0
-    tail: Literal["exact", "rotate"] = "exact"
-    gate: Literal["auto", "dense", "reuse"] = "auto"
-    chain: bool = True
-    rank: int = 8
-    calibrate: int = 0  # ridge learned online: an edge is fitted after this many training reads
-    cold: Literal["reuse", "dense"] = "reuse"  # an edge without a map (online calibration): shared, or dense
-    apply: Literal["auto", "fused", "materialize"] = "auto"
-    ridge_path: Literal["core", "numpy"] = "core"
-    recompute: float = 0.0
-    recompute_block: int = recompute_mod.DEFAULT_BLOCK
-    correct: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.recompute <= 1.0:
-            raise ValueError(f"recompute must be in [0, 1], got {self.recompute}")
-        if self.recompute_block < 1:
-            raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
-
-
-def default_config(name: str) -> MethodConfig:
-    """The defaults per method: kvcmas = ridge rank 8 + exact head 4; kvcmas-ref/kvcomm = the reference setup
-    (rotate-only tail as in the reference code is selectable with tail='rotate'); oracle = exact delta rank 32."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return {
-        "kvcmas": MethodConfig(name, head=4, rank=8),
-        "oracle": MethodConfig(name, rank=32),
-        "kvcmas-ref": MethodConfig(name, rank=32),
-        "kvcomm": MethodConfig(name, rank=0),
-    }.get(name, MethodConfig(name))
 
 
 @dataclass
@@ -366,8 +285,7 @@ class TrainingRead:
             append_mixed(self.source, self.compute[a:b], "none", self.vectors)
             yield
         assert len(self.source) == n0 + len(self.compute)
-        e = self.estimator
-        assert isinstance(e, est.RidgeEstimator)
+        e = cast(est.LearnsFromReads, self.estimator)
         for part in self.parts:
             for r0 in range(0, part.n, TRAINING_READ_ROWS):
                 if self.fit and not e.calibrating(part.edge):
@@ -408,16 +326,7 @@ class WorkflowRunner:
         self.templates: list[Template] = [build_template(model, a) for a in workflow.agents]
         self.agent_names = [a.name for a in workflow.agents]
         self.kd = model.n_head_kv * model._core.head_dim
-        if estimator is None:
-            estimator = {
-                "nonshared": est.Estimator(),
-                "fullshared": est.Estimator(),
-                "kvcmas": est.RidgeEstimator(rank=config.rank),
-                "oracle": est.OracleEstimator(config.rank),
-                "kvcmas-ref": reference_estimator(model, workflow.name),
-                "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
-            }[config.name]
-        self.estimator = estimator
+        self.estimator = estimator if estimator is not None else make_estimator(model, config, workflow.name)
         # The estimator's edge for (placeholder, reader): placeholders and agent indices name the edges of a fixed
         # workflow; agent sessions name them by content (the span's role and the reader's identity).
         self.edge_of: Callable[[str, int], est.Edge] = _default_edge
@@ -525,12 +434,8 @@ class WorkflowRunner:
             reason = None if cfg.name == "nonshared" else "forced"  # nonshared shares nothing: no reason to give
         elif not any(ph in st.buckets for ph in phs):
             mode, gate, reason = "source", "n/a", "no match"
-        elif (
-            isinstance(self.estimator, est.AnchorEstimator)
-            and cfg.gate == "auto"
-            and self.estimator.needs_dense(a, phs, st.message)
-        ):
-            mode, gate, reason = "fallback", "novel -> dense", "gate"
+        elif cfg.gate == "auto" and (why := self.estimator.decide(a, phs, st.message)) is not None:
+            mode, gate, reason = "fallback", "novel -> dense" if why == "gate" else f"{why} -> dense", why
         elif self._uncalibrated(a, phs, st):
             if cfg.cold == "reuse":
                 mode, gate = "reuse", "calibrating -> reuse"
@@ -586,7 +491,7 @@ class WorkflowRunner:
     def _calibrating_spans(self, a: int, phs: Any, st: RequestState) -> list[str]:
         """Online ridge: the spans this reader would share whose edge has no fitted map yet."""
         e = self.estimator
-        if not self.config.calibrate or not isinstance(e, est.RidgeEstimator):
+        if not self.config.calibrate or not e.learns_from_reads:
             return []
         shared = [ph for ph in phs if ph in st.buckets and st.buckets[ph].shared is not None]
         return [ph for ph in shared if e.calibrating(self.edge_of(ph, a))]
@@ -642,9 +547,9 @@ class WorkflowRunner:
             shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
             st.buckets[out_ph] = _Bucket(shared, None, p_out + h, seq, p_out + h)
             gated = cfg.gate == "auto" and cfg.name != "nonshared"
-            if gated and isinstance(self.estimator, est.AnchorEstimator):
+            if gated and self.estimator.gates_outputs:
                 _, v = _canonical(m, seq, p_out, len(out))
-                novel = self.estimator.gate(out_ph, st.message, v)
+                novel = self.estimator.observe_output(out_ph, st.message, v)
                 hop.gate += f"; output {'novel' if novel else 'reusable'}"
 
     def _assemble(
@@ -737,14 +642,14 @@ class WorkflowRunner:
         b.view_pos), b.factors in front; _NUMPY where the numpy path must do it (another estimator, the numpy
         reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
         e = self.estimator
-        if self.config.ridge_path != "core" or not isinstance(e, est.RidgeEstimator):
+        if self.config.ridge_path != "core" or not e.core_path:
             return _NUMPY
         prev: Any = b.factors
         if prev is not None and not is_core_correction(prev):
             return _NUMPY
         maps = e.core_maps(edge)
         if maps is None:
-            return _NUMPY if edge in e.maps else prev  # no map for this edge: the view's correction as it is
+            return prev if e.calibrating(edge) else _NUMPY  # no map for this edge: the view's correction as it is
         if (prev.rank if prev is not None else 0) + maps.rank + 1 > est.MAX_KERNEL_RANK:
             return _NUMPY
         return core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev)
@@ -754,17 +659,17 @@ class WorkflowRunner:
     ) -> est.Correction | None:
         """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
         e = self.estimator
-        ridge = isinstance(e, est.RidgeEstimator)
-        if not e.reads_base or (isinstance(e, est.RidgeEstimator) and e.calibrating(self.edge_of(ph, a))):
+        key = self.edge_of(ph, a) if e.content_edges else (ph, a)
+        if not e.reads_base or e.calibrating(key):
             return b.factors  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
-        ctx = est.EdgeContext(*(self.edge_of(ph, a) if ridge else (ph, a)), message, base_k, base_v)
+        ctx = est.EdgeContext(*key, message, base_k, base_v)
         if self.estimator.needs_exact:
             if exact is None:
                 raise ValueError(f"method {self.config.name!r} needs the exact run (evaluation mode)")
             # the prompts hold the same ids in both runs, so the rows sit at the same positions
             ctx.exact_k, ctx.exact_v = _canonical(self.model, exact.seqs[a], pos, n)
-        new = self.estimator.correct(ctx)
+        new = self.estimator.correction(ctx)
         parts = [c for c in (b.factors, self._to_stored(new, b.frame0) if new else None) if c is not None]
         if not parts:
             return None
@@ -829,17 +734,15 @@ class WorkflowRunner:
             if n <= h:
                 continue
             prev = buckets.get(ph)
-            trained = prev is not None and train is not None and ph in train and isinstance(e, est.RidgeEstimator)
+            trained = prev is not None and train is not None and ph in train and e.learns_from_reads
             if trained:
                 assert prev is not None
                 # the exact rows' delta against the base the reader would have read
                 parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view_seq, prev.view_pos, p + h, n - h))
-            elif (
-                prev is not None and mode != "reuse" and isinstance(e, est.AnchorEstimator) and cfg.name != "nonshared"
-            ):
+            elif prev is not None and mode != "reuse" and e.observes_dense and cfg.name != "nonshared":
                 base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
-                e.record(est.EdgeContext(ph, a, st.message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
+                e.observe(est.EdgeContext(ph, a, st.message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
             if prev is not None and not chains(ph):
                 continue  # relayed outputs: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
