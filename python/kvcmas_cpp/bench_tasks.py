@@ -397,6 +397,7 @@ def cold_start(
                         kl.append(float(np.sum(np.exp(ref) * (ref - (q - np.logaddexp.reduce(q))))))
                     t1 = time.perf_counter()
                     team.finish(p, forced[w][i])
+                    team.run_training_reads()  # here, not inside the next agent's prefill (its TTFT)
                     finish_ms += (time.perf_counter() - t1) * 1000.0
                     gates.append(p.stats["gate"])
                     cal += p.stats["calibration_tokens"]
