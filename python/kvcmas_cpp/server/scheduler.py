@@ -21,11 +21,12 @@ decode steps of the generating jobs. A reply never waits for one. They own forks
 session closed meanwhile loses nothing; under memory pressure, past MAX_TRAINING_READS and at shutdown pending ones
 are dropped (counted in kvcmas_training_reads_total{outcome="dropped"}).
 
-KV admission is conservative: a job reserves blocks for its prompt plus max_tokens; memory in use is read from the
-engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit, stored spans of the
-least recently used sharing sessions are evicted first, then the job waits; the queue holds at most max_queue jobs
-and further submissions get QueueFull (HTTP 429 with Retry-After). When the server goes idle, freed heap and free KV
-blocks go back to the system.
+KV admission is conservative: a job reserves blocks for its prompt plus max_tokens, less the prompt rows the prefix
+cache serves it (re-read whenever the cache changes, so an eviction puts them back in the reservation); memory in
+use is read from the engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit,
+stored spans of the least recently used sharing sessions are evicted first, then the job waits; the queue holds at
+most max_queue jobs and further submissions get QueueFull (HTTP 429 with Retry-After). When the server goes idle,
+freed heap and free KV blocks go back to the system.
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ class Job:
     constraint: Any = None  # constrained decoding (kvcmas_cpp.constrained.Constraint): the tokens allowed next
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    cached: int = 0  # prompt rows the prefix cache serves (Scheduler._prompt_rows), as of its version cached_version
+    cached_version: int = -1
     # runtime (scheduler thread only)
     backend: Backend | None = None
     session: _Session | None = None
@@ -408,7 +411,7 @@ class Scheduler:
                 else:
                     head = None
             if head is not None:
-                need = self.reservation_bytes(head.n_prompt + head.reserve)
+                need = self.reservation_bytes(self._prompt_rows(head) + head.reserve)
                 head.sink(
                     Failed(
                         400,
@@ -497,13 +500,27 @@ class Scheduler:
     def _outstanding_bytes(self) -> int:
         """KV the admitted jobs may still allocate: their remaining tokens, and their prompts until prefilled."""
         return sum(
-            self.reservation_bytes(max(0, j.reserve - len(j.generated)) + (j.n_prompt if j.prefilled is None else 0))
+            self.reservation_bytes(
+                max(0, j.reserve - len(j.generated)) + (self._prompt_rows(j) if j.prefilled is None else 0)
+            )
             + (self.reservation_bytes(j.reserve) * (j.n - 1) if j.prefilled is None else 0)  # its forks (n > 1)
             for j in self._active
         )
 
+    def _prompt_rows(self, job: Job) -> int:
+        """The prompt rows a job will compute: its prompt less the rows the prefix cache serves it now (its
+        namespace's longest match; text prompts only). Memoized per cache version."""
+        cache = self.prefix_cache
+        if job.cached_version != cache.version:
+            job.cached_version = cache.version
+            ns = job.session_key.namespace if job.session_key is not None else job.namespace
+            text = job.segments is None or all(isinstance(g, list) for g in job.segments)
+            job.cached = cache.cached_rows(ns.estimator_name(), job.ids) if ns is not None and text else 0
+        return job.n_prompt - job.cached
+
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(job.n_prompt + job.reserve) + (job.n - 1) * self.reservation_bytes(job.reserve)
+        need = self.reservation_bytes(self._prompt_rows(job) + job.reserve)
+        need += (job.n - 1) * self.reservation_bytes(job.reserve)
         return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
 
     def _grow_reservation(self, job: Job) -> bool:
