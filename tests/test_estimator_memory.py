@@ -96,7 +96,7 @@ def test_an_edge_over_the_limit_alone_still_calibrates() -> None:
     assert est.fit() == [("user_question", 1)]
     assert est.pending_bytes() == 0 and ("user_question", 1) in est.maps
     probe = _read(rng, "user_question", 1)
-    corr = est.correct(probe)
+    corr = est.correction(probe)
     assert corr is not None and corr[0] is None
     ak, bk, av, bv = corr[1]  # type: ignore[misc]
     # the map found the linear delta: A·B ≈ exact - base
@@ -110,9 +110,9 @@ def test_fitted_edges_beyond_max_edges_drop_the_least_recently_used() -> None:
     for k in range(3):
         est.add_example(_read(rng, f"span_{k}", 1))
         est.fit()
-    assert est.correct(_read(rng, "span_0", 1)) is not None  # edge 0 used: edge 1 is now the stalest
+    assert est.correction(_read(rng, "span_0", 1)) is not None  # edge 0 used: edge 1 is now the stalest
     est.add_example(_read(rng, "span_3", 1))
     est.fit()
     assert set(est.maps) == {("span_0", 1), ("span_2", 1), ("span_3", 1)}
-    assert est.correct(_read(rng, "span_1", 1)) is None  # it calibrates again when met again
+    assert est.correction(_read(rng, "span_1", 1)) is None  # it calibrates again when met again
     assert est.state_bytes() > 0

@@ -42,7 +42,7 @@ def test_round_trip_gives_the_same_corrections(model: kc.Model, fitted: est.Ridg
     loaded = persist.load_ridge(path, model)
     assert sorted(loaded.maps) == sorted(fitted.maps) and loaded.rank == fitted.rank
     ctx = _ctx(model, "agent_0_current", 2, np.random.default_rng(5))
-    for a, b in zip(fitted.correct(ctx), loaded.correct(ctx), strict=True):  # type: ignore[arg-type]
+    for a, b in zip(fitted.correction(ctx), loaded.correction(ctx), strict=True):  # type: ignore[arg-type]
         if a is None:
             assert b is None
             continue

@@ -153,6 +153,32 @@ def test_the_cache_goes_with_its_model(default_model_path: Path) -> None:
     assert ref() is None  # entries refer to the model; nothing else keeps it (or them) alive
 
 
+def test_tokens_count_the_distinct_rows_the_entries_hold(model: kc.Model) -> None:
+    """An entry forked from another reads that one's rows: they count once, also after that entry is evicted (its
+    rows live on in the entries forked from it), and only until no entry reads them."""
+    cache, ns = PrefixCache(model, max_bytes=1 << 30), uuid.uuid4().hex
+    head = model.tokenize(" ".join([SYSTEM] * 4))  # long enough for the engine's blocks to tell sharing apart
+    a, b = (head + model.tokenize(" " + q, add_special=False) for q in QUESTIONS)
+    n_head = len(head)
+    kv0 = model.kv_bytes_in_use
+    cache.prefix(ns, head)[0].close()
+    cache.prefix(ns, a)[0].close()  # its first n_head rows are the head entry's
+    cache.prefix(ns, b)[0].close()  # and so are these
+    rows = n_head + (len(a) - n_head) + (len(b) - n_head)
+    assert cache.entries == 3 and cache.tokens == rows  # counted once per entry, it would be rows + 2 * n_head
+    # the engine agrees: the blocks in use are those of the distinct rows (whole blocks, a partly shared one each)
+    block = 32 * model.kv_row_bytes
+    assert model.kv_bytes_in_use - kv0 <= (rows // 32 + 4) * block < (rows + 2 * n_head) // 32 * block
+    for ids in (a, b):  # used since: the head entry is now the least recently used
+        cache.reuse(ns, ids)[0].close()
+    assert cache.evict_lru()  # the head entry: its rows live on in the two entries forked from it
+    assert cache.entries == 2 and cache.tokens == rows
+    assert cache.evict_lru()  # a's: the head's rows are read by b's entry alone now
+    assert cache.entries == 1 and cache.tokens == len(b)
+    assert cache.evict_lru() and cache.tokens == 0
+    assert model.kv_bytes_in_use == kv0
+
+
 # ------------------------------------------------------------------------------------------------- the server
 KEYS = {"alice": "alice-key-prefix-0123", "bob": "bob-key-prefix-4567"}
 BUDGET_MB = 48
@@ -260,6 +286,31 @@ def test_server_evicts_the_cache_before_refusing_a_request(server: ServerProcess
     # and the cache fills again afterwards
     agent_call(server, "alice", "wf-evict-again", SYSTEM, QUESTIONS[1])
     assert metrics(server)["kvcmas_prefix_cache_entries"] >= 1
+
+
+def test_admission_reserves_only_the_rows_the_cache_does_not_serve(server: ServerProcess) -> None:
+    """A completion whose prompt starts with a cached prefix reserves KV for the rest of its prompt and its tokens
+    only: sized so that it fits beside the cached entry only that way, it is admitted without evicting the entry
+    and reads it (reserving its whole prompt, admission had to evict the entry first: no rows from the cache)."""
+    tok = server_tokenizer()
+    head = f"{SYSTEM} Ledger {uuid.uuid4().hex[:8]}.\n\nQuestion: "
+    first = post(server, "alice", "/v1/completions", {"prompt": head + QUESTIONS[0], "max_tokens": 1})
+    n_entry = first["usage"]["prompt_tokens"]  # the entry this prompt left in the cache
+    prompt = head + QUESTIONS[1]
+    n_prompt = len(tok.tokenize(prompt))
+    cached = len(tok.tokenize(head)) - 2  # about what the cache serves it (at least)
+    block_rows, block = 32, 32 * tok.kv_row_bytes
+    budget_blocks = (BUDGET_MB << 20) // block
+    entry_blocks = -(-n_entry // block_rows)
+    # its reservation: prompt rows to compute, max_tokens and one spare block, beside the entry (other entries go)
+    max_tokens = (budget_blocks - entry_blocks - 2) * block_rows - (n_prompt - cached)
+    full = -(-(n_prompt + max_tokens) // block_rows) + 1  # blocks a reservation of the whole prompt takes
+    assert entry_blocks + full > budget_blocks  # that would not fit beside the entry
+    eos = tok.tokenizer.eos_id
+    body = {"prompt": prompt, "max_tokens": max_tokens, "logit_bias": {str(eos): 100}}
+    out = post(server, "alice", "/v1/completions", body)
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["kvcmas"]["prefix_cached_tokens"] >= cached > 20, out["kvcmas"]
 
 
 _TOKENIZER: list[kc.Model] = []

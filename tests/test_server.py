@@ -326,6 +326,88 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
     assert metrics["kvcmas_estimator_bytes"] > 0  # the maps kvcmas learned (and reads of edges still calibrating)
 
 
+def _stream_times(server: ServerProcess, body: dict[str, Any]) -> list[float]:
+    """Streams a chat completion; returns the arrival time (time.perf_counter) of every content delta."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    times: list[float] = []
+    for line in resp:
+        text = line.decode().strip()
+        if text.startswith("data: {") and json.loads(text[6:])["choices"][0]["delta"].get("content"):
+            times.append(time.perf_counter())
+    conn.close()
+    return times
+
+
+def test_training_reads_run_after_the_reply_between_other_work(server: ServerProcess) -> None:
+    """kvcmas under cold reuse (the default): a later agent's reply comes back before the training read it scheduled
+    (the span's exact rows in its context) has run. The read then runs in small steps between other requests' decode
+    steps, so a stream started meanwhile is never stalled for the whole read; and after CALIBRATION_READS workflows
+    the reader's edge is calibrated."""
+    from kvcmas_cpp.agents import CALIBRATION_READS
+
+    writer = "You write notes for a training-read test. Summarize the items."
+    reader = "You read notes for a training-read test. Find the largest number."
+    items = [f"Item {i}: {i * 7} clips were sold on day {i}, then {i * 3} more were sold." for i in range(60)]
+    long_context = "\n".join(items)
+    n_long = len(server_tokens(long_context))
+    assert n_long > 1000
+    read_key = 'kvcmas_training_reads_total{outcome="done"}'
+    for i in range(CALIBRATION_READS + 1):
+        context = long_context if i == 0 else f"{TASK} (case {i})"
+        opts = {"workflow": f"wf-read-{i}"}
+        chat(
+            server,
+            [{"role": "system", "content": writer}, {"role": "user", "content": context}],
+            max_tokens=4,
+            kvcmas=opts,
+        )
+        done_before = server.metrics().get(read_key, 0)
+        body = chat(
+            server,
+            [{"role": "system", "content": reader}, {"role": "user", "content": context}],
+            max_tokens=4,
+            kvcmas=opts,
+        )
+        t_reply = time.perf_counter()
+        k = body["kvcmas"]
+        if k["method"] != "kvcmas":
+            pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
+        if i == CALIBRATION_READS:  # calibrated: learned corrections, no training read any more
+            assert k["gate"] == "reuse" and k["mode"] == "reuse" and k["calibration_tokens"] == 0, k
+            break
+        assert k["gate"] == "calibrating -> reuse" and k["mode"] == "reuse", k
+        if i == 0:
+            assert k["calibration_tokens"] >= n_long and k["span_tokens"] >= n_long - 8, k
+            after = server.metrics()  # the reply came back with its read not run yet
+            assert after["kvcmas_training_reads_pending"] == 1 and after.get(read_key, 0) == done_before
+            stream = {
+                "messages": [{"role": "user", "content": "Count from one to fifty in words."}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "kvcmas": {"method": "nonshared"},
+            }
+            times = _stream_times(server, stream)
+            assert len(times) >= 8
+            still = server.metrics()["kvcmas_training_reads_pending"]
+        deadline = time.monotonic() + 300
+        while server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = server.metrics()
+        assert m["kvcmas_training_reads_pending"] == 0 and m[read_key] == done_before + 1
+        if i == 0:
+            read_s = time.perf_counter() - t_reply
+            gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+            # the stream went on while the read ran (it was still pending when the stream ended), and no gap
+            # between two of its tokens held more than a small part of the read
+            assert still == 1 and max(gaps) < read_s / 4, (max(gaps), read_s)
+    assert server.metrics().get('kvcmas_training_reads_total{outcome="dropped"}', 0) == 0
+
+
 _TOKENIZER: list[kc.Model] = []
 
 

@@ -69,7 +69,7 @@ def _ctx(seed: int, reader: int = 1, message: str = "m", ph: str = "agent_0_curr
 
 def test_oracle_full_rank_is_the_exact_delta() -> None:
     ctx = _ctx(5)
-    dk, dv = est.materialize(est.OracleEstimator(rank=KD).correct(ctx), L, N, KD)
+    dk, dv = est.materialize(est.OracleEstimator(rank=KD).correction(ctx), L, N, KD)
     np.testing.assert_allclose(dk[1:], (ctx.exact_k - ctx.base_k)[1:], atol=1e-4)
     np.testing.assert_allclose(dv[1:], (ctx.exact_v - ctx.base_v)[1:], atol=1e-4)
     assert not dk[0].any()  # layer 0 is never corrected
@@ -88,7 +88,7 @@ def test_anchor_gate_weights_and_lfu_eviction() -> None:
     assert not pool.gate("agent_0_current", "new", cand.base_v)
     # one anchor weight ~1: the corrected delta is (nearly) m1's delta
     dk, _ = est.materialize(
-        pool.correct(est.EdgeContext("agent_0_current", 1, "new", cand.base_k, cand.base_v)), L, N, KD
+        pool.correction(est.EdgeContext("agent_0_current", 1, "new", cand.base_k, cand.base_v)), L, N, KD
     )
     np.testing.assert_allclose(dk[1:], np.full_like(dk[1:], 0.5), atol=1e-3)
     # the pool holds max + 1 = 3 entries; the next insertion evicts the least used of the 2 oldest (m0)

@@ -10,7 +10,7 @@ import pytest
 
 import kvcmas_cpp as kc
 from kvcmas_convert import set_values
-from kvcmas_cpp.sharing.runner import reference_estimator
+from kvcmas_cpp.sharing.methods import reference_estimator
 
 
 def test_defaults_without_keys(tiny_models) -> None:

@@ -48,13 +48,13 @@ from .model import CompletionChunk, KVSequence, Model
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
+from .sharing import methods as registry
+from .sharing.methods import CALIBRATION_READS, MethodConfig  # noqa: F401 (kc.agents.*: public)
 from .sharing.persist import CalibrationStore, default_calibration_dir
-from .sharing.runner import HopReport, MethodConfig, RequestState, WorkflowRunner, chains, reference_estimator
+from .sharing.runner import HopReport, RequestState, TrainingRead, WorkflowRunner, chains
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 from .tools import TOOLS_KEY, attached_tools
 
-METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
-CALIBRATION_READS = 4  # online ridge: dense reads per edge before kvcmas shares it
 # The engine computes appends of up to 12 rows with its decode kernels, and of up to 16 rows over quantized weights
 # with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
 # that small (unless the whole append is), so it computes the same rows as one piece.
@@ -102,16 +102,8 @@ def shared_estimator(
         per_model = _estimators.setdefault(model, {})
         key = (method, workflow)
         if key not in per_model:
-            estimator: est.Estimator = {
-                "nonshared": est.Estimator,
-                "fullshared": est.Estimator,
-                "kvcmas": lambda: est.RidgeEstimator(rank=8),
-                "kvcomm": lambda: est.AnchorEstimator(
-                    rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"
-                ),
-                "kvcmas-ref": lambda: reference_estimator(model, workflow),
-            }[method]()
-            per_model[key] = (estimator, threading.RLock())
+            config = registry.method(method, session=True).config(for_session=True)
+            per_model[key] = (registry.make_estimator(model, config, workflow), threading.RLock())
         estimator, lock = per_model[key]
         loaded = _loaded_dirs.setdefault(model, {}).setdefault(key, set())
         if store is not None and isinstance(estimator, est.RidgeEstimator) and str(store.dir) not in loaded:
@@ -148,7 +140,9 @@ class ResponseStats:
     prefix_cached_tokens: int = 0  # rows of the agent's prompt prefix computed by an earlier call (exact)
     span_tokens: int = 0  # rows of shared spans other calls computed, read by reference (corrected by the method)
     dense_reason: str | None = None  # why this later call computed its shared spans: calibrating | gate | no match
-    calibration_tokens: int = 0  # rows computed after the reply as a training read (cold reuse while calibrating)
+    # rows of the training read this call scheduled (cold reuse while calibrating): computed after the reply, off its
+    # path (AgentSession.run_training_reads; a server runs them when it has nothing else to do)
+    calibration_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -438,17 +432,12 @@ class AgentSession:
         cache (kvcmas_cpp.prefix_cache.PrefixCache), shared by every session on the model with the same
         cache_namespace (the server gives each tenant and cache_salt its own): computed once, not once per
         session."""
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        entry = registry.method(method, session=True)
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
             vision.check_text_model(model.n_embd)
         if config is None:
-            config = (
-                MethodConfig(method, head=4, rank=8, calibrate=CALIBRATION_READS)
-                if method == "kvcmas"
-                else (MethodConfig(method, rank=0) if method == "kvcomm" else MethodConfig(method))
-            )
+            config = entry.config(for_session=True)
         if cold is not None:
             if cold not in ("reuse", "dense"):
                 raise ValueError(f"cold must be 'reuse' or 'dense', got {cold!r}")
@@ -569,10 +558,17 @@ class AgentSession:
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._replies: dict[int, int] = {}  # agent -> replies so far
         self._vector_ids: dict[tuple[str, str], list[int]] = {}  # image / vectors content hash -> their prompt ids
+        self._reads: list[TrainingRead] = []  # training reads finished calls scheduled, not yet run
+        self._reads_out: list[TrainingRead] = []  # of them, those handed out by take_training_reads() and running
 
     def reset(self) -> None:
-        """Forgets the shared context and frees its KV; agents and what the estimator learned stay."""
+        """Forgets the shared context and frees its KV; agents and what the estimator learned stay. Pending training
+        reads run first (what they teach the estimator outlives the context); reads taken by
+        take_training_reads() go on without the session's state."""
         with self._lock:
+            self.run_training_reads()
+            for read in self._reads_out:
+                read.detach()
             for s in self._seqs:
                 s.close()
             self._reset_state()
@@ -652,6 +648,7 @@ class AgentSession:
         if chunk_tokens < 1:
             raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
         with self._lock, self._recompute_budget(recompute):
+            self.run_training_reads()  # the last call's, if nobody took them: before this prompt reads its spans
             # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
             # braces and all, is data and never expanded as a placeholder.
             nonce = secrets.token_hex(8)
@@ -862,6 +859,7 @@ class AgentSession:
         with self._lock:
             if agent.session is not self:
                 raise ValueError(f"prefill_agent: {agent!r} belongs to another session")
+            self.run_training_reads()
             messages = [{"role": "system", "content": agent.system}] if agent.system else []
             messages.append({"role": "user", "content": self._user_template(agent)})
             return self._prefill_template(agent, template_from_messages(self.model, messages, agent.name))
@@ -980,15 +978,12 @@ class AgentSession:
                 self._add_item(_Item(p.reply_ph, out, None, ag, key))
             return
         with self._estimator_lock:
-            fitted = self._runner.finish_hop(
+            read = self._runner.finish_hop(
                 ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=p.prefix
             )
-            if fitted and self._store is not None and isinstance(self._runner.estimator, est.RidgeEstimator):
-                self._store.save(self._runner.estimator, fitted)
-        for s in self._state.owned:  # a cold-reuse hop's exact rows the chain reads on
-            self._seqs.append(s)
-            self._owned_rows[id(s)] = p.hop.shadow_tokens
-        self._state.owned.clear()
+        if read is not None:
+            read.lock, read.on_done = self._read_lock, self._read_done
+            self._reads.append(read)
         if relay is not None:
             self._items.append(_Item(p.reply_ph, out, None, ag, key))
             self._span_keys[p.reply_ph] = key
@@ -1000,6 +995,52 @@ class AgentSession:
                 self._lru[ph] = None
                 self._lru.move_to_end(ph)
         self._collect()
+
+    @contextlib.contextmanager
+    def _read_lock(self) -> Iterator[None]:
+        with self._lock, self._estimator_lock:
+            yield
+
+    def _read_done(self, read: TrainingRead) -> None:
+        """A training read ran to its end (under _read_lock): its fits are saved, its exact rows join the session's
+        sequences when a chain reads on them."""
+        if read.fitted and self._store is not None and isinstance(read.estimator, est.RidgeEstimator):
+            self._store.save(read.estimator, read.fitted)
+        if read.st is self._state:
+            for s in self._state.owned:  # a cold-reuse hop's exact rows the chain reads on
+                self._seqs.append(s)
+                self._owned_rows[id(s)] = read.rows
+            self._state.owned.clear()
+            self._collect()
+        for queue in (self._reads, self._reads_out):
+            if read in queue:
+                queue.remove(read)
+
+    @property
+    def pending_training_reads(self) -> int:
+        """Training reads scheduled by finished calls and not yet run (those taken by take_training_reads
+        included)."""
+        with self._lock:
+            return len(self._reads) + len(self._reads_out)
+
+    def run_training_reads(self) -> int:
+        """Runs the pending training reads (kvcmas calibrating its edges) now; returns how many ran. A session runs
+        them itself at the start of its next prefill and in reset()/close(), so a reply never waits for its own."""
+        with self._lock:
+            reads, n = list(self._reads), 0
+            for read in reads:
+                read.run()
+                n += 1
+            return n
+
+    def take_training_reads(self) -> list[TrainingRead]:
+        """Hands the pending training reads to the caller (a server's scheduler), which runs them step by step
+        (TrainingRead.step) when it has nothing better to do, or drops them (close()). They stay valid after the
+        session closes; the session then no longer continues its chains from them."""
+        with self._lock:
+            taken, self._reads = self._reads, []
+            self._reads_out += taken
+            return taken
 
     def _release(self, p: Prefilled) -> None:
         with self._lock:

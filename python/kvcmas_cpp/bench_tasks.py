@@ -33,11 +33,10 @@ import numpy as np
 
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model
+from .sharing.methods import SESSION_METHODS, MethodConfig
 from .sharing.recompute import parse_label
-from .sharing.runner import MethodConfig
 from .tasks import Example, Task, get_task
 
-SESSION_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")
 CALIBRATION_OFFSET = {"gsm8k": 1000, "mmlu": 1000, "humaneval": None}  # None: the last problems of the set
 
 
@@ -398,6 +397,7 @@ def cold_start(
                         kl.append(float(np.sum(np.exp(ref) * (ref - (q - np.logaddexp.reduce(q))))))
                     t1 = time.perf_counter()
                     team.finish(p, forced[w][i])
+                    team.run_training_reads()  # here, not inside the next agent's prefill (its TTFT)
                     finish_ms += (time.perf_counter() - t1) * 1000.0
                     gates.append(p.stats["gate"])
                     cal += p.stats["calibration_tokens"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from .agents import AgentSession
 from .model import Model, resolve_model_path
-from .sharing.runner import MethodConfig
+from .sharing.methods import MethodConfig
 
 ROLES = (
     ("Describer", "You describe images precisely."),

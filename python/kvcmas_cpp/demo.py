@@ -17,8 +17,8 @@ from .agents import CALIBRATION_READS, AgentSession, Response
 from .bench_tasks import compare
 from .model import Model, resolve_model_path
 from .sharing.estimators import RidgeEstimator
+from .sharing.methods import MethodConfig
 from .sharing.persist import load_ridge, save_ridge
-from .sharing.runner import MethodConfig
 from .tasks import Example, get_task
 from .tasks.base import Task
 

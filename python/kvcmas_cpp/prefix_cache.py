@@ -18,12 +18,16 @@ Contracts:
 - Bounded: least recently used entries are evicted beyond max_bytes (a quarter of the KV budget by default, counted
   as every entry's tokens times the row size, rows two entries share counted for each), and on demand (evict_lru:
   the server's admission evicts before it would refuse a request). Entries never hold rows a request generates.
+- Counted: `tokens` is the distinct rows the entries hold. An entry made from a fork of another (reuse, then adopt)
+  reads that one's first rows instead of holding its own; those rows stay alive while any entry reads them, an
+  evicted entry's included.
 - Thread-safe: one lock guards the index; rows are computed outside it.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +45,9 @@ class _Entry:
     seq: KVSequence
     exact: int  # leading rows computed by prefill kernels (equal to a one-piece prefill's)
     hashes: list[int]
+    parent: _Entry | None = None  # the entry whose rows [0, shared) this one's sequence reads (it was forked from it)
+    shared: int = 0
+    live: bool = True  # False once evicted (its rows may live on in entries forked from it)
 
 
 def _block_hashes(ids: Sequence[int]) -> list[int]:
@@ -78,6 +85,10 @@ class PrefixCache:
         self.hits = 0  # prompts that reused rows
         self.hit_tokens = 0  # rows served
         self.evictions = 0
+        self.version = 0  # bumped whenever an entry comes or goes (callers memoize matches on it)
+        # sequences reuse() forked from an entry -> (that entry, rows kept): adopt() records where their rows live
+        self._forks: weakref.WeakKeyDictionary[KVSequence, tuple[_Entry, int]] = weakref.WeakKeyDictionary()
+        self._ghosts: set[_Entry] = set()  # evicted entries whose own rows two or more entries still read
 
     @staticmethod
     def of(model: Model) -> PrefixCache:
@@ -98,9 +109,32 @@ class PrefixCache:
 
     @property
     def tokens(self) -> int:
-        """Tokens the entries hold (a run two entries share is counted for each)."""
+        """Distinct KV rows the entries hold: rows an entry reads from the entry it was forked from count once (and
+        still count when that one was evicted, as long as an entry reads them)."""
         with self._lock:
-            return sum(len(e.ids) for e in self._lru)
+            children: dict[_Entry, list[_Entry]] = {}
+            nodes: dict[_Entry, None] = {}
+            for e in self._lru:
+                node: _Entry | None = e
+                while node is not None and node not in nodes:
+                    nodes[node] = None
+                    if node.parent is not None:
+                        children.setdefault(node.parent, []).append(node)
+                    node = node.parent
+            cover: dict[_Entry, int] = {}  # rows [0, cover) of a node's sequence some live entry reads
+
+            def covered(n: _Entry) -> int:
+                if n not in cover:
+                    below = [min(c.shared, covered(c)) for c in children.get(n, [])]
+                    cover[n] = max([len(n.ids) if n.live else 0, *below])
+                return cover[n]
+
+            return sum(max(0, covered(n) - (n.shared if n.parent is not None else 0)) for n in nodes)
+
+    def cached_rows(self, namespace: str, ids: Sequence[int]) -> int:
+        """How many rows reuse(namespace, ids) would serve now (no side effects): what a prompt need not compute."""
+        with self._lock:
+            return self._usable(namespace, [int(t) for t in ids], True)[1]
 
     def _match(self, namespace: str, ids: Sequence[int]) -> tuple[_Entry | None, int]:
         """The entry of the namespace with the longest common prefix with ids, and its length (lock held)."""
@@ -125,25 +159,31 @@ class PrefixCache:
         """A new sequence (the caller owns it) holding the first m rows of ids served from the cache, and m (0: an
         empty sequence). rest: the caller appends ids[m:] and needs at least one row of it (for logits); m is
         chosen so that the rest is empty (only when not `rest`) or at least MIN_CHUNK_ROWS long (exactness)."""
-        from .agents import MIN_CHUNK_ROWS  # here: agents imports this module
-
         ids = [int(t) for t in ids]
-        n = len(ids)
         with self._lock:
-            entry, m = self._match(namespace, ids) if ids and min(ids) >= 0 else (None, 0)
-            if entry is not None and not (not rest and m == n == len(entry.ids)):  # else: the same short key
-                m = min(m, entry.exact)
-                if rest or m < n:
-                    m = min(m, n - MIN_CHUNK_ROWS)
-            if entry is None or m <= 0:
+            entry, m = self._usable(namespace, ids, rest)
+            if entry is None:
                 return self.model.new_sequence(), 0
             seq = entry.seq.fork()
+            self._forks[seq] = (entry, m)
             self._lru.move_to_end(entry)
             self.hits += 1
             self.hit_tokens += m
         if len(seq) > m:
             seq.truncate(m)
         return seq, m
+
+    def _usable(self, namespace: str, ids: list[int], rest: bool) -> tuple[_Entry | None, int]:
+        """reuse()'s choice (lock held): the entry to fork and the rows to keep, or (None, 0)."""
+        from .agents import MIN_CHUNK_ROWS  # here: agents imports this module
+
+        n = len(ids)
+        entry, m = self._match(namespace, ids) if ids and min(ids) >= 0 else (None, 0)
+        if entry is not None and not (not rest and m == n == len(entry.ids)):  # else: the same short key
+            m = min(m, entry.exact)
+            if rest or m < n:
+                m = min(m, n - MIN_CHUNK_ROWS)
+        return (entry, m) if entry is not None and m > 0 else (None, 0)
 
     # ------------------------------------------------------------------------------------------------ storing
     def adopt(self, namespace: str, seq: KVSequence, exact: int) -> KVSequence:
@@ -162,6 +202,10 @@ class PrefixCache:
             if entry is not None and len(entry.ids) == m == len(ids):
                 self._drop(entry)  # the same ids, fewer exact rows: replaced
             new = _Entry(namespace, ids, seq, min(exact, len(ids)), _block_hashes(ids))
+            origin = self._forks.pop(seq, None)
+            if origin is not None:  # its first rows are the entry's it was forked from
+                new.parent, new.shared = origin[0], min(origin[1], len(ids))
+            self.version += 1
             self._lru[new] = None
             self._by_key[(namespace, ids)] = new
             for h in new.hashes:
@@ -192,7 +236,23 @@ class PrefixCache:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------------------------------------ eviction
+    def _prune(self, g: _Entry | None) -> None:
+        """An evicted entry stays (a ghost, for `tokens`) only while two or more entries read rows of its own; with
+        one, that one takes its place under its parent; with none, its parent may lose a reader in turn."""
+        while g is not None and not g.live:
+            readers = [x for x in (*self._lru, *self._ghosts) if x.parent is g]
+            if len(readers) >= 2:
+                self._ghosts.add(g)
+                return
+            self._ghosts.discard(g)
+            for c in readers:
+                c.shared = min(c.shared, g.shared) if g.parent is not None else 0
+                c.parent = g.parent
+            g = None if readers else g.parent
+
     def _drop(self, e: _Entry) -> None:
+        self.version += 1
+        e.live = False
         self._lru.pop(e, None)
         if self._by_key.get((e.namespace, e.ids)) is e:
             del self._by_key[(e.namespace, e.ids)]
@@ -203,6 +263,7 @@ class PrefixCache:
                 if not bucket:
                     del self._index[(e.namespace, h)]
         e.seq.close()  # its blocks go back once no fork reads them
+        self._prune(e)
 
     def _shrink(self, keep: _Entry | None = None) -> None:
         row = self.model.kv_row_bytes

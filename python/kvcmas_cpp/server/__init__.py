@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 __all__ = ["add_serve_arguments", "main", "parse_bytes", "run_serve"]
 
-METHODS = ("nonshared", "fullshared", "kvcmas")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -73,6 +72,8 @@ def _positive_float(text: str) -> float:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
+    from ..sharing.methods import SERVED_METHODS
+
     p.add_argument("-m", "--model", help="GGUF file or model name (default: SmolLM2-135M)")
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
@@ -124,7 +125,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default="q8",
         help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
     )
-    p.add_argument("--method", choices=METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)")
+    p.add_argument(
+        "--method", choices=SERVED_METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)"
+    )
     p.add_argument(
         "--recompute",
         type=_budget,

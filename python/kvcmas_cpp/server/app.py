@@ -454,6 +454,11 @@ class Server:
         m, s = self.metrics, self.scheduler
         m.add_gauge("kvcmas_active_requests", "Requests being generated.", lambda: s.n_active)
         m.add_gauge("kvcmas_queued_requests", "Requests waiting for a slot or KV memory.", lambda: s.n_queued)
+        m.add_gauge(
+            "kvcmas_training_reads_pending",
+            "Training reads (kvcmas calibrating) scheduled by replies and not yet run.",
+            lambda: s.n_training_reads,
+        )
         m.add_gauge("kvcmas_engine_sequences", "KV sequences alive in the engine.", lambda: model._core.n_seqs)
         m.add_gauge("kvcmas_kv_bytes", "KV memory in use (bytes).", lambda: model.kv_bytes_in_use)
         m.add_gauge("kvcmas_kv_peak_bytes", "Most KV memory in use so far (bytes).", lambda: s.peak_kv_bytes)

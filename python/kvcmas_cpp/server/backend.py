@@ -19,6 +19,7 @@ import numpy as np
 from ..agents import MIN_CHUNK_ROWS, chunk_bounds
 from ..model import KVSequence, Model
 from ..prefix_cache import PrefixCache
+from ..sharing.runner import TrainingRead
 
 Segment = list[int] | np.ndarray  # text token ids, or input vectors [n, n_embd] (an image's embeddings)
 BetweenChunks = Callable[[], None]
@@ -54,8 +55,9 @@ class Backend(Protocol):
         """Prompt tokens the backend holds already (an estimate of what a prefill will not compute)."""
         ...
 
-    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
-        """Registers the reply: its ids and the text the client received (after stop strings)."""
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> list[TrainingRead]:
+        """Registers the reply: its ids and the text the client received (after stop strings). Returns the training
+        reads it scheduled (kvcmas calibrating), for the caller to run after the reply (TrainingRead.step)."""
         ...
 
     def evict_lru(self) -> bool: ...
@@ -172,8 +174,8 @@ class PlainBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
 
-    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
-        pass
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> list[TrainingRead]:
+        return []
 
     def evict_lru(self) -> bool:
         return False
@@ -234,8 +236,10 @@ class SessionBackend:
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return int(self.session.reusable_tokens(messages))
 
-    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> None:
+    def finish(self, p: Prefilled, generated_ids: list[int], text: str | None = None) -> list[TrainingRead]:
         self.session.finish(p, generated_ids, text)
+        reads: list[TrainingRead] = self.session.take_training_reads()
+        return reads
 
     def evict_lru(self) -> bool:
         return bool(self.session.evict_lru())

@@ -57,6 +57,7 @@ class Metrics:
         self.span_tokens = 0
         self.calibration_tokens = 0
         self.dense_hops: dict[str, int] = {}  # why a later hop computed its shared spans -> hops
+        self.training_reads: dict[str, int] = {"done": 0, "dropped": 0}  # training reads by outcome
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
@@ -77,14 +78,19 @@ class Metrics:
             if ttft_s is not None:
                 self.ttft.observe(ttft_s)
 
-    def count_sharing(self, prefix_cached: int, span: int, calibration: int, dense_reason: str | None) -> None:
+    def count_sharing(self, prefix_cached: int, span: int, dense_reason: str | None) -> None:
         """Where a finished generation's reused prompt rows came from, and why it ran dense if it did."""
         with self._lock:
             self.prefix_cached_tokens += prefix_cached
             self.span_tokens += span
-            self.calibration_tokens += calibration
             if dense_reason is not None:
                 self.dense_hops[dense_reason] = self.dense_hops.get(dense_reason, 0) + 1
+
+    def count_training_read(self, outcome: str, rows: int) -> None:
+        """A training read left the queue: 'done' (it computed `rows` rows) or 'dropped'."""
+        with self._lock:
+            self.training_reads[outcome] = self.training_reads.get(outcome, 0) + 1
+            self.calibration_tokens += rows
 
     def bump(self, name: str, by: int = 1) -> None:
         with self._lock:
@@ -132,7 +138,7 @@ class Metrics:
                 ),
                 (
                     "kvcmas_calibration_tokens_total",
-                    "Rows computed after replies as training reads of edges still calibrating (cold reuse).",
+                    "Rows computed by training reads of edges still calibrating (cold reuse), after their replies.",
                     self.calibration_tokens,
                 ),
                 ("kvcmas_generated_tokens_total", "Tokens generated.", self.generated_tokens),
@@ -181,6 +187,12 @@ class Metrics:
                 "counter",
                 "Generations whose shared spans were computed, by reason (calibrating, gate, no match, forced).",
                 [(f'{{reason="{r}"}}', n) for r, n in sorted(self.dense_hops.items())],
+            )
+            metric(
+                "kvcmas_training_reads_total",
+                "counter",
+                "Training reads (kvcmas calibrating) that left the queue, by outcome (done, dropped).",
+                [(f'{{outcome="{o}"}}', n) for o, n in sorted(self.training_reads.items())],
             )
             h = self.ttft
             cumulative = 0

@@ -14,11 +14,19 @@ session), and runs a decode step, so neither a short prompt nor the generating j
 that would touch a session in the middle of its prefill (registering a finished reply, failing a job, evicting
 spans) is deferred until that prefill returns.
 
-KV admission is conservative: a job reserves blocks for its prompt plus max_tokens; memory in use is read from the
-engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit, stored spans of the
-least recently used sharing sessions are evicted first, then the job waits; the queue holds at most max_queue jobs
-and further submissions get QueueFull (HTTP 429 with Retry-After). When the server goes idle, freed heap and free KV
-blocks go back to the system.
+Training reads (kvcmas calibrating an edge under cold reuse: the span's exact rows in the reader's context, folded
+into the estimator's statistics) are scheduled by a finished reply and run after its Done, as the lowest-priority
+work: one step (a prefill chunk of rows, or one batch of statistics) in a turn with no prefill to run, between the
+decode steps of the generating jobs. A reply never waits for one. They own forks of the rows they read, so a
+session closed meanwhile loses nothing; under memory pressure, past MAX_TRAINING_READS and at shutdown pending ones
+are dropped (counted in kvcmas_training_reads_total{outcome="dropped"}).
+
+KV admission is conservative: a job reserves blocks for its prompt plus max_tokens, less the prompt rows the prefix
+cache serves it (re-read whenever the cache changes, so an eviction puts them back in the reservation); memory in
+use is read from the engine, so rows a job reuses from shared spans cost nothing extra. When a job does not fit,
+stored spans of the least recently used sharing sessions are evicted first, then the job waits; the queue holds at
+most max_queue jobs and further submissions get QueueFull (HTTP 429 with Retry-After). When the server goes idle,
+freed heap and free KV blocks go back to the system.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from .._native import KvcmasError
 from ..model import Model
 from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
+from ..sharing.runner import TrainingRead
 from ..tokenizer import StreamDecoder
 from .backend import Backend, PlainBackend, PlainPrefilled, Prefilled, Segment, make_backend
 from .metrics import Metrics
@@ -69,6 +78,8 @@ MAX_SESSION_REQUESTS = 512
 # first; the reservation doubles as the generation reaches it, while the budget allows (then the request ends with
 # finish_reason "length"). Reserving the whole context up front ran such requests one at a time.
 GENERATION_RESERVE = 256
+# Training reads waiting to run; past this the oldest is dropped (each holds forks of the rows it reads).
+MAX_TRAINING_READS = 64
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -174,6 +185,8 @@ class Job:
     constraint: Any = None  # constrained decoding (kvcmas_cpp.constrained.Constraint): the tokens allowed next
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    cached: int = 0  # prompt rows the prefix cache serves (Scheduler._prompt_rows), as of its version cached_version
+    cached_version: int = -1
     # runtime (scheduler thread only)
     backend: Backend | None = None
     session: _Session | None = None
@@ -266,6 +279,7 @@ class Scheduler:
         self._depth = 0  # > 0: running between the chunks of a prefill
         self._busy: set[int] = set()  # id() of sessions whose prefill is on the stack
         self._deferred: list[Callable[[], None]] = []  # completions postponed until the prefill on the stack returns
+        self._reads: deque[TrainingRead] = deque()  # training reads to run after their replies, oldest first
         self._thread = threading.Thread(target=self._run, name="kvcmas-scheduler", daemon=True)
         self._thread.start()
 
@@ -277,6 +291,11 @@ class Scheduler:
     @property
     def n_queued(self) -> int:
         return len(self._pending)
+
+    @property
+    def n_training_reads(self) -> int:
+        """Training reads waiting to run (or part-way through)."""
+        return len(self._reads)
 
     def reservation_bytes(self, n_tokens: int) -> int:
         """KV bytes reserved for a job that may hold n_tokens rows (one spare block for a partly filled first one)."""
@@ -327,12 +346,12 @@ class Scheduler:
         busy = False
         while True:
             with self._cond:
-                idle = not self._active and not self._pending and not self._drops
+                idle = not self._has_work()
             if idle and busy:  # outside the lock: submissions do not wait for it
                 busy = False
                 self._release_free_memory()
             with self._cond:
-                while not self._stopping and not self._active and not self._pending and not self._drops:
+                while not self._stopping and not self._has_work():
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -349,8 +368,16 @@ class Scheduler:
             pending, self._pending = list(self._pending), deque()
         for job in pending:
             job.sink(Failed(503, "the server is shutting down", "server_shutting_down"))
+        if self._reads:
+            log.info("shutting down: %d training reads not run are dropped", len(self._reads))
+        while self._reads:
+            self._drop_read()
         for s in self._sessions.values():
             s.backend.close()
+
+    def _has_work(self) -> bool:
+        """Jobs to run or admit, workflows to drop, or training reads to run (under _cond)."""
+        return bool(self._active or self._pending or self._drops or self._reads)
 
     def _release_free_memory(self) -> None:
         """Idle: gives freed heap pages and free KV blocks back to the system (RSS would stay at the load's peak)."""
@@ -368,6 +395,8 @@ class Scheduler:
         job = self._next_prefill()
         if job is not None:
             self._prefill(job)
+        elif self._reads:
+            self._read_step()
         if self._generating():
             self._decode_step()
         elif not self._active and self._pending:
@@ -382,7 +411,7 @@ class Scheduler:
                 else:
                     head = None
             if head is not None:
-                need = self.reservation_bytes(head.n_prompt + head.reserve)
+                need = self.reservation_bytes(self._prompt_rows(head) + head.reserve)
                 head.sink(
                     Failed(
                         400,
@@ -396,6 +425,34 @@ class Scheduler:
             self._estimators_touched = False
             self.estimator_bytes = agents.estimator_bytes(self.model)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
+
+    def _read_step(self) -> None:
+        """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take."""
+        read = self._reads[0]
+        rows = min(read.chunk, read.rows)
+        if self.model.kv_bytes_in_use + self._outstanding_bytes() + self.reservation_bytes(rows) > self.kv_budget:
+            if not self._active:  # nothing running will free memory for it
+                log.info("a training read does not fit the KV budget: dropped")
+                self._drop_read()
+            return
+        self._estimators_touched = True
+        try:
+            more = read.step()
+        except Exception:
+            log.exception("a training read failed: dropped")
+            more = False
+        if not more:
+            self._reads.popleft()
+            if read.done:
+                self.metrics.count_training_read("done", read.rows)
+            else:
+                read.close()
+                self.metrics.count_training_read("dropped", 0)
+
+    def _drop_read(self) -> None:
+        """Drops the oldest training read (frees the rows it holds)."""
+        self._reads.popleft().close()
+        self.metrics.count_training_read("dropped", 0)
 
     def _drop_cancelled(self) -> None:
         with self._cond:
@@ -443,13 +500,27 @@ class Scheduler:
     def _outstanding_bytes(self) -> int:
         """KV the admitted jobs may still allocate: their remaining tokens, and their prompts until prefilled."""
         return sum(
-            self.reservation_bytes(max(0, j.reserve - len(j.generated)) + (j.n_prompt if j.prefilled is None else 0))
+            self.reservation_bytes(
+                max(0, j.reserve - len(j.generated)) + (self._prompt_rows(j) if j.prefilled is None else 0)
+            )
             + (self.reservation_bytes(j.reserve) * (j.n - 1) if j.prefilled is None else 0)  # its forks (n > 1)
             for j in self._active
         )
 
+    def _prompt_rows(self, job: Job) -> int:
+        """The prompt rows a job will compute: its prompt less the rows the prefix cache serves it now (its
+        namespace's longest match; text prompts only). Memoized per cache version."""
+        cache = self.prefix_cache
+        if job.cached_version != cache.version:
+            job.cached_version = cache.version
+            ns = job.session_key.namespace if job.session_key is not None else job.namespace
+            text = job.segments is None or all(isinstance(g, list) for g in job.segments)
+            job.cached = cache.cached_rows(ns.estimator_name(), job.ids) if ns is not None and text else 0
+        return job.n_prompt - job.cached
+
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(job.n_prompt + job.reserve) + (job.n - 1) * self.reservation_bytes(job.reserve)
+        need = self.reservation_bytes(self._prompt_rows(job) + job.reserve)
+        need += (job.n - 1) * self.reservation_bytes(job.reserve)
         return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
 
     def _grow_reservation(self, job: Job) -> bool:
@@ -475,6 +546,9 @@ class Scheduler:
                 return True
         if self.prefix_cache.evict_lru():
             self.metrics.bump("evictions")
+            return True
+        if self._reads:  # it holds forks of rows the sessions let go of
+            self._drop_read()
             return True
         for key, s in self._sessions.items():
             if s.active == 0 and s.backend.stored_bytes > 0:
@@ -776,7 +850,11 @@ class Scheduler:
         self._estimators_touched = True
         try:
             if job.backend is not None:
-                job.backend.finish(p, list(job.generated), job.received)
+                for read in job.backend.finish(p, list(job.generated), job.received):
+                    read.chunk = self.prefill_chunk  # run after the Done below, between other work (_read_step)
+                    self._reads.append(read)
+                while len(self._reads) > MAX_TRAINING_READS:
+                    self._drop_read()
         except Exception:
             log.exception("%s: registering the reply failed", job.id)
         stats = self._stats(job, t_end)
@@ -786,9 +864,7 @@ class Scheduler:
             self.metrics.count_generation(
                 stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
             )
-            self.metrics.count_sharing(
-                stats["prefix_cached_tokens"], stats["span_tokens"], stats["calibration_tokens"], stats["dense_reason"]
-            )
+            self.metrics.count_sharing(stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"])
         else:  # a fork: its prompt was counted with choice 0
             self.metrics.count_generation(0, 0, stats["completion_tokens"], None)
         job.sink(Done(reason, stats, job.index))

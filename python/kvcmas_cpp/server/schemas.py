@@ -24,12 +24,12 @@ from pydantic import (
     model_validator,
 )
 
+from ..sharing.methods import SERVED_METHODS
 from ..tools import render_tool_messages
 
 Number = StrictFloat | StrictInt
 MAX_CHOICES = 16  # n: choices per request (forks of one prefill)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions: 5)
-METHODS = ("nonshared", "fullshared", "kvcmas")
 
 
 # Accepted and ignored: they label or route a request on OpenAI's side and do not change what is generated.
@@ -151,8 +151,15 @@ class KvcmasOptions(_Body):
 
     workflow: StrictStr | None = Field(default=None, max_length=256)
     agent: StrictStr | None = Field(default=None, max_length=256)
-    method: Literal["nonshared", "fullshared", "kvcmas"] | None = None
+    method: StrictStr | None = None  # one of sharing.methods.SERVED_METHODS
     recompute: Number | None = Field(default=None, ge=0.0, le=1.0)  # overrides the server's --recompute
+
+    @field_validator("method")
+    @classmethod
+    def _served(cls, v: str | None) -> str | None:
+        if v is not None and v not in SERVED_METHODS:
+            raise ValueError(f"unknown method {v!r}; the server runs {', '.join(SERVED_METHODS)}")
+        return v
 
 
 class _Sampling(_Body):

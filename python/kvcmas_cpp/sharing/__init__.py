@@ -4,7 +4,8 @@ low-rank KV corrections applied inside attention (see docs/kvcmas-estimators.md)
 from __future__ import annotations
 
 from .estimators import AnchorEstimator, Estimator, OracleEstimator, RidgeEstimator
-from .runner import METHODS, HopReport, MethodConfig, RequestResult, WorkflowRunner, default_config
+from .methods import METHODS, REGISTRY, MethodConfig, default_config
+from .runner import HopReport, RequestResult, WorkflowRunner
 from .workflow import Agent, Template, Workflow, build_template, gsm8k_path, gsm8k_workflow, load_gsm8k
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "HopReport",
     "MethodConfig",
     "OracleEstimator",
+    "REGISTRY",
     "RequestResult",
     "RidgeEstimator",
     "Template",

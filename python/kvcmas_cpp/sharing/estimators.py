@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -130,13 +130,52 @@ def concat(corrs: list[Correction]) -> Correction:
 
 # ---------------------------------------------------------------------------------------------- estimators
 class Estimator:
-    """Base: no correction (fullshared)."""
+    """The estimator protocol the runner (sharing.runner.WorkflowRunner) drives, and its base: no correction
+    (fullshared, nonshared). An estimator says what it needs through these members; the runner checks no classes.
+
+    - name; needs_exact: correction() needs the exact rows (the oracle: evaluation only); reads_base: correction()
+      reads the base view (else the runner skips reading it back).
+    - content_edges: it learns per content edge (the span's role, the reader's identity: runner.edge_of); False: per
+      (placeholder, agent index), as the reference code's anchor pools.
+    - decide(reader, placeholders, message): a reason to compute a reader's spans densely ('gate'), or None.
+    - gates_outputs / observe_output(ph, message, span_v): a freshly produced span's values; returns whether it is
+      novel (the anchor pools' gate; None: the estimator gates nothing).
+    - observes_dense / observe(ctx, is_question): a dense hop's exact rows next to the base it would have read (the
+      anchor pools record them).
+    - calibrating(edge): the edge is still learning (online ridge): its readers share cold (MethodConfig.cold) and
+      get a training read (learns_from_reads: the LearnsFromReads methods, RidgeEstimator's).
+    - core_path / core_maps(edge): the correction is computed in the core from these maps (None: the numpy path).
+    - correction(ctx): the delta factors for one read, or None."""
 
     name = "fullshared"
     needs_exact = False
-    reads_base = False  # correct() never looks at the base view: callers may skip reading it back
+    reads_base = False  # correction() never looks at the base view: callers may skip reading it back
+    content_edges = False
+    gates_outputs = False
+    observes_dense = False
+    learns_from_reads = False
+    core_path = False
 
-    def correct(self, ctx: EdgeContext) -> Correction | None:
+    def decide(self, reader: int | str, phs: list[str], message: str) -> str | None:
+        """A reason to compute this reader's spans densely instead of sharing them, or None."""
+        return None
+
+    def observe_output(self, ph: str, message: str, span_v: np.ndarray) -> bool | None:
+        """A produced span's values [n_layer, n, kd]: whether it is novel; None when the estimator gates nothing."""
+        return None
+
+    def observe(self, ctx: EdgeContext, is_question: bool) -> None:
+        """A dense hop's exact rows (ctx.exact_*) next to its base (called where observes_dense)."""
+
+    def calibrating(self, edge: Edge) -> bool:
+        """The edge is still learning (no correction for it yet; its readers get training reads)."""
+        return False
+
+    def core_maps(self, edge: Edge) -> Any:
+        """Maps the core computes the edge's correction from (where core_path), or None."""
+        return None
+
+    def correction(self, ctx: EdgeContext) -> Correction | None:
         return None
 
     def state_bytes(self) -> int:
@@ -146,6 +185,22 @@ class Estimator:
     def pending_bytes(self) -> int:
         """Bytes held by training reads not yet turned into state (online calibration)."""
         return 0
+
+
+class LearnsFromReads(Protocol):
+    """What an estimator with learns_from_reads offers the runner's training reads (RidgeEstimator)."""
+
+    def calibrating(self, edge: Edge) -> bool: ...
+
+    def add_rows(
+        self, edge: Edge, base_k: np.ndarray, base_v: np.ndarray, exact_k: np.ndarray, exact_v: np.ndarray
+    ) -> None: ...
+
+    def end_read(self, edge: Edge) -> None: ...
+
+    def examples(self, edge: Edge) -> int: ...
+
+    def fit(self, edges: list[Edge] | None = None) -> list[Edge]: ...
 
 
 class OracleEstimator(Estimator):
@@ -158,7 +213,7 @@ class OracleEstimator(Estimator):
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def correct(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Correction | None:
         if ctx.exact_k is None or ctx.exact_v is None:
             raise ValueError("oracle: the exact KV is needed (evaluation mode)")
         out: Correction = [None]
@@ -296,6 +351,9 @@ class RidgeEstimator(Estimator):
 
     name = "kvcmas"
     reads_base = True
+    content_edges = True
+    learns_from_reads = True
+    core_path = True
 
     def __init__(
         self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 256 << 20, max_edges: int = 64
@@ -418,7 +476,7 @@ class RidgeEstimator(Estimator):
         self._core_maps[edge] = (maps, core_maps)
         return core_maps
 
-    def correct(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Correction | None:
         maps = self.maps.get((ctx.ph, ctx.reader))
         if maps is None:
             return None
@@ -459,6 +517,8 @@ class AnchorEstimator(Estimator):
     """The reference code's estimator (spec §3.3-3.6). rank=None keeps full-rank deltas and bases (KVCOMM)."""
 
     reads_base = True
+    gates_outputs = True
+    observes_dense = True
 
     def __init__(
         self,
@@ -512,7 +572,16 @@ class AnchorEstimator(Estimator):
         self.novel[(ph, message)] = novel
         return novel
 
-    def needs_dense(self, reader: int, phs: list[str], message: str) -> bool:
+    def decide(self, reader: int | str, phs: list[str], message: str) -> str | None:
+        return "gate" if self.needs_dense(reader, phs, message) else None
+
+    def observe_output(self, ph: str, message: str, span_v: np.ndarray) -> bool | None:
+        return self.gate(ph, message, span_v)
+
+    def observe(self, ctx: EdgeContext, is_question: bool) -> None:
+        self.record(ctx, is_question)
+
+    def needs_dense(self, reader: int | str, phs: list[str], message: str) -> bool:
         """Dense fallback: some placeholder is novel and its anchor lacks this reader's delta."""
         for ph in phs:
             if self.novel.get((ph, message)):
@@ -550,7 +619,7 @@ class AnchorEstimator(Estimator):
         existing.deltas[ctx.reader] = (dk, dv)
         return True
 
-    def correct(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Correction | None:
         pool = self.pools.get(ctx.ph, OrderedDict())
         anchors = [a for a in pool.values() if ctx.reader in a.deltas]  # the "consume invariant"
         n_layer, n, kd = ctx.base_k.shape

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
 from ..model import Model
 from . import estimators as est
 from ._blas import single_threaded_blas
-from .runner import HopReport, MethodConfig, WorkflowRunner, default_config
+from .methods import MethodConfig, default_config
+from .runner import HopReport, WorkflowRunner
 from .workflow import Workflow
 
 
@@ -74,15 +76,15 @@ def _build_one(
 ) -> None:
     cfg = (configs or {}).get(name) or default_config(name)
     runner = WorkflowRunner(model, workflow, cfg)
-    if isinstance(runner.estimator, est.RidgeEstimator):
+    if runner.estimator.learns_from_reads:  # offline: dense runs of training questions, then one fit
         trainer = WorkflowRunner(model, workflow, MethodConfig("nonshared", head=cfg.head), runner.estimator)
         for i, q in enumerate(train):
             trainer.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens, ridge_training=True).close()
             if progress:
                 progress(name)
         trainer.close()
-        runner.estimator.fit()
-    elif isinstance(runner.estimator, est.AnchorEstimator):
+        cast(est.LearnsFromReads, runner.estimator).fit()
+    elif runner.estimator.observes_dense:  # the anchor pools fill from the method's own dense hops
         for i, q in enumerate(train):
             runner.run(question_ids(model, q), f"train-{i}", max_new_tokens=gen_tokens).close()
             if progress:

@@ -162,7 +162,7 @@ BASELINE = "recompute"  # label prefix of the selective-recompute-only baseline
 def parse_label(label: str) -> tuple[str, float | None, bool]:
     """A benchmark method label: a method name, `METHOD@B` (the method at recompute budget B) or `recompute@B` (the
     baseline: kvcmas' rows chosen, no correction applied). Returns (method, budget or None, correct)."""
-    from .runner import METHODS
+    from .methods import METHODS
 
     name, sep, budget_text = label.partition("@")
     if not sep:
@@ -186,7 +186,7 @@ def labelled_config(label: str, base: MethodConfig | None = None) -> MethodConfi
     """The MethodConfig a label names: `base` (default: the method's default_config) with the label's budget."""
     import dataclasses
 
-    from .runner import default_config
+    from .methods import default_config
 
     name, budget, correct = parse_label(label)
     cfg = base if base is not None else default_config(name)

@@ -19,10 +19,11 @@ producer's rows (star), as in the reference code.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -31,89 +32,8 @@ from ..model import KVSequence, Model, SharedKV
 from . import estimators as est
 from . import recompute as recompute_mod
 from ._blas import single_threaded_blas
+from .methods import MethodConfig, make_estimator
 from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
-
-METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
-GAMMA = {"mmlu": 0.29, "gsm8k": 0.32, "humaneval": 0.34, "mathvista": 0.50, "videomme": 0.60}
-
-
-def reference_estimator(model: Model, workload: str, **overrides: Any) -> est.AnchorEstimator:
-    """The reference (`kvcmas-ref`) estimator configured from the model file's `kvcmas.*` settings (written by
-    `kvcmas convert` / `kvcmas gguf set`); keyword arguments named like the settings (`rank_k`, `anchor_pool_size`,
-    `anchor_window`, `gate_threshold`, `gate_top_p`, `rank_base_k`) override them. Without a file value the gate
-    threshold is the spec's per-workload γ."""
-    from kvcmas_convert import kvcmas_settings
-
-    settings: dict[str, Any] = dict(kvcmas_settings(model.metadata))
-    unknown = set(overrides) - set(settings)
-    if unknown:
-        raise ValueError(f"unknown kvcmas settings: {', '.join(sorted(unknown))}")
-    if "kvcmas.gate_threshold" not in model.metadata:
-        settings["gate_threshold"] = GAMMA.get(workload, settings["gate_threshold"])
-    settings.update(overrides)
-    settings = dict(kvcmas_settings({f"kvcmas.{k}": v for k, v in settings.items()}))  # validates the overrides
-    return est.AnchorEstimator(
-        rank=int(settings["rank_k"]),
-        base_rank=int(settings["rank_base_k"]) or None,
-        max_anchors=int(settings["anchor_pool_size"]),
-        window=int(settings["anchor_window"]),
-        gamma=float(settings["gate_threshold"]),
-        top_p=float(settings["gate_top_p"]),
-    )
-
-
-@dataclass
-class MethodConfig:
-    """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
-    template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
-    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
-    calibrate > 0: a RidgeEstimator is fitted online, per edge, from its first `calibrate` training reads; cold: what
-    a reader does before its edge has a map: 'reuse' (share the span with the calibration-free correction, i.e. the
-    chain's correction so far: fullshared with exact head and tail on a fresh edge, and compute the exact rows after
-    the reply, off the first token's path, as the training read) or 'dense' (compute the span densely: that is the
-    training read).
-    apply: how a reader holds a corrected span: 'fused' (the span by reference, factors applied inside attention),
-    'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
-    correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
-    otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
-    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation).
-    recompute: the share of each shared span's rows (after the head) a reader recomputes in its own context, chosen
-    by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
-    nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
-    estimator still scores the rows)."""
-
-    name: str
-    head: int = 0
-    tail: Literal["exact", "rotate"] = "exact"
-    gate: Literal["auto", "dense", "reuse"] = "auto"
-    chain: bool = True
-    rank: int = 8
-    calibrate: int = 0  # ridge learned online: an edge is fitted after this many training reads
-    cold: Literal["reuse", "dense"] = "reuse"  # an edge without a map (online calibration): shared, or dense
-    apply: Literal["auto", "fused", "materialize"] = "auto"
-    ridge_path: Literal["core", "numpy"] = "core"
-    recompute: float = 0.0
-    recompute_block: int = recompute_mod.DEFAULT_BLOCK
-    correct: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.recompute <= 1.0:
-            raise ValueError(f"recompute must be in [0, 1], got {self.recompute}")
-        if self.recompute_block < 1:
-            raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
-
-
-def default_config(name: str) -> MethodConfig:
-    """The defaults per method: kvcmas = ridge rank 8 + exact head 4; kvcmas-ref/kvcomm = the reference setup
-    (rotate-only tail as in the reference code is selectable with tail='rotate'); oracle = exact delta rank 32."""
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return {
-        "kvcmas": MethodConfig(name, head=4, rank=8),
-        "oracle": MethodConfig(name, rank=32),
-        "kvcmas-ref": MethodConfig(name, rank=32),
-        "kvcomm": MethodConfig(name, rank=0),
-    }.get(name, MethodConfig(name))
 
 
 @dataclass
@@ -259,6 +179,139 @@ def _canonical(model: Model, seq: KVSequence, pos: int, n: int, first: int = 0) 
 TRAINING_READ_ROWS = 512  # a training read goes into the ridge statistics in pieces of this many span rows
 
 
+@dataclass
+class _ReadPart:
+    """One span of a training read: its edge, the view the reader read it from (base) and where its exact rows sit."""
+
+    ph: str
+    edge: est.Edge
+    base_seq: KVSequence
+    base_pos: int
+    pos: int  # the exact rows' position in the read's source
+    n: int
+    chain: _Bucket | None = None  # the bucket the exact rows replace if it is still current (cold reuse, chained)
+
+
+class TrainingRead:
+    """One hop's training reads for the ridge estimator's calibrating edges, run after the hop's reply in small steps
+    (step()), so a caller can keep them off every reply's path: a server runs one step at a time between other work.
+
+    A read owns forks of what it reads (the base views, and its source: the dense hop's sequence or, under cold
+    reuse, the agent's template prefix it computes the span's exact rows after, `rows` of them, in chunks of
+    `chunk` rows), so it stays valid whatever the session does meanwhile. Its steps: the exact rows' chunks, then the
+    rows folded into the edges' statistics TRAINING_READ_ROWS at a time, then the edges that hold their
+    `calibrate` reads are fitted (`fitted`). When the read is done, its exact rows continue the chain of a span
+    whose bucket no later reader has moved (they go to st.owned, which the caller closes), and on_done(read) is
+    called. close() drops a read not run to its end (`dropped`) and frees what it holds. Each step runs inside
+    lock() (the session's and the estimator's locks); detach() cuts it from its session's state (the read still
+    teaches the estimator)."""
+
+    def __init__(
+        self, runner: WorkflowRunner, st: RequestState, parts: list[_ReadPart], source: KVSequence, computes: bool
+    ) -> None:
+        self.runner: WorkflowRunner | None = runner
+        self.st: RequestState | None = st
+        self.estimator, self.calibrate = runner.estimator, runner.config.calibrate
+        self.vectors = st.vectors
+        self.source = source  # this read's own sequence
+        bases: dict[int, KVSequence] = {}
+        for part in parts:  # a fork per base view (no copy), shared by the parts that read the same one
+            part.base_seq = bases.setdefault(id(part.base_seq), part.base_seq.fork())
+        self._bases = list(bases.values())
+        self.parts = parts
+        self.computes = computes
+        self.compute: list[int] = []
+        self.rows = 0  # rows the read computes (cold reuse), set with compute
+        self.fit = True  # fit the edges that hold their reads (not when a benchmark gathers examples to fit later)
+        self.chunk = 1 << 30  # rows per step of the exact rows' computation
+        self.fitted: list[est.Edge] = []
+        self.kept = False  # its exact rows continue a chain (the source went to st.owned)
+        self.done = self.dropped = False
+        self.lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        self.on_done: Callable[[TrainingRead], None] | None = None
+        self._steps: Iterator[None] | None = None
+
+    def step(self) -> bool:
+        """Runs the next step; returns whether steps are left."""
+        if self.done or self.dropped:
+            return False
+        with self.lock():
+            if self._steps is None:
+                self._steps = self._run()
+            try:
+                next(self._steps)
+                return True
+            except StopIteration:
+                pass
+            except BaseException:
+                self.close()
+                raise
+            self.done = True
+            self._free(keep_source=self.kept)
+            if self.on_done is not None:
+                self.on_done(self)
+        return False
+
+    def run(self) -> list[est.Edge]:
+        """Runs the read to its end; returns the edges it fitted."""
+        while self.step():
+            pass
+        return self.fitted
+
+    def detach(self) -> None:
+        """Cuts the read from its session's state: its rows then continue no chain."""
+        self.st = None
+
+    def close(self) -> None:
+        """Drops a read that has not run to its end (counted by the caller as `dropped`) and frees its sequences."""
+        if not self.done and not self.dropped:
+            self.dropped = True
+            self._steps = None
+            self._free(keep_source=False)
+
+    def _free(self, keep_source: bool) -> None:
+        for s in self._bases + ([] if keep_source else [self.source]):
+            s.close()
+        self._bases = []
+        self.runner = None
+
+    def _run(self) -> Iterator[None]:
+        runner = self.runner
+        assert runner is not None
+        from ..agents import chunk_bounds  # here: agents imports this module
+
+        n0 = len(self.source)
+        for a, b in chunk_bounds(len(self.compute), self.chunk):
+            append_mixed(self.source, self.compute[a:b], "none", self.vectors)
+            yield
+        assert len(self.source) == n0 + len(self.compute)
+        e = cast(est.LearnsFromReads, self.estimator)
+        for part in self.parts:
+            for r0 in range(0, part.n, TRAINING_READ_ROWS):
+                if self.fit and not e.calibrating(part.edge):
+                    break  # another read completed the edge meanwhile
+                nr = min(TRAINING_READ_ROWS, part.n - r0)
+                with single_threaded_blas():
+                    base_k, base_v = _canonical(runner.model, part.base_seq, part.base_pos, nr, r0)
+                    ex_k, ex_v = _canonical(runner.model, self.source, part.pos, nr, r0)
+                    e.add_rows(part.edge, base_k, base_v, ex_k, ex_v)
+                yield
+            else:
+                e.end_read(part.edge)
+        if self.fit:
+            edges = dict.fromkeys(part.edge for part in self.parts)
+            self.fitted = e.fit([edge for edge in edges if e.examples(edge) >= self.calibrate])
+        st = self.st
+        if st is not None and self.computes:
+            for part in self.parts:
+                if part.chain is not None and st.buckets.get(part.ph) is part.chain:
+                    shared = self.source.share(part.pos, part.n)
+                    st.buckets[part.ph] = _Bucket(shared, None, part.pos, self.source, part.pos)
+                    self.kept = True
+            if self.kept:
+                st.owned.append(self.source)
+
+
 def _default_edge(ph: str, reader: int) -> est.Edge:
     return (ph, reader)
 
@@ -273,16 +326,7 @@ class WorkflowRunner:
         self.templates: list[Template] = [build_template(model, a) for a in workflow.agents]
         self.agent_names = [a.name for a in workflow.agents]
         self.kd = model.n_head_kv * model._core.head_dim
-        if estimator is None:
-            estimator = {
-                "nonshared": est.Estimator(),
-                "fullshared": est.Estimator(),
-                "kvcmas": est.RidgeEstimator(rank=config.rank),
-                "oracle": est.OracleEstimator(config.rank),
-                "kvcmas-ref": reference_estimator(model, workflow.name),
-                "kvcomm": est.AnchorEstimator(rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"),
-            }[config.name]
-        self.estimator = estimator
+        self.estimator = estimator if estimator is not None else make_estimator(model, config, workflow.name)
         # The estimator's edge for (placeholder, reader): placeholders and agent indices name the edges of a fixed
         # workflow; agent sessions name them by content (the span's role and the reader's identity).
         self.edge_of: Callable[[str, int], est.Edge] = _default_edge
@@ -361,9 +405,11 @@ class WorkflowRunner:
             self._template_bytes_in_hop = 0
             hop.peak_bytes = sum(h.kv_bytes + h.corr_bytes for h in st.hops)
             out = gen[:-1] if a < n_agents - 1 else None  # the rows the sequence holds after its prompt
-            self.finish_hop(
+            read = self.finish_hop(
                 a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact, self.prefixes[a]
             )
+            if read is not None:  # a benchmark's hops run one after the other: the read runs at once
+                read.run()
         result = RequestResult(st.hops, seqs, st.spans_at, st.prompts, st.owned)
         if exact is not None:
             self._evaluate(result, exact, teacher_forced=forced is not None)
@@ -388,12 +434,8 @@ class WorkflowRunner:
             reason = None if cfg.name == "nonshared" else "forced"  # nonshared shares nothing: no reason to give
         elif not any(ph in st.buckets for ph in phs):
             mode, gate, reason = "source", "n/a", "no match"
-        elif (
-            isinstance(self.estimator, est.AnchorEstimator)
-            and cfg.gate == "auto"
-            and self.estimator.needs_dense(a, phs, st.message)
-        ):
-            mode, gate, reason = "fallback", "novel -> dense", "gate"
+        elif cfg.gate == "auto" and (why := self.estimator.decide(a, phs, st.message)) is not None:
+            mode, gate, reason = "fallback", "novel -> dense" if why == "gate" else f"{why} -> dense", why
         elif self._uncalibrated(a, phs, st):
             if cfg.cold == "reuse":
                 mode, gate = "reuse", "calibrating -> reuse"
@@ -449,7 +491,7 @@ class WorkflowRunner:
     def _calibrating_spans(self, a: int, phs: Any, st: RequestState) -> list[str]:
         """Online ridge: the spans this reader would share whose edge has no fitted map yet."""
         e = self.estimator
-        if not self.config.calibrate or not isinstance(e, est.RidgeEstimator):
+        if not self.config.calibrate or not e.learns_from_reads:
             return []
         shared = [ph for ph in phs if ph in st.buckets and st.buckets[ph].shared is not None]
         return [ph for ph in shared if e.calibrating(self.edge_of(ph, a))]
@@ -467,17 +509,15 @@ class WorkflowRunner:
         ridge_training: bool = False,
         exact: RequestResult | None = None,
         prefix: KVSequence | None = None,
-    ) -> list[est.Edge]:
+    ) -> TrainingRead | None:
         """After agent a's generation: its view of the spans becomes the next readers' base (chain), and `out` (the
         ids whose rows seq holds right after the prompt; None: not relayed) becomes the shared span `out_ph`.
-        Calibrating edges get a training read: the dense hop's own rows, or (cold reuse) rows computed here in a
-        fork of `prefix` (the agent's template prefix the hop started from), which is then closed. Returns the edges
-        fitted here."""
-        cfg = self.config
-        fitted: list[est.Edge] = []
+        Calibrating edges get a training read, returned unstarted (None: no read): its exact rows are the dense
+        hop's own (a fork of seq) or, under cold reuse, rows it computes in a fork of `prefix` (the agent's template
+        prefix the hop started from). The caller runs it now (TrainingRead.run) or later, off the reply's path;
+        hop.shadow_tokens says how many rows it computes."""
         train: list[str] | None = None  # the spans whose edges get a training read
-        source = seq  # where their exact rows are
-        shadow: KVSequence | None = None
+        compute: list[int] = []  # cold reuse: the prompt ids the read computes after the prefix
         if ridge_training:
             train = list(pos_map)
         elif hop.gate.startswith("calibrating"):
@@ -488,26 +528,14 @@ class WorkflowRunner:
             if hop.mode == "reuse" and train:
                 assert prefix is not None
                 end = max(pos_map[ph][0] + pos_map[ph][1] for ph in train)
-                shadow = prefix.fork()
-                append_mixed(shadow, hop.prompt[len(prefix) : end], "none", st.vectors)
-                hop.shadow_tokens = end - len(prefix)
-                source = shadow
-        kept = False
-        try:
-            kept = self._update_buckets(a, seq, pos_map, st.buckets, hop.mode, corrs, st.message, exact, train, source)
-        finally:
-            if shadow is not None and not kept:
-                shadow.close()
-        if shadow is not None and kept:
-            st.owned.append(shadow)
-        if train and not ridge_training:
-            e = self.estimator
-            assert isinstance(e, est.RidgeEstimator)
-            edges = {self.edge_of(ph, a) for ph in train}
-            fitted = e.fit([edge for edge in edges if e.examples(edge) >= cfg.calibrate])
+                compute = hop.prompt[len(prefix) : end]
+                hop.shadow_tokens = len(compute)
+        read = self._update_buckets(a, seq, pos_map, st, hop.mode, corrs, exact, train, prefix if compute else None)
+        if read is not None:
+            read.compute, read.rows, read.fit = compute, len(compute), not ridge_training
         if out is not None:
             self._relay(a, seq, hop, st, out, out_ph)
-        return fitted
+        return read
 
     def _relay(self, a: int, seq: KVSequence, hop: HopReport, st: RequestState, out: list[int], out_ph: str) -> None:
         """`out` (rows of seq right after the prompt) becomes the shared span `out_ph`."""
@@ -519,9 +547,9 @@ class WorkflowRunner:
             shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
             st.buckets[out_ph] = _Bucket(shared, None, p_out + h, seq, p_out + h)
             gated = cfg.gate == "auto" and cfg.name != "nonshared"
-            if gated and isinstance(self.estimator, est.AnchorEstimator):
+            if gated and self.estimator.gates_outputs:
                 _, v = _canonical(m, seq, p_out, len(out))
-                novel = self.estimator.gate(out_ph, st.message, v)
+                novel = self.estimator.observe_output(out_ph, st.message, v)
                 hop.gate += f"; output {'novel' if novel else 'reusable'}"
 
     def _assemble(
@@ -614,14 +642,14 @@ class WorkflowRunner:
         b.view_pos), b.factors in front; _NUMPY where the numpy path must do it (another estimator, the numpy
         reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
         e = self.estimator
-        if self.config.ridge_path != "core" or not isinstance(e, est.RidgeEstimator):
+        if self.config.ridge_path != "core" or not e.core_path:
             return _NUMPY
         prev: Any = b.factors
         if prev is not None and not is_core_correction(prev):
             return _NUMPY
         maps = e.core_maps(edge)
         if maps is None:
-            return _NUMPY if edge in e.maps else prev  # no map for this edge: the view's correction as it is
+            return prev if e.calibrating(edge) else _NUMPY  # no map for this edge: the view's correction as it is
         if (prev.rank if prev is not None else 0) + maps.rank + 1 > est.MAX_KERNEL_RANK:
             return _NUMPY
         return core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev)
@@ -631,17 +659,17 @@ class WorkflowRunner:
     ) -> est.Correction | None:
         """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
         e = self.estimator
-        ridge = isinstance(e, est.RidgeEstimator)
-        if not e.reads_base or (isinstance(e, est.RidgeEstimator) and e.calibrating(self.edge_of(ph, a))):
+        key = self.edge_of(ph, a) if e.content_edges else (ph, a)
+        if not e.reads_base or e.calibrating(key):
             return b.factors  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
-        ctx = est.EdgeContext(*(self.edge_of(ph, a) if ridge else (ph, a)), message, base_k, base_v)
+        ctx = est.EdgeContext(*key, message, base_k, base_v)
         if self.estimator.needs_exact:
             if exact is None:
                 raise ValueError(f"method {self.config.name!r} needs the exact run (evaluation mode)")
             # the prompts hold the same ids in both runs, so the rows sit at the same positions
             ctx.exact_k, ctx.exact_v = _canonical(self.model, exact.seqs[a], pos, n)
-        new = self.estimator.correct(ctx)
+        new = self.estimator.correction(ctx)
         parts = [c for c in (b.factors, self._to_stored(new, b.frame0) if new else None) if c is not None]
         if not parts:
             return None
@@ -683,62 +711,50 @@ class WorkflowRunner:
         a: int,
         seq: KVSequence,
         pos_map: dict[str, tuple[int, int]],
-        buckets: dict[str, _Bucket],
+        st: RequestState,
         mode: str,
         corrs: dict[str, est.Correction],
-        message: str,
         exact: RequestResult | None,
         train: list[str] | None,
-        source: KVSequence,
-    ) -> bool:
-        """train: spans whose edges get a ridge training read (their exact rows in `source` at the prompt's
-        positions); the anchor estimators record every dense hop's delta. A cold-reuse hop's exact rows (`source`
-        is not seq) continue the chain of the spans it trained on, as a dense hop's rows would: the next reader's
-        base, while calibrating and after, is then a reader's exact view, the same as under cold='dense'. Returns
-        whether a bucket now reads `source`."""
+        prefix: KVSequence | None,
+    ) -> TrainingRead | None:
+        """train: spans whose edges get a ridge training read, returned (the base each read pairs with is the view
+        the reader read, taken now); their exact rows are seq's at the prompt's positions, or, with `prefix` (cold
+        reuse), rows the read computes after a fork of it. The anchor estimators record every dense hop's delta.
+        A cold-reuse hop's exact rows continue the chain of the spans it trained on, as a dense hop's rows would
+        (the next reader's base, while calibrating and after, is then a reader's exact view, the same as under
+        cold='dense'): until its read has run, the chain goes on from this reader's view, and the read's rows
+        replace that if no later reader has moved the chain meanwhile."""
         m, cfg = self.model, self.config
         h = cfg.head
         e = self.estimator
-        kept = False
+        buckets = st.buckets
+        parts: list[_ReadPart] = []
         for ph, (p, n) in pos_map.items():
             if n <= h:
                 continue
             prev = buckets.get(ph)
-            if prev is not None and train is not None and ph in train and isinstance(e, est.RidgeEstimator):
+            trained = prev is not None and train is not None and ph in train and e.learns_from_reads
+            if trained:
+                assert prev is not None
                 # the exact rows' delta against the base the reader would have read
-                self._ridge_read(self.edge_of(ph, a), prev.view_seq, prev.view_pos, source, p + h, n - h)
-            elif (
-                prev is not None and mode != "reuse" and isinstance(e, est.AnchorEstimator) and cfg.name != "nonshared"
-            ):
+                parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view_seq, prev.view_pos, p + h, n - h))
+            elif prev is not None and mode != "reuse" and e.observes_dense and cfg.name != "nonshared":
                 base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
-                e.record(est.EdgeContext(ph, a, message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
+                e.observe(est.EdgeContext(ph, a, st.message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
             if prev is not None and not chains(ph):
                 continue  # relayed outputs: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
                 buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)
-            elif mode == "reuse" and cfg.chain and source is not seq and train is not None and ph in train:
-                buckets[ph] = _Bucket(source.share(p + h, n - h), None, p + h, source, p + h)
-                kept = True
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
                 buckets[ph] = _Bucket(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
-        return kept
-
-    def _ridge_read(
-        self, edge: est.Edge, base: KVSequence, base_pos: int, exact: KVSequence, exact_pos: int, n: int
-    ) -> None:
-        """One training read of n span rows into the ridge statistics, TRAINING_READ_ROWS rows at a time (the memory
-        it takes does not grow with the span)."""
-        e = self.estimator
-        assert isinstance(e, est.RidgeEstimator)
-        with single_threaded_blas():
-            for r0 in range(0, n, TRAINING_READ_ROWS):
-                nr = min(TRAINING_READ_ROWS, n - r0)
-                base_k, base_v = _canonical(self.model, base, base_pos, nr, r0)
-                ex_k, ex_v = _canonical(self.model, exact, exact_pos, nr, r0)
-                e.add_rows(edge, base_k, base_v, ex_k, ex_v)
-        e.end_read(edge)
+                if trained and prefix is not None:
+                    parts[-1].chain = buckets[ph]
+        if not parts:
+            return None
+        return TrainingRead(self, st, parts, (prefix if prefix is not None else seq).fork(), prefix is not None)
 
     # ------------------------------------------------------------------------------------------- evaluation
     def _evaluate(self, res: RequestResult, exact: RequestResult, teacher_forced: bool) -> None:

@@ -1,0 +1,185 @@
+"""The sharing methods, one entry each (REGISTRY): a method's MethodConfig defaults, what sessions change in them,
+and its estimator factory. Adding a method is one entry here; the runner, AgentSession, the server's choices and the
+benchmarks read this table.
+
+| method | estimator | defaults |
+|---|---|---|
+| nonshared | none (every agent prefills its whole prompt) | |
+| fullshared | none (spans shared uncorrected) | |
+| kvcmas | RidgeEstimator (rank 8): learned per edge | head 4; sessions fit online (calibrate=CALIBRATION_READS) |
+| kvcmas-ref | the reference code's anchor pool, from the model file's kvcmas.* settings | rank 32 |
+| kvcomm | anchor pool with full-rank deltas | rank 0 |
+| oracle | the exact delta, rank 32 (needs the exact run: benchmarks only) | rank 32 |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from . import estimators as est
+from . import recompute as recompute_mod
+
+if TYPE_CHECKING:
+    from ..model import Model
+
+GAMMA = {"mmlu": 0.29, "gsm8k": 0.32, "humaneval": 0.34, "mathvista": 0.50, "videomme": 0.60}
+
+
+def reference_estimator(model: Model, workload: str, **overrides: Any) -> est.AnchorEstimator:
+    """The reference (`kvcmas-ref`) estimator configured from the model file's `kvcmas.*` settings (written by
+    `kvcmas convert` / `kvcmas gguf set`); keyword arguments named like the settings (`rank_k`, `anchor_pool_size`,
+    `anchor_window`, `gate_threshold`, `gate_top_p`, `rank_base_k`) override them. Without a file value the gate
+    threshold is the spec's per-workload γ."""
+    from kvcmas_convert import kvcmas_settings
+
+    settings: dict[str, Any] = dict(kvcmas_settings(model.metadata))
+    unknown = set(overrides) - set(settings)
+    if unknown:
+        raise ValueError(f"unknown kvcmas settings: {', '.join(sorted(unknown))}")
+    if "kvcmas.gate_threshold" not in model.metadata:
+        settings["gate_threshold"] = GAMMA.get(workload, settings["gate_threshold"])
+    settings.update(overrides)
+    settings = dict(kvcmas_settings({f"kvcmas.{k}": v for k, v in settings.items()}))  # validates the overrides
+    return est.AnchorEstimator(
+        rank=int(settings["rank_k"]),
+        base_rank=int(settings["rank_base_k"]) or None,
+        max_anchors=int(settings["anchor_pool_size"]),
+        window=int(settings["anchor_window"]),
+        gamma=float(settings["gate_threshold"]),
+        top_p=float(settings["gate_top_p"]),
+    )
+
+
+@dataclass
+class MethodConfig:
+    """One sharing method. head: span tokens forwarded exactly before the shared rest; tail: 'exact' forwards the
+    template text after a span, 'rotate' reuses it rotate-only; gate: 'auto' (the estimator decides), 'dense'
+    (force fallback: every hop is dense), 'reuse' (never fall back); chain: chain the question span hop to hop;
+    calibrate > 0: a RidgeEstimator is fitted online, per edge, from its first `calibrate` training reads; cold: what
+    a reader does before its edge has a map: 'reuse' (share the span with the calibration-free correction, i.e. the
+    chain's correction so far: fullshared with exact head and tail on a fresh edge, and compute the exact rows after
+    the reply, off the first token's path, as the training read) or 'dense' (compute the span densely: that is the
+    training read).
+    apply: how a reader holds a corrected span: 'fused' (the span by reference, factors applied inside attention),
+    'materialize' (a private corrected copy of the rows, plain attention over it), 'auto' (a copy only where the
+    correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
+    otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
+    'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation).
+    recompute: the share of each shared span's rows (after the head) a reader recomputes in its own context, chosen
+    by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
+    nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
+    estimator still scores the rows)."""
+
+    name: str
+    head: int = 0
+    tail: Literal["exact", "rotate"] = "exact"
+    gate: Literal["auto", "dense", "reuse"] = "auto"
+    chain: bool = True
+    rank: int = 8
+    calibrate: int = 0  # ridge learned online: an edge is fitted after this many training reads
+    cold: Literal["reuse", "dense"] = "reuse"  # an edge without a map (online calibration): shared, or dense
+    apply: Literal["auto", "fused", "materialize"] = "auto"
+    ridge_path: Literal["core", "numpy"] = "core"
+    recompute: float = 0.0
+    recompute_block: int = recompute_mod.DEFAULT_BLOCK
+    correct: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute <= 1.0:
+            raise ValueError(f"recompute must be in [0, 1], got {self.recompute}")
+        if self.recompute_block < 1:
+            raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
+
+
+CALIBRATION_READS = 4  # online ridge: training reads per edge before kvcmas applies a learned map
+
+
+@dataclass(frozen=True)
+class Method:
+    """One sharing method. defaults: its MethodConfig fields (a benchmark's runner); session: fields an AgentSession
+    (and so the server) changes on top (kvcmas calibrates online there); estimator(model, workflow, config): a fresh
+    estimator (workflow: the workflow or workload name, e.g. for kvcmas-ref's per-workload gate threshold).
+    in_sessions: AgentSession runs it (oracle needs the exact run); served: kvcmas-server offers it."""
+
+    name: str
+    estimator: Callable[[Model, str, MethodConfig], est.Estimator]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    session: dict[str, Any] = field(default_factory=dict)
+    in_sessions: bool = True
+    served: bool = False
+
+    def config(self, *, for_session: bool = False, **overrides: Any) -> MethodConfig:
+        """The method's MethodConfig: its defaults (plus the session's when for_session), then overrides."""
+        fields = {**self.defaults, **(self.session if for_session else {}), **overrides}
+        return MethodConfig(self.name, **fields)
+
+
+def _no_estimator(model: Model, workflow: str, config: MethodConfig) -> est.Estimator:
+    return est.Estimator()
+
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("nonshared", _no_estimator, served=True),
+        Method("fullshared", _no_estimator, served=True),
+        Method(
+            "kvcmas",
+            lambda model, workflow, config: est.RidgeEstimator(rank=config.rank),
+            defaults={"head": 4, "rank": 8},
+            session={"calibrate": CALIBRATION_READS},
+            served=True,
+        ),
+        Method(
+            "kvcmas-ref",
+            lambda model, workflow, config: reference_estimator(model, workflow),
+            defaults={"rank": 32},
+        ),
+        Method(
+            "kvcomm",
+            lambda model, workflow, config: est.AnchorEstimator(
+                rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"
+            ),
+            defaults={"rank": 0},
+        ),
+        Method(
+            "oracle",
+            lambda model, workflow, config: est.OracleEstimator(config.rank),
+            defaults={"rank": 32},
+            in_sessions=False,
+        ),
+    )
+}
+
+
+def names(*, session: bool = False, served: bool = False) -> tuple[str, ...]:
+    """The registered methods (those AgentSession runs, with session; those the server offers, with served)."""
+    return tuple(n for n, m in REGISTRY.items() if (m.in_sessions or not session) and (m.served or not served))
+
+
+def method(name: str, *, session: bool = False, served: bool = False) -> Method:
+    """The registry's entry for a method name; a ValueError naming the choices when there is none (among those
+    AgentSession runs, with session; the server offers, with served)."""
+    if name not in names(session=session, served=served):
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(names(session=session, served=served))}")
+    return REGISTRY[name]
+
+
+# The registry's names at import (command-line choices, messages): method() and names() see later entries too.
+METHODS = names()
+SESSION_METHODS = names(session=True)
+SERVED_METHODS = names(served=True)
+
+
+def default_config(name: str) -> MethodConfig:
+    """The method's defaults (Method.defaults): kvcmas = ridge rank 8 + exact head 4; kvcmas-ref/kvcomm = the
+    reference setup (rotate-only tail as in the reference code is selectable with tail='rotate'); oracle = exact
+    delta rank 32."""
+    return method(name).config()
+
+
+def make_estimator(model: Model, config: MethodConfig, workflow: str) -> est.Estimator:
+    """A fresh estimator of config's method."""
+    return method(config.name).estimator(model, workflow, config)
