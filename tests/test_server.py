@@ -408,6 +408,57 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
     assert server.metrics().get('kvcmas_training_reads_total{outcome="dropped"}', 0) == 0
 
 
+def test_a_training_read_ends_under_a_steady_stream_of_prefills(server: ServerProcess) -> None:
+    """Training reads are the lowest-priority work, yet not starved: while other clients keep a prefill ready in
+    every turn, a read still gets a step at least every READ_STARVE_S and ends while those prefills go on."""
+    writer = "You write notes for a starvation test. Summarize the items."
+    reader = "You read notes for a starvation test. Find the smallest number."
+    context = "\n".join(f"Entry {i}: {i * 11} apples were picked in row {i}." for i in range(12))
+    filler = " ".join(f"item {i}," for i in range(40))  # about 10 prefill chunks of 16 rows each
+    stop = threading.Event()
+    served = [0]
+
+    def press(lane: int) -> None:  # a new prompt (no prefix-cache hit) as soon as the last one is answered
+        n = 0
+        while not stop.is_set():
+            n += 1
+            chat(
+                server,
+                [{"role": "user", "content": f"{lane}-{n} {filler}"}],
+                max_tokens=1,
+                kvcmas={"method": "nonshared"},
+            )
+            served[0] += 1
+
+    lanes = [threading.Thread(target=press, args=(lane,)) for lane in range(3)]
+    for t in lanes:
+        t.start()
+    try:
+        while served[0] < 3:  # the pressure is on before the read exists
+            time.sleep(0.05)
+        opts = {"workflow": "wf-starve"}
+        for system in (writer, reader):
+            k = chat(
+                server,
+                [{"role": "system", "content": system}, {"role": "user", "content": context}],
+                max_tokens=2,
+                kvcmas=opts,
+            )["kvcmas"]
+        if k["method"] != "kvcmas":
+            pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
+        assert k["gate"] == "calibrating -> reuse" and k["calibration_tokens"] > 100, k
+        served_at_reply, deadline = served[0], time.monotonic() + 120
+        while server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pending = server.metrics()["kvcmas_training_reads_pending"]
+        assert pending == 0 and all(t.is_alive() for t in lanes), (pending, served_at_reply, served[0])
+    finally:
+        stop.set()
+        for t in lanes:
+            t.join()
+    assert server.metrics()['kvcmas_training_reads_total{outcome="done"}'] >= 1
+
+
 _TOKENIZER: list[kc.Model] = []
 
 

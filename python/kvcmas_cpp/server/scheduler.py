@@ -17,7 +17,8 @@ spans) is deferred until that prefill returns.
 Training reads (kvcmas calibrating an edge under cold reuse: the span's exact rows in the reader's context, folded
 into the estimator's statistics) are scheduled by a finished reply and run after its Done, as the lowest-priority
 work: one step (a prefill chunk of rows, or one batch of statistics) in a turn with no prefill to run, between the
-decode steps of the generating jobs. A reply never waits for one. They own forks of the rows they read, so a
+decode steps of the generating jobs, and under a steady stream of prefills one step at least every READ_STARVE_S.
+A reply never waits for one. They own forks of the rows they read, so a
 session closed meanwhile loses nothing; under memory pressure, past MAX_TRAINING_READS and at shutdown pending ones
 are dropped (counted in kvcmas_training_reads_total{outcome="dropped"}).
 
@@ -80,6 +81,9 @@ MAX_SESSION_REQUESTS = 512
 GENERATION_RESERVE = 256
 # Training reads waiting to run; past this the oldest is dropped (each holds forks of the rows it reads).
 MAX_TRAINING_READS = 64
+# Under a steady stream of prefills the oldest training read still gets one step at least this often (seconds), so
+# calibration ends however busy the server is; a step is one prefill chunk of rows or one batch of statistics.
+READ_STARVE_S = 1.0
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -280,6 +284,7 @@ class Scheduler:
         self._busy: set[int] = set()  # id() of sessions whose prefill is on the stack
         self._deferred: list[Callable[[], None]] = []  # completions postponed until the prefill on the stack returns
         self._reads: deque[TrainingRead] = deque()  # training reads to run after their replies, oldest first
+        self._last_read_step = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvcmas-scheduler", daemon=True)
         self._thread.start()
 
@@ -395,7 +400,7 @@ class Scheduler:
         job = self._next_prefill()
         if job is not None:
             self._prefill(job)
-        elif self._reads:
+        if self._reads and (job is None or time.monotonic() - self._last_read_step > READ_STARVE_S):
             self._read_step()
         if self._generating():
             self._decode_step()
@@ -428,6 +433,7 @@ class Scheduler:
 
     def _read_step(self) -> None:
         """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take."""
+        self._last_read_step = time.monotonic()
         read = self._reads[0]
         rows = min(read.chunk, read.rows)
         if self.model.kv_bytes_in_use + self._outstanding_bytes() + self.reservation_bytes(rows) > self.kv_budget:
