@@ -234,7 +234,8 @@ _SCALAR_SCRIPT = textwrap.dedent(
     from kvcmas_cpp._native import core
     cases = np.load(sys.argv[1])
     n_toks = [int(v) for v in sys.argv[3].split(",")]
-    out = {"avx2": np.array(core.cpu_features()["avx2_fma_f16c"])}
+    features = core.cpu_features()
+    out = {"avx2": np.array(features["avx2_fma_f16c"]), "avx512": np.array(features["avx512"])}
     for i in range(len(cases.files) // 3):
         qtype, n_in, n_out = (int(v) for v in cases[f"meta_{i}"])
         raw, x = cases[f"raw_{i}"].tobytes(), cases[f"x_{i}"]
@@ -295,3 +296,61 @@ def test_scalar_path_matches_numpy_and_default_path(tmp_path: Path) -> None:
                 assert err < MATMUL_TOL, (qtype.name, n_tok, n_threads, err)
                 assert max_scaled_err(y, default.astype(np.float64), magnitude[:n_tok]) < 2 * MATMUL_TOL
                 assert np.max(np.abs(y[0] - alone.astype(np.float64)) / magnitude[0]) <= MATMUL_TOL
+
+
+# ---- AVX-512 prefill GEMM against the AVX2 one ---------------------------------------------------------------------
+
+# Prefill token counts around the AVX-512 kernel's 12-token micro tiles and 96-token blocks.
+AVX512_N_TOKS = [13, 24, 25, 97, 130]
+
+
+def test_avx512_gemm_matches_numpy_and_avx2_path(tmp_path: Path) -> None:
+    """The prefill GEMM with AVX-512 (default here) and with KVCMAS_NO_AVX512=1 (the AVX2 kernel) over row counts
+    around its 32-row micro tiles (1, 17, 47, 100) and widths with tails past its 128-wide k blocks: both within the
+    f32 bound of numpy's float64 product, and of each other."""
+    if not core.cpu_features().get("avx512"):
+        pytest.skip("this CPU (or KVCMAS_NO_AVX512) has no AVX-512")
+    rng = np.random.default_rng(18)
+    shapes = [(QT.F32, 5, 17), (QT.F32, 301, 47), (QT.F32, 130, 1), (QT.F32, 259, 100), (QT.F16, 37, 33)]
+    shapes += [(QT.Q4_0, 96, 100), (QT.Q4_K, 512, 47), (QT.Q6_K, 256, 17)]
+    cases: dict[str, np.ndarray] = {}
+    weights = []
+    for i, (qtype, n_in, n_out) in enumerate(shapes):
+        raw, w = make_weight(qtype, n_out, n_in, rng)
+        x = rng.standard_normal((max(AVX512_N_TOKS), n_in)).astype(np.float32)
+        cases[f"raw_{i}"] = np.frombuffer(raw, dtype=np.uint8)
+        cases[f"x_{i}"] = x
+        cases[f"meta_{i}"] = np.array([int(qtype), n_in, n_out])
+        weights.append((qtype, w, x))
+    np.savez(tmp_path / "cases.npz", **cases)
+    outs = {}
+    for flag in ("0", "1"):
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _SCALAR_SCRIPT,
+                str(tmp_path / "cases.npz"),
+                str(tmp_path / f"out{flag}.npz"),
+                ",".join(map(str, AVX512_N_TOKS)),
+            ],
+            env=dict(os.environ, KVCMAS_NO_AVX512=flag),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        outs[flag] = np.load(tmp_path / f"out{flag}.npz")
+    avx512, avx2 = outs["0"], outs["1"]
+    assert bool(avx512["avx512"]) and not bool(avx2["avx512"]) and bool(avx2["avx2"])
+    for i, (qtype, w, x) in enumerate(weights):
+        exact, magnitude = exact_product(x, w)
+        for n_tok in AVX512_N_TOKS:
+            for n_threads in (1, 2):
+                key = f"y_{i}_{n_tok}_{n_threads}"
+                case = (qtype.name, w.shape, n_tok, n_threads)
+                assert avx512[key].shape == (n_tok, w.shape[0]), case
+                assert max_scaled_err(avx512[key], exact[:n_tok], magnitude[:n_tok]) < MATMUL_TOL, case
+                assert max_scaled_err(avx2[key], exact[:n_tok], magnitude[:n_tok]) < MATMUL_TOL, case
+                diff = max_scaled_err(avx512[key], avx2[key].astype(np.float64), magnitude[:n_tok])
+                assert diff < 2 * MATMUL_TOL, case

@@ -202,6 +202,7 @@ void bind_kernels(nb::module_ & m) {
             nb::dict d;
             d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
             d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
+            d["avx512"]        = cpu::cpu_features().avx512;
             return d;
         },
         "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");

@@ -9,6 +9,9 @@ struct CpuFeatures {
     // AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): 8-bit dot products in one instruction, used by the
     // q8 activation kernels. KVCMAS_NO_VNNI=1 turns it off (tests compare the two kernel sets).
     bool avx_vnni = false;
+    // AVX-512 F/BW/DQ/VL with zmm state enabled by the OS (Skylake-X, Ice Lake, Sapphire Rapids, Zen 4 and later):
+    // the prefill GEMM. KVCMAS_NO_AVX512=1 turns it off (tests compare it with the AVX2 kernel).
+    bool avx512 = false;
 };
 
 const CpuFeatures & cpu_features();

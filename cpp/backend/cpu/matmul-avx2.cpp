@@ -585,16 +585,22 @@ void pack_panel(const float * rows, int64_t ld, int rn, int64_t n, float * dst) 
 
 }  // namespace
 
-void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
-                    float * y, int64_t ldy) {
+const float * pack_panels_avx2(const float * w, int64_t ldw, int nr, int64_t n) {
+    static_assert(kPanelRows == kGemmPanelRows, "packed panel layout");
     const int n_panels = (nr + kPanelRows - 1) / kPanelRows;
     float *   packed   = tl_panels.get(static_cast<size_t>(n_panels) * kPanelRows * static_cast<size_t>(n));
-    // Pack: panel p holds rows 16p.. as [k][16], missing rows zero.
     for (int p = 0; p < n_panels; ++p) {
         float *   dst = packed + static_cast<size_t>(p) * kPanelRows * static_cast<size_t>(n);
         const int rn  = nr - p * kPanelRows < kPanelRows ? nr - p * kPanelRows : kPanelRows;
         pack_panel(w + p * kPanelRows * ldw, ldw, rn, n, dst);
     }
+    return packed;
+}
+
+void gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n, float * y,
+                    int64_t ldy) {
+    const int     n_panels = (nr + kPanelRows - 1) / kPanelRows;
+    const float * packed   = pack_panels_avx2(w, ldw, nr, n);
     // k blocks outer, then token blocks (their activation slice stays in L2 across all panels), then panels (a
     // panel slice stays in L1 across the token block), then micro tiles.
     for (int64_t k0 = 0; k0 < n; k0 += kBlockK) {

@@ -78,6 +78,16 @@ DequantFn dequant_fn_avx2(GgmlType type);
 RowDotFn  row_dot_fn_avx2(GgmlType type);
 void      gemm_tile_avx2(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                          float * y, int64_t ldy);
+// The prefill kernels' packed weight layout: rows of w (nr × n, row stride ldw) in panels of kGemmPanelRows rows,
+// panel p at p·kGemmPanelRows·n, element [k][r] at k·kGemmPanelRows + r, missing rows zero; 64-byte aligned. The
+// buffer is the calling thread's, valid until its next call.
+constexpr int kGemmPanelRows = 16;
+const float * pack_panels_avx2(const float * w, int64_t ldw, int nr, int64_t n);
+#endif
+#if defined(KC_AVX512)
+// AVX-512 F/BW/DQ/VL (matmul-avx512.cpp): same contract as gemm_tile_avx2; only once cpu_features().avx512.
+void gemm_tile_avx512(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n, float * y,
+                      int64_t ldy);
 #endif
 
 }  // namespace kvcmas::cpu::detail

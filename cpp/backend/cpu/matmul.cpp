@@ -289,6 +289,11 @@ struct Kernels {
 Kernels select_kernels(GgmlType type) {
 #if defined(KC_X86)
     if (cpu_features().avx2_fma_f16c) {
+#if defined(KC_AVX512)
+        if (cpu_features().avx512) {
+            return { dequant_fn_avx2(type), row_dot_fn_avx2(type), gemm_tile_avx512 };
+        }
+#endif
         return { dequant_fn_avx2(type), row_dot_fn_avx2(type), gemm_tile_avx2 };
     }
 #endif
