@@ -18,9 +18,9 @@ Training reads (kvcmas calibrating an edge under cold reuse: the span's exact ro
 into the estimator's statistics) are scheduled by a finished reply and run after its Done, as the lowest-priority
 work: one step (a prefill chunk of rows, or one batch of statistics) in a turn with no prefill to run, between the
 decode steps of the generating jobs, and under a steady stream of prefills one step at least every READ_STARVE_S.
-A reply never waits for one. They own forks of the rows they read, so a
-session closed meanwhile loses nothing; under memory pressure, past MAX_TRAINING_READS and at shutdown pending ones
-are dropped (counted in kvcmas_training_reads_total{outcome="dropped"}).
+A reply never waits for one. They own forks of the rows they read, so a session closed meanwhile loses nothing;
+under memory pressure, past MAX_TRAINING_READS and at shutdown pending ones are dropped (counted in
+kvcmas_training_reads_total{outcome="dropped"}).
 
 KV admission is conservative: a job reserves blocks for its prompt plus max_tokens, less the prompt rows the prefix
 cache serves it (re-read whenever the cache changes, so an eviction puts them back in the reservation); memory in
