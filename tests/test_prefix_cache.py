@@ -167,8 +167,8 @@ def test_tokens_count_the_distinct_rows_the_entries_hold(model: kc.Model) -> Non
     rows = n_head + (len(a) - n_head) + (len(b) - n_head)
     assert cache.entries == 3 and cache.tokens == rows  # counted once per entry, it would be rows + 2 * n_head
     # the engine agrees: the blocks in use are those of the distinct rows (whole blocks, a partly shared one each)
-    block = 32 * model.kv_row_bytes
-    assert model.kv_bytes_in_use - kv0 <= (rows // 32 + 4) * block < (rows + 2 * n_head) // 32 * block
+    block, block_rows = model.kv_block_bytes, model.kv_block_rows
+    assert model.kv_bytes_in_use - kv0 <= (rows // block_rows + 4) * block < (rows + 2 * n_head) // block_rows * block
     for ids in (a, b):  # used since: the head entry is now the least recently used
         cache.reuse(ns, ids)[0].close()
     assert cache.evict_lru()  # the head entry: its rows live on in the two entries forked from it
@@ -274,8 +274,8 @@ def test_server_evicts_the_cache_before_refusing_a_request(server: ServerProcess
     # a request whose reservation needs the whole budget: everything the cache holds must make room for it
     prompt = "Count the clips."
     n_prompt = len(server_tokenizer().tokenize(prompt))
-    block_rows = 32
-    blocks = (BUDGET_MB << 20) // (block_rows * server_tokenizer().kv_row_bytes) - 1
+    block_rows = server_tokenizer().kv_block_rows
+    blocks = (BUDGET_MB << 20) // server_tokenizer().kv_block_bytes - 1
     eos = server_tokenizer().tokenizer.eos_id
     body = {"prompt": prompt, "max_tokens": blocks * block_rows - n_prompt, "logit_bias": {str(eos): 100}}
     out = post(server, "bob", "/v1/completions", body)
@@ -299,7 +299,7 @@ def test_admission_reserves_only_the_rows_the_cache_does_not_serve(server: Serve
     prompt = head + QUESTIONS[1]
     n_prompt = len(tok.tokenize(prompt))
     cached = len(tok.tokenize(head)) - 2  # about what the cache serves it (at least)
-    block_rows, block = 32, 32 * tok.kv_row_bytes
+    block_rows, block = tok.kv_block_rows, tok.kv_block_bytes
     budget_blocks = (BUDGET_MB << 20) // block
     entry_blocks = -(-n_entry // block_rows)
     # its reservation: prompt rows to compute, max_tokens and one spare block, beside the entry (other entries go)
