@@ -179,6 +179,31 @@ def test_tokens_count_the_distinct_rows_the_entries_hold(model: kc.Model) -> Non
     assert model.kv_bytes_in_use == kv0
 
 
+def test_the_size_cap_counts_shared_rows_once(model: kc.Model) -> None:
+    """Two entries that share a prefix (b forked from a) stay under a cap that fits their distinct rows, though
+    their lengths add up to more; one row less and the least recently used one goes."""
+    head = model.tokenize(" ".join([SYSTEM] * 2))
+    a, b = (head + model.tokenize(" " + q, add_special=False) for q in QUESTIONS)
+    for spare in (0, -1):
+        ns = uuid.uuid4().hex
+        probe = PrefixCache(model, max_bytes=1 << 30)  # how many rows b's entry reads from a's (its fork point)
+        probe.prefix(ns, a)[0].close()
+        seq, served = probe.prefix(ns, b)
+        seq.close()
+        probe.clear()
+        distinct = len(a) + len(b) - served
+        assert served > 0 and distinct < len(a) + len(b)
+        cache = PrefixCache(model, max_bytes=(distinct + spare) * model.kv_row_bytes)
+        cache.prefix(ns, a)[0].close()
+        cache.prefix(ns, b)[0].close()
+        if spare == 0:
+            assert cache.entries == 2 and cache.evictions == 0 and cache.tokens == distinct
+        else:  # a's entry (the least recently used) goes; its rows b reads stay with b
+            assert cache.entries == 1 and cache.evictions == 1 and cache.tokens == len(b)
+        assert cache.tokens * model.kv_row_bytes <= cache.max_bytes
+        cache.clear()
+
+
 # ------------------------------------------------------------------------------------------------- the server
 KEYS = {"alice": "alice-key-prefix-0123", "bob": "bob-key-prefix-4567"}
 BUDGET_MB = 48
