@@ -167,8 +167,8 @@ def test_tokens_count_the_distinct_rows_the_entries_hold(model: kc.Model) -> Non
     rows = n_head + (len(a) - n_head) + (len(b) - n_head)
     assert cache.entries == 3 and cache.tokens == rows  # counted once per entry, it would be rows + 2 * n_head
     # the engine agrees: the blocks in use are those of the distinct rows (whole blocks, a partly shared one each)
-    block = 32 * model.kv_row_bytes
-    assert model.kv_bytes_in_use - kv0 <= (rows // 32 + 4) * block < (rows + 2 * n_head) // 32 * block
+    block, block_rows = model.kv_block_bytes, model.kv_block_rows
+    assert model.kv_bytes_in_use - kv0 <= (rows // block_rows + 4) * block < (rows + 2 * n_head) // block_rows * block
     for ids in (a, b):  # used since: the head entry is now the least recently used
         cache.reuse(ns, ids)[0].close()
     assert cache.evict_lru()  # the head entry: its rows live on in the two entries forked from it
@@ -177,6 +177,31 @@ def test_tokens_count_the_distinct_rows_the_entries_hold(model: kc.Model) -> Non
     assert cache.entries == 1 and cache.tokens == len(b)
     assert cache.evict_lru() and cache.tokens == 0
     assert model.kv_bytes_in_use == kv0
+
+
+def test_the_size_cap_counts_shared_rows_once(model: kc.Model) -> None:
+    """Two entries that share a prefix (b forked from a) stay under a cap that fits their distinct rows, though
+    their lengths add up to more; one row less and the least recently used one goes."""
+    head = model.tokenize(" ".join([SYSTEM] * 2))
+    a, b = (head + model.tokenize(" " + q, add_special=False) for q in QUESTIONS)
+    for spare in (0, -1):
+        ns = uuid.uuid4().hex
+        probe = PrefixCache(model, max_bytes=1 << 30)  # how many rows b's entry reads from a's (its fork point)
+        probe.prefix(ns, a)[0].close()
+        seq, served = probe.prefix(ns, b)
+        seq.close()
+        probe.clear()
+        distinct = len(a) + len(b) - served
+        assert served > 0 and distinct < len(a) + len(b)
+        cache = PrefixCache(model, max_bytes=(distinct + spare) * model.kv_row_bytes)
+        cache.prefix(ns, a)[0].close()
+        cache.prefix(ns, b)[0].close()
+        if spare == 0:
+            assert cache.entries == 2 and cache.evictions == 0 and cache.tokens == distinct
+        else:  # a's entry (the least recently used) goes; its rows b reads stay with b
+            assert cache.entries == 1 and cache.evictions == 1 and cache.tokens == len(b)
+        assert cache.tokens * model.kv_row_bytes <= cache.max_bytes
+        cache.clear()
 
 
 # ------------------------------------------------------------------------------------------------- the server
@@ -274,8 +299,8 @@ def test_server_evicts_the_cache_before_refusing_a_request(server: ServerProcess
     # a request whose reservation needs the whole budget: everything the cache holds must make room for it
     prompt = "Count the clips."
     n_prompt = len(server_tokenizer().tokenize(prompt))
-    block_rows = 32
-    blocks = (BUDGET_MB << 20) // (block_rows * server_tokenizer().kv_row_bytes) - 1
+    block_rows = server_tokenizer().kv_block_rows
+    blocks = (BUDGET_MB << 20) // server_tokenizer().kv_block_bytes - 1
     eos = server_tokenizer().tokenizer.eos_id
     body = {"prompt": prompt, "max_tokens": blocks * block_rows - n_prompt, "logit_bias": {str(eos): 100}}
     out = post(server, "bob", "/v1/completions", body)
@@ -299,7 +324,7 @@ def test_admission_reserves_only_the_rows_the_cache_does_not_serve(server: Serve
     prompt = head + QUESTIONS[1]
     n_prompt = len(tok.tokenize(prompt))
     cached = len(tok.tokenize(head)) - 2  # about what the cache serves it (at least)
-    block_rows, block = 32, 32 * tok.kv_row_bytes
+    block_rows, block = tok.kv_block_rows, tok.kv_block_bytes
     budget_blocks = (BUDGET_MB << 20) // block
     entry_blocks = -(-n_entry // block_rows)
     # its reservation: prompt rows to compute, max_tokens and one spare block, beside the entry (other entries go)

@@ -77,18 +77,19 @@ def test_the_rule_picks_the_blocks_with_the_largest_mean_score() -> None:
 def test_scores_are_the_normalised_deviation_of_the_correction() -> None:
     rng = np.random.default_rng(0)
     n, kd, r = 20, 12, 3
-    corr: est.Correction = [None] + [
+    factors: est.Factors = [None] + [
         tuple(rng.standard_normal(s).astype(np.float32) for s in ((n, r), (r, kd), (n, r), (r, kd)))  # type: ignore[misc]
         for _ in range(2)
     ]
     want = np.zeros(n)
-    for f in corr[1:]:
+    for f in factors[1:]:
         assert f is not None
         for a, b in ((f[0], f[1]), (f[2], f[3])):
             d = (a.astype(np.float64) @ b.astype(np.float64)) ** 2
             rows = d.sum(1)
             want += rows / rows.mean()
-    np.testing.assert_allclose(rc.deviation_scores(corr, n, 3), want, rtol=1e-9)
+    for corr in (est.Correction(factors), est.Correction(factors).sliced(0, n, 3)):
+        np.testing.assert_allclose(rc.deviation_scores(corr, n, 3), want, rtol=1e-9)
     assert not rc.deviation_scores(None, n, 3).any()
 
 
@@ -146,7 +147,7 @@ def test_partial_budget_recomputes_the_chosen_rows_and_counts_them(model, workfl
     assert maps is not None
     view_pos = res.span_pos[0]["user_question"][0] + 4
     corr = kc._native.core.ridge_correction(model._core, maps, res.seqs[0].id, view_pos, n, view_pos, None)
-    want = rc.select_rows(rc.deviation_scores(corr, n, model.n_layer), budget)
+    want = rc.select_rows(rc.deviation_scores(est.Correction(kv=corr), n, model.n_layer), budget)
     assert 0 < want.sum() < n
     np.testing.assert_array_equal(_own_rows(model, res.seqs[1], pos + 4, n), want)
     # accounting: the recomputed rows are computed tokens, KV the hop holds, and part of its TTFT's work

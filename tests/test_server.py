@@ -367,6 +367,7 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
             kvcmas=opts,
         )
         done_before = server.metrics().get(read_key, 0)
+        rows_before = server.metrics().get("kvcmas_calibration_tokens_total", 0)
         body = chat(
             server,
             [{"role": "system", "content": reader}, {"role": "user", "content": context}],
@@ -378,11 +379,11 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
         if k["method"] != "kvcmas":
             pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
         if i == CALIBRATION_READS:  # calibrated: learned corrections, no training read any more
-            assert k["gate"] == "reuse" and k["mode"] == "reuse" and k["calibration_tokens"] == 0, k
+            assert k["gate"] == "reuse" and k["mode"] == "reuse" and k["calibration_tokens_scheduled"] == 0, k
             break
         assert k["gate"] == "calibrating -> reuse" and k["mode"] == "reuse", k
         if i == 0:
-            assert k["calibration_tokens"] >= n_long and k["span_tokens"] >= n_long - 8, k
+            assert k["calibration_tokens_scheduled"] >= n_long and k["span_tokens"] >= n_long - 8, k
             after = server.metrics()  # the reply came back with its read not run yet
             assert after["kvcmas_training_reads_pending"] == 1 and after.get(read_key, 0) == done_before
             stream = {
@@ -399,6 +400,8 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
             time.sleep(0.05)
         m = server.metrics()
         assert m["kvcmas_training_reads_pending"] == 0 and m[read_key] == done_before + 1
+        # the read ran: the rows the reply said it scheduled are the rows it computed
+        assert m["kvcmas_calibration_tokens_total"] == rows_before + k["calibration_tokens_scheduled"]
         if i == 0:
             read_s = time.perf_counter() - t_reply
             gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -446,7 +449,7 @@ def test_a_training_read_ends_under_a_steady_stream_of_prefills(server: ServerPr
             )["kvcmas"]
         if k["method"] != "kvcmas":
             pytest.skip("kvcmas_cpp.agents is not available: the server runs every method nonshared")
-        assert k["gate"] == "calibrating -> reuse" and k["calibration_tokens"] > 100, k
+        assert k["gate"] == "calibrating -> reuse" and k["calibration_tokens_scheduled"] > 100, k
         served_at_reply, deadline = served[0], time.monotonic() + 120
         while server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline:
             time.sleep(0.1)

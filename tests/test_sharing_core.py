@@ -12,7 +12,7 @@ from kvcmas_cpp._native import core
 from kvcmas_cpp.sharing import MethodConfig, RidgeEstimator, WorkflowRunner, gsm8k_workflow, load_gsm8k
 from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing.evaluate import question_ids
-from kvcmas_cpp.sharing.runner import _Bucket, _canonical, numpy_factors
+from kvcmas_cpp.sharing.runner import _Bucket, _canonical
 from kvcmas_cpp.sharing.workflow import QUESTION
 
 GEN = 4
@@ -46,15 +46,17 @@ def _rel(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _assert_factors_equal(kc_corr, ref: est.Correction, n_layer: int) -> None:
-    """A core KvCorrection against numpy factors (padded like the runner pads them): per layer, every factor
-    within 1e-5 relative (fp32), and the same uncorrected layers."""
-    got = numpy_factors(kc_corr, n_layer)
+def _assert_factors_equal(corr: est.Correction | None, ref: est.Correction | None, n_layer: int) -> None:
+    """A correction built in the core against numpy factors (padded like the runner pads them): per layer, every
+    factor within 1e-5 relative (fp32), and the same uncorrected layers."""
+    assert corr is not None and corr.in_core and ref is not None and not ref.in_core
+    got, want = corr.factors(n_layer), ref.factors(n_layer)
     for il in range(n_layer):
-        if ref[il] is None:
+        layer = want[il]
+        if layer is None:
             assert got[il] is None, il
             continue
-        for g, r in zip(got[il], est._pad_rank(ref[il]), strict=True):
+        for g, r in zip(got[il], est._pad_rank(layer), strict=True):
             assert g.shape == r.shape
             assert _rel(g, r) < 1e-5, (il, _rel(g, r))
 
@@ -70,10 +72,12 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     src.append(q, logits="none")
     h, n = 4, len(q) - 4
     bucket = _Bucket(src.share(p0 + h, n), None, p0 + h, src, p0 + h)
-    kc1 = runner._core_ridge(runner.edge_of(QUESTION, 1), bucket, n)
+    c1 = runner._core_ridge(runner.edge_of(QUESTION, 1), bucket, n)
     ref1 = runner._correction_numpy(1, QUESTION, bucket, 0, n, "m", None)
-    assert isinstance(kc1, core.KvCorrection) and kc1.rank == 9 and kc1.n_rows == n
-    _assert_factors_equal(kc1, ref1, model.n_layer)
+    assert isinstance(c1, est.Correction) and c1.rank == 9 and c1.rows == n
+    kc1 = c1.core
+    assert isinstance(kc1, core.KvCorrection)
+    _assert_factors_equal(c1, ref1, model.n_layer)
     # the map is what the numpy estimator computes from the canonical base (layer 0 uncorrected, offset column 1)
     a1 = core.correction_layer(kc1, 5)[0]
     np.testing.assert_array_equal(a1[:, -1], np.ones(n, np.float32))
@@ -85,13 +89,15 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     pos1 = len(reader)
     assert pos1 != p0
     reader.append_shared(bucket.shared, kc1)
-    chained = _Bucket(bucket.shared, kc1, bucket.frame0, reader, pos1)
-    kc2 = runner._core_ridge(runner.edge_of(QUESTION, 2), chained, n)
+    chained = _Bucket(bucket.shared, c1, bucket.frame0, reader, pos1)
+    c2 = runner._core_ridge(runner.edge_of(QUESTION, 2), chained, n)
+    in_numpy = est.Correction(c1.factors(model.n_layer))  # the same chain, folded by the numpy path
     ref2 = runner._correction_numpy(
-        2, QUESTION, _Bucket(bucket.shared, numpy_factors(kc1, model.n_layer), p0 + h, reader, pos1), 0, n, "m", None
+        2, QUESTION, _Bucket(bucket.shared, in_numpy, p0 + h, reader, pos1), 0, n, "m", None
     )
-    assert kc2.rank == 18
-    _assert_factors_equal(kc2, ref2, model.n_layer)
+    assert isinstance(c2, est.Correction) and c2.rank == 18 and ref2 is not None
+    _assert_factors_equal(c2, ref2, model.n_layer)
+    kc2 = c2.core
     # the chained view is the stored rows plus both hops' deltas: reading it back agrees with the factors' sum
     reader2 = runner.prefixes[2].fork()
     reader2.append(q[:h], logits="none")
@@ -99,7 +105,7 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     reader2.append_shared(bucket.shared, kc2)
     k2, v2 = _canonical(model, reader2, pos2, n)
     k0, v0 = _canonical(model, src, p0 + h, n)
-    dk, dv = est.materialize(ref2, model.n_layer, n, model.n_head_kv * model._core.head_dim)
+    dk, dv = est.materialize(ref2.factors(model.n_layer), model.n_layer, n, model.n_head_kv * model._core.head_dim)
     rot = np.stack([model._core.rope_rotate(np.ascontiguousarray(dk[il]), -(p0 + h)) for il in range(model.n_layer)])
     assert _rel(k2, k0 + rot) < 1e-5 and _rel(v2, v0 + dv) < 1e-5
     with pytest.raises(core.KvcmasError, match="outside sequence"):
@@ -242,9 +248,9 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
     for il in range(1, n_layer, 2):  # even layers (and 0) have no map
         params[il] = [rng.standard_normal(s).astype(np.float32) for s in ((kd,), (kd, r), (r, kd), (kd,)) * 2]
         maps.set_layer(il, *params[il])
-    got = numpy_factors(core.ridge_correction(m._core, maps, view.id, pos, n, frame0, prev), n_layer)
+    got = est.Correction(kv=core.ridge_correction(m._core, maps, view.id, pos, n, frame0, prev)).factors(n_layer)
     base_k, base_v = _canonical(m, view, pos, n)
-    prev_f = numpy_factors(prev, n_layer)
+    prev_f = est.Correction(kv=prev).factors(n_layer)
     for il in range(n_layer):
         if il not in params and prev_f[il] is None:
             assert got[il] is None

@@ -40,7 +40,7 @@ def test_ridge_map_recovers_a_low_rank_linear_map_with_offset() -> None:
     np.testing.assert_allclose(a @ b, x_new @ w + c, atol=1e-3)
 
 
-def _corr(seed: int, rank: int) -> est.Correction:
+def _corr(seed: int, rank: int) -> est.Factors:
     rng = _rng(seed)
     return [None] + [
         tuple(rng.standard_normal(s).astype(np.float32) for s in ((N, rank), (rank, KD)) * 2) for _ in range(L - 1)

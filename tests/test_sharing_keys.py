@@ -98,11 +98,18 @@ def test_kv_bytes_count_half_rows_with_an_f16_cache(default_model_path: str) -> 
     f32 = kc.Model(default_model_path, n_threads=2)
     f16 = kc.Model(default_model_path, n_threads=2, kv_type="f16")
     assert f16.kv_row_bytes * 2 == f32.kv_row_bytes
-    for m in (f32, f16):
+    for m, element in ((f32, 4), (f16, 2)):
+        # the core's figures against the model file's shape: K and V rows of n_head_kv * head_dim, every layer
+        arch = m.metadata["general.architecture"]
+        head_dim = m.metadata.get(f"{arch}.attention.key_length", m.n_embd // m.n_head)
+        assert m.kv_row_bytes == m.n_layer * 2 * m.n_head_kv * head_dim * element
+        assert m.kv_block_bytes == m.kv_block_rows * m.kv_row_bytes
         base = m.kv_bytes_in_use
-        with m.new_sequence() as s:
-            s.append(list(range(100, 164)), logits="none")  # two whole 32-row blocks
-            assert m.kv_bytes_in_use - base == 64 * m.kv_row_bytes  # the engine's own accounting
+        for n in (64, 70):  # two whole blocks; then a third block, partly filled, is allocated whole
+            with m.new_sequence() as s:
+                s.append(list(range(100, 100 + n)), logits="none")
+                blocks = -(-n // m.kv_block_rows)
+                assert m.kv_bytes_in_use - base == blocks * m.kv_block_rows * m.kv_row_bytes  # the engine's own
         with AgentSession(m, "fullshared") as team:
             a, b = team.agent(*SOLVER), team.agent(*CRITIC)
             team.share(QUESTION)

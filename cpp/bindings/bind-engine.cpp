@@ -199,6 +199,11 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("kv_budget", &Model::kv_budget)
         .def_prop_ro("kv_bytes_allocated", &Model::kv_bytes_allocated,
                      "bytes of KV block memory held, in use or kept free for reuse")
+        .def_prop_ro("kv_block_bytes", &Model::kv_block_bytes,
+                     "bytes of one KV block: kv_block_rows rows of K and V, every layer, in kv_type")
+        .def_prop_ro(
+            "kv_block_rows", [](const Model &) { return kKvBlockRows; },
+            "rows (tokens) per KV block: sequences and spans allocate KV memory in whole blocks")
         .def("kv_trim", &Model::kv_trim,
              "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })

@@ -380,6 +380,9 @@ size_t Model::kv_bytes_in_use() const {
 size_t Model::kv_budget() const {
     return kv_->pool().budget_bytes();
 }
+size_t Model::kv_block_bytes() const {
+    return kv_->pool().block_bytes();
+}
 size_t Model::kv_bytes_allocated() const {
     return kv_->pool().bytes_allocated();
 }

@@ -117,6 +117,8 @@ class Model {
     size_t kv_budget() const;
     size_t kv_bytes_allocated() const;
     size_t kv_trim();
+    // KV block geometry, the pool's: bytes of one block (kKvBlockRows rows of K and V, every layer, in kv_type).
+    size_t kv_block_bytes() const;
 
     // The sharing layer's core ops (engine/ridge-correction.h, engine/kv-materialize.h), under the lock.
     std::shared_ptr<KvCorrection> ridge_correction(const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n,

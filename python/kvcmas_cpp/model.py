@@ -304,10 +304,19 @@ class Model:
     )
 
     @property
+    def kv_block_rows(self) -> int:
+        """Rows (tokens) per KV block: sequences and stored spans take KV memory in whole blocks (the core's)."""
+        return int(self._core.kv_block_rows)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block: kv_block_rows rows of K and V, every layer, in the cache's row type (the core's)."""
+        return int(self._core.kv_block_bytes)
+
+    @property
     def kv_row_bytes(self) -> int:
         """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
-        element = 2 if getattr(self._core, "kv_type", "f32") == "f16" else 4
-        return self.n_layer * 2 * self.n_head_kv * self._core.head_dim * element
+        return self.kv_block_bytes // self.kv_block_rows
 
     @property
     def kv_bytes_in_use(self) -> int:

@@ -16,7 +16,7 @@ Contracts:
   sees only entries of its own namespace (the server's tenant and cache_salt: one tenant never gets another's rows,
   nor a timing that says another tenant sent the same prompt). Sharing methods do not matter: rows are exact.
 - Bounded: least recently used entries are evicted beyond max_bytes (a quarter of the KV budget by default, counted
-  as every entry's tokens times the row size, rows two entries share counted for each), and on demand (evict_lru:
+  as `tokens`, the distinct rows, times the row size: rows two entries share count once), and on demand (evict_lru:
   the server's admission evicts before it would refuse a request). Entries never hold rows a request generates.
 - Counted: `tokens` is the distinct rows the entries hold. An entry made from a fork of another (reuse, then adopt)
   reads that one's first rows instead of holding its own; those rows stay alive while any entry reads them, an
@@ -112,24 +112,28 @@ class PrefixCache:
         """Distinct KV rows the entries hold: rows an entry reads from the entry it was forked from count once (and
         still count when that one was evicted, as long as an entry reads them)."""
         with self._lock:
-            children: dict[_Entry, list[_Entry]] = {}
-            nodes: dict[_Entry, None] = {}
-            for e in self._lru:
-                node: _Entry | None = e
-                while node is not None and node not in nodes:
-                    nodes[node] = None
-                    if node.parent is not None:
-                        children.setdefault(node.parent, []).append(node)
-                    node = node.parent
-            cover: dict[_Entry, int] = {}  # rows [0, cover) of a node's sequence some live entry reads
+            return self._distinct_rows()
 
-            def covered(n: _Entry) -> int:
-                if n not in cover:
-                    below = [min(c.shared, covered(c)) for c in children.get(n, [])]
-                    cover[n] = max([len(n.ids) if n.live else 0, *below])
-                return cover[n]
+    def _distinct_rows(self) -> int:
+        """`tokens` (lock held)."""
+        children: dict[_Entry, list[_Entry]] = {}
+        nodes: dict[_Entry, None] = {}
+        for e in self._lru:
+            node: _Entry | None = e
+            while node is not None and node not in nodes:
+                nodes[node] = None
+                if node.parent is not None:
+                    children.setdefault(node.parent, []).append(node)
+                node = node.parent
+        cover: dict[_Entry, int] = {}  # rows [0, cover) of a node's sequence some live entry reads
 
-            return sum(max(0, covered(n) - (n.shared if n.parent is not None else 0)) for n in nodes)
+        def covered(n: _Entry) -> int:
+            if n not in cover:
+                below = [min(c.shared, covered(c)) for c in children.get(n, [])]
+                cover[n] = max([len(n.ids) if n.live else 0, *below])
+            return cover[n]
+
+        return sum(max(0, covered(n) - (n.shared if n.parent is not None else 0)) for n in nodes)
 
     def cached_rows(self, namespace: str, ids: Sequence[int]) -> int:
         """How many rows reuse(namespace, ids) would serve now (no side effects): what a prompt need not compute."""
@@ -266,13 +270,12 @@ class PrefixCache:
         self._prune(e)
 
     def _shrink(self, keep: _Entry | None = None) -> None:
+        """Evicts least recently used entries (never `keep`) until the distinct rows fit max_bytes."""
         row = self.model.kv_row_bytes
-        total = sum(len(e.ids) for e in self._lru)
         for e in list(self._lru):
-            if total * row <= self.max_bytes:
+            if self._distinct_rows() * row <= self.max_bytes:
                 break
             if e is not keep:
-                total -= len(e.ids)
                 self._drop(e)
                 self.evictions += 1
 

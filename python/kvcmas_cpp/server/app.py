@@ -1019,7 +1019,7 @@ class Server:
             "corr_bytes": s["corr_bytes"],
             "prefix_cached_tokens": s["prefix_cached_tokens"],
             "span_tokens": s["span_tokens"],
-            "calibration_tokens": s["calibration_tokens"],
+            "calibration_tokens_scheduled": s["calibration_tokens_scheduled"],
             "dense_reason": s["dense_reason"],
             **extra,
         }

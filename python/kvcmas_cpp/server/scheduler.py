@@ -55,7 +55,6 @@ from .metrics import Metrics
 
 log = logging.getLogger("kvcmas.server")
 
-KV_BLOCK_ROWS = 32  # rows per engine KV block (cpp/engine/kv-cache.h kKvBlockRows)
 # Prompt rows per prefill chunk (--prefill-chunk): a short prompt waits at most about one chunk of another's prefill.
 # 128 rows keep the matrix products efficient (the weights are read once per chunk) while a chunk of SmolLM2-135M
 # takes a few hundred ms on two cores.
@@ -264,7 +263,7 @@ class Scheduler:
         self.vision = vision  # sessions get the vision encoder: image embeddings in their messages
         self.calibration_bytes = calibration_bytes
         self.cold, self.calibration_dir = cold, calibration_dir  # kvcmas sessions (AgentSession)
-        self.block_bytes = KV_BLOCK_ROWS * model.kv_row_bytes
+        self.block_rows, self.block_bytes = model.kv_block_rows, model.kv_block_bytes  # the engine's KV blocks
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
@@ -304,12 +303,12 @@ class Scheduler:
 
     def reservation_bytes(self, n_tokens: int) -> int:
         """KV bytes reserved for a job that may hold n_tokens rows (one spare block for a partly filled first one)."""
-        return (math.ceil(n_tokens / KV_BLOCK_ROWS) + 1) * self.block_bytes
+        return (math.ceil(n_tokens / self.block_rows) + 1) * self.block_bytes
 
     def max_tokens_fitting(self, n_prompt: int) -> int:
         """The most tokens a job with this prompt may generate within the KV budget alone (may be <= 0)."""
         blocks = self.kv_budget // self.block_bytes - 1
-        return blocks * KV_BLOCK_ROWS - n_prompt
+        return blocks * self.block_rows - n_prompt
 
     def submit(self, job: Job) -> None:
         """Queues a job. Raises QueueFull when max_queue jobs are already waiting."""
@@ -915,7 +914,8 @@ class Scheduler:
             "corr_bytes": int(s.get("corr_bytes", 0) or 0),
             "prefix_cached_tokens": int(s.get("prefix_cached_tokens", 0)),
             "span_tokens": int(s.get("span_tokens", 0)),
-            "calibration_tokens": int(s.get("calibration_tokens", 0)),
+            # rows of the training read this call scheduled: computed after the reply (a dropped read never does)
+            "calibration_tokens_scheduled": int(s.get("calibration_tokens", 0)),
             "dense_reason": s.get("dense_reason"),
         }
 

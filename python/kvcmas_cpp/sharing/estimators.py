@@ -1,8 +1,9 @@
 """Estimators of the KV delta a reader agent needs on a shared span, and the factor algebra around them.
 
 All arrays here are in the span's canonical frame: keys rotated to positions 0..n-1 of the span, rows = tokens,
-columns = head-major n_head_kv * head_dim ("kd"). Shapes: base/exact/delta [n_layer, n, kd]. A correction is a
-list over layers of (A_k [n, r], B_k [r, kd], A_v [n, r], B_v [r, kd]) or None (layer uncorrected; layer 0 always).
+columns = head-major n_head_kv * head_dim ("kd"). Shapes: base/exact/delta [n_layer, n, kd]. Estimators compute
+Factors: a list over layers of (A_k [n, r], B_k [r, kd], A_v [n, r], B_v [r, kd]) or None (layer uncorrected; layer
+0 always). A Correction is what the runner carries from hop to hop: numpy Factors or a core KvCorrection, one type.
 
 Estimators:
 - RidgeEstimator (default `kvcmas`): a ridge map base -> delta per (edge, layer), reduced to rank r, plus the
@@ -21,10 +22,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._native import core
 from ._blas import single_threaded_blas
 
 LayerFactors = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-Correction = list[LayerFactors | None]
+Factors = list[LayerFactors | None]  # a correction's numpy form, per layer (see the module docstring)
 Edge = tuple[str, int | str]  # (span key, reader key) an estimator learns per
 MAX_KERNEL_RANK = 256  # cpu::kMaxCorrectionRank
 
@@ -89,9 +91,9 @@ def exact_factors(delta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return truncated(delta, MAX_KERNEL_RANK)
 
 
-def dense_to_correction(dk: np.ndarray, dv: np.ndarray) -> Correction:
+def dense_to_correction(dk: np.ndarray, dv: np.ndarray) -> Factors:
     """A correction that adds the full deltas dk, dv [n_layer, n, kd] from layer 1 on."""
-    out: Correction = [None]
+    out: Factors = [None]
     for il in range(1, dk.shape[0]):
         ak, bk = exact_factors(dk[il])
         av, bv = exact_factors(dv[il])
@@ -99,11 +101,11 @@ def dense_to_correction(dk: np.ndarray, dv: np.ndarray) -> Correction:
     return out
 
 
-def correction_rank(corr: Correction) -> int:
+def correction_rank(corr: Factors) -> int:
     return max((max(f[0].shape[1], f[2].shape[1]) for f in corr if f is not None), default=0)
 
 
-def materialize(corr: Correction, n_layer: int, n: int, kd: int) -> tuple[np.ndarray, np.ndarray]:
+def materialize(corr: Factors, n_layer: int, n: int, kd: int) -> tuple[np.ndarray, np.ndarray]:
     """The deltas [n_layer, n, kd] a correction adds."""
     dk = np.zeros((n_layer, n, kd), np.float32)
     dv = np.zeros_like(dk)
@@ -114,10 +116,10 @@ def materialize(corr: Correction, n_layer: int, n: int, kd: int) -> tuple[np.nda
     return dk, dv
 
 
-def concat(corrs: list[Correction]) -> Correction:
+def concat(corrs: list[Factors]) -> Factors:
     """The sum of several corrections as one, by concatenating factors along the rank axis."""
     n_layer = max(len(c) for c in corrs)
-    out: Correction = []
+    out: Factors = []
     for il in range(n_layer):
         parts = [f for c in corrs if il < len(c) and (f := c[il]) is not None]
         if not parts:
@@ -126,6 +128,85 @@ def concat(corrs: list[Correction]) -> Correction:
         ak, bk, av, bv = (np.concatenate([p[j] for p in parts], axis=1 if j % 2 == 0 else 0) for j in range(4))
         out.append((ak, bk, av, bv))
     return out
+
+
+class Correction:
+    """A reader's correction of a shared span's rows, in the span's stored frame: numpy Factors (what estimators
+    compute) or a core KvCorrection (what the core's ridge path builds and the engine reads). Either form converts to
+    the other on demand, each time (nothing cached: a chained bucket holds one form only). Immutable."""
+
+    __slots__ = ("_factors", "_core")
+
+    def __init__(self, factors: Factors | None = None, kv: Any = None) -> None:
+        if (factors is None) == (kv is None):
+            raise ValueError("a Correction holds numpy factors or a core KvCorrection, exactly one of them")
+        self._factors, self._core = factors, kv
+
+    @property
+    def in_core(self) -> bool:
+        """Built in the core (a KvCorrection): the core's ridge path can put it in front of a new one."""
+        return self._core is not None
+
+    @property
+    def core(self) -> Any:
+        """The core KvCorrection it was built as, or None (numpy factors)."""
+        return self._core
+
+    @property
+    def rank(self) -> int:
+        return int(self._core.rank) if self._core is not None else correction_rank(self._factors or [])
+
+    @property
+    def rows(self) -> int | None:
+        """Span rows it corrects; None for numpy factors that correct no layer."""
+        if self._core is not None:
+            return int(self._core.n_rows)
+        return next((int(f[0].shape[0]) for f in self._factors or [] if f is not None), None)
+
+    def factors(self, n_layer: int) -> Factors:
+        """Per layer (A_k, B_k, A_v, B_v) or None, as numpy arrays (copied out of the core for a KvCorrection)."""
+        if self._factors is not None:
+            return self._factors
+        return [core.correction_layer(self._core, il) for il in range(n_layer)]
+
+    def kv_correction(self, n: int, kd: int, n_layer: int) -> Any:
+        """The core KvCorrection of n rows the engine reads: the core's own, or built from the factors (K and V
+        zero-padded to one rank, at least 1)."""
+        if self._core is not None:
+            return self._core
+        corr = self.factors(n_layer)
+        rank = max(correction_rank(corr), 1)
+        kc = core.KvCorrection(n, rank, kd, n_layer)
+        for il, f in enumerate(corr):
+            if f is None:
+                continue
+            ak, bk, av, bv = _pad_rank(f)
+            if ak.shape[1] < rank:
+                pad = np.zeros((n, rank - ak.shape[1]), np.float32)
+                padb = np.zeros((rank - ak.shape[1], kd), np.float32)
+                ak, av = np.concatenate([ak, pad], 1), np.concatenate([av, pad], 1)
+                bk, bv = np.concatenate([bk, padb], 0), np.concatenate([bv, padb], 0)
+            kc.set_layer(il, *(np.ascontiguousarray(x, np.float32) for x in (ak, bk, av, bv)))
+        return kc
+
+    def shifted(self, rope_rotate: Any, shift: int, n_layer: int) -> Correction:
+        """The same correction with keys `shift` positions later (B_k rotated by rope_rotate(rows, shift), the
+        model's rotation): canonical-frame factors to a span's stored frame (shift = its first stored position)."""
+        out: Factors = []
+        for f in self.factors(n_layer):
+            if f is None:
+                out.append(None)
+                continue
+            ak, bk, av, bv = f
+            out.append((ak, rope_rotate(np.ascontiguousarray(bk, np.float32), shift), av, bv))
+        return Correction(out)
+
+    def sliced(self, start: int, n: int, n_layer: int) -> Correction:
+        """Rows [start, start + n) as numpy factors (B is shared by all rows; the frame stays the span's stored one)."""
+        end = start + n
+        return Correction(
+            [None if f is None else (f[0][start:end], f[1], f[2][start:end], f[3]) for f in self.factors(n_layer)]
+        )
 
 
 # ---------------------------------------------------------------------------------------------- estimators
@@ -175,7 +256,7 @@ class Estimator:
         """Maps the core computes the edge's correction from (where core_path), or None."""
         return None
 
-    def correction(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Factors | None:
         return None
 
     def state_bytes(self) -> int:
@@ -213,10 +294,10 @@ class OracleEstimator(Estimator):
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def correction(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Factors | None:
         if ctx.exact_k is None or ctx.exact_v is None:
             raise ValueError("oracle: the exact KV is needed (evaluation mode)")
-        out: Correction = [None]
+        out: Factors = [None]
         for il in range(1, ctx.base_k.shape[0]):
             ak, bk = truncated(ctx.exact_k[il] - ctx.base_k[il], self.rank)
             av, bv = truncated(ctx.exact_v[il] - ctx.base_v[il], self.rank)
@@ -476,12 +557,12 @@ class RidgeEstimator(Estimator):
         self._core_maps[edge] = (maps, core_maps)
         return core_maps
 
-    def correction(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Factors | None:
         maps = self.maps.get((ctx.ph, ctx.reader))
         if maps is None:
             return None
         self._touch((ctx.ph, ctx.reader))
-        out: Correction = [None]
+        out: Factors = [None]
         for il in range(1, len(maps)):
             mk, mv = maps[il]  # type: ignore[misc]
             ak, bk = mk.factors(ctx.base_k[il])
@@ -619,7 +700,7 @@ class AnchorEstimator(Estimator):
         existing.deltas[ctx.reader] = (dk, dv)
         return True
 
-    def correction(self, ctx: EdgeContext) -> Correction | None:
+    def correction(self, ctx: EdgeContext) -> Factors | None:
         pool = self.pools.get(ctx.ph, OrderedDict())
         anchors = [a for a in pool.values() if ctx.reader in a.deltas]  # the "consume invariant"
         n_layer, n, kd = ctx.base_k.shape

@@ -38,14 +38,12 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK = 16  # rows per choice: the engine's prefill kernels run appends of >= 13 rows
 
 
-def deviation_scores(corr: est.Correction | Any | None, n: int, n_layer: int) -> np.ndarray:
-    """Per row of the span [n], the rule's score from a correction (numpy factors or a core KvCorrection); zeros
-    where there is none."""
+def deviation_scores(corr: est.Correction | None, n: int, n_layer: int) -> np.ndarray:
+    """Per row of the span [n], the rule's score from a correction; zeros where there is none."""
     score = np.zeros(n, np.float64)
     if corr is None:
         return score
-    layers = corr if isinstance(corr, list) else [core.correction_layer(corr, il) for il in range(n_layer)]
-    for f in layers:
+    for f in corr.factors(n_layer):
         if f is None:
             continue
         ak, bk, av, bv = f
@@ -107,31 +105,26 @@ def sub_span(model: Any, shared: SharedKV, start: int, n: int) -> SharedKV:
         scratch.close()
 
 
-def slice_correction(corr: est.Correction, start: int, n: int) -> est.Correction:
-    """Rows [start, start + n) of numpy factors (B is shared by all rows; the frame is the span's stored one)."""
-    return [None if f is None else (f[0][start : start + n], f[1], f[2][start : start + n], f[3]) for f in corr]
-
-
 def append_span(
     runner: WorkflowRunner,
     seq: KVSequence,
     st: RequestState,
     shared: SharedKV,
     ids: list[int],
-    corr: est.Correction | Any | None,
+    corr: est.Correction | None,
     pending: list[int],
 ) -> tuple[list[int], int, int]:
     """Appends a shared span (rows `ids`, stored as `shared`) to seq under the budget: chosen rows join `pending`
     (forwarded in order with the rest of the prompt), the others are appended by reference with their slice of the
     correction (none when MethodConfig.correct is False). Returns (pending, rows computed by flushes, rows chosen)."""
-    from .runner import append_mixed, is_core_correction, numpy_factors
+    from .runner import append_mixed
 
     cfg, m = runner.config, runner.model
     n = len(ids)
     mask = select_rows(deviation_scores(corr, n, m.n_layer), cfg.recompute, cfg.recompute_block)
     applied = corr if cfg.correct else None
-    if applied is not None and is_core_correction(applied) and mask.any():
-        applied = numpy_factors(applied, m.n_layer)
+    if applied is not None and applied.in_core and mask.any():  # sliced below: copied out of the core once
+        applied = est.Correction(applied.factors(m.n_layer))
     computed = 0
     for start, end, chosen in runs(mask):
         if chosen:
@@ -144,8 +137,8 @@ def append_span(
         piece = sub_span(m, shared, start, end - start)
         kc: Any = None
         if applied is not None:
-            part = slice_correction(applied, start, end - start) if start or end < n else applied
-            kc = runner._kv_correction(part, end - start) if isinstance(part, list) else part
+            part = applied.sliced(start, end - start, m.n_layer) if start or end < n else applied
+            kc = part.kv_correction(end - start, runner.kd, m.n_layer)
         seq.append_shared(piece, kc)
         if kc is not None:
             if runner._wants_copy(kc, end - start):

@@ -80,7 +80,7 @@ class _Bucket:
     stored frame, the stored frame position of its first row, and where the last reader's view of it lives."""
 
     shared: SharedKV | None
-    factors: est.Correction | Any | None  # numpy factors, or a core KvCorrection (ridge in the core)
+    corr: est.Correction | None
     frame0: int
     view_seq: KVSequence
     view_pos: int
@@ -148,21 +148,6 @@ class RequestResult:
     def close(self) -> None:
         for s in self.seqs + self.owned:
             s.close()
-
-
-def is_core_correction(corr: object) -> bool:
-    """A correction already built in the core (`_core.KvCorrection`), as opposed to numpy factors."""
-    return isinstance(corr, core.KvCorrection)
-
-
-def correction_rank(corr: est.Correction | Any) -> int:
-    """Rank of numpy factors or of a core KvCorrection."""
-    return est.correction_rank(corr) if isinstance(corr, list) else int(corr.rank)
-
-
-def numpy_factors(corr: Any, n_layer: int) -> est.Correction:
-    """A core KvCorrection's factors as numpy arrays (per layer (A_k, B_k, A_v, B_v) or None)."""
-    return [core.correction_layer(corr, il) for il in range(n_layer)]
 
 
 _NUMPY = object()  # _core_ridge's answer when the numpy path must compute the correction
@@ -473,7 +458,7 @@ class WorkflowRunner:
             len(prompt) - computed,
             0,
             corr_bytes,
-            corr_rank=max((correction_rank(c) for c in corrs.values()), default=0),
+            corr_rank=max((c.rank for c in corrs.values()), default=0),
             first_logits=logits,
             dense_reason=reason,
             prompt=prompt,
@@ -588,7 +573,7 @@ class WorkflowRunner:
                 kc: Any = None  # a core KvCorrection
                 if corr is not None:
                     corrs[ph] = corr
-                    kc = corr if is_core_correction(corr) else self._kv_correction(corr, n)
+                    kc = corr.kv_correction(n, self.kd, self.model.n_layer)
                 seq.append_shared(b.shared, kc)
                 if kc is not None:
                     if self._wants_copy(kc, n):
@@ -627,32 +612,33 @@ class WorkflowRunner:
 
     def _correction(
         self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
-    ) -> est.Correction | Any | None:
+    ) -> est.Correction | None:
         """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's. The
         ridge estimator's comes from the core as a ready KvCorrection; the other estimators' as numpy factors."""
         made = self._core_ridge(self.edge_of(ph, a), b, n)
         if made is not _NUMPY:
-            return made
-        if b.factors is not None and is_core_correction(b.factors):  # a chain that must be folded in numpy
-            b = _Bucket(b.shared, numpy_factors(b.factors, self.model.n_layer), b.frame0, b.view_seq, b.view_pos)
+            return cast("est.Correction | None", made)
         return self._correction_numpy(a, ph, b, pos, n, message, exact)
 
-    def _core_ridge(self, edge: est.Edge, b: _Bucket, n: int) -> Any:
+    def _core_ridge(self, edge: est.Edge, b: _Bucket, n: int) -> est.Correction | None | object:
         """The ridge estimator's total correction computed in the core from the reader's base view (b.view_seq at
-        b.view_pos), b.factors in front; _NUMPY where the numpy path must do it (another estimator, the numpy
+        b.view_pos), b.corr in front; _NUMPY where the numpy path must do it (another estimator, the numpy
         reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
         e = self.estimator
         if self.config.ridge_path != "core" or not e.core_path:
             return _NUMPY
-        prev: Any = b.factors
-        if prev is not None and not is_core_correction(prev):
+        prev = b.corr
+        if prev is not None and not prev.in_core:
             return _NUMPY
         maps = e.core_maps(edge)
         if maps is None:
             return prev if e.calibrating(edge) else _NUMPY  # no map for this edge: the view's correction as it is
         if (prev.rank if prev is not None else 0) + maps.rank + 1 > est.MAX_KERNEL_RANK:
             return _NUMPY
-        return core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev)
+        prev_kv = prev.core if prev is not None else None
+        return est.Correction(
+            kv=core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev_kv)
+        )
 
     def _correction_numpy(
         self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
@@ -661,7 +647,7 @@ class WorkflowRunner:
         e = self.estimator
         key = self.edge_of(ph, a) if e.content_edges else (ph, a)
         if not e.reads_base or e.calibrating(key):
-            return b.factors  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
+            return b.corr  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
         base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
         ctx = est.EdgeContext(*key, message, base_k, base_v)
         if self.estimator.needs_exact:
@@ -670,41 +656,18 @@ class WorkflowRunner:
             # the prompts hold the same ids in both runs, so the rows sit at the same positions
             ctx.exact_k, ctx.exact_v = _canonical(self.model, exact.seqs[a], pos, n)
         new = self.estimator.correction(ctx)
-        parts = [c for c in (b.factors, self._to_stored(new, b.frame0) if new else None) if c is not None]
+        n_layer = self.model.n_layer
+        # a chain built in the core is folded in numpy here
+        parts = [c.factors(n_layer) for c in (b.corr,) if c is not None]
+        if new:  # canonical-frame factors to the span's stored frame (B_k rotated by the stored first position)
+            parts.append(est.Correction(new).shifted(self.model._core.rope_rotate, b.frame0, n_layer).factors(n_layer))
         if not parts:
             return None
         total = est.concat(parts) if len(parts) > 1 else parts[0]
         if est.correction_rank(total) > est.MAX_KERNEL_RANK:
-            dk, dv = est.materialize(total, self.model.n_layer, n, self.kd)
+            dk, dv = est.materialize(total, n_layer, n, self.kd)
             total = est.dense_to_correction(dk, dv)
-        return total
-
-    def _to_stored(self, corr: est.Correction, frame0: int) -> est.Correction:
-        """Canonical-frame factors to the span's stored frame (B_k rotated by the stored first position)."""
-        out: est.Correction = []
-        for f in corr:
-            if f is None:
-                out.append(None)
-                continue
-            ak, bk, av, bv = f
-            out.append((ak, self.model._core.rope_rotate(np.ascontiguousarray(bk, np.float32), frame0), av, bv))
-        return out
-
-    def _kv_correction(self, corr: est.Correction, n: int) -> Any:  # core.KvCorrection
-        rank = max(est.correction_rank(corr), 1)
-        kc = core.KvCorrection(n, rank, self.kd, self.model.n_layer)
-        for il, f in enumerate(corr):
-            if f is None:
-                continue
-            ak, bk, av, bv = est._pad_rank(f)
-            if ak.shape[1] < rank:
-                pad = np.zeros((n, rank - ak.shape[1]), np.float32)
-                padb = np.zeros((rank - ak.shape[1], self.kd), np.float32)
-                ak, av = np.concatenate([ak, pad], 1), np.concatenate([av, pad], 1)
-                bk, bv = np.concatenate([bk, padb], 0), np.concatenate([bv, padb], 0)
-            factors = [np.ascontiguousarray(x, np.float32) for x in (ak, bk, av, bv)]
-            kc.set_layer(il, *factors)
-        return kc
+        return est.Correction(total)
 
     def _update_buckets(
         self,
