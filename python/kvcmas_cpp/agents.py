@@ -826,13 +826,14 @@ class AgentSession:
                 if free(at, at + len(text)):
                     found.append((at, at + len(text), self._by_text[text]))
                 at = content.find(text, at + len(text))
+        # Runs may overlap the text matches (one whose cut is not at token boundaries gives way to a run in it) and
+        # come with their first token left out too, for where one touches the span before it (a sentence cut out of
+        # a reply): the walk below takes the first candidate that fits.
         for run in self._stored_runs(ids):
-            # a run right after another (a sentence cut out of a reply) gives up its first token: text between spans
             for r in (run, _Run(run.span, run.offset + 1, run.ids[1:], run.at + 1)):
                 cut = self._run_chars(content, ids, r)
-                if cut is not None and free(*cut[:2]):
+                if cut is not None:
                     found.append(cut)
-                    break
         found += [(m.start(), m.end(), None) for m in _PARAGRAPH_RE.finditer(content) if free(m.start(), m.end())]
         found.sort(key=lambda f: f[0])
         pieces: list[tuple[str, str | _Run | None]] = []
