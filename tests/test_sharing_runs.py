@@ -135,6 +135,17 @@ def test_a_paragraph_whose_boundary_re_tokenizes_is_found(model: kc.Model) -> No
             assert p.stats["span_tokens"] == run
 
 
+def test_a_whole_message_wrapped_in_other_text_is_found_by_its_tokens(model: kc.Model) -> None:
+    """The planner's whole user message comes back after a label: its text is found, but its first token reads
+    differently there (no cut at token boundaries for the whole text), so the run from its next token on is read."""
+    wrapped = "Task: " + TASK + "\n\nCheck the plan."
+    msgs = [{"role": "system", "content": "You are the critic."}, {"role": "user", "content": wrapped}]
+    run = _common_run(_ids(model, wrapped), _ids(model, TASK))
+    assert len(_ids(model, TASK)) - 3 <= run < len(_ids(model, TASK))
+    with _team_with_reply(model, "fullshared") as team, team.prefill(msgs) as p:
+        assert p.stats["span_tokens"] == run
+
+
 def test_no_run_below_the_minimum_and_no_false_match(model: kc.Model) -> None:
     reply_ids = _ids(model, REPLY)
     start = next(i for i in range(2, len(reply_ids)) if model.detokenize(reply_ids[i : i + 1]).startswith(" "))
