@@ -17,8 +17,9 @@ placeholders ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {co
 
 Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, identifies the agent by its system
 prompt, keys every message content by its token ids (image embeddings in a content count by their rows), and reuses
-spans already computed in the session. A server can have long prompt appends run in chunks with a callback between
-them (`between_chunks`), to interleave other requests' work.
+spans already computed in the session: whole, found by text inside a bigger message, or any run of at least
+MIN_PIECE_TOKENS of a message's tokens equal to part of a stored span (read from that span's rows). A server can have
+long prompt appends run in chunks with a callback between them (`between_chunks`), to interleave other requests' work.
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
 releases the GIL; the engine serialises compute), each with its own shared context.
@@ -829,9 +830,10 @@ class AgentSession:
         # Runs may overlap the text matches (one whose cut is not at token boundaries gives way to a run in it) and
         # come with their first token left out too, for where one touches the span before it (a sentence cut out of
         # a reply): the walk below takes the first candidate that fits.
+        bounds: dict[int, int | None] = {0: 0}
         for run in self._stored_runs(ids):
             for r in (run, _Run(run.span, run.offset + 1, run.ids[1:], run.at + 1)):
-                cut = self._run_chars(content, ids, r)
+                cut = self._run_chars(content, ids, r, bounds)
                 if cut is not None:
                     found.append(cut)
         found += [(m.start(), m.end(), None) for m in _PARAGRAPH_RE.finditer(content) if free(m.start(), m.end())]
@@ -927,14 +929,23 @@ class AgentSession:
                 i += 1
         return out
 
-    def _run_chars(self, content: str, ids: list[int], run: _Run) -> tuple[int, int, _Run] | None:
+    def _run_chars(
+        self, content: str, ids: list[int], run: _Run, bounds: dict[int, int | None]
+    ) -> tuple[int, int, _Run] | None:
         """The characters of `content` a run covers, its ends moved inwards (a token at a time) to token boundaries
         whose text before them is the content's own (not inside a character several tokens spell); None when the
-        run is then shorter than MIN_PIECE_TOKENS."""
+        run is then shorter than MIN_PIECE_TOKENS. bounds: token boundary -> its character (None: not one), a
+        cache for one content."""
 
         def chars(j: int) -> int | None:
-            text = self.model.detokenize(ids[:j])
-            return len(text) if content.startswith(text) else None
+            if j not in bounds:  # the text from the nearest boundary before j; from the start where that differs
+                i = max(i for i, c in bounds.items() if c is not None and i <= j)
+                c = cast(int, bounds[i])
+                text = self.model.detokenize(ids[i:j])
+                if not content.startswith(text, c):
+                    c, text = 0, self.model.detokenize(ids[:j])
+                bounds[j] = c + len(text) if content.startswith(text, c) else None
+            return bounds[j]
 
         a, e = run.at, run.at + len(run.ids)
         x = y = None
