@@ -9,6 +9,7 @@ import pytest
 
 import kvcmas_cpp as kc
 from kvcmas_cpp.agents import MIN_PIECE_TOKENS, AgentSession
+from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing.runner import WorkflowRunner, _Bucket
 from kvcmas_cpp.sharing.workflow import Workflow
@@ -175,6 +176,26 @@ def test_no_run_below_the_minimum_and_no_false_match(model: kc.Model) -> None:
             assert list(p.hop.prompt) == model.tokenize(
                 model.apply_chat_template(msgs, add_generation_prompt=True), add_special=True
             )
+
+
+def test_runs_hold_nothing_once_their_prompt_is_done(model: kc.Model) -> None:
+    """A run's placeholder lives while its prompt does (finished or closed unfinished), and its rows are the stored
+    span's: the session's KV returns to what it was before the session."""
+    PrefixCache.of(model).clear()
+    before = model.kv_bytes_in_use
+    middle = REPLY[REPLY.index("Second") : REPLY.index(" Third")]
+    msgs = [{"role": "system", "content": "You are the critic."}, {"role": "user", "content": "See:\n" + middle}]
+    with _team_with_reply(model, "kvcmas") as team:
+        for finish in (False, True):
+            with team.prefill(msgs) as p:
+                assert p.runs and all(ph in team._state.buckets for ph in p.runs)
+                held = list(p.runs)
+                if finish:
+                    team.finish(p, [int(np.argmax(p.logits))])
+            assert not any(ph in team._state.buckets or ph in team._state.relayed for ph in held)
+        team.run_training_reads()
+    PrefixCache.of(model).clear()
+    assert model.kv_bytes_in_use == before
 
 
 @pytest.mark.parametrize("core_factors", [False, True])

@@ -483,6 +483,7 @@ class AgentSession:
         self._prefix_cache = PrefixCache.of(model)
         self._row_bytes = model.kv_row_bytes
         self._serial = 0
+        self._n_runs = 0  # sub-run placeholders made (not reset: a prompt closed after reset() drops only its own)
         self._reset_state()
 
     # ------------------------------------------------------------------------------------------------ agents
@@ -580,7 +581,6 @@ class AgentSession:
         self._blocks: dict[tuple[int, ...], list[tuple[str, int]]] = {}
         self._indexed: set[str] = set()
         self._runs: set[str] = set()  # placeholders of sub-runs live prompts read (never indexed themselves)
-        self._n_runs = 0
 
     def reset(self) -> None:
         """Forgets the shared context and frees its KV; agents and what the estimator learned stay. Pending training
