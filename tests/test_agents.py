@@ -370,8 +370,16 @@ def test_spans_are_found_inside_bigger_messages(model: kc.Model) -> None:
         n_reply2 = len(model.tokenize(reply2.strip(), add_special=False))
         assert p3.stats["span_tokens"] >= n_task + n_reply + n_reply2
         p3.close()
+        # the task edited in its first words: the rest of it is found by its tokens (a sub-run of the stored span)
+        edited = TASK_TEXT.replace("library", "museum")
+        other = _framed("plan", []).replace(TASK_TEXT, edited)
+        p4 = team.prefill([{"role": "system", "content": "You are the writer."}, {"role": "user", "content": other}])
+        task_ids, edited_ids = (model.tokenize(t, add_special=False) for t in (TASK_TEXT, edited))
+        common = next(i for i in range(1, len(task_ids)) if edited_ids[-i - 1] != task_ids[-i - 1])  # ids both end in
+        assert common >= n_task - 4 and p4.stats["span_tokens"] == common
+        p4.close()
         # another task in the same frame: nothing matches, nothing is reused
-        other = _framed("plan", []).replace(TASK_TEXT, TASK_TEXT.replace("library", "museum"))
+        other = _framed("plan", []).replace(TASK_TEXT, " ".join(reversed(TASK_TEXT.split())))
         p4 = team.prefill([{"role": "system", "content": "You are the writer."}, {"role": "user", "content": other}])
         assert p4.stats["span_tokens"] == 0
         p4.close()

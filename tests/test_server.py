@@ -326,6 +326,27 @@ def test_four_agent_workflow_shares_spans(server: ServerProcess) -> None:
     assert metrics["kvcmas_estimator_bytes"] > 0  # the maps kvcmas learned (and reads of edges still calibrating)
 
 
+def test_part_of_a_reply_passed_on_inside_a_message_is_reused(server: ServerProcess) -> None:
+    """A client passes on only the second half of an earlier reply (cut at a stop string), wrapped in its own text:
+    the server reads that run of tokens from the reply's stored rows, and counts only those rows as cached."""
+    opts = {"workflow": "wf-runs", "method": "fullshared"}
+    first = [{"role": "system", "content": ROLES[0]}, {"role": "user", "content": TASK}]
+    body = chat(server, first, max_tokens=48, stop=["\n\n\n"], kvcmas={**opts, "agent": "planner"})
+    reply = body["choices"][0]["message"]["content"]
+    excerpt = reply[reply.index(" ", len(reply) // 2) :]  # from a word in its middle on, as received
+    n_excerpt = len(server_tokens(excerpt))
+    assert n_excerpt >= 20, reply  # long enough to be a run (MIN_PIECE_TOKENS = 16)
+    wrapped = f"The planner ended with:\n{excerpt}\nCarry it out."
+    msgs = [{"role": "system", "content": ROLES[1]}, {"role": "user", "content": wrapped}]
+    k = chat(server, msgs, max_tokens=4, kvcmas={**opts, "agent": "solver"})
+    usage, kv = k["usage"], k["kvcmas"]
+    assert n_excerpt - 2 <= kv["span_tokens"] <= n_excerpt, (kv, n_excerpt, excerpt)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == kv["reused_tokens"]
+    assert kv["reused_tokens"] == kv["prefix_cached_tokens"] + kv["span_tokens"]
+    status, _, _ = server.request("DELETE", "/v1/kvcmas/workflows/wf-runs")
+    assert status == 200
+
+
 def _stream_times(server: ServerProcess, body: dict[str, Any]) -> list[float]:
     """Streams a chat completion; returns the arrival time (time.perf_counter) of every content delta."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)

@@ -17,8 +17,9 @@ placeholders ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {co
 
 Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, identifies the agent by its system
 prompt, keys every message content by its token ids (image embeddings in a content count by their rows), and reuses
-spans already computed in the session. A server can have long prompt appends run in chunks with a callback between
-them (`between_chunks`), to interleave other requests' work.
+spans already computed in the session: whole, found by text inside a bigger message, or any run of at least
+MIN_PIECE_TOKENS of a message's tokens equal to part of a stored span (read from that span's rows). A server can have
+long prompt appends run in chunks with a callback between them (`between_chunks`), to interleave other requests' work.
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
 releases the GIL; the engine serialises compute), each with its own shared context.
@@ -62,6 +63,9 @@ MIN_CHUNK_ROWS = 17
 # Inside a bigger message, a paragraph becomes its own span, and a span the session holds is found again, only from
 # this many tokens on: shorter runs cost more in exact head and tail rows than reusing them saves.
 MIN_PIECE_TOKENS = 16
+# Stored spans are indexed by their aligned token blocks of this size: a common run of MIN_PIECE_TOKENS tokens, at
+# any offset, holds a whole aligned block (2 * RUN_BLOCK - 1 <= MIN_PIECE_TOKENS), which is then extended both ways.
+RUN_BLOCK = MIN_PIECE_TOKENS // 2
 _PARAGRAPH_RE = re.compile(r"\S(?:.*?\S)?(?=\s*\n\s*\n|\s*$)", re.DOTALL)  # text between blank lines, stripped
 
 
@@ -188,6 +192,17 @@ def _find_run(ids: list[int], piece: list[int], start: int = 0) -> int:
     return at // 8 if at >= 0 else -1
 
 
+@dataclass(frozen=True)
+class _Run:
+    """A run of a message's ids (starting at `at`) equal to the ids of a stored span from `offset` on: read from that
+    span's stored rows (AgentSession._add_run)."""
+
+    span: str
+    offset: int
+    ids: tuple[int, ...]
+    at: int
+
+
 @dataclass
 class _Item:
     ph: str  # placeholder naming the span in the session's templates
@@ -212,6 +227,7 @@ class Prefilled:
     prefix_rows: int = 0  # rows of the agent's template prefix (before the first span)
     prefix_cached: int = 0  # of them, rows an earlier call computed (served by the model's PrefixCache)
     prefix: KVSequence | None = None  # the template prefix the hop forked (its own fork of the cache's rows)
+    runs: list[str] = field(default_factory=list)  # placeholders of sub-runs of stored spans this prompt reads
     finished: bool = False
     released: bool = False
 
@@ -467,6 +483,7 @@ class AgentSession:
         self._prefix_cache = PrefixCache.of(model)
         self._row_bytes = model.kv_row_bytes
         self._serial = 0
+        self._n_runs = 0  # sub-run placeholders made (not reset: a prompt closed after reset() drops only its own)
         self._reset_state()
 
     # ------------------------------------------------------------------------------------------------ agents
@@ -560,6 +577,10 @@ class AgentSession:
         self._vector_ids: dict[tuple[str, str], list[int]] = {}  # image / vectors content hash -> their prompt ids
         self._reads: list[TrainingRead] = []  # training reads finished calls scheduled, not yet run
         self._reads_out: list[TrainingRead] = []  # of them, those handed out by take_training_reads() and running
+        # token-run index of stored spans: aligned RUN_BLOCK-token blocks -> (placeholder, offset) (_stored_runs)
+        self._blocks: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+        self._indexed: set[str] = set()
+        self._runs: set[str] = set()  # placeholders of sub-runs live prompts read (never indexed themselves)
 
     def reset(self) -> None:
         """Forgets the shared context and frees its KV; agents and what the estimator learned stay. Pending training
@@ -649,59 +670,79 @@ class AgentSession:
             raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
         with self._lock, self._recompute_budget(recompute):
             self.run_training_reads()  # the last call's, if nobody took them: before this prompt reads its spans
-            # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
-            # braces and all, is data and never expanded as a placeholder.
-            nonce = secrets.token_hex(8)
-            marker_re = re.compile(rf"<kvcmas-span-{nonce}:(\w+)>")
-            system = ""
-            rendered: list[dict[str, Any]] = []
-            tools = attached_tools(messages)
-            for i, msg in enumerate(messages):
-                role, content = msg.get("role"), msg.get("content")
-                if not isinstance(role, str):
-                    raise ValueError(f"prefill: message {i} needs string 'role' and 'content'")
-                if role == "system" and i == 0:
-                    if not isinstance(content, str):
-                        raise ValueError("prefill: the system prompt (message 0) must be a string")
-                    system = content
-                    rendered.append({"role": role, "content": content})
-                    continue
-                ids = self._content_ids(i, role, content) or []
-                if not ids:
-                    rendered.append({"role": role, "content": content if isinstance(content, str) else ""})
-                    continue
-                ph = self._span(ids, content)
-                pieces = self._pieces(content, ids) if ph is None and isinstance(content, str) else None
-                if pieces is not None:  # shared text inside a bigger message: its spans between literal text
-                    for text, piece_ph in pieces:
-                        if piece_ph is not None and piece_ph not in self._state.relayed:
-                            self._add_message_item(self._ids(text), text, role, piece_ph)
-                    marked = (text if p is None else f"<kvcmas-span-{nonce}:{p}>" for text, p in pieces)
-                    rendered.append({"role": role, "content": "".join(marked)})
-                    continue
-                if ph is None:
-                    ph = self._add_message_item(ids, content if isinstance(content, str) else None, role)
-                rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
-            key = agent if agent is not None else (system or "assistant")
-            if tools is not None:  # the tools are part of the agent's prompt prefix, and so of who it is
-                rendered[0][TOOLS_KEY] = tools
-                if agent is None:
-                    digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
-                    key = f"{key} [tools {digest}]"
-            ag = next((a for a in self.agents if a.name == key), None)
-            if ag is None:
-                ag = self.agent(key, system)
-            template = template_from_messages(self.model, rendered, ag.name, marker_re)
-            if between_chunks is None:
-                return self._prefill_template(ag, template)
-            t0 = time.perf_counter()
-            prefix, cached = self._prefix(ag, template)  # computed here when the prefix cache has no match
-            prefix_ms = (time.perf_counter() - t0) * 1000.0
-            fork = _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms)
-            p = self._prefill_template(ag, template, fork, (prefix, cached))
-            if isinstance(p.seq, _ChunkedSequence):
-                p.seq.between = None  # generation and finish() append in one piece
+            runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
+            try:
+                p = self._prefill_messages(messages, agent, between_chunks, chunk_tokens, runs)
+            except BaseException:
+                self._drop_runs(runs)
+                raise
+            p.runs = runs
             return p
+
+    def _prefill_messages(
+        self,
+        messages: list[dict[str, Any]],
+        agent: str | None,
+        between_chunks: Callable[[], None] | None,
+        chunk_tokens: int,
+        runs: list[str],
+    ) -> Prefilled:
+        # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
+        # braces and all, is data and never expanded as a placeholder.
+        nonce = secrets.token_hex(8)
+        marker_re = re.compile(rf"<kvcmas-span-{nonce}:(\w+)>")
+        system = ""
+        rendered: list[dict[str, Any]] = []
+        tools = attached_tools(messages)
+        for i, msg in enumerate(messages):
+            role, content = msg.get("role"), msg.get("content")
+            if not isinstance(role, str):
+                raise ValueError(f"prefill: message {i} needs string 'role' and 'content'")
+            if role == "system" and i == 0:
+                if not isinstance(content, str):
+                    raise ValueError("prefill: the system prompt (message 0) must be a string")
+                system = content
+                rendered.append({"role": role, "content": content})
+                continue
+            ids = self._content_ids(i, role, content) or []
+            if not ids:
+                rendered.append({"role": role, "content": content if isinstance(content, str) else ""})
+                continue
+            ph = self._span(ids, content)
+            pieces = self._pieces(content, ids) if ph is None and isinstance(content, str) else None
+            if pieces is not None:  # shared text inside a bigger message: its spans between literal text
+                marked = []
+                for text, piece in pieces:
+                    if isinstance(piece, _Run):
+                        piece = self._add_run(piece, runs)
+                    elif piece is not None and piece not in self._state.relayed:
+                        self._add_message_item(self._ids(text), text, role, piece)
+                    marked.append(text if piece is None else f"<kvcmas-span-{nonce}:{piece}>")
+                rendered.append({"role": role, "content": "".join(marked)})
+                continue
+            if ph is None:
+                ph = self._add_message_item(ids, content if isinstance(content, str) else None, role)
+            rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
+        key = agent if agent is not None else (system or "assistant")
+        if tools is not None:  # the tools are part of the agent's prompt prefix, and so of who it is
+            rendered[0][TOOLS_KEY] = tools
+            if agent is None:
+                digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
+                key = f"{key} [tools {digest}]"
+        ag = next((a for a in self.agents if a.name == key), None)
+        if ag is None:
+            ag = self.agent(key, system)
+        template = template_from_messages(self.model, rendered, ag.name, marker_re)
+        if between_chunks is None:
+            return self._prefill_template(ag, template)
+        t0 = time.perf_counter()
+        prefix, cached = self._prefix(ag, template)  # computed here when the prefix cache has no match
+        prefix_ms = (time.perf_counter() - t0) * 1000.0
+        fork = _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms)
+        p = self._prefill_template(ag, template, fork, (prefix, cached))
+        if isinstance(p.seq, _ChunkedSequence):
+            p.seq.between = None  # generation and finish() append in one piece
+        return p
 
     @contextlib.contextmanager
     def _recompute_budget(self, recompute: float | None) -> Iterator[None]:
@@ -731,8 +772,11 @@ class AgentSession:
                     continue
                 ph = self._span(ids, content) if ids else None
                 if ph is None and ids and isinstance(content, str):
-                    pieces = self._pieces(content, ids, register=False) or []
-                    total += sum(len(self._state.relayed[p]) for _, p in pieces if p in self._state.buckets)
+                    for _, piece in self._pieces(content, ids, register=False) or []:
+                        if isinstance(piece, _Run):
+                            total += len(piece.ids)
+                        elif piece in self._state.buckets:
+                            total += len(self._state.relayed[piece])
                 elif ph is not None and ph in self._state.buckets:
                     total += len(self._state.relayed[ph])
             return total
@@ -750,11 +794,16 @@ class AgentSession:
         n_ctx = sum(1 for it in self._items if it.author is None) + reserved
         return QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
 
-    def _pieces(self, content: str, ids: list[int], register: bool = True) -> list[tuple[str, str | None]] | None:
+    def _pieces(
+        self, content: str, ids: list[int], register: bool = True
+    ) -> list[tuple[str, str | _Run | None]] | None:
         """A message content as literal text and spans, when shared text sits inside it: each span the session holds
-        whose text occurs in it (a reply, a paragraph of an earlier message), then each other paragraph of at least
-        MIN_PIECE_TOKENS tokens as a new span (placeholders the session has not registered yet; with `register`
-        False, new paragraphs stay literal text). None when nothing would be split off.
+        whose text occurs in it (a reply, a paragraph of an earlier message), then each run of at least
+        MIN_PIECE_TOKENS of the content's ids equal to ids of a span the session holds (a _Run: part of an earlier
+        reply, a reply edited at its start, wrapped in other text, or with its boundary tokens re-tokenized), then
+        each other paragraph of at least MIN_PIECE_TOKENS tokens as a new span (placeholders the session has not
+        registered yet; with `register` False, new paragraphs stay literal text). None when nothing would be split
+        off.
 
         Cuts are made only at token boundaries of the content's own ids (`ids`). A new paragraph's span may take
         the whitespace next to it, as the tokenizer groups it, and is cut only where the pieces tokenize to `ids`
@@ -765,8 +814,8 @@ class AgentSession:
         if self.method == "nonshared":
             return None  # nothing is reused: every message stays one piece, the exact reference prompt
         tok = self.model.tokenizer
-        # Candidates (start, end, placeholder; None: a new paragraph), with a character between any two.
-        found: list[tuple[int, int, str | None]] = []
+        # Candidates (start, end, placeholder or run; None: a new paragraph), with a character between any two.
+        found: list[tuple[int, int, str | _Run | None]] = []
 
         def free(a: int, b: int) -> bool:
             return all(b < s or a > e for s, e, _ in found)
@@ -778,12 +827,26 @@ class AgentSession:
                 if free(at, at + len(text)):
                     found.append((at, at + len(text), self._by_text[text]))
                 at = content.find(text, at + len(text))
+        # Runs may overlap the text matches (one whose cut is not at token boundaries gives way to a run in it) and
+        # come with their first token left out too, for where one touches the span before it (a sentence cut out of
+        # a reply): the walk below takes the first candidate that fits.
+        bounds: dict[int, int | None] = {0: 0}
+        for run in self._stored_runs(ids):
+            for r in (run, _Run(run.span, run.offset + 1, run.ids[1:], run.at + 1)):
+                cut = self._run_chars(content, ids, r, bounds)
+                if cut is not None:
+                    found.append(cut)
         found += [(m.start(), m.end(), None) for m in _PARAGRAPH_RE.finditer(content) if free(m.start(), m.end())]
-        found.sort()
-        pieces: list[tuple[str, str | None]] = []
+        found.sort(key=lambda f: f[0])
+        pieces: list[tuple[str, str | _Run | None]] = []
         pos, k, n_new = 0, 0, 0  # next character of the content, next id of `ids`, new spans so far
         for a, b, ph in found:
             if a <= pos and pieces:  # touches the span before it
+                continue
+            if isinstance(ph, _Run):  # its ids are the content's own: cut where they sit
+                if ph.at >= k and self.model.detokenize(ids[k : ph.at]) == content[pos:a]:
+                    pieces += [(content[pos:a], None), (content[a:b], ph)]
+                    pos, k = b, ph.at + len(ph.ids)
                 continue
             if ph is not None:  # a span the session holds: its text must start and end at token boundaries
                 text = content[a:b]
@@ -819,10 +882,110 @@ class AgentSession:
         for text, ph in [*pieces, (tail, None)]:
             if ph is None and tok.encode(text, add_special=False, parse_special=True) != self._ids(text):
                 return None  # client text would read as special tokens in the template
-        new_whole = len(pieces) == 2 and pieces[1][1] is not None and pieces[1][1] not in self._state.relayed
+        new = pieces[1][1] if len(pieces) == 2 else None
+        new_whole = isinstance(new, str) and new not in self._state.relayed
         if new_whole and not pieces[0][0].strip() and not tail.strip():
             return None  # the whole message is one new paragraph: a whole-message span, as before
         return [(text, ph) for text, ph in [*pieces, (tail, None)] if text or ph is not None]
+
+    def _stored_runs(self, ids: list[int]) -> list[_Run]:
+        """Runs of at least MIN_PIECE_TOKENS of `ids` equal to ids of spans the session holds stored rows of, left to
+        right, each the longest such run where it starts: a hit of an aligned RUN_BLOCK-token block of a stored
+        span, extended both ways to the longest common run. Matches compare token ids (a block's hash only finds
+        candidates), and the index is the session's (one model, one method, one tenant's workflow), so no run
+        matches across them. Empty under a method whose estimator keeps state per placeholder (anchor pools): a
+        run's placeholder is new on every call."""
+        st = self._state
+        if self._runner.estimator.observes_dense:
+            return []
+        for ph, stored in st.buckets.items():
+            if ph not in self._indexed and ph not in self._runs and stored.shared is not None:
+                self._indexed.add(ph)
+                span = st.relayed[ph]
+                for o in range(0, len(span) - RUN_BLOCK + 1, RUN_BLOCK):
+                    self._blocks.setdefault(tuple(span[o : o + RUN_BLOCK]), []).append((ph, o))
+        out: list[_Run] = []
+        lo, i = 0, 0
+        while i + RUN_BLOCK <= len(ids):
+            best: tuple[int, int, str, int] | None = None  # (start, end, placeholder, offset)
+            for ph, o in self._blocks.get(tuple(ids[i : i + RUN_BLOCK]), ()):
+                held = st.buckets.get(ph)
+                if held is None or held.shared is None:  # evicted
+                    continue
+                span = st.relayed[ph]
+                a, pa = i, o
+                while a > lo and pa > 0 and ids[a - 1] == span[pa - 1]:
+                    a, pa = a - 1, pa - 1
+                e, pe = i + RUN_BLOCK, o + RUN_BLOCK
+                while e < len(ids) and pe < len(span) and ids[e] == span[pe]:
+                    e, pe = e + 1, pe + 1
+                if best is None or e - a > best[1] - best[0]:
+                    best = (a, e, ph, pa)
+            if best is not None and best[1] - best[0] >= MIN_PIECE_TOKENS:
+                a, e, ph, pa = best
+                out.append(_Run(ph, pa, tuple(ids[a:e]), a))
+                lo = i = e
+            else:
+                i += 1
+        return out
+
+    def _run_chars(
+        self, content: str, ids: list[int], run: _Run, bounds: dict[int, int | None]
+    ) -> tuple[int, int, _Run] | None:
+        """The characters of `content` a run covers, its ends moved inwards (a token at a time) to token boundaries
+        whose text before them is the content's own (not inside a character several tokens spell); None when the
+        run is then shorter than MIN_PIECE_TOKENS. bounds: token boundary -> its character (None: not one), a
+        cache for one content."""
+
+        def chars(j: int) -> int | None:
+            if j not in bounds:  # the text from the nearest boundary before j; from the start where that differs
+                i = max(i for i, c in bounds.items() if c is not None and i <= j)
+                c = cast(int, bounds[i])
+                text = self.model.detokenize(ids[i:j])
+                if not content.startswith(text, c):
+                    c, text = 0, self.model.detokenize(ids[:j])
+                bounds[j] = c + len(text) if content.startswith(text, c) else None
+            return bounds[j]
+
+        a, e = run.at, run.at + len(run.ids)
+        x = y = None
+        while e - a >= MIN_PIECE_TOKENS and (x := chars(a)) is None:
+            a += 1
+        while e - a >= MIN_PIECE_TOKENS and (y := chars(e)) is None:
+            e -= 1
+        if x is None or y is None or e - a < MIN_PIECE_TOKENS or y <= x:
+            return None
+        if (a, e) != (run.at, run.at + len(run.ids)):
+            run = _Run(run.span, run.offset + a - run.at, tuple(ids[a:e]), a)
+        return x, y, run
+
+    def _add_run(self, run: _Run, runs: list[str]) -> str:
+        """A placeholder for a run of a stored span: the span's own when the run is all of it, else a new one whose
+        bucket is the span's rows under the run (WorkflowRunner.sub_bucket; its first `head` ids are forwarded,
+        as any span's) and whose estimator edges are the span's. Appended to `runs` (dropped by _drop_runs)."""
+        st = self._state
+        if run.offset == 0 and len(run.ids) == len(st.relayed[run.span]):
+            return run.span
+        self._n_runs += 1
+        ph = f"run_{self._n_runs}_current"
+        h = min(self._runner.config.head, len(run.ids))
+        st.relayed[ph] = list(run.ids)
+        st.buckets[ph] = self._runner.sub_bucket(st.buckets[run.span], run.offset, len(run.ids) - h)
+        self._span_keys[ph] = self._span_keys.get(run.span, run.span)
+        self._runs.add(ph)
+        runs.append(ph)
+        if run.span in self._lru:
+            self._lru.move_to_end(run.span)
+        return ph
+
+    def _drop_runs(self, runs: list[str]) -> None:
+        """Forgets the placeholders of sub-runs a prompt read (their buckets hold no rows of their own)."""
+        for ph in runs:
+            self._state.relayed.pop(ph, None)
+            self._state.buckets.pop(ph, None)
+            self._span_keys.pop(ph, None)
+            self._runs.discard(ph)
+        runs.clear()
 
     def _span(self, ids: list[int], content: Any) -> str | None:
         """The placeholder of a span the session holds already: by the content's ids, or a reply by the text its
@@ -981,6 +1144,7 @@ class AgentSession:
             read = self._runner.finish_hop(
                 ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=p.prefix
             )
+        self._drop_runs(p.runs)  # a training read holds its own forks of the views it pairs with
         if read is not None:
             read.lock, read.on_done = self._read_lock, self._read_done
             self._reads.append(read)
@@ -1047,6 +1211,7 @@ class AgentSession:
             if p.released:
                 return
             p.released = True
+            self._drop_runs(p.runs)
             if p.seq not in self._seqs:
                 p.seq.close()
             if p.prefix is not None:

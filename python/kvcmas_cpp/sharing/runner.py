@@ -599,6 +599,24 @@ class WorkflowRunner:
         computed += len(pending)
         return logits, computed, corrs
 
+    def sub_bucket(self, b: _Bucket, first: int, n: int) -> _Bucket:
+        """Rows [first, first + n) of a bucket as a bucket of their own (a sub-run of a stored span, read by
+        reference): the same stored rows (no copy), the accumulated correction restricted to those rows (a per-row
+        low-rank correction restricts by slicing A), the reader's base view moved with them."""
+        if b.shared is None or not (first >= 0 and n > 0 and first + n <= len(b.shared)):
+            raise ValueError(f"sub_bucket: rows [{first}, {first + n}) are outside the stored span")
+        scratch = self.model.new_sequence()  # the core shares rows of a sequence: the span's, uncorrected, here
+        try:
+            scratch.append_shared(b.shared)
+            shared = scratch.share(first, n)
+        finally:
+            scratch.close()
+        corr = b.corr
+        if corr is not None:
+            part = corr.sliced(first, n, self.model.n_layer)
+            corr = est.Correction(kv=part.kv_correction(n, self.kd, self.model.n_layer)) if corr.in_core else part
+        return _Bucket(shared, corr, b.frame0 + first, b.view_seq, b.view_pos + first)
+
     def _copy_bytes(self, n: int) -> int:
         """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
         return n * self.model.kv_row_bytes
