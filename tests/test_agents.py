@@ -108,7 +108,7 @@ def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model, 
             assert r.ids == f.ids and r.stats.computed_tokens == f.stats.computed_tokens
         # the next one reads the question from the exact rows computed for the first reader's training read
         assert first[2].stats.computed_tokens == fs[2].stats.computed_tokens
-        assert first[1].stats.calibration_tokens > 0
+        assert first[1].stats.calibration_tokens_scheduled > 0
     assert modes[-1][1:] == ["reuse", "reuse"] and gates[-1][1:] == ["reuse", "reuse"]
     last = out[1].stats
     assert last.corr_rank > 0 and last.corr_bytes > 0
@@ -524,12 +524,12 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
     for r in first[1:]:  # the first workflow already reuses: a later agent computes its role and the exact head only
         assert r.stats.gate == "calibrating -> reuse" and r.stats.mode == "reuse", r.stats
         assert r.stats.span_tokens >= n_ctx_tokens - 8 and r.stats.computed_tokens < 100, r.stats
-        assert r.stats.calibration_tokens >= n_ctx_tokens  # the exact rows, computed after the reply
+        assert r.stats.calibration_tokens_scheduled >= n_ctx_tokens  # the exact rows, computed after the reply
     for run in runs[1:CALIBRATION_READS]:
         assert [r.stats.gate for r in run[1:]] == ["calibrating -> reuse"] * 3
     for r in runs[-1][1:]:  # calibrated: learned corrections, nothing computed for calibration any more
         assert r.stats.gate == "reuse" and r.stats.mode == "reuse" and r.stats.corr_rank > 0, r.stats
-        assert r.stats.calibration_tokens == 0 and r.stats.computed_tokens < 100, r.stats
+        assert r.stats.calibration_tokens_scheduled == 0 and r.stats.computed_tokens < 100, r.stats
 
 
 @pytest.mark.slow

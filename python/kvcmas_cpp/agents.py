@@ -146,7 +146,7 @@ class ResponseStats:
     dense_reason: str | None = None  # why this later call computed its shared spans: calibrating | gate | no match
     # rows of the training read this call scheduled (cold reuse while calibrating): computed after the reply, off its
     # path (AgentSession.run_training_reads; a server runs them when it has nothing else to do)
-    calibration_tokens: int = 0
+    calibration_tokens_scheduled: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:

@@ -400,7 +400,7 @@ def cold_start(
                     team.run_training_reads()  # here, not inside the next agent's prefill (its TTFT)
                     finish_ms += (time.perf_counter() - t1) * 1000.0
                     gates.append(p.stats["gate"])
-                    cal += p.stats["calibration_tokens"]
+                    cal += p.stats["calibration_tokens_scheduled"]
                     p.close()
             rows.append(
                 {

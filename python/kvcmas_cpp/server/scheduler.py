@@ -915,7 +915,7 @@ class Scheduler:
             "prefix_cached_tokens": int(s.get("prefix_cached_tokens", 0)),
             "span_tokens": int(s.get("span_tokens", 0)),
             # rows of the training read this call scheduled: computed after the reply (a dropped read never does)
-            "calibration_tokens_scheduled": int(s.get("calibration_tokens", 0)),
+            "calibration_tokens_scheduled": int(s.get("calibration_tokens_scheduled", 0)),
             "dense_reason": s.get("dense_reason"),
         }
 
