@@ -241,6 +241,20 @@ def test_default_time_limit_applies() -> None:
     assert time.monotonic() - t0 < 10.0
 
 
+def test_time_limit_counts_the_threads_cpu_not_waiting() -> None:
+    """A busy machine that starves the rendering thread (here: a context callable that sleeps, using no CPU) does
+    not fail a legitimate template: the limit is the thread's CPU time, which a runaway loop still exhausts."""
+
+    def nap() -> str:
+        time.sleep(0.3)
+        return "z"
+
+    t0 = time.monotonic()
+    template = "{{ nap() }}{{ nap() }}{{ nap() }}{% for i in range(3000) %}{% endfor %}"  # the loop: guard checks
+    out = render_chat(template, [], nap=nap, max_seconds=0.5)
+    assert out == "zzz" and time.monotonic() - t0 >= 0.9
+
+
 def test_output_cap_is_configurable() -> None:
     template = "{% for i in range(100) %}{{ 'y' * 100 }}{% endfor %}"
     assert len(render_chat(template, [])) == 10_000

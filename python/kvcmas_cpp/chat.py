@@ -160,7 +160,7 @@ def _compile(template: str, max_seconds: float) -> jinja2.Template:
         return compiled
     # Compiling is bounded like rendering: jinja2's code generator takes seconds on one deeply nested expression
     # (`x ++++...+ y`), and a template can hold thousands of them.
-    guard = _Guard(time.monotonic() + max_seconds, max_chars=0)
+    guard = _Guard(time.thread_time() + max_seconds, max_chars=0)
     previous_trace = sys.gettrace()
     sys.settrace(guard.trace)
     try:
@@ -238,7 +238,9 @@ class _Guard:
     The time limit is checked by a per-thread trace hook while rendering: on every function call, and on every line
     of the compiled template itself (a template loop is a Python loop in that code, and may call nothing), so a
     runaway template is stopped within a few hundred steps of the deadline. Jinja's own runtime code is not traced
-    line by line, which keeps the overhead low.
+    line by line, which keeps the overhead low. The deadline is in the thread's CPU time (time.thread_time), not
+    wall time: a runaway template burns CPU and is stopped, while a legitimate one on a busy machine, whose thread
+    waits for a core, is not failed.
     """
 
     def __init__(self, deadline: float, max_chars: int) -> None:
@@ -249,7 +251,7 @@ class _Guard:
 
     def _tick(self) -> None:
         self._counter += 1
-        if self._counter & 0xFF == 0 and time.monotonic() > self.deadline:
+        if self._counter & 0xFF == 0 and time.thread_time() > self.deadline:
             raise _RenderTimeout
 
     def trace(self, frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -283,7 +285,7 @@ def render_chat(
     The template sees ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and any ``extra``
     variables (e.g. ``tools``, ``date_string``). Raises ChatTemplateError for malformed messages, template syntax
     errors, ``raise_exception(...)`` calls, sandbox violations, output above ``max_output_chars`` and compiles or
-    renders that each run longer than ``max_seconds``.
+    renders that each take more than ``max_seconds`` of the calling thread's CPU time.
     """
     if template is None or template == "":
         template = CHATML_TEMPLATE
@@ -301,7 +303,7 @@ def render_chat(
         messages=msgs, add_generation_prompt=bool(add_generation_prompt), bos_token=bos_token, eos_token=eos_token
     )
 
-    guard = _Guard(time.monotonic() + max_seconds, max_output_chars)
+    guard = _Guard(time.thread_time() + max_seconds, max_output_chars)
     pieces: list[str] = []
     previous_trace = sys.gettrace()
     sys.settrace(guard.trace)
