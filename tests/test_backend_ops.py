@@ -90,7 +90,7 @@ def test_matmul_every_weight_type(ops, type_name: str, n_tok: int) -> None:
 @pytest.mark.parametrize("n_tok", [1, 12])
 def test_matmul_multi_equals_separate_products(ops, n_tok: int) -> None:
     rng = np.random.default_rng(n_tok)
-    n_in, outs = 256, [64, 32, 32]
+    n_in, outs = 256, [700, 40, 136]  # rows not multiples of the threads' 16-row portions
     parts = [_weight(rng, "Q8_0", n_in, n) for n in outs]
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     got = ops.matmul_multi(parts[0][2], [p[0] for p in parts], n_in, outs, x)

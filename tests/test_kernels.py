@@ -176,6 +176,19 @@ def test_matmul_threads_agree_on_a_larger_product() -> None:
         np.testing.assert_array_equal(core.matmul(int(QT.Q4_1), raw, 576, 300, x, n_threads), one)
 
 
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_decode_rows_split_over_threads_give_the_one_thread_result(activations: str) -> None:
+    # Decode-sized products hand rows to the threads in shrinking portions (multiples of 16, the last one short):
+    # every split must give exactly the one-thread rows.
+    rng = np.random.default_rng(11)
+    raw, _ = make_weight(QT.Q5_0, 1000, 256, rng)
+    for n_tok in (1, 3):
+        x = rng.standard_normal((n_tok, 256)).astype(np.float32)
+        one = core.matmul(int(QT.Q5_0), raw, 256, 1000, x, 1, activations)
+        for n_threads in (2, 3, 5):
+            np.testing.assert_array_equal(core.matmul(int(QT.Q5_0), raw, 256, 1000, x, n_threads, activations), one)
+
+
 def test_matmul_zero_tokens_and_rows() -> None:
     raw, _ = make_weight(QT.Q8_0, 4, 64, np.random.default_rng(3))
     assert core.matmul(int(QT.Q8_0), raw, 64, 4, np.zeros((0, 64), np.float32)).shape == (0, 4)

@@ -2,6 +2,7 @@
 // on, and the reference implementation.
 #include "backend/cpu/matmul.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -410,22 +411,35 @@ struct DecodeTarget {
     RowDotQ8Fn         q8;  // integer kernel over the 8-bit activations, or nullptr: f32 activations
 };
 
-constexpr int64_t kDecodeChunk = 16;  // rows handed out at a time
+// Rows of the decode path are handed out from one shared counter in guided portions: each grab takes 1/kGuidedShare
+// of the rows a thread would still get (left / (kGuidedShare · nth)), in multiples of kDecodeRowUnit, so a thread
+// streams long contiguous runs of weight rows (its prefetch stays on rows it computes itself) while the shrinking
+// portions at the end keep the threads finishing together, and a descheduled thread holds at most 1/kGuidedShare of
+// a thread's share.
+constexpr int64_t kDecodeRowUnit = 16;  // rows: 64 bytes of f32 outputs, the smallest portion
+constexpr int64_t kGuidedShare   = 8;
 
 // Rows [r0, r1) of one matrix of a decode job, for all n_tok tokens.
 void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & q8, int64_t n_tok, int64_t r0,
                  int64_t r1) {
     // Weights stream from memory once per token: ask for a row a few rows ahead, so that its cache lines are on
-    // the way while this one is computed (the hardware prefetcher alone lags here).
+    // the way while this one is computed (the hardware prefetcher alone lags here). Only rows of [r0, r1): the rows
+    // after r1 are another thread's when several share the matrix.
     constexpr int64_t  kPrefetchRows = 4;
     const WeightView & w             = *m.w;
     const auto *       base          = static_cast<const char *>(w.data);
+    const auto         prefetch_row  = [&](int64_t r) {
+        const char * row = base + r * w.row_bytes;
+        for (size_t off = 0; off < w.row_bytes; off += 64) {
+            __builtin_prefetch(row + off);
+        }
+    };
+    for (int64_t r = r0; r < r1 && r < r0 + kPrefetchRows; ++r) {
+        prefetch_row(r);
+    }
     for (int64_t r = r0; r < r1; ++r) {
-        if (r + kPrefetchRows < w.n_out) {
-            const char * ahead = base + (r + kPrefetchRows) * w.row_bytes;
-            for (size_t off = 0; off < w.row_bytes; off += 64) {
-                __builtin_prefetch(ahead + off);
-            }
+        if (r + kPrefetchRows < r1) {
+            prefetch_row(r + kPrefetchRows);
         }
         if (m.q8 != nullptr) {
             for (int64_t t0 = 0; t0 < n_tok; t0 += 4) {
@@ -449,9 +463,8 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
     }
 }
 
-// The decode path for several matrices with the same activations, as one parallel job: chunks of rows of all the
-// matrices are handed out from one shared counter, so a thread that was descheduled does not hold up the rest and
-// the pool synchronizes once for all of them.
+// The decode path for several matrices with the same activations, as one parallel job (the pool synchronizes once
+// for all of them): their rows, numbered one matrix after the other, are handed out in guided portions (above).
 void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
     bool need_sums = false, need_q8 = false;
     for (int i = 0; i < n_mats; ++i) {
@@ -460,25 +473,42 @@ void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64
     }
     const DecodeActs act = decode_acts(need_sums, mats[0].w->n_in, x, n_tok);
     const Q8Acts     q8  = need_q8 ? quantize_acts(mats[0].w->n_in, x, n_tok) : Q8Acts{};
-    int64_t          first_chunk[8];  // chunk id of each matrix's first rows; [n_mats] = total
-    first_chunk[0] = 0;
-    for (int i = 0; i < n_mats; ++i) {
-        first_chunk[i + 1] = first_chunk[i] + (mats[i].w->n_out + kDecodeChunk - 1) / kDecodeChunk;
+    const int        nth = pool.size();
+    if (nth == 1) {
+        for (int i = 0; i < n_mats; ++i) {
+            decode_rows(mats[i], act, q8, n_tok, 0, mats[i].w->n_out);
+        }
+        return;
     }
-    std::atomic<int64_t> next{ 0 };
+    int64_t first_row[kMaxMatmulMulti + 1];  // row number of each matrix's first row; [n_mats] = total
+    first_row[0] = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        first_row[i + 1] = first_row[i] + mats[i].w->n_out;
+    }
+    const int64_t total = first_row[n_mats];
+    // Its own cache line: the threads write it at every grab, and read the job's other state.
+    struct alignas(64) Counter {
+        std::atomic<int64_t> next{ 0 };
+    } counter;
     pool.run([&](int, int) {
-        int m = 0;
+        int     m = 0;
+        int64_t c = counter.next.load(std::memory_order_relaxed);
         for (;;) {
-            const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-            if (c >= first_chunk[n_mats]) {
+            if (c >= total) {
                 return;
             }
-            while (c >= first_chunk[m + 1]) {
+            while (c >= first_row[m + 1]) {
                 ++m;
             }
-            const int64_t r0 = (c - first_chunk[m]) * kDecodeChunk;
-            const int64_t r1 = r0 + kDecodeChunk < mats[m].w->n_out ? r0 + kDecodeChunk : mats[m].w->n_out;
-            decode_rows(mats[m], act, q8, n_tok, r0, r1);
+            int64_t take = (total - c) / (kGuidedShare * nth);
+            take         = (take + kDecodeRowUnit - 1) / kDecodeRowUnit * kDecodeRowUnit;
+            take         = std::max(take, kDecodeRowUnit);
+            take         = std::min(take, first_row[m + 1] - c);  // within one matrix
+            if (!counter.next.compare_exchange_weak(c, c + take, std::memory_order_relaxed)) {
+                continue;  // c now holds the current value
+            }
+            decode_rows(mats[m], act, q8, n_tok, c - first_row[m], c + take - first_row[m]);
+            c = counter.next.load(std::memory_order_relaxed);
         }
     });
 }
