@@ -812,7 +812,9 @@ def test_tiny_kv_budget_queues_then_refuses_with_429(small_server: ServerProcess
     refused = [r for r in results if r[0] == 429]
     assert len(ok) + len(refused) == n
     assert refused, "a queue of 2 with room for one running request must refuse some of 6 simultaneous requests"
-    assert len(ok) >= 3  # one running + two waiting
+    # The first request takes one of the 2 queue places until the engine thread admits it, so 2 or 3 get in
+    # depending on when it does; at least the 2 that arrive first always do.
+    assert len(ok) >= 2
     for _, headers, out in refused:
         assert int(headers["retry-after"]) >= 1
         assert out["error"]["type"] == "rate_limit_error"
