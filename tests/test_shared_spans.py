@@ -36,6 +36,37 @@ def test_same_position_sharing_is_bit_identical(model: kc.Model) -> None:
             np.testing.assert_array_equal(second.append(tail, logits="all"), exact)
 
 
+def test_a_slice_of_a_span_reads_the_same_stored_rows(model: kc.Model) -> None:
+    """SharedKV.slice(first, n) is rows [first, first + n) of the span, by reference: appended at another position
+    they read as the span's rows re-positioned (equal to sharing those rows of the source directly), no rows are
+    allocated for them, and a slice of a slice composes."""
+    prefix, span, other = _ids(model, 4, 11), _ids(model, 5, 40), _ids(model, 6, 7)
+    with model.new_sequence() as src:
+        src.append(prefix + span, logits="none")
+        whole = src.share(len(prefix), len(span))
+        direct = src.share(len(prefix) + 9, 20)
+        part = whole.slice(5, 30).slice(4, 20)  # rows [9, 29) of the span
+        assert len(part) == 20 and part.tokens == tuple(span[9:29])
+        assert part.handle.frame0 == direct.handle.frame0 == len(prefix) + 9
+        with model.new_sequence() as a, model.new_sequence() as b:
+            a.append(other, logits="none")
+            b.append(other, logits="none")
+            used = model.kv_bytes_in_use
+            a.append_shared(part)
+            b.append_shared(direct)
+            assert model.kv_bytes_in_use == used  # by reference
+            ka, va = a.kv(len(other), 20)
+            kb, vb = b.kv(len(other), 20)
+            np.testing.assert_array_equal(ka, kb)
+            np.testing.assert_array_equal(va, vb)
+        assert whole.slice(0, len(span)) is whole
+        for first, n in ((-1, 5), (0, 0), (35, 6), (40, 1)):
+            with pytest.raises(ValueError, match="outside the span"):
+                whole.slice(first, n)
+        with pytest.raises(ValueError, match="outside the span"):
+            whole.handle.slice(35, 6)  # the core's own check
+
+
 def test_repositioned_span_keys_equal_rerotated_keys(model: kc.Model) -> None:
     """RoPE re-positioning inside attention equals rotating the stored keys to the new positions."""
     a_prefix, b_prefix, span = _ids(model, 4, 25), _ids(model, 5, 9), _ids(model, 6, 30)

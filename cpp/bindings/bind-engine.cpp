@@ -128,7 +128,16 @@ void bind_engine(nb::module_ & m) {
         .def_ro("n", &SharedSpan::n)
         .def_prop_ro(
             "frame0", [](const SharedSpan & s) { return s.span->frame0() + s.begin; },
-            "the position its first key is rotated at");
+            "the position its first key is rotated at")
+        .def(
+            "slice",
+            [](const SharedSpan & s, int32_t first, int32_t n) {
+                KC_CHECK(first >= 0 && n > 0 && first <= s.n - n,
+                         "SharedSpan.slice: rows [%d, %d + %d) are outside the span's %d rows", first, first, n, s.n);
+                return SharedSpan{ s.span, s.begin + first, n };
+            },
+            nb::arg("first"), nb::arg("n"), nb::keep_alive<0, 1>(),
+            "Rows [first, first + n) of this span, the same stored rows (no copy).");
 
     nb::class_<KvCorrection>(m, "KvCorrection",
                              "Low-rank K/V correction of n_rows rows: K + A_k·B_k, V + A_v·B_v per layer, in the "

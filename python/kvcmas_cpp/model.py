@@ -134,6 +134,14 @@ class SharedKV:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def slice(self, first: int, n: int) -> SharedKV:
+        """Rows [first, first + n) of these rows: the same stored rows, no copy (ValueError outside them)."""
+        if not (first >= 0 and n > 0 and first + n <= len(self)):
+            raise ValueError(f"SharedKV.slice: rows [{first}, {first + n}) are outside the span's {len(self)} rows")
+        if first == 0 and n == len(self):
+            return self
+        return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n])
+
 
 class KVSequence:
     """One sequence of KV rows in the engine (a KV slot). Positions are 0..len-1.

@@ -93,18 +93,6 @@ def runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
     return out
 
 
-def sub_span(model: Any, shared: SharedKV, start: int, n: int) -> SharedKV:
-    """Rows [start, start + n) of a stored span, still by reference (through a scratch sequence that reads it)."""
-    if start == 0 and n == len(shared):
-        return shared
-    scratch: KVSequence = model.new_sequence()
-    try:
-        scratch.append_shared(shared)
-        return SharedKV(model._core.seq_share(scratch.id, start, n), shared.tokens[start : start + n])
-    finally:
-        scratch.close()
-
-
 def append_span(
     runner: WorkflowRunner,
     seq: KVSequence,
@@ -134,7 +122,7 @@ def append_span(
             append_mixed(seq, pending, "none", st.vectors)
             computed += len(pending)
             pending = []
-        piece = sub_span(m, shared, start, end - start)
+        piece = shared.slice(start, end - start)
         kc: Any = None
         if applied is not None:
             part = applied.sliced(start, end - start, m.n_layer) if start or end < n else applied

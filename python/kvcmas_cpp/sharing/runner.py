@@ -605,12 +605,7 @@ class WorkflowRunner:
         low-rank correction restricts by slicing A), the reader's base view moved with them."""
         if b.shared is None or not (first >= 0 and n > 0 and first + n <= len(b.shared)):
             raise ValueError(f"sub_bucket: rows [{first}, {first + n}) are outside the stored span")
-        scratch = self.model.new_sequence()  # the core shares rows of a sequence: the span's, uncorrected, here
-        try:
-            scratch.append_shared(b.shared)
-            shared = scratch.share(first, n)
-        finally:
-            scratch.close()
+        shared = b.shared.slice(first, n)
         corr = b.corr
         if corr is not None:
             part = corr.sliced(first, n, self.model.n_layer)
