@@ -12,7 +12,8 @@ from kvcmas_cpp._native import core
 from kvcmas_cpp.sharing import MethodConfig, RidgeEstimator, WorkflowRunner, gsm8k_workflow, load_gsm8k
 from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing.evaluate import question_ids
-from kvcmas_cpp.sharing.runner import _Bucket, _canonical
+from kvcmas_cpp.sharing.runner import _canonical
+from kvcmas_cpp.sharing.span import Span
 from kvcmas_cpp.sharing.workflow import QUESTION
 
 GEN = 4
@@ -71,7 +72,7 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     p0 = len(src)
     src.append(q, logits="none")
     h, n = 4, len(q) - 4
-    bucket = _Bucket(src.share(p0 + h, n), None, p0 + h, src, p0 + h)
+    bucket = Span(QUESTION, q).with_rows(src.share(p0 + h, n), None, p0 + h, src, p0 + h)
     c1 = runner._core_ridge(runner.edge_of(QUESTION, 1), bucket, n)
     ref1 = runner._correction_numpy(1, QUESTION, bucket, 0, n, "m", None)
     assert isinstance(c1, est.Correction) and c1.rank == 9 and c1.rows == n
@@ -89,11 +90,11 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     pos1 = len(reader)
     assert pos1 != p0
     reader.append_shared(bucket.shared, kc1)
-    chained = _Bucket(bucket.shared, c1, bucket.frame0, reader, pos1)
+    chained = bucket.with_rows(bucket.shared, c1, bucket.frame0, reader, pos1)
     c2 = runner._core_ridge(runner.edge_of(QUESTION, 2), chained, n)
     in_numpy = est.Correction(c1.factors(model.n_layer))  # the same chain, folded by the numpy path
     ref2 = runner._correction_numpy(
-        2, QUESTION, _Bucket(bucket.shared, in_numpy, p0 + h, reader, pos1), 0, n, "m", None
+        2, QUESTION, bucket.with_rows(bucket.shared, in_numpy, p0 + h, reader, pos1), 0, n, "m", None
     )
     assert isinstance(c2, est.Correction) and c2.rank == 18 and ref2 is not None
     _assert_factors_equal(c2, ref2, model.n_layer)

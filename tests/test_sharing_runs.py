@@ -11,7 +11,8 @@ import kvcmas_cpp as kc
 from kvcmas_cpp.agents import MIN_PIECE_TOKENS, AgentSession
 from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.sharing import estimators as est
-from kvcmas_cpp.sharing.runner import WorkflowRunner, _Bucket
+from kvcmas_cpp.sharing.runner import WorkflowRunner
+from kvcmas_cpp.sharing.span import Span
 from kvcmas_cpp.sharing.workflow import Workflow
 
 TASK = (
@@ -188,11 +189,11 @@ def test_runs_hold_nothing_once_their_prompt_is_done(model: kc.Model) -> None:
     with _team_with_reply(model, "kvcmas") as team:
         for finish in (False, True):
             with team.prefill(msgs) as p:
-                assert p.runs and all(ph in team._state.buckets for ph in p.runs)
+                assert p.runs and all(team._state.stored(ph) for ph in p.runs)
                 held = list(p.runs)
                 if finish:
                     team.finish(p, [int(np.argmax(p.logits))])
-            assert not any(ph in team._state.buckets or ph in team._state.relayed for ph in held)
+            assert not any(ph in team._state.spans for ph in held)
         team.run_training_reads()
     PrefixCache.of(model).clear()
     assert model.kv_bytes_in_use == before
@@ -216,7 +217,9 @@ def test_a_sub_run_reads_the_spans_correction_restricted_to_its_rows(model: kc.M
         pos = len(src) - n_all
         corr = est.Correction(factors)
         kv_all = corr.kv_correction(n_all, kd, model.n_layer)
-        b = _Bucket(src.share(pos, n_all), est.Correction(kv=kv_all) if core_factors else corr, pos, src, pos)
+        b = Span("reply", span).with_rows(
+            src.share(pos, n_all), est.Correction(kv=kv_all) if core_factors else corr, pos, src, pos
+        )
         sub = runner.sub_bucket(b, first, n)
         assert sub.shared is not None and sub.shared.tokens == tuple(span[first : first + n])
         assert sub.frame0 == pos + first and sub.view_pos == pos + first

@@ -52,7 +52,8 @@ from .sharing import estimators as est
 from .sharing import methods as registry
 from .sharing.methods import CALIBRATION_READS, MethodConfig  # noqa: F401 (kc.agents.*: public)
 from .sharing.persist import CalibrationStore, default_calibration_dir
-from .sharing.runner import HopReport, RequestState, TrainingRead, WorkflowRunner, chains
+from .sharing.runner import HopReport, RequestState, TrainingRead, WorkflowRunner
+from .sharing.span import Span, chains
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 from .tools import TOOLS_KEY, attached_tools
 
@@ -201,15 +202,6 @@ class _Run:
     offset: int
     ids: tuple[int, ...]
     at: int
-
-
-@dataclass
-class _Item:
-    ph: str  # placeholder naming the span in the session's templates
-    ids: list[int]
-    label: str | None
-    author: int | None  # agent index for replies
-    key: str = ""  # the span's role in the estimator's edges: "context:<label>", "message:<role>", "reply:<author>"
 
 
 @dataclass
@@ -531,9 +523,7 @@ class AgentSession:
                 ids += self._ids(body)
             if not ids:
                 raise ValueError("share: the content is empty")
-            n_ctx = sum(1 for it in self._items if it.author is None)
-            ph = QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
-            self._add_item(_Item(ph, ids, label, None, f"context:{label or ''}"))
+            self._add_span(Span(self._next_context_ph(), ids, f"context:{label or ''}", label))
 
     def _embedding_ids(self, embeddings: np.ndarray, where: str, register: bool = True) -> list[int] | None:
         """The prompt ids standing for input vectors [n, n_embd]; the same rows (by content) get the same ids. Rows
@@ -563,10 +553,8 @@ class AgentSession:
     # ------------------------------------------------------------------------------------------------ lifecycle
     def _reset_state(self) -> None:
         self._serial += 1
-        self._state = RequestState(f"{self.workflow}#{id(self)}#{self._serial}", {})
-        self._items: list[_Item] = []
+        self._state = RequestState(f"{self.workflow}#{id(self)}#{self._serial}")
         self._by_ids: dict[tuple[int, ...], str] = {}
-        self._span_keys: dict[str, str] = {}  # placeholder -> the span's role in estimator edges (_Item.key)
         # A reply's text -> its placeholder: a client sends a reply back as text, whose tokens need not be the
         # generated ones (a model may generate a non-canonical tokenization); the text still names the span.
         self._by_text: dict[str, str] = {}
@@ -625,8 +613,8 @@ class AgentSession:
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
             other._vector_ids = dict(self._vector_ids)
             other._by_text = dict(self._by_text)
-            for it in self._items:
-                other._add_item(_Item(it.ph, list(it.ids), it.label, it.author, it.key))
+            for span in self._items:
+                other._add_span(dataclasses.replace(span.with_rows(), ids=list(span.ids)))
             return other
 
     @property
@@ -642,7 +630,9 @@ class AgentSession:
         with self._lock:
             while self._lru:
                 ph, _ = self._lru.popitem(last=False)
-                if self._state.buckets.pop(ph, None) is not None:
+                span = self._state.stored(ph)
+                if span is not None:
+                    self._state.spans[ph] = span.with_rows()
                     self._collect()
                     return True
             return False
@@ -715,7 +705,7 @@ class AgentSession:
                 for text, piece in pieces:
                     if isinstance(piece, _Run):
                         piece = self._add_run(piece, runs)
-                    elif piece is not None and piece not in self._state.relayed:
+                    elif piece is not None and piece not in self._state.spans:
                         self._add_message_item(self._ids(text), text, role, piece)
                     marked.append(text if piece is None else f"<kvcmas-span-{nonce}:{piece}>")
                 rendered.append({"role": role, "content": "".join(marked)})
@@ -775,23 +765,23 @@ class AgentSession:
                     for _, piece in self._pieces(content, ids, register=False) or []:
                         if isinstance(piece, _Run):
                             total += len(piece.ids)
-                        elif piece in self._state.buckets:
-                            total += len(self._state.relayed[piece])
-                elif ph is not None and ph in self._state.buckets:
-                    total += len(self._state.relayed[ph])
+                        elif piece is not None and (span := self._state.stored(piece)) is not None:
+                            total += len(span.ids)
+                elif ph is not None and (span := self._state.stored(ph)) is not None:
+                    total += len(span.ids)
             return total
 
     def _add_message_item(self, ids: list[int], text: str | None, role: str, ph: str | None = None) -> str:
         """Registers (part of) a client message as a new context span; returns its placeholder."""
         if ph is None:
             ph = self._next_context_ph()
-        self._add_item(_Item(ph, ids, None, None, f"message:{role}"))
+        self._add_span(Span(ph, ids, f"message:{role}"))
         if text is not None:
             self._by_text.setdefault(text, ph)
         return ph
 
     def _next_context_ph(self, reserved: int = 0) -> str:
-        n_ctx = sum(1 for it in self._items if it.author is None) + reserved
+        n_ctx = sum(1 for span in self._items if span.author is None) + reserved
         return QUESTION if n_ctx == 0 else f"condition_{n_ctx}_current"
 
     def _pieces(
@@ -820,7 +810,8 @@ class AgentSession:
         def free(a: int, b: int) -> bool:
             return all(b < s or a > e for s, e, _ in found)
 
-        known = [t for t, ph in self._by_text.items() if len(self._state.relayed.get(ph, ())) >= MIN_PIECE_TOKENS]
+        spans = self._state.spans
+        known = [t for t, ph in self._by_text.items() if ph in spans and len(spans[ph].ids) >= MIN_PIECE_TOKENS]
         for text in sorted(known, key=len, reverse=True):
             at = content.find(text) if text.strip() else -1
             while at >= 0:
@@ -883,7 +874,7 @@ class AgentSession:
             if ph is None and tok.encode(text, add_special=False, parse_special=True) != self._ids(text):
                 return None  # client text would read as special tokens in the template
         new = pieces[1][1] if len(pieces) == 2 else None
-        new_whole = isinstance(new, str) and new not in self._state.relayed
+        new_whole = isinstance(new, str) and new not in self._state.spans
         if new_whole and not pieces[0][0].strip() and not tail.strip():
             return None  # the whole message is one new paragraph: a whole-message span, as before
         return [(text, ph) for text, ph in [*pieces, (tail, None)] if text or ph is not None]
@@ -898,10 +889,10 @@ class AgentSession:
         st = self._state
         if self._runner.estimator.observes_dense:
             return []
-        for ph, stored in st.buckets.items():
-            if ph not in self._indexed and ph not in self._runs and stored.shared is not None:
+        for ph, stored in st.spans.items():
+            if ph not in self._indexed and ph not in self._runs and stored.stored and stored.shared is not None:
                 self._indexed.add(ph)
-                span = st.relayed[ph]
+                span = stored.ids
                 for o in range(0, len(span) - RUN_BLOCK + 1, RUN_BLOCK):
                     self._blocks.setdefault(tuple(span[o : o + RUN_BLOCK]), []).append((ph, o))
         out: list[_Run] = []
@@ -909,10 +900,10 @@ class AgentSession:
         while i + RUN_BLOCK <= len(ids):
             best: tuple[int, int, str, int] | None = None  # (start, end, placeholder, offset)
             for ph, o in self._blocks.get(tuple(ids[i : i + RUN_BLOCK]), ()):
-                held = st.buckets.get(ph)
+                held = st.stored(ph)
                 if held is None or held.shared is None:  # evicted
                     continue
-                span = st.relayed[ph]
+                span = held.ids
                 a, pa = i, o
                 while a > lo and pa > 0 and ids[a - 1] == span[pa - 1]:
                     a, pa = a - 1, pa - 1
@@ -961,17 +952,18 @@ class AgentSession:
 
     def _add_run(self, run: _Run, runs: list[str]) -> str:
         """A placeholder for a run of a stored span: the span's own when the run is all of it, else a new one whose
-        bucket is the span's rows under the run (WorkflowRunner.sub_bucket; its first `head` ids are forwarded,
-        as any span's) and whose estimator edges are the span's. Appended to `runs` (dropped by _drop_runs)."""
+        stored state is the span's rows under the run (WorkflowRunner.sub_bucket; its first `head` ids are
+        forwarded, as any span's) and whose estimator edges (key) are the span's. Appended to `runs` (dropped by
+        _drop_runs)."""
         st = self._state
-        if run.offset == 0 and len(run.ids) == len(st.relayed[run.span]):
+        whole = st.spans[run.span]
+        if run.offset == 0 and len(run.ids) == len(whole.ids):
             return run.span
         self._n_runs += 1
         ph = f"run_{self._n_runs}_current"
         h = min(self._runner.config.head, len(run.ids))
-        st.relayed[ph] = list(run.ids)
-        st.buckets[ph] = self._runner.sub_bucket(st.buckets[run.span], run.offset, len(run.ids) - h)
-        self._span_keys[ph] = self._span_keys.get(run.span, run.span)
+        rows = self._runner.sub_bucket(whole, run.offset, len(run.ids) - h)
+        st.spans[ph] = dataclasses.replace(rows, ph=ph, ids=list(run.ids), key=whole.key or whole.ph)
         self._runs.add(ph)
         runs.append(ph)
         if run.span in self._lru:
@@ -979,11 +971,9 @@ class AgentSession:
         return ph
 
     def _drop_runs(self, runs: list[str]) -> None:
-        """Forgets the placeholders of sub-runs a prompt read (their buckets hold no rows of their own)."""
+        """Forgets the placeholders of sub-runs a prompt read (their spans hold no rows of their own)."""
         for ph in runs:
-            self._state.relayed.pop(ph, None)
-            self._state.buckets.pop(ph, None)
-            self._span_keys.pop(ph, None)
+            self._state.spans.pop(ph, None)
             self._runs.discard(ph)
         runs.clear()
 
@@ -1072,21 +1062,25 @@ class AgentSession:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
         return ids
 
-    def _add_item(self, it: _Item) -> None:
-        self._items.append(it)
-        self._state.relayed[it.ph] = it.ids
-        self._span_keys[it.ph] = it.key
-        self._by_ids.setdefault(tuple(it.ids), it.ph)
+    def _add_span(self, span: Span) -> None:
+        self._state.spans[span.ph] = span
+        self._by_ids.setdefault(tuple(span.ids), span.ph)
+
+    @property
+    def _items(self) -> list[Span]:
+        """The shared items (context and replies) in the order they joined: every span but the sub-runs live
+        prompts read."""
+        return [span for ph, span in self._state.spans.items() if ph not in self._runs]
 
     def _user_template(self, ag: Agent) -> str:
         if ag.template is not None and "{context}" not in ag.template:
             return ag.template
         parts = []
-        for it in self._items:
-            label = it.label
-            if label is None and it.author is not None:
-                label = f"{self.agents[it.author].name}'s output"
-            parts.append((f"{label}:\n" if label else "") + "{" + it.ph + "}")
+        for span in self._items:
+            label = span.label
+            if label is None and span.author is not None:
+                label = f"{self.agents[span.author].name}'s output"
+            parts.append((f"{label}:\n" if label else "") + "{" + span.ph + "}")
         ctx = "\n\n".join(parts)
         return ag.template.replace("{context}", ctx) if ag.template is not None else ctx
 
@@ -1097,7 +1091,8 @@ class AgentSession:
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
         """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
-        return (self._span_keys.get(ph, ph), self._identities[reader])
+        span = self._state.spans.get(ph)
+        return (span.key if span is not None and span.key else ph, self._identities[reader])
 
     def _prefill_template(
         self,
@@ -1106,7 +1101,7 @@ class AgentSession:
         chunked: _ChunkedFork | None = None,
         prefix: tuple[KVSequence, int] | None = None,
     ) -> Prefilled:
-        missing = [ph for ph in t.placeholders if ph not in self._state.relayed]
+        missing = [ph for ph in t.placeholders if ph not in self._state.spans]
         if missing:
             raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
         n = self._replies.get(ag.index, 0)
@@ -1129,33 +1124,28 @@ class AgentSession:
     def _finish(self, p: Prefilled, out: list[int], received: str | None = None) -> None:
         ag = p.agent
         self._replies[ag] = self._replies.get(ag, 0) + 1
-        relay = out if out else None
-        key = f"reply:{self._identities[ag]}"
-        if relay is not None:
+        reply = Span(p.reply_ph, list(out), f"reply:{self._identities[ag]}", author=ag) if out else None
+        if reply is not None:
             for text in (self.model.detokenize(out), received):
                 if text is not None:
                     self._by_text.setdefault(text, p.reply_ph)
                     self._by_text.setdefault(text.strip(), p.reply_ph)
         if self.method == "nonshared":  # nothing is stored: replies are re-read as text
-            if relay is not None:
-                self._add_item(_Item(p.reply_ph, out, None, ag, key))
+            if reply is not None:
+                self._add_span(reply)
             return
         with self._estimator_lock:
-            read = self._runner.finish_hop(
-                ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, relay, p.reply_ph, prefix=p.prefix
-            )
+            read = self._runner.finish_hop(ag, p.seq, p.hop, p.pos_map, p.corrs, self._state, reply, prefix=p.prefix)
         self._drop_runs(p.runs)  # a training read holds its own forks of the views it pairs with
         if read is not None:
             read.lock, read.on_done = self._read_lock, self._read_done
             self._reads.append(read)
-        if relay is not None:
-            self._items.append(_Item(p.reply_ph, out, None, ag, key))
-            self._span_keys[p.reply_ph] = key
+        if reply is not None:  # the runner put it in the state, stored
             self._by_ids.setdefault(tuple(out), p.reply_ph)
         self._seqs.append(p.seq)
         self._owned_rows[id(p.seq)] = p.hop.computed_tokens + len(out)
-        for ph, b in self._state.buckets.items():
-            if b.view_seq is p.seq or chains(ph):
+        for ph, span in self._state.spans.items():
+            if span.stored and (span.view_seq is p.seq or chains(ph)):
                 self._lru[ph] = None
                 self._lru.move_to_end(ph)
         self._collect()
@@ -1219,7 +1209,7 @@ class AgentSession:
 
     def _collect(self) -> None:
         """Closes session sequences no stored span reads any more."""
-        live = {id(b.view_seq) for b in self._state.buckets.values()}
+        live = {id(span.view_seq) for span in self._state.spans.values() if span.stored}
         keep = []
         for s in self._seqs:
             if id(s) in live:

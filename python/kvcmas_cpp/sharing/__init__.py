@@ -6,6 +6,7 @@ from __future__ import annotations
 from .estimators import AnchorEstimator, Estimator, OracleEstimator, RidgeEstimator
 from .methods import METHODS, REGISTRY, MethodConfig, default_config
 from .runner import HopReport, RequestResult, WorkflowRunner
+from .span import Span
 from .workflow import Agent, Template, Workflow, build_template, gsm8k_path, gsm8k_workflow, load_gsm8k
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "REGISTRY",
     "RequestResult",
     "RidgeEstimator",
+    "Span",
     "Template",
     "Workflow",
     "WorkflowRunner",

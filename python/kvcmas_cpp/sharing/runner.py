@@ -13,8 +13,8 @@ Per agent (hop), in execution order:
 Chaining (question span): the span is stored once (the first agent's exact rows). Hop i's base is hop i-1's view of
 the span; its correction is hop i-1's correction concatenated with hop i's own factors (rank grows by the per-edge
 rank each hop), so the engine still stores the span once and applies base + Σ factors in the kernel. A dense
-(fallback) hop becomes the new stored span. Relayed outputs are not chained: each reader corrects relative to the
-producer's rows (star), as in the reference code.
+(fallback) hop becomes the new stored span. Agents' replies are not chained: each reader corrects relative to the
+producer's rows (star), as in the reference code. Spans are `span.Span` values in RequestState.spans.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from .._native import core
-from ..model import KVSequence, Model, SharedKV
+from ..model import KVSequence, Model
 from . import estimators as est
 from . import recompute as recompute_mod
 from ._blas import single_threaded_blas
 from .methods import MethodConfig, make_estimator
+from .span import Span, chains
 from .workflow import QUESTION, Template, Workflow, build_template, response_placeholder
 
 
@@ -75,36 +76,18 @@ class HopReport:
 
 
 @dataclass
-class _Bucket:
-    """A shared span as the next reader sees it: stored rows (handle), the correction accumulated so far in the
-    stored frame, the stored frame position of its first row, and where the last reader's view of it lives."""
-
-    shared: SharedKV | None
-    corr: est.Correction | None
-    frame0: int
-    view_seq: KVSequence
-    view_pos: int
-
-
-def chains(ph: str) -> bool:
-    """Shared context (the question, conditions) is chained hop to hop; relayed agent outputs are not."""
-    return ph == QUESTION or ph.startswith("condition_")
-
-
-@dataclass
 class RequestState:
-    """One request's spans as the method sees them: relayed ids per placeholder, the buckets later readers start
-    from, and per hop its prompt, its placeholder positions and its report."""
+    """One request's spans as the method sees them (placeholder -> Span: ids, role, the stored state later readers
+    start from), and per hop its prompt, its placeholder positions and its report."""
 
     message: str  # the request's key for the estimator's anchors
-    relayed: dict[str, list[int]]
-    buckets: dict[str, _Bucket] = field(default_factory=dict)
+    spans: dict[str, Span] = field(default_factory=dict)
     prompts: list[list[int]] = field(default_factory=list)
     spans_at: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
-    owned: list[KVSequence] = field(default_factory=list)  # sequences buckets read besides the hops' (caller closes)
+    owned: list[KVSequence] = field(default_factory=list)  # sequences spans read besides the hops' (caller closes)
 
     def add_vectors(self, rows: np.ndarray) -> list[int]:
         """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
@@ -112,6 +95,11 @@ class RequestState:
         first = 0 if self.vectors is None else self.vectors.shape[0]
         self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])
         return [-(1 + first + i) for i in range(rows.shape[0])]
+
+    def stored(self, ph: str) -> Span | None:
+        """The span `ph` if a reader has computed it (Span.stored), else None."""
+        span = self.spans.get(ph)
+        return span if span is not None and span.stored else None
 
 
 def append_mixed(
@@ -174,7 +162,7 @@ class _ReadPart:
     base_pos: int
     pos: int  # the exact rows' position in the read's source
     n: int
-    chain: _Bucket | None = None  # the bucket the exact rows replace if it is still current (cold reuse, chained)
+    chain: Span | None = None  # the span the exact rows replace if it is still current (cold reuse, chained)
 
 
 class TrainingRead:
@@ -186,7 +174,7 @@ class TrainingRead:
     `chunk` rows), so it stays valid whatever the session does meanwhile. Its steps: the exact rows' chunks, then the
     rows folded into the edges' statistics TRAINING_READ_ROWS at a time, then the edges that hold their
     `calibrate` reads are fitted (`fitted`). When the read is done, its exact rows continue the chain of a span
-    whose bucket no later reader has moved (they go to st.owned, which the caller closes), and on_done(read) is
+    no later reader has moved (they go to st.owned, which the caller closes), and on_done(read) is
     called. close() drops a read not run to its end (`dropped`) and frees what it holds. Each step runs inside
     lock() (the session's and the estimator's locks); detach() cuts it from its session's state (the read still
     teaches the estimator)."""
@@ -289,9 +277,9 @@ class TrainingRead:
         st = self.st
         if st is not None and self.computes:
             for part in self.parts:
-                if part.chain is not None and st.buckets.get(part.ph) is part.chain:
+                if part.chain is not None and st.spans.get(part.ph) is part.chain:
                     shared = self.source.share(part.pos, part.n)
-                    st.buckets[part.ph] = _Bucket(shared, None, part.pos, self.source, part.pos)
+                    st.spans[part.ph] = part.chain.with_rows(shared, None, part.pos, self.source, part.pos)
                     self.kept = True
             if self.kept:
                 st.owned.append(self.source)
@@ -358,18 +346,18 @@ class WorkflowRunner:
         exact: RequestResult | None = None,
         ridge_training: bool = False,
     ) -> RequestResult:
-        """Runs every agent once. forced: per agent, the generated ids to teacher-force (evaluation: relayed spans
+        """Runs every agent once. forced: per agent, the generated ids to teacher-force (evaluation: reply spans
         then hold the same ids in every method); exact: the nonshared run of the same request, for fidelity
         metrics and the oracle. ridge_training: this (nonshared) run feeds the given RidgeEstimator's examples."""
         m = self.model
         n_agents = len(self.templates)
-        st = RequestState(message, {QUESTION: list(question)})
+        st = RequestState(message, {QUESTION: Span(QUESTION, list(question))})
         seqs: list[KVSequence] = []
         for a in range(n_agents):
             t = self.templates[a]
             seq, logits, hop, pos_map, corrs = self.prefill_hop(a, t, self.prefixes[a], st, exact)
             seqs.append(seq)
-            # generation (greedy, or teacher-forced); the last token's KV is never computed (relayed spans exclude it)
+            # generation (greedy, or teacher-forced); the last token's KV is never computed (reply spans exclude it)
             gen: list[int] = []
             if forced is not None:
                 gen = list(forced[a])
@@ -389,10 +377,9 @@ class WorkflowRunner:
             hop.kv_bytes = m.kv_bytes_in_use - st.kv0 - self._template_bytes_in_hop
             self._template_bytes_in_hop = 0
             hop.peak_bytes = sum(h.kv_bytes + h.corr_bytes for h in st.hops)
-            out = gen[:-1] if a < n_agents - 1 else None  # the rows the sequence holds after its prompt
-            read = self.finish_hop(
-                a, seq, hop, pos_map, corrs, st, out, response_placeholder(a), ridge_training, exact, self.prefixes[a]
-            )
+            # the rows the sequence holds after its prompt
+            out = Span(response_placeholder(a), gen[:-1], author=a) if a < n_agents - 1 else None
+            read = self.finish_hop(a, seq, hop, pos_map, corrs, st, out, ridge_training, exact, self.prefixes[a])
             if read is not None:  # a benchmark's hops run one after the other: the read runs at once
                 read.run()
         result = RequestResult(st.hops, seqs, st.spans_at, st.prompts, st.owned)
@@ -405,10 +392,10 @@ class WorkflowRunner:
     ) -> tuple[KVSequence, np.ndarray, HopReport, dict[str, tuple[int, int]], dict[str, est.Correction]]:
         """Agent a's prompt under the method: a fork of its template prefix, then its spans (dense or shared with
         corrections). Returns (sequence, next-token logits, hop report without generation, placeholder positions,
-        corrections used). Every placeholder of t must be in st.relayed."""
+        corrections used). Every placeholder of t must be in st.spans."""
         m, cfg = self.model, self.config
         phs = t.placeholders
-        prompt = t.prompt_ids(st.relayed)
+        prompt = t.prompt_ids({ph: st.spans[ph].ids for ph in phs})
         st.prompts.append(prompt)
         st.kv0 = m.kv_bytes_in_use
         t0 = time.perf_counter()
@@ -417,7 +404,7 @@ class WorkflowRunner:
         if cfg.name == "nonshared" or cfg.gate == "dense":
             mode, gate = ("source" if not st.hops else "dense"), "n/a" if cfg.name == "nonshared" else "forced dense"
             reason = None if cfg.name == "nonshared" else "forced"  # nonshared shares nothing: no reason to give
-        elif not any(ph in st.buckets for ph in phs):
+        elif not any(st.stored(ph) for ph in phs):
             mode, gate, reason = "source", "n/a", "no match"
         elif cfg.gate == "auto" and (why := self.estimator.decide(a, phs, st.message)) is not None:
             mode, gate, reason = "fallback", "novel -> dense" if why == "gate" else f"{why} -> dense", why
@@ -431,8 +418,9 @@ class WorkflowRunner:
         pos_map: dict[str, tuple[int, int]] = {}
         pos = len(t.texts[0])
         for i, ph in enumerate(phs):
-            pos_map[ph] = (pos, len(st.relayed[ph]))
-            pos += len(st.relayed[ph]) + len(t.texts[i + 1])
+            n = len(st.spans[ph].ids)
+            pos_map[ph] = (pos, n)
+            pos += n + len(t.texts[i + 1])
         st.spans_at.append(pos_map)
         corrs: dict[str, est.Correction] = {}
         if mode != "reuse":
@@ -478,7 +466,7 @@ class WorkflowRunner:
         e = self.estimator
         if not self.config.calibrate or not e.learns_from_reads:
             return []
-        shared = [ph for ph in phs if ph in st.buckets and st.buckets[ph].shared is not None]
+        shared = [ph for ph in phs if (span := st.stored(ph)) is not None and span.shared is not None]
         return [ph for ph in shared if e.calibrating(self.edge_of(ph, a))]
 
     def finish_hop(
@@ -489,14 +477,13 @@ class WorkflowRunner:
         pos_map: dict[str, tuple[int, int]],
         corrs: dict[str, est.Correction],
         st: RequestState,
-        out: list[int] | None,
-        out_ph: str,
+        out: Span | None,
         ridge_training: bool = False,
         exact: RequestResult | None = None,
         prefix: KVSequence | None = None,
     ) -> TrainingRead | None:
         """After agent a's generation: its view of the spans becomes the next readers' base (chain), and `out` (the
-        ids whose rows seq holds right after the prompt; None: not relayed) becomes the shared span `out_ph`.
+        reply span: ids whose rows seq holds right after the prompt; None: not passed on) joins st.spans.
         Calibrating edges get a training read, returned unstarted (None: no read): its exact rows are the dense
         hop's own (a fork of seq) or, under cold reuse, rows it computes in a fork of `prefix` (the agent's template
         prefix the hop started from). The caller runs it now (TrainingRead.run) or later, off the reply's path;
@@ -515,26 +502,26 @@ class WorkflowRunner:
                 end = max(pos_map[ph][0] + pos_map[ph][1] for ph in train)
                 compute = hop.prompt[len(prefix) : end]
                 hop.shadow_tokens = len(compute)
-        read = self._update_buckets(a, seq, pos_map, st, hop.mode, corrs, exact, train, prefix if compute else None)
+        read = self._update_spans(a, seq, pos_map, st, hop.mode, corrs, exact, train, prefix if compute else None)
         if read is not None:
             read.compute, read.rows, read.fit = compute, len(compute), not ridge_training
         if out is not None:
-            self._relay(a, seq, hop, st, out, out_ph)
+            self._pass_on(seq, hop, st, out)
         return read
 
-    def _relay(self, a: int, seq: KVSequence, hop: HopReport, st: RequestState, out: list[int], out_ph: str) -> None:
-        """`out` (rows of seq right after the prompt) becomes the shared span `out_ph`."""
+    def _pass_on(self, seq: KVSequence, hop: HopReport, st: RequestState, out: Span) -> None:
+        """The reply span `out` (its ids: rows of seq right after the prompt) joins st.spans, stored in seq."""
         m, cfg = self.model, self.config
-        st.relayed[out_ph] = list(out)
-        p_out = hop.prompt_tokens
-        h = min(cfg.head, len(out))
-        if out:
-            shared = seq.share(p_out + h, len(out) - h) if len(out) > h else None
-            st.buckets[out_ph] = _Bucket(shared, None, p_out + h, seq, p_out + h)
+        st.spans[out.ph] = out
+        p_out, n = hop.prompt_tokens, len(out.ids)
+        h = min(cfg.head, n)
+        if n:
+            shared = seq.share(p_out + h, n - h) if n > h else None
+            st.spans[out.ph] = out.with_rows(shared, None, p_out + h, seq, p_out + h)
             gated = cfg.gate == "auto" and cfg.name != "nonshared"
             if gated and self.estimator.gates_outputs:
-                _, v = _canonical(m, seq, p_out, len(out))
-                novel = self.estimator.observe_output(out_ph, st.message, v)
+                _, v = _canonical(m, seq, p_out, n)
+                novel = self.estimator.observe_output(out.ph, st.message, v)
                 hop.gate += f"; output {'novel' if novel else 'reusable'}"
 
     def _assemble(
@@ -542,15 +529,15 @@ class WorkflowRunner:
     ) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
         """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
         cfg = self.config
-        relayed, buckets, message = st.relayed, st.buckets, st.message
+        message = st.message
         pending: list[int] = []
         computed = 0
         corrs: dict[str, est.Correction] = {}
         for i, ph in enumerate(t.placeholders):
-            ids = relayed[ph]
+            ids = st.spans[ph].ids
             h = min(cfg.head, len(ids))
             pending += ids[:h]
-            b = buckets.get(ph)
+            b = st.stored(ph)
             if b is None or b.shared is None:  # nobody has computed this span yet: this reader does, exactly
                 pending += ids[h:]
             elif len(ids) > h and (cfg.recompute > 0 or not cfg.correct):  # sharing/recompute.py
@@ -599,7 +586,7 @@ class WorkflowRunner:
         computed += len(pending)
         return logits, computed, corrs
 
-    def sub_bucket(self, b: _Bucket, first: int, n: int) -> _Bucket:
+    def sub_bucket(self, b: Span, first: int, n: int) -> Span:
         """Rows [first, first + n) of a bucket as a bucket of their own (a sub-run of a stored span, read by
         reference): the same stored rows (no copy), the accumulated correction restricted to those rows (a per-row
         low-rank correction restricts by slicing A), the reader's base view moved with them."""
@@ -610,7 +597,7 @@ class WorkflowRunner:
         if corr is not None:
             part = corr.sliced(first, n, self.model.n_layer)
             corr = est.Correction(kv=part.kv_correction(n, self.kd, self.model.n_layer)) if corr.in_core else part
-        return _Bucket(shared, corr, b.frame0 + first, b.view_seq, b.view_pos + first)
+        return b.with_rows(shared, corr, b.frame0 + first, b.view_seq, b.view_pos + first)
 
     def _copy_bytes(self, n: int) -> int:
         """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
@@ -624,16 +611,16 @@ class WorkflowRunner:
         return self.config.apply == "materialize"
 
     def _correction(
-        self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
+        self, a: int, ph: str, b: Span, pos: int, n: int, message: str, exact: RequestResult | None
     ) -> est.Correction | None:
-        """The reader's total correction in the stored frame: the bucket's accumulated one plus this edge's. The
+        """The reader's total correction in the stored frame: the span's accumulated one plus this edge's. The
         ridge estimator's comes from the core as a ready KvCorrection; the other estimators' as numpy factors."""
         made = self._core_ridge(self.edge_of(ph, a), b, n)
         if made is not _NUMPY:
             return cast("est.Correction | None", made)
         return self._correction_numpy(a, ph, b, pos, n, message, exact)
 
-    def _core_ridge(self, edge: est.Edge, b: _Bucket, n: int) -> est.Correction | None | object:
+    def _core_ridge(self, edge: est.Edge, b: Span, n: int) -> est.Correction | None | object:
         """The ridge estimator's total correction computed in the core from the reader's base view (b.view_seq at
         b.view_pos), b.corr in front; _NUMPY where the numpy path must do it (another estimator, the numpy
         reference path, numpy factors in the chain, or a total rank over the kernel's limit)."""
@@ -650,18 +637,18 @@ class WorkflowRunner:
             return _NUMPY
         prev_kv = prev.core if prev is not None else None
         return est.Correction(
-            kv=core.ridge_correction(self.model._core, maps, b.view_seq.id, b.view_pos, n, b.frame0, prev_kv)
+            kv=core.ridge_correction(self.model._core, maps, b.view.id, b.view_pos, n, b.frame0, prev_kv)
         )
 
     def _correction_numpy(
-        self, a: int, ph: str, b: _Bucket, pos: int, n: int, message: str, exact: RequestResult | None
+        self, a: int, ph: str, b: Span, pos: int, n: int, message: str, exact: RequestResult | None
     ) -> est.Correction | None:
         """The reference path: the base view read back from the engine, the estimator's factors in numpy."""
         e = self.estimator
         key = self.edge_of(ph, a) if e.content_edges else (ph, a)
         if not e.reads_base or e.calibrating(key):
             return b.corr  # no estimate for this edge (fullshared, an unfitted edge): the view's correction
-        base_k, base_v = _canonical(self.model, b.view_seq, b.view_pos, n)
+        base_k, base_v = _canonical(self.model, b.view, b.view_pos, n)
         ctx = est.EdgeContext(*key, message, base_k, base_v)
         if self.estimator.needs_exact:
             if exact is None:
@@ -682,7 +669,7 @@ class WorkflowRunner:
             total = est.dense_to_correction(dk, dv)
         return est.Correction(total)
 
-    def _update_buckets(
+    def _update_spans(
         self,
         a: int,
         seq: KVSequence,
@@ -704,30 +691,30 @@ class WorkflowRunner:
         m, cfg = self.model, self.config
         h = cfg.head
         e = self.estimator
-        buckets = st.buckets
+        spans = st.spans
         parts: list[_ReadPart] = []
         for ph, (p, n) in pos_map.items():
             if n <= h:
                 continue
-            prev = buckets.get(ph)
+            prev = st.stored(ph)
             trained = prev is not None and train is not None and ph in train and e.learns_from_reads
             if trained:
                 assert prev is not None
                 # the exact rows' delta against the base the reader would have read
-                parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view_seq, prev.view_pos, p + h, n - h))
+                parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view, prev.view_pos, p + h, n - h))
             elif prev is not None and mode != "reuse" and e.observes_dense and cfg.name != "nonshared":
-                base_k, base_v = _canonical(m, prev.view_seq, prev.view_pos, n - h)
+                base_k, base_v = _canonical(m, prev.view, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
                 e.observe(est.EdgeContext(ph, a, st.message, base_k, base_v, ex_k, ex_v), ph == QUESTION)
             if prev is not None and not chains(ph):
-                continue  # relayed outputs: star, the producer's rows stay the base
+                continue  # replies: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
-                buckets[ph] = _Bucket(seq.share(p + h, n - h), None, p + h, seq, p + h)
+                spans[ph] = spans[ph].with_rows(seq.share(p + h, n - h), None, p + h, seq, p + h)
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
-                buckets[ph] = _Bucket(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
+                spans[ph] = prev.with_rows(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
                 if trained and prefix is not None:
-                    parts[-1].chain = buckets[ph]
+                    parts[-1].chain = spans[ph]
         if not parts:
             return None
         return TrainingRead(self, st, parts, (prefix if prefix is not None else seq).fork(), prefix is not None)
