@@ -28,7 +28,9 @@ from kvcmas_cpp.server.scheduler import (
     Event,
     Failed,
     Job,
+    Namespace,
     Scheduler,
+    SessionKey,
     prefill_rank,
 )
 
@@ -262,6 +264,20 @@ def test_idle_scheduler_trims_free_kv_blocks(model: kc.Model) -> None:
         sched.stop()
 
 
+def _beside(sched: Scheduler, generating: list[list[int]], n: int, late: Job) -> list[Recorder]:
+    """Jobs with these prompts generate (n tokens each, greedy) on sched; once each has its first token, `late` is
+    submitted; returns when all are done, with the generating jobs' recorders."""
+    gens = [_job(f"gen{i}", ids, n) for i, ids in enumerate(generating)]
+    for job, _ in gens:
+        sched.submit(job)
+    while not all(rec.events for _, rec in gens):
+        time.sleep(0.002)
+    sched.submit(late)
+    for rec in (late.sink, *(r for _, r in gens)):
+        assert isinstance(rec, Recorder) and rec.done.wait(120)
+    return [r for _, r in gens]
+
+
 def test_a_decode_row_in_a_prefill_batch_matches_it_alone(model: kc.Model) -> None:
     """What a mixed step computes: a prompt chunk and another sequence's decode token in one forward pass. The
     chunk's logits are bit for bit those of the chunk alone; the decode row runs with the chunk's (prefill) kernels,
@@ -300,16 +316,9 @@ def test_prompt_chunks_and_decode_tokens_share_forward_passes(model: kc.Model) -
         return real(seqs, tokens, want)
 
     model._decode = counting  # type: ignore[method-assign]
+    long_job, long = _job("long", long_ids, 4)
     try:
-        jobs = [_job(f"gen{i}", ids, 40) for i, ids in enumerate(gen_prompts)]
-        for job, _ in jobs:
-            sched.submit(job)
-        while not all(rec.events for _, rec in jobs):
-            time.sleep(0.002)
-        long_job, long = _job("long", long_ids, 4)
-        sched.submit(long_job)
-        for rec in (long, *(r for _, r in jobs)):
-            assert rec.done.wait(120)
+        gens = _beside(sched, gen_prompts, 40, long_job)
     finally:
         del model._decode
         sched.stop()
@@ -320,9 +329,42 @@ def test_prompt_chunks_and_decode_tokens_share_forward_passes(model: kc.Model) -
     mixed = [c for c in calls if c[0] > c[1] > 1]
     assert passes["mixed"] == len(mixed) >= len(chunk_bounds(len(long_ids), chunk)) // 2
     n_chunks = sum(len(chunk_bounds(len(ids), chunk)) for ids in (long_ids, *gen_prompts))
-    decode_rows = sum(len(r.tokens()) - 1 for _, r in (*jobs, (None, long)))
+    decode_rows = sum(len(r.tokens()) - 1 for r in (*gens, long))
     assert passes["prefill"] + passes["mixed"] == n_chunks
     assert len(calls) < n_chunks + passes["decode"] + passes["mixed"]  # separate passes would need this many
     assert sum(c[0] for c in calls) == sum(len(ids) for ids in (long_ids, *gen_prompts)) + decode_rows
-    for ids, rec, n in ((long_ids, long, 4), *((ids, r, 40) for ids, (_, r) in zip(gen_prompts, jobs, strict=True))):
+    for ids, rec, n in ((long_ids, long, 4), *((ids, r, 40) for ids, r in zip(gen_prompts, gens, strict=True))):
         assert rec.text() == model.generate(ids, max_tokens=n, temperature=0).text
+
+
+def _session_run(model: kc.Model, generating: list[list[int]]) -> tuple[list[int], list[list[int]], dict[str, int]]:
+    """A sharing session's long prompt (fullshared, its first hop: every row computed through the session's chunked
+    sequence) prefilled while jobs with these prompts generate, on a fresh scheduler: the session job's tokens, the
+    generating jobs' tokens and the forward passes by kind."""
+    messages = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT * 4}]
+    ids = model.tokenize(model.apply_chat_template(messages))
+    metrics = Metrics()
+    sched = Scheduler(model, "fullshared", 4, 1 << 30, 8, metrics, prefill_chunk=32)
+    rec = Recorder()
+    key = SessionKey(Namespace("tenant"), "wf", "fullshared")
+    hop = Job("hop", ids, 6, SamplingParams(temperature=0.0), [], rec, messages=messages, session_key=key)
+    try:
+        gens = _beside(sched, generating, 30, hop)
+        assert not any(isinstance(e, Failed) for _, e in rec.events)
+        return rec.tokens(), [r.tokens() for r in gens], dict(metrics.forward_passes)
+    finally:
+        sched.stop()
+
+
+def test_a_session_prefill_runs_in_mixed_steps_with_the_same_output(model: kc.Model) -> None:
+    """The sharing methods' chunked appends (AgentSession's chunked sequence) run in mixed steps too: a session's
+    prompt prefilled while two jobs generate gives the same greedy tokens as that prompt alone on the server, and so
+    do the generating jobs (as Model.generate)."""
+    generating = [model.tokenize("Count from one to ten:"), model.tokenize("List the days of the week:")]
+    alone, _, passes_alone = _session_run(model, [])
+    assert passes_alone["mixed"] == 0
+    mixed, gen_tokens, passes = _session_run(model, generating)
+    assert passes["mixed"] >= 4  # the session prompt's chunks (about 10 of 32 rows) ran with decode rows
+    assert mixed == alone
+    for ids, got in zip(generating, gen_tokens, strict=True):
+        assert model.detokenize(got) == model.generate(ids, max_tokens=30, temperature=0).text
