@@ -51,7 +51,7 @@ import numpy as np
 
 from .. import agents
 from .._native import KvcmasError
-from ..model import KVSequence, Model
+from ..model import PROMPT_CHUNK, KVSequence, Model
 from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..sharing.runner import TrainingRead
@@ -762,8 +762,8 @@ class Scheduler:
         """One step of job's prefill (its executor's append). Before any chunk but its first, and only in the
         outermost prefill, new arrivals are admitted and a prefill with fewer rows left than job's runs. Then the
         chunk runs in one forward pass with the pending token of every generating job, whose next tokens are
-        sampled from their rows. Image embeddings, and a batch the engine refuses, run the chunk alone (its error is
-        the prefill's) and then a decode step."""
+        sampled from their rows. Image embeddings, a batch over PROMPT_CHUNK rows (the engine call's scratch bound)
+        and a batch the engine refuses run the chunk alone (its error is the prefill's) and then a decode step."""
         t0 = time.perf_counter()
         if job.chunks_run and self._depth == 1:
             self._admit(evict=False)  # evicting could touch a session whose prefill is on the stack
@@ -773,7 +773,7 @@ class Scheduler:
         job.chunks_run += 1
         running = self._generating()
         t_pass = time.perf_counter()
-        mixed = bool(running) and not isinstance(chunk, np.ndarray) and len(chunk) > 0
+        mixed = bool(running) and not isinstance(chunk, np.ndarray) and 0 < len(chunk) <= PROMPT_CHUNK - len(running)
         out: np.ndarray | None = None
         if mixed:
             ids = [int(t) for t in chunk]
