@@ -570,6 +570,13 @@ def test_metrics_count_requests_and_ttft(server: ServerProcess) -> None:
     generated = after["kvcmas_generated_tokens_total"] - before["kvcmas_generated_tokens_total"]
     assert generated == body["usage"]["completion_tokens"]
     assert after["kvcmas_prompt_tokens_total"] - before["kvcmas_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    # alone on the server: its prompt's chunks ran by themselves, then one decode pass per token after the first
+    # (the last sampled token may be an end of generation that is not counted as generated)
+    passes = {
+        k: after[f'kvcmas_forward_passes_total{{kind="{k}"}}'] - before[f'kvcmas_forward_passes_total{{kind="{k}"}}']
+        for k in ("prefill", "decode", "mixed")
+    }
+    assert passes["mixed"] == 0 and generated - 1 <= passes["decode"] <= generated, passes
     buckets = sorted(
         (float(k.split('le="')[1].split('"')[0]), v) for k, v in after.items() if k.startswith("kvcmas_ttft_seconds_b")
     )

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession, chunk_bounds
+from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession, ChunkExecutor, chunk_bounds
 from kvcmas_cpp.sampling import SamplingParams
 from kvcmas_cpp.server.backend import prefill_segments
 from kvcmas_cpp.server.metrics import Metrics
@@ -28,7 +28,9 @@ from kvcmas_cpp.server.scheduler import (
     Event,
     Failed,
     Job,
+    Namespace,
     Scheduler,
+    SessionKey,
     prefill_rank,
 )
 
@@ -59,6 +61,17 @@ def _one_piece(model: kc.Model, segments: list[Any]) -> tuple[np.ndarray, np.nda
         return logits, k, v
 
 
+class CountingExecutor(ChunkExecutor):
+    """Appends each chunk by itself (ChunkExecutor) and records the chunks' lengths."""
+
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+
+    def append(self, seq: kc.KVSequence, chunk: Any, logits: Any) -> np.ndarray | None:
+        self.chunks.append(len(chunk))
+        return super().append(seq, chunk, logits)
+
+
 def test_chunk_bounds_cover_the_append_without_small_chunks() -> None:
     for n in (1, 15, 16, 17, 100, 128, 129, 140, 144, 1000):
         for chunk in (1, 16, 50, 128):
@@ -76,14 +89,14 @@ def test_chunked_prefill_equals_one_piece(model: kc.Model) -> None:
     image = (rng.standard_normal((21, model.n_embd)) * 0.02).astype(np.float32)  # stands in for an image's rows
     for segments in ([ids], [ids[:40], image, ids[40:]]):
         want_logits, want_k, want_v = _one_piece(model, segments)
-        calls: list[int] = []
-        p = prefill_segments(model, segments, lambda calls=calls: calls.append(1), chunk_tokens=16)
+        executor = CountingExecutor()
+        p = prefill_segments(model, segments, executor, chunk_tokens=16)
         try:
             k, v = p.seq.kv()
             assert np.array_equal(p.logits, want_logits)
             assert np.array_equal(k, want_k) and np.array_equal(v, want_v)
-            n_chunks = sum(len(chunk_bounds(len(s), 16)) for s in segments)
-            assert len(calls) == n_chunks - 1  # between every two chunks, never after the last
+            want_chunks = [b - a for s in segments for a, b in chunk_bounds(len(s), 16)]
+            assert executor.chunks == want_chunks  # every row went through the executor, in chunk_bounds' chunks
             assert p.stats["prompt_tokens"] == sum(len(s) for s in segments)
         finally:
             p.close()
@@ -94,14 +107,14 @@ def test_chunked_session_prefill_equals_one_piece(model: kc.Model, method: str) 
     """An agent session's hops (the first computes everything, a later one reuses spans and computes the rest) give
     the same logits and rows whether their appends run in chunks or in one piece."""
     roles = ["You are a planner.", "You are a solver."]
-    calls: list[int] = []
+    executor = CountingExecutor()
     with AgentSession(model, method=method) as whole, AgentSession(model, method=method) as chunked:
         reply: list[str] = []
         for hop, role in enumerate(roles):
             messages = [{"role": "system", "content": role}, {"role": "user", "content": TEXT}]
             messages += [{"role": "user", "content": r} for r in reply]
             a = whole.prefill(messages, agent=f"agent{hop}")
-            b = chunked.prefill(messages, agent=f"agent{hop}", between_chunks=lambda: calls.append(1), chunk_tokens=8)
+            b = chunked.prefill(messages, agent=f"agent{hop}", chunks=executor, chunk_tokens=8)
             try:
                 assert a.hop.mode == b.hop.mode
                 assert np.array_equal(a.logits, b.logits)
@@ -117,7 +130,7 @@ def test_chunked_session_prefill_equals_one_piece(model: kc.Model, method: str) 
             finally:
                 a.close()
                 b.close()
-        assert calls  # the first hop's prompt (> 8 rows) ran in chunks
+        assert len(executor.chunks) > 1  # the first hop's prompt (> 8 rows) ran in chunks
         if method == "fullshared":
             assert chunked.reusable_tokens(messages) > 0
 
@@ -249,3 +262,109 @@ def test_idle_scheduler_trims_free_kv_blocks(model: kc.Model) -> None:
         assert model.kv_bytes_allocated == model.kv_bytes_in_use
     finally:
         sched.stop()
+
+
+def _beside(sched: Scheduler, generating: list[list[int]], n: int, late: Job) -> list[Recorder]:
+    """Jobs with these prompts generate (n tokens each, greedy) on sched; once each has its first token, `late` is
+    submitted; returns when all are done, with the generating jobs' recorders."""
+    gens = [_job(f"gen{i}", ids, n) for i, ids in enumerate(generating)]
+    for job, _ in gens:
+        sched.submit(job)
+    while not all(rec.events for _, rec in gens):
+        time.sleep(0.002)
+    sched.submit(late)
+    for rec in (late.sink, *(r for _, r in gens)):
+        assert isinstance(rec, Recorder) and rec.done.wait(120)
+    return [r for _, r in gens]
+
+
+def test_a_decode_row_in_a_prefill_batch_matches_it_alone(model: kc.Model) -> None:
+    """What a mixed step computes: a prompt chunk and another sequence's decode token in one forward pass. The
+    chunk's logits are bit for bit those of the chunk alone; the decode row runs with the chunk's (prefill) kernels,
+    so it may differ from a decode step alone in the last bits: the same greedy token, logits within 1e-2."""
+    ids = model.tokenize(TEXT * 2)
+    with model.new_sequence() as gen, model.new_sequence() as long:
+        gen.append(ids[:40], logits="none")
+        long.append(ids[:30], logits="none")
+        chunk = ids[60:188]
+        with gen.fork() as g, long.fork() as lg:
+            alone = model.decode_batch([(g, [ids[40]])])[0]
+            chunk_alone = lg.append(chunk, logits="last")
+        with gen.fork() as g, long.fork() as lg:
+            want = np.zeros(len(chunk) + 1, dtype=np.uint8)
+            want[-2:] = 1
+            rows = model._decode([lg.id] * len(chunk) + [g.id], [*chunk, ids[40]], want)
+        assert np.array_equal(rows[0], chunk_alone)
+        assert int(np.argmax(rows[1])) == int(np.argmax(alone))
+        assert float(np.abs(rows[1] - alone).max()) < 1e-2
+
+
+def test_prompt_chunks_and_decode_tokens_share_forward_passes(model: kc.Model) -> None:
+    """Two jobs generate while a long prompt is prefilled in chunks: each chunk runs in the same engine call as the
+    generating jobs' next tokens (fewer engine calls than chunks plus decode steps), the forward-pass counters say
+    so truly, and every output equals greedy generation of its prompt alone."""
+    long_ids = model.tokenize(TEXT * 5)
+    gen_prompts = [model.tokenize("Count from one to ten:"), model.tokenize("List the days of the week:")]
+    chunk = 32
+    metrics = Metrics()
+    sched = Scheduler(model, "nonshared", 4, 1 << 30, 8, metrics, prefill_chunk=chunk)
+    calls: list[tuple[int, int]] = []  # per engine call: rows, distinct sequences
+    real = model._decode
+
+    def counting(seqs: Any, tokens: Any, want: Any) -> np.ndarray:  # the real engine call, recorded
+        calls.append((len(seqs), len(set(seqs))))
+        return real(seqs, tokens, want)
+
+    model._decode = counting  # type: ignore[method-assign]
+    long_job, long = _job("long", long_ids, 4)
+    try:
+        gens = _beside(sched, gen_prompts, 40, long_job)
+    finally:
+        del model._decode
+        sched.stop()
+    passes = metrics.forward_passes
+    assert len(calls) == sum(passes.values())  # the counters count every engine call the scheduler made
+    # prompt chunks (several rows of one sequence) that ran with decode rows of other sequences: the long prompt's
+    # chunks while the others were generating
+    mixed = [c for c in calls if c[0] > c[1] > 1]
+    assert passes["mixed"] == len(mixed) >= len(chunk_bounds(len(long_ids), chunk)) // 2
+    n_chunks = sum(len(chunk_bounds(len(ids), chunk)) for ids in (long_ids, *gen_prompts))
+    decode_rows = sum(len(r.tokens()) - 1 for r in (*gens, long))
+    assert passes["prefill"] + passes["mixed"] == n_chunks
+    assert len(calls) < n_chunks + passes["decode"] + passes["mixed"]  # separate passes would need this many
+    assert sum(c[0] for c in calls) == sum(len(ids) for ids in (long_ids, *gen_prompts)) + decode_rows
+    for ids, rec, n in ((long_ids, long, 4), *((ids, r, 40) for ids, r in zip(gen_prompts, gens, strict=True))):
+        assert rec.text() == model.generate(ids, max_tokens=n, temperature=0).text
+
+
+def _session_run(model: kc.Model, generating: list[list[int]]) -> tuple[list[int], list[list[int]], dict[str, int]]:
+    """A sharing session's long prompt (fullshared, its first hop: every row computed through the session's chunked
+    sequence) prefilled while jobs with these prompts generate, on a fresh scheduler: the session job's tokens, the
+    generating jobs' tokens and the forward passes by kind."""
+    messages = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT * 4}]
+    ids = model.tokenize(model.apply_chat_template(messages))
+    metrics = Metrics()
+    sched = Scheduler(model, "fullshared", 4, 1 << 30, 8, metrics, prefill_chunk=32)
+    rec = Recorder()
+    key = SessionKey(Namespace("tenant"), "wf", "fullshared")
+    hop = Job("hop", ids, 6, SamplingParams(temperature=0.0), [], rec, messages=messages, session_key=key)
+    try:
+        gens = _beside(sched, generating, 30, hop)
+        assert not any(isinstance(e, Failed) for _, e in rec.events)
+        return rec.tokens(), [r.tokens() for r in gens], dict(metrics.forward_passes)
+    finally:
+        sched.stop()
+
+
+def test_a_session_prefill_runs_in_mixed_steps_with_the_same_output(model: kc.Model) -> None:
+    """The sharing methods' chunked appends (AgentSession's chunked sequence) run in mixed steps too: a session's
+    prompt prefilled while two jobs generate gives the same greedy tokens as that prompt alone on the server, and so
+    do the generating jobs (as Model.generate)."""
+    generating = [model.tokenize("Count from one to ten:"), model.tokenize("List the days of the week:")]
+    alone, _, passes_alone = _session_run(model, [])
+    assert passes_alone["mixed"] == 0
+    mixed, gen_tokens, passes = _session_run(model, generating)
+    assert passes["mixed"] >= 4  # the session prompt's chunks (about 10 of 32 rows) ran with decode rows
+    assert mixed == alone
+    for ids, got in zip(generating, gen_tokens, strict=True):
+        assert model.detokenize(got) == model.generate(ids, max_tokens=30, temperature=0).text

@@ -19,7 +19,8 @@ Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, ide
 prompt, keys every message content by its token ids (image embeddings in a content count by their rows), and reuses
 spans already computed in the session: whole, found by text inside a bigger message, or any run of at least
 MIN_PIECE_TOKENS of a message's tokens equal to part of a stored span (read from that span's rows). A server can have
-long prompt appends run in chunks with a callback between them (`between_chunks`), to interleave other requests' work.
+long prompt appends run in chunks through a ChunkExecutor (`chunks`): its scheduler runs each chunk in one forward pass
+with other requests' decode tokens, and other requests' work between chunks.
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
 releases the GIL; the engine serialises compute), each with its own shared context.
@@ -39,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, overload
 
@@ -70,6 +71,22 @@ RUN_BLOCK = MIN_PIECE_TOKENS // 2
 _PARAGRAPH_RE = re.compile(r"\S(?:.*?\S)?(?=\s*\n\s*\n|\s*$)", re.DOTALL)  # text between blank lines, stripped
 
 
+class ChunkExecutor:
+    """Runs the chunk appends of a chunked prefill (chunk_bounds). This one appends each chunk by itself; a server's
+    scheduler overrides append to run each chunk in one forward pass with other requests' decode tokens, and other
+    requests' work between chunks. Either way the chunk's rows and logits are those of a one-piece append (each row
+    attends to the rows before it)."""
+
+    def append(
+        self, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
+    ) -> np.ndarray | None:
+        """Appends a chunk of token ids, or of input vectors [n, n_embd] (then logits is "last" or "none"), at seq's
+        end (by KVSequence's own append: seq may be a subclass that chunks); returns logits as KVSequence.append."""
+        if isinstance(chunk, np.ndarray):
+            return KVSequence.append_embeddings(seq, chunk, logits == "last")
+        return KVSequence.append(seq, chunk, logits)
+
+
 def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     """[start, end) of the chunks an append of n rows runs in: `chunk` rows each (at least MIN_CHUNK_ROWS), a short
     remainder joining the chunk before it."""
@@ -81,7 +98,7 @@ def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
 
 
 # The estimator locks are re-entrant: a server runs another session's prefill on the same thread between the chunks
-# of a long one (AgentSession.prefill's between_chunks), and both read the shared estimator.
+# of a long one (AgentSession.prefill's ChunkExecutor), and both read the shared estimator.
 _estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.RLock]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -239,54 +256,54 @@ class Prefilled:
 
 
 class _ChunkedSequence(KVSequence):
-    """A fork of a KVSequence whose appends run in chunks (chunk_bounds), calling between() after every chunk but
-    the last (a server runs other requests' work there). Rows and logits equal one-piece appends (each row attends
-    to the rows before it either way). engine_ms: time spent in this sequence's appends (and the prefix's, if it
-    was computed for this prompt)."""
+    """A fork of a KVSequence whose appends run in chunks (chunk_bounds) through an executor (a server's scheduler
+    batches them with other work). Rows and logits equal one-piece appends (each row attends to the rows before it
+    either way). engine_ms: time spent in this sequence's appends (and the prefix's, if it was computed for this
+    prompt), the executor's included."""
 
-    def __init__(self, parent: KVSequence, chunk: int, between: Callable[[], None], engine_ms: float = 0.0) -> None:
+    def __init__(self, parent: KVSequence, chunk: int, executor: ChunkExecutor, engine_ms: float = 0.0) -> None:
         super().__init__(parent._model, parent._model._core.seq_fork(parent.id), list(parent.tokens))
         self.chunk = chunk
-        self.between: Callable[[], None] | None = between
+        self.executor: ChunkExecutor | None = executor
         self.engine_ms = engine_ms
 
     def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
         ids = list(ids)
+        if self.executor is None or not ids:
+            return super().append(ids, logits)
         rows: list[np.ndarray] = []
-        for start, end in chunk_bounds(len(ids), self.chunk) or [(0, 0)]:
+        for start, end in chunk_bounds(len(ids), self.chunk):
             last = end == len(ids)
             t0 = time.perf_counter()
-            out = super().append(ids[start:end], logits if last or logits == "all" else "none")
+            out = self.executor.append(self, ids[start:end], logits if last or logits == "all" else "none")
             self.engine_ms += (time.perf_counter() - t0) * 1000.0
             if out is not None:
                 rows.append(out)
-            if not last and self.between is not None:
-                self.between()
         if logits == "all":
             return np.concatenate(rows, axis=0)
         return rows[-1] if rows else None
 
     def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
-        out: np.ndarray | None = None
         n = len(embeddings)
-        for start, end in chunk_bounds(n, self.chunk) or [(0, 0)]:
+        if self.executor is None or not n:
+            return super().append_embeddings(embeddings, logits)
+        out: np.ndarray | None = None
+        for start, end in chunk_bounds(n, self.chunk):
             last = end == n
             t0 = time.perf_counter()
-            out = super().append_embeddings(embeddings[start:end], logits and last)
+            out = self.executor.append(self, embeddings[start:end], "last" if logits and last else "none")
             self.engine_ms += (time.perf_counter() - t0) * 1000.0
-            if not last and self.between is not None:
-                self.between()
         return out
 
 
 class _ChunkedFork:
     """Stands for a prefix sequence where the method forks it: the fork appends in chunks."""
 
-    def __init__(self, prefix: KVSequence, chunk: int, between: Callable[[], None], prefix_ms: float) -> None:
-        self.prefix, self.chunk, self.between, self.prefix_ms = prefix, chunk, between, prefix_ms
+    def __init__(self, prefix: KVSequence, chunk: int, executor: ChunkExecutor, prefix_ms: float) -> None:
+        self.prefix, self.chunk, self.executor, self.prefix_ms = prefix, chunk, executor, prefix_ms
 
     def fork(self) -> KVSequence:
-        return _ChunkedSequence(self.prefix, self.chunk, self.between, self.prefix_ms)
+        return _ChunkedSequence(self.prefix, self.chunk, self.executor, self.prefix_ms)
 
 
 class Agent:
@@ -643,16 +660,16 @@ class AgentSession:
         messages: list[dict[str, Any]],
         agent: str | None = None,
         *,
-        between_chunks: Callable[[], None] | None = None,
+        chunks: ChunkExecutor | None = None,
         chunk_tokens: int = 256,
         recompute: float | None = None,
     ) -> Prefilled:
         """Puts a chat (OpenAI-style messages) in the engine under the method. A content is a string, or a list of
         strings and input vectors [n, n_embd] (e.g. an image's embeddings from the session's vision encoder). The
         agent is `agent` or the system prompt's text; each other message's content is a span keyed by its token ids
-        (vectors by their rows), reused if the session computed it before. between_chunks: appends of the prompt
-        run in chunks of at most chunk_tokens rows, with this called between them (the same rows and logits as in
-        one piece). recompute: this call's recompute budget instead of the session's. Call finish() after
+        (vectors by their rows), reused if the session computed it before. chunks: appends of the prompt run in
+        chunks of about chunk_tokens rows (chunk_bounds) through this executor (the same rows and logits as in one
+        piece). recompute: this call's recompute budget instead of the session's. Call finish() after
         generating, then close()."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
@@ -662,7 +679,7 @@ class AgentSession:
             self.run_training_reads()  # the last call's, if nobody took them: before this prompt reads its spans
             runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
             try:
-                p = self._prefill_messages(messages, agent, between_chunks, chunk_tokens, runs)
+                p = self._prefill_messages(messages, agent, chunks, chunk_tokens, runs)
             except BaseException:
                 self._drop_runs(runs)
                 raise
@@ -673,7 +690,7 @@ class AgentSession:
         self,
         messages: list[dict[str, Any]],
         agent: str | None,
-        between_chunks: Callable[[], None] | None,
+        chunks: ChunkExecutor | None,
         chunk_tokens: int,
         runs: list[str],
     ) -> Prefilled:
@@ -723,15 +740,15 @@ class AgentSession:
         if ag is None:
             ag = self.agent(key, system)
         template = template_from_messages(self.model, rendered, ag.name, marker_re)
-        if between_chunks is None:
+        if chunks is None:
             return self._prefill_template(ag, template)
         t0 = time.perf_counter()
         prefix, cached = self._prefix(ag, template)  # computed here when the prefix cache has no match
         prefix_ms = (time.perf_counter() - t0) * 1000.0
-        fork = _ChunkedFork(prefix, chunk_tokens, between_chunks, prefix_ms)
+        fork = _ChunkedFork(prefix, chunk_tokens, chunks, prefix_ms)
         p = self._prefill_template(ag, template, fork, (prefix, cached))
         if isinstance(p.seq, _ChunkedSequence):
-            p.seq.between = None  # generation and finish() append in one piece
+            p.seq.executor = None  # generation and finish() append in one piece
         return p
 
     @contextlib.contextmanager

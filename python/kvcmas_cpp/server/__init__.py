@@ -186,8 +186,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-chunk",
         type=_positive_int,
         default=128,
-        help="prompt rows computed per step; other requests' prefills and decode steps run between chunks, "
-        "the shortest prompt first (default 128)",
+        help="prompt rows computed per step, each step with the next token of every generating request; "
+        "shorter prompts' prefills run between chunks, the shortest prompt first (default 128)",
     )
     p.add_argument(
         "--calibration-memory",

@@ -10,19 +10,17 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..agents import MIN_CHUNK_ROWS, chunk_bounds
+from ..agents import MIN_CHUNK_ROWS, ChunkExecutor, chunk_bounds
 from ..model import KVSequence, Model
 from ..prefix_cache import PrefixCache
 from ..sharing.runner import TrainingRead
 
 Segment = list[int] | np.ndarray  # text token ids, or input vectors [n, n_embd] (an image's embeddings)
-BetweenChunks = Callable[[], None]
 
 
 class Prefilled(Protocol):
@@ -41,14 +39,14 @@ class Backend(Protocol):
         messages: list[dict[str, Any]],
         segments: list[Segment],
         agent: str | None,
-        between_chunks: BetweenChunks | None = None,
+        chunks: ChunkExecutor | None = None,
         chunk_tokens: int = 256,
         recompute: float = 0.0,
     ) -> Prefilled:
         """The chat's prompt in the engine: messages (contents: strings, or lists of strings and input vectors) for
-        sessions, segments (the rendered prompt) for a plain prefill. Appends run in chunks of at most chunk_tokens
-        rows with between_chunks() called between them. recompute: a session's recompute budget for this prompt
-        (sharing/recompute.py); a plain prefill computes every row anyway."""
+        sessions, segments (the rendered prompt) for a plain prefill. Appends run in chunks of about chunk_tokens
+        rows (agents.chunk_bounds) through the executor `chunks` (None: in one piece). recompute: a session's
+        recompute budget for this prompt (sharing/recompute.py); a plain prefill computes every row anyway."""
         ...
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -84,16 +82,17 @@ class PlainPrefilled:
 def prefill_segments(
     model: Model,
     segments: list[Segment],
-    between_chunks: BetweenChunks | None = None,
+    chunks: ChunkExecutor | None = None,
     chunk_tokens: int = 1 << 30,
     method: str = "nonshared",
     namespace: str | None = None,
 ) -> PlainPrefilled:
     """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence, each
-    segment in chunks of about chunk_tokens rows (agents.chunk_bounds) with between_chunks() called between them.
-    Each row attends to the rows before it whatever the chunking, so the rows and logits equal a one-piece prefill.
-    The sequence is closed again if the engine refuses (e.g. KV budget). namespace: a text-only prompt starts from
-    the longest match in the model's prefix cache within this namespace and is stored there (None: neither)."""
+    segment in chunks of about chunk_tokens rows (agents.chunk_bounds) run by the executor `chunks` (None: appended
+    one by one). Each row attends to the rows before it whatever the chunking, so the rows and logits equal a
+    one-piece prefill. The sequence is closed again if the engine refuses (e.g. KV budget). namespace: a text-only
+    prompt starts from the longest match in the model's prefix cache within this namespace and is stored there
+    (None: neither)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     n_prompt = sum(len(seg) for seg in segments)
@@ -111,17 +110,13 @@ def prefill_segments(
         raise ValueError("the prompt is empty")
     engine_s = 0.0
     logits: np.ndarray | None = None
+    executor = chunks if chunks is not None else ChunkExecutor()
     try:
         for k, chunk in enumerate(pieces):
             last = k == len(pieces) - 1
             t_call = time.perf_counter()
-            if isinstance(chunk, np.ndarray):
-                logits = seq.append_embeddings(chunk, logits=last)
-            else:
-                logits = seq.append(chunk, logits="last" if last else "none")
+            logits = executor.append(seq, chunk, "last" if last else "none")
             engine_s += time.perf_counter() - t_call
-            if not last and between_chunks is not None:
-                between_chunks()
     except BaseException:
         seq.close()
         raise
@@ -162,14 +157,14 @@ class PlainBackend:
         messages: list[dict[str, Any]],
         segments: list[Segment],
         agent: str | None,
-        between_chunks: BetweenChunks | None = None,
+        chunks: ChunkExecutor | None = None,
         chunk_tokens: int = 256,
         recompute: float = 0.0,
         namespace: str | None = None,
     ) -> Prefilled:
         """namespace: the prefix cache namespace of this prompt instead of the backend's."""
         ns = namespace if namespace is not None else self.namespace
-        return prefill_segments(self.model, segments, between_chunks, chunk_tokens, namespace=ns)
+        return prefill_segments(self.model, segments, chunks, chunk_tokens, namespace=ns)
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
@@ -224,12 +219,12 @@ class SessionBackend:
         messages: list[dict[str, Any]],
         segments: list[Segment],
         agent: str | None,
-        between_chunks: BetweenChunks | None = None,
+        chunks: ChunkExecutor | None = None,
         chunk_tokens: int = 256,
         recompute: float = 0.0,
     ) -> Prefilled:
         p: Prefilled = self.session.prefill(
-            messages, agent=agent, between_chunks=between_chunks, chunk_tokens=chunk_tokens, recompute=recompute
+            messages, agent=agent, chunks=chunks, chunk_tokens=chunk_tokens, recompute=recompute
         )
         return p
 

@@ -58,6 +58,7 @@ class Metrics:
         self.calibration_tokens = 0
         self.dense_hops: dict[str, int] = {}  # why a later hop computed its shared spans -> hops
         self.training_reads: dict[str, int] = {"done": 0, "dropped": 0}  # training reads by outcome
+        self.forward_passes: dict[str, int] = {"prefill": 0, "decode": 0, "mixed": 0}  # the scheduler's, by kind
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
 
@@ -91,6 +92,12 @@ class Metrics:
         with self._lock:
             self.training_reads[outcome] = self.training_reads.get(outcome, 0) + 1
             self.calibration_tokens += rows
+
+    def count_pass(self, kind: str) -> None:
+        """A forward pass of the scheduler: 'prefill' (a prompt chunk alone), 'decode' (decode tokens alone) or
+        'mixed' (a prompt chunk with the decode tokens)."""
+        with self._lock:
+            self.forward_passes[kind] += 1
 
     def bump(self, name: str, by: int = 1) -> None:
         with self._lock:
@@ -193,6 +200,14 @@ class Metrics:
                 "counter",
                 "Training reads (kvcmas calibrating) that left the queue, by outcome (done, dropped).",
                 [(f'{{outcome="{o}"}}', n) for o, n in sorted(self.training_reads.items())],
+            )
+            metric(
+                "kvcmas_forward_passes_total",
+                "counter",
+                "Forward passes the scheduler ran for prompt chunks and decode tokens, by kind: a prompt chunk alone "
+                "(prefill), decode tokens alone (decode), or a chunk with the decode tokens (mixed). Appends the "
+                "sharing methods run outside the prompt's chunks and training reads are not counted.",
+                [(f'{{kind="{k}"}}', n) for k, n in sorted(self.forward_passes.items())],
             )
             h = self.ttft
             cumulative = 0

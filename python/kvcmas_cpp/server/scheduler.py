@@ -3,16 +3,20 @@
 The HTTP layer submits Jobs; one scheduler thread owns every engine call. Each turn it drops cancelled jobs, admits
 waiting jobs while a slot (--parallel) and KV memory (--kv-budget) allow, prefills the admitted job with the fewest
 prompt rows left to compute (shortest first: a later agent that reuses most of its prompt is not stuck behind
-another workflow's long first prompt), then runs ONE batched decode step over every job that is generating
-(Model.decode_batch), so jobs join and leave the batch between steps. Results go back through each job's sink, a
-thread-safe callback (the app forwards them to asyncio).
+another workflow's long first prompt), and gives every job that is generating one token per forward pass, so jobs
+join and leave the batch between steps. Results go back through each job's sink, a thread-safe callback (the app
+forwards them to asyncio).
 
-Chunked prefill: a prompt is appended in chunks of --prefill-chunk rows (the same rows and logits as one piece:
-each row attends to the rows before it either way). Between two chunks the scheduler admits new jobs, prefills one
-that has fewer rows left than the current one (on the same thread, one level deep; never a job of the same sharing
-session), and runs a decode step, so neither a short prompt nor the generating jobs wait for a long prefill. Work
-that would touch a session in the middle of its prefill (registering a finished reply, failing a job, evicting
-spans) is deferred until that prefill returns.
+Mixed steps: a prompt is appended in chunks of --prefill-chunk rows (the same rows and logits as one piece: each row
+attends to the rows before it either way), and each chunk runs in ONE forward pass together with the pending token
+of every generating job (the step's token budget: one chunk of prompt rows plus one row per generating job; the
+weights are read once for all of them). The backends' prefills hand their chunk appends to the scheduler through a
+ChunkExecutor (_step). A turn without a prompt chunk runs a decode-only step (Model.decode_batch). Before each
+chunk but the first, the scheduler admits new jobs and prefills one that has fewer rows left than the current one
+(one level deep; never a job of the same sharing session), so a short prompt does not wait for a long prefill.
+Work that would touch a session in the middle of its prefill (registering a finished reply, failing a job,
+evicting spans) is deferred until that prefill returns. A decode row computed in a batch with a chunk may differ
+from the same row computed alone in the last bits (the engine picks its kernels by batch size).
 
 Training reads (kvcmas calibrating an edge under cold reuse: the span's exact rows in the reader's context, folded
 into the estimator's statistics) are scheduled by a finished reply and run after its Done, as the lowest-priority
@@ -43,9 +47,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
+
 from .. import agents
 from .._native import KvcmasError
-from ..model import Model
+from ..model import PROMPT_CHUNK, KVSequence, Model
 from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..sharing.runner import TrainingRead
@@ -207,8 +213,9 @@ class Job:
     t_admit: float = 0.0  # got a slot and its KV reservation
     t_prefill: float = 0.0  # its prefill started
     t_first: float = 0.0
-    engine_ms: float = 0.0  # time in its own prefill's engine calls
-    interleaved_ms: float = 0.0  # time other jobs' work ran between its prefill chunks
+    engine_ms: float = 0.0  # time in its own prefill's engine calls (its chunks' passes carry decode rows too)
+    interleaved_ms: float = 0.0  # time other jobs' work ran during its prefill, outside its chunks' forward passes
+    chunks_run: int = 0  # prompt chunks its prefill ran through the scheduler (_step)
     index: int = 0  # choice index (forks of an n > 1 job)
     children: list[Job] = field(default_factory=list)  # its forks (n > 1)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not sent yet
@@ -279,7 +286,8 @@ class Scheduler:
         self._estimators_touched = False  # a prefill or a finish ran since the snapshot: they feed the estimators
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
-        self._depth = 0  # > 0: running between the chunks of a prefill
+        self._depth = 0  # prefills on the stack (> 0: inside a prefill's chunk steps)
+        self._mixed = False  # this turn ran a prompt chunk with the decode tokens (no decode-only step then)
         self._busy: set[int] = set()  # id() of sessions whose prefill is on the stack
         self._deferred: list[Callable[[], None]] = []  # completions postponed until the prefill on the stack returns
         self._reads: deque[TrainingRead] = deque()  # training reads to run after their replies, oldest first
@@ -396,12 +404,13 @@ class Scheduler:
         self._drop_expired()
         self._drop_workflows()
         self._admit(evict=True)
+        self._mixed = False
         job = self._next_prefill()
         if job is not None:
             self._prefill(job)
         if self._reads and (job is None or time.monotonic() - self._last_read_step > READ_STARVE_S):
             self._read_step()
-        if self._generating():
+        if self._generating() and not self._mixed:
             self._decode_step()
         elif not self._active and self._pending:
             # Nothing runs. A prefill that ended at its first token freed its memory in this very turn: admission
@@ -661,7 +670,7 @@ class Scheduler:
         return min(ready, key=lambda j: prefill_rank(j, now), default=None)
 
     def _prefill(self, job: Job) -> None:
-        """Computes the job's prompt (in chunks, other work between them) and samples its first token."""
+        """Computes the job's prompt (its chunks in mixed steps, _step) and samples its first token."""
         self._estimators_touched = True
         assert job.backend is not None
         job.prefilling = True
@@ -670,38 +679,37 @@ class Scheduler:
         if session_id is not None:
             self._busy.add(session_id)
         segments: list[Segment] = job.segments if job.segments is not None else [job.ids]
-
-        def between_chunks() -> None:
-            self._between_chunks(job)
-
+        steps = _Steps(self, job)
+        prefilled: Prefilled | None = None
+        error: Exception | None = None
+        self._depth += 1
         try:
             if job.session is not None and job.messages is not None:
                 prefilled = job.backend.prefill_chat(
-                    job.messages, segments, job.agent, between_chunks, self.prefill_chunk, job.recompute
+                    job.messages, segments, job.agent, steps, self.prefill_chunk, job.recompute
                 )
             else:
                 ns = job.namespace.estimator_name() if job.namespace is not None else None
-                prefilled = self._plain.prefill_chat(
-                    [], segments, None, between_chunks, self.prefill_chunk, namespace=ns
-                )
-        except KvcmasError as e:
-            log.warning("%s: prefill refused by the engine: %s", job.id, e)
-            self._fail(job, 503, f"the engine could not take the request now: {e}", "server_busy")
-            prefilled = None
-        except ValueError as e:  # e.g. a chat template that rejects the messages
-            self._fail(job, 400, str(e), "invalid_request_error")
-            prefilled = None
-        except Exception as e:  # a bug in a backend must cost this job only
-            log.exception("%s: prefill failed", job.id)
-            self._fail(job, 500, f"internal error during prefill: {type(e).__name__}: {e}", "internal_error")
-            prefilled = None
+                prefilled = self._plain.prefill_chat([], segments, None, steps, self.prefill_chunk, namespace=ns)
+        except Exception as e:  # failed below, outside the prefill (an outermost one's failure is not deferred)
+            error = e
         finally:
+            self._depth -= 1
             job.prefilling = False
             if session_id is not None:
                 self._busy.discard(session_id)
+        if isinstance(error, KvcmasError):
+            log.warning("%s: prefill refused by the engine: %s", job.id, error)
+            self._fail(job, 503, f"the engine could not take the request now: {error}", "server_busy")
+        elif isinstance(error, ValueError):  # e.g. a chat template that rejects the messages
+            self._fail(job, 400, str(error), "invalid_request_error")
+        elif error is not None:  # a bug in a backend must cost this job only
+            log.error("%s: prefill failed", job.id, exc_info=error)
+            self._fail(job, 500, f"internal error during prefill: {type(error).__name__}: {error}", "internal_error")
         if prefilled is not None:
             job.prefilled = prefilled
-            job.engine_ms = float(getattr(prefilled, "engine_ms", getattr(prefilled.seq, "engine_ms", 0.0)))
+            measured = float(getattr(prefilled, "engine_ms", getattr(prefilled.seq, "engine_ms", 0.0)))
+            job.engine_ms = max(0.0, measured - job.interleaved_ms)  # the executor's time held the other work
             job.remaining = 0
             if not job.cancelled:  # a cancelled job is released on the next turn
                 forks = self._fork_choices(job, prefilled) if job.n > 1 else []
@@ -748,26 +756,65 @@ class Scheduler:
             forks.append(fork)
         return forks
 
-    def _between_chunks(self, job: Job) -> None:
-        """Runs between two chunks of job's prefill: new arrivals are admitted, a prefill with fewer rows left than
-        job's runs (one level deep), and the generating jobs take one decode step."""
+    def _step(
+        self, job: Job, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
+    ) -> np.ndarray | None:
+        """One step of job's prefill (its executor's append). Before any chunk but its first, and only in the
+        outermost prefill, new arrivals are admitted and a prefill with fewer rows left than job's runs. Then the
+        chunk runs in one forward pass with the pending token of every generating job, whose next tokens are
+        sampled from their rows. Image embeddings, a batch over PROMPT_CHUNK rows (the engine call's scratch bound)
+        and a batch the engine refuses run the chunk alone (its error is the prefill's) and then a decode step."""
         t0 = time.perf_counter()
-        job.remaining = max(0, job.remaining - self.prefill_chunk)
-        self._depth += 1
-        try:
-            if self._depth == 1:
-                self._admit(evict=False)  # evicting could touch a session whose prefill is on the stack
-                shorter = self._next_prefill(below=job.remaining)
-                if shorter is not None:
-                    self._prefill(shorter)
-            if self._generating():
+        if job.chunks_run and self._depth == 1:
+            self._admit(evict=False)  # evicting could touch a session whose prefill is on the stack
+            shorter = self._next_prefill(below=job.remaining)
+            if shorter is not None:
+                self._prefill(shorter)
+        job.chunks_run += 1
+        running = self._generating()
+        t_pass = time.perf_counter()
+        mixed = bool(running) and not isinstance(chunk, np.ndarray) and 0 < len(chunk) <= PROMPT_CHUNK - len(running)
+        out: np.ndarray | None = None
+        if mixed:
+            ids = [int(t) for t in chunk]
+            n = len(ids)
+            want = np.zeros(n + len(running), dtype=np.uint8)
+            if logits == "all":
+                want[:n] = 1
+            elif logits == "last":
+                want[n - 1] = 1
+            want[n:] = 1  # each decode row
+            seqs = [seq.id] * n + [j.prefilled.seq.id for j in running if j.prefilled is not None]
+            try:
+                rows = self.model._decode(seqs, ids + [j.pending_token for j in running], want)
+            except KvcmasError as e:
+                log.info("a mixed step was refused by the engine (%s): the chunk and the decode step run apart", e)
+                mixed = False
+        if mixed:
+            seq.tokens.extend(ids)
+            for j in running:
+                assert j.prefilled is not None
+                j.prefilled.seq.tokens.append(j.pending_token)
+            k = int(want[:n].sum())
+            out = rows[k - 1] if logits == "last" else rows[:k] if logits == "all" else None
+            self.metrics.count_pass("mixed")
+            self._mixed = True
+            t_sample = time.perf_counter()
+            for j, row in zip(running, rows[k:], strict=True):
+                self._sample_and_accept(j, row)
+        else:
+            out = agents.ChunkExecutor().append(seq, chunk, logits)
+            self.metrics.count_pass("prefill")
+            t_sample = time.perf_counter()
+            if running:
                 self._decode_step()
-        finally:
-            self._depth -= 1
-            job.interleaved_ms += (time.perf_counter() - t0) * 1000.0
+                self._mixed = True  # the generating jobs had their step in this turn
+        job.remaining = max(0, job.remaining - len(chunk))
+        job.interleaved_ms += (t_pass - t0 + time.perf_counter() - t_sample) * 1000.0
+        return out
 
     def _later(self, job: Job, action: Callable[[], None]) -> bool:
-        """Inside a prefill's chunk break, postpones a job's completion (it may touch that prefill's session) until
+        """Inside a prefill, postpones a job's completion (it may touch that prefill's session) until
         the prefill returns; returns True then. The job takes no more decode steps meanwhile."""
         if self._depth == 0:
             return False
@@ -809,6 +856,7 @@ class Scheduler:
         steps = [(j.prefilled.seq, [j.pending_token]) for j in running if j.prefilled is not None]
         try:
             rows = self.model.decode_batch(steps)
+            self.metrics.count_pass("decode")
         except KvcmasError as e:
             # Reservations make this rare (budget shared with stored spans): evict, or give up the newest job.
             if not self._evict_one():
@@ -934,3 +982,15 @@ class Scheduler:
             return
         self._release(job)
         job.sink(Failed(status, message, code))
+
+
+class _Steps(agents.ChunkExecutor):
+    """The executor of one job's prefill chunks: each runs as a step of the scheduler (Scheduler._step)."""
+
+    def __init__(self, scheduler: Scheduler, job: Job) -> None:
+        self.scheduler, self.job = scheduler, job
+
+    def append(
+        self, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
+    ) -> np.ndarray | None:
+        return self.scheduler._step(self.job, seq, chunk, logits)
