@@ -201,7 +201,7 @@ def test_runs_hold_nothing_once_their_prompt_is_done(model: kc.Model) -> None:
 
 @pytest.mark.parametrize("core_factors", [False, True])
 def test_a_sub_run_reads_the_spans_correction_restricted_to_its_rows(model: kc.Model, core_factors: bool) -> None:
-    """WorkflowRunner.sub_bucket: rows [first, first + n) of a corrected stored span, appended elsewhere, equal the
+    """WorkflowRunner.sub_span: rows [first, first + n) of a corrected stored span, appended elsewhere, equal the
     same rows of the whole span appended with its correction (numpy factors, or a core KvCorrection, sliced)."""
     span = _ids(model, REPLY)
     runner = WorkflowRunner(model, Workflow("w", ()), kc.agents.MethodConfig("fullshared"))
@@ -220,7 +220,7 @@ def test_a_sub_run_reads_the_spans_correction_restricted_to_its_rows(model: kc.M
         b = Span("reply", span).with_rows(
             src.share(pos, n_all), est.Correction(kv=kv_all) if core_factors else corr, pos, src, pos
         )
-        sub = runner.sub_bucket(b, first, n)
+        sub = runner.sub_span(b, first, n)
         assert sub.shared is not None and sub.shared.tokens == tuple(span[first : first + n])
         assert sub.frame0 == pos + first and sub.view_pos == pos + first
         lead = _ids(model, "Other words here.")
@@ -234,5 +234,5 @@ def test_a_sub_run_reads_the_spans_correction_restricted_to_its_rows(model: kc.M
         assert np.abs(k1 - k0).max() <= 1e-4 * np.abs(k0).max() and np.abs(v1 - v0).max() <= 1e-4 * np.abs(v0).max()
         assert np.abs(v1 - src.kv(pos + first, n)[1]).max() > 1e-3  # the correction is in them
         with pytest.raises(ValueError, match="outside the stored span"):
-            runner.sub_bucket(b, n_all - 3, 4)
+            runner.sub_span(b, n_all - 3, 4)
     runner.close()

@@ -969,7 +969,7 @@ class AgentSession:
 
     def _add_run(self, run: _Run, runs: list[str]) -> str:
         """A placeholder for a run of a stored span: the span's own when the run is all of it, else a new one whose
-        stored state is the span's rows under the run (WorkflowRunner.sub_bucket; its first `head` ids are
+        stored state is the span's rows under the run (WorkflowRunner.sub_span; its first `head` ids are
         forwarded, as any span's) and whose estimator edges (key) are the span's. Appended to `runs` (dropped by
         _drop_runs)."""
         st = self._state
@@ -979,7 +979,7 @@ class AgentSession:
         self._n_runs += 1
         ph = f"run_{self._n_runs}_current"
         h = min(self._runner.config.head, len(run.ids))
-        rows = self._runner.sub_bucket(whole, run.offset, len(run.ids) - h)
+        rows = self._runner.sub_span(whole, run.offset, len(run.ids) - h)
         st.spans[ph] = dataclasses.replace(rows, ph=ph, ids=list(run.ids), key=whole.key or whole.ph)
         self._runs.add(ph)
         runs.append(ph)

@@ -133,7 +133,7 @@ def concat(corrs: list[Factors]) -> Factors:
 class Correction:
     """A reader's correction of a shared span's rows, in the span's stored frame: numpy Factors (what estimators
     compute) or a core KvCorrection (what the core's ridge path builds and the engine reads). Either form converts to
-    the other on demand, each time (nothing cached: a chained bucket holds one form only). Immutable."""
+    the other on demand, each time (nothing cached: a chained span holds one form only). Immutable."""
 
     __slots__ = ("_factors", "_core")
 

@@ -586,12 +586,12 @@ class WorkflowRunner:
         computed += len(pending)
         return logits, computed, corrs
 
-    def sub_bucket(self, b: Span, first: int, n: int) -> Span:
-        """Rows [first, first + n) of a bucket as a bucket of their own (a sub-run of a stored span, read by
+    def sub_span(self, b: Span, first: int, n: int) -> Span:
+        """Rows [first, first + n) of a stored span as a span of their own (a sub-run of it, read by
         reference): the same stored rows (no copy), the accumulated correction restricted to those rows (a per-row
         low-rank correction restricts by slicing A), the reader's base view moved with them."""
         if b.shared is None or not (first >= 0 and n > 0 and first + n <= len(b.shared)):
-            raise ValueError(f"sub_bucket: rows [{first}, {first + n}) are outside the stored span")
+            raise ValueError(f"sub_span: rows [{first}, {first + n}) are outside the stored span")
         shared = b.shared.slice(first, n)
         corr = b.corr
         if corr is not None:
