@@ -158,7 +158,7 @@ def accuracy(
         for line in out_path.read_text().splitlines():
             if line.strip():
                 old = json.loads(line)
-                done.setdefault(old["id"], {}).update(old["per_method"])
+                done.setdefault(old["id"], {}).update(_with_reference(old["per_method"]))
     if calibrate:
         learned = list(dict.fromkeys(session_spec(m, calibrate)[0] for m in methods))
         learned = [m for m in learned if m in ("kvcmas", "kvcmas-ref", "kvcomm")]
@@ -197,6 +197,7 @@ def accuracy(
                     "fidelity": compare(runs["nonshared"], rs),
                     "tf_top1": tf,
                 }
+            _with_reference(rec["per_method"])
             records.append({"id": ex.id, "per_method": {**have, **rec["per_method"]}})
             if out is not None:
                 out.write(json.dumps(rec) + "\n")
@@ -207,6 +208,22 @@ def accuracy(
             out.close()
         bar.close()
     return {"task": task.name, "examples": len(records), "summary": summarize(records, methods)}
+
+
+def _later_ttft(result: dict[str, Any]) -> float:
+    """The mean TTFT of a team run's later agents (every hop after the first)."""
+    return float(np.mean([h["ttft_ms"] for h in result["hops"][1:]]))
+
+
+def _with_reference(per_method: dict[str, Any]) -> dict[str, Any]:
+    """Gives each method's result of one run of a question the later-agent TTFT of the nonshared reference that ran
+    beside it (`reference_later_ttft_ms`), so speedups compare timings taken together even when --resume merges
+    runs made on different days or under different load. Returns per_method (changed in place)."""
+    ref = per_method.get("nonshared")
+    if ref is not None:
+        for result in per_method.values():
+            result.setdefault("reference_later_ttft_ms", _later_ttft(ref))
+    return per_method
 
 
 def paired(base: Sequence[bool], other: Sequence[bool], n_boot: int = 10000, seed: int = 0) -> dict[str, Any]:
@@ -262,8 +279,9 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "reuse_share": float(np.mean([h["mode"] == "reuse" for h in hops])),
             }
         )
-    base = float(rows[0]["later_ttft_ms"])
-    for r in rows:
+    for r, m in zip(rows, methods, strict=True):  # against the nonshared runs that ran beside the method's
+        refs = [r_["per_method"][m].get("reference_later_ttft_ms") for r_ in records]
+        base = float(np.mean(refs)) if refs and None not in refs else float(rows[0]["later_ttft_ms"])
         r["later_ttft_speedup"] = base / max(float(r["later_ttft_ms"]), 1e-9)
     return rows
 
