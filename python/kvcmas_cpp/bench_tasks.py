@@ -280,8 +280,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
             }
         )
     for r, m in zip(rows, methods, strict=True):  # against the nonshared runs that ran beside the method's
-        refs = [r_["per_method"][m].get("reference_later_ttft_ms") for r_ in records]
-        base = float(np.mean(refs)) if refs and None not in refs else float(rows[0]["later_ttft_ms"])
+        base = float(np.mean([r_["per_method"][m]["reference_later_ttft_ms"] for r_ in records]))
         r["later_ttft_speedup"] = base / max(float(r["later_ttft_ms"]), 1e-9)
     return rows
 

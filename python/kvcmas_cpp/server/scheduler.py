@@ -773,7 +773,11 @@ class Scheduler:
         job.chunks_run += 1
         running = self._generating()
         t_pass = time.perf_counter()
-        mixed = bool(running) and not isinstance(chunk, np.ndarray) and 0 < len(chunk) <= PROMPT_CHUNK - len(running)
+        # A chunk shorter than MIN_CHUNK_ROWS runs alone: alone the engine computes it with its decode kernels, in a
+        # bigger batch with its prefill kernels, and its rows (which the prefix cache may keep) must not depend on
+        # what else is running.
+        fits = agents.MIN_CHUNK_ROWS <= len(chunk) <= PROMPT_CHUNK - len(running)
+        mixed = bool(running) and not isinstance(chunk, np.ndarray) and fits
         out: np.ndarray | None = None
         if mixed:
             ids = [int(t) for t in chunk]
