@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession
+from kvcmas_cpp.agents import AgentSession
+from kvcmas_cpp.plan import MIN_CHUNK_ROWS
 from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.server.backend import prefill_segments
 from test_server import ServerProcess

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from kvcmas_cpp.agents import MIN_CHUNK_ROWS, AgentSession, ChunkExecutor, chunk_bounds
+from kvcmas_cpp.agents import AgentSession
+from kvcmas_cpp.plan import MIN_CHUNK_ROWS, ChunkExecutor, chunk_bounds
 from kvcmas_cpp.sampling import SamplingParams
 from kvcmas_cpp.server.backend import prefill_segments
 from kvcmas_cpp.server.metrics import Metrics
@@ -368,3 +369,109 @@ def test_a_session_prefill_runs_in_mixed_steps_with_the_same_output(model: kc.Mo
     assert mixed == alone
     for ids, got in zip(generating, gen_tokens, strict=True):
         assert model.detokenize(got) == model.generate(ids, max_tokens=30, temperature=0).text
+
+
+def _session_job(name: str, model: kc.Model, messages: list[dict[str, Any]], key: SessionKey) -> tuple[Job, Recorder]:
+    rec = Recorder()
+    ids = model.tokenize(model.apply_chat_template(messages))
+    return Job(name, ids, 4, SamplingParams(temperature=0.0), [], rec, messages=messages, session_key=key), rec
+
+
+def _alone(model: kc.Model, *hops: tuple[list[dict[str, Any]], SessionKey]) -> list[str]:
+    """Each hop's greedy text on a fresh scheduler, the hops one after the other."""
+    sched = Scheduler(model, "fullshared", 4, 1 << 30, 8, Metrics(), prefill_chunk=16)
+    try:
+        texts = []
+        for i, (messages, key) in enumerate(hops):
+            job, rec = _session_job(f"alone{i}", model, messages, key)
+            sched.submit(job)
+            assert rec.done.wait(120)
+            texts.append(rec.text())
+        return texts
+    finally:
+        sched.stop()
+
+
+def test_session_prefills_take_turns_as_plans_without_nesting(model: kc.Model) -> None:
+    """Two sharing sessions of one tenant (one shared estimator): a long prompt's prefill is in flight when a short
+    one arrives. The short one takes its steps between the long one's chunks and gets its first token first, no
+    prefill step ever runs inside another (the scheduler drives each prefill's plan a chunk per turn), and each
+    output equals its prompt's alone."""
+    tenant = Namespace("tenant")
+    long_msgs = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT * 5}]
+    short_msgs = [{"role": "system", "content": "You are a checker."}, {"role": "user", "content": "Say hello."}]
+    long_key, short_key = SessionKey(tenant, "wf-long", "fullshared"), SessionKey(tenant, "wf-short", "fullshared")
+    want = _alone(model, (long_msgs, long_key), (short_msgs, short_key))
+    sched = Scheduler(model, "fullshared", 4, 1 << 30, 8, Metrics(), prefill_chunk=16)
+    order: list[str] = []
+    depth = [0, 0]  # now, most
+    real = sched._prefill_step
+
+    def tracked(job: Job) -> None:  # the real step, its nesting and its job recorded
+        depth[0] += 1
+        depth[1] = max(depth)
+        order.append(job.id)
+        try:
+            real(job)
+        finally:
+            depth[0] -= 1
+
+    sched._prefill_step = tracked  # type: ignore[method-assign]
+    try:
+        long_job, long = _session_job("long", model, long_msgs, long_key)
+        sched.submit(long_job)
+        deadline = time.monotonic() + 60
+        while long_job.chunks_run < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert long_job.chunks_run >= 2, "the long prefill never got going"
+        short_job, short = _session_job("short", model, short_msgs, short_key)
+        sched.submit(short_job)
+        assert long.done.wait(120) and short.done.wait(120)
+    finally:
+        sched.stop()
+    assert depth[1] == 1
+    first_short, last_short = order.index("short"), len(order) - 1 - order[::-1].index("short")
+    assert "long" in order[:first_short] and "long" in order[last_short + 1 :]  # the short one ran while in flight
+    assert short.first() < long.first()
+    assert [long.text(), short.text()] == want
+
+
+def test_a_cancelled_session_prefill_frees_its_rows_and_its_session(model: kc.Model) -> None:
+    """A client goes away while its sharing session's prompt is half prefilled: the scheduler closes that prefill's
+    plan, so the KV it had allocated is freed at once, the session's lock is free, and the same prompt sent again
+    gives the output it gives on a scheduler that never saw the cancelled one."""
+    key = SessionKey(Namespace("tenant"), "wf", "fullshared")
+    first = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": "Say hello."}]
+    second = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT * 5}]
+    want = _alone(model, (first, key), (second, key))
+    sched = Scheduler(model, "fullshared", 4, 1 << 30, 8, Metrics(), prefill_chunk=16)
+    try:
+        job, rec = _session_job("first", model, first, key)
+        sched.submit(job)
+        assert rec.done.wait(120)
+        before = model.kv_bytes_in_use
+        job, rec = _session_job("cancelled", model, second, key)
+        sched.submit(job)
+        deadline = time.monotonic() + 60
+        while job.chunks_run < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert job.chunks_run >= 3 and job.prefilled is None, "the prefill was not caught in flight"
+        sched.cancel(job)
+        while job.session is not None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert job.session is None and job.plan is None
+        assert job.remaining > 0  # it stopped part-way
+        assert model.kv_bytes_in_use == before
+        session = sched._sessions[key].backend.session  # type: ignore[attr-defined]
+        got: list[int] = []
+        reader = threading.Thread(target=lambda: got.append(session.reusable_tokens(second)))
+        reader.start()
+        reader.join(30)
+        assert got, "the session's lock is still held by the cancelled prefill"
+        job, rec = _session_job("again", model, second, key)
+        sched.submit(job)
+        assert rec.done.wait(120)
+        assert [e for _, e in rec.events if isinstance(e, Failed)] == []
+    finally:
+        sched.stop()
+    assert rec.text() == want[1]

@@ -18,9 +18,9 @@ placeholders ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {co
 Lower level (the server's): `prefill(messages)` takes OpenAI-style messages, identifies the agent by its system
 prompt, keys every message content by its token ids (image embeddings in a content count by their rows), and reuses
 spans already computed in the session: whole, found by text inside a bigger message, or any run of at least
-MIN_PIECE_TOKENS of a message's tokens equal to part of a stored span (read from that span's rows). A server can have
-long prompt appends run in chunks through a ChunkExecutor (`chunks`): its scheduler runs each chunk in one forward pass
-with other requests' decode tokens, and other requests' work between chunks.
+MIN_PIECE_TOKENS of a message's tokens equal to part of a stored span (read from that span's rows). `prefill_plan`
+is the same call as a plan (kvcmas_cpp.plan): a server's scheduler holds several in flight and runs their appends in
+chunks, each in one forward pass with other requests' decode tokens.
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
 releases the GIL; the engine serialises compute), each with its own shared context.
@@ -37,7 +37,6 @@ import os
 import re
 import secrets
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,6 +46,7 @@ from typing import Any, Literal, cast, overload
 import numpy as np
 
 from .model import CompletionChunk, KVSequence, Model
+from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
 from .sharing import estimators as est
@@ -58,10 +58,6 @@ from .sharing.span import Span, chains
 from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
 from .tools import TOOLS_KEY, attached_tools
 
-# The engine computes appends of up to 12 rows with its decode kernels, and of up to 16 rows over quantized weights
-# with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
-# that small (unless the whole append is), so it computes the same rows as one piece.
-MIN_CHUNK_ROWS = 17
 # Inside a bigger message, a paragraph becomes its own span, and a span the session holds is found again, only from
 # this many tokens on: shorter runs cost more in exact head and tail rows than reusing them saves.
 MIN_PIECE_TOKENS = 16
@@ -71,34 +67,8 @@ RUN_BLOCK = MIN_PIECE_TOKENS // 2
 _PARAGRAPH_RE = re.compile(r"\S(?:.*?\S)?(?=\s*\n\s*\n|\s*$)", re.DOTALL)  # text between blank lines, stripped
 
 
-class ChunkExecutor:
-    """Runs the chunk appends of a chunked prefill (chunk_bounds). This one appends each chunk by itself; a server's
-    scheduler overrides append to run each chunk in one forward pass with other requests' decode tokens, and other
-    requests' work between chunks. Either way the chunk's rows and logits are those of a one-piece append (each row
-    attends to the rows before it)."""
-
-    def append(
-        self, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
-    ) -> np.ndarray | None:
-        """Appends a chunk of token ids, or of input vectors [n, n_embd] (then logits is "last" or "none"), at seq's
-        end (by KVSequence's own append: seq may be a subclass that chunks); returns logits as KVSequence.append."""
-        if isinstance(chunk, np.ndarray):
-            return KVSequence.append_embeddings(seq, chunk, logits == "last")
-        return KVSequence.append(seq, chunk, logits)
-
-
-def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) of the chunks an append of n rows runs in: `chunk` rows each (at least MIN_CHUNK_ROWS), a short
-    remainder joining the chunk before it."""
-    chunk = max(chunk, MIN_CHUNK_ROWS)
-    starts = list(range(0, n, chunk))
-    if len(starts) > 1 and n - starts[-1] < MIN_CHUNK_ROWS:
-        starts.pop()
-    return [(a, starts[i + 1] if i + 1 < len(starts) else n) for i, a in enumerate(starts)]
-
-
-# The estimator locks are re-entrant: a server runs another session's prefill on the same thread between the chunks
-# of a long one (AgentSession.prefill's ChunkExecutor), and both read the shared estimator.
+# The estimator locks are re-entrant: a server's scheduler thread holds several sessions' prefill plans in flight,
+# each suspended between its appends with its estimator's lock held, and sessions of one workflow kind share one.
 _estimators: weakref.WeakKeyDictionary[Model, dict[tuple[str, str], tuple[est.Estimator, threading.RLock]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -253,57 +223,6 @@ class Prefilled:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _ChunkedSequence(KVSequence):
-    """A fork of a KVSequence whose appends run in chunks (chunk_bounds) through an executor (a server's scheduler
-    batches them with other work). Rows and logits equal one-piece appends (each row attends to the rows before it
-    either way). engine_ms: time spent in this sequence's appends (and the prefix's, if it was computed for this
-    prompt), the executor's included."""
-
-    def __init__(self, parent: KVSequence, chunk: int, executor: ChunkExecutor, engine_ms: float = 0.0) -> None:
-        super().__init__(parent._model, parent._model._core.seq_fork(parent.id), list(parent.tokens))
-        self.chunk = chunk
-        self.executor: ChunkExecutor | None = executor
-        self.engine_ms = engine_ms
-
-    def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
-        ids = list(ids)
-        if self.executor is None or not ids:
-            return super().append(ids, logits)
-        rows: list[np.ndarray] = []
-        for start, end in chunk_bounds(len(ids), self.chunk):
-            last = end == len(ids)
-            t0 = time.perf_counter()
-            out = self.executor.append(self, ids[start:end], logits if last or logits == "all" else "none")
-            self.engine_ms += (time.perf_counter() - t0) * 1000.0
-            if out is not None:
-                rows.append(out)
-        if logits == "all":
-            return np.concatenate(rows, axis=0)
-        return rows[-1] if rows else None
-
-    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
-        n = len(embeddings)
-        if self.executor is None or not n:
-            return super().append_embeddings(embeddings, logits)
-        out: np.ndarray | None = None
-        for start, end in chunk_bounds(n, self.chunk):
-            last = end == n
-            t0 = time.perf_counter()
-            out = self.executor.append(self, embeddings[start:end], "last" if logits and last else "none")
-            self.engine_ms += (time.perf_counter() - t0) * 1000.0
-        return out
-
-
-class _ChunkedFork:
-    """Stands for a prefix sequence where the method forks it: the fork appends in chunks."""
-
-    def __init__(self, prefix: KVSequence, chunk: int, executor: ChunkExecutor, prefix_ms: float) -> None:
-        self.prefix, self.chunk, self.executor, self.prefix_ms = prefix, chunk, executor, prefix_ms
-
-    def fork(self) -> KVSequence:
-        return _ChunkedSequence(self.prefix, self.chunk, self.executor, self.prefix_ms)
 
 
 class Agent:
@@ -670,30 +589,32 @@ class AgentSession:
         (vectors by their rows), reused if the session computed it before. chunks: appends of the prompt run in
         chunks of about chunk_tokens rows (chunk_bounds) through this executor (the same rows and logits as in one
         piece). recompute: this call's recompute budget instead of the session's. Call finish() after
-        generating, then close()."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("prefill: messages must be a non-empty list")
+        generating, then close(). It runs prefill_plan to its end."""
         if chunk_tokens < 1:
             raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
+        return run_plan(self.prefill_plan(messages, agent, recompute=recompute), chunks, chunk_tokens)
+
+    def prefill_plan(
+        self, messages: list[dict[str, Any]], agent: str | None = None, *, recompute: float | None = None
+    ) -> Plan[Prefilled]:
+        """prefill() as a plan (kvcmas_cpp.plan): it yields the appends that compute rows and returns the Prefilled;
+        its errors (e.g. ValueError for messages it cannot read) are raised from its steps. It holds the session's
+        lock (and, while the method reads its spans, the estimator's) from its first step to its last, so its driver
+        runs it to its end on one thread, or closes it (which frees what it holds)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("prefill: messages must be a non-empty list")
         with self._lock, self._recompute_budget(recompute):
             self.run_training_reads()  # the last call's, if nobody took them: before this prompt reads its spans
             runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
             try:
-                p = self._prefill_messages(messages, agent, chunks, chunk_tokens, runs)
+                p = yield from self._prefill_messages(messages, agent, runs)
             except BaseException:
                 self._drop_runs(runs)
                 raise
             p.runs = runs
             return p
 
-    def _prefill_messages(
-        self,
-        messages: list[dict[str, Any]],
-        agent: str | None,
-        chunks: ChunkExecutor | None,
-        chunk_tokens: int,
-        runs: list[str],
-    ) -> Prefilled:
+    def _prefill_messages(self, messages: list[dict[str, Any]], agent: str | None, runs: list[str]) -> Plan[Prefilled]:
         # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
         # braces and all, is data and never expanded as a placeholder.
         nonce = secrets.token_hex(8)
@@ -740,16 +661,7 @@ class AgentSession:
         if ag is None:
             ag = self.agent(key, system)
         template = template_from_messages(self.model, rendered, ag.name, marker_re)
-        if chunks is None:
-            return self._prefill_template(ag, template)
-        t0 = time.perf_counter()
-        prefix, cached = self._prefix(ag, template)  # computed here when the prefix cache has no match
-        prefix_ms = (time.perf_counter() - t0) * 1000.0
-        fork = _ChunkedFork(prefix, chunk_tokens, chunks, prefix_ms)
-        p = self._prefill_template(ag, template, fork, (prefix, cached))
-        if isinstance(p.seq, _ChunkedSequence):
-            p.seq.executor = None  # generation and finish() append in one piece
-        return p
+        return (yield from self._prefill_template(ag, template))
 
     @contextlib.contextmanager
     def _recompute_budget(self, recompute: float | None) -> Iterator[None]:
@@ -1032,7 +944,7 @@ class AgentSession:
             self.run_training_reads()
             messages = [{"role": "system", "content": agent.system}] if agent.system else []
             messages.append({"role": "user", "content": self._user_template(agent)})
-            return self._prefill_template(agent, template_from_messages(self.model, messages, agent.name))
+            return run_plan(self._prefill_template(agent, template_from_messages(self.model, messages, agent.name)))
 
     def finish(self, p: Prefilled, generated: Sequence[int], text: str | None = None) -> None:
         """Registers a generated reply (its ids; a trailing end-of-generation token is dropped) as a span later
@@ -1101,34 +1013,29 @@ class AgentSession:
         ctx = "\n\n".join(parts)
         return ag.template.replace("{context}", ctx) if ag.template is not None else ctx
 
-    def _prefix(self, ag: Agent, t: Template) -> tuple[KVSequence, int]:
-        """A sequence holding the agent's template prefix (the caller owns it) and how many of its rows an earlier
-        call computed (the model's prefix cache, within the session's cache_namespace)."""
-        return self._prefix_cache.prefix(self.cache_namespace, t.texts[0])
+    def _prefix(self, ag: Agent, t: Template) -> Plan[tuple[KVSequence, int]]:
+        """The plan of a sequence holding the agent's template prefix (the caller owns it); returns it and how many
+        of its rows an earlier call computed (the model's prefix cache, within the session's cache_namespace)."""
+        return self._prefix_cache.plan_prefix(self.cache_namespace, t.texts[0])
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
         """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
         span = self._state.spans.get(ph)
         return (span.key if span is not None and span.key else ph, self._identities[reader])
 
-    def _prefill_template(
-        self,
-        ag: Agent,
-        t: Template,
-        chunked: _ChunkedFork | None = None,
-        prefix: tuple[KVSequence, int] | None = None,
-    ) -> Prefilled:
+    def _prefill_template(self, ag: Agent, t: Template) -> Plan[Prefilled]:
+        """The plan of agent ag's prompt from its template: its prefix (the prefix cache's), then the method's hop."""
         missing = [ph for ph in t.placeholders if ph not in self._state.spans]
         if missing:
             raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
         n = self._replies.get(ag.index, 0)
         reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
-        # The method only forks the prefix: a _ChunkedFork stands in for it where appends are to run in chunks.
-        prefix_seq, cached = self._prefix(ag, t) if prefix is None else prefix
-        base = prefix_seq if chunked is None else cast(KVSequence, chunked)
+        prefix_seq, cached = yield from self._prefix(ag, t)
         try:
             with self._estimator_lock:
-                seq, logits, hop, pos_map, corrs = self._runner.prefill_hop(ag.index, t, base, self._state)
+                seq, logits, hop, pos_map, corrs = yield from self._runner.plan_hop(
+                    ag.index, t, prefix_seq, self._state
+                )
         except BaseException:
             prefix_seq.close()
             raise

@@ -8,7 +8,7 @@ copy: the fork reads the entry's blocks), keeps the matched rows and computes th
 
 Contracts:
 - Exact: rows served from the cache equal the rows a fresh one-piece prefill computes. The engine computes an
-  append of fewer than agents.MIN_CHUNK_ROWS rows with its decode kernels, which round differently from its prefill
+  append of fewer than plan.MIN_CHUNK_ROWS rows with its decode kernels, which round differently from its prefill
   kernels, so a match is shortened until the rest is at least that long (or nothing is left to compute), and an
   entry remembers how many of its leading rows came from prefill kernels (`exact`); only those serve other prompts.
   An entry computed as one short piece serves only its own ids (the same rows its computation gives each time).
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ._native import KvcmasError
 from .model import KVSequence, Model
+from .plan import MIN_CHUNK_ROWS, Append, Plan, run_plan
 
 BLOCK = 16  # tokens per hashed block of the index
 
@@ -179,8 +180,6 @@ class PrefixCache:
 
     def _usable(self, namespace: str, ids: list[int], rest: bool) -> tuple[_Entry | None, int]:
         """reuse()'s choice (lock held): the entry to fork and the rows to keep, or (None, 0)."""
-        from .agents import MIN_CHUNK_ROWS  # here: agents imports this module
-
         n = len(ids)
         entry, m = self._match(namespace, ids) if ids and min(ids) >= 0 else (None, 0)
         if entry is not None and not (not rest and m == n == len(entry.ids)):  # else: the same short key
@@ -218,23 +217,28 @@ class PrefixCache:
             return seq.fork()
 
     def prefix(self, namespace: str, ids: Sequence[int]) -> tuple[KVSequence, int]:
-        """A new sequence (the caller owns it) holding exactly ids, and how many of its rows came from the cache;
-        the rest is computed here (in pieces of at least MIN_CHUNK_ROWS rows) and stored. What an agent's template
-        prefix comes from. The engine refusing for lack of KV memory evicts every entry and tries again once."""
-        from .agents import MIN_CHUNK_ROWS, chunk_bounds
-        from .model import PROMPT_CHUNK
+        """plan_prefix run to its end here."""
+        return run_plan(self.plan_prefix(namespace, ids))
 
+    def plan_prefix(self, namespace: str, ids: Sequence[int]) -> Plan[tuple[KVSequence, int]]:
+        """The plan (kvcmas_cpp.plan) of a new sequence (the caller owns it) holding exactly ids; returns it and how
+        many of its rows came from the cache. The rest is computed (one append of at least MIN_CHUNK_ROWS rows, or
+        the whole of ids) and stored. What an agent's template prefix comes from. The engine refusing for lack of KV
+        memory evicts every entry and tries again once."""
         ids = [int(t) for t in ids]
         for attempt in (0, 1):
             seq, m = self.reuse(namespace, ids, rest=False)
             try:
-                for a, b in chunk_bounds(len(ids) - m, PROMPT_CHUNK):
-                    seq.append(ids[m + a : m + b], logits="none")
+                if len(ids) > m:
+                    yield Append(seq, ids[m:], "none")
             except KvcmasError:
                 seq.close()
                 if attempt or not self.clear():
                     raise
                 continue
+            except BaseException:
+                seq.close()
+                raise
             short = 0 < len(ids) - m < MIN_CHUNK_ROWS
             return self.adopt(namespace, seq, m if short else len(ids)), m
         raise AssertionError("unreachable")

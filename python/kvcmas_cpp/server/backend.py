@@ -1,8 +1,9 @@
 """Where a request's prompt KV comes from: a fresh sequence (nonshared) or an agent session that reuses spans other
 agents computed (kvcmas_cpp.agents.AgentSession, methods fullshared / kvcmas).
 
-Every backend returns a Prefilled: a sequence positioned after the prompt, the next-token logits and stats. Backends
-are used from the scheduler thread only.
+Every backend gives a prefill plan (kvcmas_cpp.plan) whose result is a Prefilled: a sequence positioned after the
+prompt, the next-token logits and stats; the scheduler drives the plans. Backends are used from the scheduler thread
+only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..agents import MIN_CHUNK_ROWS, ChunkExecutor, chunk_bounds
 from ..model import KVSequence, Model
+from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, run_plan
 from ..prefix_cache import PrefixCache
 from ..sharing.runner import TrainingRead
 
@@ -34,19 +35,13 @@ class Prefilled(Protocol):
 class Backend(Protocol):
     method: str
 
-    def prefill_chat(
-        self,
-        messages: list[dict[str, Any]],
-        segments: list[Segment],
-        agent: str | None,
-        chunks: ChunkExecutor | None = None,
-        chunk_tokens: int = 256,
-        recompute: float = 0.0,
-    ) -> Prefilled:
-        """The chat's prompt in the engine: messages (contents: strings, or lists of strings and input vectors) for
-        sessions, segments (the rendered prompt) for a plain prefill. Appends run in chunks of about chunk_tokens
-        rows (agents.chunk_bounds) through the executor `chunks` (None: in one piece). recompute: a session's
-        recompute budget for this prompt (sharing/recompute.py); a plain prefill computes every row anyway."""
+    def prefill_plan(
+        self, messages: list[dict[str, Any]], segments: list[Segment], agent: str | None, recompute: float = 0.0
+    ) -> Plan[Prefilled]:
+        """The plan (kvcmas_cpp.plan) of the chat's prompt in the engine: messages (contents: strings, or lists of
+        strings and input vectors) for sessions, segments (the rendered prompt) for a plain prefill. recompute: a
+        session's recompute budget for this prompt (sharing/recompute.py); a plain prefill computes every row
+        anyway. Closing the plan part-way frees what it holds."""
         ...
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -68,33 +63,24 @@ class Backend(Protocol):
 
 @dataclass
 class PlainPrefilled:
-    """A prompt computed from scratch in its own sequence. engine_ms: time in its engine calls."""
+    """A prompt computed from scratch in its own sequence."""
 
     seq: KVSequence
     logits: np.ndarray
     stats: dict[str, Any] = field(default_factory=dict)
-    engine_ms: float = 0.0
 
     def close(self) -> None:
         self.seq.close()
 
 
-def prefill_segments(
-    model: Model,
-    segments: list[Segment],
-    chunks: ChunkExecutor | None = None,
-    chunk_tokens: int = 1 << 30,
-    method: str = "nonshared",
-    namespace: str | None = None,
-) -> PlainPrefilled:
-    """Computes a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a new sequence, each
-    segment in chunks of about chunk_tokens rows (agents.chunk_bounds) run by the executor `chunks` (None: appended
-    one by one). Each row attends to the rows before it whatever the chunking, so the rows and logits equal a
-    one-piece prefill. The sequence is closed again if the engine refuses (e.g. KV budget). namespace: a text-only
-    prompt starts from the longest match in the model's prefix cache within this namespace and is stored there
-    (None: neither)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+def plan_segments(
+    model: Model, segments: list[Segment], method: str = "nonshared", namespace: str | None = None
+) -> Plan[PlainPrefilled]:
+    """The plan (kvcmas_cpp.plan) of a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a
+    new sequence: one append per segment. namespace: a text-only prompt starts from the longest match in the
+    model's prefix cache within this namespace and is stored there when done (None: neither). The sequence is
+    closed again if an append fails (e.g. the KV budget) or the plan is closed part-way. Raises ValueError (on its
+    first step) for an empty prompt."""
     n_prompt = sum(len(seg) for seg in segments)
     cache = PrefixCache.of(model) if namespace is not None and all(isinstance(g, list) for g in segments) else None
     t0 = time.perf_counter()
@@ -104,19 +90,14 @@ def prefill_segments(
         segments = [[t for seg in segments for t in seg][cached:]]
     else:
         seq, cached = model.new_sequence(), 0
-    pieces = [seg[a:b] for seg in segments for a, b in chunk_bounds(len(seg), chunk_tokens)]
-    if not pieces:
+    segments = [seg for seg in segments if len(seg)]
+    if not segments:
         seq.close()
         raise ValueError("the prompt is empty")
-    engine_s = 0.0
     logits: np.ndarray | None = None
-    executor = chunks if chunks is not None else ChunkExecutor()
     try:
-        for k, chunk in enumerate(pieces):
-            last = k == len(pieces) - 1
-            t_call = time.perf_counter()
-            logits = executor.append(seq, chunk, "last" if last else "none")
-            engine_s += time.perf_counter() - t_call
+        for k, seg in enumerate(segments):
+            logits = yield Append(seq, seg, "last" if k == len(segments) - 1 else "none")
     except BaseException:
         seq.close()
         raise
@@ -134,7 +115,21 @@ def prefill_segments(
         "ttft_ms": (time.perf_counter() - t0) * 1000.0,
         "gate": None,
     }
-    return PlainPrefilled(seq, logits, stats, engine_s * 1000.0)
+    return PlainPrefilled(seq, logits, stats)
+
+
+def prefill_segments(
+    model: Model,
+    segments: list[Segment],
+    chunks: ChunkExecutor | None = None,
+    chunk_tokens: int = 1 << 30,
+    method: str = "nonshared",
+    namespace: str | None = None,
+) -> PlainPrefilled:
+    """plan_segments run to its end here: each segment in chunks of about chunk_tokens rows (chunk_bounds) run by
+    the executor `chunks` (None: each by itself). Each row attends to the rows before it whatever the chunking, so
+    the rows and logits equal a one-piece prefill."""
+    return run_plan(plan_segments(model, segments, method, namespace), chunks, chunk_tokens)
 
 
 def prefill_plain(model: Model, ids: list[int], method: str = "nonshared") -> PlainPrefilled:
@@ -152,19 +147,18 @@ class PlainBackend:
         self.model = model
         self.namespace = namespace
 
-    def prefill_chat(
+    def prefill_plan(
         self,
         messages: list[dict[str, Any]],
         segments: list[Segment],
         agent: str | None,
-        chunks: ChunkExecutor | None = None,
-        chunk_tokens: int = 256,
         recompute: float = 0.0,
         namespace: str | None = None,
-    ) -> Prefilled:
+    ) -> Plan[Prefilled]:
         """namespace: the prefix cache namespace of this prompt instead of the backend's."""
         ns = namespace if namespace is not None else self.namespace
-        return prefill_segments(self.model, segments, chunks, chunk_tokens, namespace=ns)
+        plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns)
+        return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return 0
@@ -214,19 +208,11 @@ class SessionBackend:
                 if getattr(estimator, "max_pending_bytes", calibration_bytes) < calibration_bytes:
                     estimator.max_pending_bytes = calibration_bytes
 
-    def prefill_chat(
-        self,
-        messages: list[dict[str, Any]],
-        segments: list[Segment],
-        agent: str | None,
-        chunks: ChunkExecutor | None = None,
-        chunk_tokens: int = 256,
-        recompute: float = 0.0,
-    ) -> Prefilled:
-        p: Prefilled = self.session.prefill(
-            messages, agent=agent, chunks=chunks, chunk_tokens=chunk_tokens, recompute=recompute
-        )
-        return p
+    def prefill_plan(
+        self, messages: list[dict[str, Any]], segments: list[Segment], agent: str | None, recompute: float = 0.0
+    ) -> Plan[Prefilled]:
+        plan: Plan[Prefilled] = self.session.prefill_plan(messages, agent, recompute=recompute)
+        return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
         return int(self.session.reusable_tokens(messages))

@@ -7,16 +7,22 @@ another workflow's long first prompt), and gives every job that is generating on
 join and leave the batch between steps. Results go back through each job's sink, a thread-safe callback (the app
 forwards them to asyncio).
 
-Mixed steps: a prompt is appended in chunks of --prefill-chunk rows (the same rows and logits as one piece: each row
-attends to the rows before it either way), and each chunk runs in ONE forward pass together with the pending token
-of every generating job (the step's token budget: one chunk of prompt rows plus one row per generating job; the
-weights are read once for all of them). The backends' prefills hand their chunk appends to the scheduler through a
-ChunkExecutor (_step). A turn without a prompt chunk runs a decode-only step (Model.decode_batch). Before each
-chunk but the first, the scheduler admits new jobs and prefills one that has fewer rows left than the current one
-(one level deep; never a job of the same sharing session), so a short prompt does not wait for a long prefill.
-Work that would touch a session in the middle of its prefill (registering a finished reply, failing a job,
-evicting spans) is deferred until that prefill returns. A decode row computed in a batch with a chunk may differ
-from the same row computed alone in the last bits (the engine picks its kernels by batch size).
+Prefill plans, one chunk per turn: every prefill is a plan (kvcmas_cpp.plan; Backend.prefill_plan: a generator that
+yields the appends computing its rows, plain prompts and the sharing methods' hops alike) that the scheduler holds in
+flight. Each turn the in-flight or startable prefill first in prefill_rank order (shortest remaining first, with
+aging) runs the next chunk of its current append, --prefill-chunk rows (plan.chunk_bounds: the same rows and
+logits as one piece, each row attends to the rows before it), in ONE forward pass together with the pending token of
+every generating job (the step's token budget: one chunk plus one row per generating job; the weights are read once
+for all of them). A short prompt that arrives during a long prefill takes the next turns and its first token comes
+first; no prefill runs inside another's step. A turn without a prompt chunk runs a decode-only step
+(Model.decode_batch). A chunk the engine refuses is thrown into its plan, where a direct append would have raised.
+A job of a sharing session waits while another job's prefill of that session is in flight, and work that would
+touch that session in the middle of it (registering a finished reply, failing a job, evicting its spans, a
+training read of it) waits until that prefill ends. Sessions that share an estimator do interleave: each holds the
+estimator's (re-entrant) lock on this thread while suspended between appends, so every estimator call sees a whole
+state. A cancelled or timed-out prefill closes its plan, which frees the rows it computed. A decode row computed in
+a batch with a chunk may differ from the same row computed alone in the last bits (the engine picks its kernels by
+batch size).
 
 Training reads (kvcmas calibrating an edge under cold reuse: the span's exact rows in the reader's context, folded
 into the estimator's statistics) are scheduled by a finished reply and run after its Done, as the lowest-priority
@@ -52,6 +58,7 @@ import numpy as np
 from .. import agents
 from .._native import KvcmasError
 from ..model import PROMPT_CHUNK, KVSequence, Model
+from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, chunk_bounds
 from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..sharing.runner import TrainingRead
@@ -208,14 +215,18 @@ class Job:
     received: str = ""  # the text the client got (stop strings cut)
     pending_token: int = -1
     remaining: int = 0  # prompt rows still to compute (an estimate): the shortest prefill goes first
-    prefilling: bool = False  # its prefill is running (possibly paused between chunks)
-    ending: bool = False  # finished or failed inside another job's prefill; completed when that returns
+    prefilling: bool = False  # its prefill plan is in flight (from its start to its end)
+    ending: bool = False  # finished or failed while its session's prefill was in flight; completed when that ends
     t_admit: float = 0.0  # got a slot and its KV reservation
     t_prefill: float = 0.0  # its prefill started
     t_first: float = 0.0
-    engine_ms: float = 0.0  # time in its own prefill's engine calls (its chunks' passes carry decode rows too)
-    interleaved_ms: float = 0.0  # time other jobs' work ran during its prefill, outside its chunks' forward passes
-    chunks_run: int = 0  # prompt chunks its prefill ran through the scheduler (_step)
+    engine_ms: float = 0.0  # time in the forward passes of its prompt's chunks (they carry decode rows too)
+    plan_ms: float = 0.0  # time in its prefill plan between appends (the method's own work: forks, corrections)
+    interleaved_ms: float = 0.0  # time other jobs' work ran during its prefill, outside its own passes and plan
+    chunks_run: int = 0  # prompt chunks its prefill ran (_prefill_step)
+    plan: Plan[Prefilled] | None = None  # its prefill in flight (Backend.prefill_plan)
+    append: Append | None = None  # the plan's current append
+    appended: int = 0  # rows of it computed
     index: int = 0  # choice index (forks of an n > 1 job)
     children: list[Job] = field(default_factory=list)  # its forks (n > 1)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not sent yet
@@ -286,11 +297,12 @@ class Scheduler:
         self._estimators_touched = False  # a prefill or a finish ran since the snapshot: they feed the estimators
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
-        self._depth = 0  # prefills on the stack (> 0: inside a prefill's chunk steps)
         self._mixed = False  # this turn ran a prompt chunk with the decode tokens (no decode-only step then)
-        self._busy: set[int] = set()  # id() of sessions whose prefill is on the stack
-        self._deferred: list[Callable[[], None]] = []  # completions postponed until the prefill on the stack returns
-        self._reads: deque[TrainingRead] = deque()  # training reads to run after their replies, oldest first
+        self._busy: dict[int, Job] = {}  # id() of a session -> its job whose prefill plan is in flight
+        # completions postponed until their session's prefill plan ends: (id() of the session, the completion)
+        self._deferred: list[tuple[int, Callable[[], None]]] = []
+        # training reads to run after their replies, oldest first, with the id() of the session they read
+        self._reads: deque[tuple[TrainingRead, int]] = deque()
         self._last_read_step = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvcmas-scheduler", daemon=True)
         self._thread.start()
@@ -407,7 +419,7 @@ class Scheduler:
         self._mixed = False
         job = self._next_prefill()
         if job is not None:
-            self._prefill(job)
+            self._prefill_step(job)
         if self._reads and (job is None or time.monotonic() - self._last_read_step > READ_STARVE_S):
             self._read_step()
         if self._generating() and not self._mixed:
@@ -440,9 +452,12 @@ class Scheduler:
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
 
     def _read_step(self) -> None:
-        """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take."""
+        """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take and
+        its session has no prefill in flight (the read's end changes that session's spans)."""
+        read, session_id = self._reads[0]
+        if session_id in self._busy:
+            return
         self._last_read_step = time.monotonic()
-        read = self._reads[0]
         rows = min(read.chunk, read.rows)
         if self.model.kv_bytes_in_use + self._outstanding_bytes() + self.reservation_bytes(rows) > self.kv_budget:
             if not self._active:  # nothing running will free memory for it
@@ -465,7 +480,7 @@ class Scheduler:
 
     def _drop_read(self) -> None:
         """Drops the oldest training read (frees the rows it holds)."""
-        self._reads.popleft().close()
+        self._reads.popleft()[0].close()
         self.metrics.count_training_read("dropped", 0)
 
     def _drop_cancelled(self) -> None:
@@ -653,51 +668,84 @@ class Scheduler:
         self._active.append(job)
 
     # -------------------------------------------------------------------------------------------- prefill
-    def _next_prefill(self, below: int | None = None) -> Job | None:
-        """The admitted job to prefill next (prefill_rank), not of a session on the stack; with `below`, only one
-        with fewer rows left than that."""
+    def _next_prefill(self) -> Job | None:
+        """The admitted job whose prefill takes this turn's step (prefill_rank): one in flight, or one to start that
+        is not of a session with a prefill in flight."""
         ready = [
             j
             for j in self._active
             if j.prefilled is None
-            and not j.prefilling
             and not j.cancelled
             and not j.ending
-            and (j.session is None or id(j.session) not in self._busy)
-            and (below is None or j.remaining < below)
+            and (j.plan is not None or (not j.prefilling and (j.session is None or id(j.session) not in self._busy)))
         ]
         now = time.perf_counter()
         return min(ready, key=lambda j: prefill_rank(j, now), default=None)
 
-    def _prefill(self, job: Job) -> None:
-        """Computes the job's prompt (its chunks in mixed steps, _step) and samples its first token."""
+    def _prefill_step(self, job: Job) -> None:
+        """One step of job's prefill: its plan is started if it has none, then the next chunk of its current append
+        runs in one forward pass with the decode tokens (_pass). When the append is done the plan goes on to its next
+        append, or the prefill ends (its first token). A chunk the engine refuses is thrown into the plan."""
+        if job.plan is None:
+            self._start_plan(job)
+            if job.plan is None:  # it ended already
+                return
+        step = job.append
+        assert step is not None
+        first, end = chunk_bounds(len(step.rows) - job.appended, self.prefill_chunk)[0]
+        first, end = first + job.appended, end + job.appended
+        last = end == len(step.rows)
+        try:
+            out = self._pass(job, step.seq, step.rows[first:end], step.logits if last else "none")
+        except Exception as e:
+            self._advance_plan(job, None, e)
+            return
+        job.appended = end
+        job.remaining = max(0, job.remaining - (end - first))
+        job.chunks_run += 1
+        if last:
+            self._advance_plan(job, out, None)
+
+    def _start_plan(self, job: Job) -> None:
+        """Makes the job's prefill plan (its backend's) and runs it up to its first append."""
         self._estimators_touched = True
         assert job.backend is not None
         job.prefilling = True
         job.t_prefill = time.perf_counter()
-        session_id = id(job.session) if job.session is not None else None
-        if session_id is not None:
-            self._busy.add(session_id)
+        if job.session is not None:
+            self._busy[id(job.session)] = job
         segments: list[Segment] = job.segments if job.segments is not None else [job.ids]
-        steps = _Steps(self, job)
+        if job.session is not None and job.messages is not None:
+            job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute)
+        else:
+            ns = job.namespace.estimator_name() if job.namespace is not None else None
+            job.plan = self._plain.prefill_plan([], segments, None, namespace=ns)
+        self._advance_plan(job, None, None)
+
+    def _advance_plan(self, job: Job, sent: np.ndarray | None, error: Exception | None) -> None:
+        """Resumes job's plan with its last append's logits (or that append's error, thrown in) up to its next
+        append; ends the prefill when the plan returns or raises."""
+        assert job.plan is not None
+        t0 = time.perf_counter()
         prefilled: Prefilled | None = None
-        error: Exception | None = None
-        self._depth += 1
         try:
-            if job.session is not None and job.messages is not None:
-                prefilled = job.backend.prefill_chat(
-                    job.messages, segments, job.agent, steps, self.prefill_chunk, job.recompute
-                )
-            else:
-                ns = job.namespace.estimator_name() if job.namespace is not None else None
-                prefilled = self._plain.prefill_chat([], segments, None, steps, self.prefill_chunk, namespace=ns)
-        except Exception as e:  # failed below, outside the prefill (an outermost one's failure is not deferred)
+            job.append = job.plan.throw(error) if error is not None else job.plan.send(sent)
+            job.appended = 0
+            job.plan_ms += (time.perf_counter() - t0) * 1000.0
+            return
+        except StopIteration as done:
+            prefilled = done.value
+        except Exception as e:  # the plan's own error, or the append's it did not handle
             error = e
-        finally:
-            self._depth -= 1
-            job.prefilling = False
-            if session_id is not None:
-                self._busy.discard(session_id)
+        job.plan_ms += (time.perf_counter() - t0) * 1000.0
+        job.plan = job.append = None
+        self._prefill_ended(job, prefilled, error)
+
+    def _prefill_ended(self, job: Job, prefilled: Prefilled | None, error: Exception | None) -> None:
+        """A plan returned (prefilled) or failed (error): the job samples its first token (and its forks' for
+        n > 1), or fails; completions deferred for its session run now."""
+        self._end_prefill(job)
+        job.interleaved_ms = max(0.0, (time.perf_counter() - job.t_prefill) * 1000.0 - job.engine_ms - job.plan_ms)
         if isinstance(error, KvcmasError):
             log.warning("%s: prefill refused by the engine: %s", job.id, error)
             self._fail(job, 503, f"the engine could not take the request now: {error}", "server_busy")
@@ -708,15 +756,17 @@ class Scheduler:
             self._fail(job, 500, f"internal error during prefill: {type(error).__name__}: {error}", "internal_error")
         if prefilled is not None:
             job.prefilled = prefilled
-            measured = float(getattr(prefilled, "engine_ms", getattr(prefilled.seq, "engine_ms", 0.0)))
-            job.engine_ms = max(0.0, measured - job.interleaved_ms)  # the executor's time held the other work
             job.remaining = 0
             if not job.cancelled:  # a cancelled job is released on the next turn
                 forks = self._fork_choices(job, prefilled) if job.n > 1 else []
                 for choice in [job, *forks]:  # first tokens come before the postponed work
                     self._sample_and_accept(choice, prefilled.logits)
-        if self._depth == 0:
-            self._run_deferred()
+        self._run_deferred()
+
+    def _end_prefill(self, job: Job) -> None:
+        job.prefilling = False
+        if job.session is not None and self._busy.get(id(job.session)) is job:
+            del self._busy[id(job.session)]
 
     def _fork_choices(self, job: Job, prefilled: Prefilled) -> list[Job]:
         """n > 1: choices 1..n-1 continue forks of the job's prompt sequence (no prompt row is computed again), each
@@ -756,36 +806,26 @@ class Scheduler:
             forks.append(fork)
         return forks
 
-    def _step(
-        self, job: Job, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
+    def _pass(
+        self, job: Job, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "none"]
     ) -> np.ndarray | None:
-        """One step of job's prefill (its executor's append). Before any chunk but its first, and only in the
-        outermost prefill, new arrivals are admitted and a prefill with fewer rows left than job's runs. Then the
-        chunk runs in one forward pass with the pending token of every generating job, whose next tokens are
-        sampled from their rows. Image embeddings, a batch over PROMPT_CHUNK rows (the engine call's scratch bound)
-        and a batch the engine refuses run the chunk alone (its error is the prefill's) and then a decode step."""
-        t0 = time.perf_counter()
-        if job.chunks_run and self._depth == 1:
-            self._admit(evict=False)  # evicting could touch a session whose prefill is on the stack
-            shorter = self._next_prefill(below=job.remaining)
-            if shorter is not None:
-                self._prefill(shorter)
-        job.chunks_run += 1
+        """One forward pass: a chunk of job's prompt with the pending token of every generating job, whose next
+        tokens are sampled from their rows; returns the chunk's logits. Image embeddings, a chunk shorter than
+        MIN_CHUNK_ROWS, a batch over PROMPT_CHUNK rows (the engine call's scratch bound) and a batch the engine
+        refuses run the chunk alone (its error is raised) and then a decode step."""
         running = self._generating()
         t_pass = time.perf_counter()
         # A chunk shorter than MIN_CHUNK_ROWS runs alone: alone the engine computes it with its decode kernels, in a
         # bigger batch with its prefill kernels, and its rows (which the prefix cache may keep) must not depend on
         # what else is running.
-        fits = agents.MIN_CHUNK_ROWS <= len(chunk) <= PROMPT_CHUNK - len(running)
+        fits = MIN_CHUNK_ROWS <= len(chunk) <= PROMPT_CHUNK - len(running)
         mixed = bool(running) and not isinstance(chunk, np.ndarray) and fits
         out: np.ndarray | None = None
         if mixed:
             ids = [int(t) for t in chunk]
             n = len(ids)
             want = np.zeros(n + len(running), dtype=np.uint8)
-            if logits == "all":
-                want[:n] = 1
-            elif logits == "last":
+            if logits == "last":
                 want[n - 1] = 1
             want[n:] = 1  # each decode row
             seqs = [seq.id] * n + [j.prefilled.seq.id for j in running if j.prefilled is not None]
@@ -800,36 +840,38 @@ class Scheduler:
                 assert j.prefilled is not None
                 j.prefilled.seq.tokens.append(j.pending_token)
             k = int(want[:n].sum())
-            out = rows[k - 1] if logits == "last" else rows[:k] if logits == "all" else None
+            out = rows[k - 1] if logits == "last" else None
             self.metrics.count_pass("mixed")
             self._mixed = True
-            t_sample = time.perf_counter()
+            job.engine_ms += (time.perf_counter() - t_pass) * 1000.0
             for j, row in zip(running, rows[k:], strict=True):
                 self._sample_and_accept(j, row)
         else:
-            out = agents.ChunkExecutor().append(seq, chunk, logits)
+            out = ChunkExecutor().append(seq, chunk, logits)
             self.metrics.count_pass("prefill")
-            t_sample = time.perf_counter()
+            job.engine_ms += (time.perf_counter() - t_pass) * 1000.0
             if running:
                 self._decode_step()
                 self._mixed = True  # the generating jobs had their step in this turn
-        job.remaining = max(0, job.remaining - len(chunk))
-        job.interleaved_ms += (t_pass - t0 + time.perf_counter() - t_sample) * 1000.0
         return out
 
     def _later(self, job: Job, action: Callable[[], None]) -> bool:
-        """Inside a prefill, postpones a job's completion (it may touch that prefill's session) until
-        the prefill returns; returns True then. The job takes no more decode steps meanwhile."""
-        if self._depth == 0:
+        """Postpones a job's completion while another job's prefill plan of its session is in flight (completing
+        registers a reply, or fails, which would touch that session in the middle of its prefill) until that plan
+        ends; returns True then. The job takes no more decode steps meanwhile."""
+        owner = self._busy.get(id(job.session)) if job.session is not None else None
+        if owner is None or owner is job:
             return False
         job.ending = True
-        self._deferred.append(action)
+        self._deferred.append((id(job.session), action))
         return True
 
     def _run_deferred(self) -> None:
-        while self._deferred:
-            actions, self._deferred = self._deferred, []
-            for action in actions:
+        """Runs the postponed completions whose session has no prefill in flight any more."""
+        while any(sid not in self._busy for sid, _ in self._deferred):
+            ready = [a for sid, a in self._deferred if sid not in self._busy]
+            self._deferred = [(sid, a) for sid, a in self._deferred if sid in self._busy]
+            for action in ready:
                 action()
 
     def _sample_and_accept(self, job: Job, logits: Any) -> None:
@@ -909,7 +951,7 @@ class Scheduler:
             if job.backend is not None:
                 for read in job.backend.finish(p, list(job.generated), job.received):
                     read.chunk = self.prefill_chunk  # run after the Done below, between other work (_read_step)
-                    self._reads.append(read)
+                    self._reads.append((read, id(job.session)))
                 while len(self._reads) > MAX_TRAINING_READS:
                     self._drop_read()
         except Exception:
@@ -972,6 +1014,13 @@ class Scheduler:
         }
 
     def _release(self, job: Job) -> None:
+        plan, job.plan, job.append = job.plan, None, None
+        if plan is not None:  # its prefill in flight: closing the plan frees what it holds
+            try:
+                plan.close()
+            except Exception:
+                log.exception("%s: closing its prefill plan failed", job.id)
+            self._end_prefill(job)
         if job in self._active:
             self._active.remove(job)
         if job.prefilled is not None:
@@ -980,21 +1029,11 @@ class Scheduler:
         if job.session is not None:
             job.session.active -= 1
             job.session = None
+        if plan is not None:
+            self._run_deferred()  # its session's postponed completions
 
     def _fail(self, job: Job, status: int, message: str, code: str = "server_error") -> None:
         if self._later(job, lambda: self._fail(job, status, message, code)):
             return
         self._release(job)
         job.sink(Failed(status, message, code))
-
-
-class _Steps(agents.ChunkExecutor):
-    """The executor of one job's prefill chunks: each runs as a step of the scheduler (Scheduler._step)."""
-
-    def __init__(self, scheduler: Scheduler, job: Job) -> None:
-        self.scheduler, self.job = scheduler, job
-
-    def append(
-        self, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "all", "none"]
-    ) -> np.ndarray | None:
-        return self.scheduler._step(self.job, seq, chunk, logits)

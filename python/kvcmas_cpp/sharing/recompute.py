@@ -33,6 +33,7 @@ from ..model import KVSequence, SharedKV
 from . import estimators as est
 
 if TYPE_CHECKING:
+    from ..plan import Plan
     from .runner import MethodConfig, RequestState, WorkflowRunner
 
 DEFAULT_BLOCK = 16  # rows per choice: the engine's prefill kernels run appends of >= 13 rows
@@ -101,10 +102,11 @@ def append_span(
     ids: list[int],
     corr: est.Correction | None,
     pending: list[int],
-) -> tuple[list[int], int, int]:
-    """Appends a shared span (rows `ids`, stored as `shared`) to seq under the budget: chosen rows join `pending`
-    (forwarded in order with the rest of the prompt), the others are appended by reference with their slice of the
-    correction (none when MethodConfig.correct is False). Returns (pending, rows computed by flushes, rows chosen)."""
+) -> Plan[tuple[list[int], int, int]]:
+    """The plan (kvcmas_cpp.plan) of appending a shared span (rows `ids`, stored as `shared`) to seq under the
+    budget: chosen rows join `pending` (forwarded in order with the rest of the prompt), the others are appended by
+    reference with their slice of the correction (none when MethodConfig.correct is False). Returns (pending, rows
+    computed by flushes, rows chosen)."""
     from .runner import append_mixed
 
     cfg, m = runner.config, runner.model
@@ -119,7 +121,7 @@ def append_span(
             pending = pending + ids[start:end]
             continue
         if pending:
-            append_mixed(seq, pending, "none", st.vectors)
+            yield from append_mixed(seq, pending, "none", st.vectors)
             computed += len(pending)
             pending = []
         piece = shared.slice(start, end - start)

@@ -29,6 +29,7 @@ import numpy as np
 
 from .._native import core
 from ..model import KVSequence, Model
+from ..plan import Append, Plan, chunk_bounds, run_plan
 from . import estimators as est
 from . import recompute as recompute_mod
 from ._blas import single_threaded_blas
@@ -104,10 +105,13 @@ class RequestState:
 
 def append_mixed(
     seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
-) -> np.ndarray | None:
-    """seq.append for prompts that mix token ids with input vectors: an id -(1 + r) stands for row r of `vectors`."""
-    if not ids or min(ids) >= 0:
-        return seq.append(ids, logits=logits)
+) -> Plan[np.ndarray | None]:
+    """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
+    of `vectors`): one Append per run of ids or of vectors; returns the last one's logits."""
+    if not ids:
+        return None
+    if min(ids) >= 0:
+        return (yield Append(seq, ids, logits))
     if vectors is None:
         raise ValueError("a prompt holds input-vector ids but no vectors were registered")
     out: np.ndarray | None = None
@@ -117,10 +121,8 @@ def append_mixed(
         while j < len(ids) and (ids[j] < 0) == is_vec:
             j += 1
         want = logits if j == len(ids) else "none"
-        if is_vec:
-            out = seq.append_embeddings(vectors[[-t - 1 for t in ids[i:j]]], logits=want == "last")
-        else:
-            out = seq.append(ids[i:j], logits=want)
+        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if is_vec else ids[i:j]
+        out = yield Append(seq, rows, want)
         i = j
     return out
 
@@ -251,11 +253,9 @@ class TrainingRead:
     def _run(self) -> Iterator[None]:
         runner = self.runner
         assert runner is not None
-        from ..agents import chunk_bounds  # here: agents imports this module
-
         n0 = len(self.source)
         for a, b in chunk_bounds(len(self.compute), self.chunk):
-            append_mixed(self.source, self.compute[a:b], "none", self.vectors)
+            run_plan(append_mixed(self.source, self.compute[a:b], "none", self.vectors))
             yield
         assert len(self.source) == n0 + len(self.compute)
         e = cast(est.LearnsFromReads, self.estimator)
@@ -390,9 +390,16 @@ class WorkflowRunner:
     def prefill_hop(
         self, a: int, t: Template, prefix: KVSequence, st: RequestState, exact: RequestResult | None = None
     ) -> tuple[KVSequence, np.ndarray, HopReport, dict[str, tuple[int, int]], dict[str, est.Correction]]:
-        """Agent a's prompt under the method: a fork of its template prefix, then its spans (dense or shared with
-        corrections). Returns (sequence, next-token logits, hop report without generation, placeholder positions,
-        corrections used). Every placeholder of t must be in st.spans."""
+        """plan_hop run to its end here, each append in one piece."""
+        return run_plan(self.plan_hop(a, t, prefix, st, exact))
+
+    def plan_hop(
+        self, a: int, t: Template, prefix: KVSequence, st: RequestState, exact: RequestResult | None = None
+    ) -> Plan[tuple[KVSequence, np.ndarray, HopReport, dict[str, tuple[int, int]], dict[str, est.Correction]]]:
+        """The plan (kvcmas_cpp.plan) of agent a's prompt under the method: a fork of its template prefix, then its
+        spans (dense or shared with corrections). Returns (sequence, next-token logits, hop report without
+        generation, placeholder positions, corrections used). Every placeholder of t must be in st.spans. The hop's
+        ttft_ms is the plan's wall time, its driver's other work included."""
         m, cfg = self.model, self.config
         phs = t.placeholders
         prompt = t.prompt_ids({ph: st.spans[ph].ids for ph in phs})
@@ -423,15 +430,20 @@ class WorkflowRunner:
             pos += n + len(t.texts[i + 1])
         st.spans_at.append(pos_map)
         corrs: dict[str, est.Correction] = {}
-        if mode != "reuse":
-            rest = prompt[len(t.texts[0]) :]
-            if not rest:  # the prefix is the whole prompt (no spans): its last row is computed again, for the logits
-                seq.truncate(len(prompt) - 1)
-                rest = prompt[-1:]
-            logits = append_mixed(seq, rest, "last", st.vectors)
-            computed = len(rest)
-        else:
-            logits, computed, corrs = self._assemble(a, t, seq, st, exact)
+        self._factor_bytes = self._materialized = self._recomputed = 0  # counted for this hop (_assemble)
+        try:
+            if mode != "reuse":
+                rest = prompt[len(t.texts[0]) :]
+                if not rest:  # the prefix is the whole prompt (no spans): its last row is computed again, for logits
+                    seq.truncate(len(prompt) - 1)
+                    rest = prompt[-1:]
+                logits = yield from append_mixed(seq, rest, "last", st.vectors)
+                computed = len(rest)
+            else:
+                logits, computed, corrs = yield from self._assemble(a, t, seq, st, exact)
+        except BaseException:  # an append failed, or the plan was closed part-way
+            seq.close()
+            raise
         ttft = (time.perf_counter() - t0) * 1000.0
         assert logits is not None
         corr_bytes = sum(s["corr_bytes"] for s in m._core.seq_segments(seq.id))
@@ -526,8 +538,9 @@ class WorkflowRunner:
 
     def _assemble(
         self, a: int, t: Template, seq: KVSequence, st: RequestState, exact: RequestResult | None
-    ) -> tuple[np.ndarray, int, dict[str, est.Correction]]:
-        """A reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded."""
+    ) -> Plan[tuple[np.ndarray, int, dict[str, est.Correction]]]:
+        """The plan of a reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded.
+        Returns (next-token logits, rows computed, corrections used)."""
         cfg = self.config
         message = st.message
         pending: list[int] = []
@@ -547,12 +560,14 @@ class WorkflowRunner:
                     corr = self._correction(a, ph, b, len(seq) + len(pending), n, message, exact)
                 if corr is not None and cfg.correct:
                     corrs[ph] = corr
-                pending, flushed, chosen = recompute_mod.append_span(self, seq, st, b.shared, ids[h:], corr, pending)
+                pending, flushed, chosen = yield from recompute_mod.append_span(
+                    self, seq, st, b.shared, ids[h:], corr, pending
+                )
                 computed += flushed
                 self._recomputed += chosen
             elif len(ids) > h:
                 if pending:
-                    append_mixed(seq, pending, "none", st.vectors)
+                    yield from append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)
                     pending = []
                 pos, n = len(seq), len(ids) - h
@@ -572,7 +587,7 @@ class WorkflowRunner:
             last = i == len(t.placeholders) - 1
             if cfg.tail == "rotate" and cfg.recompute < 1 and len(tail) > (1 if last else 0):
                 if pending:
-                    append_mixed(seq, pending, "none", st.vectors)
+                    yield from append_mixed(seq, pending, "none", st.vectors)
                     computed += len(pending)
                     pending = []
                 tseq, tpos = self._template_tail(a, i)
@@ -581,7 +596,7 @@ class WorkflowRunner:
                 pending += tail[n_rot:]
             else:
                 pending += tail
-        logits = append_mixed(seq, pending, "last", st.vectors)
+        logits = yield from append_mixed(seq, pending, "last", st.vectors)
         assert logits is not None
         computed += len(pending)
         return logits, computed, corrs
