@@ -475,3 +475,36 @@ def test_a_cancelled_session_prefill_frees_its_rows_and_its_session(model: kc.Mo
     finally:
         sched.stop()
     assert rec.text() == want[1]
+
+
+def test_a_refused_chunk_fails_its_session_prefill_and_frees_what_it_held(
+    model: kc.Model, default_model_path: Path
+) -> None:
+    """The engine runs out of KV memory in the middle of a sharing session's prefill (its KV budget is smaller than
+    the scheduler's): the refused chunk is thrown into the prefill's plan, which frees the rows it had computed; the
+    request fails with 503 and the session serves the next prompt as a scheduler that never saw the failure does."""
+    key = SessionKey(Namespace("tenant"), "wf", "fullshared")
+    first = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": "Say hello."}]
+    long = [{"role": "system", "content": "You are a planner."}, {"role": "user", "content": TEXT * 5}]
+    again = [*first, {"role": "user", "content": "Now say goodbye."}]
+    want = _alone(model, (first, key), (again, key))
+    small = kc.Model(str(default_model_path), n_threads=2, kv_budget=300 * model.kv_row_bytes)
+    sched = Scheduler(small, "fullshared", 4, 1 << 30, 8, Metrics(), prefill_chunk=16)
+    try:
+        job, rec = _session_job("first", small, first, key)
+        sched.submit(job)
+        assert rec.done.wait(120) and rec.text() == want[0]
+        before = small.kv_bytes_in_use
+        job, rec = _session_job("long", small, long, key)
+        sched.submit(job)
+        assert rec.done.wait(120)
+        failed = [e for _, e in rec.events if isinstance(e, Failed)]
+        assert failed and failed[0].status == 503, rec.events
+        assert job.chunks_run > 2  # it was refused part-way, after chunks that fitted
+        assert small.kv_bytes_in_use == before
+        job, rec = _session_job("again", small, again, key)
+        sched.submit(job)
+        assert rec.done.wait(120)
+        assert rec.text() == want[1]
+    finally:
+        sched.stop()
