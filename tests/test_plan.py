@@ -105,7 +105,7 @@ def test_session_plans_interleaved_on_one_thread_equal_running_them_in_turn(mode
                     continue
                 steps += 1
                 bounds = chunk_bounds(len(step.rows), 16)
-                for k, (a, b) in enumerate(bounds):  # one chunk of each plan in turn would do as well
+                for k, (a, b) in enumerate(bounds):  # this append in chunks of 16 rows
                     out = ChunkExecutor().append(
                         step.seq, step.rows[a:b], step.logits if k == len(bounds) - 1 else "none"
                     )
