@@ -33,12 +33,16 @@ Rows = list[int] | np.ndarray  # token ids, or input vectors [n, n_embd] (e.g. a
 
 @dataclass
 class Append:
-    """One step of a plan: `rows` computed at seq's end; the plan is sent the logits of its last row ("last") or
-    None ("none")."""
+    """One step of a plan: `rows` (at least one) computed at seq's end; the plan is sent the logits of its last row
+    ("last") or None ("none")."""
 
     seq: KVSequence
     rows: Rows
     logits: Literal["last", "none"] = "none"
+
+    def __post_init__(self) -> None:
+        if not len(self.rows):
+            raise ValueError("a plan's append needs at least one row")
 
 
 R = TypeVar("R")
@@ -59,9 +63,9 @@ class ChunkExecutor:
     """Runs one chunk of an Append by itself (the engine's append at the sequence's end). A caller may override
     append, e.g. to count chunks or to run each with other work."""
 
-    def append(self, seq: KVSequence, chunk: Rows, logits: Literal["last", "all", "none"]) -> np.ndarray | None:
-        """Appends a chunk of token ids, or of input vectors [n, n_embd] (then logits is "last" or "none"), at seq's
-        end; returns logits as KVSequence.append."""
+    def append(self, seq: KVSequence, chunk: Rows, logits: Literal["last", "none"]) -> np.ndarray | None:
+        """Appends a chunk of token ids, or of input vectors [n, n_embd], at seq's end; returns the last row's logits
+        ("last") or None."""
         if isinstance(chunk, np.ndarray):
             return seq.append_embeddings(chunk, logits == "last")
         return seq.append(chunk, logits)

@@ -692,9 +692,6 @@ class Scheduler:
                 return
         step = job.append
         assert step is not None
-        if not len(step.rows):  # nothing to compute
-            self._advance_plan(job, None, None)
-            return
         first, end = chunk_bounds(len(step.rows) - job.appended, self.prefill_chunk)[0]
         first, end = first + job.appended, end + job.appended
         last = end == len(step.rows)
