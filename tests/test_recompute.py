@@ -60,37 +60,74 @@ def test_the_rule_picks_the_blocks_with_the_largest_mean_score() -> None:
     scores[40:48] = 5.0  # block 2 (rows 32..47): mean 2.5
     scores[70] = 100.0  # block 4 (rows 64..79): mean 6.25
     scores[99] = 1.0  # block 6 (rows 96..99, short): mean 0.25
-    mask = rc.select_rows(scores, 0.1, block=16)  # 10 rows wanted: one block of 16
+    (mask,) = rc.select_rows([scores], 0.1, block=16)  # 10 rows wanted: one block of 16
     assert np.flatnonzero(mask).tolist() == list(range(64, 80))
-    mask = rc.select_rows(scores, 0.2, block=16)  # 20 rows: two blocks
+    (mask,) = rc.select_rows([scores], 0.2, block=16)  # 20 rows: two blocks
     assert np.flatnonzero(mask).tolist() == list(range(32, 48)) + list(range(64, 80))
-    assert not rc.select_rows(scores, 0.0).any() and rc.select_rows(scores, 1.0).all()
-    ties = rc.select_rows(np.ones(64), 0.25, block=16)  # equal scores: the earliest block
+    assert not rc.select_rows([scores], 0.0)[0].any() and rc.select_rows([scores], 1.0)[0].all()
+    (ties,) = rc.select_rows([np.ones(64)], 0.25, block=16)  # equal scores: the earliest block
     assert np.flatnonzero(ties).tolist() == list(range(16))
     assert rc.runs(np.array([1, 1, 0, 1], bool)) == [(0, 2, True), (2, 3, False), (3, 4, True)]
     with pytest.raises(ValueError, match="budget"):
-        rc.select_rows(scores, 1.5)
+        rc.select_rows([scores], 1.5)
     with pytest.raises(ValueError, match="recompute"):
         MethodConfig("kvcmas", recompute=-0.1)
+
+
+def test_the_budget_is_the_hops_and_its_spans_compete_for_it() -> None:
+    """One budget over all of a hop's spans: blocks of every span ranked together, a short span one block of its
+    own, chosen only if it ranks; ceil(budget * all rows) is what is wanted, not ceil(budget * n) per span."""
+    question = np.ones(160)  # 10 blocks of mean 1
+    question[48:64] = 3.0  # block 3: mean 3
+    reply_hot = np.full(12, 4.0)  # a relayed reply shorter than a block: one block, mean 4
+    reply_cold = np.full(12, 0.5)  # another, mean 0.5
+    spans = [question, reply_cold, reply_hot]
+    masks = rc.select_rows(spans, 0.1, block=16)  # 184 rows: 19 wanted -> the hot reply (12), then block 3 (16)
+    assert masks[2].all() and not masks[1].any()
+    assert np.flatnonzero(masks[0]).tolist() == list(range(48, 64))
+    masks = rc.select_rows(spans, 0.05, block=16)  # 10 wanted: the hot reply alone
+    assert masks[2].all() and not masks[0].any() and not masks[1].any()
+    # per span, the same budget would have recomputed a block of every span: 16 + 12 + 12 rows, not 12
+    assert sum(int(rc.select_rows([s], 0.05, block=16)[0].sum()) for s in spans) == 40
+    masks = rc.select_rows([np.ones(20), np.ones(20)], 0.5, block=16)  # ties: the earlier span's blocks first
+    assert [m.tolist() for m in masks] == [[True] * 20, [False] * 20]
+    assert all(m.all() for m in rc.select_rows(spans, 1.0)) and not any(m.any() for m in rc.select_rows(spans, 0.0))
+
+
+def _factors(rng: np.random.Generator, n: int, kd: int, r: int, scale: float) -> est.Factors:
+    return [None] + [
+        tuple(scale * rng.standard_normal(s).astype(np.float32) for s in ((n, r), (r, kd), (n, r), (r, kd)))  # type: ignore[misc]
+        for _ in range(2)
+    ]
+
+
+def _squared_rows(factors: est.Factors) -> list[np.ndarray]:
+    """Per (layer, K/V) with a correction: each row's ‖ΔK[i]‖², the dense delta formed in float64."""
+    out = []
+    for f in factors:
+        if f is not None:
+            for a, b in ((f[0], f[1]), (f[2], f[3])):
+                out.append(((a.astype(np.float64) @ b.astype(np.float64)) ** 2).sum(1))
+    return out
 
 
 def test_scores_are_the_normalised_deviation_of_the_correction() -> None:
     rng = np.random.default_rng(0)
     n, kd, r = 20, 12, 3
-    factors: est.Factors = [None] + [
-        tuple(rng.standard_normal(s).astype(np.float32) for s in ((n, r), (r, kd), (n, r), (r, kd)))  # type: ignore[misc]
-        for _ in range(2)
-    ]
-    want = np.zeros(n)
-    for f in factors[1:]:
-        assert f is not None
-        for a, b in ((f[0], f[1]), (f[2], f[3])):
-            d = (a.astype(np.float64) @ b.astype(np.float64)) ** 2
-            rows = d.sum(1)
-            want += rows / rows.mean()
+    factors = _factors(rng, n, kd, r, 1.0)
+    want = sum(rows / rows.mean() for rows in _squared_rows(factors))
     for corr in (est.Correction(factors), est.Correction(factors).sliced(0, n, 3)):
-        np.testing.assert_allclose(rc.deviation_scores(corr, n, 3), want, rtol=1e-9)
-    assert not rc.deviation_scores(None, n, 3).any()
+        np.testing.assert_allclose(rc.deviation_scores([(corr, n)], 3)[0], want, rtol=1e-9)
+    assert not rc.deviation_scores([(None, n)], 3)[0].any()
+    # two spans: each layer's K and V normalised by the mean over both spans' rows, so the span whose correction is
+    # three times larger scores nine times higher; a span without a correction scores zeros and counts in the mean
+    other = _factors(rng, 8, kd, r, 3.0)
+    a_rows, b_rows = _squared_rows(factors), _squared_rows(other)
+    means = [(x.sum() + y.sum()) / (n + 8 + 5) for x, y in zip(a_rows, b_rows, strict=True)]
+    got = rc.deviation_scores([(est.Correction(factors), n), (None, 5), (est.Correction(other), 8)], 3)
+    np.testing.assert_allclose(got[0], sum(x / m for x, m in zip(a_rows, means, strict=True)), rtol=1e-9)
+    np.testing.assert_allclose(got[2], sum(y / m for y, m in zip(b_rows, means, strict=True)), rtol=1e-9)
+    assert not got[1].any() and got[2].mean() > 4 * got[0].mean()
 
 
 def test_budget_zero_is_the_method_unchanged(model, workflow, fitted) -> None:
@@ -147,7 +184,8 @@ def test_partial_budget_recomputes_the_chosen_rows_and_counts_them(model, workfl
     assert maps is not None
     view_pos = res.span_pos[0]["user_question"][0] + 4
     corr = kc._native.core.ridge_correction(model._core, maps, res.seqs[0].id, view_pos, n, view_pos, None)
-    want = rc.select_rows(rc.deviation_scores(est.Correction(kv=corr), n, model.n_layer), budget)
+    (scores,) = rc.deviation_scores([(est.Correction(kv=corr), n)], model.n_layer)  # the hop's only shared span
+    (want,) = rc.select_rows([scores], budget)
     assert 0 < want.sum() < n
     np.testing.assert_array_equal(_own_rows(model, res.seqs[1], pos + 4, n), want)
     # accounting: the recomputed rows are computed tokens, KV the hop holds, and part of its TTFT's work
@@ -170,6 +208,28 @@ def test_partial_budget_recomputes_the_chosen_rows_and_counts_them(model, workfl
         x.close()
     runner.close()
     base_runner.close()
+
+
+def test_a_later_hop_spends_one_budget_over_its_spans(model, workflow, fitted) -> None:
+    """The last agent reads the question and two relayed replies: the rows it recomputes over all three spans are
+    the hop's budget (at least ceil(budget * rows), less than one block more), counted as recomputed tokens, and at a
+    small budget some span gets none (a per-span budget would give every span a block)."""
+    q = load_gsm8k(4, 1)[0]
+    budget, gen = 0.05, 28
+    cfg = MethodConfig("kvcmas", 4, recompute=budget, apply="fused")  # no copied rows: own rows are computed ones
+    runner = WorkflowRunner(model, workflow, cfg, fitted)
+    res = runner.run(question_ids(model, q), "msg", max_new_tokens=gen)
+    a = len(res.hops) - 1
+    spans = {ph: (pos + 4, n - 4) for ph, (pos, n) in res.span_pos[a].items() if n > 4}
+    assert len(spans) >= 3 and res.hops[a].mode == "reuse"
+    own = {ph: _own_rows(model, res.seqs[a], pos, n) for ph, (pos, n) in spans.items()}
+    total = sum(n for _, n in spans.values())
+    recomputed = sum(int(m.sum()) for m in own.values())
+    assert recomputed == res.hops[a].recomputed_tokens
+    assert math.ceil(budget * total) <= recomputed < math.ceil(budget * total) + rc.DEFAULT_BLOCK
+    assert any(not m.any() for m in own.values())
+    res.close()
+    runner.close()
 
 
 def test_agent_session_budget_one_answers_like_nonshared(model) -> None:

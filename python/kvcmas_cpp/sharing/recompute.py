@@ -1,17 +1,20 @@
-"""The recompute dial: a reader recomputes part of a shared span in its own context instead of reusing it.
+"""The recompute dial: a reader recomputes part of its shared spans in its own context instead of reusing them.
 
-After the estimator's correction, a fraction `budget` of a shared span's rows (the rows after the exact head) is
-forwarded exactly by the reader, at their own positions, attending to everything before them in the reader's
+After the estimator's correction, a fraction `budget` of a hop's shared rows (the spans' rows after their exact
+heads) is forwarded exactly by the reader, at their own positions, attending to everything before them in the reader's
 sequence (the reused, corrected rows of the span included), as selective-recompute methods such as CacheBlend do;
 the other rows are read by reference with the correction, as at budget 0.
 
 Which rows (the rule): the rows whose KV the estimator expects to deviate most from the stored rows. The score of row
 i is the correction's predicted deviation, per layer and for K and V separately normalised by the layer's mean over
-the span (so every layer weighs the same), summed:  s_i = Σ_l ‖ΔK_l[i]‖² / mean_j ‖ΔK_l[j]‖² + (same for V), with
-ΔK_l = A_k B_k the correction of layer l. (The first layer's own deviation, CacheBlend's signal, is zero here: a
-layer-0 key or value depends only on its token and position, and the reused rows are re-positioned exactly.) The
-engine forwards contiguous rows per call, so rows are chosen in blocks of `block` rows (ranked by mean score, ties
-to the earlier block) until at least ceil(budget * n) rows are chosen; chosen blocks that touch run as one call.
+all of the hop's shared rows (so every layer weighs the same and the spans compete on one scale), summed:
+s_i = Σ_l ‖ΔK_l[i]‖² / mean_j ‖ΔK_l[j]‖² + (same for V), with ΔK_l = A_k B_k the correction of layer l. (The first
+layer's own deviation, CacheBlend's signal, is zero here: a layer-0 key or value depends only on its token and
+position, and the reused rows are re-positioned exactly.) The engine forwards contiguous rows per call, so rows are
+chosen in blocks of `block` rows within a span (ranked by mean score over all of the hop's spans, ties to the
+earlier one) until at least ceil(budget * n) rows are chosen, n the hop's shared rows after the exact heads: the
+budget is the hop's, so a short span (a relayed reply shorter than a block) is recomputed only if it ranks among
+the hop's most deviating blocks. Chosen blocks that touch run as one call.
 Budget 0 is the method unchanged; budget 1 forwards every row, so the reader computes exactly what `nonshared`
 computes (bit for bit: the whole prompt after the template prefix goes to the engine in one append).
 
@@ -39,46 +42,57 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK = 16  # rows per choice: the engine's prefill kernels run appends of >= 13 rows
 
 
-def deviation_scores(corr: est.Correction | None, n: int, n_layer: int) -> np.ndarray:
-    """Per row of the span [n], the rule's score from a correction; zeros where there is none."""
-    score = np.zeros(n, np.float64)
-    if corr is None:
-        return score
-    for f in corr.factors(n_layer):
-        if f is None:
-            continue
-        ak, bk, av, bv = f
-        for a, b in ((ak, bk), (av, bv)):
-            a64 = np.asarray(a, np.float64)
-            g = np.asarray(b, np.float64) @ np.asarray(b, np.float64).T  # [r, r]: ‖a_i B‖² = a_i G a_iᵀ
-            rows = np.einsum("ir,rs,is->i", a64, g, a64)
-            mean = rows.mean()
-            if mean > 0:
-                score += rows / mean
-    return score
+def deviation_scores(corrs: list[tuple[est.Correction | None, int]], n_layer: int) -> list[np.ndarray]:
+    """The rule's score of every row of a hop's spans: per span (its correction, or None, and its rows n) an array
+    [n]. Each layer's K and V deviations are normalised by their mean over all of the hop's rows, so spans compete on
+    one scale and no layer dominates; a span without a correction scores zeros."""
+    parts: list[list[np.ndarray]] = []  # per span: its rows' squared deviation per (layer, K/V), zeros where none
+    for corr, n in corrs:
+        rows = [np.zeros(n, np.float64) for _ in range(2 * n_layer)]
+        if corr is not None:
+            for layer, f in enumerate(corr.factors(n_layer)):
+                if f is None:
+                    continue
+                ak, bk, av, bv = f
+                for kv, (a, b) in enumerate(((ak, bk), (av, bv))):
+                    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+                    rows[2 * layer + kv] = np.einsum("ir,rs,is->i", a64, b64 @ b64.T, a64)  # ‖a_i B‖² = a_i G a_iᵀ
+        parts.append(rows)
+    scores = [np.zeros(n, np.float64) for _, n in corrs]
+    n_rows = sum(n for _, n in corrs)
+    for j in range(2 * n_layer):
+        mean = sum(float(p[j].sum()) for p in parts) / max(n_rows, 1)
+        if mean > 0:
+            for sc, p in zip(scores, parts, strict=True):
+                sc += p[j] / mean
+    return scores
 
 
-def select_rows(scores: np.ndarray, budget: float, block: int = DEFAULT_BLOCK) -> np.ndarray:
-    """The rule's choice: a bool mask over the span's rows (see the module docstring)."""
-    n = len(scores)
+def select_rows(scores: list[np.ndarray], budget: float, block: int = DEFAULT_BLOCK) -> list[np.ndarray]:
+    """The rule's choice over a hop's spans: per span a bool mask over its rows. Every span is cut into blocks of
+    `block` rows (a span's last block may be shorter); blocks are taken by mean score, highest first (ties: the
+    earlier span, then the earlier block), until at least ceil(budget * rows of all spans) rows are chosen."""
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"recompute budget must be in [0, 1], got {budget}")
     if block < 1:
         raise ValueError(f"recompute block must be >= 1, got {block}")
-    mask = np.zeros(n, bool)
-    want = math.ceil(budget * n - 1e-9)
+    masks = [np.zeros(len(s), bool) for s in scores]
+    total = sum(len(s) for s in scores)
+    want = math.ceil(budget * total - 1e-9)
     if want <= 0:
-        return mask
-    if want >= n:
-        mask[:] = True
-        return mask
-    starts = np.arange(0, n, block)
-    means = np.array([scores[s : s + block].mean() for s in starts])
+        return masks
+    if want >= total:
+        return [~m for m in masks]
+    blocks = [(k, start) for k, s in enumerate(scores) for start in range(0, len(s), block)]
+    means = np.array([scores[k][start : start + block].mean() for k, start in blocks])
+    chosen = 0
     for bi in np.argsort(-means, kind="stable"):
-        mask[starts[bi] : starts[bi] + block] = True
-        if mask.sum() >= want:
+        k, start = blocks[bi]
+        masks[k][start : start + block] = True
+        chosen += len(scores[k][start : start + block])
+        if chosen >= want:
             break
-    return mask
+    return masks
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
@@ -101,17 +115,17 @@ def append_span(
     shared: SharedKV,
     ids: list[int],
     corr: est.Correction | None,
+    mask: np.ndarray,
     pending: list[int],
 ) -> Plan[tuple[list[int], int, int]]:
-    """The plan (kvcmas_cpp.plan) of appending a shared span (rows `ids`, stored as `shared`) to seq under the
-    budget: chosen rows join `pending` (forwarded in order with the rest of the prompt), the others are appended by
-    reference with their slice of the correction (none when MethodConfig.correct is False). Returns (pending, rows
-    computed by flushes, rows chosen)."""
+    """The plan (kvcmas_cpp.plan) of appending a shared span (rows `ids`, stored as `shared`) to seq with the rows
+    the rule chose (`mask`, from select_rows over the hop): chosen rows join `pending` (forwarded in order with the
+    rest of the prompt), the others are appended by reference with their slice of the correction (none when
+    MethodConfig.correct is False). Returns (pending, rows computed by flushes, rows chosen)."""
     from .runner import append_mixed
 
     cfg, m = runner.config, runner.model
     n = len(ids)
-    mask = select_rows(deviation_scores(corr, n, m.n_layer), cfg.recompute, cfg.recompute_block)
     applied = corr if cfg.correct else None
     if applied is not None and applied.in_core and mask.any():  # sliced below: copied out of the core once
         applied = est.Correction(applied.factors(m.n_layer))

@@ -546,6 +546,7 @@ class WorkflowRunner:
         pending: list[int] = []
         computed = 0
         corrs: dict[str, est.Correction] = {}
+        chosen_rows = self._recompute_choice(a, t, seq, st, exact) if cfg.recompute > 0 or not cfg.correct else {}
         for i, ph in enumerate(t.placeholders):
             ids = st.spans[ph].ids
             h = min(cfg.head, len(ids))
@@ -553,15 +554,12 @@ class WorkflowRunner:
             b = st.stored(ph)
             if b is None or b.shared is None:  # nobody has computed this span yet: this reader does, exactly
                 pending += ids[h:]
-            elif len(ids) > h and (cfg.recompute > 0 or not cfg.correct):  # sharing/recompute.py
-                n = len(ids) - h
-                corr = None
-                if 0 < cfg.recompute < 1:  # budget 1 forwards every row, budget 0 scores none: no correction needed
-                    corr = self._correction(a, ph, b, len(seq) + len(pending), n, message, exact)
+            elif ph in chosen_rows:  # sharing/recompute.py
+                corr, mask = chosen_rows[ph]
                 if corr is not None and cfg.correct:
                     corrs[ph] = corr
                 pending, flushed, chosen = yield from recompute_mod.append_span(
-                    self, seq, st, b.shared, ids[h:], corr, pending
+                    self, seq, st, b.shared, ids[h:], corr, mask, pending
                 )
                 computed += flushed
                 self._recomputed += chosen
@@ -600,6 +598,27 @@ class WorkflowRunner:
         assert logits is not None
         computed += len(pending)
         return logits, computed, corrs
+
+    def _recompute_choice(
+        self, a: int, t: Template, seq: KVSequence, st: RequestState, exact: RequestResult | None
+    ) -> dict[str, tuple[est.Correction | None, np.ndarray]]:
+        """The recompute path of a reuse hop: per stored span with rows after its exact head, its correction (None
+        at budgets 0 and 1, which score no row) and the rows the rule chose over all of the hop's spans."""
+        cfg = self.config
+        parts: dict[str, tuple[est.Correction | None, int]] = {}
+        pos = len(seq)  # the prefix holds the template text before the first span
+        for i, ph in enumerate(t.placeholders):
+            ids = st.spans[ph].ids
+            h = min(cfg.head, len(ids))
+            b = st.stored(ph)
+            if b is not None and b.shared is not None and len(ids) > h:
+                n = len(ids) - h
+                scored = 0 < cfg.recompute < 1
+                parts[ph] = (self._correction(a, ph, b, pos + h, n, st.message, exact) if scored else None, n)
+            pos += len(ids) + len(t.texts[i + 1])
+        scores = recompute_mod.deviation_scores(list(parts.values()), self.model.n_layer)
+        masks = recompute_mod.select_rows(scores, cfg.recompute, cfg.recompute_block)
+        return {ph: (corr, mask) for (ph, (corr, _)), mask in zip(parts.items(), masks, strict=True)}
 
     def sub_span(self, b: Span, first: int, n: int) -> Span:
         """Rows [first, first + n) of a stored span as a span of their own (a sub-run of it, read by
