@@ -70,6 +70,31 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
         bt.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
 
 
+def test_numeric_references_run_nonshared_on_their_own_engine_configuration(model: kc.Model, tmp_path: Path) -> None:
+    """nonshared+kv-f16 and nonshared+act-f32 are nonshared on a second model loaded with f16 K/V rows or exact
+    activations: nothing shared, the same prompts, first-token logits that differ from nonshared's by numerics only
+    (on the same model they would be bit-identical), KV bytes halved by f16 rows."""
+    variants = ["nonshared+kv-f16", "nonshared+act-f32"]
+    models = bt.variant_models(model, ["fullshared", *variants])
+    assert set(models) == set(variants) and models["nonshared+act-f32"].activations == "f32"
+    assert models["nonshared+kv-f16"].kv_row_bytes * 2 == model.kv_row_bytes
+    out = tmp_path / "numeric.jsonl"
+    res = bt.accuracy(model, "gsm8k", variants, 1, 6, 0, out, resume=False)
+    per = json.loads(out.read_text())["per_method"]
+    ref = per["nonshared"]
+    for m in variants:
+        first = per[m]["fidelity"][0]  # the first agent's prompt is always the same as nonshared's
+        assert first["aligned"] and first["top1"] and 0 < first["kl"] < 1e-2
+        assert all(h["mode"] in ("source", "dense") and h["corr_bytes"] == 0 for h in per[m]["hops"])
+        assert [h["prompt_tokens"] for h in per[m]["hops"][:1]] == [h["prompt_tokens"] for h in ref["hops"][:1]]
+        assert len(per[m]["tf_top1"]) == 4
+    row = {r["method"]: r for r in res["summary"]}
+    assert row["nonshared+kv-f16"]["kv_bytes_per_request"] < row["nonshared"]["kv_bytes_per_request"]
+    assert row["nonshared+kv-f16"]["reuse_share"] == 0.0
+    with pytest.raises(ValueError, match="unknown method"):
+        bt.accuracy(model, "gsm8k", ["nonshared+kv-f8"], 1, 4, 0, None, resume=False)
+
+
 def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
     rows = bt.concurrent(model, ["fullshared"], [1, 2], max_tokens=3, calibrate=0)
     assert [r["workflows"] for r in rows] == [1, 2]

@@ -73,6 +73,11 @@ def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
     assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_agents_refuses_a_numeric_reference_outside_the_accuracy_mode() -> None:
+    out = kvcmas("bench", "agents", "--method", "nonshared,nonshared+kv-f16", "--questions", "1")
+    assert out.returncode == 2 and "needs --task" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) -> None:
     """The forward pass accepts input vectors (image features later): token-embedding rows equal token ids."""
     import gguf

@@ -37,7 +37,8 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         "--method",
         default="nonshared,fullshared,kvcmas,kvcomm",
         help=f"comma-separated methods among {', '.join(METHODS)}; METHOD@B: at recompute budget B (0..1), "
-        "recompute@B: the selective-recompute-only baseline (docs/recompute.md)",
+        "recompute@B: the selective-recompute-only baseline (docs/recompute.md); with --task also "
+        "nonshared+kv-f16 and nonshared+act-f32: nonshared on f16 KV or exact activations, the numeric floor",
     )
     p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
     p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
@@ -277,10 +278,16 @@ def fidelity(
 
 def run_agents(args: argparse.Namespace) -> int:
     """Runs the three parts (or the accuracy / concurrent mode) and prints tables (or JSON)."""
+    from .bench_tasks import NUMERIC_VARIANTS
+
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     for m in methods:
         try:
-            parse_label(m)
+            if m in NUMERIC_VARIANTS:
+                if not args.task:
+                    raise ValueError(f"{m!r} is a reference of the accuracy mode: it needs --task")
+            else:
+                parse_label(m)
         except ValueError as e:
             print(f"bench agents: {e}", file=sys.stderr)
             return 2

@@ -6,7 +6,9 @@
   hops whose prompt is still identical to nonshared's (once an upstream reply differs, later prompts differ too).
   Then each method's team is teacher-forced on nonshared's replies: teacher-forced top-1 per hop. Accuracy differences
   against nonshared come with a paired 95% bootstrap interval and McNemar's exact test. Methods may carry a
-  recompute budget (`kvcmas@0.1`) or be the selective-recompute-only baseline (`recompute@0.1`).
+  recompute budget (`kvcmas@0.1`) or be the selective-recompute-only baseline (`recompute@0.1`). The numeric
+  references (NUMERIC_VARIANTS: `nonshared+kv-f16`, `nonshared+act-f32`) are nonshared on another valid engine
+  configuration: how far numerics alone, with nothing shared, move the same fidelity figures.
   Results go to a JSONL file one example at a time, keyed by (example, method), so a long run can resume
   (`--resume`) and new methods can be added to a finished run.
 - concurrent: N workflows at once (threads, each its own session) per level and method: TTFT percentiles of later
@@ -39,6 +41,13 @@ from .tasks import Example, Task, get_task
 
 CALIBRATION_OFFSET = {"gsm8k": 1000, "mmlu": 1000, "humaneval": None}  # None: the last problems of the set
 
+# nonshared on a second engine configuration that is as valid as the default one, nothing shared: its row is the
+# floor the fidelity figures have from numerics alone (label -> Model keyword arguments)
+NUMERIC_VARIANTS: dict[str, dict[str, Any]] = {
+    "nonshared+kv-f16": {"kv_type": "f16"},  # K/V rows stored in f16, llama.cpp's default cache type
+    "nonshared+act-f32": {"activations": "f32"},  # exact f32 activations in the decode steps instead of q8
+}
+
 
 def _progress(total: int, desc: str) -> Any:
     from tqdm import tqdm
@@ -51,7 +60,10 @@ def _config(method: str, calibrate: int) -> MethodConfig | None:
 
 
 def session_spec(label: str, calibrate: int) -> tuple[str, MethodConfig | None]:
-    """The AgentSession method and config a method label names (a name, METHOD@B or recompute@B)."""
+    """The AgentSession method and config a method label names (a name, METHOD@B, recompute@B or a numeric
+    reference of NUMERIC_VARIANTS)."""
+    if label in NUMERIC_VARIANTS:
+        return "nonshared", None
     name, budget, correct = parse_label(label)
     if name not in SESSION_METHODS:
         raise ValueError(f"accuracy mode runs {', '.join(SESSION_METHODS)} (and @budgets); got {label!r}")
@@ -60,6 +72,16 @@ def session_spec(label: str, calibrate: int) -> tuple[str, MethodConfig | None]:
         return name, cfg
     base = cfg or (MethodConfig(name, rank=0) if name == "kvcomm" else MethodConfig(name))
     return name, dataclasses.replace(base, recompute=budget, correct=correct)
+
+
+def variant_models(model: Model, methods: Sequence[str]) -> dict[str, Model]:
+    """The model each numeric reference among `methods` runs on: `model`'s file and threads, loaded again with the
+    variant's configuration."""
+    return {
+        m: Model(model.path, n_threads=model.n_threads, n_ctx=model.n_ctx, **NUMERIC_VARIANTS[m])
+        for m in methods
+        if m in NUMERIC_VARIANTS
+    }
 
 
 def run_workflow(
@@ -153,6 +175,7 @@ def accuracy(
         methods = ["nonshared", *methods]
     task = get_task(task_name)
     examples = task.load(0, limit)
+    models = variant_models(model, methods)
     done: dict[str, dict[str, Any]] = {}  # example id -> method -> result (later lines win)
     if out_path is not None and resume and out_path.is_file():
         for line in out_path.read_text().splitlines():
@@ -183,13 +206,13 @@ def accuracy(
             todo = ["nonshared", *[m for m in missing if m != "nonshared"]]  # the reference runs again (greedy)
             runs: dict[str, list[Response]] = {}
             for m in todo:
-                runs[m] = run_workflow(model, task, m, ex.question, max_tokens, calibrate)  # type: ignore[assignment]
+                runs[m] = run_workflow(models.get(m, model), task, m, ex.question, max_tokens, calibrate)  # type: ignore[assignment]
             forced = [r.ids for r in runs["nonshared"]]
             rec: dict[str, Any] = {"id": ex.id, "methods": todo, "per_method": {}}
             for m, rs in runs.items():
                 tf: list[float] = [1.0] * len(rs)
                 if teacher_forced and m != "nonshared":
-                    tf = run_workflow(model, task, m, ex.question, max_tokens, calibrate, forced)  # type: ignore[assignment]
+                    tf = run_workflow(models.get(m, model), task, m, ex.question, max_tokens, calibrate, forced)  # type: ignore[assignment]
                 rec["per_method"][m] = {
                     "correct": bool(task.score(ex, rs[-1].text)),
                     "answer": task.extract(rs[-1].text),
