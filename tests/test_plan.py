@@ -146,3 +146,28 @@ def test_a_plan_closed_part_way_frees_its_rows_and_its_session(model: kc.Model) 
         assert got and got[0] > 0, "the session's lock was still held by the closed plan"
         with team.prefill(later) as p:
             assert np.array_equal(p.logits, want)
+
+
+@pytest.mark.parametrize("recompute", [0.0, 0.5])
+def test_a_reusing_hop_computes_all_its_rows_in_one_append(model: kc.Model, recompute: float) -> None:
+    """A later agent's rows between the spans it reuses (heads, template text, recomputed rows) are reserved in place
+    and computed in one append at the end: its plan yields one Append to its sequence holding every computed row, so
+    a scheduler runs them in as few passes as its chunk size allows, not one or more per span."""
+    with _team(model, f"one-pass-{recompute}") as team:
+        appends: list[Append] = []
+        plan = team.prefill_plan(_hop("You are a checker.", CONTEXT, REPLY), recompute=recompute)
+        sent: np.ndarray | None = None
+        try:
+            while True:
+                step = plan.send(sent)
+                appends.append(step)
+                sent = ChunkExecutor().append(step.seq, step.rows, step.logits)
+        except StopIteration as done:
+            p = done.value
+        with p:
+            assert p.hop.mode == "reuse" and p.hop.reused_tokens > 0
+            assert (p.hop.recomputed_tokens > 0) == (recompute > 0)
+            mine = [a for a in appends if a.seq is p.seq]  # the others computed the new agent's prefix (cached)
+            assert len(mine) == 1 and len(mine[0].rows) == p.hop.computed_tokens
+            assert p.seq.reserved == 0 and len(p.seq) == p.hop.prompt_tokens
+            assert any(s["shared"] for s in model._core.seq_segments(p.seq.id))

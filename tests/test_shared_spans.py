@@ -171,3 +171,68 @@ def test_bad_sharing_requests_raise(model: kc.Model) -> None:
                 np.zeros((4, 192), np.float32),
             )
         assert len(b) == 0 and model._core.seq_length(b.id) == 0
+
+
+def test_reserved_rows_between_spans_compute_in_one_pass_like_appends_in_turn(model: kc.Model) -> None:
+    """Rows reserved before shared spans, then computed in one append, equal appending them in turn around the spans
+    (bit for bit: runs of >= 17 rows take the same kernels either way), with a correction on a span, in one pass."""
+    src_ids, a, b, c = _ids(model, 20, 60), _ids(model, 21, 20), _ids(model, 22, 24), _ids(model, 23, 18)
+    with model.new_sequence() as src, model.new_sequence() as turns, model.new_sequence() as one:
+        src.append(src_ids, logits="none")
+        span = src.share(10, 40)
+        corr = core.KvCorrection(20, 2, model.n_head_kv * 64, model.n_layer)
+        rng = np.random.default_rng(5)
+        for il in range(1, model.n_layer):
+            f = [rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((20, 2), (2, 192), (20, 2), (2, 192))]
+            corr.set_layer(il, *f)
+        turns.append(a, "none")
+        turns.append_shared(span)
+        turns.append(b, "none")
+        turns.append_shared(span.slice(0, 20), corr)
+        want = turns.append(c, "all")
+        one.reserve(a)
+        one.append_shared(span)
+        one.reserve(b)
+        one.append_shared(span.slice(0, 20), corr)
+        assert one.reserved == len(a) + len(b) == model._core.seq_reserved(one.id)
+        assert len(one) == len(turns) - len(c) and one.tokens == turns.tokens[: len(one)]
+        calls = []
+        real = model._decode
+        model._decode = lambda *args: calls.append(1) or real(*args)  # type: ignore[method-assign]
+        try:
+            got = one.append(a + b + c, "all")
+        finally:
+            del model._decode
+        assert len(calls) == 1 and one.reserved == 0 and one.tokens == turns.tokens
+        np.testing.assert_array_equal(got[-len(c) :], want)
+        for x, y in zip(one.kv(), turns.kv(), strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert [s["n"] for s in model._core.seq_segments(one.id)] == [20, 40, 24, 20, 18]
+
+
+def test_reserved_rows_are_refused_to_readers_until_computed(model: kc.Model) -> None:
+    """Until computed, reserved rows cannot be forked, shared or read; the next append must pass their ids; a
+    refused append keeps them reserved; truncation drops them; a reservation past n_ctx changes nothing."""
+    a, b = _ids(model, 24, 12), _ids(model, 25, 20)
+    with model.new_sequence() as src, model.new_sequence() as seq:
+        src.append(b, logits="none")
+        seq.append(a[:4], logits="none")
+        seq.reserve(a[4:])
+        seq.append_shared(src.share(0, 20))
+        for refused in (seq.fork, lambda: seq.share(4, 2), lambda: seq.kv(0, 6)):
+            with pytest.raises(core.KvcmasError, match="reserved"):
+                refused()
+        assert seq.share(0, 4) is not None and seq.kv(4 + 8, 20)[0].shape[1] == 20  # computed rows stay readable
+        with pytest.raises(ValueError, match="reserved for ids"):
+            seq.append(a[:8], "none")
+        with pytest.raises(core.KvcmasError, match="out of range"):
+            model._core.decode(np.full(8, seq.id, np.int32), np.full(8, -5, np.int32), np.zeros(8, np.uint8))
+        assert seq.reserved == 8 and model._core.seq_reserved(seq.id) == 8 and len(seq) == 32
+        with pytest.raises(core.KvcmasError, match="context overflow"):
+            seq.reserve([1] * model.n_ctx)
+        assert len(seq) == model._core.seq_length(seq.id) == 32
+        seq.append(a[4:10], "none")  # fills 6 of the 8 rows
+        assert seq.reserved == 2
+        seq.truncate(9)  # drops the last reserved rows and the span
+        assert seq.reserved == 0 and model._core.seq_reserved(seq.id) == 0 and len(seq) == 9
+        seq.fork().close()

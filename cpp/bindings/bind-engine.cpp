@@ -225,6 +225,8 @@ void bind_engine(nb::module_ & m) {
         .def("seq_remove", &Model::seq_remove, nb::arg("seq"))
         .def("seq_length", &Model::seq_length, nb::arg("seq"))
         .def("seq_exists", &Model::seq_exists, nb::arg("seq"))
+        .def("seq_reserve", &Model::seq_reserve, nb::arg("seq"), nb::arg("n"))
+        .def("seq_reserved", &Model::seq_reserved, nb::arg("seq"))
         .def_prop_ro("n_seqs", &Model::n_seqs)
         .def(
             "seq_share",

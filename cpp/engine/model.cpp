@@ -161,8 +161,8 @@ void Model::load_weights() {
 std::vector<float> Model::decode(const Batch & batch) {
     std::lock_guard<std::mutex> lock(mutex_);
     KC_CHECK(!batch.items.empty(), "decode: the batch is empty");
-    std::map<int32_t, int32_t> count, length;  // per sequence: new rows, rows before
-    std::vector<int32_t>       order;          // sequences by first appearance
+    std::map<int32_t, int32_t> count, length, fill;  // per sequence: items, rows before, reserved rows they fill
+    std::vector<int32_t>       order;                // sequences by first appearance
     for (const BatchItem & it : batch.items) {
         KC_CHECK(kv_->seq_exists(it.seq), "decode: no sequence with id %d", it.seq);
         if (it.embd_row >= 0) {
@@ -179,23 +179,33 @@ std::vector<float> Model::decode(const Batch & batch) {
         }
     }
     for (int32_t s : order) {
-        KC_CHECK(static_cast<int64_t>(length[s]) + count[s] <= kv_->n_ctx_max(),
-                 "context overflow: sequence %d has %d tokens, %d more exceed n_ctx = %d", s, length[s], count[s],
-                 kv_->n_ctx_max());
+        const auto r = reserved_.find(s);
+        fill[s]      = r == reserved_.end() ? 0 : std::min(count[s], static_cast<int32_t>(r->second.size()));
+        KC_CHECK(static_cast<int64_t>(length[s]) + count[s] - fill[s] <= kv_->n_ctx_max(),
+                 "context overflow: sequence %d has %d tokens, %d more exceed n_ctx = %d", s, length[s],
+                 count[s] - fill[s], kv_->n_ctx_max());
     }
     std::vector<float> logits;
     try {
         std::map<int32_t, std::vector<KvSlot>> seq_slots;
         for (int32_t s : order) {
-            seq_slots[s] = kv_->append(s, count[s]);
+            if (count[s] > fill[s]) {
+                seq_slots[s] = kv_->append(s, count[s] - fill[s]);
+            }
         }
         std::vector<KvSlot>        slots;
         std::vector<int32_t>       positions;
         std::map<int32_t, int32_t> used;
         for (const BatchItem & it : batch.items) {
             const int32_t i = used[it.seq]++;
-            slots.push_back(seq_slots[it.seq][static_cast<size_t>(i)]);
-            positions.push_back(length[it.seq] + i);
+            if (i < fill[it.seq]) {
+                const auto & row = reserved_[it.seq][static_cast<size_t>(i)];
+                slots.push_back(row.first);
+                positions.push_back(row.second);
+            } else {
+                slots.push_back(seq_slots[it.seq][static_cast<size_t>(i - fill[it.seq])]);
+                positions.push_back(length[it.seq] + i - fill[it.seq]);
+            }
         }
         forward(batch, slots, positions, logits);
     } catch (...) {
@@ -205,6 +215,15 @@ std::vector<float> Model::decode(const Batch & batch) {
             }
         }
         throw;
+    }
+    for (int32_t s : order) {
+        if (fill[s] > 0) {
+            auto & rows = reserved_[s];
+            rows.erase(rows.begin(), rows.begin() + fill[s]);
+            if (rows.empty()) {
+                reserved_.erase(s);
+            }
+        }
     }
     return logits;
 }
@@ -302,6 +321,7 @@ void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * 
     const int32_t               len = kv_->seq_length(seq);
     KC_CHECK(pos >= 0 && n >= 0 && static_cast<int64_t>(pos) + n <= len,
              "positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, len);
+    check_filled(seq, pos, n, "read_kv");
     const int64_t             kd    = p_.n_head_kv * p_.head_dim;
     const backend::KvStore    store = kv_->pool().store();
     const cpu::AttentionShape shape{
@@ -332,15 +352,58 @@ int32_t Model::seq_new() {
 }
 int32_t Model::seq_fork(int32_t src) {
     KC_LOCKED;
+    const auto r = reserved_.find(src);
+    KC_CHECK(r == reserved_.end(), "seq_fork: sequence %d has %d reserved rows not yet computed", src,
+             r == reserved_.end() ? 0 : static_cast<int>(r->second.size()));
     return kv_->seq_fork(src);
 }
 void Model::seq_truncate(int32_t seq, int32_t n) {
     KC_LOCKED;
     kv_->seq_truncate(seq, n);
+    const auto r = reserved_.find(seq);
+    if (r != reserved_.end()) {
+        auto & rows = r->second;
+        while (!rows.empty() && rows.back().second >= n) {
+            rows.pop_back();
+        }
+        if (rows.empty()) {
+            reserved_.erase(r);
+        }
+    }
 }
 void Model::seq_remove(int32_t seq) {
     KC_LOCKED;
     kv_->seq_remove(seq);
+    reserved_.erase(seq);
+}
+void Model::seq_reserve(int32_t seq, int32_t n) {
+    KC_LOCKED;
+    KC_CHECK(kv_->seq_exists(seq), "seq_reserve: no sequence with id %d", seq);
+    KC_CHECK(n > 0, "seq_reserve: n must be > 0, got %d", n);
+    const int32_t length = kv_->seq_length(seq);
+    KC_CHECK(static_cast<int64_t>(length) + n <= kv_->n_ctx_max(),
+             "context overflow: sequence %d has %d tokens, %d more exceed n_ctx = %d", seq, length, n,
+             kv_->n_ctx_max());
+    const std::vector<KvSlot> slots = kv_->append(seq, n);
+    auto &                    rows  = reserved_[seq];
+    for (int32_t i = 0; i < n; ++i) {
+        rows.emplace_back(slots[static_cast<size_t>(i)], length + i);
+    }
+}
+int32_t Model::seq_reserved(int32_t seq) {
+    KC_LOCKED;
+    const auto r = reserved_.find(seq);
+    return r == reserved_.end() ? 0 : static_cast<int32_t>(r->second.size());
+}
+void Model::check_filled(int32_t seq, int32_t pos, int32_t n, const char * what) const {
+    const auto r = reserved_.find(seq);
+    if (r == reserved_.end()) {
+        return;
+    }
+    for (const auto & row : r->second) {
+        KC_CHECK(row.second < pos || row.second >= pos + n,
+                 "%s: position %d of sequence %d is reserved and not yet computed", what, row.second, seq);
+    }
 }
 int32_t Model::seq_length(int32_t seq) {
     KC_LOCKED;
@@ -356,6 +419,7 @@ size_t Model::n_seqs() {
 }
 std::shared_ptr<KvSpan> Model::seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) {
     KC_LOCKED;
+    check_filled(seq, pos, n, "seq_span");
     return kv_->seq_span(seq, pos, n, begin);
 }
 void Model::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
@@ -393,10 +457,15 @@ size_t Model::kv_trim() {
 std::shared_ptr<KvCorrection> Model::ridge_correction(const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n,
                                                       int32_t frame0, const KvCorrection * prev) {
     KC_LOCKED;
+    check_filled(seq, pos, n, "ridge_correction");
     return kvcmas::ridge_correction(*this, maps, seq, pos, n, frame0, prev);
 }
 int32_t Model::materialize_last_segment(int32_t seq) {
     KC_LOCKED;
+    if (kv_->seq_exists(seq) && !kv_->seq_segments(seq).empty()) {
+        const int32_t n = kv_->seq_segments(seq).back().n;
+        check_filled(seq, kv_->seq_length(seq) - n, n, "materialize");
+    }
     return kvcmas::materialize_last_segment(*this, seq);
 }
 

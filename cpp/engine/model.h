@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,8 +91,9 @@ class Model {
     cpu::Activations       activations() const { return backend_->activations(); }
 
     // Runs the batch: appends every item to its sequence and returns the logits of the items with want_logits,
-    // in batch order, as [n_wanted][n_vocab]. Validates all ids, sequences and context sizes before changing any
-    // state; on failure the sequences keep their previous length.
+    // in batch order, as [n_wanted][n_vocab]. A sequence's items fill its reserved rows first (seq_reserve), in
+    // position order, and append after that. Validates all ids, sequences and context sizes before changing any
+    // state; on failure the sequences keep their previous length and reserved rows.
     std::vector<float> decode(const Batch & batch);
 
     // The KV that attention uses for positions [pos, pos + n) of seq, materialized: stored rows converted to f32,
@@ -111,6 +114,13 @@ class Model {
     void                     seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
                                              std::shared_ptr<const KvCorrection> corr);
     std::vector<SegmentInfo> seq_segments(int32_t seq);
+    // Reserves n rows at seq's end (positions length..length+n-1) for later decode items of seq to compute: spans
+    // may be appended after them, so a prompt whose computed rows lie between reused spans runs in one forward pass
+    // (each filled row attends to the positions before it, reserved rows filled earlier in position order
+    // included). Until filled the rows hold nothing: seq_fork, and seq_span, read_kv, ridge_correction and
+    // materialize_last_segment over them, are refused. Throws past n_ctx or the KV budget (nothing changed).
+    void    seq_reserve(int32_t seq, int32_t n);
+    int32_t seq_reserved(int32_t seq);  // rows of seq reserved and not yet filled
 
     // KV memory: bytes of blocks in use, the budget, bytes held (in use or free), and trim (returns bytes freed).
     size_t kv_bytes_in_use() const;
@@ -129,6 +139,9 @@ class Model {
     friend std::shared_ptr<KvCorrection> ridge_correction(Model &, const RidgeMaps &, int32_t, int32_t, int32_t,
                                                           int32_t, const KvCorrection *);
     friend int32_t                       materialize_last_segment(Model &, int32_t);
+
+    // Throws unless positions [pos, pos + n) of seq hold computed rows (none of them reserved and not yet filled).
+    void check_filled(int32_t seq, int32_t pos, int32_t n, const char * what) const;
 
     void load_params();
     void load_sliding_window();
@@ -151,7 +164,9 @@ class Model {
     backend::Buffer                   output_norm_;
     std::vector<LayerWeights>         layers_;
     std::unique_ptr<KvCache>          kv_;
-    std::mutex                        mutex_;
+    // Per sequence: its reserved rows not yet filled, in position order (where each goes, its position).
+    std::map<int32_t, std::deque<std::pair<KvSlot, int32_t>>> reserved_;
+    std::mutex                                                mutex_;
 };
 
 }  // namespace kvcmas

@@ -153,10 +153,46 @@ class KVSequence:
     def __init__(self, model: Model, seq_id: int, tokens: list[int]) -> None:
         self._model = model
         self.id = seq_id
-        self.tokens = tokens  # the ids whose KV the sequence holds (-1 for embedding inputs)
+        self.tokens = tokens  # the ids whose KV the sequence holds or will hold (-1 for embedding inputs)
+        self._reserved: list[tuple[int, int]] = []  # (position, id) of rows reserved and not yet computed, in order
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def reserved(self) -> int:
+        """Rows reserved (reserve) and not yet computed."""
+        return len(self._reserved)
+
+    def reserve(self, ids: Sequence[int]) -> None:
+        """Reserves rows for `ids` (-1: an input vector) at the sequence's end, computed later by the next appends,
+        which fill reserved rows first, in order, and must pass the same ids (or vectors): shared rows may be
+        appended in between, so a prompt whose computed rows lie between reused spans runs in one forward pass.
+        Until computed, the rows cannot be forked, shared or read."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("reserve: no tokens given")
+        self._model._core.seq_reserve(self.id, len(ids))
+        self._reserved += [(len(self.tokens) + i, t) for i, t in enumerate(ids)]
+        self.tokens.extend(ids)
+
+    def check_fill(self, ids: Sequence[int]) -> int:
+        """How many of `ids`, about to be computed for this sequence, fill its reserved rows (the rest extend it);
+        ValueError when they are not the ids the rows were reserved for."""
+        k = min(len(ids), len(self._reserved))
+        want = [t for _, t in self._reserved[:k]]
+        if [int(t) for t in ids[:k]] != want:
+            raise ValueError(
+                f"append: positions {self._reserved[0][0]}.. of sequence {self.id} are reserved for ids {want[:8]}..., "
+                f"got {[int(t) for t in ids[:8]]}..."
+            )
+        return k
+
+    def record(self, ids: Sequence[int], filled: int) -> None:
+        """After the engine computed `ids` for this sequence: the first `filled` (check_fill) filled reserved rows,
+        the rest extended it."""
+        del self._reserved[:filled]
+        self.tokens.extend(int(t) for t in ids[filled:])
 
     def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
         """Appends tokens and returns their logits: the last row [n_vocab], all rows [len(ids), n_vocab], or None."""
@@ -174,8 +210,9 @@ class KVSequence:
                 want[:] = 1
             elif logits == "last" and is_last_chunk:
                 want[-1] = 1
+            filled = self.check_fill(chunk)
             out = self._model._decode([self.id] * len(chunk), chunk, want)
-            self.tokens.extend(chunk)
+            self.record(chunk, filled)
             if len(out):
                 rows.append(out)
         if logits == "none":
@@ -194,8 +231,9 @@ class KVSequence:
         if logits:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
+        filled = self.check_fill([-1] * n)
         out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32))
-        self.tokens.extend([-1] * n)
+        self.record([-1] * n, filled)
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
@@ -226,6 +264,7 @@ class KVSequence:
             raise ValueError(f"truncate: n must be in [0, {len(self.tokens)}], got {n}")
         self._model._core.seq_truncate(self.id, n)
         del self.tokens[n:]
+        self._reserved = [(p, t) for p, t in self._reserved if p < n]
 
     def close(self) -> None:
         if self.id >= 0 and self._model._core.seq_exists(self.id):
@@ -410,9 +449,10 @@ class Model:
             seqs.extend([seq.id] * len(ids))
             toks.extend(int(t) for t in ids)
             want.extend([0] * (len(ids) - 1) + [1])
+        filled = [seq.check_fill(ids) for seq, ids in steps]
         out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
-        for seq, ids in steps:
-            seq.tokens.extend(int(t) for t in ids)
+        for (seq, ids), k in zip(steps, filled, strict=True):
+            seq.record(ids, k)
         return [out[i] for i in range(len(steps))]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:

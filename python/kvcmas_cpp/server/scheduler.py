@@ -829,13 +829,14 @@ class Scheduler:
                 want[n - 1] = 1
             want[n:] = 1  # each decode row
             seqs = [seq.id] * n + [j.prefilled.seq.id for j in running if j.prefilled is not None]
+            filled = seq.check_fill(ids)
             try:
                 rows = self.model._decode(seqs, ids + [j.pending_token for j in running], want)
             except KvcmasError as e:
                 log.info("a mixed step was refused by the engine (%s): the chunk and the decode step run apart", e)
                 mixed = False
         if mixed:
-            seq.tokens.extend(ids)
+            seq.record(ids, filled)
             for j in running:
                 assert j.prefilled is not None
                 j.prefilled.seq.tokens.append(j.pending_token)

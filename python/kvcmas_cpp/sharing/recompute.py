@@ -14,7 +14,8 @@ position, and the reused rows are re-positioned exactly.) The engine forwards co
 chosen in blocks of `block` rows within a span (ranked by mean score over all of the hop's spans, ties to the
 earlier one) until at least ceil(budget * n) rows are chosen, n the hop's shared rows after the exact heads: the
 budget is the hop's, so a short span (a relayed reply shorter than a block) is recomputed only if it ranks among
-the hop's most deviating blocks. Chosen blocks that touch run as one call.
+the hop's most deviating blocks. The chosen rows are reserved in place between the reused pieces and computed
+with the rest of the reader's prompt in one forward pass (KVSequence.reserve), so recomputing costs rows, not calls.
 Budget 0 is the method unchanged; budget 1 forwards every row, so the reader computes exactly what `nonshared`
 computes (bit for bit: the whole prompt after the template prefix goes to the engine in one append).
 
@@ -36,8 +37,7 @@ from ..model import KVSequence, SharedKV
 from . import estimators as est
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from .runner import MethodConfig, RequestState, WorkflowRunner
+    from .runner import MethodConfig, WorkflowRunner
 
 DEFAULT_BLOCK = 16  # rows per choice: the engine's prefill kernels run appends of >= 13 rows
 
@@ -111,33 +111,30 @@ def runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
 def append_span(
     runner: WorkflowRunner,
     seq: KVSequence,
-    st: RequestState,
     shared: SharedKV,
     ids: list[int],
     corr: est.Correction | None,
     mask: np.ndarray,
     pending: list[int],
-) -> Plan[tuple[list[int], int, int]]:
-    """The plan (kvcmas_cpp.plan) of appending a shared span (rows `ids`, stored as `shared`) to seq with the rows
-    the rule chose (`mask`, from select_rows over the hop): chosen rows join `pending` (forwarded in order with the
-    rest of the prompt), the others are appended by reference with their slice of the correction (none when
-    MethodConfig.correct is False). Returns (pending, rows computed by flushes, rows chosen)."""
-    from .runner import append_mixed
+    held: list[int],
+) -> list[int]:
+    """Appends a shared span (rows `ids`, stored as `shared`) to seq with the rows the rule chose (`mask`, from
+    select_rows over the hop): chosen rows join `pending`, to be computed in order with the rest of the prompt
+    (pending rows are reserved in seq, and moved to `held`, before a reused piece is appended after them); the others
+    are appended by reference with their slice of the correction (none when MethodConfig.correct is False). Returns
+    pending."""
+    from .runner import reserve_rows
 
     cfg, m = runner.config, runner.model
     n = len(ids)
     applied = corr if cfg.correct else None
     if applied is not None and applied.in_core and mask.any():  # sliced below: copied out of the core once
         applied = est.Correction(applied.factors(m.n_layer))
-    computed = 0
     for start, end, chosen in runs(mask):
         if chosen:
             pending = pending + ids[start:end]
             continue
-        if pending:
-            yield from append_mixed(seq, pending, "none", st.vectors)
-            computed += len(pending)
-            pending = []
+        pending = reserve_rows(seq, pending, held)
         piece = shared.slice(start, end - start)
         kc: Any = None
         if applied is not None:
@@ -150,7 +147,7 @@ def append_span(
                 runner._materialized += end - start
             else:
                 runner._factor_bytes += kc.bytes
-    return pending, computed, int(mask.sum())
+    return pending
 
 
 BASELINE = "recompute"  # label prefix of the selective-recompute-only baseline

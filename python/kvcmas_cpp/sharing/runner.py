@@ -103,6 +103,15 @@ class RequestState:
         return span if span is not None and span.stored else None
 
 
+def reserve_rows(seq: KVSequence, pending: list[int], held: list[int]) -> list[int]:
+    """Reserves `pending` (prompt ids; -(1 + r) for row r of the request's input vectors) at seq's end, to be computed
+    later with the rest (KVSequence.reserve), and moves them to `held`; returns the new, empty pending list."""
+    if pending:
+        seq.reserve([t if t >= 0 else -1 for t in pending])
+        held += pending
+    return []
+
+
 def append_mixed(
     seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
 ) -> Plan[np.ndarray | None]:
@@ -540,11 +549,13 @@ class WorkflowRunner:
         self, a: int, t: Template, seq: KVSequence, st: RequestState, exact: RequestResult | None
     ) -> Plan[tuple[np.ndarray, int, dict[str, est.Correction]]]:
         """The plan of a reuse hop's prompt: shared spans by reference with corrections, heads and tails forwarded.
+        Every row the reader computes is reserved in place while the spans between them are appended, and all are
+        computed in one Append at the end (the scheduler chunks it): one forward pass instead of one per span.
         Returns (next-token logits, rows computed, corrections used)."""
         cfg = self.config
         message = st.message
-        pending: list[int] = []
-        computed = 0
+        pending: list[int] = []  # rows to compute next, not yet in seq
+        held: list[int] = []  # rows reserved in seq, computed with the last rows in one pass (reserve_rows)
         corrs: dict[str, est.Correction] = {}
         chosen_rows = self._recompute_choice(a, t, seq, st, exact) if cfg.recompute > 0 or not cfg.correct else {}
         for i, ph in enumerate(t.placeholders):
@@ -558,16 +569,10 @@ class WorkflowRunner:
                 corr, mask = chosen_rows[ph]
                 if corr is not None and cfg.correct:
                     corrs[ph] = corr
-                pending, flushed, chosen = yield from recompute_mod.append_span(
-                    self, seq, st, b.shared, ids[h:], corr, mask, pending
-                )
-                computed += flushed
-                self._recomputed += chosen
+                pending = recompute_mod.append_span(self, seq, b.shared, ids[h:], corr, mask, pending, held)
+                self._recomputed += int(mask.sum())
             elif len(ids) > h:
-                if pending:
-                    yield from append_mixed(seq, pending, "none", st.vectors)
-                    computed += len(pending)
-                    pending = []
+                pending = reserve_rows(seq, pending, held)
                 pos, n = len(seq), len(ids) - h
                 corr = self._correction(a, ph, b, pos, n, message, exact)
                 kc: Any = None  # a core KvCorrection
@@ -584,20 +589,17 @@ class WorkflowRunner:
             tail = t.texts[i + 1]
             last = i == len(t.placeholders) - 1
             if cfg.tail == "rotate" and cfg.recompute < 1 and len(tail) > (1 if last else 0):
-                if pending:
-                    yield from append_mixed(seq, pending, "none", st.vectors)
-                    computed += len(pending)
-                    pending = []
+                pending = reserve_rows(seq, pending, held)
                 tseq, tpos = self._template_tail(a, i)
                 n_rot = len(tail) - (1 if last else 0)
                 seq.append_shared(tseq.share(tpos, n_rot))
                 pending += tail[n_rot:]
             else:
                 pending += tail
-        logits = yield from append_mixed(seq, pending, "last", st.vectors)
+        rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
+        logits = yield from append_mixed(seq, rows, "last", st.vectors)
         assert logits is not None
-        computed += len(pending)
-        return logits, computed, corrs
+        return logits, len(rows), corrs
 
     def _recompute_choice(
         self, a: int, t: Template, seq: KVSequence, st: RequestState, exact: RequestResult | None
