@@ -363,7 +363,7 @@ class AgentSession:
         from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
         anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
         kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd).
-        recompute: the share of each shared span a later agent recomputes in its own context (MethodConfig.recompute,
+        recompute: the share of its shared rows a later agent recomputes in its own context (MethodConfig.recompute,
         sharing/recompute.py): 0 = pure reuse (default), 1 = what nonshared computes; prefill() may override it.
         cold (kvcmas, online calibration): what a reader does before its edge has a fitted map: 'reuse' (default:
         shares the span like fullshared with an exact head and tail, and computes the exact rows after its reply as

@@ -48,7 +48,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--recompute",
         type=float,
         default=0.0,
-        help="kvcmas' recompute budget: share of each shared span later agents recompute (0..1, docs/recompute.md)",
+        help="kvcmas' recompute budget: share of the shared rows later agents recompute (0..1, docs/recompute.md)",
     )
     p.add_argument("--image", default=None, help="an image every agent reads with the question (needs --mmproj)")
     p.add_argument("--mmproj", default=None, help="the vision tower + projector GGUF for --image")

@@ -132,7 +132,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--recompute",
         type=_budget,
         default=0.0,
-        help="share of each shared span later agents recompute in their own context, 0..1 (default 0: pure reuse)",
+        help="share of the shared rows later agents recompute in their own context, 0..1 (default 0: pure reuse)",
     )
     p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(

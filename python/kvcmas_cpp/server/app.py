@@ -91,7 +91,7 @@ class ServerConfig:
     ctx_size: int | None = None
     kv_budget: int | None = None
     method: str = "kvcmas"
-    recompute: float = 0.0  # default share of each shared span recomputed by later agents (request: kvcmas.recompute)
+    recompute: float = 0.0  # default share of the shared rows later agents recompute (request: kvcmas.recompute)
     threads: int | None = None
     max_queue: int = 64
     alias: str | None = None

@@ -193,7 +193,7 @@ class Job:
     agent: str | None = None
     session_key: SessionKey | None = None  # chat: its sharing session; None: plain prompt (completions)
     namespace: Namespace | None = None  # plain prompt: whose prefix cache entries it may read (None: none)
-    recompute: float = 0.0  # chat: the share of each shared span the agent recomputes (MethodConfig.recompute)
+    recompute: float = 0.0  # chat: the share of its shared rows the agent recomputes (MethodConfig.recompute)
     segments: list[Segment] | None = None  # the rendered prompt as text ids and image embeddings; [ids] when None
     n_prompt: int = 0  # prompt positions (text tokens and image embeddings); len(ids) when 0
     n: int = 1  # choices: n - 1 more continue forks of this job's prompt sequence (computed once)

@@ -67,8 +67,8 @@ class MethodConfig:
     correction's factors would take at least the copy's bytes, so it saves no memory: full-rank corrections; fused
     otherwise, which keeps kvcmas' memory figures). ridge_path: where the ridge estimator's factors are computed:
     'core' (C++, from the reader's base view inside the engine) or 'numpy' (the reference implementation).
-    recompute: the share of each shared span's rows (after the head) a reader recomputes in its own context, chosen
-    by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
+    recompute: the share of a hop's shared rows (after the spans' heads) a reader recomputes in its own context,
+    chosen by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
     nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
     estimator still scores the rows)."""
 
