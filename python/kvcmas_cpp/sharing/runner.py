@@ -596,6 +596,8 @@ class WorkflowRunner:
                 pending += tail[n_rot:]
             else:
                 pending += tail
+        if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
+            raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
         logits = yield from append_mixed(seq, rows, "last", st.vectors)
         assert logits is not None
