@@ -10,12 +10,13 @@ i is the correction's predicted deviation, per layer and for K and V separately 
 all of the hop's shared rows (so every layer weighs the same and the spans compete on one scale), summed:
 s_i = Σ_l ‖ΔK_l[i]‖² / mean_j ‖ΔK_l[j]‖² + (same for V), with ΔK_l = A_k B_k the correction of layer l. (The first
 layer's own deviation, CacheBlend's signal, is zero here: a layer-0 key or value depends only on its token and
-position, and the reused rows are re-positioned exactly.) The engine forwards contiguous rows per call, so rows are
-chosen in blocks of `block` rows within a span (ranked by mean score over all of the hop's spans, ties to the
-earlier one) until at least ceil(budget * n) rows are chosen, n the hop's shared rows after the exact heads: the
-budget is the hop's, so a short span (a relayed reply shorter than a block) is recomputed only if it ranks among
-the hop's most deviating blocks. The chosen rows are reserved in place between the reused pieces and computed
-with the rest of the reader's prompt in one forward pass (KVSequence.reserve), so recomputing costs rows, not calls.
+position, and the reused rows are re-positioned exactly.) Rows are chosen in blocks of `block` rows within a span
+(so the reused pieces between them, each appended with its slice of the correction, stay few and long), ranked by
+mean score over all of the hop's spans (ties to the earlier one), until at least ceil(budget * n) rows are chosen,
+n the hop's shared rows after the exact heads: the budget is the hop's, so a short span (a relayed reply shorter
+than a block) is recomputed only if it ranks among the hop's most deviating blocks. The chosen rows are reserved in
+place between the reused pieces and computed with the rest of the reader's prompt in one forward pass
+(KVSequence.reserve), so recomputing costs rows, not calls.
 Budget 0 is the method unchanged; budget 1 forwards every row, so the reader computes exactly what `nonshared`
 computes (bit for bit: the whole prompt after the template prefix goes to the engine in one append).
 
@@ -39,7 +40,7 @@ from . import estimators as est
 if TYPE_CHECKING:
     from .runner import MethodConfig, WorkflowRunner
 
-DEFAULT_BLOCK = 16  # rows per choice: the engine's prefill kernels run appends of >= 13 rows
+DEFAULT_BLOCK = 16  # rows per choice: few, long reused pieces between the chosen rows
 
 
 def deviation_scores(corrs: list[tuple[est.Correction | None, int]], n_layer: int) -> list[np.ndarray]:
