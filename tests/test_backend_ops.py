@@ -7,6 +7,7 @@ checks of CUDA against the CPU backend are at the end (GPU only)."""
 from __future__ import annotations
 
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,8 @@ BASE = 10000.0
 # prefill GEMM uses TF32 tensor cores (10-bit mantissa inputs, f32 sums).
 MATMUL_TOL = {"cpu": 2e-6, "cuda": 2e-3}
 OP_TOL = {"cpu": 1e-6, "cuda": 1e-5}
-ATTN_TOL = {"cpu": 5e-5, "cuda": 2e-4}  # rank-32 corrections at shift 2048: ~2e-5 on the CPU
+ATTN_TOL = {"cpu": 1e-4, "cuda": 2e-4}  # rank-32 corrections at shift 2048: up to ~7e-5 over 40 queries on the CPU
+# (the f32 rotation of q by -2048 positions: the same on the fused and the copied path; other cases ~1e-6)
 
 
 def _usable(name: str) -> tuple[bool, str]:
@@ -178,14 +180,18 @@ def _stack(runs, kv_type):
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=[str(i) for i in range(len(ATTN_CASES))])
-@pytest.mark.parametrize("nq", [1, 5])
+@pytest.mark.parametrize("nq", [1, 5, 40])
 def test_attention_shifted_corrected_runs(ops, case, kv_type, nq) -> None:
+    """nq = 40 (several query blocks in one call, as a prefill makes): on the CPU, corrected runs that enough of
+    the queries see are corrected once into a copy instead of fused per query (CpuBackend::copy_busy_corrections),
+    runs seen by fewer stay fused; both must match the reference."""
     n_head, n_head_kv, hd, n_rot, neox, lengths, shifts, ranks = case
-    rng = np.random.default_rng(hash(str(case)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(str(case).encode()))  # the same data every run
     runs = make_runs(rng, lengths, shifts, ranks, n_head_kv, hd)
     k, v, specs, corrs = _stack(runs, kv_type)
     stored = [dict(r, k=k[s[0] : s[0] + s[1]], v=v[s[0] : s[0] + s[1]]) for r, s in zip(runs, specs, strict=True)]
     total = sum(lengths)
+    nq = min(nq, total)
     q = rng.standard_normal((nq, n_head * hd)).astype(np.float32)
     n_visible0 = total - nq + 1
     got = ops.attention(

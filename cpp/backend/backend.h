@@ -162,7 +162,8 @@ class Backend {
                                int64_t n, const float * cos_q, const float * sin_q, const float * cos_k,
                                const float * sin_k, const KvStore & store, int layer, const KvSlotRef * slots) = 0;
     // out = attention of the query blocks (host) over their run tables (host) in layer `layer`: per run a RoPE
-    // shift applied to the query, the run's correction fused (scores += (q·B_k)·a_k, out += (Σp·a_v)·B_v);
+    // shift applied to the query, the run's correction fused (scores += (q·B_k)·a_k, out += (Σp·a_v)·B_v) or, where
+    // many of the call's queries read the run, added once into a transient copy (the same to f32 rounding);
     // shape.window > 0: each query attends to its last `window` visible rows only (sliding-window layers).
     // q, out [n][n_head·head_dim].
     virtual void attention(const AttentionShape & shape, const Rope & rope, const KvStore & store, int layer,

@@ -6,6 +6,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <tuple>
@@ -336,9 +337,8 @@ void bind_backend(nb::module_ & m) {
                 const int64_t nq = static_cast<int64_t>(q.shape(0)), qd = static_cast<int64_t>(n_head) * head_dim,
                               kd = shape.row_stride;
                 KC_CHECK(q.shape(1) == static_cast<size_t>(qd) && k.shape(1) == static_cast<size_t>(kd) &&
-                             v.shape(0) == k.shape(0) && v.shape(1) == k.shape(1) && nq >= 1 &&
-                             nq <= cpu::kMaxAttentionBlock,
-                         "attention: q [nq <= %d, n_head·hd], k, v [rows, kd]", cpu::kMaxAttentionBlock);
+                             v.shape(0) == k.shape(0) && v.shape(1) == k.shape(1) && nq >= 1,
+                         "attention: q [nq, n_head·hd], k, v [rows, kd]");
                 int64_t total = 0;
                 for (const RunSpec & s : runs) {
                     KC_CHECK(std::get<0>(s) + std::get<1>(s) <= static_cast<int32_t>(k.shape(0)),
@@ -349,10 +349,14 @@ void bind_backend(nb::module_ & m) {
                 Store store(*o.be, type, kd, k.data(), v.data(), static_cast<int64_t>(k.shape(0)), 0);
                 std::vector<std::shared_ptr<const backend::Factors>> keep;
                 const backend::RunTable                              table = make_table(*o.be, runs, corrs, kd, keep);
-                const backend::QueryBlock                            block{ 0, static_cast<int>(nq), n_visible0, 0 };
+                std::vector<backend::QueryBlock> blocks;  // the queries in blocks of kMaxAttentionBlock, one call
+                for (int64_t first = 0; first < nq; first += cpu::kMaxAttentionBlock) {
+                    const int n_block = static_cast<int>(std::min<int64_t>(cpu::kMaxAttentionBlock, nq - first));
+                    blocks.push_back(backend::QueryBlock{ first, n_block, n_visible0 + first, 0 });
+                }
                 backend::Buffer bq = o.put(q.data(), nq * qd), bo(*o.be, nq * qd * sizeof(float));
-                o.be->attention(shape, rope, store.view, 0, bq.f32(), bo.f32(), nq, &block, 1, &table,
-                                n_visible0 + nq - 1);
+                o.be->attention(shape, rope, store.view, 0, bq.f32(), bo.f32(), nq, blocks.data(),
+                                static_cast<int>(blocks.size()), &table, n_visible0 + nq - 1);
                 return out2(o.get(bo, nq * qd), nq, qd);
             },
             nb::arg("n_head"), nb::arg("n_head_kv"), nb::arg("head_dim"), nb::arg("kv_type"), nb::arg("n_rot"),

@@ -210,6 +210,7 @@ class CpuBackend final : public Backend {
                 out_runs.push_back(kernel_run(store, layer, table, r));
             }
         }
+        copy_busy_corrections(shape, store, blocks, n_blocks, n_tables);
         const int     nth            = pool_.size();
         const int64_t scratch_floats = cpu::attention_block_scratch_floats(shape, cpu::kMaxAttentionBlock, max_visible);
         scratch_.resize(static_cast<size_t>(scratch_floats * nth));
@@ -368,6 +369,102 @@ class CpuBackend final : public Backend {
     }
 
   private:
+    // Corrected runs that enough queries of this call read are corrected once into copy_ (K + A_k·B_k, V + A_v·B_v,
+    // f32, in the stored frame) and read as plain runs: the fused correction costs each query O(rank) per key and head,
+    // a copy O(rank·kd) per key once, so a copy is cheaper when the queries that see the run times n_head reach kd
+    // (a prefill over a corrected span: a reader's tail, its recomputed rows). A decode step (one query per sequence)
+    // keeps the fused path. f32 stores only (a copy of f16 rows in f32 would read them unrounded). Consecutive runs of
+    // one correction (its factor rows contiguous) are one product. At most kMaxCopyBytes per call; runs past it stay
+    // fused.
+    static constexpr int64_t kMaxCopyBytes = 64LL << 20;
+
+    void copy_busy_corrections(const AttentionShape & shape, const KvStore & store, const QueryBlock * blocks,
+                               int n_blocks, int n_tables) {
+        if (store.kv_type != KvType::F32) {
+            return;
+        }
+        struct Group {
+            int     table, r0, r1;  // runs [r0, r1) of the table
+            int64_t n, off;         // rows, first row in copy_
+        };
+        std::vector<Group> groups;
+        int64_t            total = 0;
+        const int64_t      kd    = store.n_kv_dim;
+        for (int t = 0; t < n_tables; ++t) {
+            std::vector<cpu::KvRun> & runs = runs_[static_cast<size_t>(t)];
+            int64_t                   at   = 0;  // the run's first row in the table
+            for (int r = 0; r < static_cast<int>(runs.size()); ++r) {
+                const cpu::KvRun & run     = runs[static_cast<size_t>(r)];
+                int64_t            readers = 0;  // queries of this table that see the run
+                for (int b = 0; run.rank > 0 && b < n_blocks; ++b) {
+                    if (blocks[b].table == t) {
+                        readers += std::clamp<int64_t>(blocks[b].n_visible0 + blocks[b].nq - at, 0, blocks[b].nq);
+                    }
+                }
+                const bool fits = (total + run.n) * 2 * kd * static_cast<int64_t>(sizeof(float)) <= kMaxCopyBytes;
+                if (run.rank > 0 && readers * shape.n_head >= kd && fits) {
+                    const cpu::KvRun * prev = r > 0 ? &runs[static_cast<size_t>(r - 1)] : nullptr;
+                    const bool         join = !groups.empty() && groups.back().table == t && groups.back().r1 == r &&
+                                              prev->b_k == run.b_k && prev->rank == run.rank &&
+                                              prev->a_k + static_cast<int64_t>(prev->n) * prev->rank == run.a_k &&
+                                              prev->a_v + static_cast<int64_t>(prev->n) * prev->rank == run.a_v;
+                    if (join) {
+                        groups.back().r1 = r + 1;
+                        groups.back().n += run.n;
+                    } else {
+                        groups.push_back(Group{ t, r, r + 1, run.n, total });
+                    }
+                    total += run.n;
+                }
+                at += run.n;
+            }
+        }
+        if (groups.empty()) {
+            return;
+        }
+        copy_.resize(static_cast<size_t>(2 * total * kd));
+        float * k_all = copy_.data();
+        float * v_all = k_all + total * kd;
+        for (const Group & g : groups) {
+            std::vector<cpu::KvRun> & runs  = runs_[static_cast<size_t>(g.table)];
+            const cpu::KvRun &        first = runs[static_cast<size_t>(g.r0)];
+            const int                 rank  = first.rank;
+            for (int side = 0; side < 2; ++side) {  // K, then V: out = A·B (one GEMM), then + the stored rows
+                const float * a   = side == 0 ? first.a_k : first.a_v;
+                const float * b   = side == 0 ? first.b_k : first.b_v;
+                float *       out = (side == 0 ? k_all : v_all) + g.off * kd;
+                b_t_.resize(static_cast<size_t>(kd * rank));  // Bᵀ [kd][rank]: matmul's weight rows
+                for (int c = 0; c < rank; ++c) {
+                    for (int64_t d = 0; d < kd; ++d) {
+                        b_t_[static_cast<size_t>(d * rank + c)] = b[c * kd + d];
+                    }
+                }
+                const cpu::WeightView w{ GgmlType::F32, b_t_.data(), rank, kd,
+                                         sizeof(float) * static_cast<size_t>(rank) };
+                cpu::matmul(w, a, out, g.n, pool_);
+                int64_t row = 0;
+                for (int r = g.r0; r < g.r1; ++r) {
+                    const cpu::KvRun & run    = runs[static_cast<size_t>(r)];
+                    const float *      stored = static_cast<const float *>(side == 0 ? run.k : run.v);
+                    for (int64_t j = 0; j < run.n; ++j) {
+                        float *       o = out + (row + j) * kd;
+                        const float * s = stored + j * kd;
+                        for (int64_t d = 0; d < kd; ++d) {
+                            o[d] += s[d];
+                        }
+                    }
+                    row += run.n;
+                }
+            }
+            int64_t row = g.off;
+            for (int r = g.r0; r < g.r1; ++r) {
+                cpu::KvRun & run = runs[static_cast<size_t>(r)];
+                run              = cpu::KvRun{ k_all + row * kd, v_all + row * kd, run.n, run.shift };
+                row += run.n;
+            }
+        }
+    }
+
     static uint8_t * row(const KvStore & store, int layer, int32_t block, int32_t r) {
         return (*store.blocks)[static_cast<size_t>(block)] + layer * store.layer_stride +
                static_cast<int64_t>(r) * store.row_bytes;
@@ -392,6 +489,8 @@ class CpuBackend final : public Backend {
     cpu::Activations                     act_ = cpu::Activations::F32;  // exact until told (Model sets Q8)
     std::vector<std::vector<cpu::KvRun>> runs_;
     std::vector<float>                   scratch_;
+    std::vector<float>                   copy_;  // corrected rows of the call's busy runs (copy_busy_corrections)
+    std::vector<float>                   b_t_;   // a correction's Bᵀ, the copy's GEMM weight
 };
 
 }  // namespace
