@@ -23,6 +23,7 @@ TESTS=(
   tests/test_gguf.py
   tests/test_kernels.py
   tests/test_attention_kernel.py
+  tests/test_backend_ops.py
   tests/test_shared_spans.py
   tests/test_kv_slots.py
   tests/test_concurrency.py
