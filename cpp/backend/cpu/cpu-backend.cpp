@@ -394,11 +394,11 @@ class CpuBackend final : public Backend {
             std::vector<cpu::KvRun> & runs = runs_[static_cast<size_t>(t)];
             int64_t                   at   = 0;  // the run's first row in the table
             for (int r = 0; r < static_cast<int>(runs.size()); ++r) {
-                const cpu::KvRun & run     = runs[static_cast<size_t>(r)];
-                int64_t            readers = 0;  // queries of this table that see the run
+                const cpu::KvRun & run = runs[static_cast<size_t>(r)];
+                int64_t readers = 0;  // queries of this table that see the run (query i sees n_visible0 + i rows)
                 for (int b = 0; run.rank > 0 && b < n_blocks; ++b) {
                     if (blocks[b].table == t) {
-                        readers += std::clamp<int64_t>(blocks[b].n_visible0 + blocks[b].nq - at, 0, blocks[b].nq);
+                        readers += std::clamp<int64_t>(blocks[b].n_visible0 + blocks[b].nq - 1 - at, 0, blocks[b].nq);
                     }
                 }
                 const bool fits = (total + run.n) * 2 * kd * static_cast<int64_t>(sizeof(float)) <= kMaxCopyBytes;
