@@ -373,9 +373,9 @@ class CpuBackend final : public Backend {
     // f32, in the stored frame) and read as plain runs: the fused correction costs each query O(rank) per key and head,
     // a copy O(rank·kd) per key once, so a copy is cheaper when the queries that see the run times n_head reach kd
     // (a prefill over a corrected span: a reader's tail, its recomputed rows). A decode step (one query per sequence)
-    // keeps the fused path. f32 stores only (a copy of f16 rows in f32 would read them unrounded). Consecutive runs of
-    // one correction (its factor rows contiguous) are one product. At most kMaxCopyBytes per call; runs past it stay
-    // fused.
+    // keeps the fused path. f32 stores only: the kernel reads one element type per call, and an f16 copy would round
+    // the corrected rows. Consecutive runs of one correction (its factor rows contiguous) are one product. At most
+    // kMaxCopyBytes per call; runs past it stay fused.
     static constexpr int64_t kMaxCopyBytes = 64LL << 20;
 
     void copy_busy_corrections(const AttentionShape & shape, const KvStore & store, const QueryBlock * blocks,
