@@ -30,8 +30,10 @@ BASE = 10000.0
 # prefill GEMM uses TF32 tensor cores (10-bit mantissa inputs, f32 sums).
 MATMUL_TOL = {"cpu": 2e-6, "cuda": 2e-3}
 OP_TOL = {"cpu": 1e-6, "cuda": 1e-5}
-ATTN_TOL = {"cpu": 1e-4, "cuda": 2e-4}  # rank-32 corrections at shift 2048: up to ~7e-5 over 40 queries on the CPU
-# (the f32 rotation of q by -2048 positions: the same on the fused and the copied path; other cases ~1e-6)
+ATTN_TOL = {"cpu": 5e-6, "cuda": 2e-4}  # the CPU's cases here: ~1e-6
+# Shifts of 1024 positions or more (the Llama-3-8B case at 2048): the f32 rotation of q by -2048 positions reaches
+# ~7e-5 over 40 queries on the CPU, the same on the fused and the copied path.
+ATTN_TOL_FAR = {"cpu": 1e-4, "cuda": 2e-4}
 
 
 def _usable(name: str) -> tuple[bool, str]:
@@ -197,10 +199,11 @@ def test_attention_shifted_corrected_runs(ops, case, kv_type, nq) -> None:
     got = ops.attention(
         n_head, n_head_kv, hd, kv_type, n_rot, neox, _inv_freq(n_rot), q, k, v, specs, corrs, n_visible0
     )
+    tol = (ATTN_TOL_FAR if max(abs(s) for s in shifts) >= 1024 else ATTN_TOL)[ops.name]
     for i in range(nq):
         ref = reference(q[i].reshape(n_head, hd), stored, n_head_kv, n_rot, neox, BASE, n_visible0 + i).ravel()
         err = np.abs(got[i] - ref).max() / np.abs(ref).max()
-        assert err <= ATTN_TOL[ops.name], (case, kv_type, i, err)
+        assert err <= tol, (case, kv_type, i, err)
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])

@@ -390,7 +390,14 @@ class CpuBackend final : public Backend {
         std::vector<Group> groups;
         int64_t            total = 0;
         const int64_t      kd    = store.n_kv_dim;
+        table_queries_.assign(static_cast<size_t>(n_tables), 0);
+        for (int b = 0; b < n_blocks; ++b) {
+            table_queries_[static_cast<size_t>(blocks[b].table)] += blocks[b].nq;
+        }
         for (int t = 0; t < n_tables; ++t) {
+            if (table_queries_[static_cast<size_t>(t)] * shape.n_head < kd) {
+                continue;  // too few queries for any of its runs (a decode step): nothing to scan
+            }
             std::vector<cpu::KvRun> & runs = runs_[static_cast<size_t>(t)];
             int64_t                   at   = 0;  // the run's first row in the table
             for (int r = 0; r < static_cast<int>(runs.size()); ++r) {
@@ -491,6 +498,7 @@ class CpuBackend final : public Backend {
     std::vector<float>                   scratch_;
     std::vector<float>                   copy_;  // corrected rows of the call's busy runs (copy_busy_corrections)
     std::vector<float>                   b_t_;   // a correction's Bᵀ, the copy's GEMM weight
+    std::vector<int64_t>                 table_queries_;  // per run table, the call's queries (copy_busy_corrections)
 };
 
 }  // namespace
