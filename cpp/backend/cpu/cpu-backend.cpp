@@ -253,20 +253,11 @@ class CpuBackend final : public Backend {
 
     void kv_read(const Rope & rope, const AttentionShape & s, const KvStore & store, int layer, const RunTable & table,
                  int ri, int32_t j0, int32_t j1, float * k_out, float * v_out) override {
-        const cpu::KvRun r  = kernel_run(store, layer, table, table.runs[static_cast<size_t>(ri)]);
-        const int64_t    kd = store.n_kv_dim;
+        const cpu::KvRun r = kernel_run(store, layer, table, table.runs[static_cast<size_t>(ri)]);
         for (int32_t j = j0; j < j1; ++j) {
-            float * k = k_out + (j - j0) * kd;
-            float * v = v_out + (j - j0) * kd;
-            cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.k) + j * store.row_bytes, k, kd);
-            cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.v) + j * store.row_bytes, v, kd);
-            for (int32_t c = 0; c < r.rank; ++c) {
-                const float ak = r.a_k[j * r.rank + c], av = r.a_v[j * r.rank + c];
-                for (int64_t d = 0; d < kd; ++d) {
-                    k[d] += ak * r.b_k[c * kd + d];
-                    v[d] += av * r.b_v[c * kd + d];
-                }
-            }
+            float * k = k_out + (j - j0) * store.n_kv_dim;
+            float * v = v_out + (j - j0) * store.n_kv_dim;
+            load_corrected_row(store, r, j, k, v);
             if (r.shift != 0) {
                 rope.apply(k, s.n_head_kv, s.head_dim, static_cast<double>(r.shift));
             }
@@ -295,20 +286,7 @@ class CpuBackend final : public Backend {
                 const int        ri = rows[static_cast<size_t>(i)].first;
                 const int32_t    j  = rows[static_cast<size_t>(i)].second;
                 const cpu::KvRun r  = kernel_run(store, layer, table, table.runs[static_cast<size_t>(ri)]);
-                cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.k) + j * store.row_bytes, k.data(), kd);
-                cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.v) + j * store.row_bytes, v.data(), kd);
-                if (r.rank > 0) {
-                    const float * ak = r.a_k + static_cast<int64_t>(j) * r.rank;
-                    const float * av = r.a_v + static_cast<int64_t>(j) * r.rank;
-                    for (int c = 0; c < r.rank; ++c) {
-                        const float * bk = r.b_k + static_cast<int64_t>(c) * kd;
-                        const float * bv = r.b_v + static_cast<int64_t>(c) * kd;
-                        for (int64_t d = 0; d < kd; ++d) {
-                            k[d] += ak[c] * bk[d];
-                            v[d] += av[c] * bv[d];
-                        }
-                    }
-                }
+                load_corrected_row(store, r, j, k.data(), v.data());
                 const int64_t shift = shifts[i];
                 if (shift != 0) {  // constant over consecutive rows: the angles are computed once
                     if (!have_angles || shift != cached_shift) {
@@ -468,6 +446,24 @@ class CpuBackend final : public Backend {
                 cpu::KvRun & run = runs[static_cast<size_t>(r)];
                 run              = cpu::KvRun{ k_all + row * kd, v_all + row * kd, run.n, run.shift };
                 row += run.n;
+            }
+        }
+    }
+
+    // Row j of run r as read (stored row + its correction, f32, in the stored frame: no shift applied) into k, v
+    // ([n_kv_dim] each), for kv_read and kv_copy (attention applies corrections itself, fused or copied per call).
+    static void load_corrected_row(const KvStore & store, const cpu::KvRun & r, int32_t j, float * k, float * v) {
+        const int64_t kd = store.n_kv_dim;
+        cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.k) + j * store.row_bytes, k, kd);
+        cpu::kv_load_row(store.kv_type, static_cast<const uint8_t *>(r.v) + j * store.row_bytes, v, kd);
+        const float * ak = r.a_k + static_cast<int64_t>(j) * r.rank;
+        const float * av = r.a_v + static_cast<int64_t>(j) * r.rank;
+        for (int c = 0; c < r.rank; ++c) {
+            const float * bk = r.b_k + static_cast<int64_t>(c) * kd;
+            const float * bv = r.b_v + static_cast<int64_t>(c) * kd;
+            for (int64_t d = 0; d < kd; ++d) {
+                k[d] += ak[c] * bk[d];
+                v[d] += av[c] * bv[d];
             }
         }
     }
