@@ -66,6 +66,17 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     assert row["kvcmas@1"]["later_ttft_speedup"] == pytest.approx(later[1] / row["kvcmas@1"]["later_ttft_ms"])
     assert row["kvcmas@1"]["identical_replies"] == 1.0 and row["kvcmas@1"]["tf_top1"] == 1.0
     assert row["kvcmas@1"]["recomputed_tokens"] > 0 and row["kvcmas@1"]["vs_nonshared"]["diff"] == 0.0
+    # --report: the same table from the file alone, nothing run (a method some example lacks is left out of it)
+    assert bt.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]
+    assert bt.report("gsm8k", ["fullshared"], out)["summary"][1] == res["summary"][1]
+    with pytest.raises(ValueError, match="no example has results for all of nonshared, kvcomm"):
+        bt.report("gsm8k", ["kvcomm"], out)
+    with open(out, "a") as f:
+        f.write('{"id": "gsm8k/1"}\n')
+    with pytest.raises(ValueError, match=r"acc\.jsonl:3: not a result line"):
+        bt.report("gsm8k", ["fullshared"], out)
+    with pytest.raises(ValueError, match="no such results file"):
+        bt.report("gsm8k", ["fullshared"], tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="accuracy mode runs"):
         bt.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
 

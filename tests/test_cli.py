@@ -78,6 +78,20 @@ def test_bench_agents_refuses_a_numeric_reference_outside_the_accuracy_mode() ->
     assert out.returncode == 2 and "needs --task" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_agents_report_reads_a_resumable_run_without_running(tmp_path: Path) -> None:
+    out_file = str(tmp_path / "acc.jsonl")
+    common = ("bench", "agents", "--task", "gsm8k", "--method", "fullshared", "--out", out_file, "--json")
+    run = kvcmas(*common, "--limit", "1", "--max-tokens", "4", "--calibrate", "0", "--threads", "2")
+    assert run.returncode == 0, run.stderr
+    rep = kvcmas(*common, "--report", "--model", str(tmp_path / "no-model-is-loaded.gguf"))
+    assert rep.returncode == 0, rep.stderr
+    assert json.loads(rep.stdout)["accuracy"] == json.loads(run.stdout)["accuracy"]
+    for partial in (("--task", "gsm8k"), ("--out", out_file)):  # it never falls back to running a benchmark
+        bad = kvcmas("bench", "agents", *partial, "--report")
+        assert bad.returncode != 0 and "--report reads an accuracy run's file" in bad.stderr
+        assert "Traceback" not in bad.stderr
+
+
 def test_embeddings_in_place_of_tokens_give_the_same_logits(reference_models) -> None:
     """The forward pass accepts input vectors (image features later): token-embedding rows equal token ids."""
     import gguf

@@ -64,6 +64,11 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
     g.add_argument("--out", default=None, help="JSONL file of per-example results (appended as they finish)")
     g.add_argument("--resume", action="store_true", help="skip the examples already in --out")
+    g.add_argument(
+        "--report",
+        action="store_true",
+        help="print the table of what --out holds (the examples every method finished) and run nothing",
+    )
     g = p.add_argument_group("cold-start mode (--cold-start N): fresh sessions and estimators, N shared tokens")
     g.add_argument("--cold-start", type=int, default=None, metavar="N", help="shared tokens of each workflow")
     g.add_argument("--workflows", type=int, default=5, help="workflows per method (kvcmas calibrates on 4)")
@@ -291,7 +296,7 @@ def run_agents(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"bench agents: {e}", file=sys.stderr)
             return 2
-    if args.task or args.concurrent or args.cold_start:
+    if args.task or args.concurrent or args.cold_start or args.report:
         return _run_session_modes(args, methods)
     sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
     decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
@@ -335,8 +340,18 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     """Accuracy (--task) and concurrent (--concurrent) modes, through the agent-session API."""
     from . import bench_tasks as bt
 
+    if args.report:
+        if not (args.task and args.out) or args.concurrent or args.cold_start:
+            raise ValueError("--report reads an accuracy run's file: it takes --task and --out, and no other mode")
+        result: dict[str, Any] = {"methods": methods, "accuracy": bt.report(args.task, methods, Path(args.out))}
+        if args.json:
+            print(json.dumps(result, indent=1, default=float))
+        else:
+            bt.print_accuracy(result["accuracy"])
+        _plots(args, result)
+        return 0
     model = Model(resolve_model_path(args.model), n_threads=args.threads)
-    result: dict[str, Any] = {"model": model.path, "methods": methods}
+    result = {"model": model.path, "methods": methods}
     if args.task:
         out = Path(args.out) if args.out else None
         result["accuracy"] = bt.accuracy(

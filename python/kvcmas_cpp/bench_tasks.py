@@ -176,12 +176,7 @@ def accuracy(
     task = get_task(task_name)
     examples = task.load(0, limit)
     models = variant_models(model, methods)
-    done: dict[str, dict[str, Any]] = {}  # example id -> method -> result (later lines win)
-    if out_path is not None and resume and out_path.is_file():
-        for line in out_path.read_text().splitlines():
-            if line.strip():
-                old = json.loads(line)
-                done.setdefault(old["id"], {}).update(_with_reference(old["per_method"]))
+    done = _finished(out_path) if out_path is not None and resume and out_path.is_file() else {}
     if calibrate:
         learned = list(dict.fromkeys(session_spec(m, calibrate)[0] for m in methods))
         learned = [m for m in learned if m in ("kvcmas", "kvcmas-ref", "kvcomm")]
@@ -231,6 +226,42 @@ def accuracy(
             out.close()
         bar.close()
     return {"task": task.name, "examples": len(records), "summary": summarize(records, methods)}
+
+
+def _finished(out_path: Path) -> dict[str, dict[str, Any]]:
+    """An accuracy JSONL's results: example id -> method -> result (later lines win), in the file's order."""
+    done: dict[str, dict[str, Any]] = {}
+    for i, line in enumerate(out_path.read_text().splitlines()):
+        if line.strip():
+            try:
+                old = json.loads(line)
+                per_method = old["per_method"]
+                done.setdefault(old["id"], {}).update(_with_reference(per_method))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{out_path}:{i + 1}: not a result line of the accuracy mode ({e!r})") from None
+    return done
+
+
+def report(task_name: str, methods: list[str], out_path: Path) -> dict[str, Any]:
+    """The summary of what an accuracy JSONL holds, running nothing: over the examples where every method (and the
+    nonshared reference) has a result, so a run spread over days with --resume can be read at any point."""
+    for m in methods:
+        session_spec(m, 0)  # validates the label
+    if "nonshared" not in methods:
+        methods = ["nonshared", *methods]
+    if not out_path.is_file():
+        raise ValueError(f"{out_path}: no such results file")
+    get_task(task_name)  # validates the name
+    done = _finished(out_path)
+    complete = [k for k in done if all(m in done[k] for m in methods)]
+    if not complete:
+        have = sorted({m for k in done for m in done[k]})
+        raise ValueError(
+            f"{out_path}: no example has results for all of {', '.join(methods)} "
+            f"({len(done)} examples; methods in the file: {', '.join(have) or 'none'})"
+        )
+    records = [{"id": k, "per_method": {m: done[k][m] for m in methods}} for k in complete]
+    return {"task": task_name, "examples": len(records), "summary": summarize(records, methods)}
 
 
 def _later_ttft(result: dict[str, Any]) -> float:
