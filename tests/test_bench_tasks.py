@@ -69,8 +69,10 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     # --report: the same table from the file alone, nothing run (a method some example lacks is left out of it)
     assert bt.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]
     assert bt.report("gsm8k", ["fullshared"], out)["summary"][1] == res["summary"][1]
-    with pytest.raises(ValueError, match="no example has results for all of nonshared, kvcomm"):
+    with pytest.raises(ValueError, match="no gsm8k example has results for all of nonshared, kvcomm"):
         bt.report("gsm8k", ["kvcomm"], out)
+    with pytest.raises(ValueError, match=r"no mmlu example .* \(0 mmlu examples"):  # a file of another task
+        bt.report("mmlu", ["fullshared"], out)
     with open(out, "a") as f:
         f.write('{"id": "gsm8k/1"}\n')
     with pytest.raises(ValueError, match=r"acc\.jsonl:3: not a result line"):

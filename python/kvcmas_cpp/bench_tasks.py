@@ -251,17 +251,18 @@ def report(task_name: str, methods: list[str], out_path: Path) -> dict[str, Any]
         methods = ["nonshared", *methods]
     if not out_path.is_file():
         raise ValueError(f"{out_path}: no such results file")
-    get_task(task_name)  # validates the name
-    done = _finished(out_path)
+    task = get_task(task_name)
+    # the task's own examples only (ids are "<task>/<n>": gsm8k/0, mmlu/12, HumanEval/3), so the table's heading is true
+    done = {k: v for k, v in _finished(out_path).items() if k.split("/")[0].lower() == task.name}
     complete = [k for k in done if all(m in done[k] for m in methods)]
     if not complete:
         have = sorted({m for k in done for m in done[k]})
         raise ValueError(
-            f"{out_path}: no example has results for all of {', '.join(methods)} "
-            f"({len(done)} examples; methods in the file: {', '.join(have) or 'none'})"
+            f"{out_path}: no {task.name} example has results for all of {', '.join(methods)} "
+            f"({len(done)} {task.name} examples; their methods: {', '.join(have) or 'none'})"
         )
     records = [{"id": k, "per_method": {m: done[k][m] for m in methods}} for k in complete]
-    return {"task": task_name, "examples": len(records), "summary": summarize(records, methods)}
+    return {"task": task.name, "examples": len(records), "summary": summarize(records, methods)}
 
 
 def _later_ttft(result: dict[str, Any]) -> float:
