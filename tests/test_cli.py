@@ -78,6 +78,24 @@ def test_bench_agents_refuses_a_numeric_reference_outside_the_accuracy_mode() ->
     assert out.returncode == 2 and "needs --task" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_agents_speed_only_measures_the_fitted_corrections() -> None:
+    """--questions 0 skips the fidelity part, not the fitting: the speed part's kvcmas readers apply a correction of
+    the ridge rank per chained edge (an unfitted estimator would read the spans uncorrected, as fullshared, and
+    report its speed as kvcmas'); without training questions it is an error, not such a measurement."""
+    common = ("bench", "agents", "--questions", "0", "--gen-tokens", "4", "--shared-tokens", "64", "--decode", "1")
+    out = kvcmas(*common, "--train", "1", "--method", "nonshared,kvcmas,kvcmas@0.25", "--json", "--threads", "2")
+    assert out.returncode == 0, out.stderr
+    rows = {r["method"]: r for r in json.loads(out.stdout)["speed"]}
+    for m in ("kvcmas", "kvcmas@0.25"):
+        assert rows[m]["modes"][1:] == ["reuse"] * 3
+        ranks = rows[m]["corr_rank"]
+        assert ranks[0] == 0 and 0 < ranks[1] < ranks[2] < ranks[3], ranks  # the chain's factors grow per edge
+        assert rows[m]["corr_bytes"] > 0
+    assert rows["kvcmas@0.25"]["computed_tokens"][1] > rows["kvcmas"]["computed_tokens"][1]
+    bad = kvcmas(*common, "--train", "0", "--method", "nonshared,kvcmas")
+    assert bad.returncode == 2 and "(--train 1 or more)" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_bench_agents_report_reads_a_resumable_run_without_running(tmp_path: Path) -> None:
     out_file = str(tmp_path / "acc.jsonl")
     common = ("bench", "agents", "--task", "gsm8k", "--method", "fullshared", "--out", out_file, "--json")

@@ -222,13 +222,12 @@ def correction_state(
     return out
 
 
-def fidelity(
-    model: Model, methods: list[str], agents: int, n_questions: int, n_train: int, gen_tokens: int, oracle_rank: int
-) -> tuple[list[dict[str, Any]], dict[str, WorkflowRunner]]:
+def fit_runners(
+    model: Model, names: list[str], agents: int, n_train: int, gen_tokens: int, oracle_rank: int
+) -> dict[str, WorkflowRunner]:
+    """A runner per method label in `names` (not nonshared), the learned estimators fitted on GSM8K test lines
+    40.. (n_train questions, gen_tokens per agent)."""
     wf = gsm8k_workflow(agents)
-    names = [m for m in methods if m != "nonshared"]
-    if "oracle" not in names:
-        names.append("oracle")
     configs = {"oracle": MethodConfig("oracle", rank=oracle_rank)}
     # labels with a budget on the ridge method read the base method's fitted estimator (fitted once); the others
     # (anchor pools learn online) get their own
@@ -249,7 +248,17 @@ def fidelity(
         runners[m] = WorkflowRunner(model, wf, labelled_config(m), built["kvcmas"].estimator)
     if "kvcmas" not in names:
         built["kvcmas"].close()
-    runners = {m: runners[m] for m in names}
+    return {m: runners[m] for m in names}
+
+
+def fidelity(
+    model: Model, methods: list[str], agents: int, n_questions: int, n_train: int, gen_tokens: int, oracle_rank: int
+) -> tuple[list[dict[str, Any]], dict[str, WorkflowRunner]]:
+    wf = gsm8k_workflow(agents)
+    names = [m for m in methods if m != "nonshared"]
+    if "oracle" not in names:
+        names.append("oracle")
+    runners = fit_runners(model, names, agents, n_train, gen_tokens, oracle_rank)
     bar = _progress(n_questions, "fidelity")
     ev = evaluate(model, wf, runners, load_gsm8k(10, n_questions), gen_tokens=gen_tokens, progress=lambda: bar.update())
     bar.close()
@@ -302,6 +311,10 @@ def run_agents(args: argparse.Namespace) -> int:
     decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
     if not decodes or min(decodes) < 1:
         raise ValueError("--decode takes positive token counts, e.g. 8,64")
+    learned = [m for m in methods if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
+    if (sizes or args.questions > 0) and learned and args.train < 1:
+        print(f"bench agents: {', '.join(learned)} need fitted estimators (--train 1 or more)", file=sys.stderr)
+        return 2
     path = resolve_model_path(args.model)
     n_ctx = max(sizes, default=0) + 1024
     model = Model(path, n_threads=args.threads, n_ctx=n_ctx, kv_budget=max(1 << 30, 16 * n_ctx * 30 * 2 * 192 * 4))
@@ -313,6 +326,8 @@ def run_agents(args: argparse.Namespace) -> int:
             model, methods, args.agents, args.questions, args.train, args.gen_tokens, args.oracle_rank
         )
     speed_methods = [m for m in methods if m != "oracle"]
+    if sizes and learned and not fitted:  # speed only: measure the methods with the corrections they would apply
+        fitted = fit_runners(model, learned, args.agents, args.train, args.gen_tokens, args.oracle_rank)
     with single_threaded_blas():
         result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, decodes, fitted, args.apply)
     kd = model.n_head_kv * model._core.head_dim
