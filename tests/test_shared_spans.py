@@ -151,6 +151,88 @@ def test_low_rank_correction_memory_is_factor_sized(model: kc.Model) -> None:
         assert model._core.seq_segments(b.id)[1]["corr_bytes"] == corr.bytes
 
 
+def test_pieces_of_a_span_read_one_correction_at_their_offsets(model: kc.Model) -> None:
+    """The reused pieces between recomputed rows read one correction at row offsets (corr_row0): the pieces read,
+    fused and copied, what appending each piece with its own slice of the factors reads (the slices a numpy
+    reference builds), the sequence's logits equal the whole span's, and the factors are counted once."""
+    n, rank, kd = 40, 4, model.n_head_kv * 64
+    rng = np.random.default_rng(21)
+    corr = core.KvCorrection(n, rank, kd, model.n_layer)
+    layers = []
+    for il in range(1, model.n_layer):
+        f = [rng.normal(0, 0.05, shape).astype(np.float32) for shape in ((n, rank), (rank, kd)) * 2]
+        corr.set_layer(il, *f)
+        layers.append((il, f))
+    cuts = [(0, 7), (7, 23), (23, 40)]
+    prefix, span, other, tail = _ids(model, 31, 9), _ids(model, 32, n), _ids(model, 33, 13), _ids(model, 34, 5)
+    with model.new_sequence() as src:
+        src.append(prefix + span, logits="none")
+        whole = src.share(len(prefix), n)
+        with model.new_sequence() as a, model.new_sequence() as b, model.new_sequence() as c:
+            for s in (a, b, c):
+                s.append(other, logits="none")
+            a.append_shared(whole, corr)
+            for start, end in cuts:
+                b.append_shared(whole.slice(start, end - start), corr, corr_row0=start)
+                piece = core.KvCorrection(end - start, rank, kd, model.n_layer)
+                for il, (ak, bk, av, bv) in layers:
+                    piece.set_layer(il, ak[start:end].copy(), bk, av[start:end].copy(), bv)
+                c.append_shared(whole.slice(start, end - start), piece)
+            kb, vb = b.kv(len(other), n)
+            kc_, vc = c.kv(len(other), n)
+            np.testing.assert_array_equal(kb, kc_)
+            np.testing.assert_array_equal(vb, vc)
+            assert sum(seg["corr_bytes"] for seg in model._core.seq_segments(b.id)) == corr.bytes
+            np.testing.assert_array_equal(b.append(tail, logits="all"), a.append(tail, logits="all"))
+        with model.new_sequence() as d:
+            d.append(other, logits="none")
+            d.append_shared(whole.slice(7, 16), corr, corr_row0=7)
+            fused = d.kv(len(other), 16)
+            core.seq_materialize_last(model._core, d.id)  # the copy reads the same offset
+            copied = d.kv(len(other), 16)
+            np.testing.assert_allclose(copied[0], fused[0], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(copied[1], fused[1], rtol=0, atol=1e-5)
+            for row0, part, match in ((30, whole.slice(0, 16), "covers 40 rows"), (-1, whole.slice(0, 4), "covers")):
+                with pytest.raises(core.KvcmasError, match=match):
+                    d.append_shared(part, corr, corr_row0=row0)
+            with pytest.raises(core.KvcmasError, match="without a correction"):
+                d.append_shared(whole.slice(0, 4), None, corr_row0=3)
+            assert len(d) == len(other) + 16
+
+
+def test_rows_computed_between_shared_pieces_fill_the_sequences_own_span(model: kc.Model) -> None:
+    """Fine-grained recompute computes a few rows between shared pieces, many times per prompt. Those rows go on in
+    the sequence's own span (one block per 32 rows, not one block per run of rows), with keys rotated at their own
+    positions (shift 0: as in a fresh span), so a reader that recomputes every other 3 rows of a span at the span's
+    own positions reads what computing the span gives; truncation gives the unused rows back."""
+    prefix, span, tail = _ids(model, 41, 8), _ids(model, 42, 60), _ids(model, 43, 4)
+    with model.new_sequence() as probe:
+        before = model.kv_bytes_in_use
+        probe.append(prefix[:1], logits="none")
+        block_bytes = model.kv_bytes_in_use - before
+    with model.new_sequence() as src:
+        src.append(prefix + span, logits="none")
+        whole = src.share(len(prefix), len(span))
+        exact = src.append(tail, logits="all")
+        with model.new_sequence() as b:
+            before = model.kv_bytes_in_use
+            b.append(prefix, logits="none")
+            own = len(prefix)
+            for start in range(0, len(span), 6):
+                b.append_shared(whole.slice(start, 3))
+                b.append(span[start + 3 : start + 6], logits="none")
+                own += 3
+            assert model.kv_bytes_in_use - before == -(-own // 32) * block_bytes  # 38 own rows: two blocks, not 11
+            segs = model._core.seq_segments(b.id)
+            assert all(s["shift"] == 0 for s in segs) and sum(not s["shared"] for s in segs) == 11
+            np.testing.assert_allclose(b.append(tail, logits="all"), exact, rtol=0, atol=1e-3)
+            b.truncate(len(prefix) + 3)  # the prefix and the first shared piece
+            assert model.kv_bytes_in_use - before == block_bytes
+            b.append(span[3:6], logits="none")
+            assert model.kv_bytes_in_use - before == block_bytes
+            assert model._core.seq_segments(b.id)[-1]["shift"] == 0
+
+
 def test_bad_sharing_requests_raise(model: kc.Model) -> None:
     with model.new_sequence() as a, model.new_sequence() as b:
         a.append(_ids(model, 13, 10), logits="none")

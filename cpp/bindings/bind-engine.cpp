@@ -67,11 +67,10 @@ static cpu::KvType parse_kv_type(const std::string & name) {
     fail("kv_type must be 'f32' or 'f16', got '%s'", name.c_str());
 }
 
-// Rows of a span handed to Python: keeps the rows alive (the model is kept alive by nanobind's keep_alive).
+// Rows of a span handed to Python (an uncorrected segment of the sequence they were shared from, with the frame
+// its keys are rotated at): keeps the rows alive (the model is kept alive by nanobind's keep_alive).
 struct SharedSpan {
-    std::shared_ptr<KvSpan> span;
-    int32_t                 begin;
-    int32_t                 n;
+    KvSegment rows;
 };
 
 using Mat3Out = nb::ndarray<nb::numpy, float, nb::ndim<3>>;
@@ -125,16 +124,17 @@ void bind_engine(nb::module_ & m) {
         "The backends compiled into this build: {name: (usable here, why not)}; 'cpu' always, 'cuda' with "
         "KVCMAS_CUDA=ON.");
     nb::class_<SharedSpan>(m, "SharedSpan", "Rows of KV stored once, readable by any sequence of the same model.")
-        .def_ro("n", &SharedSpan::n)
+        .def_prop_ro("n", [](const SharedSpan & s) { return s.rows.n; })
         .def_prop_ro(
-            "frame0", [](const SharedSpan & s) { return s.span->frame0() + s.begin; },
-            "the position its first key is rotated at")
+            "frame0", [](const SharedSpan & s) { return s.rows.frame; }, "the position its first key is rotated at")
         .def(
             "slice",
             [](const SharedSpan & s, int32_t first, int32_t n) {
-                KC_CHECK(first >= 0 && n > 0 && first <= s.n - n,
-                         "SharedSpan.slice: rows [%d, %d + %d) are outside the span's %d rows", first, first, n, s.n);
-                return SharedSpan{ s.span, s.begin + first, n };
+                KC_CHECK(first >= 0 && n > 0 && first <= s.rows.n - n,
+                         "SharedSpan.slice: rows [%d, %d + %d) are outside the span's %d rows", first, first, n,
+                         s.rows.n);
+                return SharedSpan{ KvSegment{ s.rows.span, s.rows.begin + first, n, s.rows.frame + first, nullptr,
+                                              0 } };
             },
             nb::arg("first"), nb::arg("n"), nb::keep_alive<0, 1>(),
             "Rows [first, first + n) of this span, the same stored rows (no copy).");
@@ -230,20 +230,17 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("n_seqs", &Model::n_seqs)
         .def(
             "seq_share",
-            [](Model & m, int32_t s, int32_t pos, int32_t n) {
-                int32_t begin = 0;
-                auto    span  = m.seq_span(s, pos, n, begin);
-                return SharedSpan{ std::move(span), begin, n };
-            },
+            [](Model & m, int32_t s, int32_t pos, int32_t n) { return SharedSpan{ m.seq_span(s, pos, n) }; },
             nb::arg("seq"), nb::arg("pos"), nb::arg("n"), nb::keep_alive<0, 1>(),
             "The stored rows behind positions [pos, pos + n) of seq, to append to other sequences without copying.")
         .def(
             "seq_append_shared",
-            [](Model & m, int32_t s, const SharedSpan & span, std::shared_ptr<KvCorrection> corr) {
-                m.seq_append_span(s, span.span, span.begin, span.n, std::move(corr));
+            [](Model & m, int32_t s, const SharedSpan & span, std::shared_ptr<KvCorrection> corr, int32_t corr_row0) {
+                m.seq_append_span(s, span.rows, std::move(corr), corr_row0);
             },
-            nb::arg("seq"), nb::arg("span"), nb::arg("correction").none() = nb::none(),
-            "Appends a shared span to seq at its end position, optionally with a low-rank correction.")
+            nb::arg("seq"), nb::arg("span"), nb::arg("correction").none() = nb::none(), nb::arg("corr_row0") = 0,
+            "Appends a shared span to seq at its end position, optionally with a low-rank correction whose rows "
+            "[corr_row0, corr_row0 + n) correct its n rows (one correction can serve several pieces of a span).")
         .def("seq_kv", &seq_kv, nb::arg("seq"), nb::arg("pos"), nb::arg("n"),
              "Materialized KV [n_layer, n, n_kv_dim] (float32, also for an f16 cache) of positions [pos, pos + n): "
              "keys at their positions, corrections added.")

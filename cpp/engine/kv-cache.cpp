@@ -114,13 +114,14 @@ void KvSpan::resize(int32_t n) {
     n_rows_ = n;
 }
 
-void KvSpan::append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, backend::RunTable & out) const {
+void KvSpan::append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, int32_t corr_row0,
+                         backend::RunTable & out) const {
     int32_t row = begin;
     while (row < begin + n) {
         const int32_t in_block = row % kKvBlockRows;
         const int32_t take     = std::min(kKvBlockRows - in_block, begin + n - row);
         out.runs.push_back(backend::KvRunRef{ blocks_[static_cast<size_t>(row / kKvBlockRows)], in_block, take, shift,
-                                              corr, corr >= 0 ? row - begin : 0 });
+                                              corr, corr >= 0 ? corr_row0 + row - begin : 0 });
         row += take;
     }
 }
@@ -231,11 +232,25 @@ void KvCache::seq_truncate(int32_t seq, int32_t n) {
         ++i;
     }
     segs.resize(i);
-    if (!segs.empty()) {
-        KvSegment & last = segs.back();
-        if (last.span.use_count() == 1 && last.span->writer == seq) {
-            last.span->resize(last.begin + last.n);  // give whole unused blocks back now
+    // The own span (the one this sequence writes to; it may back several of its segments): when no one else holds
+    // it, drop its rows past the last one kept, giving whole unused blocks back now.
+    for (size_t j = segs.size(); j-- > 0;) {
+        if (segs[j].span->writer != seq) {
+            continue;
         }
+        KvSpan * own  = segs[j].span.get();
+        long     refs = 0;
+        int32_t  end  = 0;
+        for (const KvSegment & s : segs) {
+            if (s.span.get() == own) {
+                ++refs;
+                end = std::max(end, s.begin + s.n);
+            }
+        }
+        if (segs[j].span.use_count() == refs) {
+            own->resize(end);
+        }
+        break;
     }
 }
 
@@ -261,7 +276,7 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
         if (span.writer == seq && at_end) {
             in_place = true;
         } else if (last.span.use_count() == 1 && (span.writer == seq || span.writer == -1) &&
-                   span.frame0() + last.begin == len - last.n) {
+                   last.frame == len - last.n) {
             // Sole reader whose frame matches its positions: drop rows past its view and keep writing there.
             span.resize(last.begin + last.n);
             span.writer = seq;
@@ -269,9 +284,23 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
         }
     }
     if (!in_place) {
-        auto span    = std::make_shared<KvSpan>(pool_, len);  // frame = positions, so keys need no shift
-        span->writer = seq;
-        segs.push_back(KvSegment{ std::move(span), 0, 0, nullptr });
+        // Rows after a shared piece go on in the sequence's own span when it has one left at its end: their keys
+        // are rotated at its frame and read through the new segment's shift. A fresh span per run of computed rows
+        // would leave most of its blocks empty when few rows sit between reused pieces (fine-grained recompute).
+        std::shared_ptr<KvSpan> own;
+        for (size_t i = segs.size(); i-- > 0;) {
+            const KvSegment & s = segs[i];
+            if (s.span->writer == seq && s.corr == nullptr && s.begin + s.n == s.span->n_rows()) {
+                own = s.span;
+                break;
+            }
+        }
+        if (own == nullptr) {
+            own         = std::make_shared<KvSpan>(pool_);
+            own->writer = seq;
+        }
+        const int32_t begin = own->n_rows();
+        segs.push_back(KvSegment{ std::move(own), begin, 0, len, nullptr, 0 });  // frame = positions: no shift
     }
     KvSegment &   last = segs.back();
     KvSpan &      span = *last.span;
@@ -286,7 +315,7 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
     }
     last.n += n;
     for (int32_t i = 0; i < n; ++i) {
-        slots.push_back(KvSlot{ span.slot(row0 + i), span.frame0() + row0 + i });
+        slots.push_back(KvSlot{ span.slot(row0 + i), last.frame + (row0 - last.begin) + i });
     }
     return slots;
 }
@@ -295,20 +324,20 @@ void KvCache::runs(int32_t seq, int layer, backend::RunTable & out) const {
     out.clear();
     int32_t pos0 = 0;
     for (const KvSegment & s : segments(seq)) {
-        // A row r of the span sits at position pos0 + (r - begin) and was rotated at frame0 + r.
-        const int32_t            shift = pos0 - s.begin - s.span->frame0();
+        // Row begin + i sits at position pos0 + i and was rotated at frame + i.
+        const int32_t            shift = pos0 - s.frame;
         const backend::Factors * f     = s.corr != nullptr ? s.corr->factors(backend_, layer) : nullptr;
         int32_t                  corr  = -1;
         if (f != nullptr) {
             corr = static_cast<int32_t>(out.corrs.size());
             out.corrs.push_back(f);
         }
-        s.span->append_runs(s.begin, s.n, shift, corr, out);
+        s.span->append_runs(s.begin, s.n, shift, corr, s.corr_row0, out);
         pos0 += s.n;
     }
 }
 
-std::shared_ptr<KvSpan> KvCache::seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) const {
+KvSegment KvCache::seq_span(int32_t seq, int32_t pos, int32_t n) const {
     const std::vector<KvSegment> & segs = segments(seq);
     int32_t                        pos0 = 0;
     for (const KvSegment & s : segs) {
@@ -319,30 +348,36 @@ std::shared_ptr<KvSpan> KvCache::seq_span(int32_t seq, int32_t pos, int32_t n, i
                      "positions [%d, %d) of sequence %d are corrected: they have no exact rows "
                      "to share",
                      pos, pos + n, seq);
-            begin = s.begin + (pos - pos0);
-            return s.span;
+            return KvSegment{ s.span, s.begin + (pos - pos0), n, s.frame + (pos - pos0), nullptr, 0 };
         }
         pos0 += s.n;
     }
     fail("positions [%d, %d) are outside sequence %d (length %d)", pos, pos + n, seq, pos0);
 }
 
-void KvCache::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
-                              std::shared_ptr<const KvCorrection> corr) {
+void KvCache::seq_append_span(int32_t seq, KvSegment rows, std::shared_ptr<const KvCorrection> corr,
+                              int32_t corr_row0) {
     std::vector<KvSegment> & segs = segments(seq);
-    KC_CHECK(span != nullptr, "no span given");
-    KC_CHECK(begin >= 0 && n > 0 && begin + n <= span->n_rows(), "rows [%d, %d) are outside the span (%d rows)", begin,
-             begin + n, span->n_rows());
+    KC_CHECK(rows.span != nullptr, "no span given");
+    const int32_t begin = rows.begin, n = rows.n;
+    KC_CHECK(begin >= 0 && n > 0 && begin + n <= rows.span->n_rows(), "rows [%d, %d) are outside the span (%d rows)",
+             begin, begin + n, rows.span->n_rows());
     const int32_t len = seq_length(seq);
     KC_CHECK(static_cast<int64_t>(len) + n <= n_ctx_max_,
              "sequence %d would hold %lld tokens, over the context size %d", seq, static_cast<long long>(len) + n,
              n_ctx_max_);
     if (corr != nullptr) {
         corr->validate(pool_.layout());
-        KC_CHECK(corr->n_rows >= n, "the correction covers %d rows, the span part %d", corr->n_rows, n);
+        KC_CHECK(corr_row0 >= 0 && static_cast<int64_t>(corr_row0) + n <= corr->n_rows,
+                 "the correction covers %d rows, the span part reads its rows [%d, %lld)", corr->n_rows, corr_row0,
+                 static_cast<long long>(corr_row0) + n);
         corr->bind(backend_);
+    } else {
+        KC_CHECK(corr_row0 == 0, "a correction row offset (%d) without a correction", corr_row0);
     }
-    segs.push_back(KvSegment{ std::move(span), begin, n, std::move(corr) });
+    rows.corr      = std::move(corr);
+    rows.corr_row0 = corr_row0;
+    segs.push_back(std::move(rows));
 }
 
 }  // namespace kvcmas

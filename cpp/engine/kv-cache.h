@@ -72,17 +72,17 @@ class KvBlockPool {
 
 struct KvCorrection;
 
-// Rows of KV stored once. Row i holds keys rotated at frame position frame0 + i. Destroyed (blocks returned to
+// Rows of KV stored once. The position a row's key is rotated at (its frame position) is kept by the segments that
+// read it (KvSegment::frame): one span can hold runs written at unrelated positions. Destroyed (blocks returned to
 // the pool) when the last segment referring to it goes.
 class KvSpan {
   public:
-    KvSpan(KvBlockPool & pool, int32_t frame0) : pool_(pool), frame0_(frame0) {}
+    explicit KvSpan(KvBlockPool & pool) : pool_(pool) {}
     ~KvSpan();
     KvSpan(const KvSpan &)             = delete;
     KvSpan & operator=(const KvSpan &) = delete;
 
     int32_t n_rows() const { return n_rows_; }
-    int32_t frame0() const { return frame0_; }
     // Grows the span to n rows (allocating blocks) or shrinks it (releasing whole unused blocks).
     void resize(int32_t n);
     // Where row `row` is stored (every layer has the row at the same place of its block).
@@ -90,14 +90,14 @@ class KvSpan {
         return backend::KvSlotRef{ blocks_[static_cast<size_t>(row / kKvBlockRows)], row % kKvBlockRows };
     }
     // Appends the runs covering rows [begin, begin + n) to out, with the given shift; corr (index into out.corrs,
-    // or -1) corrects these rows, its row 0 being row `begin`.
-    void append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, backend::RunTable & out) const;
+    // or -1) corrects these rows, its factor row corr_row0 belonging to row `begin`.
+    void append_runs(int32_t begin, int32_t n, int32_t shift, int32_t corr, int32_t corr_row0,
+                     backend::RunTable & out) const;
 
     int32_t writer = -1;  // the sequence that may append to this span in place; -1: nobody (frozen)
 
   private:
     KvBlockPool &        pool_;
-    int32_t              frame0_;
     int32_t              n_rows_ = 0;
     std::vector<int32_t> blocks_;
 };
@@ -135,12 +135,16 @@ struct KvCorrection {
 };
 
 // Rows [begin, begin + n) of a span, read by a sequence at positions [pos0, pos0 + n), where pos0 is the number of
-// rows of the segments before it. corr, when set, corrects these rows (its row i is the segment's row i).
+// rows of the segments before it; row begin + i holds a key rotated at frame position frame + i. corr, when set,
+// corrects these rows: its row corr_row0 + i is the segment's row i (several segments may read one correction at
+// different offsets, e.g. the reused pieces between recomputed rows).
 struct KvSegment {
     std::shared_ptr<KvSpan>             span;
     int32_t                             begin = 0;
     int32_t                             n     = 0;
+    int32_t                             frame = 0;
     std::shared_ptr<const KvCorrection> corr;
+    int32_t                             corr_row0 = 0;
 };
 
 // Where one new row of a sequence goes.
@@ -166,20 +170,21 @@ class KvCache {
     int32_t n_ctx_max() const { return n_ctx_max_; }
 
     // Extends seq by n rows and returns where each goes (positions length..length+n-1). Rows are written in place
-    // at the end of a span the sequence alone may append to; otherwise a new span starts (a fork never writes
-    // into rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
+    // at the end of a span the sequence alone may append to (after shared pieces too: the sequence's own span goes
+    // on in a new segment, its keys read through that segment's shift); otherwise a new span starts (a fork never
+    // writes into rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
     std::vector<KvSlot> append(int32_t seq, int32_t n);
 
     // The runs of layer il that seq reads, in position order, with the corrections they name.
     void runs(int32_t seq, int layer, backend::RunTable & out) const;
 
     // Sharing spans between sequences (cross-agent KV reuse).
-    // The span rows behind positions [pos, pos + n) of seq, which must lie in one segment; `begin` receives the
-    // first row. The sequence keeps appending after them without touching them.
-    std::shared_ptr<KvSpan> seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) const;
-    // Appends rows [begin, begin + n) of span to seq (no copy), optionally corrected. Throws past n_ctx_max.
-    void seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
-                         std::shared_ptr<const KvCorrection> corr);
+    // The span rows behind positions [pos, pos + n) of seq, which must lie in one segment and be uncorrected (the
+    // returned segment's corr is null). The sequence keeps appending after them without touching them.
+    KvSegment seq_span(int32_t seq, int32_t pos, int32_t n) const;
+    // Appends rows (a segment of another sequence, from seq_span; no copy) to seq, optionally corrected by rows
+    // [corr_row0, corr_row0 + rows.n) of corr. Throws past n_ctx_max or outside the span's or correction's rows.
+    void seq_append_span(int32_t seq, KvSegment rows, std::shared_ptr<const KvCorrection> corr, int32_t corr_row0 = 0);
     // The segments of seq (for accounting and tests).
     const std::vector<KvSegment> & seq_segments(int32_t seq) const { return segments(seq); }
 

@@ -18,7 +18,7 @@ int32_t materialize_last_segment(Model & model, int32_t seq) {
     try {
         slots = kv.append(seq, seg.n);
     } catch (...) {
-        kv.seq_append_span(seq, seg.span, seg.begin, seg.n, seg.corr);  // as it was
+        kv.seq_append_span(seq, seg, seg.corr, seg.corr_row0);  // as it was
         throw;
     }
 
@@ -36,10 +36,9 @@ int32_t materialize_last_segment(Model & model, int32_t seq) {
     std::vector<int64_t>            shifts(static_cast<size_t>(n));
     std::vector<backend::KvSlotRef> dst(static_cast<size_t>(n));
     for (int32_t i = 0; i < n; ++i) {
-        const KvSlot & slot         = slots[static_cast<size_t>(i)];
-        dst[static_cast<size_t>(i)] = slot.ref;
-        shifts[static_cast<size_t>(i)] =
-            static_cast<int64_t>(slot.frame_pos) - (static_cast<int64_t>(seg.span->frame0()) + seg.begin + i);
+        const KvSlot & slot            = slots[static_cast<size_t>(i)];
+        dst[static_cast<size_t>(i)]    = slot.ref;
+        shifts[static_cast<size_t>(i)] = static_cast<int64_t>(slot.frame_pos) - (static_cast<int64_t>(seg.frame) + i);
     }
     backend::RunTable table;
     for (int il = 0; il < static_cast<int>(p.n_layer); ++il) {
@@ -48,7 +47,7 @@ int32_t materialize_last_segment(Model & model, int32_t seq) {
         if (f != nullptr) {
             table.corrs.push_back(f);
         }
-        seg.span->append_runs(seg.begin, n, 0, f != nullptr ? 0 : -1, table);
+        seg.span->append_runs(seg.begin, n, 0, f != nullptr ? 0 : -1, seg.corr_row0, table);
         model.backend().kv_copy(model.rope(), shape, store, il, table, 0, static_cast<int>(table.runs.size()),
                                 shifts.data(), dst.data());
     }

@@ -417,23 +417,30 @@ size_t Model::n_seqs() {
     KC_LOCKED;
     return kv_->n_seqs();
 }
-std::shared_ptr<KvSpan> Model::seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin) {
+KvSegment Model::seq_span(int32_t seq, int32_t pos, int32_t n) {
     KC_LOCKED;
     check_filled(seq, pos, n, "seq_span");
-    return kv_->seq_span(seq, pos, n, begin);
+    return kv_->seq_span(seq, pos, n);
 }
-void Model::seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
-                            std::shared_ptr<const KvCorrection> corr) {
+void Model::seq_append_span(int32_t seq, KvSegment rows, std::shared_ptr<const KvCorrection> corr, int32_t corr_row0) {
     KC_LOCKED;
-    kv_->seq_append_span(seq, std::move(span), begin, n, std::move(corr));
+    kv_->seq_append_span(seq, std::move(rows), std::move(corr), corr_row0);
 }
 std::vector<SegmentInfo> Model::seq_segments(int32_t seq) {
     KC_LOCKED;
-    std::vector<SegmentInfo> out;
-    int32_t                  pos0 = 0;
-    for (const KvSegment & seg : kv_->seq_segments(seq)) {
-        out.push_back(SegmentInfo{ pos0, seg.n, pos0 - seg.begin - seg.span->frame0(), seg.span.use_count() > 1,
-                                   seg.corr ? seg.corr->bytes() : size_t{ 0 } });
+    std::vector<SegmentInfo>          out;
+    std::vector<const KvCorrection *> counted;  // a correction read by several segments is held once
+    int32_t                           pos0 = 0;
+    const std::vector<KvSegment> &    segs = kv_->seq_segments(seq);
+    for (const KvSegment & seg : segs) {
+        const long own_refs =
+            std::count_if(segs.begin(), segs.end(), [&](const KvSegment & s) { return s.span == seg.span; });
+        size_t corr_bytes = 0;
+        if (seg.corr != nullptr && std::find(counted.begin(), counted.end(), seg.corr.get()) == counted.end()) {
+            counted.push_back(seg.corr.get());
+            corr_bytes = seg.corr->bytes();
+        }
+        out.push_back(SegmentInfo{ pos0, seg.n, pos0 - seg.frame, seg.span.use_count() > own_refs, corr_bytes });
         pos0 += seg.n;
     }
     return out;

@@ -59,8 +59,8 @@ struct SegmentInfo {
     int32_t pos;         // position of its first row in the sequence
     int32_t n;           // rows
     int32_t shift;       // RoPE shift its keys are read with
-    bool    shared;      // its span is read by another segment too
-    size_t  corr_bytes;  // host memory of its correction's factors (0: none)
+    bool    shared;      // its span is held by another sequence (or a shared handle) too
+    size_t  corr_bytes;  // host memory of its correction's factors (0: none, or counted at an earlier segment)
 };
 
 class RidgeMaps;
@@ -102,17 +102,16 @@ class Model {
     void read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out);
 
     // Sequences (see KvCache for the contracts).
-    int32_t                  seq_new();
-    int32_t                  seq_fork(int32_t src);
-    void                     seq_truncate(int32_t seq, int32_t n);
-    void                     seq_remove(int32_t seq);
-    int32_t                  seq_length(int32_t seq);
-    bool                     seq_exists(int32_t seq);
-    size_t                   n_seqs();
-    int32_t                  n_ctx() const { return n_ctx_; }
-    std::shared_ptr<KvSpan>  seq_span(int32_t seq, int32_t pos, int32_t n, int32_t & begin);
-    void                     seq_append_span(int32_t seq, std::shared_ptr<KvSpan> span, int32_t begin, int32_t n,
-                                             std::shared_ptr<const KvCorrection> corr);
+    int32_t   seq_new();
+    int32_t   seq_fork(int32_t src);
+    void      seq_truncate(int32_t seq, int32_t n);
+    void      seq_remove(int32_t seq);
+    int32_t   seq_length(int32_t seq);
+    bool      seq_exists(int32_t seq);
+    size_t    n_seqs();
+    int32_t   n_ctx() const { return n_ctx_; }
+    KvSegment seq_span(int32_t seq, int32_t pos, int32_t n);
+    void seq_append_span(int32_t seq, KvSegment rows, std::shared_ptr<const KvCorrection> corr, int32_t corr_row0 = 0);
     std::vector<SegmentInfo> seq_segments(int32_t seq);
     // Reserves n rows at seq's end (positions length..length+n-1) for later decode items of seq to compute: spans
     // may be appended after them, so a prompt whose computed rows lie between reused spans runs in one forward pass

@@ -242,10 +242,11 @@ class KVSequence:
             raise ValueError(f"share: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
         return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]))
 
-    def append_shared(self, shared: SharedKV, correction: Any = None) -> None:
+    def append_shared(self, shared: SharedKV, correction: Any = None, corr_row0: int = 0) -> None:
         """Appends shared rows at this sequence's end: attention re-positions their keys (RoPE) in the kernel and,
-        given a _core.KvCorrection, adds its low-rank K/V deltas there too."""
-        self._model._core.seq_append_shared(self.id, shared.handle, correction)
+        given a _core.KvCorrection, adds its low-rank K/V deltas there too (its rows corr_row0.. for these rows, so
+        the pieces of one span can read one correction)."""
+        self._model._core.seq_append_shared(self.id, shared.handle, correction, corr_row0)
         self.tokens.extend(shared.tokens)
 
     def kv(self, pos: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:

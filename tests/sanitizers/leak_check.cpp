@@ -54,12 +54,11 @@ void exercise_model(const std::string & path) {
     const int32_t b = model.seq_fork(a);
     decode_tokens(model, b, { 9, 10 });
     decode_tokens(model, a, { 11 });
-    int32_t       begin = 0;
-    auto          span  = model.seq_span(a, 2, 4, begin);
-    const int32_t c     = model.seq_new();
+    kvcmas::KvSegment rows = model.seq_span(a, 2, 4);
+    const int32_t     c    = model.seq_new();
     decode_tokens(model, c, { 12, 13 });
-    model.seq_append_span(c, span, begin, 4, nullptr);
-    span.reset();
+    model.seq_append_span(c, rows, nullptr);
+    rows.span.reset();
     decode_tokens(model, c, { 14 });
     model.seq_truncate(a, 3);
     decode_tokens(model, a, { 15, 16 });

@@ -122,32 +122,28 @@ def append_span(
     """Appends a shared span (rows `ids`, stored as `shared`) to seq with the rows the rule chose (`mask`, from
     select_rows over the hop): chosen rows join `pending`, to be computed in order with the rest of the prompt
     (pending rows are reserved in seq, and moved to `held`, before a reused piece is appended after them); the others
-    are appended by reference with their slice of the correction (none when MethodConfig.correct is False). Returns
+    are appended by reference, every piece reading its rows of the span's one correction (none when
+    MethodConfig.correct is False), so however finely the rows are chosen the factors are held once. Returns
     pending."""
     from .runner import reserve_rows
 
     cfg, m = runner.config, runner.model
-    n = len(ids)
-    applied = corr if cfg.correct else None
-    if applied is not None and applied.in_core and mask.any():  # sliced below: copied out of the core once
-        applied = est.Correction(applied.factors(m.n_layer))
+    n_reused = int((~mask).sum())
+    kc: Any = None
+    if corr is not None and cfg.correct and n_reused:
+        kc = corr.kv_correction(len(ids), runner.kd, m.n_layer)
+    copy = kc is not None and runner._wants_copy(kc, n_reused)
     for start, end, chosen in runs(mask):
         if chosen:
             pending = pending + ids[start:end]
             continue
         pending = reserve_rows(seq, pending, held)
-        piece = shared.slice(start, end - start)
-        kc: Any = None
-        if applied is not None:
-            part = applied.sliced(start, end - start, m.n_layer) if start or end < n else applied
-            kc = part.kv_correction(end - start, runner.kd, m.n_layer)
-        seq.append_shared(piece, kc)
-        if kc is not None:
-            if runner._wants_copy(kc, end - start):
-                core.seq_materialize_last(m._core, seq.id)
-                runner._materialized += end - start
-            else:
-                runner._factor_bytes += kc.bytes
+        seq.append_shared(shared.slice(start, end - start), kc, corr_row0=start if kc is not None else 0)
+        if copy:
+            core.seq_materialize_last(m._core, seq.id)
+            runner._materialized += end - start
+    if kc is not None and not copy:
+        runner._factor_bytes += kc.bytes
     return pending
 
 
