@@ -284,9 +284,9 @@ std::vector<KvSlot> KvCache::append(int32_t seq, int32_t n) {
         }
     }
     if (!in_place) {
-        // Rows after a shared piece go on in the sequence's own span when it has one left at its end: their keys
-        // are rotated at its frame and read through the new segment's shift. A fresh span per run of computed rows
-        // would leave most of its blocks empty when few rows sit between reused pieces (fine-grained recompute).
+        // Rows after a shared piece go on in the sequence's own span when it has one left at its end, in a new
+        // segment whose frame is their positions (keys rotated as in a fresh span). A fresh span per run of
+        // computed rows would leave most of its blocks empty when few rows sit between reused pieces.
         std::shared_ptr<KvSpan> own;
         for (size_t i = segs.size(); i-- > 0;) {
             const KvSegment & s = segs[i];

@@ -171,8 +171,8 @@ class KvCache {
 
     // Extends seq by n rows and returns where each goes (positions length..length+n-1). Rows are written in place
     // at the end of a span the sequence alone may append to (after shared pieces too: the sequence's own span goes
-    // on in a new segment, its keys read through that segment's shift); otherwise a new span starts (a fork never
-    // writes into rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
+    // on in a new segment, keys rotated at their positions); otherwise a new span starts (a fork never writes into
+    // rows another sequence reads). Throws kvcmas::Error past n_ctx_max or the memory budget.
     std::vector<KvSlot> append(int32_t seq, int32_t n);
 
     // The runs of layer il that seq reads, in position order, with the corrections they name.
