@@ -166,3 +166,41 @@ def test_paired_interval_and_mcnemar() -> None:
     assert v["questions_for_3pt"] == int(np.ceil((1.96 * sd / 0.03) ** 2))
     same = bt.paired(base, base)
     assert same["diff"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["mcnemar_p"] == 1.0
+
+
+def test_harness_calibrates_on_its_own_examples_with_full_length_replies(
+    default_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvcmas fits the maps of the reply spans' edges on the calibration examples' replies, so those are as long as
+    the evaluated replies (max_tokens) unless calibrate_tokens says otherwise (they were cut at 16 tokens: maps fitted
+    on a reply's first rows then corrected 256-row replies). And the maps come from this run's calibration only: the
+    harness neither loads nor writes the calibration directory (it used to load an earlier run's maps, so --calibrate
+    did not take effect). The harness's own runs are observed, not replaced."""
+    from kvcmas_cpp.sharing.persist import default_calibration_dir
+
+    model = kc.Model(default_model_path, n_threads=2)  # a model of its own: a fresh estimator (shared per model)
+    real = bt.run_workflow
+    calls: list[tuple[str, int, list[Response] | list[float]]] = []
+
+    def observed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        calls.append((args[3], args[4], out))
+        return out
+
+    monkeypatch.setattr(bt, "run_workflow", observed)
+    calibration = {e.question for e in bt.calibration_examples(bt.get_task("gsm8k"), 1, 1)}
+
+    def calibration_reply_lengths() -> list[int]:
+        return [len(r.ids) for q, _, out in calls if q in calibration for r in out if isinstance(r, Response)]
+
+    bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False)
+    lengths = calibration_reply_lengths()
+    assert len(lengths) == 4 and 16 < max(lengths) <= 24, lengths
+    written = [p for p in default_calibration_dir().rglob("*") if p.is_file()]
+    assert not written, written
+    calls.clear()
+    bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False, calibrate_tokens=5)
+    lengths = calibration_reply_lengths()
+    assert len(lengths) == 4 and max(lengths) <= 5, lengths
+    with pytest.raises(ValueError, match="at least 1 reply token"):
+        bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, calibrate_tokens=0)

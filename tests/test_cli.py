@@ -156,6 +156,30 @@ def test_run_main_job_runs_the_team_under_both_methods(tmp_path: Path) -> None:
     assert strip == [r.split("|")[2:5] + r.split("|")[6:8] for r in rows2]
 
 
+def test_run_calibrates_on_replies_as_long_as_the_demos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvcmas run` fits kvcmas' maps on calibration replies of the demo's length (-n), not cut at 16 tokens: the maps
+    of the reply spans' edges correct replies that long. The demo's own team runs are observed, not replaced."""
+    import argparse
+
+    from kvcmas_cpp import demo
+
+    real = demo.run_team
+    calls: list[tuple[str, int, list[int]]] = []
+
+    def observed(model, task, method, example, max_tokens, *rest, **kw):  # type: ignore[no-untyped-def]
+        out = real(model, task, method, example, max_tokens, *rest, **kw)
+        calls.append((example.id, max_tokens, [len(r.ids) for r in out]))
+        return out
+
+    monkeypatch.setattr(demo, "run_team", observed)
+    p = argparse.ArgumentParser()
+    demo.add_run_arguments(p)
+    assert demo.run_demo(p.parse_args(["--questions", "1", "-n", "24", "--calibrate", "1", "-t", "2"])) == 0
+    calibration = [c for c in calls if c[0] != "gsm8k/0"]
+    assert len(calibration) == 1 and calibration[0][1] == 24, calls
+    assert 16 < max(calibration[0][2]) <= 24, calls
+
+
 def test_run_at_recompute_budget_one_answers_like_nonshared() -> None:
     out = kvcmas("run", "--questions", "1", "-n", "6", "--calibrate", "0", "-t", "2", "--recompute", "1")
     assert out.returncode == 0, out.stderr

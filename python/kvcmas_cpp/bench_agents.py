@@ -62,6 +62,13 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, default=50, help="examples of the task")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens each agent may generate")
     g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
+    g.add_argument(
+        "--calibrate-tokens",
+        type=int,
+        default=None,
+        help="tokens each agent may generate in the calibration examples (default: --max-tokens, like the evaluated "
+        "replies, which later agents read as spans)",
+    )
     g.add_argument("--out", default=None, help="JSONL file of per-example results (appended as they finish)")
     g.add_argument("--resume", action="store_true", help="skip the examples already in --out")
     g.add_argument(
@@ -370,13 +377,23 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     if args.task:
         out = Path(args.out) if args.out else None
         result["accuracy"] = bt.accuracy(
-            model, args.task, methods, args.limit, args.max_tokens, args.calibrate, out, args.resume
+            model,
+            args.task,
+            methods,
+            args.limit,
+            args.max_tokens,
+            args.calibrate,
+            out,
+            args.resume,
+            calibrate_tokens=args.calibrate_tokens,
         )
     if args.concurrent:
         levels = [int(x) for x in args.concurrent.split(",") if x.strip()]
         if not levels or min(levels) < 1:
             raise ValueError("--concurrent takes positive workflow counts, e.g. 1,2,4")
-        result["concurrent"] = bt.concurrent(model, methods, levels, args.max_tokens, args.calibrate)
+        result["concurrent"] = bt.concurrent(
+            model, methods, levels, args.max_tokens, args.calibrate, calibrate_tokens=args.calibrate_tokens
+        )
     if args.cold_start:
         if args.cold_start < 1 or args.workflows < 1:
             raise ValueError("--cold-start and --workflows take positive numbers")

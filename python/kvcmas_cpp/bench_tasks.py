@@ -98,7 +98,9 @@ def run_workflow(
     result is each agent's teacher-forced top-1 agreement with them instead of its responses."""
     wf = task.workflow()
     name, cfg = session_spec(method, calibrate)
-    with AgentSession(model, name, workflow=f"bench-{task.name}", config=cfg) as team:
+    # calibration_dir=False: what the learned methods use is fitted by this run's --calibrate examples, never maps an
+    # earlier run (or the user's own sessions) left in the calibration directory
+    with AgentSession(model, name, workflow=f"bench-{task.name}", config=cfg, calibration_dir=False) as team:
         agents = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
         team.share(question)
         if forced is None:
@@ -120,6 +122,15 @@ def _teacher_forced(team: AgentSession, agent: Any, ids: list[int]) -> float:
         return float(np.mean([a == b for a, b in zip(preds, ids, strict=False)])) if ids else 1.0
     finally:
         p.close()
+
+
+def _calibration_tokens(calibrate_tokens: int | None, max_tokens: int) -> int:
+    """Reply tokens per agent in calibration examples: as many as the evaluated replies unless told otherwise, so
+    the maps of the reply spans' edges are fitted on replies as long as the ones they will correct."""
+    n = max_tokens if calibrate_tokens is None else calibrate_tokens
+    if n < 1:
+        raise ValueError(f"calibration examples need at least 1 reply token per agent, got {n}")
+    return n
 
 
 def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
@@ -167,8 +178,10 @@ def accuracy(
     out_path: Path | None,
     resume: bool,
     teacher_forced: bool = True,
+    calibrate_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Runs every method on examples [0, limit) and returns the per-method summary (see the module doc)."""
+    """Runs every method on examples [0, limit) and returns the per-method summary (see the module doc).
+    calibrate_tokens: reply tokens per agent in the calibration examples (None: max_tokens)."""
     for m in methods:
         session_spec(m, calibrate)  # validates the label
     if "nonshared" not in methods:
@@ -184,7 +197,7 @@ def accuracy(
         bar = _progress(len(train) * len(learned), "calibration")
         for m in learned:
             for ex in train:
-                run_workflow(model, task, m, ex.question, max_tokens=16, calibrate=calibrate)
+                run_workflow(model, task, m, ex.question, _calibration_tokens(calibrate_tokens, max_tokens), calibrate)
                 bar.update()
         bar.close()
     records: list[dict[str, Any]] = []
@@ -341,14 +354,20 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
 
 
 def concurrent(
-    model: Model, methods: list[str], levels: list[int], max_tokens: int, calibrate: int
+    model: Model,
+    methods: list[str],
+    levels: list[int],
+    max_tokens: int,
+    calibrate: int,
+    calibrate_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
-    """N GSM8K workflows at once per level and method (one session per thread)."""
+    """N GSM8K workflows at once per level and method (one session per thread); calibrate_tokens as in accuracy."""
     task = get_task("gsm8k")
     questions = [e.question for e in task.load(0, max(levels))]
     if calibrate and "kvcmas" in methods:
+        n_tokens = _calibration_tokens(calibrate_tokens, max_tokens)
         for ex in calibration_examples(task, calibrate, max(levels)):
-            run_workflow(model, task, "kvcmas", ex.question, max_tokens=16, calibrate=calibrate)
+            run_workflow(model, task, "kvcmas", ex.question, n_tokens, calibrate)
     rows: list[dict[str, Any]] = []
     bar = _progress(len(levels) * len(methods), "concurrent")
     for n in levels:

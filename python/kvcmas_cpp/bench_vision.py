@@ -75,7 +75,9 @@ def run_vision(args: argparse.Namespace) -> int:
             data = Path(skimage.__file__).parent / "data"
             others = [data / f for f in ("chelsea.png", "coffee.png", "motorcycle_left.png", "rocket.jpg")]
             for photo in others[: args.calibrate]:
-                with AgentSession(model, "kvcmas", vision=vision, workflow="bench-vision", config=cfg) as team:
+                with AgentSession(
+                    model, "kvcmas", vision=vision, workflow="bench-vision", config=cfg, calibration_dir=False
+                ) as team:
                     agents = [team.agent(n, system=r) for n, r in ROLES]
                     team.share(image=photo, text="What is shown in this picture, and what is unusual about it?")
                     for a in agents:
@@ -84,7 +86,9 @@ def run_vision(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         for method in methods:
             config = cfg if method == "kvcmas" else None
-            with AgentSession(model, method, vision=vision, workflow="bench-vision", config=config) as team:
+            with AgentSession(
+                model, method, vision=vision, workflow="bench-vision", config=config, calibration_dir=False
+            ) as team:
                 agents = [team.agent(n, system=r) for n, r in ROLES]
                 team.share(image=image, text="What is shown in this picture, and what is unusual about it?")
                 resp = [a.respond(max_tokens=args.max_tokens) for a in agents]

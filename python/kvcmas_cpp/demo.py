@@ -129,7 +129,8 @@ def run_demo(args: argparse.Namespace) -> int:
     elif args.calibrate:
         bar = _progress(args.calibrate, "kvcmas learns its corrections")
         for ex in task.load(CALIBRATION_OFFSET, args.calibrate):
-            run_team(model, task, "kvcmas", ex, 16, args.calibrate, estimator, image)
+            # replies as long as the demo's: the maps of the reply spans' edges are fitted on the replies they correct
+            run_team(model, task, "kvcmas", ex, args.max_tokens, args.calibrate, estimator, image)
             bar.update()
         bar.close()
         if args.calibration:
