@@ -202,5 +202,7 @@ def test_harness_calibrates_on_its_own_examples_with_full_length_replies(
     bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False, calibrate_tokens=5)
     lengths = calibration_reply_lengths()
     assert len(lengths) == 4 and max(lengths) <= 5, lengths
+    calls.clear()
     with pytest.raises(ValueError, match="at least 1 reply token"):
         bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, calibrate_tokens=0)
+    assert not calls  # refused before any run

@@ -73,6 +73,12 @@ def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
     assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_bench_agents_refuses_calibration_replies_without_tokens() -> None:
+    out = kvcmas("bench", "agents", "--task", "gsm8k", "--method", "kvcmas", "--calibrate-tokens", "0")
+    assert out.returncode == 1 and "--calibrate-tokens must be at least 1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_bench_agents_refuses_a_numeric_reference_outside_the_accuracy_mode() -> None:
     out = kvcmas("bench", "agents", "--method", "nonshared,nonshared+kv-f16", "--questions", "1")
     assert out.returncode == 2 and "needs --task" in out.stderr and "Traceback" not in out.stderr

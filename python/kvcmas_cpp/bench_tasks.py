@@ -184,6 +184,7 @@ def accuracy(
     calibrate_tokens: reply tokens per agent in the calibration examples (None: max_tokens)."""
     for m in methods:
         session_spec(m, calibrate)  # validates the label
+    calibration_tokens = _calibration_tokens(calibrate_tokens, max_tokens)  # validated before any work
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     task = get_task(task_name)
@@ -197,7 +198,7 @@ def accuracy(
         bar = _progress(len(train) * len(learned), "calibration")
         for m in learned:
             for ex in train:
-                run_workflow(model, task, m, ex.question, _calibration_tokens(calibrate_tokens, max_tokens), calibrate)
+                run_workflow(model, task, m, ex.question, calibration_tokens, calibrate)
                 bar.update()
         bar.close()
     records: list[dict[str, Any]] = []
@@ -362,12 +363,12 @@ def concurrent(
     calibrate_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """N GSM8K workflows at once per level and method (one session per thread); calibrate_tokens as in accuracy."""
+    calibration_tokens = _calibration_tokens(calibrate_tokens, max_tokens)
     task = get_task("gsm8k")
     questions = [e.question for e in task.load(0, max(levels))]
     if calibrate and "kvcmas" in methods:
-        n_tokens = _calibration_tokens(calibrate_tokens, max_tokens)
         for ex in calibration_examples(task, calibrate, max(levels)):
-            run_workflow(model, task, "kvcmas", ex.question, n_tokens, calibrate)
+            run_workflow(model, task, "kvcmas", ex.question, calibration_tokens, calibrate)
     rows: list[dict[str, Any]] = []
     bar = _progress(len(levels) * len(methods), "concurrent")
     for n in levels:
