@@ -181,8 +181,9 @@ def test_run_calibrates_on_replies_as_long_as_the_demos(monkeypatch: pytest.Monk
     p = argparse.ArgumentParser()
     demo.add_run_arguments(p)
     assert demo.run_demo(p.parse_args(["--questions", "1", "-n", "24", "--calibrate", "1", "-t", "2"])) == 0
-    calibration = [c for c in calls if c[0] != "gsm8k/0"]
-    assert len(calibration) == 1 and calibration[0][1] == 24, calls
+    assert [c[0] for c in calls] == [f"gsm8k/{demo.CALIBRATION_OFFSET}", "gsm8k/0", "gsm8k/0"], calls
+    calibration = calls[:1]  # the calibration example, then the question under each method
+    assert calibration[0][1] == 24, calls
     assert 16 < max(calibration[0][2]) <= 24, calls
 
 

@@ -372,8 +372,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             bt.print_accuracy(result["accuracy"])
         _plots(args, result)
         return 0
-    if args.calibrate_tokens is not None and args.calibrate_tokens < 1:
-        raise ValueError(f"--calibrate-tokens must be at least 1, got {args.calibrate_tokens}")
+    bt.calibration_tokens(args.calibrate_tokens, args.max_tokens)  # a bad --calibrate-tokens, before the model loads
     model = Model(resolve_model_path(args.model), n_threads=args.threads)
     result = {"model": model.path, "methods": methods}
     if args.task:

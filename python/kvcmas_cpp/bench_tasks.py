@@ -124,13 +124,16 @@ def _teacher_forced(team: AgentSession, agent: Any, ids: list[int]) -> float:
         p.close()
 
 
-def _calibration_tokens(calibrate_tokens: int | None, max_tokens: int) -> int:
+def calibration_tokens(calibrate_tokens: int | None, max_tokens: int) -> int:
     """Reply tokens per agent in calibration examples: as many as the evaluated replies unless told otherwise, so
-    the maps of the reply spans' edges are fitted on replies as long as the ones they will correct."""
-    n = max_tokens if calibrate_tokens is None else calibrate_tokens
-    if n < 1:
-        raise ValueError(f"calibration examples need at least 1 reply token per agent, got {n}")
-    return n
+    the maps of the reply spans' edges are fitted on replies as long as the ones they will correct. A value given
+    below 1 is refused (the CLI calls this before loading a model)."""
+    if calibrate_tokens is not None and calibrate_tokens < 1:
+        raise ValueError(
+            "calibration examples need at least 1 reply token per agent: "
+            f"--calibrate-tokens must be at least 1, got {calibrate_tokens}"
+        )
+    return max_tokens if calibrate_tokens is None else calibrate_tokens
 
 
 def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
@@ -184,7 +187,7 @@ def accuracy(
     calibrate_tokens: reply tokens per agent in the calibration examples (None: max_tokens)."""
     for m in methods:
         session_spec(m, calibrate)  # validates the label
-    calibration_tokens = _calibration_tokens(calibrate_tokens, max_tokens)  # validated before any work
+    n_calibration_tokens = calibration_tokens(calibrate_tokens, max_tokens)  # validated before any work
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     task = get_task(task_name)
@@ -198,7 +201,7 @@ def accuracy(
         bar = _progress(len(train) * len(learned), "calibration")
         for m in learned:
             for ex in train:
-                run_workflow(model, task, m, ex.question, calibration_tokens, calibrate)
+                run_workflow(model, task, m, ex.question, n_calibration_tokens, calibrate)
                 bar.update()
         bar.close()
     records: list[dict[str, Any]] = []
@@ -363,12 +366,12 @@ def concurrent(
     calibrate_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """N GSM8K workflows at once per level and method (one session per thread); calibrate_tokens as in accuracy."""
-    calibration_tokens = _calibration_tokens(calibrate_tokens, max_tokens)
+    n_calibration_tokens = calibration_tokens(calibrate_tokens, max_tokens)
     task = get_task("gsm8k")
     questions = [e.question for e in task.load(0, max(levels))]
     if calibrate and "kvcmas" in methods:
         for ex in calibration_examples(task, calibrate, max(levels)):
-            run_workflow(model, task, "kvcmas", ex.question, calibration_tokens, calibrate)
+            run_workflow(model, task, "kvcmas", ex.question, n_calibration_tokens, calibrate)
     rows: list[dict[str, Any]] = []
     bar = _progress(len(levels) * len(methods), "concurrent")
     for n in levels:
