@@ -182,9 +182,9 @@ def test_run_calibrates_on_replies_as_long_as_the_demos(monkeypatch: pytest.Monk
     demo.add_run_arguments(p)
     assert demo.run_demo(p.parse_args(["--questions", "1", "-n", "24", "--calibrate", "1", "-t", "2"])) == 0
     assert [c[0] for c in calls] == [f"gsm8k/{demo.CALIBRATION_OFFSET}", "gsm8k/0", "gsm8k/0"], calls
-    calibration = calls[:1]  # the calibration example, then the question under each method
-    assert calibration[0][1] == 24, calls
-    assert 16 < max(calibration[0][2]) <= 24, calls
+    _, calibration_tokens, calibration_reply_lengths = calls[0]  # then the question under each method
+    assert calibration_tokens == 24, calls
+    assert 16 < max(calibration_reply_lengths) <= 24, calls
 
 
 def test_run_at_recompute_budget_one_answers_like_nonshared() -> None:
