@@ -65,6 +65,12 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     assert res["summary"][1]["later_ttft_speedup"] == pytest.approx(later[0] / res["summary"][1]["later_ttft_ms"])
     assert row["kvcmas@1"]["later_ttft_speedup"] == pytest.approx(later[1] / row["kvcmas@1"]["later_ttft_ms"])
     assert row["kvcmas@1"]["identical_replies"] == 1.0 and row["kvcmas@1"]["tf_top1"] == 1.0
+    assert row["kvcmas@1"]["identical_with_unchanged_prompt"] == row["kvcmas@1"]["unchanged_prompt_hops"] == 3
+    # identical replies among the hops whose upstream replies were all nonshared's, counted from the record
+    fid = json.loads(lines[0])["per_method"]["fullshared"]["fidelity"][1:]
+    unchanged = [f["identical"] for f in fid if f["aligned"]]
+    assert row["fullshared"]["unchanged_prompt_hops"] == len(unchanged) >= 1
+    assert row["fullshared"]["identical_with_unchanged_prompt"] == sum(unchanged)
     assert row["kvcmas@1"]["recomputed_tokens"] > 0 and row["kvcmas@1"]["vs_nonshared"]["diff"] == 0.0
     # --report: the same table from the file alone, nothing run (a method some example lacks is left out of it)
     assert bt.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]

@@ -332,6 +332,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
         hops = [h for p in per for h in p["hops"][1:]]
         fid = [f for p in per for f in p["fidelity"][1:]]
         aligned = [f for f in fid if "kl" in f]
+        unchanged_prompt = [f for f in fid if f["aligned"]]  # every upstream reply was nonshared's
         tf = [t for p in per if "tf_top1" in p for t in p["tf_top1"][1:]]
         rows.append(
             {
@@ -339,6 +340,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "accuracy": float(np.mean([p["correct"] for p in per])),
                 "vs_nonshared": paired(base_correct, [p["correct"] for p in per]),
                 "identical_replies": float(np.mean([f["identical"] for f in fid])),
+                "unchanged_prompt_hops": len(unchanged_prompt),
+                "identical_with_unchanged_prompt": int(sum(f["identical"] for f in unchanged_prompt)),
                 "aligned_hops": len(aligned),
                 "first_token_top1": float(np.mean([f["top1"] for f in aligned])) if aligned else float("nan"),
                 "first_token_kl": float(np.mean([f["kl"] for f in aligned])) if aligned else float("nan"),
@@ -537,17 +540,20 @@ def print_accuracy(res: dict[str, Any]) -> None:
     n = res["examples"]
     print(f"## {res['task']}: {n} examples, free-running greedy; fidelity vs nonshared")
     print(
-        "| method | accuracy | vs nonshared (95% CI, McNemar p) | identical replies | first-token top-1 (aligned hops) "
-        "| first-token KL | teacher-forced top-1 | later-agent TTFT ms | speedup | computed (recomputed) tokens "
+        "| method | accuracy | vs nonshared (95% CI, McNemar p) | identical replies "
+        "| identical, prompt still identical | first-token top-1 (aligned hops) | first-token KL "
+        "| teacher-forced top-1 | later-agent TTFT ms | speedup | computed (recomputed) tokens "
         "| KV MiB/request | correction MiB/request | reuse |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["summary"]:
         v = r["vs_nonshared"]
         lo, hi = v["ci95"]
+        same, hops = r["identical_with_unchanged_prompt"], r["unchanged_prompt_hops"]
         print(
             f"| {r['method']} | {100 * r['accuracy']:.1f}% | {100 * v['diff']:+.1f} pts "
             f"[{100 * lo:+.1f}, {100 * hi:+.1f}], p={v['mcnemar_p']:.2f} | {100 * r['identical_replies']:.1f}% | "
+            f"{100 * same / max(hops, 1):.1f}% ({same} of {hops}) | "
             f"{100 * r['first_token_top1']:.1f}% ({r['aligned_hops']}) | {r['first_token_kl']:.2e} | "
             f"{100 * r['tf_top1']:.1f}% | {r['later_ttft_ms']:.0f} | {r['later_ttft_speedup']:.2f}x | "
             f"{r['computed_tokens']:.0f} ({r['recomputed_tokens']:.0f}) | {r['kv_bytes_per_request'] / 2**20:.1f} | "
