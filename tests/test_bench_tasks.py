@@ -71,6 +71,15 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     unchanged = [f["identical"] for f in fid if f["aligned"]]
     assert row["fullshared"]["unchanged_prompt_hops"] == len(unchanged) >= 1
     assert row["fullshared"]["identical_with_unchanged_prompt"] == sum(unchanged)
+    # the same counts per later reader, and each reader's teacher-forced top-1, from the record
+    rec_fs = json.loads(lines[0])["per_method"]["fullshared"]
+    readers = row["fullshared"]["per_reader"]
+    assert [x["agent"] for x in readers] == [h["agent"] for h in rec_fs["hops"][1:]]
+    assert [(x["unchanged_prompt_hops"], x["identical_with_unchanged_prompt"]) for x in readers] == [
+        (int(f["aligned"]), int(f["aligned"] and f["identical"])) for f in fid
+    ]
+    assert [x["tf_top1"] for x in readers] == rec_fs["tf_top1"][1:]
+    assert [x["identical_with_unchanged_prompt"] for x in row["kvcmas@1"]["per_reader"]] == [1, 1, 1]
     assert row["kvcmas@1"]["recomputed_tokens"] > 0 and row["kvcmas@1"]["vs_nonshared"]["diff"] == 0.0
     # --report: the same table from the file alone, nothing run (a method some example lacks is left out of it)
     assert bt.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]
@@ -79,6 +88,17 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
         bt.report("gsm8k", ["kvcomm"], out)
     with pytest.raises(ValueError, match=r"no mmlu example .* \(0 mmlu examples"):  # a file of another task
         bt.report("mmlu", ["fullshared"], out)
+    # --report --limit N: only examples 0..N-1 (here a later example whose fullshared answer is the other way)
+    later_ex = json.loads(lines[0])
+    later_ex["id"] = "gsm8k/7"
+    later_ex["per_method"]["fullshared"]["correct"] = not later_ex["per_method"]["fullshared"]["correct"]
+    longer = tmp_path / "longer.jsonl"
+    longer.write_text(out.read_text() + json.dumps(later_ex) + "\n")
+    assert bt.report("gsm8k", ["fullshared"], longer)["examples"] == 2
+    assert bt.report("gsm8k", ["fullshared"], longer, limit=7) == bt.report("gsm8k", ["fullshared"], out)
+    assert bt.report("gsm8k", ["fullshared"], longer, limit=8)["examples"] == 2
+    with pytest.raises(ValueError, match="--limit must be at least 1"):
+        bt.report("gsm8k", ["fullshared"], longer, limit=0)
     with open(out, "a") as f:
         f.write('{"id": "gsm8k/1"}\n')
     with pytest.raises(ValueError, match=r"acc\.jsonl:3: not a result line"):

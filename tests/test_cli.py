@@ -110,6 +110,14 @@ def test_bench_agents_report_reads_a_resumable_run_without_running(tmp_path: Pat
     rep = kvcmas(*common, "--report", "--model", str(tmp_path / "no-model-is-loaded.gguf"))
     assert rep.returncode == 0, rep.stderr
     assert json.loads(rep.stdout)["accuracy"] == json.loads(run.stdout)["accuracy"]
+    # --limit reaches the report (question 0 is below 1, so the same table); the text table names each later reader
+    limited = kvcmas(*common[:-1], "--report", "--limit", "1")
+    assert limited.returncode == 0, limited.stderr
+    readers = json.loads(run.stdout)["accuracy"]["summary"][1]["per_reader"]
+    assert len(readers) == 3 and f"- fullshared: {readers[0]['agent']} " in limited.stdout
+    bad_limit = kvcmas(*common, "--report", "--limit", "0")
+    assert bad_limit.returncode != 0 and "--limit must be at least 1" in bad_limit.stderr
+    assert "Traceback" not in bad_limit.stderr
     for partial in (("--task", "gsm8k"), ("--out", out_file)):  # it never falls back to running a benchmark
         bad = kvcmas("bench", "agents", *partial, "--report")
         assert bad.returncode != 0 and "--report reads an accuracy run's file" in bad.stderr

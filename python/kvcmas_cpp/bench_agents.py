@@ -59,7 +59,12 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     g = p.add_argument_group("accuracy mode (--task): each method's team free-running on a benchmark")
     g.add_argument("--task", choices=("gsm8k", "mmlu", "humaneval"), default=None)
-    g.add_argument("--limit", type=int, default=50, help="examples of the task")
+    g.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="examples of the task (default 50); with --report, only examples 0..N-1 of the file (default: all)",
+    )
     g.add_argument("--max-tokens", type=int, default=128, help="tokens each agent may generate")
     g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
     g.add_argument(
@@ -365,7 +370,8 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     if args.report:
         if not (args.task and args.out) or args.concurrent or args.cold_start:
             raise ValueError("--report reads an accuracy run's file: it takes --task and --out, and no other mode")
-        result: dict[str, Any] = {"methods": methods, "accuracy": bt.report(args.task, methods, Path(args.out))}
+        accuracy = bt.report(args.task, methods, Path(args.out), args.limit)
+        result: dict[str, Any] = {"methods": methods, "accuracy": accuracy}
         if args.json:
             print(json.dumps(result, indent=1, default=float))
         else:
@@ -381,7 +387,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             model,
             args.task,
             methods,
-            args.limit,
+            50 if args.limit is None else args.limit,
             args.max_tokens,
             args.calibrate,
             out,

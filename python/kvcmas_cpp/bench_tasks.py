@@ -259,11 +259,14 @@ def _finished(out_path: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
-def report(task_name: str, methods: list[str], out_path: Path) -> dict[str, Any]:
+def report(task_name: str, methods: list[str], out_path: Path, limit: int | None = None) -> dict[str, Any]:
     """The summary of what an accuracy JSONL holds, running nothing: over the examples where every method (and the
-    nonshared reference) has a result, so a run spread over days with --resume can be read at any point."""
+    nonshared reference) has a result, so a run spread over days with --resume can be read at any point. limit:
+    only examples [0, limit) of the task (the first problems of a longer run), None: all of them."""
     for m in methods:
         session_spec(m, 0)  # validates the label
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1 example, got {limit}")
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     if not out_path.is_file():
@@ -271,6 +274,9 @@ def report(task_name: str, methods: list[str], out_path: Path) -> dict[str, Any]
     task = get_task(task_name)
     # the task's own examples only (ids are "<task>/<n>": gsm8k/0, mmlu/12, HumanEval/3), so the table's heading is true
     done = {k: v for k, v in _finished(out_path).items() if k.split("/")[0].lower() == task.name}
+    if limit is not None:
+        index = {k: k.rsplit("/", 1)[-1] for k in done}
+        done = {k: v for k, v in done.items() if index[k].isdigit() and int(index[k]) < limit}
     complete = [k for k in done if all(m in done[k] for m in methods)]
     if not complete:
         have = sorted({m for k in done for m in done[k]})
@@ -352,12 +358,31 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "kv_bytes_per_request": float(np.mean([sum(h["kv_bytes"] for h in p["hops"]) for p in per])),
                 "corr_bytes_per_request": float(np.mean([sum(h["corr_bytes"] for h in p["hops"]) for p in per])),
                 "reuse_share": float(np.mean([h["mode"] == "reuse" for h in hops])),
+                "per_reader": _per_reader(per),
             }
         )
     for r, m in zip(rows, methods, strict=True):  # against the nonshared runs that ran beside the method's
         base = float(np.mean([r_["per_method"][m]["reference_later_ttft_ms"] for r_ in records]))
         r["later_ttft_speedup"] = base / max(float(r["later_ttft_ms"]), 1e-9)
     return rows
+
+
+def _per_reader(per: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per later reader (hop 1, 2, ...): its name, the hops whose upstream replies were all nonshared's, how many of
+    them replied identically, and its teacher-forced top-1; where a team loses identical replies is read here."""
+    readers: list[dict[str, Any]] = []
+    for i in range(1, len(per[0]["hops"]) if per else 1):
+        unchanged = [p["fidelity"][i]["identical"] for p in per if p["fidelity"][i]["aligned"]]
+        tf = [p["tf_top1"][i] for p in per if "tf_top1" in p]
+        readers.append(
+            {
+                "agent": per[0]["hops"][i]["agent"],
+                "unchanged_prompt_hops": len(unchanged),
+                "identical_with_unchanged_prompt": int(sum(unchanged)),
+                "tf_top1": float(np.mean(tf)) if tf else float("nan"),
+            }
+        )
+    return readers
 
 
 def concurrent(
@@ -559,6 +584,14 @@ def print_accuracy(res: dict[str, Any]) -> None:
             f"{r['computed_tokens']:.0f} ({r['recomputed_tokens']:.0f}) | {r['kv_bytes_per_request'] / 2**20:.1f} | "
             f"{r['corr_bytes_per_request'] / 2**20:.2f} | {100 * r['reuse_share']:.0f}% |"
         )
+    print("\nPer later reader: identical replies where its prompt was still nonshared's; teacher-forced top-1.")
+    for r in res["summary"][1:]:
+        readers = "; ".join(
+            f"{x['agent']} {x['identical_with_unchanged_prompt']} of {x['unchanged_prompt_hops']}, "
+            f"{100 * x['tf_top1']:.2f}%"
+            for x in r["per_reader"]
+        )
+        print(f"- {r['method']}: {readers}")
     spreads = [r["vs_nonshared"]["questions_for_3pt"] for r in res["summary"][1:]]
     spreads = [x for x in spreads if x is not None]
     if spreads:
