@@ -4,7 +4,8 @@
   examples through the agent-session API, free-running (greedy); per method the task accuracy of the decision
   agent's answer, and fidelity against `nonshared`: replies identical, first-token top-1 agreement and KL on the
   hops whose prompt is still identical to nonshared's (once an upstream reply differs, later prompts differ too).
-  Then each method's team is teacher-forced on nonshared's replies: teacher-forced top-1 per hop. Accuracy differences
+  Then each method's team is teacher-forced on nonshared's replies: teacher-forced top-1 per hop. Both are also
+  summarized per later reader (`per_reader`), which shows where a team loses its identical replies. Accuracy differences
   against nonshared come with a paired 95% bootstrap interval and McNemar's exact test. Methods may carry a
   recompute budget (`kvcmas@0.1`) or be the selective-recompute-only baseline (`recompute@0.1`). The numeric
   references (NUMERIC_VARIANTS: `nonshared+kv-f16`, `nonshared+act-f32`) are nonshared on another valid engine
