@@ -114,7 +114,12 @@ def test_bench_agents_report_reads_a_resumable_run_without_running(tmp_path: Pat
     limited = kvcmas(*common[:-1], "--report", "--limit", "1")
     assert limited.returncode == 0, limited.stderr
     readers = json.loads(run.stdout)["accuracy"]["summary"][1]["per_reader"]
-    assert len(readers) == 3 and f"- fullshared: {readers[0]['agent']} " in limited.stdout
+    line = "; ".join(
+        f"{x['agent']} {x['identical_with_unchanged_prompt']} of {x['unchanged_prompt_hops']}, "
+        f"{100 * x['tf_top1']:.2f}%"
+        for x in readers
+    )
+    assert len(readers) == 3 and f"- fullshared: {line}\n" in limited.stdout
     bad_limit = kvcmas(*common, "--report", "--limit", "0")
     assert bad_limit.returncode != 0 and "--limit must be at least 1" in bad_limit.stderr
     assert "Traceback" not in bad_limit.stderr

@@ -29,6 +29,8 @@ from .sharing.recompute import labelled_config, parse_label
 from .sharing.runner import WorkflowRunner
 from .sharing.workflow import gsm8k_workflow, load_gsm8k
 
+DEFAULT_LIMIT = 50  # accuracy mode: examples a run evaluates unless --limit says otherwise
+
 
 def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     """Options of `kvcmas bench agents`."""
@@ -63,7 +65,8 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         "--limit",
         type=int,
         default=None,
-        help="examples of the task (default 50); with --report, only examples 0..N-1 of the file (default: all)",
+        help=f"examples of the task (default {DEFAULT_LIMIT}); with --report, only examples 0..N-1 of the file "
+        "(default: all)",
     )
     g.add_argument("--max-tokens", type=int, default=128, help="tokens each agent may generate")
     g.add_argument("--calibrate", type=int, default=4, help="examples the learned methods calibrate on first")
@@ -387,7 +390,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             model,
             args.task,
             methods,
-            50 if args.limit is None else args.limit,
+            DEFAULT_LIMIT if args.limit is None else args.limit,
             args.max_tokens,
             args.calibrate,
             out,

@@ -276,8 +276,7 @@ def report(task_name: str, methods: list[str], out_path: Path, limit: int | None
     # the task's own examples only (ids are "<task>/<n>": gsm8k/0, mmlu/12, HumanEval/3), so the table's heading is true
     done = {k: v for k, v in _finished(out_path).items() if k.split("/")[0].lower() == task.name}
     if limit is not None:
-        index = {k: k.rsplit("/", 1)[-1] for k in done}
-        done = {k: v for k, v in done.items() if index[k].isdigit() and int(index[k]) < limit}
+        done = {k: v for k, v in done.items() if _example_number(k) < limit}
     complete = [k for k in done if all(m in done[k] for m in methods)]
     if not complete:
         have = sorted({m for k in done for m in done[k]})
@@ -287,6 +286,12 @@ def report(task_name: str, methods: list[str], out_path: Path, limit: int | None
         )
     records = [{"id": k, "per_method": {m: done[k][m] for m in methods}} for k in complete]
     return {"task": task.name, "examples": len(records), "summary": summarize(records, methods)}
+
+
+def _example_number(example_id: str) -> int:
+    """n of an example id "<task>/<n>" (a malformed id sorts after every limit)."""
+    n = example_id.rsplit("/", 1)[-1]
+    return int(n) if n.isdigit() else sys.maxsize
 
 
 def _later_ttft(result: dict[str, Any]) -> float:
@@ -339,7 +344,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
         hops = [h for p in per for h in p["hops"][1:]]
         fid = [f for p in per for f in p["fidelity"][1:]]
         aligned = [f for f in fid if "kl" in f]
-        unchanged_prompt = [f for f in fid if f["aligned"]]  # every upstream reply was nonshared's
+        readers = _per_reader(per)
         tf = [t for p in per if "tf_top1" in p for t in p["tf_top1"][1:]]
         rows.append(
             {
@@ -347,8 +352,8 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "accuracy": float(np.mean([p["correct"] for p in per])),
                 "vs_nonshared": paired(base_correct, [p["correct"] for p in per]),
                 "identical_replies": float(np.mean([f["identical"] for f in fid])),
-                "unchanged_prompt_hops": len(unchanged_prompt),
-                "identical_with_unchanged_prompt": int(sum(f["identical"] for f in unchanged_prompt)),
+                "unchanged_prompt_hops": sum(x["unchanged_prompt_hops"] for x in readers),
+                "identical_with_unchanged_prompt": sum(x["identical_with_unchanged_prompt"] for x in readers),
                 "aligned_hops": len(aligned),
                 "first_token_top1": float(np.mean([f["top1"] for f in aligned])) if aligned else float("nan"),
                 "first_token_kl": float(np.mean([f["kl"] for f in aligned])) if aligned else float("nan"),
@@ -359,7 +364,7 @@ def summarize(records: list[dict[str, Any]], methods: list[str]) -> list[dict[st
                 "kv_bytes_per_request": float(np.mean([sum(h["kv_bytes"] for h in p["hops"]) for p in per])),
                 "corr_bytes_per_request": float(np.mean([sum(h["corr_bytes"] for h in p["hops"]) for p in per])),
                 "reuse_share": float(np.mean([h["mode"] == "reuse" for h in hops])),
-                "per_reader": _per_reader(per),
+                "per_reader": readers,
             }
         )
     for r, m in zip(rows, methods, strict=True):  # against the nonshared runs that ran beside the method's
