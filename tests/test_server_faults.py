@@ -482,7 +482,8 @@ def test_sigterm_drains_running_requests_and_exits_0(model_path: str) -> None:
             body = {"prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0}  # greedy: no early EOS
             streams.append(_open_stream(srv, "/v1/completions", body))
         pool = ThreadPoolExecutor(4)
-        plain = pool.submit(srv.request, "POST", "/v1/completions", {"prompt": COUNTING, "max_tokens": 8})
+        plain_body = {"prompt": COUNTING, "max_tokens": 8, "temperature": 0}  # greedy too: sampled, EOS may come early
+        plain = pool.submit(srv.request, "POST", "/v1/completions", plain_body)
         time.sleep(0.2)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
