@@ -478,12 +478,11 @@ def test_sigterm_drains_running_requests_and_exits_0(model_path: str) -> None:
     srv = ServerProcess(model_path, "--method", "nonshared", "--parallel", "4", "--shutdown-timeout", "5")
     streams: list[tuple[http.client.HTTPConnection, Any]] = []
     try:
+        greedy = {"prompt": COUNTING, "temperature": 0}  # greedy: no early EOS (sampled, one may stop short)
         for max_tokens in (8, 8, 2000):  # two finish within the drain deadline, the last one is ended by it
-            body = {"prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0}  # greedy: no early EOS
-            streams.append(_open_stream(srv, "/v1/completions", body))
+            streams.append(_open_stream(srv, "/v1/completions", {**greedy, "max_tokens": max_tokens}))
         pool = ThreadPoolExecutor(4)
-        plain_body = {"prompt": COUNTING, "max_tokens": 8, "temperature": 0}  # greedy too: sampled, EOS may come early
-        plain = pool.submit(srv.request, "POST", "/v1/completions", plain_body)
+        plain = pool.submit(srv.request, "POST", "/v1/completions", {**greedy, "max_tokens": 8})
         time.sleep(0.2)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
