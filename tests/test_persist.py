@@ -79,6 +79,10 @@ def test_damaged_files_are_clear_errors(model: kc.Model, fitted: est.RidgeEstima
         bad.write_bytes(blob)
         with pytest.raises(ValueError, match=str(bad.name)):
             persist.load_ridge(bad, model)
+    text = tmp_path / "passwd"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(ValueError, match=r"passwd: not a kvcmas-ridge-v1 file \(not an \.npz archive"):
+        persist.load_ridge(text, model)
     other_format = tmp_path / "other.npz"
     np.savez(other_format, header=np.frombuffer(b'{"format": "something-else"}', np.uint8))
     with pytest.raises(ValueError, match="not a kvcmas-ridge-v1 file"):

@@ -397,12 +397,20 @@ def test_json_object_and_bad_schemas(client: Any, model: str) -> None:
         assert out.choices[0].message.content.startswith("{")
     for fmt in (
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},  # no finite value
         {"type": "json_schema"},
         {"type": "yaml"},
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=model, messages=HELLO, response_format=fmt, max_tokens=2)
         assert e.value.body["param"].startswith("response_format"), e.value.body
+    # A schema whose required property only refers to itself starts, then has nowhere to go: the request's fault (400
+    # invalid_schema), not a 500 from the sampler.
+    self_loop = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": self_loop}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=HELLO, response_format=fmt, max_tokens=20)
+    assert e.value.body["code"] == "invalid_schema" and "dead end" in e.value.body["message"], e.value.body
 
 
 # ------------------------------------------------------------------------------------------ utility endpoints

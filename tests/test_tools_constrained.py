@@ -279,14 +279,32 @@ def test_tool_call_grammar_and_fork(tokenizer: Any) -> None:
     assert not fork.finished and fork.allowed().sum() < 50  # the fork is still at the start: "<" of "<tool_call>"
 
 
+SELF_LOOP = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+
+
 def test_bad_schemas_are_refused(tokenizer: Any) -> None:
-    from kvcmas_cpp.constrained import Constraint, GrammarError, json_schema_grammar
+    from kvcmas_cpp.constrained import Constraint, ConstraintDeadEnd, GrammarError, json_schema_grammar
 
     for bad in ({"type": "strin"}, {"$ref": "#/nowhere"}):
         with pytest.raises(GrammarError):
             Constraint(tokenizer, json_schema_grammar(bad))
     with pytest.raises(GrammarError):
         json_schema_grammar([1, 2])  # type: ignore[arg-type]
+    # A schema with no value at all compiles, but no token can start it: refused up front, not while sampling.
+    for bad in ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]}):
+        with pytest.raises(GrammarError, match="admits no output"):
+            Constraint(tokenizer, json_schema_grammar(bad))
+    # One whose required property only refers to itself starts ('{"a": ') and then has nowhere to go.
+    c = Constraint(tokenizer, json_schema_grammar(SELF_LOOP))
+    text = ""
+    with pytest.raises(ConstraintDeadEnd, match="no token can continue"):
+        for _ in range(20):
+            token = int(np.flatnonzero(c.allowed())[0])
+            text += tokenizer.decode([token])
+            c.accept(token)
+    assert text.replace(" ", "") == '{"a":', text
+    recursive_but_finite = {"type": "object", "properties": {"a": {"$ref": "#"}}}
+    assert Constraint(tokenizer, json_schema_grammar(recursive_but_finite)).allowed().any()
 
 
 # ------------------------------------------------------------------------------------------ n > 1 in the scheduler

@@ -48,6 +48,14 @@ class GrammarError(ValueError):
         self.param = param
 
 
+_DEAD_END = "the grammar reached a dead end: no token can continue the output"
+
+
+class ConstraintDeadEnd(ValueError):
+    """The grammar reached a state that no token continues (a schema with no finite value, such as a property that
+    only refers to itself): the request's output settings are at fault, not the model."""
+
+
 def _closed_objects(schema: Any, close: bool = True) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties and does not
     say: what is generated still validates against the original schema (a subset of what it allows), and a small
@@ -151,6 +159,11 @@ def _ll_tokenizer(tok: Tokenizer) -> Any:
         return ll
 
 
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser-state dump it appends (grammar internals, many lines)."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
+
+
 class Constraint:
     """The tokens a grammar allows next, for one generation.
 
@@ -165,12 +178,20 @@ class Constraint:
         self.tokenizer = tok
         self.grammar = grammar
         self.n_logits = n_logits or tok.n_vocab
+        fresh = _matcher is None
         if _matcher is None:
             _matcher = llguidance.LLMatcher(_ll_tokenizer(tok), grammar, log_level=0)
             if _matcher.is_error():
-                raise GrammarError(_matcher.get_error())
+                raise GrammarError(_first_line(_matcher.get_error()))
         self._matcher = _matcher
         self._bits = np.zeros((tok.n_vocab + 31) // 32, dtype=np.int32)
+        if fresh:
+            # A grammar with no finite output (a schema that only refers to itself) fails at the first mask: refuse
+            # it here, as the caller's error, rather than as a failure in the middle of sampling.
+            try:
+                self.allowed()
+            except ConstraintDeadEnd:
+                raise GrammarError("it admits no output: no token can start one") from None
 
     def fork(self) -> Constraint:
         """An independent copy in the same state (the n > 1 choices of one request)."""
@@ -178,21 +199,24 @@ class Constraint:
 
     def allowed(self) -> np.ndarray:
         """Bool mask (n_logits,) of the tokens that may come next (end-of-generation tokens once the output is
-        complete). Raises ValueError when the matcher has failed."""
+        complete). Raises ConstraintDeadEnd when no token can continue the output."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
-            raise ValueError(f"constrained decoding failed: {self._matcher.get_error()}")
+            raise ConstraintDeadEnd(f"{_DEAD_END} (llguidance: {_first_line(self._matcher.get_error())})")
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        if not mask.any():
+            raise ConstraintDeadEnd(_DEAD_END)
         if mask.shape[0] >= self.n_logits:
             return mask[: self.n_logits]
         return np.concatenate([mask, np.zeros(self.n_logits - mask.shape[0], dtype=bool)])
 
     def accept(self, token: int) -> None:
-        """Advances past a generated token (an end-of-generation token ends the output)."""
+        """Advances past a generated token (an end-of-generation token ends the output); raises ConstraintDeadEnd
+        when the grammar refuses it."""
         if token in self.tokenizer.eog_ids or self._matcher.is_stopped():
             return
         if not self._matcher.consume_token(int(token)):
-            raise ValueError(f"constrained decoding failed: {self._matcher.get_error()}")
+            raise ConstraintDeadEnd(f"{_DEAD_END} (llguidance: {_first_line(self._matcher.get_error())})")
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,7 @@ import numpy as np
 
 from .. import agents
 from .._native import KvcmasError
+from ..constrained import ConstraintDeadEnd
 from ..model import PROMPT_CHUNK, KVSequence, Model
 from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, chunk_bounds
 from ..prefix_cache import PrefixCache
@@ -884,6 +885,9 @@ class Scheduler:
                 job.pending_logprobs.append(token_logprobs(logits, token, job.logprobs))
             if job.constraint is not None:
                 job.constraint.accept(token)
+        except ConstraintDeadEnd as e:  # the request's schema has no finite value: its fault, not the server's
+            self._fail(job, 400, f"the output's grammar (response_format or forced tool call): {e}", "invalid_schema")
+            return
         except ValueError as e:  # NaN logits and the like: this job cannot go on, the others can
             log.error("%s: sampling failed: %s", job.id, e)
             self._fail(job, 500, f"sampling failed: {e}", "internal_error")

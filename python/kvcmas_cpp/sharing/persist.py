@@ -114,6 +114,10 @@ def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstima
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no such file")
     try:
+        with p.open("rb") as f:
+            magic = f.read(4)
+        if magic[:2] != b"PK":  # np.load would blame "pickled data" for any other file
+            raise ValueError(f"not a {FORMAT} file (not an .npz archive: it starts with {magic!r})")
         with np.load(p, allow_pickle=False) as z:
             header = json.loads(bytes(z["header"]).decode())
             if not isinstance(header, dict) or header.get("format") != FORMAT:
