@@ -411,6 +411,11 @@ def test_json_object_and_bad_schemas(client: Any, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=HELLO, response_format=fmt, max_tokens=20)
     assert e.value.body["code"] == "invalid_schema" and "dead end" in e.value.body["message"], e.value.body
+    stream = client.chat.completions.create(
+        model=model, messages=HELLO, response_format=fmt, max_tokens=20, stream=True
+    )
+    with pytest.raises(openai.APIError, match="dead end"):  # the stream's error event, after the first bytes
+        list(stream)
 
 
 # ------------------------------------------------------------------------------------------ utility endpoints

@@ -52,7 +52,7 @@ _DEAD_END = "the grammar reached a dead end: no token can continue the output"
 
 
 class ConstraintDeadEnd(ValueError):
-    """The grammar reached a state that no token continues (a schema with no finite value, such as a property that
+    """The grammar reached a state that no token continues (a schema with no value, such as a required property that
     only refers to itself): the request's output settings are at fault, not the model."""
 
 
@@ -186,8 +186,8 @@ class Constraint:
         self._matcher = _matcher
         self._bits = np.zeros((tok.n_vocab + 31) // 32, dtype=np.int32)
         if fresh:
-            # A grammar with no finite output (a schema that only refers to itself) fails at the first mask: refuse
-            # it here, as the caller's error, rather than as a failure in the middle of sampling.
+            # A grammar with no output at all ({"$ref": "#"}) fails at the first mask: refuse it here, as the
+            # caller's error, rather than in the middle of sampling.
             try:
                 self.allowed()
             except ConstraintDeadEnd:
@@ -204,11 +204,13 @@ class Constraint:
         if self._matcher.is_error():
             raise ConstraintDeadEnd(f"{_DEAD_END} (llguidance: {_first_line(self._matcher.get_error())})")
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        if mask.shape[0] >= self.n_logits:
+            mask = mask[: self.n_logits]
+        else:
+            mask = np.concatenate([mask, np.zeros(self.n_logits - mask.shape[0], dtype=bool)])
         if not mask.any():
             raise ConstraintDeadEnd(_DEAD_END)
-        if mask.shape[0] >= self.n_logits:
-            return mask[: self.n_logits]
-        return np.concatenate([mask, np.zeros(self.n_logits - mask.shape[0], dtype=bool)])
+        return mask
 
     def accept(self, token: int) -> None:
         """Advances past a generated token (an end-of-generation token ends the output); raises ConstraintDeadEnd

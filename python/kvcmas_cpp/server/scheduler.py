@@ -885,7 +885,7 @@ class Scheduler:
                 job.pending_logprobs.append(token_logprobs(logits, token, job.logprobs))
             if job.constraint is not None:
                 job.constraint.accept(token)
-        except ConstraintDeadEnd as e:  # the request's schema has no finite value: its fault, not the server's
+        except ConstraintDeadEnd as e:  # the request's schema has no value: its fault, not the server's
             self._fail(job, 400, f"the output's grammar (response_format or forced tool call): {e}", "invalid_schema")
             return
         except ValueError as e:  # NaN logits and the like: this job cannot go on, the others can
