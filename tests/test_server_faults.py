@@ -8,12 +8,15 @@ starts its own server. Route list, CORS and the API-key comparison are checked i
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import json
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -365,6 +368,42 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
     finally:
         plain.scheduler.stop()
         cors.scheduler.stop()
+
+
+def _server_exit(model_path: str, port: int, patch_precheck: bool = False) -> subprocess.CompletedProcess[str]:
+    """kvcmas-server run to its exit on `port` (1 thread); patch_precheck disables its bind check beforehand."""
+    args = ["--model", model_path, "--port", str(port), "-t", "1"]
+    code = "import sys, kvcmas_cpp.server as s\n"
+    if patch_precheck:
+        code += "s._cannot_listen = lambda host, port: None\n"
+    code += f"sys.exit(s.main({args!r}))\n"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_an_address_that_cannot_be_served_is_a_plain_error(model_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A port out of range is refused by the parser; a port already taken is refused before the model loads (exit 1,
+    one line); if it is taken between that check and uvicorn's bind (forced here by disabling the check), the
+    server still exits non-zero with uvicorn's reason, and lets go of the engine: no nanobind leak report."""
+    from kvcmas_cpp.server import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    for bad in ("99999", "0", "http"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--port", bad])
+        assert "--port" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        early = _server_exit(model_path, port)
+        assert early.returncode == 1, early.stderr
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in early.stderr, early.stderr
+        assert "listening on" not in early.stderr  # refused before the model was loaded
+        late = _server_exit(model_path, port, patch_precheck=True)
+    assert late.returncode not in (0, None), late.stderr
+    assert "address already in use" in late.stderr.lower(), late.stderr
+    assert "nanobind: leaked" not in late.stderr and "Traceback" not in late.stderr, late.stderr
 
 
 # ------------------------------------------------------------------ faults: deleted model file, disconnects, KV

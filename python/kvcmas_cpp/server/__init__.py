@@ -19,6 +19,7 @@ import argparse
 import logging
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,6 +71,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
+    return value
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound (taken, not an address of this machine, not permitted), or None. Checked before
+    the model loads, so a wrong address fails at once and plainly; uvicorn still reports a port taken in between."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve host {host!r}: {e}"
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            probe.bind(address)
+    except OSError as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The server's command-line options (shared by `kvcmas-server` and `kvcmas serve`)."""
     from ..sharing.methods import SERVED_METHODS
@@ -78,7 +106,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument(
         "--api-key-file",
@@ -277,6 +305,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0 or args.max_images < 0:
         print("kvcmas-server: error: --max-queue and --max-images must be >= 0", file=sys.stderr)
         return 2
+    problem = _cannot_listen(args.host, args.port)
+    if problem is not None:
+        print(f"kvcmas-server: error: {problem}", file=sys.stderr)
+        return 1
     server = build_server(args)
     cfg, model = server.cfg, server.model
     sharing = "agent sessions" if agents_available() else "no agents module: every method runs nonshared"
@@ -323,8 +355,14 @@ def run_serve(args: argparse.Namespace) -> int:
             time.sleep(0.05)
         server.scheduler.stop()  # ends what still runs with 503 server_shutting_down
 
-    threading.Thread(target=end_requests_at_deadline, name="kvcmas-drain", daemon=True).start()
-    http_server.run()
+    drain = threading.Thread(target=end_requests_at_deadline, name="kvcmas-drain", daemon=True)
+    drain.start()
+    try:
+        http_server.run()
+    except SystemExit as e:  # uvicorn's way out of a failed start (it has logged why)
+        http_server.should_exit = True  # the drain thread stops the scheduler and lets go of the engine
+        drain.join(timeout=args.shutdown_timeout + 5)
+        return e.code if isinstance(e.code, int) else 1
     log.info("kvcmas-server: shut down")
     return 0
 
