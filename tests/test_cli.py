@@ -73,10 +73,18 @@ def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
     assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_bench_agents_refuses_calibration_replies_without_tokens() -> None:
-    out = kvcmas("bench", "agents", "--task", "gsm8k", "--method", "kvcmas", "--calibrate-tokens", "0")
-    assert out.returncode == 1 and "--calibrate-tokens must be at least 1" in out.stderr
-    assert "Traceback" not in out.stderr
+def test_bench_agents_refuses_counts_that_would_run_nothing() -> None:
+    """Refused at once (before the model loads and calibrates): --limit 0 used to calibrate for 30 s, then print a
+    table of NaNs."""
+    for args, message in (
+        (("--calibrate-tokens", "0"), "--calibrate-tokens must be at least 1"),
+        (("--limit", "0"), "--limit must be at least 1 example, got 0"),
+        (("--max-tokens", "0"), "--max-tokens must be at least 1, got 0"),
+        (("--calibrate", "-1"), "--calibrate must be 0 or more examples, got -1"),
+    ):
+        out = kvcmas("bench", "agents", "--task", "gsm8k", "--method", "kvcmas", *args)
+        assert out.returncode == 1 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "calibration:" not in out.stderr  # no progress bar
 
 
 def test_bench_agents_refuses_a_numeric_reference_outside_the_accuracy_mode() -> None:

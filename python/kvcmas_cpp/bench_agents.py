@@ -381,7 +381,9 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             bt.print_accuracy(result["accuracy"])
         _plots(args, result)
         return 0
-    bt.calibration_tokens(args.calibrate_tokens, args.max_tokens)  # a bad --calibrate-tokens, before the model loads
+    # bad counts are refused before the model loads
+    bt.check_counts(args.limit, args.max_tokens, args.calibrate)
+    bt.calibration_tokens(args.calibrate_tokens, args.max_tokens)
     model = Model(resolve_model_path(args.model), n_threads=args.threads)
     result = {"model": model.path, "methods": methods}
     if args.task:

@@ -137,6 +137,16 @@ def calibration_tokens(calibrate_tokens: int | None, max_tokens: int) -> int:
     return max_tokens if calibrate_tokens is None else calibrate_tokens
 
 
+def check_counts(limit: int | None, max_tokens: int, calibrate: int) -> None:
+    """Refuses counts that would run nothing or calibrate on nothing (the CLI calls this before loading a model)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1 example, got {limit}")
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if calibrate < 0:
+        raise ValueError(f"--calibrate must be 0 or more examples, got {calibrate}")
+
+
 def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
     """Examples the learned methods calibrate on, disjoint from the evaluated [0, limit)."""
     if n == 0:
@@ -188,6 +198,7 @@ def accuracy(
     calibrate_tokens: reply tokens per agent in the calibration examples (None: max_tokens)."""
     for m in methods:
         session_spec(m, calibrate)  # validates the label
+    check_counts(limit, max_tokens, calibrate)
     n_calibration_tokens = calibration_tokens(calibrate_tokens, max_tokens)  # validated before any work
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
@@ -266,8 +277,7 @@ def report(task_name: str, methods: list[str], out_path: Path, limit: int | None
     only examples [0, limit) of the task (the first problems of a longer run), None: all of them."""
     for m in methods:
         session_spec(m, 0)  # validates the label
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be at least 1 example, got {limit}")
+    check_counts(limit, 1, 0)
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     if not out_path.is_file():
