@@ -4,6 +4,7 @@ running concurrently, memory release, and the server's message-level prefill."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,27 @@ def test_templates_placeholders_and_errors(model: kc.Model) -> None:
             team.share([model.n_vocab + 5])
     with pytest.raises(ValueError, match="unknown method"):
         AgentSession(model, "sometimes")
+
+
+@pytest.mark.parametrize("method", ["nonshared", "kvcmas"])
+def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model, method: str) -> None:
+    """A shared context longer than n_ctx (8,192 tokens here) is refused by name and size before anything is computed
+    (the core used to stop with 'context overflow: sequence N' after prefilling 7,692 of the tokens); the session
+    still works after reset()."""
+    with AgentSession(model, method, calibration_dir=False) as team:
+        solver, checker = team.agent("Solver", "Solve."), team.agent("Checker", "Check.")
+        team.share(QUESTION)
+        solver.respond(max_tokens=2)
+        team.share(" word" * (model.n_ctx + 100))
+        before = model._core.n_seqs, model.kv_bytes_in_use
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=rf"agent 'Checker': its prompt is \d+ tokens.*n_ctx = {model.n_ctx}"):
+            checker.respond(max_tokens=2)
+        assert time.perf_counter() - start < 1.0  # nothing computed
+        assert (model._core.n_seqs, model.kv_bytes_in_use) == before  # nothing left open
+        team.reset()
+        team.share(QUESTION)
+        assert checker.respond(max_tokens=2).ids
 
 
 def test_reset_and_fork_release_memory(model: kc.Model) -> None:

@@ -1028,6 +1028,12 @@ class AgentSession:
         missing = [ph for ph in t.placeholders if ph not in self._state.spans]
         if missing:
             raise ValueError(f"agent {ag.name!r}: its template reads {{{missing[0]}}}, which nobody has shared yet")
+        n_prompt = sum(map(len, t.texts)) + sum(len(self._state.spans[ph].ids) for ph in t.placeholders)
+        if n_prompt >= self.model.n_ctx:  # refused before any compute (the core would stop at n_ctx, mid-prompt)
+            raise ValueError(
+                f"agent {ag.name!r}: its prompt is {n_prompt} tokens, which leaves no room in the model's context "
+                f"(n_ctx = {self.model.n_ctx}): share less, reset() the session, or load the model with a larger n_ctx"
+            )
         n = self._replies.get(ag.index, 0)
         reply_ph = f"agent_{ag.index}_current" if n == 0 else f"agent_{ag.index}_{n}_current"
         prefix_seq, cached = yield from self._prefix(ag, t)
