@@ -59,6 +59,18 @@ def test_chat_reads_turns_from_stdin() -> None:
     assert out.stdout.startswith("> ") and len(out.stdout.strip()) > 2
 
 
+def test_chat_drops_a_bad_turn_and_goes_on() -> None:
+    """A line that is not UTF-8 is reported and dropped; the next turn is answered as if it had not been sent."""
+    turns = b"\xff\xfe not text\nHello!\n\n"
+    cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "chat", "-n", "8", "-t", "2"]
+    out = subprocess.run(cmd, input=turns, capture_output=True, timeout=300, check=False)
+    stderr = out.stderr.decode(errors="replace")
+    assert out.returncode == 0 and "that message was dropped, the chat goes on" in stderr, stderr
+    alone = kvcmas("chat", "-n", "8", "-t", "2", stdin="Hello!\n\n")
+    answer = alone.stdout.split("> ")[1]
+    assert answer.strip() and out.stdout.decode().split("> ")[2] == answer  # the same answer as without it
+
+
 def test_bench_core_json_has_the_measured_fields() -> None:
     out = kvcmas("bench", "core", "--threads", "1", "--prompt", "16", "--gen", "4", "--rounds", "1", "--json")
     assert out.returncode == 0, out.stderr

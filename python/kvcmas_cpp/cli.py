@@ -99,6 +99,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from ._native import KvcmasError
+
     model = _load(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -112,7 +114,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        text = _emit(model.chat(messages, stream=True, **_sampling(args)), True, args.timings)
+        try:
+            text = _emit(model.chat(messages, stream=True, **_sampling(args)), True, args.timings)
+        except (ValueError, KvcmasError) as e:  # this turn's fault (text that is not UTF-8, a full context)
+            messages.pop()
+            print(f"\nkvcmas chat: {e}; that message was dropped, the chat goes on", file=sys.stderr)
+            continue
         messages.append({"role": "assistant", "content": text})
     return 0
 
