@@ -143,6 +143,15 @@ def test_completion_logprobs(client: Any, model: str, engine: kc.Model) -> None:
     for value, token, row in zip(lp.token_logprobs, want.tokens, rows, strict=True):
         assert value == pytest.approx(log_softmax(row)[token], abs=2e-3)
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+    echoed = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=5, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "The capital of France is" + out.choices[0].text
+    # OpenAI answers echo + logprobs with the prompt's logprobs as well, which scoring harnesses read: refused, not
+    # answered with the generated tokens' alone (a harness would misalign them with the prompt)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="The capital", max_tokens=1, echo=True, logprobs=1)
+    assert e.value.body["param"] == "logprobs" and "prompt's token logprobs" in e.value.body["message"], e.value.body
 
 
 def test_logit_bias_moves_the_choice(client: Any, model: str, engine: kc.Model) -> None:

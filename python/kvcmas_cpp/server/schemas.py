@@ -20,6 +20,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -276,6 +277,17 @@ class CompletionRequest(_Sampling):
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # OpenAI answers echo + logprobs with the prompt's token logprobs too (what scoring harnesses read): not
+        # computed here, so refused rather than answered with the generated tokens' alone
+        if v is not None and info.data.get("echo"):
+            raise ValueError(
+                "'echo' with 'logprobs' asks for the prompt's token logprobs, which this server does not compute"
+            )
+        return v
 
     @field_validator("prompt")
     @classmethod
