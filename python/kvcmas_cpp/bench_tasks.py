@@ -277,7 +277,7 @@ def report(task_name: str, methods: list[str], out_path: Path, limit: int | None
     only examples [0, limit) of the task (the first problems of a longer run), None: all of them."""
     for m in methods:
         session_spec(m, 0)  # validates the label
-    check_counts(limit, 1, 0)
+    check_counts(limit, max_tokens=1, calibrate=0)  # only --limit applies to a report
     if "nonshared" not in methods:
         methods = ["nonshared", *methods]
     if not out_path.is_file():
