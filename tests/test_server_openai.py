@@ -85,6 +85,25 @@ def test_unsupported_fields_deep_in_the_body_are_refused(server: ServerProcess) 
     assert status == 400 and out["error"]["param"] == "suffix", out
 
 
+@pytest.mark.parametrize(
+    "fields,param,says",
+    [
+        ({"temperature": "0.5"}, "temperature", "a valid number"),  # a union (int | float): one error, the field's
+        ({"kvcmas": {"recompute": "0.5"}}, "kvcmas.recompute", "a valid number"),
+        ({"stop": 5}, "stop", "a valid string or a valid list"),
+        ({"kvcmas": {"agent": ""}}, "kvcmas.agent", "at least 1 character"),
+        ({"kvcmas": {"workflow": 5, "agent": 6}}, "kvcmas.workflow", "(and 1 more problem)"),  # siblings stay two
+        ({"logit_bias": {"999999999": 1}}, "logit_bias", "outside [0, "),
+    ],
+)
+def test_a_wrong_value_is_named_by_its_parameter(
+    server: ServerProcess, fields: dict[str, Any], param: str, says: str
+) -> None:
+    status, _, out = server.request("POST", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, **fields})
+    assert status == 400 and out["error"]["param"] == param and says in out["error"]["message"], out
+    assert "problems)" not in out["error"]["message"], out
+
+
 def test_harmless_fields_and_message_names_are_accepted(client: Any, model: str) -> None:
     out = client.chat.completions.create(
         model=model,

@@ -603,7 +603,9 @@ class Server:
     def _check_logit_bias(self, parsed: ParsedRequest) -> None:
         bad = next((t for t in parsed.sampling.logit_bias or {} if t >= self.model.n_vocab), None)
         if bad is not None:
-            raise ApiError(400, f"logit_bias: token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value")
+            raise ApiError(
+                400, f"logit_bias: token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value", "logit_bias"
+            )
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:

@@ -151,7 +151,7 @@ class KvcmasOptions(_Body):
     span recomputed in the agent's context) override the server's --method and --recompute."""
 
     workflow: StrictStr | None = Field(default=None, max_length=256)
-    agent: StrictStr | None = Field(default=None, max_length=256)
+    agent: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     method: StrictStr | None = None  # one of sharing.methods.SERVED_METHODS
     recompute: Number | None = Field(default=None, ge=0.0, le=1.0)  # overrides the server's --recompute
 

@@ -92,20 +92,88 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
     return None
 
 
+# pydantic-core's schema names, which it uses as a union member's tag in an error's location ('list[str]',
+# 'tagged-union[TextPart,ImagePart]'); a model member is tagged with its class name
+_MEMBER_SCHEMAS = frozenset(
+    {
+        "float",
+        "int",
+        "str",
+        "bool",
+        "bytes",
+        "none",
+        "list",
+        "dict",
+        "set",
+        "tuple",
+        "literal",
+        "tagged-union",
+        "union",
+        "nullable",
+        "is-instance",
+        "constrained-str",
+        "function-after",
+        "function-before",
+        "function-wrap",
+        "function-plain",
+        "json-or-python",
+        "lax-or-strict",
+        "default",
+        "model",
+        "dataclass",
+        "typed-dict",
+    }
+)
+
+
+def _is_member_tag(tag: Any) -> bool:
+    return isinstance(tag, str) and (tag.split("[", 1)[0] in _MEMBER_SCHEMAS or tag[:1].isupper())
+
+
+def _one_per_field(errors: list[Any]) -> list[dict[str, Any]]:
+    """pydantic's errors with a union's members folded into one error of the field: a value that is none of a
+    union's types (a number field given "0.5") comes back as one error per member, each located under the member's
+    tag ('temperature.float', 'temperature.int'); the client's parameter is 'temperature', with one problem. A run of
+    two or more type errors under one location, each ending in a member tag, is such a union (two sibling fields
+    with wrong types stay two errors)."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(errors):
+        loc = tuple(errors[i].get("loc", ()))
+        j = i
+        while (
+            j < len(errors)
+            and len(loc) > 1
+            and str(errors[j].get("type", "")).endswith("_type")
+            and tuple(errors[j].get("loc", ()))[:-1] == loc[:-1]
+            and _is_member_tag(tuple(errors[j].get("loc", ()))[-1])
+        ):
+            j += 1
+        if j - i >= 2:
+            wanted = [str(e.get("msg", "")).removeprefix("Input should be ") for e in errors[i:j]]
+            out.append({**errors[i], "loc": loc[:-1], "msg": "Input should be " + " or ".join(wanted)})
+            i = j
+        else:
+            out.append(errors[i])
+            i += 1
+    return out
+
+
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """One readable line from pydantic's (or FastAPI's) errors, and the parameter it is about."""
     if not errors:
         return "invalid request", None
+    errors = _one_per_field(errors)
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = ".".join(loc) or None
+    n_more = len(errors) - 1
+    more = f" (and {n_more} more problem{'s' if n_more > 1 else ''})" if n_more else ""
     if first.get("type") == "extra_forbidden":
-        more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
         return f"'{param}' is not supported by this server{more}", param
     where = f"'{param}': " if param else "request body: "
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return f"{where}{first.get('msg', 'invalid value')}{more}", param
 
 
