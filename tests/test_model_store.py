@@ -130,9 +130,14 @@ def test_an_installed_file_that_changed_is_refused(
         model_store.resolve(spec.name)
 
 
-def test_resolver_names_paths_and_default() -> None:
+def test_resolver_names_paths_and_default(tmp_path: Path) -> None:
     assert resolve_model_path(None) == default_model_path()
-    assert resolve_model_path("some/file.gguf") == "some/file.gguf"
+    given = tmp_path / "file.gguf"
+    given.write_bytes(b"GGUF")
+    assert resolve_model_path(str(given)) == str(given)  # a path is passed on as given; the loader judges the file
+    for missing in ("qwen2.5-coder", str(tmp_path / "gone.gguf")):  # a mistyped name, a missing file
+        with pytest.raises(FileNotFoundError, match=r"no such model file, and not a model name .*qwen2\.5-coder-0\.5b"):
+            resolve_model_path(missing)
     assert model_store.MODELS["qwen2.5-coder-0.5b"].size == 491_400_064
     assert model_store.MODELS["qwen2.5-coder-0.5b"].sha256.startswith("1d9614638d18")
     with pytest.raises(ValueError, match="unknown model"):

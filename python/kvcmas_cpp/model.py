@@ -49,13 +49,17 @@ def default_model_path() -> str:
 def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     """The GGUF file a `--model` option names: None -> the default model (default_model_path); the name of a model
     the store installs (`kvcmas models list`, e.g. `qwen2.5-coder-0.5b`) -> its file, checked by size and sha256;
-    anything else -> a path, as given. Every CLI and server entry point resolves its model here."""
+    anything else -> a path, as given (FileNotFoundError naming the model names if there is no such file). Every CLI
+    and server entry point resolves its model here."""
     if model is None or str(model) == "":
         return default_model_path()
     from . import model_store
 
     if str(model) in model_store.MODELS:
         return model_store.resolve(str(model))
+    if not os.path.exists(model):  # a mistyped name reads better as one than as a missing file
+        names = ", ".join(model_store.MODELS)
+        raise FileNotFoundError(f"{model}: no such model file, and not a model name (`kvcmas models list`: {names})")
     return str(model)
 
 
