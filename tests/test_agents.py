@@ -198,11 +198,11 @@ def test_templates_placeholders_and_errors(model: kc.Model) -> None:
         with pytest.raises(ValueError, match="outside the vocabulary"):
             team.share([model.n_vocab + 5])
         n_items = len(team.context)
-        with pytest.raises(ValueError, match="content is bytes"):  # a Sequence[int], read as token ids before
+        with pytest.raises(ValueError, match="got bytes"):  # a Sequence[int], read as token ids before
             team.share(b"text read in binary mode")
         with pytest.raises(ValueError, match=r"token ids must be integers, got 2\.7"):  # was truncated to 2
             team.share([1, 2.7])
-        with pytest.raises(ValueError, match="text or a list of token ids, got int"):
+        with pytest.raises(ValueError, match="token ids are a list of ints, got int"):
             team.share(5)  # type: ignore[arg-type]
         assert len(team.context) == n_items  # nothing was added
     with pytest.raises(ValueError, match="unknown method"):

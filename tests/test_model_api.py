@@ -131,6 +131,27 @@ def test_bad_arguments_raise(model: kc.Model, tmp_path) -> None:
         model.generate("x", temperature=-1.0)
 
 
+def test_token_ids_must_be_integers(model: kc.Model) -> None:
+    """bytes are a Sequence[int]: text read in binary mode was generated from as token ids (b"hello" gave '|||');
+    2.7 was truncated to token 2. Every entry that takes ids refuses them, naming itself."""
+    seq = model.new_sequence()
+    calls = {
+        "generate": lambda ids: model.generate(ids, max_tokens=1),
+        "append": lambda ids: seq.append(ids),
+        "reserve": lambda ids: seq.reserve(ids),
+        "decode_batch": lambda ids: model.decode_batch([(seq, ids)]),
+    }
+    for where, call in calls.items():
+        for bad, says in ((b"hello", "got bytes"), ([1, 2.7], r"must be integers, got 2\.7"), (7, "got int")):
+            with pytest.raises(ValueError, match=f"{where}: .*{says}"):
+                call(bad)
+    with pytest.raises(ValueError, match="append: .*got text"):
+        seq.append("hello")  # type: ignore[arg-type]
+    assert len(seq) == 0 and seq.reserved == 0  # nothing was appended or reserved
+    assert seq.append(np.array([1, 2], np.int32)) is not None  # numpy integers are ids
+    seq.close()
+
+
 def test_default_model_path_points_at_the_wheel() -> None:
     path = kc.default_model_path()
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -45,7 +45,7 @@ from typing import Any, Literal, cast, overload
 
 import numpy as np
 
-from .model import CompletionChunk, KVSequence, Model
+from .model import CompletionChunk, KVSequence, Model, token_ids
 from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs
@@ -984,16 +984,7 @@ class AgentSession:
     def _ids(self, content: str | Sequence[int]) -> list[int]:
         if isinstance(content, str):
             return self.model.tokenizer.encode(content, add_special=False, parse_special=False)
-        if isinstance(content, bytes | bytearray | memoryview):  # a Sequence[int], but text read in binary mode
-            raise ValueError("content is bytes: decode it to str first (token ids are given as a list of ints)")
-        try:
-            ids = list(content)
-        except TypeError:
-            raise ValueError(f"content must be text or a list of token ids, got {type(content).__name__}") from None
-        odd = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int | np.integer)), None)
-        if odd is not None:
-            raise ValueError(f"token ids must be integers, got {odd!r} ({type(odd).__name__})")
-        ids = [int(t) for t in ids]
+        ids = token_ids(content, "content")
         n_vocab = self.model.n_vocab
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:

@@ -46,6 +46,22 @@ def default_model_path() -> str:
     return str(path)
 
 
+def token_ids(ids: Any, where: str) -> list[int]:
+    """`ids` as a list of ints, or a ValueError naming `where`: bytes (a Sequence[int], but text read in binary mode)
+    and elements that are not integers (2.7 is not token 2) are refused. Ranges are checked where the ids are used."""
+    if isinstance(ids, str | bytes | bytearray | memoryview):
+        kind = "text" if isinstance(ids, str) else "bytes"
+        raise ValueError(f"{where}: token ids are a list of ints, got {kind} (decode bytes, tokenize text)")
+    try:
+        out = list(ids)
+    except TypeError:
+        raise ValueError(f"{where}: token ids are a list of ints, got {type(ids).__name__}") from None
+    odd = next((t for t in out if isinstance(t, bool) or not isinstance(t, int | np.integer)), None)
+    if odd is not None:
+        raise ValueError(f"{where}: token ids must be integers, got {odd!r} ({type(odd).__name__})")
+    return [int(t) for t in out]
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     """The GGUF file a `--model` option names: None -> the default model (default_model_path); the name of a model
     the store installs (`kvcmas models list`, e.g. `qwen2.5-coder-0.5b`) -> its file, checked by size and sha256;
@@ -173,7 +189,7 @@ class KVSequence:
         which fill reserved rows first, in order, and must pass the same ids (or vectors): shared rows may be
         appended in between, so a prompt whose computed rows lie between reused spans runs in one forward pass.
         Until computed, the rows cannot be forked, shared or read."""
-        ids = [int(t) for t in ids]
+        ids = token_ids(ids, "reserve")
         if not ids:
             raise ValueError("reserve: no tokens given")
         self._model._core.seq_reserve(self.id, len(ids))
@@ -200,7 +216,7 @@ class KVSequence:
 
     def append(self, ids: Sequence[int], logits: Literal["last", "all", "none"] = "last") -> np.ndarray | None:
         """Appends tokens and returns their logits: the last row [n_vocab], all rows [len(ids), n_vocab], or None."""
-        ids = [int(t) for t in ids]
+        ids = token_ids(ids, "append")
         if not ids:
             raise ValueError("append: no tokens given")
         if logits not in ("last", "all", "none"):
@@ -448,11 +464,12 @@ class Model:
         seqs: list[int] = []
         toks: list[int] = []
         want: list[int] = []
+        steps = [(seq, token_ids(ids, "decode_batch")) for seq, ids in steps]
         for seq, ids in steps:
             if not ids:
                 raise ValueError("decode_batch: every sequence needs at least one token")
             seqs.extend([seq.id] * len(ids))
-            toks.extend(int(t) for t in ids)
+            toks.extend(ids)
             want.extend([0] * (len(ids) - 1) + [1])
         filled = [seq.check_fill(ids) for seq, ids in steps]
         out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
@@ -499,7 +516,7 @@ class Model:
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
         else:
-            ids = [int(t) for t in prompt]
+            ids = token_ids(prompt, "generate")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         params = SamplingParams(
