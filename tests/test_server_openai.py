@@ -86,20 +86,28 @@ def test_unsupported_fields_deep_in_the_body_are_refused(server: ServerProcess) 
 
 
 @pytest.mark.parametrize(
-    "fields,param,says",
+    "path,fields,param,says",
     [
-        ({"temperature": "0.5"}, "temperature", "a valid number"),  # a union (int | float): one error, the field's
-        ({"kvcmas": {"recompute": "0.5"}}, "kvcmas.recompute", "a valid number"),
-        ({"stop": 5}, "stop", "a valid string or a valid list"),
-        ({"kvcmas": {"agent": ""}}, "kvcmas.agent", "at least 1 character"),
-        ({"kvcmas": {"workflow": 5, "agent": 6}}, "kvcmas.workflow", "(and 1 more problem)"),  # siblings stay two
-        ({"logit_bias": {"999999999": 1}}, "logit_bias", "outside [0, "),
+        # unions (int | float, str | list[str], ...): one error, named by the client's parameter, listing its forms
+        ("chat", {"temperature": "0.5"}, "temperature", "Input should be a number"),
+        ("chat", {"kvcmas": {"recompute": "0.5"}}, "kvcmas.recompute", "Input should be a number"),
+        ("chat", {"stop": 5}, "stop", "Input should be a string or a list of strings"),
+        ("completions", {"prompt": [[1, 2], [3]]}, "prompt", "a string, a list of strings or a list of integers"),
+        ("chat", {"tool_choice": 5}, "tool_choice", "one of 'none', 'auto', 'required' or an object"),
+        # ... or the error inside the one form the value has
+        ("chat", {"stop": ["x", 1]}, "stop.1", "a valid string"),
+        ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
+        ("chat", {"kvcmas": {"agent": ""}}, "kvcmas.agent", "at least 1 character"),
+        ("chat", {"kvcmas": {"workflow": 5, "agent": 6}}, "kvcmas.workflow", "(and 1 more problem)"),  # siblings: two
+        ("chat", {"logit_bias": {"999999999": 1}}, "logit_bias", "outside [0, "),
     ],
 )
 def test_a_wrong_value_is_named_by_its_parameter(
-    server: ServerProcess, fields: dict[str, Any], param: str, says: str
+    server: ServerProcess, path: str, fields: dict[str, Any], param: str, says: str
 ) -> None:
-    status, _, out = server.request("POST", "/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, **fields})
+    body = {"messages": HELLO} if path == "chat" else {"prompt": "Say hello."}
+    url = "/v1/chat/completions" if path == "chat" else "/v1/completions"
+    status, _, out = server.request("POST", url, {**body, "max_tokens": 2, **fields})
     assert status == 400 and out["error"]["param"] == param and says in out["error"]["message"], out
     assert "problems)" not in out["error"]["message"], out
 

@@ -130,32 +130,61 @@ def _is_member_tag(tag: Any) -> bool:
     return isinstance(tag, str) and (tag.split("[", 1)[0] in _MEMBER_SCHEMAS or tag[:1].isupper())
 
 
+def _member_form(tag: str) -> str:
+    """What a union member's tag accepts, in a client's words: 'list[str]' -> 'a list of strings'."""
+    base, _, inner = tag.partition("[")
+    if base == "literal":
+        return "one of " + inner[:-1].replace(",", ", ")
+    if base == "list":
+        inner = inner[:-1]
+        plural = {"a number": "numbers", "an integer": "integers", "a string": "strings"}
+        return "a list of " + plural.get(_member_form(inner), "objects")
+    return {
+        "float": "a number",
+        "int": "an integer",
+        "str": "a string",
+        "constrained-str": "a string",
+        "bool": "a boolean",
+        "none": "null",
+    }.get(base, "an object")
+
+
 def _one_per_field(errors: list[Any]) -> list[dict[str, Any]]:
-    """pydantic's errors with a union's members folded into one error of the field: a value that is none of a
-    union's types (a number field given "0.5") comes back as one error per member, each located under the member's
-    tag ('temperature.float', 'temperature.int'); the client's parameter is 'temperature', with one problem. A run of
-    two or more type errors under one location, each ending in a member tag, is such a union (two sibling fields
-    with wrong types stay two errors)."""
+    """pydantic's errors with each union folded into one error of the client's parameter. A value that is none of
+    a union's forms comes back as errors under each member's tag ('temperature.float', 'temperature.int',
+    'prompt.list[int].0'); the parameter is the location before the first tag ('temperature', 'prompt'). If the
+    value had a member's form but broke its rules (a list item too long, or the wrong type inside the one member
+    whose outer form it has), that error is the one reported, without the tag; otherwise the message lists the forms
+    the parameter accepts."""
     out: list[dict[str, Any]] = []
-    i = 0
-    while i < len(errors):
-        loc = tuple(errors[i].get("loc", ()))
-        j = i
-        while (
-            j < len(errors)
-            and len(loc) > 1
-            and str(errors[j].get("type", "")).endswith("_type")
-            and tuple(errors[j].get("loc", ()))[:-1] == loc[:-1]
-            and _is_member_tag(tuple(errors[j].get("loc", ()))[-1])
-        ):
-            j += 1
-        if j - i >= 2:
-            wanted = [str(e.get("msg", "")).removeprefix("Input should be ") for e in errors[i:j]]
-            out.append({**errors[i], "loc": loc[:-1], "msg": "Input should be " + " or ".join(wanted)})
-            i = j
-        else:
-            out.append(errors[i])
-            i += 1
+    unions: dict[tuple[Any, ...], dict[str, Any]] = {}  # parameter location -> its one error in `out`
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        k = next((i for i in range(1, len(loc)) if _is_member_tag(loc[i])), None)
+        if k is None:
+            out.append(e)
+            continue
+        where, stripped = loc[:k], loc[:k] + loc[k + 1 :]
+        kept = unions.get(where)
+        if kept is None:
+            kept = unions[where] = {**e, "loc": where, "forms": []}
+            out.append(kept)
+        form = _member_form(str(loc[k]))
+        if form not in kept["forms"]:
+            kept["forms"].append(form)
+        kind = str(e.get("type", ""))
+        if not (kind.endswith("_type") or kind == "literal_error") and "rule" not in kept:  # its form, not its rules
+            kept.update(msg=e.get("msg", ""), type=e.get("type"), loc=stripped, rule=True)
+        if len(loc) > k + 1:  # an error inside the member: the value has its outer form
+            kept.setdefault("inner", {}).setdefault(loc[k], (e, stripped))
+    for kept in unions.values():
+        inner = kept.get("inner", {})
+        if "rule" not in kept and len(inner) == 1:  # one member whose outer form the value has
+            e, stripped = next(iter(inner.values()))
+            kept.update(msg=e.get("msg", ""), type=e.get("type"), loc=stripped, rule=True)
+        if "rule" not in kept:
+            forms = [f for f in kept["forms"] if not (f == "an integer" and "a number" in kept["forms"])]
+            kept["msg"] = "Input should be " + (", ".join(forms[:-1]) + " or " if len(forms) > 1 else "") + forms[-1]
     return out
 
 
