@@ -125,6 +125,8 @@ def test_bad_arguments_raise(model: kc.Model, tmp_path) -> None:
         kc.Model(tmp_path / "x.gguf", n_threads=0)
     with pytest.raises(ValueError, match="max_tokens"):
         model.generate("x", max_tokens=-1)
+    with pytest.raises(ValueError, match=f"kv_budget 10 bytes holds no KV block .*{model.kv_block_bytes} bytes"):
+        kc.Model(model.path, kv_budget=10)  # a server started with it refused every request
     with pytest.raises(ValueError, match="out of range|id"):
         model.detokenize([model.n_vocab + 5])
     with pytest.raises(ValueError):

@@ -348,6 +348,12 @@ class Model:
         if activations != "q8":  # likewise: cores built before the option run q8's place with f32
             core_args = (*core_args[:4], kv_type, device, activations)
         self._core = core.Model(*core_args)
+        if kv_budget is not None and kv_budget < self.kv_block_bytes:  # no request could ever be served
+            raise ValueError(
+                f"kv_budget {kv_budget} bytes holds no KV block of this model ({self.kv_block_bytes} bytes, "
+                f"{self.kv_block_rows} tokens); one full sequence of {self.n_ctx} tokens takes "
+                f"{self.n_ctx * self.kv_row_bytes} bytes"
+            )
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
         self._prefix_cache: Any = None  # kvcmas_cpp.prefix_cache.PrefixCache.of(self), made on first use
