@@ -97,6 +97,7 @@ def test_unsupported_fields_deep_in_the_body_are_refused(server: ServerProcess) 
         # ... or the error inside the one form the value has
         ("chat", {"stop": ["x", 1]}, "stop.1", "a valid string"),
         ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
+        ("chat", {"model": 5}, "model", "a valid string"),  # a field named like a union tag is still itself
         ("chat", {"kvcmas": {"agent": ""}}, "kvcmas.agent", "at least 1 character"),
         ("chat", {"kvcmas": {"workflow": 5, "agent": 6}}, "kvcmas.workflow", "(and 1 more problem)"),  # siblings: two
         ("chat", {"logit_bias": {"999999999": 1}}, "logit_bias", "outside [0, "),

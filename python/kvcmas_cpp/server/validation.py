@@ -156,12 +156,24 @@ def _one_per_field(errors: list[Any]) -> list[dict[str, Any]]:
     value had a member's form but broke its rules (a list item too long, or the wrong type inside the one member
     whose outer form it has), that error is the one reported, without the tag; otherwise the message lists the forms
     the parameter accepts."""
+
+    def tag_at(loc: tuple[Any, ...]) -> int | None:
+        return next((i for i in range(1, len(loc)) if _is_member_tag(loc[i])), None)
+
+    # a union reports every member's failure: two or more tags under one location (a lone tag-like name, such as a
+    # field called 'model' or a metadata key 'Run', is a plain location)
+    tags: dict[tuple[Any, ...], set[Any]] = {}
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        k = tag_at(loc)
+        if k is not None:
+            tags.setdefault(loc[:k], set()).add(loc[k])
     out: list[dict[str, Any]] = []
     unions: dict[tuple[Any, ...], dict[str, Any]] = {}  # parameter location -> its one error in `out`
     for e in errors:
         loc = tuple(e.get("loc", ()))
-        k = next((i for i in range(1, len(loc)) if _is_member_tag(loc[i])), None)
-        if k is None:
+        k = tag_at(loc)
+        if k is None or len(tags[loc[:k]]) < 2:
             out.append(e)
             continue
         where, stripped = loc[:k], loc[:k] + loc[k + 1 :]
