@@ -210,6 +210,23 @@ def test_templates_placeholders_and_errors(model: kc.Model) -> None:
 
 
 @pytest.mark.parametrize("method", ["nonshared", "kvcmas"])
+def test_a_reply_ends_where_the_context_is_full(model: kc.Model, method: str) -> None:
+    """respond(max_tokens past the context) ends the reply at the sequence's end with finish 'length' (it raised
+    'context overflow' after generating every token, and the reply was lost); the reply still joins the context."""
+    small = kc.Model(model.path, n_threads=2, n_ctx=48)
+    with AgentSession(small, method, calibration_dir=False) as team:
+        writer = team.agent("Writer", "Explain.")
+        team.share("Explain in detail how a car engine works.")
+        r = writer.respond(max_tokens=10**6, temperature=0)  # a greedy explanation outlasts the ~23 free rows
+        assert r.finish_reason == "length" and r.stats.prompt_tokens + len(r.ids) == 48, (r.finish_reason, r.stats)
+        assert team.context[-1][1] == r.text  # passed on to later agents like any reply
+        with pytest.raises(ValueError, match="stop must be a string or a list of strings, got int"):
+            writer.respond(max_tokens=2, stop=5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 2.5"):
+            writer.respond(max_tokens=2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method", ["nonshared", "kvcmas"])
 def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model, method: str) -> None:
     """A shared context longer than n_ctx (8,192 tokens here) is refused by name and size before anything is computed
     (the core used to stop with 'context overflow: sequence N' after prefilling 7,692 of the tokens); the session

@@ -133,6 +133,21 @@ def test_bad_arguments_raise(model: kc.Model, tmp_path) -> None:
         model.generate("x", temperature=-1.0)
 
 
+def test_generation_ends_at_the_context_with_length(model: kc.Model) -> None:
+    """max_tokens past the context ends the reply where the sequence is full, finish_reason 'length' (it raised
+    'context overflow' after generating every token, and the reply was lost); the argument errors name themselves."""
+    small = kc.Model(model.path, n_threads=2, n_ctx=64)
+    prompt = small.tokenize("Count from one to one hundred:")
+    out = small.generate(
+        prompt, max_tokens=10**6, temperature=0, logit_bias={t: -100.0 for t in small.tokenizer.eog_ids}
+    )
+    assert out.finish_reason == "length" and len(out.tokens) == 64 - len(prompt), (out.finish_reason, len(out.tokens))
+    with pytest.raises(ValueError, match="stop must be a string or a list of strings, got int"):
+        small.generate("x", max_tokens=2, stop=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 0, got 2.5"):
+        small.generate("x", max_tokens=2.5)  # type: ignore[arg-type]
+
+
 def test_token_ids_must_be_integers(model: kc.Model) -> None:
     """bytes are a Sequence[int]: text read in binary mode was generated from as token ids (b"hello" gave '|||');
     2.7 was truncated to token 2. Every entry that takes ids refuses them, naming itself."""

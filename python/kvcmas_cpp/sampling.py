@@ -9,7 +9,7 @@ distribution over the tokens that survive. Temperature 0 is greedy decoding (arg
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +272,18 @@ def chat_logprobs(tokenizer: Any, lps: Sequence[TokenLogprob]) -> list[dict[str,
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": value, "bytes": list(raw)}
 
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+def stop_strings(stop: Any) -> list[str]:
+    """A generate / respond `stop` argument as a list: None -> [], a string -> [it], strings -> them; anything else is
+    a ValueError naming it (StopMatcher checks the strings)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, bytes | bytearray) or not isinstance(stop, Iterable):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    return list(stop)
 
 
 class StopMatcher:
