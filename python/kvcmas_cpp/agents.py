@@ -48,7 +48,7 @@ import numpy as np
 from .model import CompletionChunk, KVSequence, Model, token_ids
 from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, TokenLogprob, chat_logprobs, stop_strings
+from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
 from .sharing import estimators as est
 from .sharing import methods as registry
 from .sharing.methods import CALIBRATION_READS, MethodConfig  # noqa: F401 (kc.agents.*: public)
@@ -307,8 +307,7 @@ class Agent:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
         )
         params.validate()
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        max_tokens_count(max_tokens, 1)
         stops = stop_strings(stop)
         model = self.session.model
         constraint, names = (None, None)

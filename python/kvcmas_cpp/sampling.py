@@ -274,6 +274,13 @@ def chat_logprobs(tokenizer: Any, lps: Sequence[TokenLogprob]) -> list[dict[str,
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
+def max_tokens_count(value: Any, minimum: int) -> int:
+    """A generate / respond `max_tokens` argument: an integer >= minimum, or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"max_tokens must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def stop_strings(stop: Any) -> list[str]:
     """A generate / respond `stop` argument as a list: None -> [], a string -> [it], strings -> them; anything else is
     a ValueError naming it (StopMatcher checks the strings)."""
@@ -295,10 +302,8 @@ class StopMatcher:
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
-        """stop: the stop strings (non-empty strings; duplicates allowed)."""
-        if isinstance(stop, str):
-            stop = [stop]
-        stops = list(stop)
+        """stop: the stop strings (non-empty strings; duplicates allowed), as stop_strings takes them."""
+        stops = stop_strings(stop)
         for i, s in enumerate(stops):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")

@@ -149,6 +149,37 @@ def _member_form(tag: str) -> str:
     }.get(base, "an object")
 
 
+@dataclass
+class _UnionErrors:
+    """The errors pydantic reports for one union parameter (one per failing member), folded into one."""
+
+    where: tuple[Any, ...]  # the parameter's location (before the member tag)
+    first: dict[str, Any]
+    forms: list[str] = field(default_factory=list)  # what the members accept, in a client's words
+    broken_rule: tuple[dict[str, Any], tuple[Any, ...]] | None = None  # (error, untagged loc): a member's rule failed
+    inside: dict[Any, tuple[dict[str, Any], tuple[Any, ...]]] = field(default_factory=dict)  # per member tag
+
+    def add(self, e: dict[str, Any], loc: tuple[Any, ...], k: int) -> None:
+        form = _member_form(str(loc[k]))
+        if form not in self.forms:
+            self.forms.append(form)
+        untagged = loc[:k] + loc[k + 1 :]
+        kind = str(e.get("type", ""))
+        if self.broken_rule is None and not (kind.endswith("_type") or kind == "literal_error"):
+            self.broken_rule = (e, untagged)  # the value had this member's form but broke its rules
+        if len(loc) > k + 1:  # an error inside the member: the value has its outer form
+            self.inside.setdefault(loc[k], (e, untagged))
+
+    def error(self) -> dict[str, Any]:
+        chosen = self.broken_rule or (next(iter(self.inside.values())) if len(self.inside) == 1 else None)
+        if chosen is not None:
+            e, loc = chosen
+            return {**e, "loc": loc}
+        forms = [f for f in self.forms if not (f == "an integer" and "a number" in self.forms)]
+        said = (", ".join(forms[:-1]) + " or " if len(forms) > 1 else "") + forms[-1]
+        return {**self.first, "loc": self.where, "msg": f"Input should be {said}"}
+
+
 def _one_per_field(errors: list[Any]) -> list[dict[str, Any]]:
     """pydantic's errors with each union folded into one error of the client's parameter. A value that is none of
     a union's forms comes back as errors under each member's tag ('temperature.float', 'temperature.int',
@@ -156,48 +187,27 @@ def _one_per_field(errors: list[Any]) -> list[dict[str, Any]]:
     value had a member's form but broke its rules (a list item too long, or the wrong type inside the one member
     whose outer form it has), that error is the one reported, without the tag; otherwise the message lists the forms
     the parameter accepts."""
-
-    def tag_at(loc: tuple[Any, ...]) -> int | None:
-        return next((i for i in range(1, len(loc)) if _is_member_tag(loc[i])), None)
-
-    # a union reports every member's failure: two or more tags under one location (a lone tag-like name, such as a
-    # field called 'model' or a metadata key 'Run', is a plain location)
+    located = []  # (error, its location, the index of its first member tag or None)
     tags: dict[tuple[Any, ...], set[Any]] = {}
     for e in errors:
         loc = tuple(e.get("loc", ()))
-        k = tag_at(loc)
+        k = next((i for i in range(1, len(loc)) if _is_member_tag(loc[i])), None)
+        located.append((e, loc, k))
         if k is not None:
             tags.setdefault(loc[:k], set()).add(loc[k])
-    out: list[dict[str, Any]] = []
-    unions: dict[tuple[Any, ...], dict[str, Any]] = {}  # parameter location -> its one error in `out`
-    for e in errors:
-        loc = tuple(e.get("loc", ()))
-        k = tag_at(loc)
+    out: list[dict[str, Any] | _UnionErrors] = []
+    unions: dict[tuple[Any, ...], _UnionErrors] = {}
+    for e, loc, k in located:
+        # a union reports every member's failure: two or more tags under one location (a lone tag-like name, such
+        # as a field called 'model' or a metadata key 'Run', is a plain location)
         if k is None or len(tags[loc[:k]]) < 2:
             out.append(e)
             continue
-        where, stripped = loc[:k], loc[:k] + loc[k + 1 :]
-        kept = unions.get(where)
-        if kept is None:
-            kept = unions[where] = {**e, "loc": where, "forms": []}
-            out.append(kept)
-        form = _member_form(str(loc[k]))
-        if form not in kept["forms"]:
-            kept["forms"].append(form)
-        kind = str(e.get("type", ""))
-        if not (kind.endswith("_type") or kind == "literal_error") and "rule" not in kept:  # its form, not its rules
-            kept.update(msg=e.get("msg", ""), type=e.get("type"), loc=stripped, rule=True)
-        if len(loc) > k + 1:  # an error inside the member: the value has its outer form
-            kept.setdefault("inner", {}).setdefault(loc[k], (e, stripped))
-    for kept in unions.values():
-        inner = kept.get("inner", {})
-        if "rule" not in kept and len(inner) == 1:  # one member whose outer form the value has
-            e, stripped = next(iter(inner.values()))
-            kept.update(msg=e.get("msg", ""), type=e.get("type"), loc=stripped, rule=True)
-        if "rule" not in kept:
-            forms = [f for f in kept["forms"] if not (f == "an integer" and "a number" in kept["forms"])]
-            kept["msg"] = "Input should be " + (", ".join(forms[:-1]) + " or " if len(forms) > 1 else "") + forms[-1]
-    return out
+        if loc[:k] not in unions:
+            unions[loc[:k]] = _UnionErrors(loc[:k], e)
+            out.append(unions[loc[:k]])
+        unions[loc[:k]].add(e, loc, k)
+    return [x.error() if isinstance(x, _UnionErrors) else x for x in out]
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
