@@ -144,6 +144,28 @@ def test_resolver_names_paths_and_default(tmp_path: Path) -> None:
         model_store.get("no-such-model")
 
 
+def test_model_takes_a_store_name(tmp_path: Path, store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Model("qwen2.5-coder-0.5b")` loads the installed file, as `--model` does; a name not installed says how to
+    install it (it was the loader's "cannot open")."""
+    from kvcmas_cpp.model import Model
+
+    data = Path(default_model_path()).read_bytes()
+    spec = _fake_spec([data])
+    monkeypatch.setitem(model_store.MODELS, spec.name, spec)
+    with pytest.raises(FileNotFoundError, match=r"model 'fake-model' is not installed .*kvcmas models pull fake-model"):
+        Model(spec.name)
+    installed = model_store.assemble(_part_files(tmp_path, [data]), store / spec.file, spec.size, spec.sha256)
+    model = Model(spec.name, n_ctx=64)
+    assert model.path == str(installed)
+    assert model.tokenize("hello") == Model(default_model_path(), n_ctx=64).tokenize("hello")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (elsewhere / spec.name).write_bytes(b"")  # a file of that name is the file, not the name
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(ValueError, match="fake-model: file is empty"):
+        Model(spec.name)
+
+
 def test_models_list_command(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from kvcmas_cpp.cli import main
 

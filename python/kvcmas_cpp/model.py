@@ -316,7 +316,8 @@ class Model:
     """A GGUF model loaded in the kvcmas engine.
 
     Args:
-        path: the GGUF file (architectures llama and qwen2).
+        path: the GGUF file (architectures llama and qwen2), or the name of a model the store installs
+            (`kvcmas models list`, e.g. "qwen2.5-coder-0.5b": its file, checked by size and sha256).
         n_threads: compute threads (default: all cores).
         n_ctx: most tokens one sequence may hold (default: the training context, at most 8192).
         kv_budget: bytes all KV blocks may take (default: four full sequences).
@@ -342,6 +343,11 @@ class Model:
     ) -> None:
         """device: "cpu", or "cuda" / "cuda:N" on a build with the CUDA backend (see `kvcmas_cpp.backends()`)."""
         self.path = os.fspath(path)
+        if isinstance(self.path, str) and not os.path.exists(self.path):
+            from . import model_store
+
+            if self.path in model_store.MODELS:  # a name, as `--model` takes it
+                self.path = model_store.resolve(self.path)
         for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
