@@ -554,6 +554,14 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
     roles = (*ROLES, ("Programmer", "You are a programming expert. Check the arithmetic with code."))
     questions = load_gsm8k(600, 200)
     runs: list[list[kc.agents.Response]] = []
+    walls: list[list[float]] = []  # ms each respond() call took, as its caller waited
+
+    def timed(agent: kc.agents.Agent) -> kc.agents.Response:
+        start = time.perf_counter()
+        r = agent.respond(max_tokens=1)
+        walls[-1].append((time.perf_counter() - start) * 1000.0)
+        return r
+
     for i in range(CALIBRATION_READS + 1):
         picked = questions[i * 40 : i * 40 + 12]
         while len(model.tokenize("\n".join(picked), add_special=False)) < 2000:
@@ -562,7 +570,8 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
         with AgentSession(model, "kvcmas", workflow="test-2k") as team:
             agents = [team.agent(n, system=r) for n, r in roles]
             team.share(context, label="Context")
-            runs.append([a.respond(max_tokens=1) for a in agents])
+            walls.append([])
+            runs.append([timed(a) for a in agents])
             ridge = shared_estimator(model, "kvcmas", "test-2k")[0]
             assert ridge.pending_bytes() + ridge.state_bytes() < 64 << 20
     n_ctx_tokens = len(model.tokenize(context, add_special=False))
@@ -572,6 +581,11 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
         assert r.stats.gate == "calibrating -> reuse" and r.stats.mode == "reuse", r.stats
         assert r.stats.span_tokens >= n_ctx_tokens - 8 and r.stats.computed_tokens < 100, r.stats
         assert r.stats.calibration_tokens_scheduled >= n_ctx_tokens  # the exact rows, computed after the reply
+    # the reply returns first; the next agent's call runs that read before its prompt, and its TTFT says so
+    assert first[1].stats.training_read_ms == 0
+    for r, wall in zip(first[2:], walls[0][2:], strict=True):
+        assert r.stats.training_read_ms > 0 and r.stats.ttft_ms > r.stats.training_read_ms, r.stats
+        assert r.stats.ttft_ms >= 0.5 * wall, (r.stats, wall)  # was its prefill alone: ~3% of the wait
     for run in runs[1:CALIBRATION_READS]:
         assert [r.stats.gate for r in run[1:]] == ["calibrating -> reuse"] * 3
     for r in runs[-1][1:]:  # calibrated: learned corrections, nothing computed for calibration any more

@@ -37,6 +37,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -135,6 +136,9 @@ class ResponseStats:
     # rows of the training read this call scheduled (cold reuse while calibrating): computed after the reply, off its
     # path (AgentSession.run_training_reads; a server runs them when it has nothing else to do)
     calibration_tokens_scheduled: int = 0
+    # of ttft_ms, the time this call spent first running training reads earlier calls left pending (an AgentSession
+    # runs them before its next prompt unless the caller ran them: run_training_reads); 0 on a server
+    training_read_ms: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -206,6 +210,7 @@ class Prefilled:
     prefix_rows: int = 0  # rows of the agent's template prefix (before the first span)
     prefix_cached: int = 0  # of them, rows an earlier call computed (served by the model's PrefixCache)
     prefix: KVSequence | None = None  # the template prefix the hop forked (its own fork of the cache's rows)
+    training_read_ms: float = 0.0  # spent before the prompt on earlier calls' pending training reads
     runs: list[str] = field(default_factory=list)  # placeholders of sub-runs of stored spans this prompt reads
     finished: bool = False
     released: bool = False
@@ -603,14 +608,14 @@ class AgentSession:
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
         with self._lock, self._recompute_budget(recompute):
-            self.run_training_reads()  # the last call's, if nobody took them: before this prompt reads its spans
+            read_ms = self._run_pending_reads()  # the last call's, if nobody took them: before this prompt reads
             runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
             try:
                 p = yield from self._prefill_messages(messages, agent, runs)
             except BaseException:
                 self._drop_runs(runs)
                 raise
-            p.runs = runs
+            p.runs, p.training_read_ms = runs, read_ms
             return p
 
     def _prefill_messages(self, messages: list[dict[str, Any]], agent: str | None, runs: list[str]) -> Plan[Prefilled]:
@@ -940,10 +945,12 @@ class AgentSession:
         with self._lock:
             if agent.session is not self:
                 raise ValueError(f"prefill_agent: {agent!r} belongs to another session")
-            self.run_training_reads()
+            read_ms = self._run_pending_reads()
             messages = [{"role": "system", "content": agent.system}] if agent.system else []
             messages.append({"role": "user", "content": self._user_template(agent)})
-            return run_plan(self._prefill_template(agent, template_from_messages(self.model, messages, agent.name)))
+            p = run_plan(self._prefill_template(agent, template_from_messages(self.model, messages, agent.name)))
+            p.training_read_ms = read_ms
+            return p
 
     def finish(self, p: Prefilled, generated: Sequence[int], text: str | None = None) -> None:
         """Registers a generated reply (its ids; a trailing end-of-generation token is dropped) as a span later
@@ -1108,13 +1115,23 @@ class AgentSession:
 
     def run_training_reads(self) -> int:
         """Runs the pending training reads (kvcmas calibrating its edges) now; returns how many ran. A session runs
-        them itself at the start of its next prefill and in reset()/close(), so a reply never waits for its own."""
+        them itself at the start of its next prefill (that call's ttft_ms and training_read_ms count the wait) and in
+        reset()/close(), so a reply never waits for its own: call this when the program has time to spare (between
+        workflows, while a tool runs) to keep the wait off the next agent."""
         with self._lock:
             reads, n = list(self._reads), 0
             for read in reads:
                 read.run()
                 n += 1
             return n
+
+    def _run_pending_reads(self) -> float:
+        """run_training_reads() before a prompt; the milliseconds it took (counted in that call's ttft_ms)."""
+        if not self._reads:
+            return 0.0
+        start = time.perf_counter()
+        self.run_training_reads()
+        return (time.perf_counter() - start) * 1000.0
 
     def take_training_reads(self) -> list[TrainingRead]:
         """Hands the pending training reads to the caller (a server's scheduler), which runs them step by step
@@ -1157,7 +1174,7 @@ class AgentSession:
             self.method,
             h.mode,
             h.gate,
-            round(h.ttft_ms, 3),
+            round(h.ttft_ms + p.training_read_ms, 3),  # the caller waited for both
             h.prompt_tokens,
             computed,
             h.prompt_tokens - computed,
@@ -1171,6 +1188,7 @@ class AgentSession:
             h.prompt_tokens - computed - p.prefix_cached,
             h.dense_reason if h.mode != "reuse" else None,
             h.shadow_tokens,
+            round(p.training_read_ms, 3),
         )
 
     def _respond(
