@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -146,6 +148,30 @@ def test_generation_ends_at_the_context_with_length(model: kc.Model) -> None:
         small.generate("x", max_tokens=2, stop=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 0, got 2.5"):
         small.generate("x", max_tokens=2.5)  # type: ignore[arg-type]
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model) -> None:
+    """A prompt longer than n_ctx is refused by size before a row is computed (generate used to prefill 8,192 rows
+    and then stop with the core's 'context overflow: sequence 0 ... 512 more'); a prompt that leaves no room for one
+    generated token is refused too. A sequence's append checks the whole call up front the same way."""
+    prompt = model.tokenize(" word" * (model.n_ctx + 600))
+    before = model._core.n_seqs, model.kv_bytes_in_use
+    start = time.perf_counter()
+    says = rf"generate: the prompt is {len(prompt)} tokens, and the context \(n_ctx\) is {model.n_ctx} tokens"
+    with pytest.raises(ValueError, match=says):
+        model.generate(prompt, max_tokens=4)
+    with pytest.raises(ValueError, match=rf"the prompt is {model.n_ctx} tokens"):
+        model.generate(prompt[: model.n_ctx], max_tokens=4)
+    with model.new_sequence() as seq:
+        seq.append(prompt[:100], logits="none")
+        with pytest.raises(ValueError, match=rf"the prompt is {model.n_ctx - 100} tokens after the sequence's 100"):
+            model.generate(prompt[100 : model.n_ctx], max_tokens=1, sequence=seq)
+        with pytest.raises(kc.KvcmasError, match=rf"context overflow: {model.n_ctx} tokens after the sequence's 100"):
+            seq.append(prompt[: model.n_ctx])
+        assert len(seq) == 100 and model._core.seq_length(seq.id) == 100
+    assert time.perf_counter() - start < 2.0  # nothing of the 8K-token prompts was computed
+    assert (model._core.n_seqs, model.kv_bytes_in_use) == before
+    assert model.generate(prompt[: model.n_ctx - 1], max_tokens=4).finish_reason == "length"  # one token fits
 
 
 def test_token_ids_must_be_integers(model: kc.Model) -> None:

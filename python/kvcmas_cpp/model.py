@@ -230,6 +230,11 @@ class KVSequence:
             raise ValueError("append: no tokens given")
         if logits not in ("last", "all", "none"):
             raise ValueError(f"append: logits must be 'last', 'all' or 'none', not {logits!r}")
+        if len(self.tokens) + len(ids) > self._model.n_ctx:  # before any chunk is computed, not at the chunk past it
+            raise core.KvcmasError(
+                f"context overflow: {len(ids)} tokens after the sequence's {len(self.tokens)} exceed n_ctx = "
+                f"{self._model.n_ctx}; nothing was computed"
+            )
         rows: list[np.ndarray] = []
         for start in range(0, len(ids), PROMPT_CHUNK):
             chunk = ids[start : start + PROMPT_CHUNK]
@@ -616,6 +621,13 @@ class Model:
         (kvcmas_cpp.constrained.Constraint); logprobs: None, or each chunk's logprob with this many alternatives."""
         if not ids:
             raise ValueError("generate: the prompt is empty")
+        held = len(sequence) if sequence is not None else 0
+        if first_logits is None and held + len(ids) >= self.n_ctx:  # the prompt and one generated token must fit
+            before = f" after the sequence's {held}" if held else ""
+            raise ValueError(
+                f"generate: the prompt is {len(ids)} tokens{before}, and the context (n_ctx) is {self.n_ctx} tokens, "
+                "the reply included: shorten the prompt or raise n_ctx (Model(n_ctx=...), -c/--ctx-size)"
+            )
         sampler = Sampler(params)
         seq = sequence if sequence is not None else self.new_sequence()
         prior = len(seq) if first_logits is None else len(seq) - len(ids)
