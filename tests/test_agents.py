@@ -189,6 +189,18 @@ def test_templates_placeholders_and_errors(model: kc.Model) -> None:
         assert r1.stats.reused_tokens >= len(r0.ids) - 4
         with pytest.raises(ValueError, match="exists already"):
             team.agent("Solver")
+        # a declaration that could only fail later, or never see the shared context, is refused when it is made
+        for kwargs, says in (
+            ({"system": 5}, "agent 'X': system must be a string, got int"),
+            ({"template": b"{context}"}, "agent 'X': template must be a string, got bytes"),
+            ({"template": "Read {contex} and answer."}, r"agent 'X': the template's \{contex\} is not a placeholder"),
+            ({"template": "Answer {agent_0_current} as {answer}"}, r"\{answer\} is not a placeholder"),
+            ({"template": "Just say hello."}, "agent 'X': the template reads nothing shared"),
+        ):
+            with pytest.raises(ValueError, match=says):
+                team.agent("X", **kwargs)  # type: ignore[arg-type]
+        assert "X" not in [a.name for a in team.agents]  # nothing half-declared
+        team.agent("X", None, template='Reply as JSON {"a": 1} to:\n{context}')  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="max_tokens"):
             solver.respond(max_tokens=0)
         with pytest.raises(ValueError):

@@ -56,7 +56,7 @@ from .sharing.methods import CALIBRATION_READS, MethodConfig  # noqa: F401 (kc.a
 from .sharing.persist import CalibrationStore, default_calibration_dir
 from .sharing.runner import HopReport, RequestState, TrainingRead, WorkflowRunner
 from .sharing.span import Span, chains
-from .sharing.workflow import QUESTION, Template, Workflow, template_from_messages
+from .sharing.workflow import PLACEHOLDER_RE, QUESTION, Template, Workflow, template_from_messages
 from .tools import TOOLS_KEY, attached_tools
 
 # Inside a bigger message, a paragraph becomes its own span, and a span the session holds is found again, only from
@@ -104,6 +104,29 @@ def shared_estimator(
             with lock:
                 store.load_into(estimator)
         return estimator, lock
+
+
+_WORD_IN_BRACES = re.compile(r"\{(\w+)\}")
+CONTEXT_PLACEHOLDER = "{context}"  # in a template: every shared item
+
+
+def _check_template(name: str, template: object) -> None:
+    """A session agent's template must read the shared context, and a {word} in it must be a placeholder: a typo
+    ({contex}) or a template without any would otherwise leave the agent blind to what it is meant to read."""
+    if not isinstance(template, str):
+        raise ValueError(f"agent {name!r}: template must be a string, got {type(template).__name__}")
+    words = _WORD_IN_BRACES.findall(template)
+    unknown = [w for w in words if "{" + w + "}" != CONTEXT_PLACEHOLDER and not PLACEHOLDER_RE.fullmatch("{" + w + "}")]
+    if unknown:
+        raise ValueError(
+            f"agent {name!r}: the template's {{{unknown[0]}}} is not a placeholder ({{context}}, {{user_question}}, "
+            "{agent_<i>_current}, {condition_<k>_current}); a template has no escape for a literal {word}"
+        )
+    if not words:
+        raise ValueError(
+            f"agent {name!r}: the template reads nothing shared (no {{context}} or other placeholder), so the agent "
+            "would never see the shared context"
+        )
 
 
 def agent_identity(system: str, template: str | None = None) -> str:
@@ -421,9 +444,15 @@ class AgentSession:
     # ------------------------------------------------------------------------------------------------ agents
     def agent(self, name: str, system: str = "", *, template: str | None = None) -> Agent:
         """Declares an agent. system: its role prompt. template: its user message with placeholders
-        ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context}); default: every shared item."""
+        ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context}); default: every shared item. A
+        template reads at least one of them, and every {word} in it is one (ValueError otherwise)."""
         if not isinstance(name, str) or not name:
             raise ValueError("agent: name must be a non-empty string")
+        system = "" if system is None else system
+        if not isinstance(system, str):
+            raise ValueError(f"agent {name!r}: system must be a string, got {type(system).__name__}")
+        if template is not None:
+            _check_template(name, template)
         with self._lock:
             if any(a.name == name for a in self.agents):
                 raise ValueError(f"agent: an agent named {name!r} exists already in this session")
@@ -1008,7 +1037,7 @@ class AgentSession:
         return [span for ph, span in self._state.spans.items() if ph not in self._runs]
 
     def _user_template(self, ag: Agent) -> str:
-        if ag.template is not None and "{context}" not in ag.template:
+        if ag.template is not None and CONTEXT_PLACEHOLDER not in ag.template:
             return ag.template
         parts = []
         for span in self._items:
@@ -1017,7 +1046,7 @@ class AgentSession:
                 label = f"{self.agents[span.author].name}'s output"
             parts.append((f"{label}:\n" if label else "") + "{" + span.ph + "}")
         ctx = "\n\n".join(parts)
-        return ag.template.replace("{context}", ctx) if ag.template is not None else ctx
+        return ag.template.replace(CONTEXT_PLACEHOLDER, ctx) if ag.template is not None else ctx
 
     def _prefix(self, ag: Agent, t: Template) -> Plan[tuple[KVSequence, int]]:
         """The plan of a sequence holding the agent's template prefix (the caller owns it); returns it and how many
