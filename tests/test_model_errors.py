@@ -61,7 +61,10 @@ def _write(path: Path, edit: Callable[[dict, dict], None] | None = None) -> Path
         else:
             writer.add_uint32(key, int(value))
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        if isinstance(array, tuple):  # (raw blocks [rows, bytes], their GGML type)
+            writer.add_tensor(name, array[0], raw_shape=array[0].shape, raw_dtype=array[1])
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -87,6 +90,23 @@ def _set(key: str, value: object) -> Callable[[dict, dict], None]:
 def _reshape(name: str, shape: tuple[int, ...]) -> Callable[[dict, dict], None]:
     def edit(keys: dict, tensors: dict) -> None:
         tensors[name] = np.zeros(shape, np.float32)
+
+    return edit
+
+
+def _stored_as(qtype: gguf.GGMLQuantizationType) -> Callable[[dict, dict], None]:
+    """blk.0.ffn_down.weight in a type kvcmas has no kernels for (random blocks, f16 scales finite); the
+    feed-forward width becomes one 256-element block, so K-quant rows tile it."""
+
+    def edit(keys: dict, tensors: dict) -> None:
+        width, rng = 256, np.random.default_rng(1)
+        keys["llama.feed_forward_length"] = width
+        for il in range(L):
+            for part, shape in (("ffn_gate", (width, E)), ("ffn_up", (width, E)), ("ffn_down", (E, width))):
+                tensors[f"blk.{il}.{part}.weight"] = rng.standard_normal(shape).astype(np.float32) * 0.1
+        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = np.zeros((E, width // block_elems * block_bytes), np.uint8)  # all-zero blocks: scales of 0.0
+        tensors["blk.0.ffn_down.weight"] = (blocks, qtype)
 
     return edit
 
@@ -136,6 +156,13 @@ def _rename_arch(keys: dict, tensors: dict) -> None:
         (_set("llama.attention.sliding_window", 0), "llama.attention.sliding_window = 0 out of range"),
         (_sliding([True, False, True]), "sliding_window_pattern has 3 entries for 2 layers"),
         (_sliding(7), "sliding_window_pattern = 7 is neither a bool per layer nor a layer period"),
+        (
+            _stored_as(gguf.GGMLQuantizationType.Q3_K),
+            "tensor 'blk.0.ffn_down.weight' has type q3_K, which kvcmas does not run (its weight types: f32, f16, "
+            "q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, bf16); a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file",
+        ),
+        (_stored_as(gguf.GGMLQuantizationType.IQ4_XS), "'blk.0.ffn_down.weight' has type iq4_xs, which kvcmas does"),
+        (_stored_as(gguf.GGMLQuantizationType.IQ4_NL), "'blk.0.ffn_down.weight' has type iq4_nl, which kvcmas does"),
     ],
 )
 def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict], None], message: str) -> None:

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <limits>
+#include <string>
 
 #include "common/error.h"
 
@@ -23,6 +24,24 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id) {
     static const GgmlTypeTraits q5_k{ "q5_K", 256, 176, true };
     static const GgmlTypeTraits q6_k{ "q6_K", 256, 210, true };
     static const GgmlTypeTraits q8_k{ "q8_K", 256, 292, false };
+    // Known so that files holding them parse and are refused by name (no kernels here).
+    static const GgmlTypeTraits iq2_xxs{ "iq2_xxs", 256, 66, false };
+    static const GgmlTypeTraits iq2_xs{ "iq2_xs", 256, 74, false };
+    static const GgmlTypeTraits iq3_xxs{ "iq3_xxs", 256, 98, false };
+    static const GgmlTypeTraits iq1_s{ "iq1_s", 256, 50, false };
+    static const GgmlTypeTraits iq4_nl{ "iq4_nl", 32, 18, false };
+    static const GgmlTypeTraits iq3_s{ "iq3_s", 256, 110, false };
+    static const GgmlTypeTraits iq2_s{ "iq2_s", 256, 82, false };
+    static const GgmlTypeTraits iq4_xs{ "iq4_xs", 256, 136, false };
+    static const GgmlTypeTraits i8{ "i8", 1, 1, false };
+    static const GgmlTypeTraits i16{ "i16", 1, 2, false };
+    static const GgmlTypeTraits i32{ "i32", 1, 4, false };
+    static const GgmlTypeTraits i64{ "i64", 1, 8, false };
+    static const GgmlTypeTraits f64{ "f64", 1, 8, false };
+    static const GgmlTypeTraits iq1_m{ "iq1_m", 256, 56, false };
+    static const GgmlTypeTraits tq1_0{ "tq1_0", 256, 54, false };
+    static const GgmlTypeTraits tq2_0{ "tq2_0", 256, 66, false };
+    static const GgmlTypeTraits mxfp4{ "mxfp4", 32, 17, false };
     switch (type_id) {
         case 0: return &f32;
         case 1: return &f16;
@@ -38,7 +57,24 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id) {
         case 13: return &q5_k;
         case 14: return &q6_k;
         case 15: return &q8_k;
+        case 16: return &iq2_xxs;
+        case 17: return &iq2_xs;
+        case 18: return &iq3_xxs;
+        case 19: return &iq1_s;
+        case 20: return &iq4_nl;
+        case 21: return &iq3_s;
+        case 22: return &iq2_s;
+        case 23: return &iq4_xs;
+        case 24: return &i8;
+        case 25: return &i16;
+        case 26: return &i32;
+        case 27: return &i64;
+        case 28: return &f64;
+        case 29: return &iq1_m;
         case 30: return &bf16;
+        case 34: return &tq1_0;
+        case 35: return &tq2_0;
+        case 39: return &mxfp4;
         default: return nullptr;
     }
 }
@@ -51,6 +87,20 @@ const char * ggml_type_name(uint32_t type_id) {
     thread_local char buf[32];
     std::snprintf(buf, sizeof(buf), "type %u", type_id);
     return buf;
+}
+
+const char * ggml_weight_type_names() {
+    static const std::string names = [] {
+        std::string out;
+        for (uint32_t id = 0; id < 64; ++id) {
+            const GgmlTypeTraits * t = ggml_type_traits(id);
+            if (t != nullptr && t->weight) {
+                out += (out.empty() ? "" : ", ") + std::string(t->name);
+            }
+        }
+        return out;
+    }();
+    return names.c_str();
 }
 
 size_t ggml_row_bytes(GgmlType type, int64_t n) {

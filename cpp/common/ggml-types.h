@@ -38,6 +38,9 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id);
 // Name of a type id for messages ("q4_K", or "type 42" when unknown).
 const char * ggml_type_name(uint32_t type_id);
 
+// The types this engine runs as weights, for messages: "f32, f16, bf16, q4_0, ...".
+const char * ggml_weight_type_names();
+
 // Bytes taken by n elements of a known type; throws kvcmas::Error if n is not a multiple of the block size or
 // the size overflows.
 size_t ggml_row_bytes(GgmlType type, int64_t n);

@@ -28,6 +28,10 @@ class TensorLoader {
     const gguf::GgufFile & file() const { return file_; }
 
   private:
+    // Throws kvcmas::Error naming the tensor (and the types kvcmas runs) unless its type is a weight type whose
+    // blocks tile rows of `row` elements.
+    void check_weight_type(const gguf::TensorInfo & t, int64_t row) const;
+
     const gguf::GgufFile & file_;
 };
 
