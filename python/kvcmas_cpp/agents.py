@@ -120,7 +120,8 @@ def _check_template(name: str, template: object) -> None:
     if unknown:
         raise ValueError(
             f"agent {name!r}: the template's {{{unknown[0]}}} is not a placeholder ({{context}}, {{user_question}}, "
-            "{agent_<i>_current}, {condition_<k>_current}); a template has no escape for a literal {word}"
+            "{agent_<i>_current}, {agent_<i>_history}, {condition_<k>_current}); a template has no escape for a "
+            "literal {word}"
         )
     if not words:
         raise ValueError(
