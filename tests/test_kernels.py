@@ -20,7 +20,10 @@ from kvcmas_cpp._native import core
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
 BLOCK32_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
 K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
-ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES
+# read by portable kernels only, on f32 activations (cpp/backend/cpu/quants-lowbit.cpp); gguf-py cannot quantize them
+LOWBIT_TYPES = [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
+RANDOM_BLOCK_TYPES = K_TYPES + LOWBIT_TYPES
+ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES + LOWBIT_TYPES
 
 
 def block_size(qtype: QT) -> int:
@@ -38,8 +41,10 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     scales = f16_bytes(rng.uniform(-0.02, 0.02, n_blocks))
     mins = f16_bytes(rng.uniform(-0.02, 0.02, n_blocks))
-    if qtype == QT.Q6_K:
+    if qtype in (QT.Q6_K, QT.Q3_K):
         raw[:, -2:] = scales  # d is the last field
+    elif qtype == QT.Q2_K:
+        raw[:, -4:-2], raw[:, -2:] = scales, mins  # d, dmin last
     else:
         raw[:, 0:2] = scales
         if qtype in (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K):
@@ -49,7 +54,7 @@ def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndar
 
 def make_weight(qtype: QT, n_out: int, n_in: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
     """Weight bytes of the given type and their f32 dequantization by gguf-py, shape (n_out, n_in)."""
-    if qtype in K_TYPES:
+    if qtype in RANDOM_BLOCK_TYPES:
         raw = random_blocks(qtype, n_out * n_in // block_size(qtype), rng).reshape(n_out, -1)
     else:
         values = rng.standard_normal((n_out, n_in)).astype(np.float32)
@@ -61,7 +66,7 @@ def make_weight(qtype: QT, n_out: int, n_in: int, rng: np.random.Generator) -> t
 # ---- dequantization ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("qtype", BLOCK32_TYPES + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCK32_TYPES + RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
 def test_dequantize_random_blocks_match_gguf(qtype: QT) -> None:
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, 64, rng)
@@ -98,9 +103,9 @@ def test_dequantize_zero_elements() -> None:
 
 def shapes_for(qtype: QT) -> list[tuple[int, int]]:
     """(n_in, n_out) pairs: several block multiples, odd row counts; odd widths for the float types."""
-    if qtype in K_TYPES:
+    if block_size(qtype) == 256:
         return [(256, 7), (768, 97), (512, 1)]
-    if qtype in BLOCK32_TYPES:
+    if block_size(qtype) == 32:
         return [(32, 7), (96, 97), (576, 1), (288, 20)]
     return [(5, 7), (37, 97), (576, 1), (301, 19)]
 
@@ -155,7 +160,7 @@ ROW_CONSISTENCY_N_TOKS = [1, 2, 5, 17, 64, 129]
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_row_result_does_not_depend_on_token_count(qtype: QT) -> None:
     rng = np.random.default_rng(2000 + int(qtype))
-    n_in = 768 if qtype in K_TYPES else 576
+    n_in = 768 if block_size(qtype) == 256 else 576
     raw, w = make_weight(qtype, 50, n_in, rng)
     x = rng.standard_normal((max(ROW_CONSISTENCY_N_TOKS), n_in)).astype(np.float32)
     _, magnitude = exact_product(x[:1], w)
@@ -231,7 +236,7 @@ def test_bad_sizes_raise() -> None:
         core.dequantize(int(QT.Q4_K), bytes(143), 256)
     with pytest.raises(KvcmasError, match="block"):
         core.dequantize(int(QT.Q8_0), bytes(34), 31)
-    for bad_type in (int(QT.Q2_K), int(QT.Q8_K), 99):
+    for bad_type in (int(QT.IQ2_XXS), int(QT.Q8_K), 99):
         with pytest.raises(KvcmasError, match="not a supported weight type"):
             core.dequantize(bad_type, bytes(84), 256)
 
@@ -269,7 +274,7 @@ def test_scalar_path_matches_numpy_and_default_path(tmp_path: Path) -> None:
     cases: dict[str, np.ndarray] = {}
     weights = []
     for i, qtype in enumerate(ALL_TYPES):
-        n_in = 512 if qtype in K_TYPES else (96 if qtype in BLOCK32_TYPES else 45)
+        n_in = {256: 512, 32: 96}.get(block_size(qtype), 45)
         raw, w = make_weight(qtype, 9, n_in, rng)
         x = rng.standard_normal((max(SCALAR_N_TOKS), n_in)).astype(np.float32)
         cases[f"raw_{i}"] = np.frombuffer(raw, dtype=np.uint8)

@@ -1,4 +1,5 @@
-"""Model files that parse as GGUF but do not describe a model kvcmas can run: each is a clear error, never a crash."""
+"""Model files that parse as GGUF but do not describe a model kvcmas can run: each is a clear error, never a crash.
+And the weight types of the smaller llama.cpp files, which run."""
 
 from __future__ import annotations
 
@@ -94,19 +95,19 @@ def _reshape(name: str, shape: tuple[int, ...]) -> Callable[[dict, dict], None]:
     return edit
 
 
-def _stored_as(qtype: gguf.GGMLQuantizationType) -> Callable[[dict, dict], None]:
-    """blk.0.ffn_down.weight in a type kvcmas has no kernels for (random blocks, f16 scales finite); the
-    feed-forward width becomes one 256-element block, so K-quant rows tile it."""
+def _stored_as(qtype: gguf.GGMLQuantizationType, blocks: np.ndarray | None = None) -> Callable[[dict, dict], None]:
+    """Every layer's ffn_down.weight [E, 256] stored as `blocks` of `qtype` (default: all zero); the feed-forward
+    width becomes one 256-element block, so K-quant rows tile it."""
 
     def edit(keys: dict, tensors: dict) -> None:
         width, rng = 256, np.random.default_rng(1)
         keys["llama.feed_forward_length"] = width
         for il in range(L):
-            for part, shape in (("ffn_gate", (width, E)), ("ffn_up", (width, E)), ("ffn_down", (E, width))):
+            for part, shape in (("ffn_gate", (width, E)), ("ffn_up", (width, E))):
                 tensors[f"blk.{il}.{part}.weight"] = rng.standard_normal(shape).astype(np.float32) * 0.1
-        block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        blocks = np.zeros((E, width // block_elems * block_bytes), np.uint8)  # all-zero blocks: scales of 0.0
-        tensors["blk.0.ffn_down.weight"] = (blocks, qtype)
+            block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((E, width // block_elems * block_bytes), np.uint8) if blocks is None else blocks[il]
+            tensors[f"blk.{il}.ffn_down.weight"] = (raw, qtype)
 
     return edit
 
@@ -157,12 +158,13 @@ def _rename_arch(keys: dict, tensors: dict) -> None:
         (_sliding([True, False, True]), "sliding_window_pattern has 3 entries for 2 layers"),
         (_sliding(7), "sliding_window_pattern = 7 is neither a bool per layer nor a layer period"),
         (
-            _stored_as(gguf.GGMLQuantizationType.Q3_K),
-            "tensor 'blk.0.ffn_down.weight' has type q3_K, which kvcmas does not run (its weight types: f32, f16, "
-            "q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, bf16); a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file",
+            _stored_as(gguf.GGMLQuantizationType.IQ2_XXS),
+            "tensor 'blk.0.ffn_down.weight' has type iq2_xxs, which kvcmas does not run (its weight types: f32, f16, "
+            "q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, bf16); a Q4_K_M, Q5_K_M, "
+            "Q6_K or Q8_0 file",
         ),
-        (_stored_as(gguf.GGMLQuantizationType.IQ4_XS), "'blk.0.ffn_down.weight' has type iq4_xs, which kvcmas does"),
-        (_stored_as(gguf.GGMLQuantizationType.IQ4_NL), "'blk.0.ffn_down.weight' has type iq4_nl, which kvcmas does"),
+        (_stored_as(gguf.GGMLQuantizationType.TQ1_0), "'blk.0.ffn_down.weight' has type tq1_0, which kvcmas does"),
+        (_stored_as(gguf.GGMLQuantizationType.MXFP4), "'blk.0.ffn_down.weight' has type mxfp4, which kvcmas does"),
     ],
 )
 def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict], None], message: str) -> None:
@@ -171,6 +173,49 @@ def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict],
         kc.Model(path, n_threads=1)
     assert message in str(info.value)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+def test_low_bit_weight_types_run_as_their_dequantization(tmp_path: Path, qtype: str) -> None:
+    """The types of Q2_K, Q3_K_M and IQ4_XS files (IQ4_NL stands in for rows that are not whole 256-blocks there):
+    a model whose ffn_down weights are random blocks of the type computes the logits of the same model with those
+    weights stored as f32 (gguf-py's dequantization), in prefill and in decode steps."""
+    q = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(int(q))
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[q]
+    blocks = rng.integers(0, 256, size=(L, E, 256 // block_elems, block_bytes), dtype=np.uint8)
+    # the f16 scale (and Q2_K's min) of every block: small and finite
+    halves = {"Q2_K": [slice(-4, -2), slice(-2, None)], "Q3_K": [slice(-2, None)]}.get(qtype, [slice(0, 2)])
+    for at in halves:
+        values = rng.uniform(-0.004, 0.004, blocks.shape[:3]).astype(np.float16)
+        blocks[..., at] = values.view(np.uint8).reshape(*blocks.shape[:3], 2)
+    blocks = blocks.reshape(L, E, -1)
+    dense = [gguf.quants.dequantize(blocks[il], q).reshape(E, 256).astype(np.float32) for il in range(L)]
+
+    def as_f32(keys: dict, tensors: dict) -> None:
+        _stored_as(q, blocks)(keys, tensors)
+        for il in range(L):
+            tensors[f"blk.{il}.ffn_down.weight"] = dense[il]
+
+    path = _write(tmp_path / "low.gguf", _stored_as(q, blocks))
+    low, low_q8 = kc.Model(path, n_threads=1, activations="f32"), kc.Model(path, n_threads=1)
+    ref = kc.Model(_write(tmp_path / "f32.gguf", as_f32), n_threads=1)
+    ids = list(range(1, 40))
+    want = ref.logits(ids)
+    std = float(np.std(want))
+    assert std > 0.1  # the ffn path matters to the logits
+    np.testing.assert_allclose(low.logits(ids), want, rtol=0, atol=1e-4 * std)
+
+    def decode_steps(model: kc.Model) -> np.ndarray:  # one token at a time after a prompt
+        with model.new_sequence() as seq:
+            seq.append(ids[:20], logits="none")
+            return np.stack([seq.append([t]) for t in ids[20:]])
+
+    for model in (low, ref):
+        np.testing.assert_allclose(decode_steps(model), want[20:], rtol=0, atol=1e-4 * std)
+    steps = decode_steps(low_q8)  # 8-bit activations where the type has such kernels (IQ4): close, not exact
+    assert float(np.sqrt(np.mean((steps - want[20:]) ** 2))) < 2e-3 * std
+    assert np.array_equal(steps.argmax(-1), want[20:].argmax(-1))
 
 
 def test_non_model_files_raise(tmp_path: Path) -> None:

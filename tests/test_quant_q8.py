@@ -21,9 +21,10 @@ from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
 from kvcmas_cpp._native import core
-from test_kernels import BLOCK32_TYPES, K_TYPES, exact_product, make_weight, max_scaled_err
+from test_kernels import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 
 Q8_TYPES = BLOCK32_TYPES + K_TYPES
+Q8_KERNEL_TYPES = Q8_TYPES + [QT.IQ4_NL, QT.IQ4_XS]  # the IQ4 types have no tiny test model (gguf-py cannot write)
 MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
 
@@ -58,7 +59,7 @@ def min_part(raw: bytes, qtype: QT, n_out: int, n_in: int) -> np.ndarray:
 
 
 def shapes_for(qtype: QT) -> list[tuple[int, int]]:
-    return [(256, 7), (768, 97)] if qtype in K_TYPES else [(32, 7), (96, 97), (576, 20)]
+    return [(256, 7), (768, 97)] if block_size(qtype) == 256 else [(32, 7), (96, 97), (576, 20)]
 
 
 def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
@@ -73,7 +74,7 @@ def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
 N_TOKS = [1, 2, 3, 4, 5, 8, 13, 16]
 
 
-@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", Q8_KERNEL_TYPES, ids=lambda t: t.name)
 def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
     """y = Σ_blocks d_w·(d_x / 256)·Σ q_w·(256·q_x + qr_x) (+ m·Σx with the exact activation sums): numpy in float64
     on the same quantized activations agrees to f32 rounding (relative to Σ|w - m||x̂|)."""
@@ -93,13 +94,13 @@ def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
                 assert err < 1e-5, (n_in, n_out, n_tok, n_threads, err)
 
 
-@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", Q8_KERNEL_TYPES, ids=lambda t: t.name)
 def test_q8_error_within_activation_rounding_bound(qtype: QT) -> None:
     """|y_q8 - y_exact| <= Σ_blocks s·Σ|w - m| per row, s = d / 256 the step of the residual pass: rounding moves each
     activation by at most half a step, or one step where the residual saturates at ±127. The exact path stays within
     1e-5 of the exact product, and from 17 tokens on (prefill) q8 is exact too."""
     rng = np.random.default_rng(4000 + int(qtype))
-    n_in, n_out = (768, 97) if qtype in K_TYPES else (576, 97)
+    n_in, n_out = (768, 97) if block_size(qtype) == 256 else (576, 97)
     raw, w = make_weight(qtype, n_out, n_in, rng)
     mins = min_part(raw, qtype, n_out, n_in)
     x = activations(rng, 24, n_in)
@@ -258,7 +259,7 @@ def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> Non
 
     rng = np.random.default_rng(6000)
     cases = []
-    for i, qtype in enumerate(Q8_TYPES):
+    for i, qtype in enumerate(Q8_KERNEL_TYPES):
         n_in = 512
         raw, _ = make_weight(qtype, 33, n_in, rng)
         x = activations(rng, 5, n_in)

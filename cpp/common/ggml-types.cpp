@@ -18,8 +18,8 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id) {
     static const GgmlTypeTraits q5_1{ "q5_1", 32, 24, true };
     static const GgmlTypeTraits q8_0{ "q8_0", 32, 34, true };
     static const GgmlTypeTraits q8_1{ "q8_1", 32, 36, false };
-    static const GgmlTypeTraits q2_k{ "q2_K", 256, 84, false };
-    static const GgmlTypeTraits q3_k{ "q3_K", 256, 110, false };
+    static const GgmlTypeTraits q2_k{ "q2_K", 256, 84, true };
+    static const GgmlTypeTraits q3_k{ "q3_K", 256, 110, true };
     static const GgmlTypeTraits q4_k{ "q4_K", 256, 144, true };
     static const GgmlTypeTraits q5_k{ "q5_K", 256, 176, true };
     static const GgmlTypeTraits q6_k{ "q6_K", 256, 210, true };
@@ -29,10 +29,10 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id) {
     static const GgmlTypeTraits iq2_xs{ "iq2_xs", 256, 74, false };
     static const GgmlTypeTraits iq3_xxs{ "iq3_xxs", 256, 98, false };
     static const GgmlTypeTraits iq1_s{ "iq1_s", 256, 50, false };
-    static const GgmlTypeTraits iq4_nl{ "iq4_nl", 32, 18, false };
+    static const GgmlTypeTraits iq4_nl{ "iq4_nl", 32, 18, true };
     static const GgmlTypeTraits iq3_s{ "iq3_s", 256, 110, false };
     static const GgmlTypeTraits iq2_s{ "iq2_s", 256, 82, false };
-    static const GgmlTypeTraits iq4_xs{ "iq4_xs", 256, 136, false };
+    static const GgmlTypeTraits iq4_xs{ "iq4_xs", 256, 136, true };
     static const GgmlTypeTraits i8{ "i8", 1, 1, false };
     static const GgmlTypeTraits i16{ "i16", 1, 2, false };
     static const GgmlTypeTraits i32{ "i32", 1, 4, false };

@@ -633,7 +633,7 @@ RowDotFn row_dot_fn_avx2(GgmlType type) {
         case GgmlType::Q4_K: return dot_q4_k_rows;
         case GgmlType::Q5_K: return dot_q5_k_rows;
         case GgmlType::Q6_K: return dot_q6_k_rows;
-        default: return nullptr;
+        default: return row_dot_fn_lowbit(type);  // portable kernels only
     }
 }
 

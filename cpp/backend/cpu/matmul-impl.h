@@ -31,6 +31,25 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
 static_assert(sizeof(BlockQ5_1) == 24 && sizeof(BlockQ8_0) == 34, "block layout");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "block layout");
 
+// The low-bit types (quants-lowbit.cpp). Q2_K / Q3_K: 16 groups of 16; group g reads 2 bits (shift 2·((g % 8) / 2))
+// of qs[32·(g / 8) + 16·(g % 2) + l]; Q3_K's third bit is bit g / 2 of hmask[16·(g % 2) + l] (clear: q - 4), its
+// 6-bit scales are nibble g / 8 of scales[g % 8] and bits 2·(g / 4) of scales[8 + g % 4].
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };    // x = d·(sc & 15)·q - dmin·(sc >> 4)
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };  // x = d·(sc - 32)·q
+// IQ4: nibbles (as in the 32-blocks above) index the grid kIq4Grid; IQ4_XS has 8 sub-blocks of 32 with 6-bit scales
+// (low 4 bits: nibble j % 2 of scales_l[j / 2]; high 2 bits: bits 2j of scales_h).
+struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };                                       // x = d·grid[q]
+struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };      // x = d·(sc - 32)·grid[q]
+inline constexpr int8_t kIq4Grid[16] = { -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113 };
+
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "block layout");
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "block layout");
+
+// Sub-block j's 6-bit scale of an IQ4_XS block (x = d·(scale - 32)·grid[q]).
+inline int iq4_xs_scale(const BlockIQ4_XS & b, int j) {
+    return ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((b.scales_h >> (2 * j)) & 3) << 4);
+}
+
 // Scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
 inline void get_scale_min_k4(int j, const uint8_t * s, uint8_t & sc, uint8_t & m) {
     if (j < 4) {
@@ -65,6 +84,12 @@ using RowDotFn = void (*)(const void * w_row, const DecodeActs & act, int nt, in
 // ldw % 8 == 0).
 using GemmTileFn = void (*)(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                             float * y, int64_t ldy);
+
+// Q2_K, Q3_K, IQ4_NL and IQ4_XS (quants-lowbit.cpp): portable kernels, which the AVX2 selectors return too (the
+// IQ4 types' fast decode is their 8-bit activation kernel).
+// nullptr for other types.
+DequantFn dequant_fn_lowbit(GgmlType type);
+RowDotFn  row_dot_fn_lowbit(GgmlType type);
 
 // Portable kernels (quants.cpp / matmul.cpp). nullptr for unsupported types.
 DequantFn dequant_fn_scalar(GgmlType type);

@@ -222,7 +222,7 @@ RowDotFn row_dot_fn_scalar(GgmlType type) {
         case GgmlType::Q6_K:
             return dot_q6_k_rows;
         default:
-            return nullptr;
+            return row_dot_fn_lowbit(type);
     }
 }
 

@@ -191,7 +191,7 @@ DequantFn dequant_fn_avx2(GgmlType type) {
         case GgmlType::Q4_K: return dequant_k4<BlockQ4_K, false>;
         case GgmlType::Q5_K: return dequant_k4<BlockQ5_K, true>;
         case GgmlType::Q6_K: return dequant_q6_k;
-        default: return nullptr;
+        default: return dequant_fn_lowbit(type);  // portable kernels only
     }
 }
 

@@ -133,6 +133,18 @@ struct Q8_0 {
     static __m256i        quants(const Block & b) { return load256(b.qs); }
 };
 
+// IQ4: the nibbles index the format's signed grid (one byte shuffle per 32 quants).
+inline __m256i iq4_quants(const uint8_t * qs) {
+    const __m128i grid = load128(kIq4Grid);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(grid, grid), nibbles32(qs));
+}
+struct IQ4_NL {
+    using Block                   = BlockIQ4_NL;
+    static constexpr bool kSigned = true;
+    static constexpr bool kHasMin = false;
+    static __m256i        quants(const Block & b) { return iq4_quants(b.qs); }
+};
+
 template <typename Q>
 float block_min(const typename Q::Block & b) {
     if constexpr (Q::kHasMin) {
@@ -330,6 +342,39 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     }
 }
 
+// IQ4_XS: sub-block j of super-block i is IQ4_NL's 32-block with the scale d·(sc_j - 32).
+template <int NT>
+void dot_iq4_xs(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockIQ4_XS *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float d = h2f(b[i].d);
+        for (int j = 0; j < 8; ++j) {
+            const float   dw = d * static_cast<float>(iq4_xs_scale(b[i], j) - 32);
+            const __m256i q  = iq4_quants(b[i].qs + 16 * j);
+            const __m256i qa = _mm256_sign_epi8(q, q);
+            const int64_t k  = 8 * i + j;  // the 32-element block of the activations
+            for (int t = 0; t < NT; ++t) {
+                const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + 32 * k), q);
+                const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + 32 * k), q);
+                const __m256  s  = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
+                acc[t][j % 2]    = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * x.d[t][k]), acc[t][j % 2]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
+}
+
+template <int NT>
+void dot_iq4_nl(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q32<IQ4_NL, NT>(w, a, n, o, os);
+}
 template <int NT>
 void dot_q4_0(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
     dot_q32<Q4_0, NT>(w, a, n, o, os);
@@ -376,6 +421,8 @@ KC_ROW_DOT_Q8(dot_q8_0)
 KC_ROW_DOT_Q8(dot_q4_k)
 KC_ROW_DOT_Q8(dot_q5_k)
 KC_ROW_DOT_Q8(dot_q6_k)
+KC_ROW_DOT_Q8(dot_iq4_nl)
+KC_ROW_DOT_Q8(dot_iq4_xs)
 #undef KC_ROW_DOT_Q8
 
 // The kernel of `type`, nullptr for types without one.
@@ -397,6 +444,10 @@ inline RowDotQ8Fn row_dot_q8_fn(GgmlType type) {
             return dot_q5_k_rows;
         case GgmlType::Q6_K:
             return dot_q6_k_rows;
+        case GgmlType::IQ4_NL:
+            return dot_iq4_nl_rows;
+        case GgmlType::IQ4_XS:
+            return dot_iq4_xs_rows;
         default:
             return nullptr;
     }

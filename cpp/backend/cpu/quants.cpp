@@ -212,7 +212,7 @@ DequantFn dequant_fn_scalar(GgmlType type) {
         case GgmlType::Q4_K: return dequant_q4_k;
         case GgmlType::Q5_K: return dequant_q5_k;
         case GgmlType::Q6_K: return dequant_q6_k;
-        default: return nullptr;
+        default: return dequant_fn_lowbit(type);
     }
 }
 
