@@ -45,6 +45,11 @@ inline constexpr int8_t kIq4Grid[16] = { -127, -104, -83, -65, -49, -35, -22, -1
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "block layout");
 static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "block layout");
 
+// Group g's 6-bit scale of a Q3_K block (x = d·(scale - 32)·q).
+inline int q3_k_scale(const BlockQ3_K & b, int g) {
+    return ((b.scales[g % 8] >> (4 * (g / 8))) & 0x0F) | (((b.scales[8 + g % 4] >> (2 * (g / 4))) & 3) << 4);
+}
+
 // Sub-block j's 6-bit scale of an IQ4_XS block (x = d·(scale - 32)·grid[q]).
 inline int iq4_xs_scale(const BlockIQ4_XS & b, int j) {
     return ((b.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((b.scales_h >> (2 * j)) & 3) << 4);
@@ -85,8 +90,8 @@ using RowDotFn = void (*)(const void * w_row, const DecodeActs & act, int nt, in
 using GemmTileFn = void (*)(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                             float * y, int64_t ldy);
 
-// Q2_K, Q3_K, IQ4_NL and IQ4_XS (quants-lowbit.cpp): portable kernels, which the AVX2 selectors return too (the
-// IQ4 types' fast decode is their 8-bit activation kernel).
+// Q2_K, Q3_K, IQ4_NL and IQ4_XS (quants-lowbit.cpp): portable kernels, which the AVX2 selectors return too (Q3_K's
+// and the IQ4 types' fast decode is their 8-bit activation kernel).
 // nullptr for other types.
 DequantFn dequant_fn_lowbit(GgmlType type);
 RowDotFn  row_dot_fn_lowbit(GgmlType type);

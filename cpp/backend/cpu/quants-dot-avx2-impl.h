@@ -342,6 +342,43 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     }
 }
 
+// Q3_K: activation block c (of 8) of super-block i is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of
+// qs[32·(c / 4) ..], the third bit c of hmask[0 .. 32] (clear: q - 4); q in [-4, 3]. The int32 lanes 0-3 of a block's
+// dot hold group 2c's sums, lanes 4-7 group 2c + 1's, so one vector of the two scales weights them.
+template <int NT>
+void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockQ3_K *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01), four = _mm256_set1_epi8(4);
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float   d  = h2f(b[i].d);
+        const __m256i hm = load256(b[i].hmask);
+        for (int c = 0; c < 8; ++c) {
+            const __m256i lo =
+                _mm256_and_si256(_mm256_srl_epi16(load256(b[i].qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(c)), m1);
+            const __m256i q  = _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hi, 2)), four);
+            const __m256i qa = _mm256_sign_epi8(q, q);
+            const __m256  sc = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(q3_k_scale(b[i], 2 * c + 1) - 32)),
+                                               _mm_set1_ps(d * static_cast<float>(q3_k_scale(b[i], 2 * c) - 32)));
+            const int64_t k  = 8 * i + c;  // the 32-element block of the activations
+            for (int t = 0; t < NT; ++t) {
+                const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + 32 * k), q);
+                const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + 32 * k), q);
+                const __m256  s  = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
+                acc[t][c % 2]    = _mm256_fmadd_ps(s, _mm256_mul_ps(sc, _mm256_set1_ps(x.d[t][k])), acc[t][c % 2]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
+}
+
 // IQ4_XS: sub-block j of super-block i is IQ4_NL's 32-block with the scale d·(sc_j - 32).
 template <int NT>
 void dot_iq4_xs(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
@@ -421,6 +458,7 @@ KC_ROW_DOT_Q8(dot_q8_0)
 KC_ROW_DOT_Q8(dot_q4_k)
 KC_ROW_DOT_Q8(dot_q5_k)
 KC_ROW_DOT_Q8(dot_q6_k)
+KC_ROW_DOT_Q8(dot_q3_k)
 KC_ROW_DOT_Q8(dot_iq4_nl)
 KC_ROW_DOT_Q8(dot_iq4_xs)
 #undef KC_ROW_DOT_Q8
@@ -444,6 +482,8 @@ inline RowDotQ8Fn row_dot_q8_fn(GgmlType type) {
             return dot_q5_k_rows;
         case GgmlType::Q6_K:
             return dot_q6_k_rows;
+        case GgmlType::Q3_K:
+            return dot_q3_k_rows;
         case GgmlType::IQ4_NL:
             return dot_iq4_nl_rows;
         case GgmlType::IQ4_XS:

@@ -1,8 +1,8 @@
 // The low-bit weight types of llama.cpp's smaller files (Q2_K, Q3_K, IQ4_NL, IQ4_XS: what Q2_K, Q3_K_M and IQ4_XS
 // files hold, IQ4_NL being their stand-in for rows that are not whole 256-element blocks): portable kernels only,
 // dequantization bit-identical to gguf-py's and an f32-activation decode row dot over each block dequantized.
-// Prefill dequantizes tiles for the GEMM like every other type; the IQ4 types also have 8-bit activation decode
-// kernels (quants-dot-avx2-impl.h).
+// Prefill dequantizes tiles for the GEMM like every other type; Q3_K and the IQ4 types also have 8-bit activation
+// decode kernels (quants-dot-avx2-impl.h).
 #include <cstdint>
 
 #include "backend/cpu/matmul-impl.h"
@@ -36,9 +36,7 @@ void dequant_q3_k(const void * src, float * dst, int64_t n) {
         const float     d  = fp16_to_fp32(b[i].d);
         const uint8_t * sc = b[i].scales;
         for (int g = 0; g < 16; ++g, dst += 16) {
-            // scale g: low 4 bits from nibble g / 8 of byte g % 8, high 2 bits from bits 2·(g / 4) of byte 8 + g % 4
-            const int       s   = ((sc[g % 8] >> (4 * (g / 8))) & 0x0F) | (((sc[8 + g % 4] >> (2 * (g / 4))) & 3) << 4);
-            const float     dl  = d * static_cast<float>(s - 32);
+            const float     dl  = d * static_cast<float>(q3_k_scale(b[i], g) - 32);
             const uint8_t * q   = b[i].qs + 32 * (g / 8) + 16 * (g % 2);
             const uint8_t * hm  = b[i].hmask + 16 * (g % 2);
             const int       sh  = 2 * ((g % 8) / 2);
