@@ -33,8 +33,7 @@ void dequant_q2_k(const void * src, float * dst, int64_t n) {
 void dequant_q3_k(const void * src, float * dst, int64_t n) {
     const auto * b = static_cast<const BlockQ3_K *>(src);
     for (int64_t i = 0; i < n / kQK; ++i) {
-        const float     d  = fp16_to_fp32(b[i].d);
-        const uint8_t * sc = b[i].scales;
+        const float d = fp16_to_fp32(b[i].d);
         for (int g = 0; g < 16; ++g, dst += 16) {
             const float     dl  = d * static_cast<float>(q3_k_scale(b[i], g) - 32);
             const uint8_t * q   = b[i].qs + 32 * (g / 8) + 16 * (g % 2);
@@ -103,14 +102,10 @@ void dot_dequantized_rows(const void * w_row, const DecodeActs & a, int nt, int6
 
 DequantFn dequant_fn_lowbit(GgmlType type) {
     switch (type) {
-        case GgmlType::Q2_K:
-            return dequant_q2_k;
-        case GgmlType::Q3_K:
-            return dequant_q3_k;
-        case GgmlType::IQ4_NL:
-            return dequant_iq4_nl;
-        case GgmlType::IQ4_XS:
-            return dequant_iq4_xs;
+        case GgmlType::Q2_K: return dequant_q2_k;
+        case GgmlType::Q3_K: return dequant_q3_k;
+        case GgmlType::IQ4_NL: return dequant_iq4_nl;
+        case GgmlType::IQ4_XS: return dequant_iq4_xs;
         default: return nullptr;
     }
 }
