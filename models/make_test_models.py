@@ -10,8 +10,9 @@ Two families of files (see models/README.md):
   encodes those same weights, so the logits of two types differ only by what quantisation explains.
 
 gguf-py can quantise F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 (its encoders follow llama.cpp's reference rounding) but not
-the K-quants; for Q4_K/Q5_K/Q6_K this module has its own simple (min/max, not error-searching) encoders that write
-valid super-blocks. Their output is checked by decoding with gguf-py's dequantiser (``check_roundtrip``).
+the K-quants or IQ4; for Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS this module has its own simple (min/max or nearest
+grid value, not error-searching) encoders that write valid blocks. Their output is checked by decoding with
+gguf-py's dequantiser (``check_roundtrip``).
 
 Usage: ``python models/make_test_models.py [--out models/generated] [--only reference|tiny] [--force]``.
 Files are regenerated only when missing or when their family's version changed (stamp files in the output folder).
@@ -39,12 +40,16 @@ from kvcmas_cpp.tokenizer import byte_level_alphabet  # GPT-2 byte -> char map: 
 
 # Bump a family's version when its files change; stale files of that family are then deleted and rewritten.
 REFERENCE_VERSION = "1"
-TINY_VERSION = "2"  # 2: tokenizer.ggml.pre "gpt-2" (the engine's tokenizer refuses llama.cpp's degraded "default")
+# 2: tokenizer.ggml.pre "gpt-2" (the engine's tokenizer refuses llama.cpp's degraded "default"); 3: low-bit types
+TINY_VERSION = "3"
 GENERATOR_VERSION = f"reference-{REFERENCE_VERSION}.tiny-{TINY_VERSION}"
 DEFAULT_OUT = Path(__file__).resolve().parent / "generated"
 
 REFERENCE_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0")
-TINY_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TINY_TYPES: tuple[str, ...] = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"),
+    *("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"),  # the types of llama.cpp's smaller files
+)
 
 # general.file_type written for each weight type (llama.cpp's LlamaFileType; K types use the *_M names).
 FILE_TYPE_OF: dict[str, gguf.LlamaFileType] = {
@@ -59,6 +64,10 @@ FILE_TYPE_OF: dict[str, gguf.LlamaFileType] = {
     "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M,
     "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_M,
     "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
 }
 
 # Llama-3.1 style RoPE scaling of the `llama_rope3` variant (HF rope_parameters of rope_type "llama3"). The original
@@ -184,7 +193,122 @@ def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-_K_ENCODERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """[n, 16, 16] values 0..3 of Q2_K / Q3_K groups -> qs [n, 64]: group g's element l sits at bits 2·((g % 8) / 2)
+    of byte 32·(g / 8) + 16·(g % 2) + l."""
+    n = q.shape[0]
+    q = q.reshape(n, 2, 4, 2, 16).astype(np.uint8)  # [half, bit pair, group parity, l]
+    planes = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)  # [n, 2, 2, 16]
+    return planes.reshape(n, 64)
+
+
+def quantize_q2_k(rows: np.ndarray) -> np.ndarray:
+    """Encode as Q2_K super-blocks of 84 bytes: scales[16] (low nibble scale, high nibble min), qs[64], d, dmin;
+    value = d·(sc & 15)·q - dmin·(sc >> 4) with q in 0..3 per group of 16."""
+    blocks = rows.reshape(-1, 256).astype(np.float32)
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 16, 16)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    scale, mins = (sub.max(axis=2) - lo) / 3.0, -lo
+    d, dmin = _f16_round(scale.max(axis=1) / 15.0), _f16_round(mins.max(axis=1) / 15.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 15)
+        mn = np.where(dmin[:, None] > 0, np.rint(mins / dmin[:, None]), 0).clip(0, 15)
+        step = (d[:, None] * sc)[:, :, None]
+        q = np.where(step > 0, np.rint((sub + (dmin[:, None] * mn)[:, :, None]) / step), 0).clip(0, 3)
+    f16 = np.float16
+    scales = (sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)).reshape(n, 16)
+    d_bytes, dmin_bytes = d.astype(f16).view(np.uint8).reshape(n, 2), dmin.astype(f16).view(np.uint8).reshape(n, 2)
+    out = np.concatenate([scales, _two_bit_planes(q), d_bytes, dmin_bytes], axis=1)
+    return out.reshape(rows.shape[0], -1)
+
+
+def _symmetric_sub_scales(sub: np.ndarray, levels: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups [n, groups, size] -> the block's f16 d [n], each group's scale as d·sc with sc in 0..31 ([n, groups]),
+    and the values in units of their group's step (|value| <= levels)."""
+    scale = np.abs(sub).max(axis=2) / levels
+    d = _f16_round(scale.max(axis=1) / 31.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(0, 31)
+        step = (d[:, None] * sc)[:, :, None]
+        scaled = np.where(step > 0, sub / step, 0)
+    return d, sc, scaled
+
+
+def quantize_q3_k(rows: np.ndarray) -> np.ndarray:
+    """Encode as Q3_K super-blocks of 110 bytes: hmask[32], qs[64], scales[12] (6-bit, biased by 32), d;
+    value = d·(sc - 32)·q with q in -4..3 per group of 16 (low 2 bits in qs, bit 2 of q + 4 in hmask)."""
+    blocks = rows.reshape(-1, 256).astype(np.float32)
+    n = blocks.shape[0]
+    d, sc, scaled = _symmetric_sub_scales(blocks.reshape(n, 16, 16), 4.0)
+    q = np.rint(scaled).clip(-4, 3).astype(np.int16) + 4  # 0..7
+    biased = sc.astype(np.uint8) + 32  # [n, 16] 6-bit
+    scales = np.zeros((n, 12), dtype=np.uint8)
+    for g in range(16):
+        scales[:, g % 8] |= (biased[:, g] & 0x0F) << (4 * (g // 8))
+        scales[:, 8 + g % 4] |= (biased[:, g] >> 4) << (2 * (g // 4))
+    high = (q >> 2).astype(np.uint8).reshape(n, 8, 2, 16)  # [n, hmask bit g / 2, group parity, l]
+    hmask = np.zeros((n, 2, 16), dtype=np.uint8)
+    for bit in range(8):
+        hmask |= high[:, bit] << bit
+    out = np.concatenate(
+        [hmask.reshape(n, 32), _two_bit_planes(q & 3), scales, d.astype(np.float16).view(np.uint8).reshape(n, 2)],
+        axis=1,
+    )
+    return out.reshape(rows.shape[0], -1)
+
+
+_IQ4_GRID = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+
+
+def _iq4_nibbles(scaled: np.ndarray) -> np.ndarray:
+    """[..., 32] values in grid units -> [..., 16] bytes of the nearest grid indices (low nibbles: elements 0-15)."""
+    idx = np.abs(scaled[..., None] - _IQ4_GRID).argmin(axis=-1).astype(np.uint8)
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def quantize_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """Encode as IQ4_NL blocks of 18 bytes: d, qs[16]; value = d·grid[q] on the format's 16-value grid."""
+    blocks = rows.reshape(-1, 32).astype(np.float32)
+    d = _f16_round(np.abs(blocks).max(axis=1) / 127.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(d[:, None] > 0, blocks / d[:, None], 0)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(-1, 2), _iq4_nibbles(scaled)], axis=1)
+    return out.reshape(rows.shape[0], -1)
+
+
+def quantize_iq4_xs(rows: np.ndarray) -> np.ndarray:
+    """Encode as IQ4_XS super-blocks of 136 bytes: d, scales_h (2 bits per sub-block), scales_l[4] (4 bits), qs[128];
+    sub-block j's value = d·(sc_j - 32)·grid[q]."""
+    blocks = rows.reshape(-1, 256).astype(np.float32)
+    n = blocks.shape[0]
+    d, sc, scaled = _symmetric_sub_scales(blocks.reshape(n, 8, 32), 127.0)
+    biased = sc.astype(np.uint16) + 32
+    scales_l = ((biased[:, 0::2] & 0x0F) | ((biased[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
+    scales_h = np.zeros(n, dtype=np.uint16)
+    for j in range(8):
+        scales_h |= (biased[:, j] >> 4) << (2 * j)
+    out = np.concatenate(
+        [
+            d.astype(np.float16).view(np.uint8).reshape(n, 2),
+            scales_h.view(np.uint8).reshape(n, 2),
+            scales_l,
+            _iq4_nibbles(scaled).reshape(n, 128),
+        ],
+        axis=1,
+    )
+    return out.reshape(rows.shape[0], -1)
+
+
+_K_ENCODERS = {
+    "Q4_K": quantize_q4_k,
+    "Q5_K": quantize_q5_k,
+    "Q6_K": quantize_q6_k,
+    "Q2_K": quantize_q2_k,
+    "Q3_K": quantize_q3_k,
+    "IQ4_XS": quantize_iq4_xs,
+}
+_BLOCK32_ENCODERS = {"IQ4_NL": quantize_iq4_nl}
 
 
 def encode(weights: np.ndarray, type_name: str) -> tuple[np.ndarray, QT]:
@@ -196,6 +320,10 @@ def encode(weights: np.ndarray, type_name: str) -> tuple[np.ndarray, QT]:
             raise ValueError(f"{type_name} needs rows that are a multiple of 256, got shape {weights.shape}")
         flat = weights.reshape(-1, weights.shape[-1])
         data = _K_ENCODERS[type_name](flat)
+        return data.reshape(*weights.shape[:-1], data.shape[-1]), qtype
+    if type_name in _BLOCK32_ENCODERS:
+        flat = weights.reshape(-1, weights.shape[-1])
+        data = _BLOCK32_ENCODERS[type_name](flat)
         return data.reshape(*weights.shape[:-1], data.shape[-1]), qtype
     if type_name == "F32":
         return weights, qtype

@@ -55,7 +55,7 @@ TINY_TOL: dict[str, tuple[float, float, float]] = {
     "F16": (1e-2, 2e-3, 0.97),
     "BF16": (0.08, 0.015, 0.95),
 }
-for _t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
+for _t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
     TINY_TOL[_t] = (0.35, 0.06, 0.85)
 TINY_SEQ_LEN = 96
 TINY_PROMPT_LEN = 16  # decode-path check: prompt appended at once, then one token per call

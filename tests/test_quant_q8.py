@@ -23,8 +23,7 @@ import kvcmas_cpp as kc
 from kvcmas_cpp._native import core
 from test_kernels import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 
-Q8_TYPES = BLOCK32_TYPES + K_TYPES
-Q8_KERNEL_TYPES = Q8_TYPES + [QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # without tiny test models (gguf-py cannot write them)
+Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels (not Q2_K)
 MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
 
@@ -74,7 +73,7 @@ def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
 N_TOKS = [1, 2, 3, 4, 5, 8, 13, 16]
 
 
-@pytest.mark.parametrize("qtype", Q8_KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
 def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
     """y = Σ_blocks d_w·(d_x / 256)·Σ q_w·(256·q_x + qr_x) (+ m·Σx with the exact activation sums): numpy in float64
     on the same quantized activations agrees to f32 rounding (relative to Σ|w - m||x̂|)."""
@@ -94,7 +93,7 @@ def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
                 assert err < 1e-5, (n_in, n_out, n_tok, n_threads, err)
 
 
-@pytest.mark.parametrize("qtype", Q8_KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", Q8_TYPES, ids=lambda t: t.name)
 def test_q8_error_within_activation_rounding_bound(qtype: QT) -> None:
     """|y_q8 - y_exact| <= Σ_blocks s·Σ|w - m| per row, s = d / 256 the step of the residual pass: rounding moves each
     activation by at most half a step, or one step where the residual saturates at ±127. The exact path stays within
@@ -259,7 +258,7 @@ def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> Non
 
     rng = np.random.default_rng(6000)
     cases = []
-    for i, qtype in enumerate(Q8_KERNEL_TYPES):
+    for i, qtype in enumerate(Q8_TYPES):
         n_in = 512
         raw, _ = make_weight(qtype, 33, n_in, rng)
         x = activations(rng, 5, n_in)
