@@ -597,7 +597,7 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
     assert first[1].stats.training_read_ms == 0
     for r, wall in zip(first[2:], walls[0][2:], strict=True):
         assert r.stats.training_read_ms > 0 and r.stats.ttft_ms > r.stats.training_read_ms, r.stats
-        assert r.stats.ttft_ms >= 0.5 * wall, (r.stats, wall)  # was its prefill alone: ~3% of the wait
+        assert 0.5 * wall <= r.stats.ttft_ms <= wall, (r.stats, wall)  # was its prefill alone: ~3% of the wait
     for run in runs[1:CALIBRATION_READS]:
         assert [r.stats.gate for r in run[1:]] == ["calibrating -> reuse"] * 3
     for r in runs[-1][1:]:  # calibrated: learned corrections, nothing computed for calibration any more

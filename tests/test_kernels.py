@@ -20,7 +20,7 @@ from kvcmas_cpp._native import core
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
 BLOCK32_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
 K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
-# read by portable kernels only, on f32 activations (cpp/backend/cpu/quants-lowbit.cpp); gguf-py cannot quantize them
+# the types of llama.cpp's smaller files (cpp/backend/cpu/quants-lowbit.cpp); gguf-py cannot quantize them
 LOWBIT_TYPES = [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
 RANDOM_BLOCK_TYPES = K_TYPES + LOWBIT_TYPES
 ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES + LOWBIT_TYPES

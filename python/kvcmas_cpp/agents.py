@@ -116,7 +116,7 @@ def _check_template(name: str, template: object) -> None:
     if not isinstance(template, str):
         raise ValueError(f"agent {name!r}: template must be a string, got {type(template).__name__}")
     words = _WORD_IN_BRACES.findall(template)
-    unknown = [w for w in words if "{" + w + "}" != CONTEXT_PLACEHOLDER and not PLACEHOLDER_RE.fullmatch("{" + w + "}")]
+    unknown = [w for w in words if not (f"{{{w}}}" == CONTEXT_PLACEHOLDER or PLACEHOLDER_RE.fullmatch(f"{{{w}}}"))]
     if unknown:
         raise ValueError(
             f"agent {name!r}: the template's {{{unknown[0]}}} is not a placeholder ({{context}}, {{user_question}}, "

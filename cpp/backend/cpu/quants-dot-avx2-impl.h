@@ -342,36 +342,35 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     }
 }
 
-// Q3_K: activation block c (of 8) of super-block i is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of
-// qs[32·(c / 4) ..], the third bit c of hmask[0 .. 32] (clear: q - 4); q in [-4, 3]. The int32 lanes 0-3 of a block's
-// dot hold group 2c's sums, lanes 4-7 group 2c + 1's, so one vector of the two scales weights them.
+// Signed quants q of the 32 weights over activation block k, against every token's two passes:
+// acc[t][u] += Σ|q|·sign(x, q) · scale · d_x,k, with scale per int32 lane (lanes 0-3 sum elements 0-15, 4-7 the rest).
 template <int NT>
-void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
-    const auto * b = static_cast<const BlockQ3_K *>(w_row);
+inline void signed_block32(__m256i q, __m256 scale, const Q8Rows<NT> & x, int64_t k, __m256 acc[NT][2], int u) {
+    const __m256i qa = _mm256_sign_epi8(q, q);
+    for (int t = 0; t < NT; ++t) {
+        const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + 32 * k), q);
+        const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + 32 * k), q);
+        const __m256  s  = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
+        acc[t][u]        = _mm256_fmadd_ps(s, _mm256_mul_ps(scale, _mm256_set1_ps(x.d[t][k])), acc[t][u]);
+    }
+}
+
+// 256-element super-blocks of eight 32-element sub-blocks with signed quants; sub(block, c, q, scale) gives
+// sub-block c's quants and per-lane scale (two accumulators, so that the FMA latency chains overlap).
+template <typename Block, int NT, typename Sub>
+void dot_signed_sub32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os, Sub sub) {
+    const auto * b = static_cast<const Block *>(w_row);
     Q8Rows<NT>   x(a);
     __m256       acc[NT][2];
     for (int t = 0; t < NT; ++t) {
         acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     }
-    const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01), four = _mm256_set1_epi8(4);
     for (int64_t i = 0; i < n / 256; ++i) {
-        const float   d  = h2f(b[i].d);
-        const __m256i hm = load256(b[i].hmask);
         for (int c = 0; c < 8; ++c) {
-            const __m256i lo =
-                _mm256_and_si256(_mm256_srl_epi16(load256(b[i].qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
-            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(c)), m1);
-            const __m256i q  = _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hi, 2)), four);
-            const __m256i qa = _mm256_sign_epi8(q, q);
-            const __m256  sc = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(q3_k_scale(b[i], 2 * c + 1) - 32)),
-                                               _mm_set1_ps(d * static_cast<float>(q3_k_scale(b[i], 2 * c) - 32)));
-            const int64_t k  = 8 * i + c;  // the 32-element block of the activations
-            for (int t = 0; t < NT; ++t) {
-                const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + 32 * k), q);
-                const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + 32 * k), q);
-                const __m256  s  = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
-                acc[t][c % 2]    = _mm256_fmadd_ps(s, _mm256_mul_ps(sc, _mm256_set1_ps(x.d[t][k])), acc[t][c % 2]);
-            }
+            __m256i q;
+            __m256  scale;
+            sub(b[i], c, q, scale);
+            signed_block32<NT>(q, scale, x, 8 * i + c, acc, c % 2);
         }
     }
     for (int t = 0; t < NT; ++t) {
@@ -379,33 +378,29 @@ void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     }
 }
 
-// IQ4_XS: sub-block j of super-block i is IQ4_NL's 32-block with the scale d·(sc_j - 32).
+// Q3_K: sub-block c is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of qs[32·(c / 4) ..], the third bit c of
+// hmask[0 .. 32] (clear: q - 4); q in [-4, 3]. Lanes 0-3 carry group 2c's scale, lanes 4-7 group 2c + 1's.
+template <int NT>
+void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    dot_signed_sub32<BlockQ3_K, NT>(w_row, a, n, out, os, [](const BlockQ3_K & b, int c, __m256i & q, __m256 & sc) {
+        const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
+        const __m256i lo =
+            _mm256_and_si256(_mm256_srl_epi16(load256(b.qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(b.hmask), _mm_cvtsi32_si128(c)), m1);
+        q                = _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hi, 2)), _mm256_set1_epi8(4));
+        const float d    = h2f(b.d);
+        sc               = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(q3_k_scale(b, 2 * c + 1) - 32)),
+                                           _mm_set1_ps(d * static_cast<float>(q3_k_scale(b, 2 * c) - 32)));
+    });
+}
+
+// IQ4_XS: sub-block c is IQ4_NL's 32-block with the scale d·(sc_c - 32).
 template <int NT>
 void dot_iq4_xs(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
-    const auto * b = static_cast<const BlockIQ4_XS *>(w_row);
-    Q8Rows<NT>   x(a);
-    __m256       acc[NT][2];
-    for (int t = 0; t < NT; ++t) {
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    }
-    for (int64_t i = 0; i < n / 256; ++i) {
-        const float d = h2f(b[i].d);
-        for (int j = 0; j < 8; ++j) {
-            const float   dw = d * static_cast<float>(iq4_xs_scale(b[i], j) - 32);
-            const __m256i q  = iq4_quants(b[i].qs + 16 * j);
-            const __m256i qa = _mm256_sign_epi8(q, q);
-            const int64_t k  = 8 * i + j;  // the 32-element block of the activations
-            for (int t = 0; t < NT; ++t) {
-                const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + 32 * k), q);
-                const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + 32 * k), q);
-                const __m256  s  = _mm256_cvtepi32_ps(dot_u8_i8x2(qa, xq, xr));
-                acc[t][j % 2]    = _mm256_fmadd_ps(s, _mm256_set1_ps(dw * x.d[t][k]), acc[t][j % 2]);
-            }
-        }
-    }
-    for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
-    }
+    dot_signed_sub32<BlockIQ4_XS, NT>(w_row, a, n, out, os, [](const BlockIQ4_XS & b, int c, __m256i & q, __m256 & sc) {
+        q  = iq4_quants(b.qs + 16 * c);
+        sc = _mm256_set1_ps(h2f(b.d) * static_cast<float>(iq4_xs_scale(b, c) - 32));
+    });
 }
 
 template <int NT>
