@@ -511,6 +511,16 @@ def test_kvcmas_keys_written_read_and_updated(
     shown = capsys.readouterr().out
     assert "kvcmas.rank_k" in shown and "blk.1.ffn_down.weight" in shown and "tokenizer.ggml.tokens" in shown
 
+    # a cut-off copy (header only, or data missing) and a file that is not GGUF: the error names what is wrong
+    for size in (100, len(raw) - 1000):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(raw[:size])
+        assert convert_main(["gguf", "show", str(cut)]) == 1
+        assert f"truncated or corrupt ({size} bytes" in capsys.readouterr().err
+    (tmp_path / "text.gguf").write_text("hello world")
+    assert convert_main(["gguf", "show", str(tmp_path / "text.gguf")]) == 1
+    assert "not a GGUF file (it starts with b'hell'" in capsys.readouterr().err
+
 
 def test_add_subcommands_on_another_cli(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """What kvcmas_cpp.cli does: register convert / gguf on its own parser and dispatch through ``func``."""

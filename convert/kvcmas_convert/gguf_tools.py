@@ -31,7 +31,15 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return GGUFReader(p, "r")
     except Exception as e:  # gguf-py raises ValueError / struct errors / numpy errors on bad input
-        raise ConvertError(f"{p}: not a readable GGUF file: {e}") from e
+        with open(p, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConvertError(f"{p}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')") from e
+        size = p.stat().st_size
+        raise ConvertError(
+            f"{p}: a GGUF file that is truncated or corrupt ({size} bytes; an interrupted download or copy?): "
+            f"gguf-py could not read it: {e}"
+        ) from e
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
