@@ -79,6 +79,53 @@ def test_bench_core_json_has_the_measured_fields() -> None:
     assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["peak_rss_mb"] > 50
 
 
+@pytest.fixture(scope="module")
+def cut_model(default_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model cut off after 3 MB (a download interrupted in its tensor data)."""
+    path = tmp_path_factory.mktemp("cut") / "cut.gguf"
+    with open(default_model_path, "rb") as f:
+        path.write_bytes(f.read(3_000_000))
+    return path
+
+
+def test_benchmarks_refuse_bad_input_before_any_run(cut_model: Path) -> None:
+    """Each used to end in a traceback (a worker's, a ZeroDivisionError, numpy's), some after a progress bar."""
+    small = ("--prompt", "16", "--gen", "4", "--rounds", "1")
+    cases = [
+        (("core", "--threads", "0", *small), 2, "argument --threads: must be a positive integer, got 0"),
+        (("core", "--prompt", "0"), 2, "argument --prompt: must be a positive integer, got 0"),
+        (("core", "--rounds", "x"), 2, "argument --rounds: not an integer: 'x'"),
+        (("core", "--model", str(cut_model), *small), 1, "lies past the end of the file (3000000 bytes"),
+        (("agents", "--shared-tokens", "0"), 2, "argument --shared-tokens: must be a positive integer, got 0"),
+        (("agents", "--questions", "-1"), 2, "argument --questions: must be 0 or more, got -1"),
+        (("agents", "--concurrent", "2,x"), 2, "argument --concurrent: not an integer: 'x'"),
+        (("attention", "--repeat", "0"), 2, "argument --repeat: must be a positive integer, got 0"),
+        (("attention", "--ranks", ","), 2, "argument --ranks: needs one or more positive integers"),
+    ]
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        cases.append((("core", "--compare", "llama-cpp", *small), 1, "--compare llama-cpp needs llama-cpp-python"))
+    for args, status, message in cases:
+        out = kvcmas("bench", *args)
+        assert out.returncode == status and message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr and "%|" not in out.stderr  # refused before any progress bar
+
+
+def test_a_failed_benchmark_worker_reports_its_last_error_line(cut_model: Path) -> None:
+    from kvcmas_cpp import bench
+    from kvcmas_cpp.errors import CommandError
+
+    with pytest.raises(CommandError, match=r"kvcmas benchmark failed on .*cut\.gguf \(exit status 1\): .*lies past"):
+        bench._measure("kvcmas", str(cut_model), 1, 16, 4, "f16:q8")
+
+
+def test_bench_serve_reports_a_server_that_did_not_start(cut_model: Path) -> None:
+    out = kvcmas("bench", "serve", "--model", str(cut_model), timeout=180)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "kvcmas-server exited with 1 before it served: " in out.stderr and "lies past the end" in out.stderr
+
+
 def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
     out = kvcmas("generate", "hi", "-m", str(tmp_path / "nope.gguf"))
     assert out.returncode == 1

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .arguments import non_negative_int, positive_int
+from .errors import CommandError
+
 ENGINES = ("kvcmas", "llama-cpp", "torch-bf16")
 
 
@@ -135,7 +138,11 @@ def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, 
     cmd += [str(threads), str(prompt), str(gen), kv_type]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{engine} benchmark failed on {model_path}:\n{proc.stderr[-2000:]}")
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise CommandError(
+            f"{engine} benchmark failed on {model_path} (exit status {proc.returncode}): "
+            f"{lines[-1] if lines else 'no message'}"
+        )
     return CoreResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
@@ -234,11 +241,11 @@ def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None)
 
 def add_core_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help="GGUF file or model name (repeatable; default: the default model)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens to prefill")
-    p.add_argument("--gen", type=int, default=128, help="tokens to decode")
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--prompt", type=positive_int, default=512, help="prompt tokens to prefill")
+    p.add_argument("--gen", type=non_negative_int, default=128, help="tokens to decode")
     p.add_argument("--compare", action="append", default=[], choices=["llama-cpp", "torch-bf16"])
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds; the median is reported")
     p.add_argument(
         "--activations",
         default="q8",
@@ -254,10 +261,26 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _check_core_arguments(args: argparse.Namespace, models: list[str]) -> None:
+    """Refuses what would fail inside a worker, before any run starts: engines not installed, bad model files."""
+    import importlib.util
+
+    from ._native import core
+
+    needs = {"llama-cpp": ("llama_cpp", "llama-cpp-python"), "torch-bf16": ("transformers", "torch and transformers")}
+    for engine in args.compare:
+        module, package = needs[engine]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--compare {engine} needs {package} installed (pip install 'kvcmas_cpp[bench]')")
+    for path in models:
+        core.GgufFile(path)  # KvcmasError (a ValueError) naming the file and what is wrong with it
+
+
 def run_core(args: argparse.Namespace) -> int:
     from .model import resolve_model_path
 
     models = [resolve_model_path(m) for m in args.model] if args.model else [resolve_model_path(None)]
+    _check_core_arguments(args, models)
     bandwidth = memory_bandwidth_gb_s()
     results = bench_core(
         models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type, args.activations

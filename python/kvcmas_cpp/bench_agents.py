@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import non_negative_int, positive_int, positive_int_list
 from .model import Model, resolve_model_path
 from .sharing import estimators as est
 from .sharing._blas import single_threaded_blas
@@ -30,6 +31,10 @@ from .sharing.runner import WorkflowRunner
 from .sharing.workflow import gsm8k_workflow, load_gsm8k
 
 DEFAULT_LIMIT = 50  # accuracy mode: examples a run evaluates unless --limit says otherwise
+
+
+def _span_sizes(text: str) -> list[int]:
+    return positive_int_list(text) if text.strip() else []  # empty: no speed part
 
 
 def add_agents_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,14 +48,26 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         "nonshared+kv-f16 and nonshared+act-f32: nonshared on f16 KV or exact activations, the numeric floor",
     )
     p.add_argument("--agents", type=int, default=4, help="agents per request, the decision agent included")
-    p.add_argument("--shared-tokens", default="256,1024,4096", help="comma-separated shared span sizes (speed part)")
     p.add_argument(
-        "--decode", default="8", help="comma-separated tokens each agent generates in the speed part (a sweep)"
+        "--shared-tokens",
+        type=_span_sizes,
+        default=[256, 1024, 4096],
+        help="comma-separated shared span sizes (speed part; empty: skip it)",
     )
-    p.add_argument("--questions", type=int, default=30, help="GSM8K questions for the fidelity part (0: skip)")
-    p.add_argument("--train", type=int, default=50, help="GSM8K questions that fit / calibrate the estimators")
-    p.add_argument("--gen-tokens", type=int, default=8, help="tokens per agent in the fidelity part")
-    p.add_argument("--oracle-rank", type=int, default=32, help="rank of the oracle row")
+    p.add_argument(
+        "--decode",
+        type=positive_int_list,
+        default=[8],
+        help="comma-separated tokens each agent generates in the speed part (a sweep)",
+    )
+    p.add_argument(
+        "--questions", type=non_negative_int, default=30, help="GSM8K questions for the fidelity part (0: skip)"
+    )
+    p.add_argument(
+        "--train", type=non_negative_int, default=50, help="GSM8K questions that fit / calibrate the estimators"
+    )
+    p.add_argument("--gen-tokens", type=positive_int, default=8, help="tokens per agent in the fidelity part")
+    p.add_argument("--oracle-rank", type=positive_int, default=32, help="rank of the oracle row")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
         "--apply",
@@ -88,7 +105,9 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cold-start", type=int, default=None, metavar="N", help="shared tokens of each workflow")
     g.add_argument("--workflows", type=int, default=5, help="workflows per method (kvcmas calibrates on 4)")
     g = p.add_argument_group("concurrent mode (--concurrent): N workflows at once")
-    g.add_argument("--concurrent", default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16")
+    g.add_argument(
+        "--concurrent", type=positive_int_list, default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16"
+    )
     p.add_argument("--plot", default=None, help="directory for PNG plots of the results")
 
 
@@ -322,10 +341,7 @@ def run_agents(args: argparse.Namespace) -> int:
             return 2
     if args.task or args.concurrent or args.cold_start or args.report:
         return _run_session_modes(args, methods)
-    sizes = [int(s) for s in args.shared_tokens.split(",") if s.strip()]
-    decodes = [int(s) for s in str(args.decode).split(",") if s.strip()]
-    if not decodes or min(decodes) < 1:
-        raise ValueError("--decode takes positive token counts, e.g. 8,64")
+    sizes, decodes = args.shared_tokens, args.decode
     learned = [m for m in methods if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
     if (sizes or args.questions > 0) and learned and args.train < 1:
         print(f"bench agents: {', '.join(learned)} need fitted estimators (--train 1 or more)", file=sys.stderr)
@@ -400,9 +416,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             calibrate_tokens=args.calibrate_tokens,
         )
     if args.concurrent:
-        levels = [int(x) for x in args.concurrent.split(",") if x.strip()]
-        if not levels or min(levels) < 1:
-            raise ValueError("--concurrent takes positive workflow counts, e.g. 1,2,4")
+        levels = args.concurrent
         result["concurrent"] = bt.concurrent(
             model, methods, levels, args.max_tokens, args.calibrate, calibrate_tokens=args.calibrate_tokens
         )

@@ -19,16 +19,19 @@ from typing import Any
 import numpy as np
 
 from ._native import core
+from .arguments import positive_int, positive_int_list
 
 
 def add_attention_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spans", default="256,1024,4096", help="comma-separated shared span lengths")
-    p.add_argument("--ranks", default="8,32,128", help="comma-separated correction ranks")
+    p.add_argument(
+        "--spans", type=positive_int_list, default=[256, 1024, 4096], help="comma-separated shared span lengths"
+    )
+    p.add_argument("--ranks", type=positive_int_list, default=[8, 32, 128], help="comma-separated correction ranks")
     p.add_argument("--kv-type", default="f32,f16", help="comma-separated row types")
-    p.add_argument("--heads", type=int, default=9, help="query heads (default: SmolLM2-135M's 9)")
-    p.add_argument("--kv-heads", type=int, default=3, help="KV heads (default 3)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=30, help="calls per measurement (best of 3 rounds)")
+    p.add_argument("--heads", type=positive_int, default=9, help="query heads (default: SmolLM2-135M's 9)")
+    p.add_argument("--kv-heads", type=positive_int, default=3, help="KV heads (default 3)")
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--repeat", type=positive_int, default=30, help="calls per measurement (best of 3 rounds)")
     p.add_argument("--json", action="store_true")
 
 
@@ -84,8 +87,7 @@ def measure(
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    spans = [int(x) for x in args.spans.split(",") if x.strip()]
-    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    spans, ranks = args.spans, args.ranks
     types = [x.strip() for x in args.kv_type.split(",") if x.strip()]
     rows = [
         measure(n, r, t, args.heads, args.kv_heads, args.head_dim, args.repeat)

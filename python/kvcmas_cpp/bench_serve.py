@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import CommandError
+
 AGENTS = (
     "You are a careful planner. List the steps needed to solve the problem, without solving it.",
     "You are a solver. Follow the plan and compute the answer step by step.",
@@ -356,8 +358,11 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = log_path.read_text(errors="replace")
-            raise RuntimeError(f"kvcmas-server exited with {proc.returncode}: {err[-2000:]}")
+            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+            last = lines[-1] if lines else "no message"
+            raise CommandError(
+                f"kvcmas-server exited with {proc.returncode} before it served: {last} (log: {log_path})"
+            )
         with contextlib.suppress(OSError):
             if client.get("/health")[0] == 200:
                 return proc, url

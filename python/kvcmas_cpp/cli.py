@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import __version__
+from .errors import CommandError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, CommandError) as e:
         print(f"kvcmas: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..arguments import port, positive_float, positive_int
+
 if TYPE_CHECKING:
     from .app import Server
 
@@ -48,36 +50,6 @@ def _budget(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
     return value
 
 
@@ -106,7 +78,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
+    p.add_argument("--port", type=port, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument(
         "--api-key-file",
@@ -125,18 +97,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--body-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         help="seconds a request body may take to arrive once its headers are in; then 408 (default 30)",
     )
     p.add_argument(
         "--header-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         help="seconds a connection may take to send a request's line and headers; then it is closed (default 10)",
     )
-    p.add_argument("-np", "--parallel", type=_positive_int, default=8, help="sequences generated at once (default 8)")
-    p.add_argument("-c", "--ctx-size", type=_positive_int, default=None, help="most tokens per sequence")
+    p.add_argument("-np", "--parallel", type=positive_int, default=8, help="sequences generated at once (default 8)")
+    p.add_argument("-c", "--ctx-size", type=positive_int, default=None, help="most tokens per sequence")
     p.add_argument(
         "--kv-budget",
         type=parse_bytes,
@@ -162,13 +134,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share of the shared rows later agents recompute in their own context, 0..1 (default 0: pure reuse)",
     )
-    p.add_argument("-t", "--threads", type=_positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; beyond it: 429 (default 64)"
     )
     p.add_argument(
         "--max-inflight",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="HTTP requests handled at once (/health and /metrics aside); beyond it: 503 with Retry-After "
         "(default 256)",
@@ -178,7 +150,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-tokens-limit",
-        type=_positive_int,
+        type=positive_int,
         default=4096,
         help="most new tokens one request may ask for (larger max_tokens: 400) or get by default (default 4096)",
     )
@@ -192,14 +164,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--request-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=600.0,
         help="seconds a request may take from arrival to its last token; then it ends with 408 and its KV is freed "
         "(default 600)",
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         help="on SIGTERM/SIGINT: seconds running requests get to finish before they are ended (default 10)",
     )
@@ -212,7 +184,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prefill-chunk",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         help="prompt rows computed per step, each step with the next token of every generating request; "
         "shorter prompts' prefills run between chunks, the shortest prompt first (default 128)",

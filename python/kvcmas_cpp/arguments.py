@@ -1,0 +1,52 @@
+"""Argument types the command lines share: a bad value is refused by argparse, naming the option, before any work."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
+
+
+def _parsed(text: str, parse: Callable[[str], _N], noun: str) -> _N:
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _parsed(text, float, "a number")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _parsed(text, int, "a port number")
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """'256,1024' -> [256, 1024]: one or more positive integers, comma-separated."""
+    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"needs one or more positive integers, comma-separated, got {text!r}")
+    return values
