@@ -214,7 +214,7 @@ def test_low_bit_weight_types_run_as_their_dequantization(tmp_path: Path, qtype:
 
     for model in (low, ref):
         np.testing.assert_allclose(decode_steps(model), want[20:], rtol=0, atol=1e-4 * std)
-    steps = decode_steps(low_q8)  # 8-bit activations where the type has such kernels (Q3_K, IQ4): close, not exact
+    steps = decode_steps(low_q8)  # 8-bit activations (every low-bit type has such kernels): close, not exact
     assert float(np.sqrt(np.mean((steps - want[20:]) ** 2))) < 2e-3 * std
     assert np.array_equal(steps.argmax(-1), want[20:].argmax(-1))
 

@@ -23,7 +23,7 @@ import kvcmas_cpp as kc
 from kvcmas_cpp._native import core
 from test_kernels import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 
-Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels (not Q2_K)
+Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
 MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
 

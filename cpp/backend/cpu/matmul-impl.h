@@ -90,8 +90,8 @@ using RowDotFn = void (*)(const void * w_row, const DecodeActs & act, int nt, in
 using GemmTileFn = void (*)(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n,
                             float * y, int64_t ldy);
 
-// Q2_K, Q3_K, IQ4_NL and IQ4_XS (quants-lowbit.cpp): portable kernels, which the AVX2 selectors return too (Q3_K's
-// and the IQ4 types' fast decode is their 8-bit activation kernel).
+// Q2_K, Q3_K, IQ4_NL and IQ4_XS (quants-lowbit.cpp): portable kernels, which the AVX2 selectors return too (their
+// fast decode is their 8-bit activation kernel).
 // nullptr for other types.
 DequantFn dequant_fn_lowbit(GgmlType type);
 RowDotFn  row_dot_fn_lowbit(GgmlType type);

@@ -394,6 +394,44 @@ void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     });
 }
 
+// Q2_K: sub-block c is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of qs[32·(c / 4) ..], unsigned (q in [0, 3]),
+// and x = d·sc·q - dmin·m per group, so each group's min needs the sum of its 16 activations: a second dot with
+// all-ones weights gives it per lane (lanes 0-3 group 2c, 4-7 group 2c + 1) from the same quantized activations.
+template <int NT>
+void dot_q2_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto * b = static_cast<const BlockQ2_K *>(w_row);
+    Q8Rows<NT>   x(a);
+    __m256       acc[NT][2];
+    for (int t = 0; t < NT; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    const __m256i m3 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi8(0x01);
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
+        for (int c = 0; c < 8; ++c) {
+            const __m256i q =
+                _mm256_and_si256(_mm256_srl_epi16(load256(b[i].qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
+            const int     s0 = b[i].scales[2 * c], s1 = b[i].scales[2 * c + 1];
+            const __m256  scale = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(s1 & 15)),
+                                                  _mm_set1_ps(d * static_cast<float>(s0 & 15)));
+            const __m256  mins  = _mm256_set_m128(_mm_set1_ps(dmin * static_cast<float>(s1 >> 4)),
+                                                  _mm_set1_ps(dmin * static_cast<float>(s0 >> 4)));
+            const int64_t k     = 8 * i + c;
+            for (int t = 0; t < NT; ++t) {
+                const __m256i xq = load256(x.q[t] + 32 * k), xr = load256(x.qr[t] + 32 * k);
+                const __m256  dx  = _mm256_set1_ps(x.d[t][k]);
+                const __m256  dot = _mm256_cvtepi32_ps(dot_u8_i8x2(q, xq, xr));
+                const __m256  sum = _mm256_cvtepi32_ps(dot_u8_i8x2(ones, xq, xr));
+                acc[t][c % 2]     = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, dx), acc[t][c % 2]);
+                acc[t][c % 2]     = _mm256_fnmadd_ps(sum, _mm256_mul_ps(mins, dx), acc[t][c % 2]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    }
+}
+
 // IQ4_XS: sub-block c is IQ4_NL's 32-block with the scale d·(sc_c - 32).
 template <int NT>
 void dot_iq4_xs(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
@@ -453,6 +491,7 @@ KC_ROW_DOT_Q8(dot_q8_0)
 KC_ROW_DOT_Q8(dot_q4_k)
 KC_ROW_DOT_Q8(dot_q5_k)
 KC_ROW_DOT_Q8(dot_q6_k)
+KC_ROW_DOT_Q8(dot_q2_k)
 KC_ROW_DOT_Q8(dot_q3_k)
 KC_ROW_DOT_Q8(dot_iq4_nl)
 KC_ROW_DOT_Q8(dot_iq4_xs)
@@ -477,6 +516,8 @@ inline RowDotQ8Fn row_dot_q8_fn(GgmlType type) {
             return dot_q5_k_rows;
         case GgmlType::Q6_K:
             return dot_q6_k_rows;
+        case GgmlType::Q2_K:
+            return dot_q2_k_rows;
         case GgmlType::Q3_K:
             return dot_q3_k_rows;
         case GgmlType::IQ4_NL:

@@ -1,8 +1,8 @@
 // The low-bit weight types of llama.cpp's smaller files (Q2_K, Q3_K, IQ4_NL, IQ4_XS: what Q2_K, Q3_K_M and IQ4_XS
 // files hold, IQ4_NL being their stand-in for rows that are not whole 256-element blocks): portable kernels only,
 // dequantization bit-identical to gguf-py's and an f32-activation decode row dot over each block dequantized.
-// Prefill dequantizes tiles for the GEMM like every other type; Q3_K and the IQ4 types also have 8-bit activation
-// decode kernels (quants-dot-avx2-impl.h).
+// Prefill dequantizes tiles for the GEMM like every other type; all four also have 8-bit activation decode kernels
+// (quants-dot-avx2-impl.h).
 #include <cstdint>
 
 #include "backend/cpu/matmul-impl.h"
