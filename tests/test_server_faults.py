@@ -370,6 +370,36 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
         cors.scheduler.stop()
 
 
+def test_a_stopped_server_and_its_model_are_freed(model_path: str) -> None:
+    """FastAPI caches what it learns of each endpoint in module-level caches; an endpoint that held its server (a bound
+    method, a closure) kept every server ever built, and its model, alive until exit (nanobind then reported the
+    model leaked). The endpoints reach the server weakly now: once the caller drops a served, stopped server, the
+    server and its model are collected."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    model = kc.Model(model_path, n_threads=1)
+    server = Server(ServerConfig(model_path), model)
+    with TestClient(server.app, base_url="http://127.0.0.1") as c:
+        assert c.get("/v1/models").status_code == 200
+        assert c.post("/tokenize", json={"content": "hi"}).json()["tokens"]  # a utility route (a closure)
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        server._handlers.clear()  # what an endpoint whose handler is gone answers
+        gc.collect()
+        r = c.get("/health")
+        assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+    server.scheduler.stop()
+    refs = [weakref.ref(server), weakref.ref(model)]
+    del server, model, c, r
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True, True], [gc.get_referrers(ref()) for ref in refs if ref()]
+
+
 def _server_exit(model_path: str, port: int, patch_precheck: bool = False) -> subprocess.CompletedProcess[str]:
     """kvcmas-server run to its exit on `port` (1 thread); patch_precheck disables its bind check beforehand."""
     args = ["--model", model_path, "--port", str(port), "-t", "1"]

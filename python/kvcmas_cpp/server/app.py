@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import inspect
 import ipaddress
 import json
 import logging
 import os
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -490,9 +492,27 @@ class Server:
             "--calibration-memory (bytes).",
             lambda: s.estimator_bytes,
         )
+        self._handlers: list[Callable[..., Awaitable[Any]]] = []  # the endpoints' targets (_route)
         self.app = self._build_app()
 
     # ---------------------------------------------------------------------------------------------- the app
+    def _route(self, app: FastAPI, path: str, handler: Callable[..., Awaitable[Any]], methods: list[str]) -> None:
+        """Registers an endpoint that reaches `handler` (which holds this server) weakly: FastAPI keeps what it learns
+        of each endpoint in module-level caches, which would keep every server built, and its model, alive until
+        exit. The server owns its handlers; an app that outlives its server answers 503."""
+        self._handlers.append(handler)
+        target = weakref.ref(handler)
+
+        async def endpoint(*args: Any, **kwargs: Any) -> Any:
+            live = target()
+            if live is None:
+                raise ApiError(503, "this server has shut down", "unavailable")
+            return await live(*args, **kwargs)
+
+        endpoint.__signature__ = inspect.signature(handler, eval_str=True)  # type: ignore[attr-defined]
+        endpoint.__name__ = endpoint.__qualname__ = handler.__name__
+        app.add_api_route(path, endpoint, methods=methods)
+
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -521,16 +541,16 @@ class Server:
             return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
         for prefix in ("/v1", ""):
-            app.add_api_route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"])
-            app.add_api_route(f"{prefix}/completions", self.completions, methods=["POST"])
-            app.add_api_route(f"{prefix}/models", self.list_models, methods=["GET"])
-            app.add_api_route(f"{prefix}/models/{{model_name:path}}", self.get_model, methods=["GET"])
-        app.add_api_route("/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, methods=["DELETE"])
+            self._route(app, f"{prefix}/chat/completions", self.chat_completions, ["POST"])
+            self._route(app, f"{prefix}/completions", self.completions, ["POST"])
+            self._route(app, f"{prefix}/models", self.list_models, ["GET"])
+            self._route(app, f"{prefix}/models/{{model_name:path}}", self.get_model, ["GET"])
+        self._route(app, "/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, ["DELETE"])
         extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
         for path, handler, methods in extra_routes:
-            app.add_api_route(path, handler, methods=methods)
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+            self._route(app, path, handler, methods)
+        self._route(app, "/health", self.health, ["GET"])
+        self._route(app, "/metrics", self.prometheus, ["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
             | {path for path, _, _ in extra_routes}
