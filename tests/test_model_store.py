@@ -164,6 +164,7 @@ def test_model_takes_a_store_name(tmp_path: Path, store: Path, monkeypatch: pyte
     monkeypatch.chdir(elsewhere)
     with pytest.raises(ValueError, match="fake-model: file is empty"):
         Model(spec.name)
+    assert Model(n_ctx=64).path == default_model_path()  # no path: the default model, as the CLI's default
 
 
 def test_models_list_command(store: Path, capsys: pytest.CaptureFixture[str]) -> None:

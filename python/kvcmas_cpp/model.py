@@ -322,14 +322,15 @@ class Model:
 
     Args:
         path: the GGUF file (architectures llama and qwen2), or the name of a model the store installs
-            (`kvcmas models list`, e.g. "qwen2.5-coder-0.5b": its file, checked by size and sha256).
+            (`kvcmas models list`, e.g. "qwen2.5-coder-0.5b": its file, checked by size and sha256); default: the
+            default model (SmolLM2-135M-Instruct, `default_model_path()`).
         n_threads: compute threads (default: all cores).
         n_ctx: most tokens one sequence may hold (default: the training context, at most 8192).
         kv_budget: bytes all KV blocks may take (default: four full sequences).
         kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
             like llama.cpp's default; attention still computes in f32).
-        activations: what the decode steps' matrix products over quantized weights (Q4_0 ... Q8_0, Q4_K, Q5_K,
-            Q6_K) multiply with: "q8" (default) quantizes the activations per 32 elements in two 8-bit passes for
+        activations: what the decode steps' matrix products over quantized weights (every quantized type)
+            multiply with: "q8" (default) quantizes the activations per 32 elements in two 8-bit passes for
             integer dot products, like llama.cpp (fast; logits within a stated bound of the exact ones, 100% top-1
             agreement on real text, docs/quant-kernels.md);
             "f32" keeps them exact (the logits transformers computes, to f32 rounding). F16/BF16/F32 weights,
@@ -338,7 +339,7 @@ class Model:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         n_threads: int | None = None,
         n_ctx: int | None = None,
         kv_budget: int | None = None,
@@ -347,7 +348,7 @@ class Model:
         activations: Literal["q8", "f32"] = "q8",
     ) -> None:
         """device: "cpu", or "cuda" / "cuda:N" on a build with the CUDA backend (see `kvcmas_cpp.backends()`)."""
-        self.path = os.fspath(path)
+        self.path = default_model_path() if path is None else os.fspath(path)
         if isinstance(self.path, str) and not os.path.exists(self.path):
             from . import model_store
 
