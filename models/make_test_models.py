@@ -388,8 +388,10 @@ def reference_file_name(type_name: str) -> str:
     return f"smollm2-135m-instruct-{type_name.lower()}.gguf"
 
 
-def export_reference(src: Path, dst: Path, type_name: str) -> None:
-    """Re-encode every 2-D tensor of GGUF `src` as `type_name` (1-D tensors stay F32) and copy all metadata."""
+def export_reference(src: Path, dst: Path, type_name: str, fallback: str | None = None) -> None:
+    """Re-encode every 2-D tensor of GGUF `src` as `type_name` (1-D tensors stay F32) and copy all metadata. With
+    `fallback`, a tensor whose rows are not whole 256-blocks of a super-block type is written in that type instead,
+    as llama.cpp mixes them (e.g. Q3_K with IQ4_NL: SmolLM2's 576-wide rows)."""
     reader = gguf.GGUFReader(src)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
@@ -407,6 +409,8 @@ def export_reference(src: Path, dst: Path, type_name: str) -> None:
             shape = [int(x) for x in reversed(tensor.shape)]  # numpy order: rows last
             values = values.reshape(shape)
             target = type_name if values.ndim >= 2 else "F32"
+            if fallback is not None and target in _K_ENCODERS and values.shape[-1] % 256:
+                target = fallback
             data, qtype = encode(values, target)
             writer.add_tensor(tensor.name, data, raw_dtype=qtype if target not in ("F32", "F16") else None)
         _finish(writer)
