@@ -120,10 +120,20 @@ def test_a_failed_benchmark_worker_reports_its_last_error_line(cut_model: Path) 
         bench._measure("kvcmas", str(cut_model), 1, 16, 4, "f16:q8")
 
 
-def test_bench_serve_reports_a_server_that_did_not_start(cut_model: Path) -> None:
+def test_bench_serve_reports_a_server_it_cannot_use(cut_model: Path, default_model_path: str) -> None:
+    """A server it starts that exits, and a --url server that refuses its key: one error line each."""
+    from test_server import ServerProcess
+
     out = kvcmas("bench", "serve", "--model", str(cut_model), timeout=180)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "kvcmas-server exited with 1 before it served: " in out.stderr and "lies past the end" in out.stderr
+    srv = ServerProcess(str(default_model_path), "--api-key", "s3cret")
+    try:
+        out = kvcmas("bench", "serve", "--url", srv.url, "--api-key", "wrong", timeout=180)
+    finally:
+        srv.stop()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{srv.url}/v1/models answered HTTP 401: check --api-key" in out.stderr
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path) -> None:

@@ -267,11 +267,14 @@ def _check_core_arguments(args: argparse.Namespace, models: list[str]) -> None:
 
     from ._native import core
 
-    needs = {"llama-cpp": ("llama_cpp", "llama-cpp-python"), "torch-bf16": ("transformers", "torch and transformers")}
+    needs = {
+        "llama-cpp": (("llama_cpp",), "llama-cpp-python (scripts/setup.sh --bench)"),
+        "torch-bf16": (("torch", "transformers"), "torch and transformers (scripts/setup.sh --test)"),
+    }
     for engine in args.compare:
-        module, package = needs[engine]
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(f"--compare {engine} needs {package} installed (pip install 'kvcmas_cpp[bench]')")
+        modules, packages = needs[engine]
+        if any(importlib.util.find_spec(m) is None for m in modules):
+            raise ValueError(f"--compare {engine} needs {packages} installed")
     for path in models:
         core.GgufFile(path)  # KvcmasError (a ValueError) naming the file and what is wrong with it
 

@@ -194,7 +194,7 @@ class _Client:
             conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), self.headers)
             resp = conn.getresponse()
             if resp.status != 200:
-                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+                raise CommandError(f"the server answered HTTP {resp.status}: {resp.read()[:300]!r}")
             ttft = 0.0
             pieces: list[str] = []
             final: dict[str, Any] = {}
@@ -209,7 +209,7 @@ class _Client:
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"].get("message")))
+                    raise CommandError(f"the server sent an error mid-stream: {chunk['error'].get('message')}")
                 for choice in chunk.get("choices", []):
                     pieces.append(choice.get("delta", {}).get("content") or "")
                     if choice.get("finish_reason"):
@@ -368,7 +368,7 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], st
                 return proc, url
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError("kvcmas-server did not come up within 120 s")
+    raise CommandError(f"kvcmas-server did not come up within 120 s (log: {log_path})")
 
 
 def _print_phases(rows: list[dict[str, Any]]) -> None:
@@ -432,7 +432,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     try:
         status, _ = client.get("/v1/models")
         if status != 200:
-            raise RuntimeError(f"{url}/v1/models answered HTTP {status}")
+            raise CommandError(
+                f"{url}/v1/models answered HTTP {status}" + (": check --api-key" if status == 401 else "")
+            )
         # Warm-up outside the measured runs: first-use costs, and kvcmas's calibration (it reads each edge densely
         # a few times, fitting its correction online, before it shares the edge).
         extra_warmup = 8
