@@ -98,6 +98,7 @@ def test_benchmarks_refuse_bad_input_before_any_run(cut_model: Path) -> None:
         (("core", "--model", str(cut_model), *small), 1, "lies past the end of the file (3000000 bytes"),
         (("agents", "--shared-tokens", "0"), 2, "argument --shared-tokens: must be a positive integer, got 0"),
         (("agents", "--questions", "-1"), 2, "argument --questions: must be 0 or more, got -1"),
+        (("agents", "--shared-tokens", "", "--questions", "0"), 1, "nothing to measure: --shared-tokens is empty"),
         (("agents", "--concurrent", "2,x"), 2, "argument --concurrent: not an integer: 'x'"),
         (("attention", "--repeat", "0"), 2, "argument --repeat: must be a positive integer, got 0"),
         (("attention", "--ranks", ","), 2, "argument --ranks: needs one or more positive integers"),

@@ -342,6 +342,8 @@ def run_agents(args: argparse.Namespace) -> int:
     if args.task or args.concurrent or args.cold_start or args.report:
         return _run_session_modes(args, methods)
     sizes, decodes = args.shared_tokens, args.decode
+    if not sizes and args.questions == 0:
+        raise ValueError("nothing to measure: --shared-tokens is empty (no speed part) and --questions is 0")
     learned = [m for m in methods if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
     if (sizes or args.questions > 0) and learned and args.train < 1:
         print(f"bench agents: {', '.join(learned)} need fitted estimators (--train 1 or more)", file=sys.stderr)
