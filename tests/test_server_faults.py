@@ -389,15 +389,18 @@ def test_a_stopped_server_and_its_model_are_freed(model_path: str) -> None:
         assert c.post("/tokenize", json={"content": "hi"}).json()["tokens"]  # a utility route (a closure)
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
-        server._handlers.clear()  # what an endpoint whose handler is gone answers
+    server.scheduler.stop()
+    orphan = Server(ServerConfig(model_path), model)  # what an endpoint whose handler is gone answers
+    with TestClient(orphan.app, base_url="http://127.0.0.1") as c:
+        orphan._handlers.clear()
         gc.collect()
         r = c.get("/health")
         assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
-    server.scheduler.stop()
-    refs = [weakref.ref(server), weakref.ref(model)]
-    del server, model, c, r
+    orphan.scheduler.stop()
+    refs = [weakref.ref(server), weakref.ref(orphan), weakref.ref(model)]
+    del server, orphan, model, c, r
     gc.collect()
-    assert [ref() is None for ref in refs] == [True, True], [gc.get_referrers(ref()) for ref in refs if ref()]
+    assert [ref() is None for ref in refs] == [True] * 3, [gc.get_referrers(ref()) for ref in refs if ref()]
 
 
 def _server_exit(model_path: str, port: int, patch_precheck: bool = False) -> subprocess.CompletedProcess[str]:
