@@ -300,30 +300,34 @@ def quantize_iq4_xs(rows: np.ndarray) -> np.ndarray:
     return out.reshape(rows.shape[0], -1)
 
 
-_K_ENCODERS = {
+# Types gguf-py cannot quantise: this module's encoders, each taking rows of whole blocks.
+_OWN_ENCODERS = {
     "Q4_K": quantize_q4_k,
     "Q5_K": quantize_q5_k,
     "Q6_K": quantize_q6_k,
     "Q2_K": quantize_q2_k,
     "Q3_K": quantize_q3_k,
     "IQ4_XS": quantize_iq4_xs,
+    "IQ4_NL": quantize_iq4_nl,
 }
-_BLOCK32_ENCODERS = {"IQ4_NL": quantize_iq4_nl}
+
+
+def block_elements(type_name: str) -> int:
+    """Elements per block of a GGML type (F32 / F16: 1)."""
+    return gguf.GGML_QUANT_SIZES[QT[type_name]][0]
 
 
 def encode(weights: np.ndarray, type_name: str) -> tuple[np.ndarray, QT]:
     """Encode a float32 array (rows = last axis) as GGML type `type_name`: (data for GGUFWriter.add_tensor, type)."""
     qtype = QT[type_name]
     weights = np.ascontiguousarray(weights, dtype=np.float32)
-    if type_name in _K_ENCODERS:
-        if weights.shape[-1] % 256:
-            raise ValueError(f"{type_name} needs rows that are a multiple of 256, got shape {weights.shape}")
+    if type_name in _OWN_ENCODERS:
+        if weights.shape[-1] % block_elements(type_name):
+            raise ValueError(
+                f"{type_name} needs rows that are a multiple of {block_elements(type_name)}, got shape {weights.shape}"
+            )
         flat = weights.reshape(-1, weights.shape[-1])
-        data = _K_ENCODERS[type_name](flat)
-        return data.reshape(*weights.shape[:-1], data.shape[-1]), qtype
-    if type_name in _BLOCK32_ENCODERS:
-        flat = weights.reshape(-1, weights.shape[-1])
-        data = _BLOCK32_ENCODERS[type_name](flat)
+        data = _OWN_ENCODERS[type_name](flat)
         return data.reshape(*weights.shape[:-1], data.shape[-1]), qtype
     if type_name == "F32":
         return weights, qtype
@@ -390,8 +394,8 @@ def reference_file_name(type_name: str) -> str:
 
 def export_reference(src: Path, dst: Path, type_name: str, fallback: str | None = None) -> None:
     """Re-encode every 2-D tensor of GGUF `src` as `type_name` (1-D tensors stay F32) and copy all metadata. With
-    `fallback`, a tensor whose rows are not whole 256-blocks of a super-block type is written in that type instead,
-    as llama.cpp mixes them (e.g. Q3_K with IQ4_NL: SmolLM2's 576-wide rows)."""
+    `fallback`, a tensor whose rows are not whole blocks of `type_name` is written in that type instead, as llama.cpp
+    mixes them (e.g. Q3_K with IQ4_NL: SmolLM2's 576-wide rows are not whole 256-blocks)."""
     reader = gguf.GGUFReader(src)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
@@ -409,7 +413,7 @@ def export_reference(src: Path, dst: Path, type_name: str, fallback: str | None 
             shape = [int(x) for x in reversed(tensor.shape)]  # numpy order: rows last
             values = values.reshape(shape)
             target = type_name if values.ndim >= 2 else "F32"
-            if fallback is not None and target in _K_ENCODERS and values.shape[-1] % 256:
+            if fallback is not None and values.shape[-1] % block_elements(target):
                 target = fallback
             data, qtype = encode(values, target)
             writer.add_tensor(tensor.name, data, raw_dtype=qtype if target not in ("F32", "F16") else None)

@@ -355,10 +355,11 @@ inline void signed_block32(__m256i q, __m256 scale, const Q8Rows<NT> & x, int64_
     }
 }
 
-// 256-element super-blocks of eight 32-element sub-blocks with signed quants; sub(block, c, q, scale) gives
-// sub-block c's quants and per-lane scale (two accumulators, so that the FMA latency chains overlap).
-template <typename Block, int NT, typename Sub>
-void dot_signed_sub32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os, Sub sub) {
+// 256-element super-blocks of eight 32-element sub-blocks (activation blocks 8i .. 8i + 7):
+// step(block, c, x, k, acc, u) adds sub-block c's products over activation block k into acc[t][u] (two accumulators,
+// so that the FMA latency chains overlap).
+template <typename Block, int NT, typename Step>
+void dot_super256(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os, Step step) {
     const auto * b = static_cast<const Block *>(w_row);
     Q8Rows<NT>   x(a);
     __m256       acc[NT][2];
@@ -367,10 +368,7 @@ void dot_signed_sub32(const void * w_row, const Q8Acts & a, int64_t n, float * o
     }
     for (int64_t i = 0; i < n / 256; ++i) {
         for (int c = 0; c < 8; ++c) {
-            __m256i q;
-            __m256  scale;
-            sub(b[i], c, q, scale);
-            signed_block32<NT>(q, scale, x, 8 * i + c, acc, c % 2);
+            step(b[i], c, x, 8 * i + c, acc, c % 2);
         }
     }
     for (int t = 0; t < NT; ++t) {
@@ -378,58 +376,64 @@ void dot_signed_sub32(const void * w_row, const Q8Acts & a, int64_t n, float * o
     }
 }
 
-// Q3_K: sub-block c is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of qs[32·(c / 4) ..], the third bit c of
-// hmask[0 .. 32] (clear: q - 4); q in [-4, 3]. Lanes 0-3 carry group 2c's scale, lanes 4-7 group 2c + 1's.
+// Super-blocks with signed quants: sub(block, c, q, scale) gives sub-block c's quants and per-lane scale.
+template <typename Block, int NT, typename Sub>
+void dot_signed_sub32(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os, Sub sub) {
+    dot_super256<Block, NT>(w_row, a, n, out, os,
+                            [sub](const Block & b, int c, const Q8Rows<NT> & x, int64_t k, __m256 acc[NT][2], int u) {
+                                __m256i q;
+                                __m256  scale;
+                                sub(b, c, q, scale);
+                                signed_block32<NT>(q, scale, x, k, acc, u);
+                            });
+}
+
+// Q2_K / Q3_K: the 2-bit values of sub-block c (groups 2c and 2c + 1), bits 2·(c % 4) of qs[32·(c / 4) ..].
+inline __m256i two_bit_plane(const uint8_t * qs, int c) {
+    return _mm256_and_si256(_mm256_srl_epi16(load256(qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))),
+                            _mm256_set1_epi8(0x03));
+}
+
+// One factor per 16-element group of a sub-block: int32 lanes 0-3 sum its first group, lanes 4-7 its second.
+inline __m256 two_group_scales(float first, float second) {
+    return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
+}
+
+// Q3_K: the 2-bit values plus the third bit c of hmask[0 .. 32] (clear: q - 4); q in [-4, 3].
 template <int NT>
 void dot_q3_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
     dot_signed_sub32<BlockQ3_K, NT>(w_row, a, n, out, os, [](const BlockQ3_K & b, int c, __m256i & q, __m256 & sc) {
-        const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
-        const __m256i lo =
-            _mm256_and_si256(_mm256_srl_epi16(load256(b.qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(b.hmask), _mm_cvtsi32_si128(c)), m1);
-        q                = _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hi, 2)), _mm256_set1_epi8(4));
-        const float d    = h2f(b.d);
-        sc               = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(q3_k_scale(b, 2 * c + 1) - 32)),
-                                           _mm_set1_ps(d * static_cast<float>(q3_k_scale(b, 2 * c) - 32)));
+        const __m256i hi =
+            _mm256_and_si256(_mm256_srl_epi16(load256(b.hmask), _mm_cvtsi32_si128(c)), _mm256_set1_epi8(0x01));
+        q = _mm256_sub_epi8(_mm256_add_epi8(two_bit_plane(b.qs, c), _mm256_slli_epi16(hi, 2)), _mm256_set1_epi8(4));
+        const float d = h2f(b.d);
+        sc            = two_group_scales(d * static_cast<float>(q3_k_scale(b, 2 * c) - 32),
+                                         d * static_cast<float>(q3_k_scale(b, 2 * c + 1) - 32));
     });
 }
 
-// Q2_K: sub-block c is groups 2c and 2c + 1: 2 bits at shift 2·(c % 4) of qs[32·(c / 4) ..], unsigned (q in [0, 3]),
-// and x = d·sc·q - dmin·m per group, so each group's min needs the sum of its 16 activations: a second dot with
-// all-ones weights gives it per lane (lanes 0-3 group 2c, 4-7 group 2c + 1) from the same quantized activations.
+// Q2_K: the 2-bit values unsigned (q in [0, 3]) and x = d·sc·q - dmin·m per group, so each group's min needs the sum
+// of its 16 activations: a second dot with all-ones weights gives it per lane from the same quantized activations.
 template <int NT>
 void dot_q2_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
-    const auto * b = static_cast<const BlockQ2_K *>(w_row);
-    Q8Rows<NT>   x(a);
-    __m256       acc[NT][2];
-    for (int t = 0; t < NT; ++t) {
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    }
-    const __m256i m3 = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi8(0x01);
-    for (int64_t i = 0; i < n / 256; ++i) {
-        const float d = h2f(b[i].d), dmin = h2f(b[i].dmin);
-        for (int c = 0; c < 8; ++c) {
-            const __m256i q =
-                _mm256_and_si256(_mm256_srl_epi16(load256(b[i].qs + 32 * (c / 4)), _mm_cvtsi32_si128(2 * (c % 4))), m3);
-            const int     s0 = b[i].scales[2 * c], s1 = b[i].scales[2 * c + 1];
-            const __m256  scale = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(s1 & 15)),
-                                                  _mm_set1_ps(d * static_cast<float>(s0 & 15)));
-            const __m256  mins  = _mm256_set_m128(_mm_set1_ps(dmin * static_cast<float>(s1 >> 4)),
-                                                  _mm_set1_ps(dmin * static_cast<float>(s0 >> 4)));
-            const int64_t k     = 8 * i + c;
+    dot_super256<BlockQ2_K, NT>(
+        w_row, a, n, out, os,
+        [](const BlockQ2_K & b, int c, const Q8Rows<NT> & x, int64_t k, __m256 acc[NT][2], int u) {
+            const __m256i q = two_bit_plane(b.qs, c), ones = _mm256_set1_epi8(0x01);
+            const float   d = h2f(b.d), dmin = h2f(b.dmin);
+            const int     s0 = b.scales[2 * c], s1 = b.scales[2 * c + 1];
+            const __m256  scale = two_group_scales(d * static_cast<float>(s0 & 15), d * static_cast<float>(s1 & 15));
+            const __m256  mins =
+                two_group_scales(dmin * static_cast<float>(s0 >> 4), dmin * static_cast<float>(s1 >> 4));
             for (int t = 0; t < NT; ++t) {
                 const __m256i xq = load256(x.q[t] + 32 * k), xr = load256(x.qr[t] + 32 * k);
                 const __m256  dx  = _mm256_set1_ps(x.d[t][k]);
                 const __m256  dot = _mm256_cvtepi32_ps(dot_u8_i8x2(q, xq, xr));
                 const __m256  sum = _mm256_cvtepi32_ps(dot_u8_i8x2(ones, xq, xr));
-                acc[t][c % 2]     = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, dx), acc[t][c % 2]);
-                acc[t][c % 2]     = _mm256_fnmadd_ps(sum, _mm256_mul_ps(mins, dx), acc[t][c % 2]);
+                acc[t][u]         = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, dx), acc[t][u]);
+                acc[t][u]         = _mm256_fnmadd_ps(sum, _mm256_mul_ps(mins, dx), acc[t][u]);
             }
-        }
-    }
-    for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
-    }
+        });
 }
 
 // IQ4_XS: sub-block c is IQ4_NL's 32-block with the scale d·(sc_c - 32).

@@ -1,5 +1,5 @@
 // The low-bit weight types of llama.cpp's smaller files (Q2_K, Q3_K, IQ4_NL, IQ4_XS: what Q2_K, Q3_K_M and IQ4_XS
-// files hold, IQ4_NL being their stand-in for rows that are not whole 256-element blocks): portable kernels only,
+// files hold, IQ4_NL being their stand-in for rows that are not whole 256-element blocks): portable kernels,
 // dequantization bit-identical to gguf-py's and an f32-activation decode row dot over each block dequantized.
 // Prefill dequantizes tiles for the GEMM like every other type; all four also have 8-bit activation decode kernels
 // (quants-dot-avx2-impl.h).
