@@ -52,6 +52,30 @@ def check_stats(r: kc.agents.Response, row_bytes: int) -> None:
     assert s.ttft_ms > 0 and s.method in ("nonshared", "fullshared", "kvcmas", "kvcomm")
 
 
+@pytest.mark.parametrize("method", ["nonshared", "fullshared", "kvcmas", "kvcomm"])
+def test_a_prompt_without_shared_spans_counts_each_row_once(model: kc.Model, method: str) -> None:
+    """An agent answering before anything is shared: its whole prompt is template prefix. The first call computes
+    every row once (it used to compute the last row a second time and report 19 computed, -1 reused of 18), the
+    same call again reuses all but the last row, and the reply is the model's own greedy answer to that prompt."""
+    PrefixCache.of(model).clear()
+    row_bytes = model.kv_row_bytes
+    with AgentSession(model, method=method, calibration_dir=False, cache_namespace=f"no-spans-{method}") as team:
+        solver = team.agent("Solver", system="You answer in one word.")
+        first = solver.respond(max_tokens=6)
+        check_stats(first, row_bytes)
+        assert (first.stats.computed_tokens, first.stats.reused_tokens) == (first.stats.prompt_tokens, 0)
+        team.reset()
+        again = solver.respond(max_tokens=6)
+        check_stats(again, row_bytes)
+        s = again.stats
+        assert (s.computed_tokens, s.prefix_cached_tokens, s.span_tokens) == (1, s.prompt_tokens - 1, 0)
+        team.reset()
+        with team.prefill_agent(solver) as p:
+            prompt = list(p.hop.prompt)
+    assert len(prompt) == first.stats.prompt_tokens
+    assert first.ids == again.ids == model.generate(prompt, max_tokens=6, temperature=0.0).tokens
+
+
 def test_every_method_answers_and_first_agent_is_exact(model: kc.Model) -> None:
     row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
     base = kv_without_prefix_cache(model)

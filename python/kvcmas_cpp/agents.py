@@ -1051,8 +1051,10 @@ class AgentSession:
 
     def _prefix(self, ag: Agent, t: Template) -> Plan[tuple[KVSequence, int]]:
         """The plan of a sequence holding the agent's template prefix (the caller owns it); returns it and how many
-        of its rows an earlier call computed (the model's prefix cache, within the session's cache_namespace)."""
-        return self._prefix_cache.plan_prefix(self.cache_namespace, t.texts[0])
+        of its rows an earlier call computed (the model's prefix cache, within the session's cache_namespace). A
+        template without spans is all prefix: its last token is left to the hop, which computes it for the logits."""
+        ids = t.texts[0] if t.placeholders else t.texts[0][:-1]
+        return self._prefix_cache.plan_prefix(self.cache_namespace, ids)
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
         """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
@@ -1084,7 +1086,7 @@ class AgentSession:
         for ph in t.placeholders:
             if ph in self._lru:
                 self._lru.move_to_end(ph)
-        n = len(t.texts[0])
+        n = len(prefix_seq)
         return Prefilled(self, ag.index, seq, logits, hop, pos_map, corrs, reply_ph, n, cached, prefix_seq)
 
     def _finish(self, p: Prefilled, out: list[int], received: str | None = None) -> None:

@@ -442,8 +442,8 @@ class WorkflowRunner:
         self._factor_bytes = self._materialized = self._recomputed = 0  # counted for this hop (_assemble)
         try:
             if mode != "reuse":
-                rest = prompt[len(t.texts[0]) :]
-                if not rest:  # the prefix is the whole prompt (no spans): its last row is computed again, for logits
+                rest = prompt[len(seq) :]  # the prefix holds all but the last row when t has no spans
+                if not rest:  # a prefix that is the whole prompt: its last row is computed again, for the logits
                     seq.truncate(len(prompt) - 1)
                     rest = prompt[-1:]
                 logits = yield from append_mixed(seq, rest, "last", st.vectors)
