@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, overload
 
@@ -86,6 +86,38 @@ def estimator_bytes(model: Model) -> int:
     return sum(e.state_bytes() + e.pending_bytes() for e, _ in items)
 
 
+def bound_estimators(model: Model, max_bytes: int, live: Collection[str], busy: Collection[str]) -> int:
+    """Brings what the shared estimators of a model hold (estimator_bytes) within max_bytes, for a server whose
+    clients choose how many workflows (namespaces) there are. In order: the estimators of workflows no session in
+    `live` names, least recently used first (a later session starts a fresh one, which loads the calibration
+    directory again); the statistics of the calibrating edges that went longest without rows (their reads start
+    over); then, in turn, the least recently used fitted map of each estimator no workflow in `busy` (a prefill in
+    flight) uses (those edges calibrate again). Returns the bytes freed. Call it where no session is using the
+    estimators (a server's engine thread)."""
+    freed = 0
+    with _estimators_lock:
+        per_model = _estimators.get(model, {})
+        total = sum(e.state_bytes() + e.pending_bytes() for e, _ in per_model.values())
+        for key in [k for k in per_model if k[1] not in live]:
+            if total - freed <= max_bytes:
+                return freed
+            e, _ = per_model.pop(key)
+            _loaded_dirs.get(model, {}).pop(key, None)
+            freed += e.state_bytes() + e.pending_bytes()
+        ridges = {wf: e for (_, wf), (e, _) in per_model.items() if isinstance(e, est.RidgeEstimator)}
+    while total - freed > max_bytes:
+        pending = [(s, e) for e in ridges.values() if (s := e.stalest_pending()) is not None]
+        if not pending:
+            break
+        (_, edge), e = min(pending, key=lambda p: p[0][0])
+        freed += e.drop_pending(edge)
+    idle = [e for wf, e in ridges.items() if wf not in busy]
+    while total - freed > max_bytes and (with_maps := [e for e in idle if e.maps]):
+        for e in with_maps:
+            freed += e.drop_stalest_map()
+    return freed
+
+
 def shared_estimator(
     model: Model, method: str, workflow: str, store: CalibrationStore | None = None
 ) -> tuple[est.Estimator, threading.RLock]:
@@ -94,7 +126,9 @@ def shared_estimator(
     with _estimators_lock:
         per_model = _estimators.setdefault(model, {})
         key = (method, workflow)
-        if key not in per_model:
+        if key in per_model:  # most recently used last (bound_estimators drops the least recently used first)
+            per_model[key] = per_model.pop(key)
+        else:
             config = registry.method(method, session=True).config(for_session=True)
             per_model[key] = (registry.make_estimator(model, config, workflow), threading.RLock())
         estimator, lock = per_model[key]

@@ -18,6 +18,9 @@ Contracts:
 - Bounded: least recently used entries are evicted beyond max_bytes (a quarter of the KV budget by default, counted
   as `tokens`, the distinct rows, times the row size: rows two entries share count once), and on demand (evict_lru:
   the server's admission evicts before it would refuse a request). Entries never hold rows a request generates.
+  With `owners` > 1 (a server's tenants) each owner has max_bytes / owners of it and its entries make room only by
+  evicting its own, so what one tenant sends never evicts another's entries (only evict_lru, under KV memory
+  pressure, takes any owner's). A namespace "OWNER/REST" belongs to OWNER; one without "/" to the owner "".
 - Counted: `tokens` is the distinct rows the entries hold. An entry made from a fork of another (reuse, then adopt)
   reads that one's first rows instead of holding its own; those rows stay alive while any entry reads them, an
   evicted entry's included.
@@ -61,6 +64,11 @@ def _block_hashes(ids: Sequence[int]) -> list[int]:
     return out
 
 
+def _owner(namespace: str) -> str:
+    """Whose share of the cache a namespace's entries take: the part before "/" ("" without one)."""
+    return namespace.split("/", 1)[0] if "/" in namespace else ""
+
+
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -86,6 +94,7 @@ class PrefixCache:
         self.hits = 0  # prompts that reused rows
         self.hit_tokens = 0  # rows served
         self.evictions = 0
+        self.owners = 1  # max_bytes is split evenly among this many owners (the server's tenants)
         self.version = 0  # bumped whenever an entry comes or goes (callers memoize matches on it)
         # sequences reuse() forked from an entry -> (that entry, rows kept): adopt() records where their rows live
         self._forks: weakref.WeakKeyDictionary[KVSequence, tuple[_Entry, int]] = weakref.WeakKeyDictionary()
@@ -115,11 +124,11 @@ class PrefixCache:
         with self._lock:
             return self._distinct_rows()
 
-    def _distinct_rows(self) -> int:
-        """`tokens` (lock held)."""
+    def _distinct_rows(self, owner: str | None = None) -> int:
+        """`tokens` (lock held); of one owner's entries only when given (entries fork only within a namespace)."""
         children: dict[_Entry, list[_Entry]] = {}
         nodes: dict[_Entry, None] = {}
-        for e in self._lru:
+        for e in self._lru if owner is None else [e for e in self._lru if _owner(e.namespace) == owner]:
             node: _Entry | None = e
             while node is not None and node not in nodes:
                 nodes[node] = None
@@ -195,7 +204,7 @@ class PrefixCache:
         ids already, it does not fit max_bytes, or it holds input vectors). exact: its leading rows computed by
         prefill kernels (see the module's docstring)."""
         ids = tuple(seq.tokens)
-        if not ids or min(ids) < 0 or len(ids) * self.model.kv_row_bytes > self.max_bytes:
+        if not ids or min(ids) < 0 or len(ids) * self.model.kv_row_bytes > self._owner_bytes():
             return seq
         with self._lock:
             entry, m = self._match(namespace, ids)
@@ -273,15 +282,20 @@ class PrefixCache:
         e.seq.close()  # its blocks go back once no fork reads them
         self._prune(e)
 
-    def _shrink(self, keep: _Entry | None = None) -> None:
-        """Evicts least recently used entries (never `keep`) until the distinct rows fit max_bytes."""
-        row = self.model.kv_row_bytes
-        for e in list(self._lru):
-            if self._distinct_rows() * row <= self.max_bytes:
-                break
-            if e is not keep:
-                self._drop(e)
-                self.evictions += 1
+    def _owner_bytes(self) -> int:
+        return self.max_bytes // max(1, self.owners)
+
+    def _shrink(self, keep: _Entry) -> None:
+        """Evicts the least recently used entries of keep's owner (never `keep`) until that owner's distinct rows fit
+        its share of max_bytes; then, should more owners than `owners` hold entries, any owner's until all fit."""
+        row, owner = self.model.kv_row_bytes, _owner(keep.namespace)
+        for limit, of in ((self._owner_bytes(), owner), (self.max_bytes, None)):
+            for e in list(self._lru):
+                if self._distinct_rows(of) * row <= limit:
+                    break
+                if e is not keep and (of is None or _owner(e.namespace) == of):
+                    self._drop(e)
+                    self.evictions += 1
 
     def evict_lru(self) -> bool:
         """Drops the least recently used entry; False when there is none."""

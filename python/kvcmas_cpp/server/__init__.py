@@ -193,8 +193,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--calibration-memory",
         type=parse_bytes,
         default=512 << 20,
-        help="memory kvcmas may hold in training statistics of edges still calibrating (~17 MB an edge for "
-        "SmolLM2-135M, whatever the span), e.g. 512M (the default); freed as each edge is fitted",
+        help="memory kvcmas' estimators of all tenants and cache_salts together may hold: training statistics of "
+        "edges still calibrating (~17 MB an edge for SmolLM2-135M, whatever the span) and fitted maps, e.g. 512M "
+        "(the default)",
     )
     p.add_argument(
         "--cold",

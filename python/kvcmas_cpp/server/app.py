@@ -450,6 +450,8 @@ class Server:
             cold=cfg.cold,
             calibration_dir=cfg.calibration_dir,
         )
+        # each tenant's prefix-cache entries make room by evicting only its own (Namespace.cache_namespace)
+        self.scheduler.prefix_cache.owners = max(1, len(self.tenants.keys))
         self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
         self.created = int(time.time())

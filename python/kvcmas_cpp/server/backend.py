@@ -189,18 +189,25 @@ class SessionBackend:
         estimator_name: str = "default",
         cold: str = "reuse",
         calibration_dir: str | os.PathLike[str] | bool = True,
+        cache_namespace: str | None = None,
     ) -> None:
-        """estimator_name: sessions with the same name share what the method's estimator learns and their agents'
-        template prefixes in the model's prefix cache (the server gives each namespace its own, so nothing learned
-        from one tenant's reads shapes another's answers, and no tenant reads another's prompt rows; its
-        calibration files are keyed by it too). calibration_bytes: the least memory the method's shared estimator
-        may hold in the statistics of edges still calibrating (kvcmas: ~17 MB an edge on SmolLM2-135M, whatever
-        the span). cold, calibration_dir: see AgentSession (kvcmas)."""
+        """estimator_name: sessions with the same name share what the method's estimator learns and (unless
+        cache_namespace names another) their agents' template prefixes in the model's prefix cache (the server gives
+        each namespace its own, so nothing learned from one tenant's reads shapes another's answers, and no tenant
+        reads another's prompt rows; its calibration files are keyed by it too). calibration_bytes: the least
+        memory the method's shared estimator may hold in the statistics of edges still calibrating (kvcmas: ~17 MB
+        an edge on SmolLM2-135M, whatever the span; the server bounds all namespaces' estimators together).
+        cold, calibration_dir: see AgentSession (kvcmas)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
         kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
         self.session = agents.AgentSession(
-            model, method=method, workflow=estimator_name, vision=vision, cache_namespace=estimator_name, **kw
+            model,
+            method=method,
+            workflow=estimator_name,
+            vision=vision,
+            cache_namespace=estimator_name if cache_namespace is None else cache_namespace,
+            **kw,
         )
         if calibration_bytes is not None:
             estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
@@ -252,11 +259,14 @@ def make_backend(
     estimator_name: str = "default",
     cold: str = "reuse",
     calibration_dir: str | os.PathLike[str] | bool = True,
+    cache_namespace: str | None = None,
 ) -> Backend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
     any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name, cold,
-    calibration_dir: see SessionBackend."""
+    calibration_dir, cache_namespace: see SessionBackend."""
     if agents_available():
-        return SessionBackend(model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir)
-    return PlainBackend(model, estimator_name)
+        return SessionBackend(
+            model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir, cache_namespace
+        )
+    return PlainBackend(model, estimator_name if cache_namespace is None else cache_namespace)

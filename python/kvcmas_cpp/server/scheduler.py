@@ -78,10 +78,8 @@ PREFILL_CHUNK = 128
 # fewer left per second since it arrived, so after a few seconds it goes before fresh prompts. A shorter prompt still
 # runs between the chunks of a long one that is running (that compares the rows actually left).
 PREFILL_AGING_ROWS_PER_S = 128
-# Training reads kvcmas may hold for edges still calibrating (--calibration-memory). A read of a span holds its base
-# and exact K/V at every layer, ~92 KB per row for SmolLM2-135M: a 4-agent workflow over a 400-token context
-# calibrates 3 edges on that context, 4 reads each, ~440 MB. Below that an edge never collects its reads and kvcmas
-# never shares it. The reads are dropped as soon as their edge is fitted.
+# What the estimators of all namespaces may hold together (--calibration-memory): the statistics of edges still
+# calibrating (~17 MB an edge for SmolLM2-135M, whatever the span; dropped once the edge is fitted) and fitted maps.
 CALIBRATION_BYTES = 512 << 20
 MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
 # A session keeps every message it has seen (its shared context only grows), so a long-lived one (the default
@@ -161,6 +159,12 @@ class Namespace(NamedTuple):
     def estimator_name(self) -> str:
         """The name the namespace's sessions share their estimator under (AgentSession's workflow)."""
         return "ns-" + hashlib.sha256(f"{self.tenant}\x00{self.salt}".encode()).hexdigest()[:24]
+
+    def cache_namespace(self) -> str:
+        """The namespace's entries in the model's prefix cache: owned by its tenant (PrefixCache.owners), so one
+        tenant's prompts never evict another's, whatever cache_salts it sends."""
+        tenant = hashlib.sha256(self.tenant.encode()).hexdigest()[:16]
+        return f"tenant-{tenant}/{self.estimator_name()}"
 
 
 class SessionKey(NamedTuple):
@@ -450,7 +454,18 @@ class Scheduler:
         if self._estimators_touched:
             self._estimators_touched = False
             self.estimator_bytes = agents.estimator_bytes(self.model)
+            if self.calibration_bytes is not None and self.estimator_bytes > self.calibration_bytes:
+                self._bound_estimators(self.calibration_bytes)  # one bound for all namespaces: clients add them
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
+
+    def _bound_estimators(self, max_bytes: int) -> None:
+        """Brings the shared estimators of every namespace within --calibration-memory (agents.bound_estimators)."""
+        live = {key.namespace.estimator_name() for key in self._sessions}
+        busy = {key.namespace.estimator_name() for key, s in self._sessions.items() if id(s) in self._busy}
+        freed = agents.bound_estimators(self.model, max_bytes, live, busy)
+        if freed:
+            log.info("estimators: %d bytes of learned state and statistics dropped (--calibration-memory)", freed)
+        self.estimator_bytes = agents.estimator_bytes(self.model)
 
     def _read_step(self) -> None:
         """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take and
@@ -545,7 +560,7 @@ class Scheduler:
             job.cached_version = cache.version
             ns = job.session_key.namespace if job.session_key is not None else job.namespace
             text = job.segments is None or all(isinstance(g, list) for g in job.segments)
-            job.cached = cache.cached_rows(ns.estimator_name(), job.ids) if ns is not None and text else 0
+            job.cached = cache.cached_rows(ns.cache_namespace(), job.ids) if ns is not None and text else 0
         return job.n_prompt - job.cached
 
     def _fits(self, job: Job) -> bool:
@@ -626,6 +641,7 @@ class Scheduler:
                 key.namespace.estimator_name(),
                 self.cold,
                 self.calibration_dir,
+                key.namespace.cache_namespace(),
             )
             s = _Session(backend)
             self._sessions[key] = s
@@ -719,7 +735,7 @@ class Scheduler:
         if job.session is not None and job.messages is not None:
             job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute)
         else:
-            ns = job.namespace.estimator_name() if job.namespace is not None else None
+            ns = job.namespace.cache_namespace() if job.namespace is not None else None
             job.plan = self._plain.prefill_plan([], segments, None, namespace=ns)
         self._advance_plan(job, None, None)
 

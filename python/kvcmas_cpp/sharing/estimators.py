@@ -16,6 +16,7 @@ Estimators:
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -424,6 +425,10 @@ class _EdgeMoments:
 
     moments: RowMoments
     reads: int = 0
+    added: int = 0  # when rows last came in (_ADDED: one clock for every estimator, so stalest compares across them)
+
+
+_ADDED = itertools.count(1)
 
 
 class RidgeEstimator(Estimator):
@@ -461,6 +466,7 @@ class RidgeEstimator(Estimator):
         if em is None:
             em = _EdgeMoments(RowMoments(2 * (n_layer - 1), kd))
         self._pending[edge] = em  # now the most recently added to
+        em.added = next(_ADDED)
         self._bound(edge)
         x = np.stack([base_k[1:], base_v[1:]], axis=1).reshape(2 * (n_layer - 1), -1, kd)
         y = np.stack([exact_k[1:] - base_k[1:], exact_v[1:] - base_v[1:]], axis=1).reshape(x.shape)
@@ -490,6 +496,26 @@ class RidgeEstimator(Estimator):
     def pending_bytes(self) -> int:
         """Bytes held by the statistics of edges not yet fitted."""
         return sum(em.moments.nbytes for em in self._pending.values())
+
+    def stalest_pending(self) -> tuple[int, Edge] | None:
+        """(when rows last came in, edge) of the calibrating edge that went longest without rows; None when none."""
+        if not self._pending:
+            return None
+        edge, em = next(iter(self._pending.items()))
+        return em.added, edge
+
+    def drop_pending(self, edge: Edge) -> int:
+        """Drops a calibrating edge's statistics (its reads start over); the bytes freed."""
+        em = self._pending.pop(edge, None)
+        return em.moments.nbytes if em is not None else 0
+
+    def drop_stalest_map(self) -> int:
+        """Drops the least recently used fitted edge (it calibrates again when read); the bytes freed."""
+        if not self.maps:
+            return 0
+        before = self.state_bytes()
+        self._forget_map(next(iter(self.maps)))
+        return before - self.state_bytes()
 
     def examples(self, edge: Edge) -> int:
         """Training reads gathered (not yet fitted) for an edge."""
@@ -521,9 +547,11 @@ class RidgeEstimator(Estimator):
         self.maps.pop(edge, None)
         self.maps[edge] = maps
         while len(self.maps) > self.max_edges:
-            stale = next(iter(self.maps))
-            del self.maps[stale]
-            self._core_maps.pop(stale, None)
+            self._forget_map(next(iter(self.maps)))
+
+    def _forget_map(self, edge: Edge) -> None:
+        del self.maps[edge]
+        self._core_maps.pop(edge, None)
 
     def _touch(self, edge: Edge) -> None:
         """Marks a fitted edge as used (it is dropped last when max_edges is exceeded)."""

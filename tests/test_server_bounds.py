@@ -1,0 +1,87 @@
+"""kvcmas-server's memory bounds hold across namespaces, which clients create at will (a cache_salt per request):
+what the estimators of all namespaces hold stays within --calibration-memory, and one tenant's prompts never evict
+another tenant's prefix-cache entries (its counters and timing would tell it about the other's traffic)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_server import ServerProcess
+
+KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
+
+
+def post(srv: ServerProcess, tenant: str | None, body: dict[str, Any], path: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else {}
+    status, _, out = srv.request("POST", path, body, headers)
+    assert status == 200, out
+    return dict(out)
+
+
+@pytest.fixture(scope="module")
+def bounded_server(default_model_path: Path) -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        str(default_model_path), "--method", "kvcmas", "--calibration-memory", "40M", "--no-calibration-dir"
+    )
+    yield srv
+    srv.stop()
+
+
+def test_estimators_of_every_namespace_stay_within_calibration_memory(bounded_server: ServerProcess) -> None:
+    """A client that sends each workflow under a new cache_salt makes a new estimator each time, each calibrating
+    its edges (~17 MB of statistics an edge on this model). Their sum stayed unbounded (a tester took a server from
+    416 to 900 MB this way); now --calibration-memory bounds all of them together, and the server keeps serving."""
+    bound = 40 << 20
+    seen = []
+    for _ in range(6):
+        salt = uuid.uuid4().hex
+        for hop in range(3):
+            messages = [
+                {"role": "system", "content": f"You are agent {hop}. Answer briefly."},
+                {"role": "user", "content": "The shared question: how should a server bound its memory? " * 3},
+            ]
+            for h in range(hop):
+                messages += [{"role": "assistant", "content": f"Answer {h}."}, {"role": "user", "content": "Go on."}]
+            body = {"messages": messages, "max_tokens": 3, "cache_salt": salt, "kvcmas": {"workflow": "w"}}
+            post(bounded_server, None, body, "/v1/chat/completions")
+            seen.append(bounded_server.metrics()["kvcmas_estimator_bytes"])
+    assert max(seen) <= bound, seen
+    assert max(seen) > 17 << 20  # the namespaces did calibrate edges (each holds ~17 MB while it does)
+    assert "dropped (--calibration-memory)" in bounded_server.log()
+
+
+@pytest.fixture(scope="module")
+def tenants_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{name} {key}\n" for name, key in KEYS.items()))
+    # a 64 MiB KV budget: the prefix cache may hold a quarter of it, 8 MiB (~180 rows of this model) per tenant
+    srv = ServerProcess(str(default_model_path), "--api-key-file", str(keys), "--kv-budget", "64M")
+    yield srv
+    srv.stop()
+
+
+def test_one_tenants_prompts_never_evict_anothers_prefix_cache_entries(tenants_server: ServerProcess) -> None:
+    """Bob's prompt is cached; Alice then sends many prompts of her own, far more than the cache holds. Bob's next
+    identical prompt is served from the cache exactly as before (it used to report 0 cached tokens and take ten
+    times as long: the cache's LRU was shared, so Bob could measure Alice's traffic)."""
+    srv = tenants_server
+    bobs = {"prompt": " ".join(f"Bob's record {i} is filed." for i in range(16)), "max_tokens": 1}
+
+    def cached(tenant: str, body: dict[str, Any]) -> int:
+        return int(post(srv, tenant, body, "/v1/completions")["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("bob", bobs) == 0
+    before = cached("bob", bobs)
+    assert before > 64
+    operator = {"Authorization": f"Bearer {KEYS['alice']}"}  # /metrics is server-wide: the operator's view
+    entries_before = srv.metrics(operator)["kvcmas_prefix_cache_entries"]
+    for k in range(10):
+        alices = {"prompt": f"Alice's ledger {k}: " + " ".join(f"entry {k}.{i} is paid." for i in range(24))}
+        assert cached("alice", {**alices, "max_tokens": 1}) == 0
+    assert srv.metrics(operator)["kvcmas_prefix_cache_entries"] <= entries_before + 2  # Alice's share holds few of hers
+    assert cached("bob", bobs) == before
