@@ -1,6 +1,7 @@
 """kvcmas-server's memory bounds hold across namespaces, which clients create at will (a cache_salt per request):
-what the estimators of all namespaces hold stays within --calibration-memory, and one tenant's prompts never evict
-another tenant's prefix-cache entries (its counters and timing would tell it about the other's traffic)."""
+what the estimators of all namespaces hold stays within --calibration-memory, and one tenant's prompts and images
+never evict another tenant's prefix-cache entries or encoded images (its counters and timing would tell it about
+the other's traffic)."""
 
 from __future__ import annotations
 
@@ -56,11 +57,14 @@ def test_estimators_of_every_namespace_stay_within_calibration_memory(bounded_se
 
 
 @pytest.fixture(scope="module")
-def tenants_server(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def tenants_server(
+    default_model_path: Path, mmproj_path: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("".join(f"{name} {key}\n" for name, key in KEYS.items()))
+    vision = ["--mmproj", mmproj_path] if mmproj_path else []
     # a 64 MiB KV budget: the prefix cache may hold a quarter of it, 8 MiB (~180 rows of this model) per tenant
-    srv = ServerProcess(str(default_model_path), "--api-key-file", str(keys), "--kv-budget", "64M")
+    srv = ServerProcess(str(default_model_path), "--api-key-file", str(keys), "--kv-budget", "64M", *vision)
     yield srv
     srv.stop()
 
@@ -85,3 +89,39 @@ def test_one_tenants_prompts_never_evict_anothers_prefix_cache_entries(tenants_s
         assert cached("alice", {**alices, "max_tokens": 1}) == 0
     assert srv.metrics(operator)["kvcmas_prefix_cache_entries"] <= entries_before + 2  # Alice's share holds few of hers
     assert cached("bob", bobs) == before
+
+
+def test_one_tenants_images_never_evict_anothers_encoded_images(
+    tenants_server: ServerProcess, mmproj_path: str | None
+) -> None:
+    """Bob's image stays encoded while Alice sends more images than the whole cache holds (IMAGE_CACHE): his next
+    request with it is not encoded again (it was: the cache's LRU was shared, and a re-encode shows in the timing)."""
+    if mmproj_path is None:
+        pytest.skip("the core has no vision encoder")
+    import base64
+    import io
+
+    from PIL import Image
+
+    from kvcmas_cpp.server.app import IMAGE_CACHE
+
+    def image_chat(colour: tuple[int, int, int]) -> dict[str, Any]:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), colour).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        part = {"type": "image_url", "image_url": {"url": url}}
+        return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+
+    operator = {"Authorization": f"Bearer {KEYS['alice']}"}
+
+    def encoded() -> float:
+        return tenants_server.metrics(operator)["kvcmas_images_encoded_total"]
+
+    bobs = image_chat((10, 200, 30))
+    post(tenants_server, "bob", bobs, "/v1/chat/completions")
+    before = encoded()
+    for k in range(IMAGE_CACHE + 4):
+        post(tenants_server, "alice", image_chat((k, 0, 255 - k)), "/v1/chat/completions")
+    assert encoded() == before + IMAGE_CACHE + 4
+    post(tenants_server, "bob", bobs, "/v1/chat/completions")
+    assert encoded() == before + IMAGE_CACHE + 4  # Bob's was still cached

@@ -73,7 +73,9 @@ log = logging.getLogger("kvcmas.server")
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow (one per namespace)
-IMAGE_CACHE = 32  # encoded images kept (by content): agents that read the same image do not encode it again
+# encoded images kept (by content): agents that read the same image do not encode it again; split evenly among the
+# tenants, each making room from its own (another tenant's images evicting them would show in the timing)
+IMAGE_CACHE = 32
 IMAGE_DECODES = 2  # images decoded at once: each may take up to --max-image-memory
 DEFAULT_IMAGE_MEMORY = 256 << 20  # decoding one image may take this much (checked from its header, before decoding)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers are in (--body-timeout)
@@ -751,8 +753,9 @@ class Server:
                 raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
             self._images[key] = encoded
             self.metrics.bump("images_encoded")
-            while len(self._images) > IMAGE_CACHE:
-                self._images.popitem(last=False)
+            own = [k for k in self._images if k[0].tenant == namespace.tenant]
+            for stale in own[: max(0, len(own) - max(1, IMAGE_CACHE // max(1, len(self.tenants.keys))))]:
+                del self._images[stale]
         self._images.move_to_end(key)
         return self._images[key]
 
