@@ -130,6 +130,15 @@ def test_an_unknown_logit_bias_token_is_named(server: ServerProcess, engine: kc.
     assert out["error"]["message"] == f"logit_bias: token id 999999999 is outside [0, {engine.n_vocab})", out
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u2460", "\u0663", "+3", " 3", "3.0"])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_refused(server: ServerProcess, key: str) -> None:
+    """'²' and '①' pass str.isdigit() but not int() (was a 500); '٣' (Arabic-Indic three) was read as token 3."""
+    body = {"messages": HELLO, "max_tokens": 2, "logit_bias": {key: 5}}
+    status, _, out = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "logit_bias", out
+    assert "token ids written as strings" in out["error"]["message"], out
+
+
 def test_harmless_fields_and_message_names_are_accepted(client: Any, model: str) -> None:
     out = client.chat.completions.create(
         model=model,

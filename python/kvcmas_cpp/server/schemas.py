@@ -195,7 +195,8 @@ class _Sampling(_Body):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.isdigit() or len(key) > 9:
+            # ASCII digits only: str.isdigit() also takes '²' and '①' (int() refuses them) and '٣' (read as 3)
+            if not (key.isascii() and key.isdigit()) or len(key) > 9:
                 raise ValueError(f"logit_bias keys are token ids written as strings, got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {key}")
