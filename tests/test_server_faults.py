@@ -370,6 +370,40 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
         cors.scheduler.stop()
 
 
+def test_an_unhandled_error_is_a_counted_and_logged_500(model_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An exception out of a handler used to escape the accounting middleware: the client got its JSON 500 from
+    Starlette's outer handler, but /metrics never counted it, no access line was written, and the exception went on
+    to uvicorn (a second traceback). Now it is answered, counted and logged like any status, the traceback once. The
+    fault is put in by hand: no request is known to cause one."""
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    server = Server(ServerConfig(model_path), kc.Model(model_path, n_threads=1))
+
+    def broken_card() -> dict[str, Any]:
+        raise ZeroDivisionError
+
+    server._model_card = broken_card  # type: ignore[method-assign]
+    try:
+        # raise_server_exceptions (the default): an exception that leaves the app fails the request here
+        with TestClient(server.app, base_url="http://127.0.0.1") as c, caplog.at_level("INFO", "kvcmas.server"):
+            r = c.get("/v1/models")
+            metrics = c.get("/metrics").text
+    finally:
+        server.scheduler.stop()
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "internal error: ZeroDivisionError",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+    assert 'kvcmas_requests_total{endpoint="/v1/models",status="500"} 1' in metrics
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvcmas.server"]
+    assert "GET /v1/models -> 500" in lines, lines
+    assert len([rec for rec in caplog.records if rec.exc_info]) == 1
+
+
 def test_a_stopped_server_and_its_model_are_freed(model_path: str) -> None:
     """FastAPI caches what it learns of each endpoint in module-level caches; an endpoint that held its server (a bound
     method, a closure) kept every server ever built, and its model, alive until exit (nanobind then reported the

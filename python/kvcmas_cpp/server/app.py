@@ -134,6 +134,10 @@ def error_response(
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
+def internal_error_response(exc: Exception) -> JSONResponse:
+    return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_MEDIA_TYPES = frozenset({"application/json"})
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -253,11 +257,13 @@ class _ApiKeyAndAccounting:
         path = scope.get("path", "")
         endpoint = path if path in self.known_paths else "other"
         status_seen = 500
+        started = False
 
         async def counting_send(message: MutableMapping[str, Any]) -> None:
-            nonlocal status_seen
+            nonlocal status_seen, started
             if message["type"] == "http.response.start":
                 status_seen = int(message["status"])
+                started = True
             await send(message)
 
         limited = path not in self.UNLIMITED
@@ -280,6 +286,13 @@ class _ApiKeyAndAccounting:
             self.inflight += limited
             try:
                 await self.app(scope, receive, counting_send)
+            except Exception as exc:
+                # Answered here: Starlette's outer error handler would send the 500 but re-raise past this
+                # middleware (no count, no log line below) to uvicorn (a second traceback). A response already
+                # started (a stream that broke) cannot become a 500: the connection is closed.
+                log.exception("unhandled error on %s", path)
+                if not started:
+                    await internal_error_response(exc)(scope, receive, counting_send)
             finally:
                 self.inflight -= limited
         self.metrics.count_request(endpoint, status_seen)
@@ -540,9 +553,9 @@ class Server:
             return error_response(exc.status_code, message, None, None, dict(exc.headers or {}))
 
         @app.exception_handler(Exception)
-        async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:  # errors of the middleware itself
             log.exception("unhandled error on %s", request.url.path)
-            return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
+            return internal_error_response(exc)
 
         for prefix in ("/v1", ""):
             self._route(app, f"{prefix}/chat/completions", self.chat_completions, ["POST"])
