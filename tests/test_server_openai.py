@@ -139,6 +139,52 @@ def test_a_logit_bias_key_that_is_not_ascii_digits_is_refused(server: ServerProc
     assert "token ids written as strings" in out["error"]["message"], out
 
 
+def test_completions_max_tokens_null_is_the_default_16(server: ServerProcess, engine: kc.Model) -> None:
+    """null was read as 'no limit' (fill the context, up to --max-tokens-limit): 4096 tokens instead of 16."""
+    eos = engine.tokenizer.eos_id
+    body = {"prompt": "Once upon a time", "max_tokens": None, "temperature": 0, "logit_bias": {str(eos): -100}}
+    status, _, out = server.request("POST", "/v1/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 16, out["usage"]
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
+# Optional fields sent as null, as OpenAI's clients do for what they leave alone: each is its default.
+NULLABLE = {
+    "chat": (
+        *("model", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"),
+        *("stop", "n", "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options"),
+        *("logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format"),
+        *("cache_salt", "kvcmas", "user", "metadata", "store", "service_tier", "prompt_cache_key"),
+    ),
+    "completions": (
+        *("model", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop", "n", "logprobs"),
+        *("presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "echo", "user"),
+    ),
+    "responses": (
+        *("model", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "temperature", "top_p"),
+        *("seed", "stream", "include", "truncation", "reasoning", "kvcmas", "user", "metadata", "store"),
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(NULLABLE))
+def test_null_is_an_optional_fields_default(server: ServerProcess, path: str) -> None:
+    body: dict[str, Any] = {
+        "chat": {"messages": HELLO, "max_tokens": 2},
+        "completions": {"prompt": "Say hello.", "max_tokens": 2},
+        "responses": {"input": "Say hello.", "max_output_tokens": 2},
+    }[path]
+    url = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}[path]
+    status, headers, out = server.request("POST", url, {**body, **dict.fromkeys(NULLABLE[path])})
+    assert status == 200, out
+    assert headers["content-type"] == "application/json"  # stream: null is not streamed
+    assert len(out.get("choices", [None])) == 1 and out["usage"]  # n: null is one choice
+    # a required field stays required: null is still an error that says what it should be
+    required = {"chat": "messages", "completions": "prompt", "responses": "input"}[path]
+    status, _, out = server.request("POST", url, {**body, required: None})
+    assert status == 400 and out["error"]["param"] == required, out
+
+
 def test_harmless_fields_and_message_names_are_accepted(client: Any, model: str) -> None:
     out = client.chat.completions.create(
         model=model,

@@ -40,6 +40,17 @@ HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_ke
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        """null for an optional field is that field left out (its default), as OpenAI reads it: clients send
+        `"max_tokens": null`, `"temperature": null`... for settings they leave alone. A required field stays null,
+        so its error still says what it should be."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        optional = {f.alias or name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
+
 
 class TextPart(_Body):
     type: Literal["text"]
