@@ -859,3 +859,19 @@ def test_tiny_kv_budget_evicts_stored_spans(small_server: ServerProcess) -> None
     assert m["kvcmas_kv_peak_bytes"] <= 7 * BLOCK_BYTES
     if hops[0]["kvcmas"]["method"] == "fullshared":
         assert m["kvcmas_evictions_total"] > before["kvcmas_evictions_total"]
+
+
+def test_prefix_cache_evictions_count_in_kvcmas_evictions_total(small_server: ServerProcess) -> None:
+    """The prefix cache evicts on its own once its entries pass a quarter of the KV budget (here 56 rows); those
+    evictions (and the ones the scheduler asks of it) were never exported. Two plain completions of 40-odd prompt
+    rows each: the second evicts the first (nothing else runs, the budget has room for both requests)."""
+    before = small_server.metrics(headers=AUTH)
+    prompts = [f"Story {i}: " + ROLES[i] + " " + TASK[:120] for i in range(2)]
+    for prompt in prompts:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        status, _, out = small_server.request("POST", "/v1/completions", body, headers=AUTH)
+        assert status == 200 and out["usage"]["prompt_tokens"] > 28, out
+    after = small_server.metrics(headers=AUTH)
+    dropped = before["kvcmas_prefix_cache_entries"] + len(prompts) - after["kvcmas_prefix_cache_entries"]
+    assert dropped >= 1, (before, after)
+    assert after["kvcmas_evictions_total"] - before["kvcmas_evictions_total"] >= dropped

@@ -471,6 +471,10 @@ class Server:
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
         self.created = int(time.time())
         m, s = self.metrics, self.scheduler
+        # The prefix cache counts its evictions, the scheduler's and its own (beyond its share of the budget); it is
+        # the model's, so what it counted before this server is left out.
+        evicted_before = s.prefix_cache.evictions
+        m.add_count("evictions", lambda: s.prefix_cache.evictions - evicted_before)
         m.add_gauge("kvcmas_active_requests", "Requests being generated.", lambda: s.n_active)
         m.add_gauge("kvcmas_queued_requests", "Requests waiting for a slot or KV memory.", lambda: s.n_queued)
         m.add_gauge(

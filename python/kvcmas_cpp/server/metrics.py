@@ -61,6 +61,15 @@ class Metrics:
         self.forward_passes: dict[str, int] = {"prefill": 0, "decode": 0, "mixed": 0}  # the scheduler's, by kind
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self.counted_elsewhere: dict[str, Callable[[], int]] = {}  # counter -> what another part counts toward it
+
+    def add_count(self, name: str, read: Callable[[], int]) -> None:
+        """Counter `name` (an attribute) also counts read() at exposition: for a count another part keeps."""
+        self.counted_elsewhere[name] = read
+
+    def _total(self, name: str) -> int:
+        read = self.counted_elsewhere.get(name)
+        return int(getattr(self, name)) + (read() if read is not None else 0)
 
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         self.gauges[name] = (help_text, read)
@@ -181,7 +190,12 @@ class Metrics:
                     self.rejected_body_timeout,
                 ),
                 ("kvcmas_timed_out_total", "Requests ended by --request-timeout.", self.timed_out),
-                ("kvcmas_evictions_total", "Shared spans evicted to make room in the KV budget.", self.evictions),
+                (
+                    "kvcmas_evictions_total",
+                    "Stored shared spans, prefix cache entries and idle sessions evicted to make room in the KV budget "
+                    "(prefix cache entries also beyond the cache's own share of it).",
+                    self._total("evictions"),
+                ),
                 (
                     "kvcmas_images_encoded_total",
                     "Images run through the vision encoder (a repeated image comes from the cache).",

@@ -589,8 +589,7 @@ class Scheduler:
             if id(s) not in self._busy and s.backend.evict_lru():
                 self.metrics.bump("evictions")
                 return True
-        if self.prefix_cache.evict_lru():
-            self.metrics.bump("evictions")
+        if self.prefix_cache.evict_lru():  # counted by the cache (kvcmas_evictions_total reads its count)
             return True
         if self._reads:  # it holds forks of rows the sessions let go of
             self._drop_read()
