@@ -875,3 +875,21 @@ def test_prefix_cache_evictions_count_in_kvcmas_evictions_total(small_server: Se
     dropped = before["kvcmas_prefix_cache_entries"] + len(prompts) - after["kvcmas_prefix_cache_entries"]
     assert dropped >= 1, (before, after)
     assert after["kvcmas_evictions_total"] - before["kvcmas_evictions_total"] >= dropped
+
+
+def test_a_kv_refusal_states_what_the_request_needs(small_server: ServerProcess) -> None:
+    """n = 16 choices of 20 tokens never fit 7 blocks: the refusal named only the first choice's need (less than
+    what it said was free), not the other 15 choices' reservations that admission counts."""
+    import re
+
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 20, "n": 16}
+    status, _, out = small_server.request("POST", "/v1/chat/completions", body, headers=AUTH)
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    said = re.fullmatch(
+        r"the request needs (\d+) bytes of KV memory \(16 choices\) but only (\d+) of the budget \((\d+)\) are free",
+        out["error"]["message"],
+    )
+    assert said is not None, out
+    need, free, budget = map(int, said.groups())
+    choice = 2 * BLOCK_BYTES  # 20 tokens: one block and the spare one
+    assert budget == 7 * BLOCK_BYTES and need > free and need >= 16 * choice

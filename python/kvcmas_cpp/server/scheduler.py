@@ -441,12 +441,13 @@ class Scheduler:
                 else:
                     head = None
             if head is not None:
-                need = self.reservation_bytes(self._prompt_rows(head) + head.reserve)
+                choices = f" ({head.n} choices)" if head.n > 1 else ""
+                free = self.kv_budget - self.model.kv_bytes_in_use
                 head.sink(
                     Failed(
                         400,
-                        f"the request needs {need} bytes of KV memory but only "
-                        f"{self.kv_budget - self.model.kv_bytes_in_use} of the budget ({self.kv_budget}) are free",
+                        f"the request needs {self._needed_bytes(head)} bytes of KV memory{choices} but only {free} "
+                        f"of the budget ({self.kv_budget}) are free",
                         "context_length_exceeded",
                     )
                 )
@@ -563,10 +564,13 @@ class Scheduler:
             job.cached = cache.cached_rows(ns.cache_namespace(), job.ids) if ns is not None and text else 0
         return job.n_prompt - job.cached
 
+    def _needed_bytes(self, job: Job) -> int:
+        """KV a job reserves to be admitted: its prompt and tokens, and each other choice's tokens (n > 1)."""
+        first = self.reservation_bytes(self._prompt_rows(job) + job.reserve)
+        return first + (job.n - 1) * self.reservation_bytes(job.reserve)
+
     def _fits(self, job: Job) -> bool:
-        need = self.reservation_bytes(self._prompt_rows(job) + job.reserve)
-        need += (job.n - 1) * self.reservation_bytes(job.reserve)
-        return self.model.kv_bytes_in_use + self._outstanding_bytes() + need <= self.kv_budget
+        return self.model.kv_bytes_in_use + self._outstanding_bytes() + self._needed_bytes(job) <= self.kv_budget
 
     def _grow_reservation(self, job: Job) -> bool:
         """A job whose generation reached its reservation: doubles it (up to max_tokens) if the budget allows,
