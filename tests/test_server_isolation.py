@@ -153,6 +153,28 @@ def test_delete_acts_on_own_workflows_only(iso_server: ServerProcess) -> None:
     assert status == 404
 
 
+def test_client_strings_cannot_forge_log_lines(iso_server: ServerProcess) -> None:
+    """An agent name and a workflow id in a URL (%0A, NUL) were written raw into the server's log: a client could
+    add lines of its own. They are escaped now; every line of the log is one the server wrote."""
+    forged = "2026-12-04 23:00:00,000 ERROR kvcmas.server: FORGED"
+    body = chat([{"role": "user", "content": "Hi."}], max_tokens=1, kvcmas={"agent": f"a\n{forged} AGENT\x1b[2K"})
+    call(iso_server, "alice", body)
+    auth = {"Authorization": f"Bearer {KEYS['alice']}"}
+    status, _, _ = iso_server.request(
+        "DELETE", "/v1/kvcmas/workflows/x%0A" + forged.replace(" ", "%20") + "%00PATH", headers=auth
+    )
+    assert status == 404
+    deadline = time.monotonic() + 5
+    while (
+        "PATH -> 404" not in (text := iso_server.log_path.read_text(errors="replace")) and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not any(line.startswith(forged) for line in text.splitlines()), text[-2000:]
+    assert "\x00" not in text and "\x1b" not in text
+    assert f"agent a\\n{forged} AGENT\\x1b[2K" in text, text[-2000:]
+    assert f"DELETE /v1/kvcmas/workflows/x\\n{forged}\\x00PATH -> 404" in text, text[-2000:]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_request_behind_a_one_token_prefill_is_never_a_false_400(iso_server: ServerProcess, path: str) -> None:
     """A request that arrives while another's prefill runs, and that one ends at its first token (max_tokens 1),

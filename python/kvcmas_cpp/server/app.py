@@ -63,6 +63,7 @@ from .validation import (
     Limits,
     ParsedRequest,
     error_body,
+    loggable,
     parse_request,
     validation_message,
 )
@@ -290,7 +291,7 @@ class _ApiKeyAndAccounting:
                 # Answered here: Starlette's outer error handler would send the 500 but re-raise past this
                 # middleware (no count, no log line below) to uvicorn (a second traceback). A response already
                 # started (a stream that broke) cannot become a 500: the connection is closed.
-                log.exception("unhandled error on %s", path)
+                log.exception("unhandled error on %s", loggable(path))
                 if not started:
                     await internal_error_response(exc)(scope, receive, counting_send)
             finally:
@@ -299,7 +300,7 @@ class _ApiKeyAndAccounting:
         if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
             # Probes (health checks, metric scrapes) log at debug level: they come every few seconds.
             level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
-            log.log(level, "%s %s -> %d", scope.get("method", "?"), path, status_seen)
+            log.log(level, "%s %s -> %d", loggable(scope.get("method", "?")), loggable(path), status_seen)
 
     def _refusal(self, scope: MutableMapping[str, Any], path: str) -> Response | None:
         """The error response for a request refused on its headers alone, or None. Sets the request's tenant."""
@@ -558,7 +559,7 @@ class Server:
 
         @app.exception_handler(Exception)
         async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:  # errors of the middleware itself
-            log.exception("unhandled error on %s", request.url.path)
+            log.exception("unhandled error on %s", loggable(request.url.path))
             return internal_error_response(exc)
 
         for prefix in ("/v1", ""):
@@ -1106,5 +1107,5 @@ class Server:
             s["predicted_per_second"],
             s["method"],
             s["gate"] or s["mode"],
-            job.agent,
+            loggable(str(job.agent)),
         )

@@ -59,6 +59,14 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def loggable(text: str) -> str:
+    """Client-supplied text as one log line can hold it: backslashes, control and other unprintable characters
+    (newlines, NUL, escape sequences, lone surrogates) written as escapes, so a value cannot forge or hide a line."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode() for c in text)
+
+
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """The JSON body of an error response, as OpenAI's API writes it (messages quote client input: made printable)."""
     return {
