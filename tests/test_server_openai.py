@@ -85,6 +85,14 @@ def test_unsupported_fields_deep_in_the_body_are_refused(server: ServerProcess) 
     assert status == 400 and out["error"]["param"] == "suffix", out
 
 
+def test_kvcmas_options_on_completions_are_refused(server: ServerProcess) -> None:
+    """A completion has no sharing session: its `kvcmas` options were dropped (200, method nonshared)."""
+    body = {"prompt": "hi", "max_tokens": 2, "kvcmas": {"workflow": "wf", "agent": "a", "method": "fullshared"}}
+    status, _, out = server.request("POST", "/v1/completions", body)
+    assert status == 400 and out["error"]["param"] == "kvcmas", out
+    assert out["error"]["message"].startswith("'kvcmas': not supported on /v1/completions: "), out
+
+
 @pytest.mark.parametrize(
     "path,fields,param,says",
     [

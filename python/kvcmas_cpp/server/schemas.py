@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
 
 Fields follow OpenAI's chat/completions and completions APIs; llama.cpp-style extras (top_k, min_p,
-repeat_penalty) and the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. A field the
-server does not implement is refused (400 naming it) rather than silently ignored, except the harmless ones in
-HARMLESS_FIELDS (bookkeeping that does not change the answer). Types are strict (no "0.5" for a number, no 1 for a
+repeat_penalty) and, on chat, the kvcmas extension (``"kvcmas": {"workflow", "agent", "method"}``) are optional. A
+field the server does not implement is refused (400 naming it) rather than silently ignored, except the harmless ones
+in HARMLESS_FIELDS (bookkeeping that does not change the answer). Types are strict (no "0.5" for a number, no 1 for a
 bool), so a wrong type is a 400 rather than a silent coercion.
 """
 
@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from ..sharing.methods import SERVED_METHODS
 from ..tools import render_tool_messages
@@ -193,7 +194,6 @@ class _Sampling(_Body):
     # Narrows the namespace that may share this request's cached KV (as vLLM's cache_salt): only requests of the
     # same tenant with the same salt share spans, prefix caches and learned corrections.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)
-    kvcmas: KvcmasOptions | None = None
     # HARMLESS_FIELDS: accepted, not used
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -234,6 +234,7 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    kvcmas: KvcmasOptions | None = None
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -286,9 +287,20 @@ class CompletionRequest(_Sampling):
     echo: StrictBool = False
     max_tokens: StrictInt | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    kvcmas: Any = None  # refused by name, with the reason (not silently dropped)
 
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    @field_validator("kvcmas")
+    @classmethod
+    def _no_sharing_session(cls, v: Any) -> None:
+        if v is not None:
+            raise PydanticCustomError(
+                "unsupported",
+                "not supported on /v1/completions: workflows, agents and methods apply to chat requests; a completion "
+                "runs its prompt alone (it reuses only the exact prefix cache's rows)",
+            )
 
     @field_validator("logprobs")
     @classmethod
