@@ -224,6 +224,7 @@ def test_foreign_host_and_non_json_bodies_are_refused(iso_server: ServerProcess)
             "POST", "/v1/chat/completions", headers={**auth, "Content-Type": ctype}, raw=body
         )
         assert status == 415 and out["error"]["code"] == "unsupported_media_type", (ctype, out)
+        assert out["error"]["type"] == "invalid_request_error", out  # the client's mistake (was server_error)
     for host in ("localhost:1234", "127.0.0.1", "[::1]:80"):
         status, _, out = iso_server.request(
             "POST",
