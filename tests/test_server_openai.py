@@ -656,6 +656,63 @@ def test_responses_agents_sdk_shape_with_function_tools(client: Any, model: str)
 
 
 # ------------------------------------------------------------------------------ the Python API, one implementation
+LONG_NAME = "n" * 65
+
+
+@pytest.mark.parametrize(
+    "path,fields,param,says",
+    [
+        # answered through the chat path, whose errors named its own parameters
+        ("completions", {"prompt": [1] * 9000}, "prompt", "the prompt has 9000 tokens; the context holds"),
+        ("responses", {"input": "hello " * 9000}, "input", "the prompt has "),
+        ("responses", {"input": []}, "input", "'input': List should have at least 1 item"),
+        (
+            "responses",
+            {"text": {"format": {"type": "json_schema", "name": LONG_NAME, "schema": {}}}},
+            "text.format.name",
+            "'text.format.name': String should have at most 64 characters",
+        ),
+        ("responses", {"tools": [{"type": "function", "name": "bad name"}]}, "tools.0.name", "'tools.0.name': "),
+        ("responses", {"max_output_tokens": 99999}, "max_output_tokens", "max_output_tokens is 99999; this server"),
+        # what is not supported, said plainly (was 'input.0.MessageItem.content.list[InputText].0.text': Field required)
+        (
+            "responses",
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+            "input",
+            "'input': item 0, part 0 (type 'input_image') is not supported: parts are input_text or output_text",
+        ),
+        (
+            "responses",
+            {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]},
+            "input",
+            "'input': item 0 (type 'reasoning') is not supported: input takes message, function_call, "
+            "function_call_output items",
+        ),
+    ],
+)
+def test_an_error_names_the_field_the_client_sent(
+    server: ServerProcess, path: str, fields: dict[str, Any], param: str, says: str
+) -> None:
+    body = {"prompt": "Hi."} if path == "completions" else {"input": "Hi."}
+    status, _, out = server.request(
+        "POST", f"/v1/{path}", {**body, "max_tokens" if path == "completions" else "max_output_tokens": 2, **fields}
+    )
+    assert status == 400 and out["error"]["param"] == param, out
+    assert out["error"]["message"].startswith(says), out
+
+
+def test_responses_function_call_output_may_be_text_parts(client: Any, model: str) -> None:
+    """OpenAI's function_call_output.output is a string or a list of content parts: the parts' text is the result."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
+    items: list[Any] = [{"role": "user", "content": "Weather in Paris?"}, call]
+    text = {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}
+    parts = {**text, "output": [{"type": "input_text", "text": "sunny, "}, {"type": "input_text", "text": "21 C"}]}
+    as_text = client.responses.create(model=model, input=[*items, text], max_output_tokens=6, temperature=0)
+    as_parts = client.responses.create(model=model, input=[*items, parts], max_output_tokens=6, temperature=0)
+    assert as_parts.output_text == as_text.output_text
+    assert as_parts.usage.input_tokens == as_text.usage.input_tokens
+
+
 def test_model_chat_gives_what_the_server_gives(client: Any, model: str, engine: kc.Model) -> None:
     kw: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
     got = engine.chat(ASK_WEATHER, max_tokens=40, temperature=0, **kw)

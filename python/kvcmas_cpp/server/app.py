@@ -664,15 +664,16 @@ class Server:
             ids = [tok.bos_id, *ids]
         return ids
 
-    def _budget_tokens(self, n_prompt: int, requested: int | None) -> int:
-        """max_tokens for the job: checks the context size and the KV budget; the default fills what is left."""
+    def _budget_tokens(self, n_prompt: int, requested: int | None, prompt_param: str) -> int:
+        """max_tokens for the job: checks the context size and the KV budget; the default fills what is left.
+        prompt_param: the field that holds the prompt (messages, prompt)."""
         n_ctx = self.model.n_ctx
         if n_prompt >= n_ctx:
             raise ApiError(
                 400,
                 f"the prompt has {n_prompt} tokens; the context holds {n_ctx} (prompt plus completion)",
                 "context_length_exceeded",
-                "messages",
+                prompt_param,
             )
         fitting = self.scheduler.max_tokens_fitting(n_prompt)
         if requested is None:
@@ -839,7 +840,7 @@ class Server:
                 n_prompt = len(ids)
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
-        max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens)
+        max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens, "messages")
         plan = await run_in_threadpool(output_plan, body, self.model)  # tools, response_format
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
@@ -893,7 +894,7 @@ class Server:
                 ids = await run_in_threadpool(self.model.tokenize, prompt_text, True)
             except ValueError as e:  # lone surrogates and other text the tokenizer refuses
                 raise ApiError(400, f"prompt: {e}", "invalid_value", "prompt") from None
-        max_tokens = self._budget_tokens(len(ids), parsed.max_tokens)
+        max_tokens = self._budget_tokens(len(ids), parsed.max_tokens, "prompt")
         queue, sink = self._event_queue()
         job = Job(
             id=f"cmpl-{uuid.uuid4().hex[:24]}",

@@ -3,16 +3,18 @@ streamed and not.
 
 A request is translated into a chat request (instructions -> system message, input items -> messages, function_call
 / function_call_output items -> assistant tool_calls / tool messages, text.format -> response_format) and answered
-by the chat path, whose output is translated back: a `message` item with `output_text`, and one `function_call`
-item per call. Not covered (400 naming the field): previous_response_id and conversation (nothing is stored),
-built-in tools (web search, file search, computer use...), reasoning items, `include` entries, prompt templates,
-background mode. Streaming sends the semantic events (response.created, output_item.added, output_text.delta,
-function_call_arguments.delta / .done, output_item.done, response.completed).
+by the chat path (its errors renamed to the fields the client sent), whose output is translated back: a `message`
+item with `output_text`, and one `function_call` item per call. Not covered (400 naming the field):
+previous_response_id and conversation (nothing is stored), built-in tools (web search, file search, computer use...),
+reasoning items, input_image parts, `include` entries, prompt templates, background mode. Streaming sends the
+semantic events (response.created, output_item.added, output_text.delta, function_call_arguments.delta / .done,
+output_item.done, response.completed).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic_core import PydanticCustomError
 
 from .schemas import HARMLESS_FIELDS, KvcmasOptions, Number, _Body
-from .validation import parse_body, parse_request
+from .validation import ApiError, parse_body, parse_request
 
 if TYPE_CHECKING:
     from .app import Server
@@ -58,12 +61,38 @@ class FunctionCallItem(_Body):
 class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: StrictStr
-    output: StrictStr
+    output: StrictStr | list[InputText]
     id: StrictStr | None = None
     status: StrictStr | None = None
 
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+PART_TYPES = ("input_text", "output_text")
+
+
+def _unsupported_input(v: Any) -> str | None:
+    """What in `input` this server does not take, in a client's words (pydantic's union error would name the
+    classes it tried: 'input.0.MessageItem.content.list[InputText].0.text'); None when every item and part is of a
+    supported type."""
+    for i, item in enumerate(v if isinstance(v, list) else []):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if kind not in ITEM_TYPES:
+            return f"item {i} (type {kind!r}) is not supported: input takes {', '.join(ITEM_TYPES)} items"
+        parts = item.get("content" if kind == "message" else "output")
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type not in PART_TYPES:
+                return (
+                    f"item {i}, part {j} (type {part_type!r}) is not supported: parts are input_text or output_text "
+                    "(images go to /v1/chat/completions as image_url parts)"
+                )
+    return None
 
 
 class FunctionTool(_Body):
@@ -117,6 +146,14 @@ class ResponsesRequest(_Body):
     prompt_cache_key: StrictStr | None = None
     safety_identifier: StrictStr | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _supported_input(cls, v: Any) -> Any:
+        problem = _unsupported_input(v)
+        if problem is not None:
+            raise PydanticCustomError("unsupported", "{problem}", {"problem": problem})
+        return v
+
     def chat_body(self) -> dict[str, Any]:
         """The equivalent chat/completions request body."""
         messages: list[dict[str, Any]] = []
@@ -143,7 +180,7 @@ class ResponsesRequest(_Body):
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         body: dict[str, Any] = {"messages": messages, "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
@@ -180,6 +217,29 @@ class ResponsesRequest(_Body):
 
 
 assert all(f in ResponsesRequest.model_fields for f in HARMLESS_FIELDS)
+
+# The chat path's parameter names -> the Responses API's, for its errors: the request is answered as a chat request,
+# but the client sent these fields. messages: the input items' indices shift (instructions, merged calls).
+_CHAT_PARAMS = (
+    (re.compile(r"^messages(\..*)?$"), "input"),
+    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"^tools\.(\d+)\.function"), r"tools.\1"),
+    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+    (re.compile(r"^max_tokens$"), "max_output_tokens"),
+)
+
+
+def _as_responses_error(e: ApiError) -> ApiError:
+    """An error of the chat path, naming the field of the Responses API request it is about."""
+    if e.param is None:
+        return e
+    param = e.param
+    for chat_name, name in _CHAT_PARAMS:
+        param = chat_name.sub(name, param)
+    message = e.message.replace(f"'{e.param}'", f"'{param}'", 1)
+    if e.param == "max_tokens":
+        message = re.sub(r"\bmax_tokens\b", "max_output_tokens", message)
+    return ApiError(e.status, message, e.code, param, e.headers)
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -382,8 +442,11 @@ class _Translator:
 async def create_response(server: Server, request: Request) -> Response:
     """POST /v1/responses."""
     body = parse_body(await server.read_body(request), ResponsesRequest, server.limits)
-    parsed = parse_request("chat", json.dumps(body.chat_body()).encode(), server.limits)
-    answer = await server.chat(parsed, request)
+    try:
+        parsed = parse_request("chat", json.dumps(body.chat_body()).encode(), server.limits)
+        answer = await server.chat(parsed, request)
+    except ApiError as e:
+        raise _as_responses_error(e) from None
     translator = _Translator(body, server.model_id)
     if isinstance(answer, StreamingResponse):
         return StreamingResponse(
