@@ -143,6 +143,24 @@ def test_bad_model_path_is_a_clear_error(tmp_path) -> None:
     assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_too_large_context_or_thread_counts_are_one_error_line(default_model_path: str) -> None:
+    """-c/-t past a C int ended in nanobind's TypeError traceback; -t 1000 on 2 cores ran for minutes."""
+    from kvcmas_cpp.model import MAX_THREADS_PER_CPU, usable_cpus
+
+    too_many = str(MAX_THREADS_PER_CPU * usable_cpus() + 1)
+    for command, option, value, message in (
+        ("generate", "-c", "10000000000", "n_ctx 10000000000 is too large"),
+        ("generate", "-t", "10000000000", "n_threads 10000000000 is too large"),
+        ("generate", "-t", too_many, f"n_threads {too_many} is more than {MAX_THREADS_PER_CPU} per CPU"),
+        ("serve", "-c", "10000000000", "n_ctx 10000000000 is too large"),
+        ("serve", "-t", "10000000000", "n_threads 10000000000 is too large"),
+    ):
+        prompt = ("--raw", "hi") if command == "generate" else ()
+        out = kvcmas(command, "-m", default_model_path, option, value, *prompt, timeout=60)
+        assert out.returncode == 1 and f"kvcmas: error: {message}" in out.stderr, (command, option, out.stderr)
+        assert "Traceback" not in out.stderr
+
+
 def test_bench_agents_refuses_counts_that_would_run_nothing() -> None:
     """Refused at once (before the model loads and calibrates): --limit 0 used to calibrate for 30 s, then print a
     table of NaNs."""

@@ -135,6 +135,31 @@ def test_bad_arguments_raise(model: kc.Model, tmp_path) -> None:
         model.generate("x", temperature=-1.0)
 
 
+def test_int_arguments_past_the_cores_types_are_clear_errors(model: kc.Model) -> None:
+    """Ints past the core's C types (int32, size_t) failed in the binding with a TypeError naming no argument, and
+    any thread count was taken (1000 threads on 2 cores looked hung)."""
+    from kvcmas_cpp.model import MAX_THREADS_PER_CPU, usable_cpus
+
+    for kwargs, message in (
+        ({"n_ctx": 10**10}, "n_ctx 10000000000 is too large"),
+        ({"n_ctx": 2**31}, "n_ctx 2147483648 is too large"),
+        ({"n_threads": 2**31}, "n_threads 2147483648 is too large"),
+        ({"kv_budget": 2**64}, "kv_budget 18446744073709551616 is too large"),
+        ({"n_threads": MAX_THREADS_PER_CPU * usable_cpus() + 1}, f"at most {MAX_THREADS_PER_CPU * usable_cpus()}\\)"),
+    ):
+        with pytest.raises(kc.KvcmasError, match=message):
+            kc.Model(model.path, **kwargs)
+    with model.new_sequence() as seq:
+        seq.append([1, 2, 3], logits="none")
+        with pytest.raises(kc.KvcmasError, match=r"kv: positions \[0, 1099511627776\) are outside the sequence"):
+            seq.kv(0, 2**40)
+        with pytest.raises(kc.KvcmasError, match="corr_row0 1099511627776 is outside the correction's rows"):
+            seq.append_shared(seq.share(0, 2), None, 2**40)
+        with pytest.raises(ValueError, match="append: token id 1099511627776 is out of range"):
+            seq.append([2**40])
+        assert len(seq) == 3
+
+
 def test_generation_ends_at_the_context_with_length(model: kc.Model) -> None:
     """max_tokens past the context ends the reply where the sequence is full, finish_reason 'length' (it raised
     'context overflow' after generating every token, and the reply was lost); the argument errors name themselves."""

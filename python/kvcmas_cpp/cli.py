@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import __version__
+from .arguments import positive_int
 from .errors import CommandError
 
 
@@ -17,8 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--model",
         help="GGUF file or model name (default: SmolLM2-135M)",
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="most tokens per sequence")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=positive_int, default=None, help="most tokens per sequence")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
     p.add_argument(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .agents import CALIBRATION_READS, AgentSession, Response
+from .arguments import positive_int
 from .bench_tasks import compare
 from .model import Model, resolve_model_path
 from .sharing.estimators import RidgeEstimator
@@ -28,7 +29,7 @@ CALIBRATION_OFFSET = 1000  # training questions come from a different slice of t
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or model name (default: SmolLM2-135M)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
     p.add_argument("--questions", type=int, default=3, help="GSM8K questions to answer")
     p.add_argument("--start", type=int, default=0, help="first GSM8K test question")

