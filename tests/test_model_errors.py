@@ -3,6 +3,7 @@ And the weight types of the smaller llama.cpp files, which run."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -226,3 +227,58 @@ def test_non_model_files_raise(tmp_path: Path) -> None:
         kc.Model(text)
     with pytest.raises(kc.KvcmasError, match="missing.gguf"):
         kc.Model(tmp_path / "missing.gguf")
+
+
+def _vocabulary(chat_template: str, tokenizer_model: str = "llama") -> Callable[[dict, dict], None]:
+    """A SentencePiece-style vocabulary (<unk>, <s>, </s>, byte tokens) and this chat template."""
+
+    def edit(keys: dict, tensors: dict) -> None:
+        keys["tokenizer.ggml.model"] = tokenizer_model
+        keys["tokenizer.ggml.tokens"] = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(V - 3)]
+        keys["tokenizer.ggml.scores"] = [0.0] * V
+        keys["tokenizer.ggml.token_type"] = [2, 3, 3] + [6] * (V - 3)
+        keys["tokenizer.ggml.bos_token_id"] = 1
+        keys["tokenizer.ggml.eos_token_id"] = 2
+        keys["tokenizer.chat_template"] = chat_template
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (None, "GGUF metadata has no 'tokenizer.ggml.model' string"),
+        (_vocabulary("", tokenizer_model="t5"), "unsupported 'tokenizer.ggml.model' = 't5'"),
+        (_vocabulary("{% for m in messages %}{{ m['content'] }{% endfor %}"), "chat template syntax error at line 1"),
+        (_vocabulary("{{ raise_exception('no such role') }}"), "chat template raised an error: no such role"),
+    ],
+)
+def test_bad_vocabularies_and_chat_templates_are_kvcmas_errors_naming_the_file(
+    tmp_path: Path, edit: Callable[[dict, dict], None] | None, message: str
+) -> None:
+    """They were TokenizerError / ChatTemplateError, plain ValueErrors that `except kc.KvcmasError` missed, and did
+    not say which file."""
+    path = _write(tmp_path / "bad.gguf", edit)
+    model = kc.Model(path, n_threads=1)
+    with pytest.raises(kc.KvcmasError) as info:
+        model.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+
+
+def test_bad_chat_messages_are_kvcmas_errors_naming_the_message(tmp_path: Path) -> None:
+    """Bad shapes were a ChatTemplateError that `except kc.KvcmasError` missed, or (text, None, tool_calls that are
+    not calls) an AttributeError / TypeError from the tool rendering."""
+    model = kc.Model(_write(tmp_path / "ok.gguf", _vocabulary("")), n_threads=1)
+    for messages, message in (
+        ([{"role": "user", "content": 5}], "messages[0]['content'] must be a string or a list of text parts, got int"),
+        ([{"content": "hi"}], "messages[0]['role'] must be a non-empty string"),
+        ("hi", "messages must be a list of dicts, got str"),
+        (None, "messages must be a list of dicts, got NoneType"),
+        ([5], "messages[0] must be a dict with 'role' and 'content', got int"),
+    ):
+        for render in (functools.partial(model.chat, max_tokens=1), model.apply_chat_template):
+            with pytest.raises(kc.KvcmasError) as info:
+                render(messages)
+            assert str(info.value).startswith(message), str(info.value)  # the messages' fault, not the file's
+    with pytest.raises(kc.KvcmasError, match=r"^messages\[0\]\['tool_calls'\] must be a list of \{'function'"):
+        model.chat([{"role": "assistant", "content": None, "tool_calls": [5]}], max_tokens=1)

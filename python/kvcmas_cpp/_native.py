@@ -6,6 +6,7 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 
 def _load() -> ModuleType:
@@ -24,7 +25,13 @@ def _load() -> ModuleType:
 
 
 core = _load()
-KvcmasError = core.KvcmasError
+if TYPE_CHECKING:  # what the core defines, spelled out so that Python error classes can subclass it
+
+    class KvcmasError(ValueError):
+        """A bad file or argument; the message names the file and the problem."""
+
+else:
+    KvcmasError = core.KvcmasError
 
 
 def backends() -> dict[str, tuple[bool, str]]:

