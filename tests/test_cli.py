@@ -161,6 +161,26 @@ def test_too_large_context_or_thread_counts_are_one_error_line(default_model_pat
         assert "Traceback" not in out.stderr
 
 
+def test_output_paths_are_checked_before_any_work(tmp_path: Path) -> None:
+    """A folder, or a file in a missing folder, failed only when written, after the whole run (kvcmas run
+    --calibration: '[Errno 21] Is a directory: '.../.adir.gguf.5_azx2s9.tmp' -> 'adir.gguf'')."""
+    folder = tmp_path / "adir.gguf"
+    folder.mkdir()
+    a_file = tmp_path / "plot.png"
+    a_file.write_text("")
+    missing = tmp_path / "nodir" / "x.out"
+    calibrate_one = ("run", "--questions", "1", "-n", "4", "--calibrate", "1")
+    for args, message in (
+        ((*calibrate_one, "--calibration", str(folder)), f"argument --calibration: {folder}: is a directory (give"),
+        (("run", "--calibration", str(missing)), f"argument --calibration: {missing.parent}: output folder does not"),
+        (("bench", "agents", "--out", str(folder)), f"argument --out: {folder}: is a directory"),
+        (("bench", "agents", "--plot", str(a_file)), f"argument --plot: {a_file}: is a file, not a directory"),
+        (("bench", "serve", "--json", str(missing)), f"argument --json: {missing.parent}: output folder does not"),
+    ):
+        out = kvcmas(*args, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+
 def test_bench_agents_refuses_counts_that_would_run_nothing() -> None:
     """Refused at once (before the model loads and calibrates): --limit 0 used to calibrate for 30 s, then print a
     table of NaNs."""

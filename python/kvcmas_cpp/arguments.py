@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 _N = TypeVar("_N", int, float)
@@ -50,3 +51,21 @@ def positive_int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError(f"needs one or more positive integers, comma-separated, got {text!r}")
     return values
+
+
+def output_file(text: str) -> str:
+    """A file a command writes after its work: a folder, or a file in a folder that does not exist, is refused now
+    rather than when the work is done."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory (give the output file name)")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent}: output folder does not exist")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder a command writes files into after its work (made if missing): an existing file is refused now."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a file, not a directory")
+    return text

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .arguments import non_negative_int, positive_int, positive_int_list
+from .arguments import non_negative_int, output_file, output_folder, positive_int, positive_int_list
 from .model import Model, resolve_model_path
 from .sharing import estimators as est
 from .sharing._blas import single_threaded_blas
@@ -94,7 +94,9 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens each agent may generate in the calibration examples (default: --max-tokens, like the evaluated "
         "replies, which later agents read as spans)",
     )
-    g.add_argument("--out", default=None, help="JSONL file of per-example results (appended as they finish)")
+    g.add_argument(
+        "--out", type=output_file, default=None, help="JSONL file of per-example results (appended as they finish)"
+    )
     g.add_argument("--resume", action="store_true", help="skip the examples already in --out")
     g.add_argument(
         "--report",
@@ -108,7 +110,7 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--concurrent", type=positive_int_list, default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16"
     )
-    p.add_argument("--plot", default=None, help="directory for PNG plots of the results")
+    p.add_argument("--plot", type=output_folder, default=None, help="directory for PNG plots of the results")
 
 
 def _progress(total: int, desc: str) -> Any:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .arguments import output_file
 from .errors import CommandError
 
 AGENTS = (
@@ -130,7 +131,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
         "runs measure serving, not calibration",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    p.add_argument("--json", type=output_file, default=None, help="write the rows to this JSON file")
 
 
 # --------------------------------------------------------------------------------------------- the workload

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .agents import CALIBRATION_READS, AgentSession, Response
-from .arguments import positive_int
+from .arguments import output_file, positive_int
 from .bench_tasks import compare
 from .model import Model, resolve_model_path
 from .sharing.estimators import RidgeEstimator
@@ -42,6 +42,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--calibration",
+        type=output_file,
         default=None,
         help="file of kvcmas' learned corrections: loaded when it exists (no calibration run), else written after it",
     )
