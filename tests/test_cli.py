@@ -330,6 +330,20 @@ def test_gguf_show_through_the_kvcmas_command(default_model_path: str) -> None:
     assert "general.architecture" in out.stdout and "'llama'" in out.stdout
 
 
+def test_gguf_show_and_set_say_a_folder_is_a_folder(tmp_path: Path) -> None:
+    """They said 'no such file' for a folder; the engine's wording (generate -m DIR) is the one they now use."""
+    folder = tmp_path / "adir.gguf"
+    folder.mkdir()
+    for args in (
+        ("gguf", "show", str(folder)),
+        ("gguf", "set", str(folder), "kvcmas.rank_k=8"),
+        ("generate", "-m", str(folder), "hi"),
+    ):
+        out = kvcmas(*args, timeout=60)
+        assert out.returncode == 1, (args, out.stderr)
+        assert f"kvcmas: error: {folder}: is a directory, not a GGUF file" in out.stderr, (args, out.stderr)
+
+
 def test_run_with_an_image_in_the_shared_context(tmp_path: Path) -> None:
     pytest.importorskip("skimage")
     import skimage

@@ -26,6 +26,8 @@ _SETTING_TYPES = {"bool": GGUFValueType.BOOL, "uint32": GGUFValueType.UINT32}
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """A gguf-py reader for ``path``, with ConvertError for a missing or malformed file."""
     p = Path(path)
+    if p.is_dir():  # worded as the engine words it (kvcmas generate -m DIR)
+        raise ConvertError(f"{p}: is a directory, not a GGUF file")
     if not p.is_file():
         raise ConvertError(f"{p}: no such file")
     try:
