@@ -344,6 +344,28 @@ def test_gguf_show_and_set_say_a_folder_is_a_folder(tmp_path: Path) -> None:
         assert f"kvcmas: error: {folder}: is a directory, not a GGUF file" in out.stderr, (args, out.stderr)
 
 
+def test_output_into_a_closed_pipe_ends_quietly_like_unix_tools(tmp_path: Path) -> None:
+    """`kvcmas gguf show X | head -5` ended with 'kvcmas: error: [Errno 32] Broken pipe'. Now it exits as a process
+    that SIGPIPE ended does (status 141 in the shell), saying nothing."""
+    import gguf
+
+    path = tmp_path / "many-keys.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for i in range(5000):  # ~300 KB of listing: more than a pipe holds, so the writer meets the closed end
+        writer.add_string(f"test.key_{i:05d}", "a value")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "gguf", "show", str(path)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline().strip() == str(path)
+        proc.stdout.close()  # what `head` does once it has its lines
+        stderr = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141, stderr
+    assert stderr == ""
+
+
 def test_run_with_an_image_in_the_shared_context(tmp_path: Path) -> None:
     pytest.importorskip("skimage")
     import skimage

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -232,16 +234,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a shell reports for a process that SIGPIPE ended (128 + 13): `kvcmas ... | head` ends like `cat ... | head`.
+SIGPIPE_EXIT = 141
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (`| head` has read enough): poll reports an error on
+    the write end. A broken pipe elsewhere (a worker, a socket) is an error to report, not this."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll on this OS, or stdout is not a file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError as e:
+        if _stdout_reader_gone():  # the rest of the output, flushed at exit, goes nowhere instead of raising again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return SIGPIPE_EXIT
+        error: Exception = e
     except (ValueError, FileNotFoundError, OSError, CommandError) as e:
-        print(f"kvcmas: error: {e}", file=sys.stderr)
-        return 1
+        error = e
     except KeyboardInterrupt:
         return 130
+    print(f"kvcmas: error: {error}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
