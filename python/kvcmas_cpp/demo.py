@@ -1,7 +1,8 @@
 """`kvcmas run`, the main job: the spec's GSM8K team (Math Solver, Mathematical Analyst, Programming Expert and a
 decision agent, fully connected) answers a few GSM8K questions on the default model, once with `nonshared` (every
-agent prefills its whole prompt) and once with `kvcmas` (later agents read the question and earlier replies from
-the first reader's KV with learned low-rank corrections). Prints each agent's answer, a per-hop table and the
+agent computes the question and earlier replies; its system prompt's rows come from the model's exact prefix cache)
+and once with `kvcmas` (later agents read the question and earlier replies from the first reader's KV with learned
+low-rank corrections). Prints each agent's answer, a per-hop table and the
 later-agent TTFT and KV memory of both methods side by side."""
 
 from __future__ import annotations
