@@ -170,6 +170,20 @@ def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
+    """Fresh estimators over new contexts: kvcmas shares cold and reads in workflow 1 only, then reuses with learned
+    corrections (CALIBRATION_READS = 1) beside the calibrate=4 row that still reads in workflow 2; nonshared's
+    speedup is 1 and every sharing row's first-token KL is measured against it."""
+    rows = {(r["method"], r["workflow"]): r for r in bt.cold_start(model, 96, 2, 4)}
+    assert set(rows) == {(m, w) for m in bt.COLD_METHODS for w in (1, 2)}
+    first, second = rows[("kvcmas", 1)], rows[("kvcmas", 2)]
+    assert set(first["gates"]) == {"calibrating -> reuse"} and first["calibration_tokens"] > 0
+    assert set(second["gates"]) == {"reuse"} and second["calibration_tokens"] == 0
+    assert set(rows[("kvcmas calibrate=4", 2)]["gates"]) == {"calibrating -> reuse"}
+    assert rows[("nonshared", 1)]["later_ttft_speedup"] == 1.0 and rows[("nonshared", 2)]["later_kl"] == 0.0
+    assert all(rows[(m, 2)]["later_kl"] > 0 for m in ("fullshared", "kvcmas", "kvcmas calibrate=4"))
+
+
 def test_bench_attention_compares_fused_with_materialized() -> None:
     from kvcmas_cpp import bench_attention
 

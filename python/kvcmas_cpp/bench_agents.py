@@ -105,7 +105,12 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("cold-start mode (--cold-start N): fresh sessions and estimators, N shared tokens")
     g.add_argument("--cold-start", type=int, default=None, metavar="N", help="shared tokens of each workflow")
-    g.add_argument("--workflows", type=int, default=5, help="workflows per method (kvcmas calibrates on 4)")
+    g.add_argument(
+        "--workflows",
+        type=int,
+        default=5,
+        help="workflows per method (kvcmas calibrates on the first; its calibrate=4 row on the first 4)",
+    )
     g = p.add_argument_group("concurrent mode (--concurrent): N workflows at once")
     g.add_argument(
         "--concurrent", type=positive_int_list, default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16"

@@ -126,7 +126,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="sequential workflows per sharing method before measuring (default 4). kvcmas reads each edge (span, "
-        "reader) densely the first 4 times, fitting its correction online, and a short reply gives an edge no "
+        "reader) once before fitting its correction online (CALIBRATION_READS), and a short reply gives an edge no "
         "example: the warm-up goes on (up to 8 more workflows) until a whole workflow's later hops reuse, so the "
         "runs measure serving, not calibration",
     )

@@ -470,11 +470,12 @@ def concurrent(
     return rows
 
 
-COLD_METHODS = {  # row name -> (session method, cold policy)
-    "nonshared": ("nonshared", None),
-    "fullshared": ("fullshared", None),
-    "kvcmas": ("kvcmas", "reuse"),
-    "kvcmas cold=dense": ("kvcmas", "dense"),
+COLD_METHODS = {  # row name -> (session method, cold policy, training reads per edge; None: the default)
+    "nonshared": ("nonshared", None, None),
+    "fullshared": ("fullshared", None, None),
+    "kvcmas": ("kvcmas", "reuse", None),
+    "kvcmas calibrate=4": ("kvcmas", "reuse", 4),  # the default before one read was measured to be enough
+    "kvcmas cold=dense": ("kvcmas", "dense", None),
 }
 
 
@@ -508,10 +509,11 @@ def cold_start(
     reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits
     rows: list[dict[str, Any]] = []
     bar = _progress(len(COLD_METHODS) * workflows, "cold start")
-    for name, (method, cold) in COLD_METHODS.items():
+    for name, (method, cold, reads) in COLD_METHODS.items():
         ridge = est.RidgeEstimator(rank=8) if method == "kvcmas" else None
+        config = None if reads is None else _config(method, reads)
         for w, ctx in enumerate(contexts):
-            kw: dict[str, Any] = {"cold": cold, "estimator": ridge} if cold else {}
+            kw: dict[str, Any] = {"cold": cold, "estimator": ridge, "config": config} if cold else {}
             ttft, kl, gates, finish_ms, cal = [], [], [], 0.0, 0
             with AgentSession(model, method, calibration_dir=False, **kw) as team:
                 members = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .agents import CALIBRATION_READS, AgentSession, Response
+from .agents import AgentSession, Response
 from .arguments import output_file, positive_int
 from .bench_tasks import compare
 from .model import Model, resolve_model_path
@@ -27,6 +27,9 @@ from .tasks.base import Task
 METHODS = ("nonshared", "kvcmas")
 CALIBRATION_OFFSET = 1000  # training questions come from a different slice of the test split than the demo's
 
+# questions the main job's kvcmas team learns its corrections from before it answers (each edge fitted on them)
+CALIBRATION_QUESTIONS = 4
+
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF file or model name (default: SmolLM2-135M)")
@@ -38,7 +41,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calibrate",
         type=int,
-        default=CALIBRATION_READS,
+        default=CALIBRATION_QUESTIONS,
         help="GSM8K questions (from line 1000 on) that kvcmas learns its corrections from before the demo",
     )
     p.add_argument(
@@ -77,7 +80,7 @@ def run_team(
     method: str,
     example: Example,
     max_tokens: int,
-    calibrate: int = CALIBRATION_READS,
+    calibrate: int = CALIBRATION_QUESTIONS,
     estimator: RidgeEstimator | None = None,
     image: tuple[Any, str] | None = None,
     recompute: float = 0.0,

@@ -93,7 +93,11 @@ class MethodConfig:
             raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
 
 
-CALIBRATION_READS = 4  # online ridge: training reads per edge before kvcmas applies a learned map
+# Online ridge: training reads per edge before kvcmas applies a learned map. One: a read holds every row of its span
+# (a 2K-token context: 2K examples per layer for a 128-192-dim map), and maps fitted on one workflow's reads reuse as
+# well on later workflows as maps fitted on four, while three fewer workflows pay for the reads and share cold
+# (docs/calibration.md, "How many reads").
+CALIBRATION_READS = 1
 
 
 @dataclass(frozen=True)
