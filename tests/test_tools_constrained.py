@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvcmas_cpp as kc
 from kvcmas_cpp.sampling import Sampler, SamplingParams, token_logprobs
 from kvcmas_cpp.tools import (
     TOOLS_KEY,
@@ -286,8 +287,9 @@ def test_bad_schemas_are_refused(tokenizer: Any) -> None:
     from kvcmas_cpp.constrained import Constraint, ConstraintDeadEnd, GrammarError, json_schema_grammar
 
     for bad in ({"type": "strin"}, {"$ref": "#/nowhere"}):
-        with pytest.raises(GrammarError):
+        with pytest.raises(kc.KvcmasError) as info:  # what the README promises for a bad argument
             Constraint(tokenizer, json_schema_grammar(bad))
+        assert isinstance(info.value, GrammarError)
     with pytest.raises(GrammarError):
         json_schema_grammar([1, 2])  # type: ignore[arg-type]
     # A schema with no value at all compiles, but no token can start it: refused up front, not while sampling.
@@ -297,12 +299,13 @@ def test_bad_schemas_are_refused(tokenizer: Any) -> None:
     # One whose required property only refers to itself starts ('{"a": ') and then has nowhere to go.
     c = Constraint(tokenizer, json_schema_grammar(SELF_LOOP))
     text = ""
-    with pytest.raises(ConstraintDeadEnd, match="no token can continue"):
+    with pytest.raises(ConstraintDeadEnd, match="no token can continue") as dead_end:
         for _ in range(20):
             token = int(np.flatnonzero(c.allowed())[0])
             text += tokenizer.decode([token])
             c.accept(token)
     assert text.replace(" ", "") == '{"a":', text
+    assert isinstance(dead_end.value, kc.KvcmasError)
     recursive_but_finite = {"type": "object", "properties": {"a": {"$ref": "#"}}}
     assert Constraint(tokenizer, json_schema_grammar(recursive_but_finite)).allowed().any()
 

@@ -420,11 +420,12 @@ class AgentSession:
         calibration_dir: str | os.PathLike[str] | bool = True,
         cache_namespace: str = "",
     ) -> None:
-        """method: nonshared (every agent prefills its whole prompt), fullshared (spans shared
-        without correction), kvcmas (spans shared with learned low-rank corrections: the ridge map, fitted online
-        from the first dense reads of each edge unless `estimator` is given already fitted), kvcomm (full-rank
-        anchor deltas). workflow: sessions with the same name share what the estimator learns. vision: a
-        kvcmas_cpp.vision.VisionEncoder for images in the shared context (its output width must be n_embd).
+        """method: nonshared (every agent computes the shared items and replies it reads; only its template prefix
+        comes from the model's exact prefix cache), fullshared (spans shared without correction), kvcmas (spans
+        shared with learned low-rank corrections: the ridge map, fitted online from the first dense reads of each
+        edge unless `estimator` is given already fitted), kvcomm (full-rank anchor deltas). workflow: sessions with
+        the same name share what the estimator learns. vision: a kvcmas_cpp.vision.VisionEncoder for images in the
+        shared context (its output width must be n_embd).
         recompute: the share of its shared rows a later agent recomputes in its own context (MethodConfig.recompute,
         sharing/recompute.py): 0 = pure reuse (default), 1 = what nonshared computes; prefill() may override it.
         cold (kvcmas, online calibration): what a reader does before its edge has a fitted map: 'reuse' (default:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ._native import KvcmasError
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -39,7 +40,7 @@ TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
 
 
-class GrammarError(ValueError):
+class GrammarError(KvcmasError):
     """A schema or grammar llguidance cannot compile, or output settings that contradict each other (the message
     says why; param names the request field: "tools", "tool_choice" or "response_format")."""
 
@@ -51,7 +52,7 @@ class GrammarError(ValueError):
 _DEAD_END = "the grammar reached a dead end: no token can continue the output"
 
 
-class ConstraintDeadEnd(ValueError):
+class ConstraintDeadEnd(KvcmasError):
     """The grammar reached a state that no token continues (a schema with no value, such as a required property that
     only refers to itself): the request's output settings are at fault, not the model."""
 

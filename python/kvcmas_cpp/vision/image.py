@@ -17,6 +17,8 @@ from typing import Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .._native import KvcmasError
+
 DEFAULT_MAX_PIXELS = 40_000_000  # width x height (a 40 MP photo); Pillow's own bomb limit is 89 MP
 DEFAULT_MAX_BYTES = 64 << 20  # encoded size
 DEFAULT_MAX_DECODE_BYTES = 512 << 20  # memory decoding may take (decoded_bytes); a 40 MP RGB photo needs ~480 MB
@@ -40,7 +42,7 @@ def _sniff(data: bytes) -> str | None:
     return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
 
 
-class ImageError(ValueError):
+class ImageError(KvcmasError):
     """An image input that cannot be used; the message says why (and names the file when there is one)."""
 
 
