@@ -139,6 +139,37 @@ def test_kvcmas_calibrates_online_then_reuses_with_corrections(model: kc.Model, 
     assert last.corr_rank > 0 and last.corr_bytes > 0
 
 
+def test_a_map_learned_for_one_base_never_corrects_an_agents_own_view(model: kc.Model) -> None:
+    """The solver's edge from the planner's view of a context is fitted on one read of degenerate text. In a later
+    session of the same workflow the solver reads a question from its own view (it answered it before): those rows
+    are its own, so its second answer must match nonshared's. The edge used to ignore whose view was read, and the
+    map learned from the planner's view corrected the solver's own rows (on a server, a repeated question got a
+    different answer)."""
+    roles = {"Planner": "You plan the work in short steps.", "Solver": ""}
+    with AgentSession(model, "kvcmas", workflow="test-own-view", calibration_dir=False) as team:
+        planner, solver = (team.agent(n, system=r) for n, r in roles.items())
+        team.share("Alpha beta gamma delta epsilon. " * 30, label="Notes")
+        planner.respond(max_tokens=4)
+        assert solver.respond(max_tokens=4).stats.gate == "calibrating -> reuse"  # its read fits the edge
+        team.run_training_reads()
+    replies = {}
+    for method in ("nonshared", "kvcmas"):
+        with AgentSession(model, method, workflow="test-own-view", calibration_dir=False) as team:
+            solver = team.agent("Solver", system="")
+            team.share("What is the capital of France?", label="Notes")
+            solver.respond(max_tokens=8)
+            replies[method] = solver.respond(max_tokens=8)
+    again = replies["kvcmas"]
+    assert again.stats.mode == "reuse" and again.stats.span_tokens > 0
+    ref = replies["nonshared"].first_logits
+    assert ref is not None and again.first_logits is not None
+    p = np.exp(ref - np.logaddexp.reduce(ref))
+    kl = float(
+        np.sum(p * ((ref - np.logaddexp.reduce(ref)) - (again.first_logits - np.logaddexp.reduce(again.first_logits))))
+    )
+    assert kl < 1e-3 and again.ids == replies["nonshared"].ids, (kl, again.text, replies["nonshared"].text)
+
+
 def _pair(team: AgentSession) -> tuple[kc.agents.Agent, kc.agents.Agent]:
     return tuple(team.agent(n, system=r) for n, r in ROLES[:2])  # type: ignore[return-value]
 

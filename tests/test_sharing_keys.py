@@ -73,8 +73,9 @@ def test_a_reply_cut_by_a_stop_string_comes_back_trimmed_and_still_matches(model
 
 
 def test_edges_follow_the_agents_not_their_arrival_order(model: kc.Model) -> None:
-    """A map learned for the critic reading the question and the solver's reply applies when the same agents
-    arrive in another order (and another agent comes first); edges are named by role and identity."""
+    """A map learned for the critic reading the question and the solver's reply (from the solver's views) applies
+    when the same agents arrive in another order (and another agent comes first); edges are named by role and
+    identity."""
     ridge = est.RidgeEstimator(rank=8)
     cfg = kc.agents.MethodConfig("kvcmas", head=4, rank=8, calibrate=1)
     kw = {"estimator": ridge, "config": cfg, "calibration_dir": False}
@@ -83,8 +84,9 @@ def test_edges_follow_the_agents_not_their_arrival_order(model: kc.Model) -> Non
         team.share(QUESTION, label="Question")
         solver.respond(max_tokens=8)
         assert critic.respond(max_tokens=1).stats.gate == "calibrating -> reuse"
-    reader = agent_identity(CRITIC[1])
-    assert set(ridge.maps) == {("context:Question", reader), (f"reply:{agent_identity(SOLVER[1])}", reader)}
+    solver_id = agent_identity(SOLVER[1])
+    reader = f"{agent_identity(CRITIC[1])}<-{solver_id}"  # the critic reading the solver's view of each span
+    assert set(ridge.maps) == {("context:Question", reader), (f"reply:{solver_id}", reader)}
     with AgentSession(model, "kvcmas", **kw) as team:  # type: ignore[arg-type]
         team.agent("Bystander", system="You watch.")
         critic, solver = team.agent(*CRITIC), team.agent(*SOLVER)  # other indices than before

@@ -1092,9 +1092,14 @@ class AgentSession:
         return self._prefix_cache.plan_prefix(self.cache_namespace, ids)
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
-        """The estimator's edge for a span read by an agent: the span's role and the reader's identity."""
+        """The estimator's edge for a span read by an agent: the span's role, and the reader's identity with that of
+        the agent whose view of the span it reads (the base): the deviation depends on both prefixes, so a map learned
+        for one base never corrects another (an agent re-reading its own view, whose rows are its own, included)."""
         span = self._state.spans.get(ph)
-        return (span.key if span is not None and span.key else ph, self._identities[reader])
+        key = span.key if span is not None and span.key else ph
+        base = span.view_agent if span is not None else None
+        base_identity = self._identities[base] if base is not None and base < len(self._identities) else "?"
+        return (key, f"{self._identities[reader]}<-{base_identity}")
 
     def _prefill_template(self, ag: Agent, t: Template) -> Plan[Prefilled]:
         """The plan of agent ag's prompt from its template: its prefix (the prefix cache's), then the method's hop."""

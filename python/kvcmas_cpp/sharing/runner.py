@@ -288,7 +288,8 @@ class TrainingRead:
             for part in self.parts:
                 if part.chain is not None and st.spans.get(part.ph) is part.chain:
                     shared = self.source.share(part.pos, part.n)
-                    st.spans[part.ph] = part.chain.with_rows(shared, None, part.pos, self.source, part.pos)
+                    chain = part.chain
+                    st.spans[part.ph] = chain.with_rows(shared, None, part.pos, self.source, part.pos, chain.view_agent)
                     self.kept = True
             if self.kept:
                 st.owned.append(self.source)
@@ -538,7 +539,7 @@ class WorkflowRunner:
         h = min(cfg.head, n)
         if n:
             shared = seq.share(p_out + h, n - h) if n > h else None
-            st.spans[out.ph] = out.with_rows(shared, None, p_out + h, seq, p_out + h)
+            st.spans[out.ph] = out.with_rows(shared, None, p_out + h, seq, p_out + h, hop.agent)
             gated = cfg.gate == "auto" and cfg.name != "nonshared"
             if gated and self.estimator.gates_outputs:
                 _, v = _canonical(m, seq, p_out, n)
@@ -635,7 +636,7 @@ class WorkflowRunner:
         if corr is not None:
             part = corr.sliced(first, n, self.model.n_layer)
             corr = est.Correction(kv=part.kv_correction(n, self.kd, self.model.n_layer)) if corr.in_core else part
-        return b.with_rows(shared, corr, b.frame0 + first, b.view_seq, b.view_pos + first)
+        return b.with_rows(shared, corr, b.frame0 + first, b.view_seq, b.view_pos + first, b.view_agent)
 
     def _copy_bytes(self, n: int) -> int:
         """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
@@ -747,10 +748,10 @@ class WorkflowRunner:
             if prev is not None and not chains(ph):
                 continue  # replies: star, the producer's rows stay the base
             if prev is None or (mode != "reuse" and cfg.chain):
-                spans[ph] = spans[ph].with_rows(seq.share(p + h, n - h), None, p + h, seq, p + h)
+                spans[ph] = spans[ph].with_rows(seq.share(p + h, n - h), None, p + h, seq, p + h, a)
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
-                spans[ph] = prev.with_rows(prev.shared, corrs.get(ph), prev.frame0, seq, p + h)
+                spans[ph] = prev.with_rows(prev.shared, corrs.get(ph), prev.frame0, seq, p + h, a)
                 if trained and prefix is not None:
                     parts[-1].chain = spans[ph]
         if not parts:

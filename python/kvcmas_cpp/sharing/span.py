@@ -40,6 +40,8 @@ class Span:
     frame0: the position the stored rows were computed at (the frame corrections are expressed in).
     view_seq, view_pos: where the last reader's view of the span lives (the base the next reader's estimate starts
         from): a sequence and the position of the span's first stored row in it.
+    view_agent: the index of the agent whose view that is (None: unknown), part of the estimator's edge in agent
+        sessions: a map learned for one base (agent A's view, read by B) must not correct another's (B's own view).
     """
 
     ph: str
@@ -52,6 +54,7 @@ class Span:
     frame0: int = 0
     view_seq: KVSequence | None = None
     view_pos: int = 0
+    view_agent: int | None = None
 
     @property
     def stored(self) -> bool:
@@ -72,10 +75,13 @@ class Span:
         frame0: int = 0,
         view_seq: KVSequence | None = None,
         view_pos: int = 0,
+        view_agent: int | None = None,
     ) -> Span:
         """The same span with this stored state; with no arguments, without any (evicted, or copied to a session
         that computes it again)."""
-        return dataclasses.replace(self, shared=shared, corr=corr, frame0=frame0, view_seq=view_seq, view_pos=view_pos)
+        return dataclasses.replace(
+            self, shared=shared, corr=corr, frame0=frame0, view_seq=view_seq, view_pos=view_pos, view_agent=view_agent
+        )
 
 
 def chains(ph: str) -> bool:
