@@ -1003,12 +1003,12 @@ class Server:
                         finished = True
                         dones.sort(key=lambda d: d.index)
                         self._log_done(job, kind, dones[0])
-                        chunk.update(self._extras(dones, extra))
-                        yield _sse(chunk)
-                        if include_usage:
-                            usage_chunk = self._chunk(job, kind, created, [])
-                            usage_chunk["usage"] = self._usage(dones)
-                            yield _sse(usage_chunk)
+                        extras = self._extras(dones, extra)
+                        # include_usage: OpenAI's shape, usage in the last chunk only (clients add usages up)
+                        usage = extras.pop("usage") if include_usage else None
+                        yield _sse({**chunk, **extras})
+                        if usage is not None:
+                            yield _sse({**self._chunk(job, kind, created, []), "usage": usage})
                         break
                     yield _sse(chunk)
                 else:
