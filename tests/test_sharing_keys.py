@@ -117,3 +117,21 @@ def test_kv_bytes_count_half_rows_with_an_f16_cache(default_model_path: str) -> 
             team.share(QUESTION)
             for r in (a.respond(max_tokens=4), b.respond(max_tokens=4)):
                 assert r.stats.kv_bytes == (r.stats.computed_tokens + r.stats.generated_tokens) * m.kv_row_bytes
+
+
+def test_a_new_message_that_starts_with_stored_text_shares_its_new_rest(model: kc.Model) -> None:
+    """Two workflows' documents open with the same header, then differ; no blank lines. The second document's
+    header comes from the first one's rows (a run), and its new rest must become a span too, computed by the first
+    agent and reused by the next: it stayed literal text that every later agent computed again, under a 'reuse'
+    gate (a tester's skeptic computed 658 of 696 prompt tokens)."""
+    header = "Incident report, filed by the operations desk of the northern depot, for review by all agents. "
+    docs = [header + QUESTION, header + "Weng earns $12 an hour for babysitting. How much did she earn in total " * 3]
+    with AgentSession(model, "kvcmas", calibration_dir=False) as team:
+        for doc in docs:
+            for name, role in (SOLVER, CRITIC):
+                msgs = [{"role": "system", "content": role}, {"role": "user", "content": doc}]
+                with team.prefill(msgs) as p:
+                    team.finish(p, _greedy(model, p, 4))
+                    stats = p.stats
+        rest = len(model.tokenize(docs[1][len(header) :], add_special=False))
+        assert stats["mode"] == "reuse" and stats["span_tokens"] >= rest, stats

@@ -789,9 +789,10 @@ class AgentSession:
         whose text occurs in it (a reply, a paragraph of an earlier message), then each run of at least
         MIN_PIECE_TOKENS of the content's ids equal to ids of a span the session holds (a _Run: part of an earlier
         reply, a reply edited at its start, wrapped in other text, or with its boundary tokens re-tokenized), then
-        each other paragraph of at least MIN_PIECE_TOKENS tokens as a new span (placeholders the session has not
-        registered yet; with `register` False, new paragraphs stay literal text). None when nothing would be split
-        off.
+        each other paragraph of at least MIN_PIECE_TOKENS tokens as a new span, and the rest of a paragraph that a
+        run opens (a document that starts with text the session holds), after one literal token (placeholders the
+        session has not registered yet; with `register` False, new paragraphs stay literal text). None when nothing
+        would be split off.
 
         Cuts are made only at token boundaries of the content's own ids (`ids`). A new paragraph's span may take
         the whitespace next to it, as the tokenizer groups it, and is cut only where the pieces tokenize to `ids`
@@ -825,13 +826,23 @@ class AgentSession:
                 cut = self._run_chars(content, ids, r, bounds)
                 if cut is not None:
                     found.append(cut)
-        found += [(m.start(), m.end(), None) for m in _PARAGRAPH_RE.finditer(content) if free(m.start(), m.end())]
+        runs_at = [(x, y) for x, y, ph in found if isinstance(ph, _Run)]
+        for m in _PARAGRAPH_RE.finditer(content):
+            a, b = m.start(), m.end()
+            text_free = all(b < x or a > y for x, y, ph in found if not isinstance(ph, _Run))
+            # a paragraph a run opens stays a candidate (after the run, in the stable sort): its rest may be new text
+            opened = any(x <= a <= y for x, y in runs_at)
+            if text_free and (opened or all(b < x or a > y for x, y in runs_at)):
+                found.append((a, b, None))
         found.sort(key=lambda f: f[0])
         pieces: list[tuple[str, str | _Run | None]] = []
         pos, k, n_new = 0, 0, 0  # next character of the content, next id of `ids`, new spans so far
         for a, b, ph in found:
+            rest_of_paragraph = False
             if a <= pos and pieces:  # touches the span before it
-                continue
+                if ph is not None or b <= pos:
+                    continue
+                rest_of_paragraph = True  # a new paragraph a run took the start of: its rest may be a new span
             if isinstance(ph, _Run):  # its ids are the content's own: cut where they sit
                 if ph.at >= k and self.model.detokenize(ids[k : ph.at]) == content[pos:a]:
                     pieces += [(content[pos:a], None), (content[a:b], ph)]
@@ -850,8 +861,10 @@ class AgentSession:
                         break
                 continue
             lead = a - 1 if a > 0 and content[a - 1].isspace() else a
+            # the rest of a paragraph starts after one literal token: spans are never adjacent
+            starts = [pos + len(self.model.detokenize(ids[k : k + 1]))] if rest_of_paragraph else [lead, a]
             trail = b + len(content[b:]) - len(content[b:].lstrip("\n"))
-            for x, y in dict.fromkeys((x, y) for x in (lead, a) for y in (b, trail)):
+            for x, y in dict.fromkeys((x, y) for x in starts for y in (b, trail)):
                 if x < pos or (x == pos and pieces):
                     continue
                 literal, span = self._ids(content[pos:x]), self._ids(content[x:y])
