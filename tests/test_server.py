@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
@@ -427,9 +428,13 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
         if i == 0:
             read_s = time.perf_counter() - t_reply
             gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-            # the stream went on while the read ran (it was still pending when the stream ended), and no gap
-            # between two of its tokens held more than a small part of the read
+            # the stream went on while the read ran (it was still pending when the stream ended), no gap between two
+            # of its tokens held more than a small part of the read, and a read step came between its tokens at most
+            # once a second (it came between every two, and a tester's streams ran 8x slower while a read was pending)
             assert still == 1 and max(gaps) < read_s / 4, (max(gaps), read_s)
+            alone = _stream_times(server, stream)  # the same stream with no read pending
+            base = float(np.median([b - a for a, b in zip(alone, alone[1:], strict=False)]))
+            assert float(np.median(gaps)) < 2 * base + 0.01, (gaps, base)
     assert server.metrics().get('kvcmas_training_reads_total{outcome="dropped"}', 0) == 0
 
 

@@ -128,7 +128,7 @@ def test_a_new_message_that_starts_with_stored_text_shares_its_new_rest(model: k
     docs = [header + QUESTION, header + "Weng earns $12 an hour for babysitting. How much did she earn in total " * 3]
     with AgentSession(model, "kvcmas", calibration_dir=False) as team:
         for doc in docs:
-            for name, role in (SOLVER, CRITIC):
+            for _, role in (SOLVER, CRITIC):
                 msgs = [{"role": "system", "content": role}, {"role": "user", "content": doc}]
                 with team.prefill(msgs) as p:
                     team.finish(p, _greedy(model, p, 4))

@@ -92,8 +92,9 @@ MAX_SESSION_REQUESTS = 512
 GENERATION_RESERVE = 256
 # Training reads waiting to run; past this the oldest is dropped (each holds forks of the rows it reads).
 MAX_TRAINING_READS = 64
-# Under a steady stream of prefills the oldest training read still gets one step at least this often (seconds), so
-# calibration ends however busy the server is; a step is one prefill chunk of rows or one batch of statistics.
+# Training reads step when nothing else runs; while requests prefill or generate, the oldest read still gets one step
+# at least this often (seconds), so calibration ends however busy the server is and a stream stalls at most once a
+# second; a step is one prefill chunk of rows or one batch of statistics.
 READ_STARVE_S = 1.0
 
 
@@ -425,7 +426,8 @@ class Scheduler:
         job = self._next_prefill()
         if job is not None:
             self._prefill_step(job)
-        if self._reads and (job is None or time.monotonic() - self._last_read_step > READ_STARVE_S):
+        busy = job is not None or bool(self._generating())  # a read step between two decode steps stalls a stream
+        if self._reads and (not busy or time.monotonic() - self._last_read_step > READ_STARVE_S):
             self._read_step()
         if self._generating() and not self._mixed:
             self._decode_step()
