@@ -112,6 +112,7 @@ def test_kvcmas_options_on_completions_are_refused(server: ServerProcess) -> Non
         ("chat", {"tool_choice": {"type": "function"}}, "tool_choice.function", "Field required"),
         ("chat", {"model": 5}, "model", "Input should be a valid string"),  # named like a union tag, still itself
         ("chat", {"kvcmas": {"agent": ""}}, "kvcmas.agent", "String should have at least 1 character"),
+        ("chat", {"kvcmas": {"workflow": ""}}, "kvcmas.workflow", "String should have at least 1 character"),
         # siblings stay two problems
         ("chat", {"kvcmas": {"workflow": 5, "agent": 6}}, "kvcmas.workflow", "Input should be a valid string"),
     ],

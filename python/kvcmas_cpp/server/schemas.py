@@ -162,7 +162,7 @@ class KvcmasOptions(_Body):
     """Groups requests into one sharing workflow and names the agent; method and recompute (the share of each shared
     span recomputed in the agent's context) override the server's --method and --recompute."""
 
-    workflow: StrictStr | None = Field(default=None, max_length=256)
+    workflow: StrictStr | None = Field(default=None, min_length=1, max_length=256)  # '': would be `default`'s
     agent: StrictStr | None = Field(default=None, min_length=1, max_length=256)
     method: StrictStr | None = None  # one of sharing.methods.SERVED_METHODS
     recompute: Number | None = Field(default=None, ge=0.0, le=1.0)  # overrides the server's --recompute
