@@ -605,6 +605,11 @@ def test_responses_text_matches_chat(client: Any, model: str) -> None:
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
     assert events[-1].response.output[0].content[0].text == out.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # text cut off by max_output_tokens is an incomplete item, streamed or not (it said completed)
+    cut = {"model": model, "input": "Count from one to twenty in words.", "max_output_tokens": 2, "temperature": 0}
+    whole, last = client.responses.create(**cut), list(client.responses.create(**cut, stream=True))[-1].response
+    assert whole.status == last.status == "incomplete" and whole.output_text == last.output_text != ""
+    assert whole.output[-1].status == last.output[-1].status == "incomplete"
 
 
 def test_responses_agents_sdk_shape_with_function_tools(client: Any, model: str) -> None:
@@ -752,3 +757,24 @@ def test_agent_respond_with_tools_and_structured_output(default_model_path: Any)
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
         person = session.agent("writer", "You write JSON.").respond(60, response_format=fmt)
         jsonschema.validate(json.loads(person.text), PERSON)
+
+
+def test_responses_items_come_in_the_order_they_were_generated() -> None:
+    """A forced call, then a second block cut off by max_output_tokens: the stream gives the call first and then the
+    cut text; the whole response must list them in that order too (it put the text first), the text item marked
+    incomplete with the response."""
+    from kvcmas_cpp.server.responses import ResponsesRequest, _Translator
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat = {
+        "choices": [{"message": {"content": '<tool_call>\n{"name":', "tool_calls": [call]}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 40, "total_tokens": 49},
+    }
+    out = _Translator(ResponsesRequest(input="hi"), "m").from_completion(chat)
+    assert [(i["type"], i["status"]) for i in out["output"]] == [
+        ("function_call", "completed"),
+        ("message", "incomplete"),
+    ]
+    chat["choices"][0]["message"]["content"] = "Let me check."  # text the model wrote before its call
+    out = _Translator(ResponsesRequest(input="hi"), "m").from_completion(chat)
+    assert [i["type"] for i in out["output"]] == ["message", "function_call"]

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from pydantic_core import PydanticCustomError
 
+from ..tools import OPEN as TOOL_CALL_OPEN
 from .schemas import HARMLESS_FIELDS, KvcmasOptions, Number, _Body
 from .validation import ApiError, parse_body, parse_request
 
@@ -248,7 +249,7 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "type": "message",
         "status": status,
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+        "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}],
     }
 
 
@@ -322,11 +323,13 @@ class _Translator:
     def from_completion(self, chat: dict[str, Any]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
-        if message.get("content"):
-            self.output.append(_message_item(f"msg_{uuid.uuid4().hex[:24]}", message["content"], "completed"))
-        for call in message.get("tool_calls") or []:
-            self.output.append(_call_item(call, "completed"))
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        calls = [_call_item(call, "completed") for call in message.get("tool_calls") or []]
+        content = message.get("content") or ""
+        # the output's items in the order they were generated, as the stream gives them: content that is a block cut
+        # off by max_output_tokens came after the calls; text cut off is an incomplete item, like the response
+        text = [_message_item(f"msg_{uuid.uuid4().hex[:24]}", content, status)] if content else []
+        self.output += calls + text if calls and content.lstrip().startswith(TOOL_CALL_OPEN) else text + calls
         return self.response(status, chat.get("usage"), {"kvcmas": chat.get("kvcmas")})
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -344,13 +347,13 @@ class _Translator:
         finish: str | None = None
         usage: dict[str, Any] | None = None
 
-        def close_message() -> list[bytes]:
+        def close_message(status: str = "completed") -> list[bytes]:
             nonlocal msg_id
             if msg_id is None:
                 return []
             full = "".join(text)
             part = {"type": "output_text", "text": full, "annotations": []}
-            self.output[msg_index] = _message_item(msg_id, full, "completed")
+            self.output[msg_index] = _message_item(msg_id, full, status)
             out = [
                 self.event(
                     "response.output_text.done",
@@ -433,9 +436,9 @@ class _Translator:
                     )
                     self.output[index] = _call_item(call, "completed")
                     yield self.event("response.output_item.done", output_index=index, item=self.output[index])
-        for e in close_message():
-            yield e
         status = "incomplete" if finish == "length" else "completed"
+        for e in close_message(status):  # the last item: cut off with the response
+            yield e
         yield self.event(f"response.{status}", response=self.response(status, usage))
 
 
