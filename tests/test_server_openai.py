@@ -778,3 +778,17 @@ def test_responses_items_come_in_the_order_they_were_generated() -> None:
     chat["choices"][0]["message"]["content"] = "Let me check."  # text the model wrote before its call
     out = _Translator(ResponsesRequest(input="hi"), "m").from_completion(chat)
     assert [i["type"] for i in out["output"]] == ["message", "function_call"]
+
+
+def test_responses_take_a_cache_salt_as_chat_does(client: Any, model: str) -> None:
+    """A Responses client isolates its cached KV with cache_salt as a chat client can (it was a 400): the same input
+    again under its salt reuses rows, under another salt nothing."""
+    request = {"model": model, "instructions": "You are terse. " * 8, "input": "Name a fruit.", "max_output_tokens": 2}
+
+    def cached(salt: str) -> int:
+        out = client.responses.create(**request, extra_body={"cache_salt": salt})
+        return int(out.usage.input_tokens_details.cached_tokens)
+
+    assert cached("salt-one") == 0
+    assert cached("salt-one") > 0
+    assert cached("salt-two") == 0

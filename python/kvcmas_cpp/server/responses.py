@@ -139,6 +139,7 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled"] | None = None
     reasoning: None = None
     kvcmas: KvcmasOptions | None = None
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)  # as on chat: its own namespace
     # HARMLESS_FIELDS
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -211,6 +212,7 @@ class ResponsesRequest(_Body):
             ("top_p", self.top_p),
             ("seed", self.seed),
             ("kvcmas", self.kvcmas.model_dump(exclude_none=True) if self.kvcmas else None),
+            ("cache_salt", self.cache_salt),
         ):
             if value is not None:
                 body[key] = value
