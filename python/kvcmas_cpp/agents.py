@@ -90,10 +90,10 @@ def bound_estimators(model: Model, max_bytes: int, live: Collection[str], busy: 
     """Brings what the shared estimators of a model hold (estimator_bytes) within max_bytes, for a server whose
     clients choose how many workflows (namespaces) there are. In order: the estimators of workflows no session in
     `live` names, least recently used first (a later session starts a fresh one, which loads the calibration
-    directory again); the statistics of the calibrating edges that went longest without rows (their reads start
-    over); then, in turn, the least recently used fitted map of each estimator no workflow in `busy` (a prefill in
-    flight) uses (those edges calibrate again). Returns the bytes freed. Call it where no session is using the
-    estimators (a server's engine thread)."""
+    directory again); the fitted maps of estimators no workflow in `busy` (a prefill in flight) uses, least recently
+    used estimators and edges first (those edges calibrate again, with one read); then the statistics of the
+    calibrating edges that went longest without rows (reads in progress: their edges start over). Returns the bytes
+    freed. Call it where no session is using the estimators (a server's engine thread)."""
     freed = 0
     with _estimators_lock:
         per_model = _estimators.get(model, {})
@@ -104,17 +104,17 @@ def bound_estimators(model: Model, max_bytes: int, live: Collection[str], busy: 
             e, _ = per_model.pop(key)
             _loaded_dirs.get(model, {}).pop(key, None)
             freed += e.state_bytes() + e.pending_bytes()
-        ridges = {wf: e for (_, wf), (e, _) in per_model.items() if isinstance(e, est.RidgeEstimator)}
+        # least recently used first (shared_estimator moves an estimator to the end when a session takes it)
+        ridges = [(wf, e) for (_, wf), (e, _) in per_model.items() if isinstance(e, est.RidgeEstimator)]
+    for wf, e in ridges:
+        while wf not in busy and e.maps and total - freed > max_bytes:
+            freed += e.drop_stalest_map()
     while total - freed > max_bytes:
-        pending = [(s, e) for e in ridges.values() if (s := e.stalest_pending()) is not None]
+        pending = [(s, e) for _, e in ridges if (s := e.stalest_pending()) is not None]
         if not pending:
             break
         (_, edge), e = min(pending, key=lambda p: p[0][0])
         freed += e.drop_pending(edge)
-    idle = [e for wf, e in ridges.items() if wf not in busy]
-    while total - freed > max_bytes and (with_maps := [e for e in idle if e.maps]):
-        for e in with_maps:
-            freed += e.drop_stalest_map()
     return freed
 
 
@@ -840,8 +840,8 @@ class AgentSession:
         for a, b, ph in found:
             rest_of_paragraph = False
             if a <= pos and pieces:  # touches the span before it
-                if ph is not None or b <= pos:
-                    continue
+                if ph is not None or b <= pos or any(isinstance(r, _Run) and pos < x < b for x, _, r in found):
+                    continue  # (a run further in the paragraph goes first: its rows exist)
                 rest_of_paragraph = True  # a new paragraph a run took the start of: its rest may be a new span
             if isinstance(ph, _Run):  # its ids are the content's own: cut where they sit
                 if ph.at >= k and self.model.detokenize(ids[k : ph.at]) == content[pos:a]:
