@@ -41,38 +41,38 @@ def test_estimators_of_every_namespace_stay_within_calibration_memory(bounded_se
     them together, dropping old namespaces' maps before the statistics of a read in progress, and the server keeps
     serving (its latest namespaces still calibrate)."""
     bound = 24 << 20  # one calibrating edge (~17 MB) and a few namespaces' maps (~0.8 MB each)
-    seen = []
-    for _ in range(20):
-        salt = uuid.uuid4().hex
-        for hop in range(3):
+
+    def workflow(salt: str, question: str, hops: int) -> dict[str, Any]:
+        """One workflow of `hops` agents reading the question (and, in this namespace, each other's replies)."""
+        for hop in range(hops):
             messages = [
                 {"role": "system", "content": f"You are agent {hop}. Answer briefly."},
-                {"role": "user", "content": "The shared question: how should a server bound its memory? " * 3},
+                {"role": "user", "content": question},
             ]
             for h in range(hop):
                 messages += [{"role": "assistant", "content": f"Answer {h}."}, {"role": "user", "content": "Go on."}]
             body = {"messages": messages, "max_tokens": 3, "cache_salt": salt, "kvcmas": {"workflow": "w"}}
-            post(bounded_server, None, body, "/v1/chat/completions")
+            out = post(bounded_server, None, body, "/v1/chat/completions")
             seen.append(bounded_server.metrics()["kvcmas_estimator_bytes"])
-    deadline = time.monotonic() + 120  # the last reads run once the requests are done
-    while bounded_server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+        return out
+
+    def reads_done() -> None:
+        deadline = time.monotonic() + 120  # the last reads run once the requests are done
+        while bounded_server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    seen: list[float] = []
+    for _ in range(20):
+        workflow(uuid.uuid4().hex, "The shared question: how should a server bound its memory? " * 3, 3)
+    reads_done()
     seen.append(bounded_server.metrics()["kvcmas_estimator_bytes"])
     assert max(seen) <= bound, seen  # unbounded, 20 namespaces reached 38 MB (maps growing by 0.8 MB each)
     assert max(seen) > 17 << 20  # the namespaces did calibrate edges (each holds ~17 MB while it does)
     assert "dropped (--calibration-memory)" in bounded_server.log_path.read_text()
     salt = uuid.uuid4().hex  # a namespace after the bound bit still learns: its second workflow reuses with a map
     for _ in range(2):
-        question = f"Question {uuid.uuid4().hex}: how does a bound work? " * 3
-        for hop in range(2):
-            messages = [
-                {"role": "system", "content": f"You are agent {hop}. Answer briefly."},
-                {"role": "user", "content": question},
-            ]
-            body = {"messages": messages, "max_tokens": 3, "cache_salt": salt, "kvcmas": {"workflow": "w"}}
-            out = post(bounded_server, None, body, "/v1/chat/completions")
-        while bounded_server.metrics()["kvcmas_training_reads_pending"] and time.monotonic() < deadline + 60:
-            time.sleep(0.1)
+        out = workflow(salt, f"Question {uuid.uuid4().hex}: how does a bound work? " * 3, 2)
+        reads_done()
     assert out["kvcmas"]["gate"] == "reuse" and out["kvcmas"]["corr_bytes"] > 0, out["kvcmas"]
 
 

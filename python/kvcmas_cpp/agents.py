@@ -1110,9 +1110,8 @@ class AgentSession:
         for one base never corrects another (an agent re-reading its own view, whose rows are its own, included)."""
         span = self._state.spans.get(ph)
         key = span.key if span is not None and span.key else ph
-        base = span.view_agent if span is not None else None
-        base_identity = self._identities[base] if base is not None and base < len(self._identities) else "?"
-        return (key, f"{self._identities[reader]}<-{base_identity}")
+        base = span.view_agent if span is not None else None  # None: not stored yet (no base to correct from)
+        return (key, f"{self._identities[reader]}<-{self._identities[base] if base is not None else '?'}")
 
     def _prefill_template(self, ag: Agent, t: Template) -> Plan[Prefilled]:
         """The plan of agent ag's prompt from its template: its prefix (the prefix cache's), then the method's hop."""

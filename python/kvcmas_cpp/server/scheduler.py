@@ -468,7 +468,7 @@ class Scheduler:
         freed = agents.bound_estimators(self.model, max_bytes, live, busy)
         if freed:
             log.info("estimators: %d bytes of learned state and statistics dropped (--calibration-memory)", freed)
-        self.estimator_bytes = agents.estimator_bytes(self.model)
+        self.estimator_bytes -= freed  # the snapshot just taken, less what went (this thread alone changes them)
 
     def _read_step(self) -> None:
         """One step of the oldest training read, when its rows fit beside what the admitted jobs may still take and
