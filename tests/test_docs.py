@@ -4,12 +4,14 @@ name exists and links resolve."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,48 @@ def test_readme_links_resolve() -> None:
     assert links, "the README links its docs pages"
     broken = [t for t in links if not (REPO_ROOT / t.split("#", 1)[0]).exists()]
     assert not broken, f"README links to missing files: {broken}"
+
+
+def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, str, str]]:
+    """(command path, its help line in the parent's list, its --help description) of every subcommand, nested too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield " ".join((*path, name)), str(helps.get(name) or ""), str(sub.description or "")
+                yield from _subcommands(sub, (*path, name))
+
+
+def _named_pages(text: str) -> list[str]:
+    return [page for page in DOC_MENTION.findall(text) if (DOCS / page).is_file() and page in nav_pages()]
+
+
+def test_every_subcommand_help_names_its_docs_page() -> None:
+    from kvcmas_cpp.cli import build_parser
+
+    parser = build_parser()
+    assert _named_pages(parser.description or ""), parser.description
+    commands = list(_subcommands(parser))
+    names = {c[0] for c in commands}
+    assert {"run", "serve", "bench core", "bench agents", "convert", "gguf set", "models pull", "cluster up"} <= names
+    undocumented = [c for c in commands if not (_named_pages(c[1]) and _named_pages(c[2]))]
+    assert not undocumented, f"subcommands whose help or --help names no existing docs page: {undocumented}"
+    one_line = [(c[0], c[1]) for c in commands if len(c[1]) > 120 or "\n" in c[1]]
+    assert not one_line, f"help lines longer than one line: {one_line}"
+
+
+def test_help_output_points_at_the_page(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcmas_cpp.cli import main
+    from kvcmas_cpp.server import main as server_main
+
+    for run, argv, page in (
+        (main, ["--help"], "docs/cli.md"),
+        (main, ["bench", "core", "--help"], "docs/engine-speed.md"),
+        (main, ["serve", "--help"], "docs/server.md"),
+        (server_main, ["--help"], "docs/server.md"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            run(argv)
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert page in out, (argv, out[:400])  # whole: a line never breaks inside the page's name

@@ -95,22 +95,30 @@ def add_subcommands(subparsers: Any) -> None:
     """
     p = subparsers.add_parser(
         "convert",
-        help="convert a Hugging Face checkpoint to GGUF",
-        description="Convert a Hugging Face checkpoint folder to a GGUF file.",
+        help="convert a Hugging Face checkpoint to GGUF (docs/convert.md)",
+        description="Convert a Hugging Face checkpoint folder to a GGUF file (docs/convert.md).",
     )
     _add_convert_arguments(p)
     p.set_defaults(func=run_convert)
     add_mmproj_subcommand(subparsers)
-    g = subparsers.add_parser("gguf", help="inspect or update a GGUF file")
+    g = subparsers.add_parser(
+        "gguf",
+        help="inspect or update a GGUF file (docs/convert.md)",
+        description="Inspect or update a GGUF file (docs/convert.md).",
+    )
     gsub = g.add_subparsers(dest="gguf_command", required=True)
-    s = gsub.add_parser("show", help="print metadata and tensors")
+    s = gsub.add_parser(
+        "show",
+        help="print metadata and tensors (docs/convert.md)",
+        description="Print metadata and tensors (docs/convert.md).",
+    )
     s.add_argument("file")
     s.add_argument("--no-tensors", action="store_true", help="metadata only")
     s.set_defaults(func=run_gguf_show)
     u = gsub.add_parser(
         "set",
-        help="update kvcmas.* keys in place (no reconversion)",
-        description="Update kvcmas.* keys of a GGUF file, e.g. kvcmas.rank_k=16 gate_threshold=0.5",
+        help="update kvcmas.* keys in place (no reconversion; docs/convert.md)",
+        description="Update kvcmas.* keys of a GGUF file, e.g. kvcmas.rank_k=16 gate_threshold=0.5 (docs/convert.md).",
     )
     u.add_argument("file")
     u.add_argument("assignments", nargs="+", metavar="KEY=VALUE")

@@ -128,8 +128,9 @@ class KvcmasSetting:
     maximum: float | None = None
 
 
-# Defaults: the paper/runner column of the KVCMAS method notes, section 4 (kept outside this repository; the γ default is the config default 0.3;
-# the runner tunes it per benchmark). Rank 0 means "no low-rank truncation" (raw deltas), as in the reference code.
+# Defaults: the paper/runner column of the KVCMAS method notes, section 4 (kept outside this repository; the γ
+# default is the config default 0.3; the runner tunes it per benchmark). Rank 0 means "no low-rank truncation" (raw
+# deltas), as in the reference code.
 KVCMAS_SETTINGS: Final[tuple[KvcmasSetting, ...]] = (
     KvcmasSetting("kvcmas.version", "uint32", 1, "version of this key set", 1, 1),
     KvcmasSetting("kvcmas.rank_k", "uint32", 32, "rank of the K (key) correction of a placeholder span", 0, 1 << 16),

@@ -485,8 +485,10 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
     """Registers ``mmproj`` (HF_DIR -o OUT.gguf) on an argparse subparsers object; ``func`` runs it."""
     p = subparsers.add_parser(
         "mmproj",
-        help="write the vision tower + projector of a LLaVA / CLIP / SigLIP checkpoint as an mmproj GGUF",
-        description="Write an mmproj GGUF (llama.cpp's 'clip' layout) from a Hugging Face vision checkpoint.",
+        help="write the vision tower + projector of a LLaVA / CLIP / SigLIP checkpoint as an mmproj GGUF "
+        "(docs/vision.md)",
+        description="Write an mmproj GGUF (llama.cpp's 'clip' layout) from a Hugging Face vision checkpoint "
+        "(docs/vision.md).",
     )
     p.add_argument("model_dir", metavar="HF_DIR")
     p.add_argument("-o", "--outfile", required=True, metavar="OUT.gguf")

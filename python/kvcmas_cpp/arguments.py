@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 _N = TypeVar("_N", int, float)
 
@@ -69,3 +70,22 @@ def output_folder(text: str) -> str:
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text}: is a file, not a directory")
     return text
+
+
+class DocsFormatter(argparse.HelpFormatter):
+    """argparse's help layout, but a line never breaks at a hyphen, so a page like docs/engine-speed.md stays whole
+    in the terminal."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        wrap = textwrap.fill(" ".join(text.split()), width, break_on_hyphens=False)
+        return textwrap.indent(wrap, indent)
+
+
+def documented(summary: str, page: str) -> dict[str, Any]:
+    """`add_parser` arguments of a subcommand: one line saying what it does and naming the docs page about it,
+    shown in the parent's command list and atop the subcommand's own --help (tests/test_docs.py checks the pages)."""
+    text = f"{summary} (docs/{page})"
+    return {"help": text, "description": text, "formatter_class": DocsFormatter}

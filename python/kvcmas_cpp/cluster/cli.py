@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ..arguments import documented
 from .config import DEFAULT_ACTOR_OPTIONS, ENGINE_IMPORT, serve_config, settings_of
 
 DEFAULT_PORT = 8000
@@ -45,10 +46,13 @@ STOP_GRACE_S = 2.0  # after SIGTERM; GCS and raylet take longer to drain a clust
 
 def add_cluster_commands(sub: Any) -> None:
     """Adds `cluster up|down|status|config` to the `kvcmas` subcommands."""
-    p = sub.add_parser("cluster", help="kvcmas on a Ray Serve cluster: up, down, status, config (docs/cluster.md)")
+    p = sub.add_parser("cluster", **documented("kvcmas on a Ray Serve cluster: up, down, status, config", "cluster.md"))
     cs = p.add_subparsers(dest="cluster", required=True)
     up = cs.add_parser(
-        "up", help="start the engine replicas and the routing ingress; on a running cluster: apply the change"
+        "up",
+        **documented(
+            "start the engine replicas and the routing ingress; on a running cluster: apply the change", "cluster.md"
+        ),
     )
     up.add_argument("--replicas", type=int, default=None, help="engine replicas (default: 1, or the config's)")
     up.add_argument("--port", type=int, default=None, help=f"HTTP port of the ingress (default: {DEFAULT_PORT})")
@@ -65,9 +69,14 @@ def add_cluster_commands(sub: Any) -> None:
         help="after `--`: kvcmas-server arguments for every replica (--model, -t, --calibration-dir, ...)",
     )
     up.set_defaults(func=cmd_up)
-    cs.add_parser("down", help="remove the application; stop the Ray head `up` started").set_defaults(func=cmd_down)
-    cs.add_parser("status", help="replicas and their health").set_defaults(func=cmd_status)
-    cf = cs.add_parser("config", help="print the Serve config file (for `serve deploy`, `serve run`, `up --config`)")
+    cs.add_parser(
+        "down", **documented("remove the application; stop the Ray head `up` started", "cluster.md")
+    ).set_defaults(func=cmd_down)
+    cs.add_parser("status", **documented("replicas and their health", "cluster.md")).set_defaults(func=cmd_status)
+    cf = cs.add_parser(
+        "config",
+        **documented("print the Serve config file (for `serve deploy`, `serve run`, `up --config`)", "cluster.md"),
+    )
     cf.add_argument("--replicas", type=int, default=1, help="engine replicas (default: 1)")
     cf.add_argument("--host", default=LOOPBACK, help=f"HTTP bind address of Serve's proxies (default: {LOOPBACK})")
     cf.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTP port (default: {DEFAULT_PORT})")

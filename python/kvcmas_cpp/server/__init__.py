@@ -25,7 +25,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..arguments import port, positive_float, positive_int
+from ..arguments import DocsFormatter, port, positive_float, positive_int
 
 if TYPE_CHECKING:
     from .app import Server
@@ -340,9 +340,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# the one line atop `kvcmas-server --help` (`kvcmas serve --help` says the same)
+DESCRIPTION = "kvcmas-server: an OpenAI-compatible local server that shares KV across agents by itself (docs/server.md)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvcmas-server` console script."""
-    parser = argparse.ArgumentParser(prog="kvcmas-server", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="kvcmas-server", description=DESCRIPTION, formatter_class=DocsFormatter)
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     try:
