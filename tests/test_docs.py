@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = REPO_ROOT / "docs"
 SETUP_STAMP = REPO_ROOT / "models" / "generated" / "VERSION.tiny"  # written by the test set-up (tests/test_gguf.py)
 PAGE_LINES_MAX = 440  # the goal is ~400 lines a page; past this a page gets split (evaluation.md -> results log)
+DOCS_EXTRA_MODULES = ("mkdocs", "material", "mdx_truly_sane_lists")  # what pyproject's docs extra installs
 DOC_MENTION = re.compile(r"\bdocs/([A-Za-z0-9_./-]+\.md)")
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -33,12 +34,12 @@ def nav_pages() -> set[str]:
 def require_mkdocs() -> None:
     """Skips where the docs extra is absent, unless the README's test set-up ran: it installs the extra, so CI
     (`scripts/setup.sh --test && python3 -m pytest -q`) cannot skip the strict build."""
-    missing = [name for name in ("mkdocs", "material") if importlib.util.find_spec(name) is None]
+    missing = [name for name in DOCS_EXTRA_MODULES if importlib.util.find_spec(name) is None]
     if not missing:
         return
     if SETUP_STAMP.exists():
         pytest.fail(f"scripts/setup.sh --test ran ({SETUP_STAMP} exists) but {missing} are missing: the docs extra")
-    pytest.skip(f"needs the docs extra (pip install mkdocs mkdocs-material): {missing} missing")
+    pytest.skip(f"needs the docs extra (pip install mkdocs mkdocs-material mdx-truly-sane-lists): {missing} missing")
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
