@@ -287,7 +287,7 @@ def test_bad_schemas_are_refused(tokenizer: Any) -> None:
     from kvcmas_cpp.constrained import Constraint, ConstraintDeadEnd, GrammarError, json_schema_grammar
 
     for bad in ({"type": "strin"}, {"$ref": "#/nowhere"}):
-        with pytest.raises(kc.KvcmasError) as info:  # what the README promises for a bad argument
+        with pytest.raises(kc.KvcmasError) as info:  # what docs/python-api.md promises for a bad argument
             Constraint(tokenizer, json_schema_grammar(bad))
         assert isinstance(info.value, GrammarError)
     with pytest.raises(GrammarError):

@@ -349,7 +349,7 @@ def test_bad_images_raise_image_error(case: str) -> None:
     src, message = BAD_IMAGES[case]
     with pytest.raises(ImageError, match=message) as info:
         load_image(src, max_pixels=50_000_000 if case != "bomb-under-pillow-limit" else 10_000_000)
-    assert isinstance(info.value, kvcmas_cpp.KvcmasError)  # what the README promises for a bad file or argument
+    assert isinstance(info.value, kvcmas_cpp.KvcmasError)  # what docs/python-api.md promises for a bad file or argument
 
 
 def test_limits_are_configurable(tmp_path: Path) -> None:
