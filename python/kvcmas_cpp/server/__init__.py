@@ -154,6 +154,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="most new tokens one request may ask for (larger max_tokens: 400) or get by default (default 4096)",
     )
+    p.add_argument(
+        "--max-text-chars",
+        type=positive_int,
+        default=None,
+        help="characters of text one request may have tokenized or rendered (chat messages, completion prompts, "
+        "/tokenize, /apply-template); beyond it: 413 (default: 32 per context token, 262144 for an 8192-token "
+        "context)",
+    )
     p.add_argument("--max-images", type=int, default=8, help="image parts per chat request; beyond it: 400 (default 8)")
     p.add_argument(
         "--max-image-memory",
@@ -260,6 +268,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,
         replica=replica,
+        max_text_chars=args.max_text_chars,
     )
     return Server(cfg, model)
 

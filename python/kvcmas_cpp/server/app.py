@@ -81,6 +81,9 @@ IMAGE_DECODES = 2  # images decoded at once: each may take up to --max-image-mem
 DEFAULT_IMAGE_MEMORY = 256 << 20  # decoding one image may take this much (checked from its header, before decoding)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers are in (--body-timeout)
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for the request line and headers to arrive (--header-timeout)
+# Default --max-text-chars: characters per context token. A prompt that fits the context is far shorter (English
+# averages ~4 characters a token), and tokenizing this much takes well under a second of one core.
+TEXT_CHARS_PER_CTX = 32
 
 
 @dataclass
@@ -116,6 +119,7 @@ class ServerConfig:
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
+    max_text_chars: int | None = None  # text one request may have tokenized or rendered; None: TEXT_CHARS_PER_CTX
 
     def host_allow_list(self) -> frozenset[str] | None:
         """The Host names accepted: bound to loopback, the loopback names and --allowed-host (a page on another
@@ -439,7 +443,8 @@ class Server:
         self.metrics = Metrics()
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
         self._image_decodes = asyncio.Semaphore(IMAGE_DECODES)
-        self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images)
+        text_chars = cfg.max_text_chars if cfg.max_text_chars is not None else TEXT_CHARS_PER_CTX * model.n_ctx
+        self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images, text_chars)
         self.vision: Any = None
         if cfg.mmproj:
             from ..vision import VisionEncoder

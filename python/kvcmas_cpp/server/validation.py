@@ -260,6 +260,25 @@ class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_images: int = DEFAULT_MAX_IMAGES
+    max_text_chars: int | None = None  # characters of text one request may have tokenized; None: no bound
+
+
+def check_text_length(n_chars: int, limits: Limits, param: str) -> None:
+    """Refuses text longer than --max-text-chars before it is tokenized or rendered (413): tokenizing megabytes
+    takes seconds of a core and its answer megabytes of memory, for a prompt no context could hold."""
+    if limits.max_text_chars is not None and n_chars > limits.max_text_chars:
+        raise ApiError(
+            413,
+            f"'{param}' has {n_chars} characters of text; this server takes at most {limits.max_text_chars} per "
+            "request (--max-text-chars)",
+            "text_too_long",
+            param,
+        )
+
+
+def messages_text_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in plain messages (their contents and the tool calls rendered into them)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
 @dataclass
@@ -344,6 +363,12 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_value", "top_logprobs") from None
     images: list[bytes] = []
+    if isinstance(body, CompletionRequest) and not (
+        isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int)
+    ):
+        check_text_length(
+            sum(map(len, body.prompt)) if isinstance(body.prompt, list) else len(body.prompt), limits, "prompt"
+        )
     if isinstance(body, ChatCompletionRequest):
         urls: list[str] = []
 
@@ -352,9 +377,10 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
             return ""
 
         try:
-            body.plain_messages(collect)  # the text itself is rendered later; this checks every part
+            plain = body.plain_messages(collect)  # the text itself is rendered later; this checks every part
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_content", "messages") from None
+        check_text_length(messages_text_chars(plain), limits, "messages")
         if len(urls) > limits.max_images:
             raise ApiError(
                 400,
