@@ -4,6 +4,10 @@ name the problem without disclosing the server's files, and /metrics shows each 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from test_server import ServerProcess
+import kvcmas_cpp as kc
+from test_server import ServerProcess, _free_port
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
 
@@ -99,3 +104,114 @@ def test_a_maximal_utility_request_does_not_freeze_the_other_clients(server: Ser
     assert len(health) >= 10, health  # the heavy requests ran a while (the bounds below were tested under them)
     assert max(health) < 1.0, f"/health took up to {max(health):.2f} s"  # 2 ms idle; 9 s before
     assert chats and max(chats) < 5.0, f"a one-token chat took up to {max(chats):.2f} s"
+
+
+# ------------------------------------------------------------------------------- 2. only one's own calibration files
+def test_a_new_namespace_opens_only_its_own_calibration_files(default_model_path: Path, tmp_path: Path) -> None:
+    """The first request of a namespace read every file in --calibration-dir and dropped the others' (bob's first
+    request grew with how much other tenants had calibrated). Now the files are named by their owner (method and
+    namespace) and a namespace's first session opens only its own; a file of the older naming is indexed by its
+    header once, at start-up (check_calibration_dir), not by a tenant's request."""
+    import numpy as np
+
+    from kvcmas_cpp.agents import shared_estimator
+    from kvcmas_cpp.server.backend import make_backend
+    from kvcmas_cpp.server.scheduler import Namespace
+    from kvcmas_cpp.sharing import estimators as est
+    from kvcmas_cpp.sharing import persist
+
+    model = kc.Model(str(default_model_path), n_threads=1)
+    proto = shared_estimator(model, "kvcmas", "hostile-proto")[0]
+    assert isinstance(proto, est.RidgeEstimator)
+    kd = model.n_head_kv * model._core.head_dim
+    base = np.random.default_rng(0).standard_normal((model.n_layer, 8, kd), np.float32)
+    fitted = est.RidgeEstimator(rank=proto.rank, alpha=proto.alpha)
+    fitted.add_example(est.EdgeContext("context:", "agent:x", "", base, base, base + 1, base - 1))
+    fitted.fit()
+    root = tmp_path / "calibration"
+    others = [Namespace("alice", f"salt-{i}") for i in range(8)] + [Namespace("carol")]
+    for ns in others:
+        persist.CalibrationStore(root, model, "kvcmas", ns.estimator_name()).save(fitted, fitted.maps)
+    bob = Namespace("bob")
+    mine = persist.CalibrationStore(root, model, "kvcmas", bob.estimator_name())
+    mine.save(fitted, fitted.maps)
+    legacy = mine.dir / ("0" * 32 + ".npz")  # the older naming, another namespace's
+    persist.save_ridge(fitted, legacy, model, extra={"method": "kvcmas", "workflow": others[0].estimator_name()})
+    assert len(list(mine.dir.glob("*.npz"))) == 11
+
+    getattr(persist, "check_calibration_dir", lambda *_: None)(root, model)  # at start-up (older trees: none)
+    opened: list[str] = []
+    counting = True
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if counting and event == "open" and isinstance(args[0], (str, Path)) and str(args[0]).endswith(".npz"):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    try:
+        backend = make_backend(model, "kvcmas", None, None, bob.estimator_name(), "reuse", root, bob.cache_namespace())
+    finally:
+        counting = False
+    assert set(opened) == {str(mine.path(edge)) for edge in fitted.maps}
+    estimator = shared_estimator(model, "kvcmas", bob.estimator_name())[0]
+    assert set(estimator.maps) == set(fitted.maps)  # type: ignore[attr-defined]
+    backend.close()
+
+
+# ------------------------------------------------------------------------ 3. learned corrections never lost silently
+def _start(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """kvcmas-server run until it exits (one that starts is stopped by the caller's timeout: not expected here)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(kc.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "kvcmas_cpp.server", "--model", str(model), "--port", str(_free_port()), "-t", "1"]
+    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unusable_calibration_dir_fails_start_up_by_name(default_model_path: Path, tmp_path: Path) -> None:
+    """--calibration-dir at a file (or a folder nothing can be written in) started fine, said ok in /health and
+    dropped every fitted map at save time with a log warning. Now start-up fails naming the directory and why."""
+    a_file = tmp_path / "calibration"
+    a_file.write_text("not a directory")
+    done = _start(default_model_path, "--calibration-dir", str(a_file))
+    assert done.returncode == 1
+    hint = (
+        " (--no-calibration-dir keeps learned corrections in memory only; --allow-unsaved-calibration starts anyway "
+        "and reports it)"
+    )
+    assert done.stderr.splitlines()[-1] == f"kvcmas-server: error: --calibration-dir {a_file}: not a directory{hint}"
+    try:  # a folder nothing can be written in, even by root: sysfs
+        os.rmdir(tempfile.mkdtemp(dir="/sys/kernel"))
+        read_only = False
+    except OSError:
+        read_only = os.path.isdir("/sys/kernel")
+    if read_only:
+        done = _start(default_model_path, "--calibration-dir", "/sys/kernel")
+        assert done.returncode == 1
+        last = done.stderr.splitlines()[-1]
+        assert last.startswith("kvcmas-server: error: --calibration-dir /sys/kernel: cannot write calibration files ")
+        assert last.endswith(hint)
+
+
+def test_an_unusable_calibration_dir_with_the_flag_is_reported(default_model_path: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "calibration"
+    a_file.write_text("not a directory")
+    srv = ServerProcess(
+        str(default_model_path), "--calibration-dir", str(a_file), "--allow-unsaved-calibration", "--method", "kvcmas"
+    )
+    try:
+        status, _, health = srv.request("GET", "/health")
+        assert (status, health) == (
+            200,
+            {
+                "status": "ok",
+                "active": 0,
+                "queued": 0,
+                "warnings": [f"calibration not saved: --calibration-dir {a_file}: not a directory"],
+            },
+        )
+        metrics = srv.metrics()
+        assert metrics["kvcmas_calibration_saved"] == 0 and metrics["kvcmas_calibration_save_failures"] == 0
+        assert f"learned corrections are kept in memory only: --calibration-dir {a_file}: not a directory" in srv.log()
+    finally:
+        srv.stop()
+    assert a_file.read_text() == "not a directory"

@@ -220,6 +220,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "i.e. ~/.cache/kvcmas)",
     )
     cal.add_argument("--no-calibration-dir", action="store_true", help="keep learned corrections in memory only")
+    p.add_argument(
+        "--allow-unsaved-calibration",
+        action="store_true",
+        help="start even when the calibration directory cannot be written (a file, not writable): learned "
+        "corrections are then kept in memory only, and /health, /metrics and the start-up log say so (default: "
+        "refuse to start)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -269,6 +276,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         header_timeout=args.header_timeout,
         replica=replica,
         max_text_chars=args.max_text_chars,
+        allow_unsaved_calibration=args.allow_unsaved_calibration,
     )
     return Server(cfg, model)
 

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import Model
+from ..sharing import persist
 from ..tools import ToolCallStream
 from .backend import Segment
 from .choices import Choice
@@ -114,6 +115,9 @@ class ServerConfig:
     calibration_bytes: int = CALIBRATION_BYTES  # training statistics kvcmas may hold while it calibrates
     cold: str = "reuse"  # kvcmas before an edge is calibrated: reuse (fullshared-like) or dense
     calibration_dir: str | bool = True  # kvcmas' learned maps across restarts: True = the user's cache dir
+    # an unusable calibration_dir: start anyway, learned maps in memory only, reported in /health and /metrics
+    # (otherwise start-up fails naming the problem)
+    allow_unsaved_calibration: bool = False
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
@@ -457,6 +461,7 @@ class Server:
         # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
         # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
         self._images: OrderedDict[tuple[Namespace, str], np.ndarray] = OrderedDict()
+        self.calibration_problem = self._check_calibration_dir()
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(
             model,
@@ -469,7 +474,7 @@ class Server:
             self.vision,
             cfg.calibration_bytes,
             cold=cfg.cold,
-            calibration_dir=cfg.calibration_dir,
+            calibration_dir=cfg.calibration_dir if self.calibration_problem is None else False,
         )
         # each tenant's prefix-cache entries make room by evicting only its own (Namespace.cache_namespace)
         self.scheduler.prefix_cache.owners = max(1, len(self.tenants.keys))
@@ -519,8 +524,38 @@ class Server:
             "--calibration-memory (bytes).",
             lambda: s.estimator_bytes,
         )
+        m.add_gauge(
+            "kvcmas_calibration_saved",
+            "1 when what kvcmas learns is kept in --calibration-dir across restarts; 0 when it is kept in memory only "
+            "(--no-calibration-dir, or an unusable directory with --allow-unsaved-calibration).",
+            lambda: int(cfg.calibration_dir is not False and self.calibration_problem is None),
+        )
+        m.add_gauge(
+            "kvcmas_calibration_save_failures",
+            "Fitted maps kvcmas could not write to --calibration-dir since start-up (they stay in memory).",
+            lambda: persist.save_failure_count(),
+        )
         self._handlers: list[Callable[..., Awaitable[Any]]] = []  # the endpoints' targets (_route)
         self.app = self._build_app()
+
+    def _check_calibration_dir(self) -> str | None:
+        """Proves --calibration-dir writable before serving: a server that cannot keep what it is told to keep
+        refuses to start (ValueError naming why), unless --allow-unsaved-calibration, when the problem is returned
+        (reported in /health and /metrics, and logged now) and the learned maps stay in memory."""
+        root = self.cfg.calibration_dir
+        if root is False:
+            return None
+        try:
+            persist.check_calibration_dir(persist.default_calibration_dir() if root is True else root, self.model)
+        except ValueError as e:
+            if not self.cfg.allow_unsaved_calibration:
+                raise ValueError(
+                    f"{e} (--no-calibration-dir keeps learned corrections in memory only; "
+                    "--allow-unsaved-calibration starts anyway and reports it)"
+                ) from None
+            log.warning("kvcmas-server: learned corrections are kept in memory only: %s", e)
+            return str(e)
+        return None
 
     # ---------------------------------------------------------------------------------------------- the app
     def _route(self, app: FastAPI, path: str, handler: Callable[..., Awaitable[Any]], methods: list[str]) -> None:
@@ -605,7 +640,12 @@ class Server:
 
     # ------------------------------------------------------------------------------------------ simple routes
     async def health(self) -> dict[str, Any]:
-        return {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+        out: dict[str, Any] = {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+        warnings = [f"calibration not saved: {self.calibration_problem}"] if self.calibration_problem else []
+        warnings += [f"calibration save failed: {failure}" for failure in persist.save_failures()[-3:]]
+        if warnings:
+            out["warnings"] = warnings
+        return out
 
     async def drop_workflow(self, workflow: str, request: Request) -> dict[str, Any]:
         """Ends one of the caller's workflows: its sharing sessions and their stored spans are freed (after its
