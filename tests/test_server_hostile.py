@@ -215,3 +215,144 @@ def test_an_unusable_calibration_dir_with_the_flag_is_reported(default_model_pat
     finally:
         srv.stop()
     assert a_file.read_text() == "not a directory"
+
+
+# ---------------------------------------------------------------------------------------- 4. memory that comes back
+def _workflow(srv: ServerProcess, tenant: str, salt: str, workflow: str, hops: int = 2) -> list[int]:
+    """A small workflow of `hops` agents under one cache_salt; the statuses of its requests."""
+    statuses = []
+    for hop in range(hops):
+        messages = [
+            {"role": "system", "content": f"You are agent {hop} of a careful team. Answer in one short sentence."},
+            {"role": "user", "content": f"Question {salt}: what is {hop} plus {len(salt)}?"},
+        ]
+        body = {"messages": messages, "max_tokens": 2, "cache_salt": salt, "kvcmas": {"workflow": workflow}}
+        statuses.append(srv.request("POST", "/v1/chat/completions", body, auth(tenant))[0])
+    return statuses
+
+
+def _wait_for(srv: ServerProcess, done: Any, limit_s: float, tenant: str = "alice") -> dict[str, float]:
+    deadline = time.monotonic() + limit_s
+    while True:
+        metrics = srv.metrics(auth(tenant))
+        if done(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.25)
+
+
+def test_idle_sessions_and_namespaces_age_out_and_a_tenant_is_capped(default_model_path: Path, key_file: Path) -> None:
+    """Workflows nobody deleted kept their sessions, stored spans, estimators and prefix cache entries until memory
+    pressure evicted them (449 cache_salts kept 580 MB of KV). Now a tenant holds at most
+    --max-sessions-per-tenant sessions, and sessions and namespaces idle for --idle-ttl go with their KV."""
+    srv = ServerProcess(
+        str(default_model_path),
+        "--api-key-file",
+        str(key_file),
+        "--method",
+        "kvcmas",
+        "--no-calibration-dir",
+        "--idle-ttl",
+        "3",
+        "--max-sessions-per-tenant",
+        "2",
+    )
+    try:
+        start = srv.metrics(auth("alice"))
+        for i in range(4):
+            assert _workflow(srv, "alice", f"salt-{i}", f"wf-{i}") == [200, 200]
+        busy = srv.metrics(auth("alice"))
+        assert busy["kvcmas_sessions"] == 2  # the cap: two of the four workflows' sessions were closed
+        assert busy['kvcmas_expired_total{kind="capped"}'] == 2
+        assert busy["kvcmas_namespaces"] == 4 and busy["kvcmas_prefix_cache_entries"] >= 4
+        assert busy["kvcmas_kv_bytes"] > start["kvcmas_kv_bytes"]
+        t0 = time.monotonic()
+        idle = _wait_for(srv, lambda m: m["kvcmas_namespaces"] == 0 and m["kvcmas_sessions"] == 0, 30)
+        assert time.monotonic() - t0 < 10  # 3 s of TTL, and a scheduler that wakes for it
+        assert idle["kvcmas_sessions"] == 0 and idle["kvcmas_namespaces"] == 0
+        assert idle['kvcmas_expired_total{kind="session"}'] == 2
+        assert idle['kvcmas_expired_total{kind="namespace"}'] == 4
+        assert idle["kvcmas_kv_stored_bytes"] == 0 and idle["kvcmas_prefix_cache_entries"] == 0
+        assert idle["kvcmas_kv_bytes"] == start["kvcmas_kv_bytes"] == 0
+        assert idle["kvcmas_estimator_bytes"] == 0
+        assert _workflow(srv, "alice", "salt-0", "wf-0") == [200, 200]  # a namespace that went comes back fresh
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_soak_memory_comes_back_after_the_idle_ttl(default_model_path: Path, key_file: Path) -> None:
+    """A bounded soak on loopback (about 2.5 minutes): two tenants run small workflows, each under a new
+    cache_salt (a namespace each), with abuse mixed in (maximal /tokenize, invalid JSON, unknown fields). No 5xx;
+    once the load stops, the idle TTL takes every session and namespace away: KV back to what it was after the
+    warm-up, and resident memory within 20% of it (issue 51: 2,769 MB of a 3,085 MB peak stayed, from 109 MB)."""
+    ttl = 15.0
+    srv = ServerProcess(
+        str(default_model_path),
+        "--api-key-file",
+        str(key_file),
+        "--method",
+        "kvcmas",
+        "--no-calibration-dir",
+        "--idle-ttl",
+        str(ttl),
+    )
+
+    def settled() -> dict[str, float]:
+        return _wait_for(srv, lambda m: m["kvcmas_namespaces"] == 0 and m["kvcmas_training_reads_pending"] == 0, 60)
+
+    try:
+        limit = 32 * srv.request("GET", "/props", headers=auth("alice"))[2]["n_ctx"]
+        for i in range(6):  # warm-up: every code path once (imports, allocator arenas, estimator shapes)
+            assert _workflow(srv, "alice" if i % 2 else "bob", f"warm-{i}", "w", hops=3) == [200] * 3
+        assert srv.request("POST", "/tokenize", {"content": "hi " * (limit // 3)}, auth("alice"))[0] == 200
+        warm = settled()
+        statuses: dict[int, int] = {}
+        peak = {"rss": warm["process_resident_memory_bytes"], "kv": 0.0, "namespaces": 0.0}
+        stop = time.monotonic() + 60
+
+        def client(tenant: str, n: int) -> None:
+            i = 0
+            while time.monotonic() < stop:
+                i += 1
+                for status in _workflow(srv, tenant, f"{tenant}-{n}-{i}", f"wf-{i % 3}", hops=3):
+                    statuses[status] = statuses.get(status, 0) + 1
+                abuse: list[tuple[str, Any, bytes | None]] = [
+                    ("/tokenize", {"content": "hello " * (limit // 6), "with_pieces": True}, None),
+                    ("/v1/chat/completions", None, b'{"messages": [{"role": "user", "content": "x"}], "max_'),
+                    ("/v1/chat/completions", {"messages": [], "evil": 1}, None),
+                ]
+                path, body, raw = abuse[i % len(abuse)]
+                status = srv.request("POST", path, body, auth(tenant), raw=raw)[0]
+                statuses[status] = statuses.get(status, 0) + 1
+
+        workers = [threading.Thread(target=client, args=(t, n)) for n, t in enumerate(["alice", "bob", "alice"])]
+        for w in workers:
+            w.start()
+        while any(w.is_alive() for w in workers):
+            m = srv.metrics(auth("alice"))
+            peak["rss"] = max(peak["rss"], m["process_resident_memory_bytes"])
+            peak["kv"] = max(peak["kv"], m["kvcmas_kv_bytes"])
+            peak["namespaces"] = max(peak["namespaces"], m["kvcmas_namespaces"])
+            time.sleep(1)
+        for w in workers:
+            w.join()
+        loaded = srv.metrics(auth("alice"))
+        t_end = time.monotonic()
+        idle = settled()
+        took = time.monotonic() - t_end
+        print(
+            f"\nsoak: {sum(statuses.values())} requests {dict(sorted(statuses.items()))}; RSS warm "
+            f"{warm['process_resident_memory_bytes'] / 2**20:.0f} MB, peak {peak['rss'] / 2**20:.0f} MB, after the "
+            f"load {loaded['process_resident_memory_bytes'] / 2**20:.0f} MB, {took:.0f} s later (TTL {ttl:.0f} s) "
+            f"{idle['process_resident_memory_bytes'] / 2**20:.0f} MB; KV peak {peak['kv'] / 2**20:.1f} MB, after "
+            f"{idle['kvcmas_kv_bytes'] / 2**20:.1f} MB; namespaces peak {peak['namespaces']:.0f}"
+        )
+        assert not any(status >= 500 for status in statuses), statuses
+        assert statuses.get(200, 0) > 30 and peak["namespaces"] >= 10
+        assert took < ttl + 10
+        assert idle["kvcmas_sessions"] == 0 and idle["kvcmas_namespaces"] == 0
+        assert idle["kvcmas_kv_bytes"] == warm["kvcmas_kv_bytes"] == 0
+        assert idle["kvcmas_kv_stored_bytes"] == 0 and idle["kvcmas_prefix_cache_entries"] == 0
+        assert idle["process_resident_memory_bytes"] <= 1.2 * warm["process_resident_memory_bytes"]
+    finally:
+        srv.stop()

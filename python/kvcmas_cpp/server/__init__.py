@@ -227,6 +227,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "corrections are then kept in memory only, and /health, /metrics and the start-up log say so (default: "
         "refuse to start)",
     )
+    p.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=600.0,
+        help="seconds after which an idle sharing session is closed (its stored spans freed) and a namespace "
+        "(tenant and cache_salt) with no request forgets its estimator and prefix cache entries; 0: never "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--max-sessions-per-tenant",
+        type=positive_int,
+        default=64,
+        help="sharing sessions (workflow x cache_salt x method) one tenant may hold; beyond it its least recently "
+        "used idle one is closed (default 64)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -236,8 +251,8 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
     from ..model import Model, resolve_model_path
     from .app import Server, ServerConfig
 
-    if args.max_queue < 0 or args.max_images < 0:
-        raise ValueError("--max-queue and --max-images must be >= 0")
+    if args.max_queue < 0 or args.max_images < 0 or args.idle_ttl < 0:
+        raise ValueError("--max-queue, --max-images and --idle-ttl must be >= 0")
     path = resolve_model_path(args.model)
     kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
     if args.device != "cpu":
@@ -277,6 +292,8 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         replica=replica,
         max_text_chars=args.max_text_chars,
         allow_unsaved_calibration=args.allow_unsaved_calibration,
+        idle_ttl=args.idle_ttl if args.idle_ttl > 0 else None,
+        max_tenant_sessions=args.max_sessions_per_tenant,
     )
     return Server(cfg, model)
 

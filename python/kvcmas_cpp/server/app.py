@@ -43,6 +43,8 @@ from .metrics import Metrics
 from .scheduler import (
     CALIBRATION_BYTES,
     GENERATION_RESERVE,
+    IDLE_TTL_S,
+    MAX_TENANT_SESSIONS,
     PREFILL_CHUNK,
     Done,
     Event,
@@ -118,6 +120,8 @@ class ServerConfig:
     # an unusable calibration_dir: start anyway, learned maps in memory only, reported in /health and /metrics
     # (otherwise start-up fails naming the problem)
     allow_unsaved_calibration: bool = False
+    idle_ttl: float | None = IDLE_TTL_S  # idle sessions and namespaces age out after this many seconds; None: never
+    max_tenant_sessions: int = MAX_TENANT_SESSIONS  # sharing sessions one tenant may hold
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
@@ -135,6 +139,15 @@ class ServerConfig:
         if loopback_host(self.host):
             return frozenset(LOOPBACK_NAMES | extra | {host_name(self.host)})
         return frozenset(extra) if extra else None
+
+
+def resident_bytes() -> int:
+    """The process's resident memory from /proc/self/statm (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def error_response(
@@ -475,6 +488,8 @@ class Server:
             cfg.calibration_bytes,
             cold=cfg.cold,
             calibration_dir=cfg.calibration_dir if self.calibration_problem is None else False,
+            idle_ttl=cfg.idle_ttl,
+            max_tenant_sessions=cfg.max_tenant_sessions,
         )
         # each tenant's prefix-cache entries make room by evicting only its own (Namespace.cache_namespace)
         self.scheduler.prefix_cache.owners = max(1, len(self.tenants.keys))
@@ -523,6 +538,26 @@ class Server:
             "What the KV-correction estimators hold: learned maps plus calibration reads pending, bounded by "
             "--calibration-memory (bytes).",
             lambda: s.estimator_bytes,
+        )
+        m.add_gauge("kvcmas_sessions", "Sharing sessions open (workflow, cache_salt and method).", lambda: s.n_sessions)
+        m.add_gauge(
+            "kvcmas_namespaces",
+            "Namespaces (tenant and cache_salt) whose state is kept until they have been idle for --idle-ttl.",
+            lambda: s.n_namespaces,
+        )
+        m.add_counter(
+            "kvcmas_expired_total",
+            "Idle state that went, by kind: sharing sessions idle for --idle-ttl (session; their stored spans freed), "
+            "namespaces idle for as long (namespace; their estimators and prefix cache entries dropped), and idle "
+            "sessions closed beyond --max-sessions-per-tenant or the server's 256 (capped).",
+            "kind",
+            lambda: dict(s.expired),
+        )
+        m.add_gauge(
+            "process_resident_memory_bytes",
+            "Resident memory of the server process (bytes): model weights read so far, KV blocks, estimators, "
+            "Python objects and the allocator's free pages.",
+            resident_bytes,
         )
         m.add_gauge(
             "kvcmas_calibration_saved",

@@ -62,6 +62,8 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self.counted_elsewhere: dict[str, Callable[[], int]] = {}  # counter -> what another part counts toward it
+        # counters another part keeps, by one label: name -> (help, label, read() -> {label value: count})
+        self.counters: dict[str, tuple[str, str, Callable[[], dict[str, int]]]] = {}
 
     def add_count(self, name: str, read: Callable[[], int]) -> None:
         """Counter `name` (an attribute) also counts read() at exposition: for a count another part keeps."""
@@ -73,6 +75,10 @@ class Metrics:
 
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         self.gauges[name] = (help_text, read)
+
+    def add_counter(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, int]]) -> None:
+        """A counter another part keeps, one sample per value of `label` (read at exposition)."""
+        self.counters[name] = (help_text, label, read)
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -235,6 +241,8 @@ class Metrics:
             lines.extend(f"kvcmas_ttft_seconds_bucket{labels} {_fmt(v)}" for labels, v in buckets)
             lines.append(f"kvcmas_ttft_seconds_sum {_fmt(h.total)}")
             lines.append(f"kvcmas_ttft_seconds_count {h.n}")
+        for name, (help_text, label, counts) in self.counters.items():
+            metric(name, "counter", help_text, [(f'{{{label}="{k}"}}', n) for k, n in sorted(counts().items())])
         for name, (help_text, read) in self.gauges.items():
             metric(name, "gauge", help_text, [("", read())])
         return "\n".join(lines) + "\n"
