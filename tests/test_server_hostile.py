@@ -240,22 +240,16 @@ def _wait_for(srv: ServerProcess, done: Any, limit_s: float, tenant: str = "alic
         time.sleep(0.25)
 
 
+def _kvcmas_server(model: Path, key_file: Path, *args: str) -> ServerProcess:
+    keys = ("--api-key-file", str(key_file))
+    return ServerProcess(str(model), *keys, "--method", "kvcmas", "--no-calibration-dir", *args)
+
+
 def test_idle_sessions_and_namespaces_age_out_and_a_tenant_is_capped(default_model_path: Path, key_file: Path) -> None:
     """Workflows nobody deleted kept their sessions, stored spans, estimators and prefix cache entries until memory
     pressure evicted them (449 cache_salts kept 580 MB of KV). Now a tenant holds at most
     --max-sessions-per-tenant sessions, and sessions and namespaces idle for --idle-ttl go with their KV."""
-    srv = ServerProcess(
-        str(default_model_path),
-        "--api-key-file",
-        str(key_file),
-        "--method",
-        "kvcmas",
-        "--no-calibration-dir",
-        "--idle-ttl",
-        "3",
-        "--max-sessions-per-tenant",
-        "2",
-    )
+    srv = _kvcmas_server(default_model_path, key_file, "--idle-ttl", "3", "--max-sessions-per-tenant", "2")
     try:
         start = srv.metrics(auth("alice"))
         for i in range(4):
@@ -286,16 +280,7 @@ def test_soak_memory_comes_back_after_the_idle_ttl(default_model_path: Path, key
     once the load stops, the idle TTL takes every session and namespace away: KV back to what it was after the
     warm-up, and resident memory within 20% of it (issue 51: 2,769 MB of a 3,085 MB peak stayed, from 109 MB)."""
     ttl = 15.0
-    srv = ServerProcess(
-        str(default_model_path),
-        "--api-key-file",
-        str(key_file),
-        "--method",
-        "kvcmas",
-        "--no-calibration-dir",
-        "--idle-ttl",
-        str(ttl),
-    )
+    srv = _kvcmas_server(default_model_path, key_file, "--idle-ttl", str(ttl))
 
     def settled() -> dict[str, float]:
         return _wait_for(srv, lambda m: m["kvcmas_namespaces"] == 0 and m["kvcmas_training_reads_pending"] == 0, 60)
