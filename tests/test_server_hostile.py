@@ -4,6 +4,7 @@ name the problem without disclosing the server's files, and /metrics shows each 
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -343,3 +344,85 @@ def test_soak_memory_comes_back_after_the_idle_ttl(default_model_path: Path, key
         assert idle["process_resident_memory_bytes"] <= 1.2 * warm["process_resident_memory_bytes"]
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------------- 5. the errors
+def _error(message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def test_a_schema_past_llguidance_limits_is_refused_before_generating(server: ServerProcess) -> None:
+    """A satisfiable anyOf of 5,000 objects passed compilation and failed at the second token as "the grammar
+    reached a dead end" (200 and an error event when streamed). It is llguidance's parser limit: said so, naming
+    response_format, before anything is generated."""
+    branches = [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]} for i in range(5000)
+    ]
+    body = {
+        "messages": [{"role": "user", "content": "Pick one."}],
+        "max_tokens": 8,
+        "stream": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "many", "schema": {"anyOf": branches}}},
+    }
+    status, _, out = server.request("POST", "/v1/chat/completions", body, auth("alice"))
+    assert (status, out) == (
+        400,
+        _error(
+            "response_format: the schema cannot be compiled to a grammar: it is larger than llguidance's limits allow "
+            "(Parser Error: Current row has 5000 items; max is 2000; consider making your grammar left-recursive if "
+            "it's right-recursive)",
+            "invalid_schema",
+            "response_format",
+        ),
+    )
+
+
+def test_errors_and_props_name_the_model_not_its_path(default_model_path: Path) -> None:
+    """A template error carried the server's absolute model path, and so did /props: now the file's name."""
+    srv = ServerProcess(str(default_model_path), "--no-calibration-dir", "--max-text-chars", "2000000")
+    try:
+        name = default_model_path.name
+        status, _, props = srv.request("GET", "/props")
+        assert status == 200 and props["model_path"] == name
+        big = {"messages": [{"role": "user", "content": "x" * 1100000}]}  # past the template's output bound
+        for path in ("/apply-template", "/v1/chat/completions"):
+            status, _, out = srv.request("POST", path, big)
+            assert (status, out) == (
+                400,
+                _error(
+                    f"the messages cannot be rendered: {name}: chat template output exceeds 1048576 characters",
+                    "invalid_messages",
+                    "messages",
+                ),
+            )
+            assert str(default_model_path.parent) not in str(out)
+    finally:
+        srv.stop()
+
+
+def test_the_other_error_cases_each_say_what_is_wrong(server: ServerProcess) -> None:
+    # a tool-role message named the function_call item's missing fields (pydantic's last union branch)
+    status, _, out = server.request("POST", "/v1/responses", {"input": [{"role": "tool", "content": "x"}]}, auth("bob"))
+    assert (status, out) == (
+        400,
+        _error(
+            "'input': item 0 is a message whose role 'tool' is not one of user, assistant, system, developer (a "
+            "tool's result is a function_call_output item with the call's call_id)",
+            "invalid_request",
+            "input",
+        ),
+    )
+    # HEAD /health was 405 (load balancers probe with it); it needs no key, like GET
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("HEAD", "/health")
+    resp = conn.getresponse()
+    assert (resp.status, resp.read()) == (200, b"")
+    conn.close()
+    # JSON has no Infinity or NaN; Python's json accepted them (a temperature of Infinity reached the sampler)
+    for constant in ("Infinity", "-Infinity", "NaN"):
+        raw = f'{{"messages": [{{"role": "user", "content": "x"}}], "temperature": {constant}}}'.encode()
+        status, _, out = server.request("POST", "/v1/chat/completions", raw=raw, headers=auth("bob"))
+        assert (status, out) == (
+            400,
+            _error(f"the request body is not valid JSON: {constant} is not a JSON number", "invalid_request"),
+        )

@@ -646,7 +646,7 @@ class Server:
         extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
         for path, handler, methods in extra_routes:
             self._route(app, path, handler, methods)
-        self._route(app, "/health", self.health, ["GET"])
+        self._route(app, "/health", self.health, ["GET", "HEAD"])
         self._route(app, "/metrics", self.prometheus, ["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}

@@ -5,6 +5,7 @@ POST /apply-template and GET /props (tokenizer and chat template only, never the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,7 @@ def utility_routes(server: Server) -> list[tuple[str, Handler, list[str]]]:
     async def props(request: Request) -> dict[str, Any]:
         cfg = server.cfg
         return {
-            "model_path": cfg.model_path,
+            "model_path": os.path.basename(cfg.model_path),  # the file's name: where it lives is the operator's
             "model_alias": server.model_id,
             "arch": model.arch,
             "n_ctx": model.n_ctx,

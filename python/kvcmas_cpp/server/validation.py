@@ -316,6 +316,11 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def _not_a_json_number(name: str) -> Any:
+    """Python's json reads NaN, Infinity and -Infinity, which JSON does not have (RFC 8259): refused by name."""
+    raise ApiError(400, f"the request body is not valid JSON: {name} is not a JSON number", "invalid_request")
+
+
 def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
     """Raw POST body -> a validated `schema` instance. Raises ApiError (413 oversized, 400 invalid)."""
     if len(raw) > limits.max_body_bytes:
@@ -323,7 +328,7 @@ def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
             413, f"the request body has {len(raw)} bytes; the limit is {limits.max_body_bytes}", "body_too_large"
         )
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_not_a_json_number)
     except RecursionError:  # nesting deeper than Python's stack allows
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
