@@ -232,10 +232,11 @@ def _workflow(srv: ServerProcess, tenant: str, salt: str, workflow: str, hops: i
     return statuses
 
 
-def _wait_for(srv: ServerProcess, done: Any, limit_s: float, tenant: str = "alice") -> dict[str, float]:
+def _wait_for(srv: ServerProcess, done: Any, limit_s: float) -> dict[str, float]:
+    """The whole server's metrics once done(them) (or at the deadline)."""
     deadline = time.monotonic() + limit_s
     while True:
-        metrics = srv.metrics(auth(tenant))
+        metrics = srv.metrics()
         if done(metrics) or time.monotonic() > deadline:
             return metrics
         time.sleep(0.25)
@@ -252,11 +253,11 @@ def test_idle_sessions_and_namespaces_age_out_and_a_tenant_is_capped(default_mod
     --max-sessions-per-tenant sessions, and sessions and namespaces idle for --idle-ttl go with their KV."""
     srv = _kvcmas_server(default_model_path, key_file, "--idle-ttl", "10", "--max-sessions-per-tenant", "2")
     try:
-        start = srv.metrics(auth("alice"))
+        start = srv.metrics()
         t_load = time.monotonic()
         for i in range(4):
             assert _workflow(srv, "alice", f"salt-{i}", f"wf-{i}") == [200, 200]
-        busy = srv.metrics(auth("alice"))
+        busy = srv.metrics()
         assert time.monotonic() - t_load < 10, "too slow a machine for this TTL: state aged out during the load"
         assert busy["kvcmas_sessions"] == 2  # the cap: two of the four workflows' sessions were closed
         assert busy['kvcmas_expired_total{kind="capped"}'] == 2
@@ -317,14 +318,14 @@ def test_soak_memory_comes_back_after_the_idle_ttl(default_model_path: Path, key
         for w in workers:
             w.start()
         while any(w.is_alive() for w in workers):
-            m = srv.metrics(auth("alice"))
+            m = srv.metrics()
             peak["rss"] = max(peak["rss"], m["process_resident_memory_bytes"])
             peak["kv"] = max(peak["kv"], m["kvcmas_kv_bytes"])
             peak["namespaces"] = max(peak["namespaces"], m["kvcmas_namespaces"])
             time.sleep(1)
         for w in workers:
             w.join()
-        loaded = srv.metrics(auth("alice"))
+        loaded = srv.metrics()
         t_end = time.monotonic()
         idle = settled()
         took = time.monotonic() - t_end
@@ -426,3 +427,65 @@ def test_the_other_error_cases_each_say_what_is_wrong(server: ServerProcess) -> 
             400,
             _error(f"the request body is not valid JSON: {constant} is not a JSON number", "invalid_request"),
         )
+
+
+# ---------------------------------------------------------------------------------------- 6. /metrics per tenant
+SERVER_WIDE = ("kvcmas_kv_bytes", "kvcmas_prefix_cache_entries", "kvcmas_active_requests", "kvcmas_evictions_total")
+
+
+def test_metrics_show_a_tenant_only_its_own_requests(server: ServerProcess) -> None:
+    """Every key holder read every tenant's volume in /metrics (bob saw alice's prompts move the prefix-cache
+    gauges). A tenant's key now gets its own requests' counters only; the whole server's go to a keyless scrape
+    from loopback (or --metrics-key, below)."""
+    chat = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 2}
+    mine = {t: server.metrics(auth(t)) for t in KEYS}
+    everyone = server.metrics()
+    usage = {t: [] for t in KEYS}
+    for tenant in ("alice", "alice", "bob"):
+        status, _, out = server.request("POST", "/v1/chat/completions", chat, auth(tenant))
+        assert status == 200
+        usage[tenant].append(out["usage"])
+    ok = 'kvcmas_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    for tenant in KEYS:
+        after = server.metrics(auth(tenant))
+        assert not any(name in after for name in SERVER_WIDE), sorted(after)
+        assert after[ok] - mine[tenant].get(ok, 0) == len(usage[tenant])
+        for counter, field in (
+            ("kvcmas_prompt_tokens_total", "prompt_tokens"),
+            ("kvcmas_generated_tokens_total", "completion_tokens"),
+        ):
+            assert after[counter] - mine[tenant][counter] == sum(u[field] for u in usage[tenant])
+        assert after["kvcmas_ttft_seconds_count"] - mine[tenant]["kvcmas_ttft_seconds_count"] == len(usage[tenant])
+    total = server.metrics()  # keyless from loopback: the operator's view of the whole server
+    assert all(name in total for name in SERVER_WIDE)
+    assert total[ok] - everyone.get(ok, 0) == 3
+    assert total["kvcmas_prompt_tokens_total"] - everyone["kvcmas_prompt_tokens_total"] == sum(
+        u["prompt_tokens"] for t in KEYS for u in usage[t]
+    )
+
+
+def test_a_metrics_key_is_the_only_way_to_the_whole_servers_metrics(default_model_path: Path, key_file: Path) -> None:
+    srv = ServerProcess(
+        str(default_model_path), "--api-key-file", str(key_file), "--no-calibration-dir", "--metrics-key", "ops-key"
+    )
+    try:
+        status, _, out = srv.request("GET", "/metrics")
+        assert (status, out) == (
+            401,
+            {
+                "error": {
+                    "message": "invalid or missing API key (or --metrics-key)",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            },
+        )
+        assert srv.request("GET", "/metrics", headers={"Authorization": "Bearer nope"})[0] == 401
+        whole = srv.metrics({"Authorization": "Bearer ops-key"})
+        assert all(name in whole for name in SERVER_WIDE)
+        own = srv.metrics(auth("bob"))
+        assert not any(name in own for name in SERVER_WIDE) and "kvcmas_prompt_tokens_total" in own
+        assert srv.request("GET", "/v1/models", headers={"Authorization": "Bearer ops-key"})[0] == 401  # not a tenant
+    finally:
+        srv.stop()

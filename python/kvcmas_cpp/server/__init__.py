@@ -88,6 +88,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "never cross tenants)",
     )
     p.add_argument(
+        "--metrics-key",
+        default=None,
+        metavar="KEY",
+        help="the key whose GET /metrics shows the whole server's metrics; a tenant's API key shows only its own "
+        "requests' counters. Without it, with API keys, the whole server's go to keyless requests from loopback",
+    )
+    p.add_argument(
         "--allowed-host",
         action="append",
         default=[],
@@ -294,6 +301,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         allow_unsaved_calibration=args.allow_unsaved_calibration,
         idle_ttl=args.idle_ttl if args.idle_ttl > 0 else None,
         max_tenant_sessions=args.max_sessions_per_tenant,
+        metrics_key=args.metrics_key,
     )
     return Server(cfg, model)
 

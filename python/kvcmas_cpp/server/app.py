@@ -122,6 +122,7 @@ class ServerConfig:
     allow_unsaved_calibration: bool = False
     idle_ttl: float | None = IDLE_TTL_S  # idle sessions and namespaces age out after this many seconds; None: never
     max_tenant_sessions: int = MAX_TENANT_SESSIONS  # sharing sessions one tenant may hold
+    metrics_key: str | None = None  # the key whose /metrics are the whole server's (tenant keys see their own)
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
@@ -160,6 +161,7 @@ def internal_error_response(exc: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
+ALL_METRICS = "\x00all"  # a /metrics request that sees the whole server's (no tenant has this name: names are words)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_MEDIA_TYPES = frozenset({"application/json"})
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -261,8 +263,10 @@ class _ApiKeyAndAccounting:
         max_inflight: int = 256,
         allowed_hosts: frozenset[str] | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        metrics_key: str | None = None,
     ) -> None:
         self.app = app
+        self.metrics_key = metrics_key
         self.tenants = tenants
         self.metrics = metrics
         self.known_paths = known_paths
@@ -317,7 +321,7 @@ class _ApiKeyAndAccounting:
                     await internal_error_response(exc)(scope, receive, counting_send)
             finally:
                 self.inflight -= limited
-        self.metrics.count_request(endpoint, status_seen)
+        self.metrics.count_request(endpoint, status_seen, scope.get("state", {}).get("tenant"))
         if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
             # Probes (health checks, metric scrapes) log at debug level: they come every few seconds.
             level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
@@ -335,9 +339,14 @@ class _ApiKeyAndAccounting:
         auth = headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         tenant = self.tenants.tenant(token)
-        if tenant is None and path not in self.PUBLIC:
+        state = scope.setdefault("state", {})
+        if path == "/metrics":
+            state["metrics_of"] = self._metrics_of(scope, token, tenant)
+            if state["metrics_of"] is None:
+                return error_response(401, "invalid or missing API key (or --metrics-key)", "invalid_api_key")
+        elif tenant is None and path not in self.PUBLIC:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
-        scope.setdefault("state", {})["tenant"] = tenant
+        state["tenant"] = tenant
         if scope.get("method") == "POST":
             media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media_type not in JSON_MEDIA_TYPES:
@@ -355,6 +364,21 @@ class _ApiKeyAndAccounting:
                 413, f"the request body has {int(length)} bytes; the limit is {self.max_body_bytes}", "body_too_large"
             )
         return None
+
+    def _metrics_of(self, scope: MutableMapping[str, Any], token: str, tenant: str | None) -> str | None:
+        """Whose metrics a /metrics request sees: ALL_METRICS (the whole server's) for --metrics-key, or, without
+        it, for a keyless request from loopback or any request of a server without API keys; a tenant's key: its
+        own; None: refused. A tenant must not read the others' volume in the server-wide counters and gauges."""
+        if self.metrics_key is not None:
+            if hmac.compare_digest(token.encode(), self.metrics_key.encode()):
+                return ALL_METRICS
+            return tenant if self.tenants.required else None
+        if not self.tenants.required:
+            return ALL_METRICS
+        if tenant is not None:
+            return tenant
+        client = scope.get("client") or ("", 0)
+        return ALL_METRICS if not token and loopback_host(str(client[0])) else None
 
     async def _read_body(self, receive: Receive) -> tuple[bytes | None, Response | None]:
         """The whole body, or the response that refuses it: too large (413), not complete within body_timeout (408),
@@ -670,6 +694,7 @@ class Server:
             max_inflight=self.cfg.max_inflight,
             allowed_hosts=self.cfg.host_allow_list(),
             body_timeout=self.cfg.body_timeout,
+            metrics_key=self.cfg.metrics_key,
         )
         return app
 
@@ -690,8 +715,10 @@ class Server:
             raise ApiError(404, f"no workflow {shown!r} of yours is open", "workflow_not_found")
         return {"workflow": workflow, "deleted": True}
 
-    async def prometheus(self) -> PlainTextResponse:
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        of = request.state.metrics_of
+        text = self.metrics.render(None if of == ALL_METRICS else of)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_card(self) -> dict[str, Any]:
         m = self.model

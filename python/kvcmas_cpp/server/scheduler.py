@@ -245,6 +245,12 @@ class Job:
     children: list[Job] = field(default_factory=list)  # its forks (n > 1)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not sent yet
 
+    @property
+    def tenant(self) -> str | None:
+        """The tenant whose request this is (None: unknown, a job made outside the server)."""
+        ns = self.session_key.namespace if self.session_key is not None else self.namespace
+        return ns.tenant if ns is not None else None
+
     def __post_init__(self) -> None:
         if not self.n_prompt:
             self.n_prompt = len(self.ids)
@@ -885,6 +891,7 @@ class Scheduler:
                 constraint=job.constraint.fork() if job.constraint is not None else None,
                 t_arrival=job.t_arrival,
                 index=i,
+                namespace=job.session_key.namespace if job.session_key is not None else job.namespace,
             )
             fork.sampler = Sampler(params)
             fork.decoder = StreamDecoder(self.model.tokenizer)
@@ -1057,13 +1064,20 @@ class Scheduler:
         stats = self._stats(job, t_end)
         self._release(job)
         self._service_s = 0.8 * self._service_s + 0.2 * (t_end - job.t_admit)
+        tenant = job.tenant
         if job.index == 0:
             self.metrics.count_generation(
-                stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+                stats["prompt_tokens"],
+                stats["reused_tokens"],
+                stats["completion_tokens"],
+                stats["ttft_ms"] / 1000.0,
+                tenant,
             )
-            self.metrics.count_sharing(stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"])
+            self.metrics.count_sharing(
+                stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"], tenant
+            )
         else:  # a fork: its prompt was counted with choice 0
-            self.metrics.count_generation(0, 0, stats["completion_tokens"], None)
+            self.metrics.count_generation(0, 0, stats["completion_tokens"], None, tenant)
         job.sink(Done(reason, stats, job.index))
 
     @staticmethod
