@@ -23,6 +23,7 @@ import collections
 import contextlib
 import http.client
 import json
+import math
 import os
 import random
 import signal
@@ -258,6 +259,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=60.0, help="seconds allowed for KV to return afterwards")
     p.add_argument("--rss-slack-mib", type=float, default=64.0, help="RSS allowed above the baseline afterwards")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--idle-wait",
+        type=float,
+        default=0.0,
+        help="seconds to wait once the load settled, then report RSS and KV again (e.g. the server's --idle-ttl "
+        "plus 60, to see what ages out)",
+    )
     return p.parse_args()
 
 
@@ -297,6 +305,7 @@ def run_load(
 
     peak = {"rss": rss_before, "kv": base.get("kvcmas_kv_bytes", 0.0)}
     stop_sampling = threading.Event()
+    health_ms: list[float] = []  # /health latency under the load, as a liveness probe sees it
 
     def sample() -> None:
         probe = Client(host, port, Stats(), timeout=30)
@@ -304,6 +313,9 @@ def run_load(
             with contextlib.suppress(Exception):
                 peak["rss"] = max(peak["rss"], rss_mib())
                 peak["kv"] = max(peak["kv"], metrics(probe).get("kvcmas_kv_bytes", 0.0))
+                t_probe = time.perf_counter()
+                probe.request("GET", "/health")
+                health_ms.append((time.perf_counter() - t_probe) * 1000.0)
             stop_sampling.wait(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -347,6 +359,23 @@ def run_load(
     cancelled = after.get("kvcmas_cancelled_total", 0) - base.get("kvcmas_cancelled_total", 0)
     print(f"  server: {gen:.0f} tokens generated, {reused:.0f} prompt tokens reused, {cancelled:.0f} cancelled")
     print(f"  RSS MiB: before {rss_before:.1f}, peak {peak['rss']:.1f}, after {rss_after:.1f}")
+    if health_ms:
+        ranked = sorted(health_ms)
+        p99 = ranked[min(len(ranked) - 1, math.ceil(0.99 * len(ranked)) - 1)]
+        print(
+            f"  /health under load: {len(ranked)} probes, p50 {ranked[len(ranked) // 2]:.1f} ms, p99 {p99:.1f} ms, "
+            f"max {ranked[-1]:.1f} ms"
+        )
+    if args.idle_wait > 0:
+        time.sleep(args.idle_wait)
+        idle = metrics(client)
+        rss_idle = rss_mib()
+        print(
+            f"  {args.idle_wait:.0f} s later: RSS {rss_idle:.1f} MiB ({100 * (rss_idle / rss_before - 1):+.1f}% of "
+            f"before), KV {idle.get('kvcmas_kv_bytes', float('nan')):.0f} bytes, sessions "
+            f"{idle.get('kvcmas_sessions', float('nan')):.0f}, namespaces "
+            f"{idle.get('kvcmas_namespaces', float('nan')):.0f}"
+        )
     print(
         f"  KV bytes: before {base.get('kvcmas_kv_bytes', 0):.0f}, peak {peak['kv']:.0f}, "
         f"after {after.get('kvcmas_kv_bytes', float('nan')):.0f}; engine sequences after "
