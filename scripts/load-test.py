@@ -83,7 +83,8 @@ class Client:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         text: list[str] = []
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
+            data = json.dumps({**body, "stream": True})
+            conn.request("POST", "/v1/chat/completions", data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             self.stats.count(resp.status)
             if resp.status != 200:
@@ -338,8 +339,9 @@ def run_load(
     client.request("DELETE", "/v1/kvcmas/workflows/default")
     settle_deadline = time.monotonic() + args.settle
     after = metrics(client)
+    # (KV may end below the baseline: idle namespaces age out with their prefix cache entries, --idle-ttl)
     while time.monotonic() < settle_deadline and (
-        after.get("kvcmas_kv_bytes") != base.get("kvcmas_kv_bytes") or after.get("kvcmas_active_requests")
+        after.get("kvcmas_kv_bytes", 0) > base.get("kvcmas_kv_bytes", 0) or after.get("kvcmas_active_requests")
     ):
         time.sleep(0.5)
         after = metrics(client)
@@ -388,7 +390,7 @@ def run_load(
         failures.append(f"{len(stats.errors)} connection errors")
     if crashed or health != 200:
         failures.append("the server crashed or stopped answering /health")
-    if after.get("kvcmas_kv_bytes") != base.get("kvcmas_kv_bytes"):
+    if after.get("kvcmas_kv_bytes", 0) > base.get("kvcmas_kv_bytes", 0):
         failures.append("KV bytes did not return to the baseline")
     # Once idle, the server hands freed KV blocks back to the system (Model.kv_trim) and trims the heap, so RSS must
     # come back to the baseline within the slack (allocator and interpreter caches), plus what the KV-correction
