@@ -132,7 +132,7 @@ def test_one_tenants_images_never_evict_anothers_encoded_images(
         part = {"type": "image_url", "image_url": {"url": url}}
         return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
 
-    operator = {"Authorization": f"Bearer {KEYS['alice']}"}
+    operator: dict[str, str] = {}  # keyless from loopback: the whole server's /metrics
 
     def encoded() -> float:
         return tenants_server.metrics(operator)["kvcmas_images_encoded_total"]
