@@ -437,7 +437,7 @@ def test_metrics_show_a_tenant_only_its_own_requests(server: ServerProcess) -> N
     chat = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 2}
     mine = {t: server.metrics(auth(t)) for t in KEYS}
     everyone = server.metrics()
-    usage = {t: [] for t in KEYS}
+    usage: dict[str, list[dict[str, Any]]] = {t: [] for t in KEYS}
     for tenant in ("alice", "alice", "bob"):
         status, _, out = server.request("POST", "/v1/chat/completions", chat, auth(tenant))
         assert status == 200

@@ -472,7 +472,7 @@ class Scheduler:
                 self._close_session(key)
                 self.expired["session"] += 1
                 gone = True
-        in_use = {k.namespace for k in self._sessions}
+        in_use: set[Namespace | None] = {k.namespace for k in self._sessions}
         in_use |= {j.session_key.namespace if j.session_key is not None else j.namespace for j in self._active}
         for ns, last in list(self._namespaces.items()):
             if last < cutoff and ns not in in_use:

@@ -368,12 +368,9 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_value", "top_logprobs") from None
     images: list[bytes] = []
-    if isinstance(body, CompletionRequest) and not (
-        isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int)
-    ):
-        check_text_length(
-            sum(map(len, body.prompt)) if isinstance(body.prompt, list) else len(body.prompt), limits, "prompt"
-        )
+    if isinstance(body, CompletionRequest):
+        texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        check_text_length(sum(len(t) for t in texts), limits, "prompt")
     if isinstance(body, ChatCompletionRequest):
         urls: list[str] = []
 
