@@ -104,6 +104,20 @@ def test_a_maximal_utility_request_does_not_freeze_the_other_clients(server: Ser
     assert chats and max(chats) < 5.0, f"a one-token chat took up to {max(chats):.2f} s"
 
 
+def test_long_text_encodes_the_same_with_the_gil_released(default_model_path: Path) -> None:
+    """Fragments of 4096 characters or more go through tokenizers' encode_batch (which releases the GIL): the same
+    ids as its encode (which holds it), special tokens between fragments included."""
+    tok = kc.Model(str(default_model_path), n_threads=1).tokenizer
+    text = "Ünïcode and spaces  \n\t" * 400 + "<|im_start|>" + "hello world " * 500 + "<|im_end|>" + "x" * 5000
+    hf = tok._hf
+    start, end = tok.encode("<|im_start|>", False), tok.encode("<|im_end|>", False)
+    pieces = text.replace("<|im_end|>", "<|im_start|>").split("<|im_start|>")
+    ids = [hf.encode(p, add_special_tokens=False).ids for p in pieces]
+    want = ids[0] + start + ids[1] + end + ids[2]
+    assert min(len(p) for p in pieces) >= 4096 and len(start) == len(end) == 1
+    assert tok.encode(text, False, True) == want
+
+
 # ------------------------------------------------------------------------------- 2. only one's own calibration files
 def test_a_new_namespace_opens_only_its_own_calibration_files(default_model_path: Path, tmp_path: Path) -> None:
     """The first request of a namespace read every file in --calibration-dir and dropped the others' (bob's first
