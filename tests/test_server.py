@@ -838,7 +838,7 @@ def test_tiny_kv_budget_queues_then_refuses_with_429(small_server: ServerProcess
         assert out["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
     queued = [out["timings"]["queue_ms"] for _, _, out in ok]
     assert max(queued) > out["timings"]["predicted_ms"] * 0.5  # someone waited for memory behind a running one
-    m = small_server.metrics(headers=AUTH)
+    m = small_server.metrics()
     assert m["kvcmas_rejected_total"] == len(refused)
     assert m["kvcmas_kv_peak_bytes"] <= 7 * BLOCK_BYTES
     assert m["kvcmas_active_requests"] == 0
@@ -847,7 +847,7 @@ def test_tiny_kv_budget_queues_then_refuses_with_429(small_server: ServerProcess
     assert small_server.request("DELETE", "/v1/kvcmas/workflows/default", headers=AUTH)[0] == 200
 
     def beyond_cache() -> float:
-        m = small_server.metrics(headers=AUTH)
+        m = small_server.metrics()
         cache_blocks = math.ceil(m["kvcmas_prefix_cache_tokens"] / 32) + m["kvcmas_prefix_cache_entries"]
         return m["kvcmas_kv_bytes"] - cache_blocks * BLOCK_BYTES
 
@@ -860,11 +860,11 @@ def test_tiny_kv_budget_queues_then_refuses_with_429(small_server: ServerProcess
 def test_tiny_kv_budget_evicts_stored_spans(small_server: ServerProcess) -> None:
     """A sharing workflow under a budget of 7 blocks: stored spans and prefix caches are evicted (least recently
     used first) to admit each hop; every hop still completes, and memory never exceeds the budget."""
-    before = small_server.metrics(headers=AUTH)
+    before = small_server.metrics()
     hops = _workflow(small_server, "wf-tiny", "fullshared", max_tokens=16, headers=AUTH)
     assert all(h["choices"][0]["finish_reason"] in ("stop", "length") for h in hops)
     assert all(h["kvcmas"]["method"] == "fullshared" for h in hops) or hops[0]["kvcmas"]["method"] == "nonshared"
-    m = small_server.metrics(headers=AUTH)
+    m = small_server.metrics()
     assert m["kvcmas_kv_peak_bytes"] <= 7 * BLOCK_BYTES
     if hops[0]["kvcmas"]["method"] == "fullshared":
         assert m["kvcmas_evictions_total"] > before["kvcmas_evictions_total"]
@@ -874,13 +874,13 @@ def test_prefix_cache_evictions_count_in_kvcmas_evictions_total(small_server: Se
     """The prefix cache evicts on its own once its entries pass a quarter of the KV budget (here 56 rows); those
     evictions (and the ones the scheduler asks of it) were never exported. Two plain completions of 40-odd prompt
     rows each: the second evicts the first (nothing else runs, the budget has room for both requests)."""
-    before = small_server.metrics(headers=AUTH)
+    before = small_server.metrics()
     prompts = [f"Story {i}: " + ROLES[i] + " " + TASK[:120] for i in range(2)]
     for prompt in prompts:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
         status, _, out = small_server.request("POST", "/v1/completions", body, headers=AUTH)
         assert status == 200 and out["usage"]["prompt_tokens"] > 28, out
-    after = small_server.metrics(headers=AUTH)
+    after = small_server.metrics()
     dropped = before["kvcmas_prefix_cache_entries"] + len(prompts) - after["kvcmas_prefix_cache_entries"]
     assert dropped >= 1, (before, after)
     assert after["kvcmas_evictions_total"] - before["kvcmas_evictions_total"] >= dropped

@@ -102,7 +102,7 @@ def test_one_tenants_prompts_never_evict_anothers_prefix_cache_entries(tenants_s
     assert cached("bob", bobs) == 0
     before = cached("bob", bobs)
     assert before > 64
-    operator = {"Authorization": f"Bearer {KEYS['alice']}"}  # /metrics is server-wide: the operator's view
+    operator: dict[str, str] = {}  # keyless from loopback: the whole server's /metrics, the operator's view
     entries_before = srv.metrics(operator)["kvcmas_prefix_cache_entries"]
     for k in range(10):
         alices = {"prompt": f"Alice's ledger {k}: " + " ".join(f"entry {k}.{i} is paid." for i in range(24))}
@@ -132,7 +132,7 @@ def test_one_tenants_images_never_evict_anothers_encoded_images(
         part = {"type": "image_url", "image_url": {"url": url}}
         return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
 
-    operator = {"Authorization": f"Bearer {KEYS['alice']}"}
+    operator: dict[str, str] = {}  # keyless from loopback: the whole server's /metrics
 
     def encoded() -> float:
         return tenants_server.metrics(operator)["kvcmas_images_encoded_total"]

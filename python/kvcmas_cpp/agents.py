@@ -118,6 +118,19 @@ def bound_estimators(model: Model, max_bytes: int, live: Collection[str], busy: 
     return freed
 
 
+def forget_estimators(model: Model, workflow: str) -> int:
+    """Drops the shared estimators of a workflow name (every method's), for a server whose idle namespaces age out;
+    a later session of it starts fresh (loading the calibration directory again). Returns the bytes they held."""
+    with _estimators_lock:
+        per_model = _estimators.get(model, {})
+        freed = 0
+        for key in [k for k in per_model if k[1] == workflow]:
+            e, _ = per_model.pop(key)
+            _loaded_dirs.get(model, {}).pop(key, None)
+            freed += e.state_bytes() + e.pending_bytes()
+        return freed
+
+
 def shared_estimator(
     model: Model, method: str, workflow: str, store: CalibrationStore | None = None
 ) -> tuple[est.Estimator, threading.RLock]:

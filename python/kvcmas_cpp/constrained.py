@@ -13,6 +13,7 @@ One Constraint follows one generation: `allowed()` is the mask for the next toke
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,8 @@ class GrammarError(KvcmasError):
 
 
 _DEAD_END = "the grammar reached a dead end: no token can continue the output"
+PROBE_STEPS = 8  # tokens a new constraint walks into its grammar to meet llguidance's size limits before generating
+_LIMIT = re.compile(r"max is|limit|fuel|too many|too large", re.IGNORECASE)  # llguidance's size-limit errors
 
 
 class ConstraintDeadEnd(KvcmasError):
@@ -193,6 +196,24 @@ class Constraint:
                 self.allowed()
             except ConstraintDeadEnd:
                 raise GrammarError("it admits no output: no token can start one") from None
+            self._probe()
+
+    def _probe(self) -> None:
+        """Walks PROBE_STEPS tokens into the grammar (each time the first token it allows) on a copy: a schema past
+        llguidance's size limits (a parser row of more items than it takes: an anyOf of thousands of objects) is
+        refused now, by GrammarError, not as a dead end once the request is generating."""
+        walk = Constraint(self.tokenizer, self.grammar, self.n_logits, self._matcher.deep_copy())
+        try:
+            for _ in range(PROBE_STEPS):
+                mask = walk.allowed()
+                mask[sorted(self.tokenizer.eog_ids)] = False
+                if walk.finished or not mask.any():
+                    return
+                walk.accept(int(np.argmax(mask)))
+        except ConstraintDeadEnd as e:
+            if _LIMIT.search(str(e)):
+                cause = str(e).split("(llguidance: ", 1)[-1].rstrip(")")
+                raise GrammarError(f"it is larger than llguidance's limits allow ({cause})") from None
 
     def fork(self) -> Constraint:
         """An independent copy in the same state (the n > 1 choices of one request)."""

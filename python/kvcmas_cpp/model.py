@@ -483,7 +483,7 @@ class Model:
             try:
                 self._tokenizer = Tokenizer.from_gguf_metadata(self.metadata)
             except TokenizerError as e:  # the file's vocabulary is at fault: say which file
-                raise TokenizerError(f"{self.path}: {e}") from None
+                raise TokenizerError(f"{os.path.basename(self.path)}: {e}") from None
         return self._tokenizer
 
     def __repr__(self) -> str:
@@ -523,7 +523,7 @@ class Model:
                 **extra,
             )
         except ChatTemplateError as e:  # the file's template failed (or refused the messages): say which file
-            raise ChatTemplateError(f"{self.path}: {e}") from None
+            raise ChatTemplateError(f"{os.path.basename(self.path)}: {e}") from None  # by name: servers show it
 
     # ---------------------------------------------------------------------------------------------- compute
     def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:

@@ -306,6 +306,14 @@ class PrefixCache:
             self.evictions += 1
             return True
 
+    def forget(self, namespace: str) -> int:
+        """Drops every entry of one namespace (an idle one aging out); returns how many there were."""
+        with self._lock:
+            mine = [e for e in self._lru if e.namespace == namespace]
+            for e in mine:
+                self._drop(e)
+            return len(mine)
+
     def clear(self) -> int:
         """Drops every entry; returns how many there were."""
         with self._lock:

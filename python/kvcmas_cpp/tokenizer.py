@@ -115,6 +115,9 @@ _FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }  # fmt: skip
 
+# Text fragments at least this long are encoded with the GIL released (tokenizers' encode_batch does, encode
+# does not): one large /tokenize request must not stall every other thread of the server meanwhile.
+_GIL_FREE_CHARS = 4096
 _SPACE_ESCAPE = "\u2581"  # "▁", SentencePiece's visible space
 _C_ISSPACE = " \t\n\v\f\r"
 
@@ -414,7 +417,10 @@ class Tokenizer:
                 if self._add_space_prefix and is_prev_special:
                     fragment = " " + fragment
                 fragment = fragment.replace(" ", _SPACE_ESCAPE)
-            out.extend(self._hf.encode(fragment, add_special_tokens=False).ids)
+            if len(fragment) < _GIL_FREE_CHARS:
+                out.extend(self._hf.encode(fragment, add_special_tokens=False).ids)
+            else:  # encode holds the GIL throughout (seconds for megabytes); encode_batch lets other threads run
+                out.extend(self._hf.encode_batch([fragment], add_special_tokens=False)[0].ids)
             is_prev_special = False
         if add_special and self._add_eos:
             assert self._eos_id is not None

@@ -150,7 +150,9 @@ class Engine:
             "query_string": query,
             "root_path": "",
             "headers": headers,
-            "client": ("127.0.0.1", 0),
+            # not loopback: the client is whoever reached the ingress (a keyless /metrics from loopback is the
+            # operator's view of a server with API keys; through the ingress it takes --metrics-key)
+            "client": ("cluster-ingress", 0),
             "server": ("127.0.0.1", 0),
             "state": {},
         }

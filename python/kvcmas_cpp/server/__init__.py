@@ -88,6 +88,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "never cross tenants)",
     )
     p.add_argument(
+        "--metrics-key",
+        default=None,
+        metavar="KEY",
+        help="the key whose GET /metrics shows the whole server's metrics; a tenant's API key shows only its own "
+        "requests' counters. Without it, with API keys, the whole server's go to keyless requests from loopback",
+    )
+    p.add_argument(
         "--allowed-host",
         action="append",
         default=[],
@@ -154,6 +161,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=4096,
         help="most new tokens one request may ask for (larger max_tokens: 400) or get by default (default 4096)",
     )
+    p.add_argument(
+        "--max-text-chars",
+        type=positive_int,
+        default=None,
+        help="characters of text one request may have tokenized or rendered (chat messages, completion prompts, "
+        "/tokenize, /apply-template); beyond it: 413 (default: 32 per context token, 262144 for an 8192-token "
+        "context)",
+    )
     p.add_argument("--max-images", type=int, default=8, help="image parts per chat request; beyond it: 400 (default 8)")
     p.add_argument(
         "--max-image-memory",
@@ -212,6 +227,28 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "i.e. ~/.cache/kvcmas)",
     )
     cal.add_argument("--no-calibration-dir", action="store_true", help="keep learned corrections in memory only")
+    p.add_argument(
+        "--allow-unsaved-calibration",
+        action="store_true",
+        help="start even when the calibration directory cannot be written (a file, not writable): learned "
+        "corrections are then kept in memory only, and /health, /metrics and the start-up log say so (default: "
+        "refuse to start)",
+    )
+    p.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=600.0,
+        help="seconds after which an idle sharing session is closed (its stored spans freed) and a namespace "
+        "(tenant and cache_salt) with no request forgets its estimator and prefix cache entries; 0: never "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--max-sessions-per-tenant",
+        type=positive_int,
+        default=64,
+        help="sharing sessions (workflow x cache_salt x method) one tenant may hold; beyond it its least recently "
+        "used idle one is closed (default 64)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -221,8 +258,8 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
     from ..model import Model, resolve_model_path
     from .app import Server, ServerConfig
 
-    if args.max_queue < 0 or args.max_images < 0:
-        raise ValueError("--max-queue and --max-images must be >= 0")
+    if args.max_queue < 0 or args.max_images < 0 or args.idle_ttl < 0:
+        raise ValueError("--max-queue, --max-images and --idle-ttl must be >= 0")
     path = resolve_model_path(args.model)
     kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
     if args.device != "cpu":
@@ -260,6 +297,11 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,
         replica=replica,
+        max_text_chars=args.max_text_chars,
+        allow_unsaved_calibration=args.allow_unsaved_calibration,
+        idle_ttl=args.idle_ttl if args.idle_ttl > 0 else None,
+        max_tenant_sessions=args.max_sessions_per_tenant,
+        metrics_key=args.metrics_key,
     )
     return Server(cfg, model)
 

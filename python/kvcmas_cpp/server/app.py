@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import Model
+from ..sharing import persist
 from ..tools import ToolCallStream
 from .backend import Segment
 from .choices import Choice
@@ -42,6 +43,8 @@ from .metrics import Metrics
 from .scheduler import (
     CALIBRATION_BYTES,
     GENERATION_RESERVE,
+    IDLE_TTL_S,
+    MAX_TENANT_SESSIONS,
     PREFILL_CHUNK,
     Done,
     Event,
@@ -81,6 +84,9 @@ IMAGE_DECODES = 2  # images decoded at once: each may take up to --max-image-mem
 DEFAULT_IMAGE_MEMORY = 256 << 20  # decoding one image may take this much (checked from its header, before decoding)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers are in (--body-timeout)
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for the request line and headers to arrive (--header-timeout)
+# Default --max-text-chars: characters per context token. A prompt that fits the context is far shorter (English
+# averages ~4 characters a token), and tokenizing this much takes well under a second of one core.
+TEXT_CHARS_PER_CTX = 32
 
 
 @dataclass
@@ -111,11 +117,18 @@ class ServerConfig:
     calibration_bytes: int = CALIBRATION_BYTES  # training statistics kvcmas may hold while it calibrates
     cold: str = "reuse"  # kvcmas before an edge is calibrated: reuse (fullshared-like) or dense
     calibration_dir: str | bool = True  # kvcmas' learned maps across restarts: True = the user's cache dir
+    # an unusable calibration_dir: start anyway, learned maps in memory only, reported in /health and /metrics
+    # (otherwise start-up fails naming the problem)
+    allow_unsaved_calibration: bool = False
+    idle_ttl: float | None = IDLE_TTL_S  # idle sessions and namespaces age out after this many seconds; None: never
+    max_tenant_sessions: int = MAX_TENANT_SESSIONS  # sharing sessions one tenant may hold
+    metrics_key: str | None = None  # the key whose /metrics are the whole server's (tenant keys see their own)
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
+    max_text_chars: int | None = None  # text one request may have tokenized or rendered; None: TEXT_CHARS_PER_CTX
 
     def host_allow_list(self) -> frozenset[str] | None:
         """The Host names accepted: bound to loopback, the loopback names and --allowed-host (a page on another
@@ -129,6 +142,15 @@ class ServerConfig:
         return frozenset(extra) if extra else None
 
 
+def resident_bytes() -> int:
+    """The process's resident memory from /proc/self/statm (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -139,6 +161,7 @@ def internal_error_response(exc: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
+ALL_METRICS = "\x00all"  # a /metrics request that sees the whole server's (no tenant has this name: names are words)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_MEDIA_TYPES = frozenset({"application/json"})
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -240,8 +263,10 @@ class _ApiKeyAndAccounting:
         max_inflight: int = 256,
         allowed_hosts: frozenset[str] | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        metrics_key: str | None = None,
     ) -> None:
         self.app = app
+        self.metrics_key = metrics_key
         self.tenants = tenants
         self.metrics = metrics
         self.known_paths = known_paths
@@ -296,7 +321,7 @@ class _ApiKeyAndAccounting:
                     await internal_error_response(exc)(scope, receive, counting_send)
             finally:
                 self.inflight -= limited
-        self.metrics.count_request(endpoint, status_seen)
+        self.metrics.count_request(endpoint, status_seen, scope.get("state", {}).get("tenant"))
         if status_seen != 200 or endpoint not in ("/v1/chat/completions", "/v1/completions"):
             # Probes (health checks, metric scrapes) log at debug level: they come every few seconds.
             level = logging.DEBUG if status_seen == 200 and endpoint in ("/health", "/metrics") else logging.INFO
@@ -314,9 +339,14 @@ class _ApiKeyAndAccounting:
         auth = headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         tenant = self.tenants.tenant(token)
-        if tenant is None and path not in self.PUBLIC:
+        state = scope.setdefault("state", {})
+        if path == "/metrics":
+            state["metrics_of"] = self._metrics_of(scope, token, tenant)
+            if state["metrics_of"] is None:
+                return error_response(401, "invalid or missing API key (or --metrics-key)", "invalid_api_key")
+        elif tenant is None and path not in self.PUBLIC:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
-        scope.setdefault("state", {})["tenant"] = tenant
+        state["tenant"] = tenant
         if scope.get("method") == "POST":
             media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if media_type not in JSON_MEDIA_TYPES:
@@ -334,6 +364,21 @@ class _ApiKeyAndAccounting:
                 413, f"the request body has {int(length)} bytes; the limit is {self.max_body_bytes}", "body_too_large"
             )
         return None
+
+    def _metrics_of(self, scope: MutableMapping[str, Any], token: str, tenant: str | None) -> str | None:
+        """Whose metrics a /metrics request sees: ALL_METRICS (the whole server's) for --metrics-key, or, without
+        it, for a keyless request from loopback or any request of a server without API keys; a tenant's key: its
+        own; None: refused. A tenant must not read the others' volume in the server-wide counters and gauges."""
+        if self.metrics_key is not None:
+            if hmac.compare_digest(token.encode(), self.metrics_key.encode()):
+                return ALL_METRICS
+            return tenant if self.tenants.required else None
+        if not self.tenants.required:
+            return ALL_METRICS
+        if tenant is not None:
+            return tenant
+        client = scope.get("client") or ("", 0)
+        return ALL_METRICS if not token and loopback_host(str(client[0])) else None
 
     async def _read_body(self, receive: Receive) -> tuple[bytes | None, Response | None]:
         """The whole body, or the response that refuses it: too large (413), not complete within body_timeout (408),
@@ -439,7 +484,8 @@ class Server:
         self.metrics = Metrics()
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
         self._image_decodes = asyncio.Semaphore(IMAGE_DECODES)
-        self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images)
+        text_chars = cfg.max_text_chars if cfg.max_text_chars is not None else TEXT_CHARS_PER_CTX * model.n_ctx
+        self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images, text_chars)
         self.vision: Any = None
         if cfg.mmproj:
             from ..vision import VisionEncoder
@@ -452,6 +498,7 @@ class Server:
         # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
         # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
         self._images: OrderedDict[tuple[Namespace, str], np.ndarray] = OrderedDict()
+        self.calibration_problem = self._check_calibration_dir()
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(
             model,
@@ -464,7 +511,9 @@ class Server:
             self.vision,
             cfg.calibration_bytes,
             cold=cfg.cold,
-            calibration_dir=cfg.calibration_dir,
+            calibration_dir=cfg.calibration_dir if self.calibration_problem is None else False,
+            idle_ttl=cfg.idle_ttl,
+            max_tenant_sessions=cfg.max_tenant_sessions,
         )
         # each tenant's prefix-cache entries make room by evicting only its own (Namespace.cache_namespace)
         self.scheduler.prefix_cache.owners = max(1, len(self.tenants.keys))
@@ -514,8 +563,58 @@ class Server:
             "--calibration-memory (bytes).",
             lambda: s.estimator_bytes,
         )
+        m.add_gauge("kvcmas_sessions", "Sharing sessions open (workflow, cache_salt and method).", lambda: s.n_sessions)
+        m.add_gauge(
+            "kvcmas_namespaces",
+            "Namespaces (tenant and cache_salt) whose state is kept until they have been idle for --idle-ttl.",
+            lambda: s.n_namespaces,
+        )
+        m.add_counter(
+            "kvcmas_expired_total",
+            "Idle state that went, by kind: sharing sessions idle for --idle-ttl (session; their stored spans freed), "
+            "namespaces idle for as long (namespace; their estimators and prefix cache entries dropped), and idle "
+            "sessions closed beyond --max-sessions-per-tenant or the server's 256 (capped).",
+            "kind",
+            lambda: dict(s.expired),
+        )
+        m.add_gauge(
+            "process_resident_memory_bytes",
+            "Resident memory of the server process (bytes): model weights read so far, KV blocks, estimators, "
+            "Python objects and the allocator's free pages.",
+            resident_bytes,
+        )
+        m.add_gauge(
+            "kvcmas_calibration_saved",
+            "1 when what kvcmas learns is kept in --calibration-dir across restarts; 0 when it is kept in memory only "
+            "(--no-calibration-dir, or an unusable directory with --allow-unsaved-calibration).",
+            lambda: int(cfg.calibration_dir is not False and self.calibration_problem is None),
+        )
+        m.add_gauge(
+            "kvcmas_calibration_save_failures",
+            "Fitted maps kvcmas could not write to --calibration-dir since start-up (they stay in memory).",
+            lambda: persist.save_failure_count(),
+        )
         self._handlers: list[Callable[..., Awaitable[Any]]] = []  # the endpoints' targets (_route)
         self.app = self._build_app()
+
+    def _check_calibration_dir(self) -> str | None:
+        """Proves --calibration-dir writable before serving: a server that cannot keep what it is told to keep
+        refuses to start (ValueError naming why), unless --allow-unsaved-calibration, when the problem is returned
+        (reported in /health and /metrics, and logged now) and the learned maps stay in memory."""
+        root = self.cfg.calibration_dir
+        if root is False:
+            return None
+        try:
+            persist.check_calibration_dir(persist.default_calibration_dir() if root is True else root, self.model)
+        except ValueError as e:
+            if not self.cfg.allow_unsaved_calibration:
+                raise ValueError(
+                    f"{e} (--no-calibration-dir keeps learned corrections in memory only; "
+                    "--allow-unsaved-calibration starts anyway and reports it)"
+                ) from None
+            log.warning("kvcmas-server: learned corrections are kept in memory only: %s", e)
+            return str(e)
+        return None
 
     # ---------------------------------------------------------------------------------------------- the app
     def _route(self, app: FastAPI, path: str, handler: Callable[..., Awaitable[Any]], methods: list[str]) -> None:
@@ -571,7 +670,7 @@ class Server:
         extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
         for path, handler, methods in extra_routes:
             self._route(app, path, handler, methods)
-        self._route(app, "/health", self.health, ["GET"])
+        self._route(app, "/health", self.health, ["GET", "HEAD"])
         self._route(app, "/metrics", self.prometheus, ["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
@@ -595,12 +694,18 @@ class Server:
             max_inflight=self.cfg.max_inflight,
             allowed_hosts=self.cfg.host_allow_list(),
             body_timeout=self.cfg.body_timeout,
+            metrics_key=self.cfg.metrics_key,
         )
         return app
 
     # ------------------------------------------------------------------------------------------ simple routes
     async def health(self) -> dict[str, Any]:
-        return {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+        out: dict[str, Any] = {"status": "ok", "active": self.scheduler.n_active, "queued": self.scheduler.n_queued}
+        warnings = [f"calibration not saved: {self.calibration_problem}"] if self.calibration_problem else []
+        warnings += [f"calibration save failed: {failure}" for failure in persist.save_failures()[-3:]]
+        if warnings:
+            out["warnings"] = warnings
+        return out
 
     async def drop_workflow(self, workflow: str, request: Request) -> dict[str, Any]:
         """Ends one of the caller's workflows: its sharing sessions and their stored spans are freed (after its
@@ -610,8 +715,10 @@ class Server:
             raise ApiError(404, f"no workflow {shown!r} of yours is open", "workflow_not_found")
         return {"workflow": workflow, "deleted": True}
 
-    async def prometheus(self) -> PlainTextResponse:
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        of = request.state.metrics_of
+        text = self.metrics.render(None if of == ALL_METRICS else of)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_card(self) -> dict[str, Any]:
         m = self.model

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # TTFT histogram bucket bounds in seconds (Prometheus convention: cumulative, plus +Inf).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -26,6 +27,43 @@ class Histogram:
         self.counts[i] += 1
         self.total += value
         self.n += 1
+
+
+@dataclass
+class Usage:
+    """What one tenant's requests did: the part of the server's counters a tenant may see of itself."""
+
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)  # (endpoint, status) -> count
+    prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    span_tokens: int = 0
+    generated_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+
+
+# The counters kept per tenant too (Usage's fields): (metric, attribute, help).
+USAGE_COUNTERS = (
+    ("kvcmas_prompt_tokens_total", "prompt_tokens", "Prompt tokens of finished generations."),
+    ("kvcmas_prompt_tokens_computed_total", "computed_prompt_tokens", "Prompt tokens whose KV was computed."),
+    (
+        "kvcmas_reused_tokens_total",
+        "reused_tokens",
+        "Prompt tokens whose KV was served from earlier work (prefix cache + shared spans).",
+    ),
+    (
+        "kvcmas_prefix_cached_tokens_total",
+        "prefix_cached_tokens",
+        "Prompt tokens served exactly from an agent's cached prompt prefix.",
+    ),
+    (
+        "kvcmas_span_tokens_total",
+        "span_tokens",
+        "Prompt tokens read by reference from spans other calls computed (corrected by the method).",
+    ),
+    ("kvcmas_generated_tokens_total", "generated_tokens", "Tokens generated."),
+)
 
 
 def _fmt(v: float) -> str:
@@ -62,6 +100,9 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self.counted_elsewhere: dict[str, Callable[[], int]] = {}  # counter -> what another part counts toward it
+        # counters another part keeps, by one label: name -> (help, label, read() -> {label value: count})
+        self.counters: dict[str, tuple[str, str, Callable[[], dict[str, int]]]] = {}
+        self.tenants: dict[str, Usage] = {}  # per tenant (API key): what /metrics shows that tenant
 
     def add_count(self, name: str, read: Callable[[], int]) -> None:
         """Counter `name` (an attribute) also counts read() at exposition: for a count another part keeps."""
@@ -74,25 +115,38 @@ class Metrics:
     def add_gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         self.gauges[name] = (help_text, read)
 
-    def count_request(self, endpoint: str, status: int) -> None:
+    def add_counter(self, name: str, help_text: str, label: str, read: Callable[[], dict[str, int]]) -> None:
+        """A counter another part keeps, one sample per value of `label` (read at exposition)."""
+        self.counters[name] = (help_text, label, read)
+
+    def _usages(self, tenant: str | None) -> list[Any]:
+        """The server's counters and the tenant's (lock held)."""
+        return [self] if tenant is None else [self, self.tenants.setdefault(tenant, Usage())]
+
+    def count_request(self, endpoint: str, status: int, tenant: str | None = None) -> None:
         with self._lock:
             key = (endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
+            for u in self._usages(tenant):
+                u.requests[key] = u.requests.get(key, 0) + 1
 
-    def count_generation(self, prompt: int, reused: int, generated: int, ttft_s: float | None) -> None:
+    def count_generation(
+        self, prompt: int, reused: int, generated: int, ttft_s: float | None, tenant: str | None = None
+    ) -> None:
         with self._lock:
-            self.prompt_tokens += prompt
-            self.reused_tokens += reused
-            self.computed_prompt_tokens += prompt - reused
-            self.generated_tokens += generated
-            if ttft_s is not None:
-                self.ttft.observe(ttft_s)
+            for u in self._usages(tenant):
+                u.prompt_tokens += prompt
+                u.reused_tokens += reused
+                u.computed_prompt_tokens += prompt - reused
+                u.generated_tokens += generated
+                if ttft_s is not None:
+                    u.ttft.observe(ttft_s)
 
-    def count_sharing(self, prefix_cached: int, span: int, dense_reason: str | None) -> None:
+    def count_sharing(self, prefix_cached: int, span: int, dense_reason: str | None, tenant: str | None = None) -> None:
         """Where a finished generation's reused prompt rows came from, and why it ran dense if it did."""
         with self._lock:
-            self.prefix_cached_tokens += prefix_cached
-            self.span_tokens += span
+            for u in self._usages(tenant):
+                u.prefix_cached_tokens += prefix_cached
+                u.span_tokens += span
             if dense_reason is not None:
                 self.dense_hops[dense_reason] = self.dense_hops.get(dense_reason, 0) + 1
 
@@ -112,8 +166,9 @@ class Metrics:
         with self._lock:
             setattr(self, name, getattr(self, name) + by)
 
-    def render(self) -> str:
-        """The Prometheus text exposition of every metric."""
+    def render(self, tenant: str | None = None) -> str:
+        """The Prometheus text exposition of every metric; of a tenant: only its own requests' counters (the gauges
+        and the other counters are the whole server's, which would show other tenants' volume)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -123,41 +178,35 @@ class Metrics:
                 lines.append(f"{name}{labels} {_fmt(value)}")
 
         with self._lock:
-            requests = sorted(self.requests.items())
+            usage: Any = self if tenant is None else self.tenants.get(tenant) or Usage()
             metric(
                 "kvcmas_requests_total",
                 "counter",
                 "HTTP requests by endpoint and status code.",
-                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in requests],
+                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(usage.requests.items())],
             )
+            for name, attr, help_text in USAGE_COUNTERS:
+                metric(name, "counter", help_text, [("", getattr(usage, attr))])
+            h = usage.ttft
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
+                cumulative += count
+                le = "+Inf" if bound == float("inf") else _fmt(bound)
+                buckets.append((f'{{le="{le}"}}', cumulative))
+            lines.append("# HELP kvcmas_ttft_seconds Time from request arrival to the first generated token.")
+            lines.append("# TYPE kvcmas_ttft_seconds histogram")
+            lines.extend(f"kvcmas_ttft_seconds_bucket{labels} {_fmt(v)}" for labels, v in buckets)
+            lines.append(f"kvcmas_ttft_seconds_sum {_fmt(h.total)}")
+            lines.append(f"kvcmas_ttft_seconds_count {h.n}")
+            if tenant is not None:  # the rest is the whole server's: other tenants' volume shows in it
+                return "\n".join(lines) + "\n"
             for name, help_text, value in (
-                ("kvcmas_prompt_tokens_total", "Prompt tokens of finished generations.", self.prompt_tokens),
-                (
-                    "kvcmas_prompt_tokens_computed_total",
-                    "Prompt tokens whose KV was computed.",
-                    self.computed_prompt_tokens,
-                ),
-                (
-                    "kvcmas_reused_tokens_total",
-                    "Prompt tokens whose KV was served from earlier work (prefix cache + shared spans).",
-                    self.reused_tokens,
-                ),
-                (
-                    "kvcmas_prefix_cached_tokens_total",
-                    "Prompt tokens served exactly from an agent's cached prompt prefix.",
-                    self.prefix_cached_tokens,
-                ),
-                (
-                    "kvcmas_span_tokens_total",
-                    "Prompt tokens read by reference from spans other calls computed (corrected by the method).",
-                    self.span_tokens,
-                ),
                 (
                     "kvcmas_calibration_tokens_total",
                     "Rows computed by training reads of edges still calibrating (cold reuse), after their replies.",
                     self.calibration_tokens,
                 ),
-                ("kvcmas_generated_tokens_total", "Tokens generated.", self.generated_tokens),
                 ("kvcmas_cancelled_total", "Generations cancelled by a client disconnect.", self.cancelled),
                 (
                     "kvcmas_rejected_total",
@@ -223,18 +272,8 @@ class Metrics:
                 "sharing methods run outside the prompt's chunks and training reads are not counted.",
                 [(f'{{kind="{k}"}}', n) for k, n in sorted(self.forward_passes.items())],
             )
-            h = self.ttft
-            cumulative = 0
-            buckets: list[tuple[str, float]] = []
-            for bound, count in zip((*h.bounds, float("inf")), h.counts, strict=True):
-                cumulative += count
-                le = "+Inf" if bound == float("inf") else _fmt(bound)
-                buckets.append((f'{{le="{le}"}}', cumulative))
-            lines.append("# HELP kvcmas_ttft_seconds Time from request arrival to the first generated token.")
-            lines.append("# TYPE kvcmas_ttft_seconds histogram")
-            lines.extend(f"kvcmas_ttft_seconds_bucket{labels} {_fmt(v)}" for labels, v in buckets)
-            lines.append(f"kvcmas_ttft_seconds_sum {_fmt(h.total)}")
-            lines.append(f"kvcmas_ttft_seconds_count {h.n}")
+        for name, (help_text, label, counts) in self.counters.items():
+            metric(name, "counter", help_text, [(f'{{{label}="{k}"}}', n) for k, n in sorted(counts().items())])
         for name, (help_text, read) in self.gauges.items():
             metric(name, "gauge", help_text, [("", read())])
         return "\n".join(lines) + "\n"

@@ -18,7 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,9 +39,13 @@ class InputText(_Body):
     annotations: list[Any] | None = None  # on output_text parts a client sends back; not rendered
 
 
+MessageRole = Literal["user", "assistant", "system", "developer"]
+MESSAGE_ROLES: tuple[str, ...] = get_args(MessageRole)
+
+
 class MessageItem(_Body):
     type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
+    role: MessageRole
     content: StrictStr | list[InputText]
     id: StrictStr | None = None
     status: StrictStr | None = None
@@ -85,6 +89,10 @@ def _unsupported_input(v: Any) -> str | None:
         kind = item.get("type", "message")
         if kind not in ITEM_TYPES:
             return f"item {i} (type {kind!r}) is not supported: input takes {', '.join(ITEM_TYPES)} items"
+        role = item.get("role")
+        if kind == "message" and role not in MESSAGE_ROLES:  # else pydantic blames the other item types' fields
+            hint = " (a tool's result is a function_call_output item with the call's call_id)" if role == "tool" else ""
+            return f"item {i} is a message whose role {role!r} is not one of {', '.join(MESSAGE_ROLES)}{hint}"
         parts = item.get("content" if kind == "message" else "output")
         for j, part in enumerate(parts if isinstance(parts, list) else []):
             part_type = part.get("type") if isinstance(part, dict) else None

@@ -82,6 +82,14 @@ PREFILL_AGING_ROWS_PER_S = 128
 # calibrating (~17 MB an edge for SmolLM2-135M, whatever the span; dropped once the edge is fitted) and fitted maps.
 CALIBRATION_BYTES = 512 << 20
 MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
+# Idle state ages out (--idle-ttl): a sharing session unused this long is closed (its stored spans freed), and a
+# namespace (tenant and cache_salt) with no session and no request this long forgets its estimator and its prefix
+# cache entries (maps saved in --calibration-dir load again on its next request). Clients rarely end workflows.
+IDLE_TTL_S = 600.0
+# Sharing sessions one tenant may hold (--max-sessions-per-tenant): beyond it the tenant's least recently used idle
+# one is closed, so one tenant's workflows and cache_salts cannot crowd out the others' up to MAX_SESSIONS.
+MAX_TENANT_SESSIONS = 64
+EXPIRY_CHECK_S = 1.0  # how often a busy scheduler looks for idle state to age out
 # A session keeps every message it has seen (its shared context only grows), so a long-lived one (the default
 # session of unmodified clients) is replaced by a fresh one after this many requests, when idle. What kvcmas
 # learned lives in the model-wide estimator and survives.
@@ -237,6 +245,12 @@ class Job:
     children: list[Job] = field(default_factory=list)  # its forks (n > 1)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not sent yet
 
+    @property
+    def tenant(self) -> str | None:
+        """The tenant whose request this is (None: unknown, a job made outside the server)."""
+        ns = self.session_key.namespace if self.session_key is not None else self.namespace
+        return ns.tenant if ns is not None else None
+
     def __post_init__(self) -> None:
         if not self.n_prompt:
             self.n_prompt = len(self.ids)
@@ -274,6 +288,8 @@ class Scheduler:
         calibration_bytes: int | None = CALIBRATION_BYTES,
         cold: str = "reuse",
         calibration_dir: str | os.PathLike[str] | bool = True,
+        idle_ttl: float | None = IDLE_TTL_S,
+        max_tenant_sessions: int = MAX_TENANT_SESSIONS,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -292,6 +308,11 @@ class Scheduler:
         self._pending: deque[Job] = deque()
         self._active: list[Job] = []
         self._sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
+        self.idle_ttl, self.max_tenant_sessions = idle_ttl, max_tenant_sessions
+        self._namespaces: dict[Namespace, float] = {}  # namespace -> when a request of it last ended (monotonic)
+        self._last_expiry = time.monotonic()
+        # idle state that went: sessions and namespaces past --idle-ttl, sessions beyond a cap (capped)
+        self.expired: dict[str, int] = {"session": 0, "namespace": 0, "capped": 0}
         self._plain = PlainBackend(model)
         self.prefix_cache = PrefixCache.of(model)  # agents' template prefixes and plain prompts, per namespace
         self._stopping = False
@@ -321,6 +342,15 @@ class Scheduler:
     @property
     def n_queued(self) -> int:
         return len(self._pending)
+
+    @property
+    def n_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def n_namespaces(self) -> int:
+        """Namespaces whose requests ended within --idle-ttl, or that hold a session."""
+        return len(set(self._namespaces) | {k.namespace for k in list(self._sessions)})
 
     @property
     def n_training_reads(self) -> int:
@@ -380,11 +410,16 @@ class Scheduler:
             if idle and busy:  # outside the lock: submissions do not wait for it
                 busy = False
                 self._release_free_memory()
+            if idle and self._expire():
+                self._release_free_memory()
             with self._cond:
                 while not self._stopping and not self._has_work():
-                    self._cond.wait()
+                    if not self._cond.wait(self._next_expiry()):
+                        break  # idle state to age out
                 if self._stopping:
                     break
+                if not self._has_work():
+                    continue
             busy = True
             try:
                 self._turn()
@@ -417,7 +452,43 @@ class Scheduler:
         if released:
             log.debug("idle: %d bytes of free KV blocks released", released)
 
+    def _next_expiry(self) -> float | None:
+        """Seconds until the next idle session or namespace ages out (at least 0.05), None when none will."""
+        if self.idle_ttl is None:
+            return None
+        times = [s.last_used for s in self._sessions.values() if s.active == 0] + list(self._namespaces.values())
+        return max(0.05, min(times) + self.idle_ttl - time.monotonic()) if times else None
+
+    def _expire(self) -> bool:
+        """Closes sessions idle for --idle-ttl and forgets namespaces with no session and no request for as long
+        (their estimators and prefix cache entries). Returns whether anything went."""
+        now = self._last_expiry = time.monotonic()
+        if self.idle_ttl is None:
+            return False
+        cutoff = now - self.idle_ttl
+        gone = False
+        for key, s in list(self._sessions.items()):
+            if s.active == 0 and s.last_used < cutoff and id(s) not in self._busy:
+                self._close_session(key)
+                self.expired["session"] += 1
+                gone = True
+        in_use: set[Namespace | None] = {k.namespace for k in self._sessions}
+        in_use |= {j.session_key.namespace if j.session_key is not None else j.namespace for j in self._active}
+        for ns, last in list(self._namespaces.items()):
+            if last < cutoff and ns not in in_use:
+                del self._namespaces[ns]
+                agents.forget_estimators(self.model, ns.estimator_name())
+                self.prefix_cache.forget(ns.cache_namespace())
+                self.expired["namespace"] += 1
+                gone = True
+        if gone:  # the snapshots /metrics reads (a busy turn takes them again)
+            self.stored_bytes = sum(s.backend.stored_bytes for s in self._sessions.values())
+            self.estimator_bytes = agents.estimator_bytes(self.model)
+        return gone
+
     def _turn(self) -> None:
+        if time.monotonic() - self._last_expiry > EXPIRY_CHECK_S:
+            self._expire()
         self._drop_cancelled()
         self._drop_expired()
         self._drop_workflows()
@@ -653,15 +724,22 @@ class Scheduler:
             with self._cond:
                 wf = (key.namespace.tenant, key.workflow)
                 self._workflows[wf] = self._workflows.get(wf, 0) + 1
-            while len(self._sessions) > MAX_SESSIONS:
-                idle = next((k for k, v in self._sessions.items() if v.active == 0 and k != key), None)
-                if idle is None:
-                    break
-                self._close_session(idle)
+            self._close_idle_beyond(MAX_SESSIONS, key, None)
+            self._close_idle_beyond(self.max_tenant_sessions, key, key.namespace.tenant)
         self._sessions.move_to_end(key)
         s.last_used = time.monotonic()
         s.requests += 1
         return s
+
+    def _close_idle_beyond(self, limit: int, keep: SessionKey, tenant: str | None) -> None:
+        """Closes the least recently used idle sessions (of one tenant, or of all) beyond `limit`, never `keep`."""
+        while sum(tenant is None or k.namespace.tenant == tenant for k in self._sessions) > limit:
+            mine = (k for k, v in self._sessions.items() if v.active == 0 and k != keep)
+            idle = next((k for k in mine if tenant is None or k.namespace.tenant == tenant), None)
+            if idle is None:
+                return
+            self._close_session(idle)
+            self.expired["capped"] += 1
 
     def _bind(self, job: Job) -> None:
         """An admitted job: its sampler, its backend (the sharing session for chat) and how much it will compute."""
@@ -813,6 +891,7 @@ class Scheduler:
                 constraint=job.constraint.fork() if job.constraint is not None else None,
                 t_arrival=job.t_arrival,
                 index=i,
+                namespace=job.session_key.namespace if job.session_key is not None else job.namespace,
             )
             fork.sampler = Sampler(params)
             fork.decoder = StreamDecoder(self.model.tokenizer)
@@ -985,13 +1064,20 @@ class Scheduler:
         stats = self._stats(job, t_end)
         self._release(job)
         self._service_s = 0.8 * self._service_s + 0.2 * (t_end - job.t_admit)
+        tenant = job.tenant
         if job.index == 0:
             self.metrics.count_generation(
-                stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], stats["ttft_ms"] / 1000.0
+                stats["prompt_tokens"],
+                stats["reused_tokens"],
+                stats["completion_tokens"],
+                stats["ttft_ms"] / 1000.0,
+                tenant,
             )
-            self.metrics.count_sharing(stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"])
+            self.metrics.count_sharing(
+                stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"], tenant
+            )
         else:  # a fork: its prompt was counted with choice 0
-            self.metrics.count_generation(0, 0, stats["completion_tokens"], None)
+            self.metrics.count_generation(0, 0, stats["completion_tokens"], None, tenant)
         job.sink(Done(reason, stats, job.index))
 
     @staticmethod
@@ -1054,7 +1140,11 @@ class Scheduler:
             job.prefilled = None
         if job.session is not None:
             job.session.active -= 1
+            job.session.last_used = time.monotonic()
             job.session = None
+        ns = job.session_key.namespace if job.session_key is not None else job.namespace
+        if ns is not None:
+            self._namespaces[ns] = time.monotonic()
         if plan is not None:
             self._run_deferred()  # its session's postponed completions
 

@@ -4,6 +4,8 @@ POST /apply-template and GET /props (tokenizer and chat template only, never the
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +18,21 @@ from .. import __version__
 from .._native import core
 from .responses import create_response
 from .schemas import ChatCompletionRequest, _Body
-from .validation import ApiError, parse_body
+from .validation import ApiError, check_text_length, messages_text_chars, parse_body
 
 if TYPE_CHECKING:
     from .app import Server
 
 Handler = Callable[[Request], Awaitable[Any]]
+
+
+def json_bytes(obj: Any) -> bytes:
+    """A JSON answer's bytes, as Starlette's JSONResponse writes them (made off the event loop for big answers)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_response(content: bytes) -> Response:
+    return Response(content, media_type="application/json")
 
 
 class TokenizeRequest(_Body):
@@ -44,14 +55,12 @@ def utility_routes(server: Server) -> list[tuple[str, Handler, list[str]]]:
     model = server.model
     tok = model.tokenizer
 
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body = parse_body(await server.read_body(request), TokenizeRequest, server.limits)
-        try:
-            ids = await run_in_threadpool(tok.encode, body.content, body.add_special, body.parse_special)
-        except ValueError as e:  # lone surrogates and other text the tokenizer refuses
-            raise ApiError(400, f"content: {e}", "invalid_value", "content") from None
+    def tokenized(body: TokenizeRequest) -> bytes:
+        """The /tokenize answer, encoded: the encoding, the pieces and the JSON of a long text all take a while,
+        so the whole answer is made in a worker thread (the tokenizer lets go of the GIL for long text)."""
+        ids = tok.encode(body.content, body.add_special, body.parse_special)
         if not body.with_pieces:
-            return {"tokens": ids}
+            return json_bytes({"tokens": ids})
         pieces: list[dict[str, Any]] = []
         for i in ids:
             raw = tok.token_to_piece(i)
@@ -60,28 +69,46 @@ def utility_routes(server: Server) -> list[tuple[str, Handler, list[str]]]:
             except UnicodeDecodeError:  # part of a character: its bytes, as llama.cpp gives them
                 piece = list(raw)
             pieces.append({"id": i, "piece": piece})
-        return {"tokens": pieces}
+        return json_bytes({"tokens": pieces})
 
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
+        body = parse_body(await server.read_body(request), TokenizeRequest, server.limits)
+        check_text_length(len(body.content), server.limits, "content")
+        try:
+            return json_response(await run_in_threadpool(tokenized, body))
+        except ValueError as e:  # lone surrogates and other text the tokenizer refuses
+            raise ApiError(400, f"content: {e}", "invalid_value", "content") from None
+
+    async def detokenize(request: Request) -> Response:
         body = parse_body(await server.read_body(request), DetokenizeRequest, server.limits)
+        limit = server.limits.max_text_chars
+        if limit is not None and len(body.tokens) > limit:
+            raise ApiError(
+                413,
+                f"'tokens' has {len(body.tokens)} token ids; this server takes at most {limit} per request "
+                "(--max-text-chars)",
+                "text_too_long",
+                "tokens",
+            )
         bad = next((t for t in body.tokens if not 0 <= t < model.n_vocab), None)
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside [0, {model.n_vocab})", "invalid_value", "tokens")
-        return {"content": await run_in_threadpool(tok.decode, body.tokens)}
+        return json_response(await run_in_threadpool(lambda: json_bytes({"content": tok.decode(body.tokens)})))
 
-    async def apply_template(request: Request) -> dict[str, Any]:
+    async def apply_template(request: Request) -> Response:
         body = parse_body(await server.read_body(request), ApplyTemplateRequest, server.limits)
         try:
             messages = body.plain_messages()
+            check_text_length(messages_text_chars(messages), server.limits, "messages")
             prompt = await run_in_threadpool(model.apply_chat_template, messages, True)
         except ValueError as e:  # image parts, templates that refuse the messages
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
-        return {"prompt": prompt}
+        return json_response(await run_in_threadpool(json_bytes, {"prompt": prompt}))
 
     async def props(request: Request) -> dict[str, Any]:
         cfg = server.cfg
         return {
-            "model_path": cfg.model_path,
+            "model_path": os.path.basename(cfg.model_path),  # the file's name: where it lives is the operator's
             "model_alias": server.model_id,
             "arch": model.arch,
             "n_ctx": model.n_ctx,

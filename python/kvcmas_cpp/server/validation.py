@@ -260,6 +260,25 @@ class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int = DEFAULT_MAX_TOKENS
     max_images: int = DEFAULT_MAX_IMAGES
+    max_text_chars: int | None = None  # characters of text one request may have tokenized; None: no bound
+
+
+def check_text_length(n_chars: int, limits: Limits, param: str) -> None:
+    """Refuses text longer than --max-text-chars before it is tokenized or rendered (413): tokenizing megabytes
+    takes seconds of a core and its answer megabytes of memory, for a prompt no context could hold."""
+    if limits.max_text_chars is not None and n_chars > limits.max_text_chars:
+        raise ApiError(
+            413,
+            f"'{param}' has {n_chars} characters of text; this server takes at most {limits.max_text_chars} per "
+            "request (--max-text-chars)",
+            "text_too_long",
+            param,
+        )
+
+
+def messages_text_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of text in plain messages (their contents and the tool calls rendered into them)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
 @dataclass
@@ -297,6 +316,11 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampling
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def _not_a_json_number(name: str) -> Any:
+    """Python's json reads NaN, Infinity and -Infinity, which JSON does not have (RFC 8259): refused by name."""
+    raise ApiError(400, f"the request body is not valid JSON: {name} is not a JSON number", "invalid_request")
+
+
 def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
     """Raw POST body -> a validated `schema` instance. Raises ApiError (413 oversized, 400 invalid)."""
     if len(raw) > limits.max_body_bytes:
@@ -304,7 +328,7 @@ def parse_body(raw: bytes, schema: type[Body], limits: Limits) -> Body:
             413, f"the request body has {len(raw)} bytes; the limit is {limits.max_body_bytes}", "body_too_large"
         )
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_not_a_json_number)
     except RecursionError:  # nesting deeper than Python's stack allows
         raise ApiError(400, "the request body is nested too deeply", "invalid_request") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -344,6 +368,9 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_value", "top_logprobs") from None
     images: list[bytes] = []
+    if isinstance(body, CompletionRequest):
+        texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        check_text_length(sum(len(t) for t in texts), limits, "prompt")
     if isinstance(body, ChatCompletionRequest):
         urls: list[str] = []
 
@@ -352,9 +379,10 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes, limits: Limit
             return ""
 
         try:
-            body.plain_messages(collect)  # the text itself is rendered later; this checks every part
+            plain = body.plain_messages(collect)  # the text itself is rendered later; this checks every part
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_content", "messages") from None
+        check_text_length(messages_text_chars(plain), limits, "messages")
         if len(urls) > limits.max_images:
             raise ApiError(
                 400,
