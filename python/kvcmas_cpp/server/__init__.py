@@ -212,6 +212,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "i.e. ~/.cache/kvcmas)",
     )
     cal.add_argument("--no-calibration-dir", action="store_true", help="keep learned corrections in memory only")
+    p.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the page at /ui (workflows, spans and savings; docs/ui.md); its JSON endpoints stay",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -260,6 +265,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,
         replica=replica,
+        ui=not args.no_ui,
     )
     return Server(cfg, model)
 
