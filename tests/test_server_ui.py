@@ -321,3 +321,42 @@ def test_the_page_in_a_browser_draws_the_team(ui_server: ServerProcess) -> None:
         drv.save_screenshot(str(ARTIFACTS / "ui-hostile.png"))
     finally:
         drv.quit()
+
+
+def test_the_history_is_bounded_per_tenant() -> None:
+    from kvcmas_cpp.server import history as hist
+
+    h = hist.History(row_bytes=100)
+    kvcmas = {
+        "method": "kvcmas",
+        "reused_tokens": 3,
+        "computed_tokens": 7,
+        "prefix_cached_tokens": 1,
+        "span_tokens": 2,
+        "mode": "reuse",
+        "gate": "reuse",
+        "dense_reason": None,
+        "kv_bytes": 0,
+        "corr_bytes": 0,
+    }
+    timings = {"ttft_ms": 5.0, "prompt_per_second": 100.0, "queue_ms": 0.0, "wait_ms": 0.0, "interleaved_ms": 0.0}
+    usage = {"prompt_tokens": 10, "completion_tokens": 2}
+    reads = [{"from": f"author{i}", "tokens": 1, "spans": 1} for i in range(hist.MAX_READ_AUTHORS + 5)]
+    for i in range(hist.MAX_WORKFLOWS + 10):
+        h.record("t", "", f"wf{i}", f"id{i}", kvcmas, timings, usage, [], "x" * 1000)
+    for i in range(hist.MAX_HOPS + 10):
+        h.record("t", "", "long", f"hop{i}", kvcmas, timings, usage, reads, f"agent{i}")
+    listed = h.workflows("t")
+    assert len(listed) == hist.MAX_WORKFLOWS and listed[0]["id"] == "long"
+    assert h.workflow("t", "wf0") is None  # the least recently active went first
+    assert len(listed[-1]["agents"][0]) == hist.NAME_CHARS
+    long = h.workflow("t", "long")
+    assert long is not None and long["hops_total"] == hist.MAX_HOPS + 10 and len(long["hops"]) == hist.MAX_HOPS
+    assert long["hops"][0]["index"] == 10 and long["hops"][-1]["id"] == f"hop{hist.MAX_HOPS + 9}"
+    assert len(long["hops"][0]["reads"]) == hist.MAX_READ_AUTHORS + 1
+    assert long["hops"][0]["reads"][-1] == {"from": "(others)", "tokens": 5, "spans": 5}
+    assert h.workflows("other") == [] and h.workflow("other", "long") is None
+    summary = h.tenant_summary("t")
+    n = hist.MAX_WORKFLOWS + hist.MAX_HOPS + 20
+    assert summary["requests"] == n and summary["ttft_ms"]["n"] == n and summary["prompt_tokens"] == 10 * n
+    assert sum(len(samples) for _, _, samples in h._tenants["t"].ttft) <= hist.TTFT_WINDOWS * hist.TTFT_SAMPLES

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from .history import History, short_name
+from .history import History
 from .scheduler import Job, Namespace
 from .validation import ApiError
 
@@ -66,10 +66,10 @@ def record_response(history: History, job: Job, extras: dict[str, Any], stats: d
 def display_agent(job: Job) -> str:
     """The reader's name in the graph: kvcmas.agent, else the name its sharing session gives it (the system prompt)."""
     if job.agent is not None:
-        return short_name(job.agent)
+        return job.agent
     messages = job.messages or []
     if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
-        return short_name(messages[0]["content"])
+        return str(messages[0]["content"])
     return "assistant"
 
 

@@ -101,6 +101,7 @@ class History:
         """One finished generation: kvcmas/timings/usage are the dicts its response carried. workflow: None for a
         completion (it counts in the totals only). display_agent: the name the graph shows for the reader."""
         now = time.time()
+        display_agent = short_name(display_agent)
         computed, prompt = int(kvcmas["computed_tokens"]), int(usage["prompt_tokens"])
         with self._lock:
             t = self._tenants.setdefault(tenant, _Tenant())
