@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_WORKFLOWS = 64  # workflows kept per tenant
-MAX_HOPS = 256  # hops kept per workflow (the last ones)
+MAX_HOPS = 128  # hops kept per workflow (the last ones)
 MAX_READ_AUTHORS = 32  # authors listed per hop (the rest are summed into one entry with "from": "(others)")
 NAME_CHARS = 120  # agent names (a system prompt when the request named no agent) are cut to this length
 TTFT_WINDOW_S = 10.0
@@ -49,6 +49,7 @@ class _Workflow:
     hops: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_HOPS))
     hops_total: int = 0
     agents: dict[str, None] = field(default_factory=dict)  # in order of first appearance (bounded by MAX_HOPS)
+    methods: set[str] = field(default_factory=set)  # of every hop (the served methods: a handful)
     reused_tokens: int = 0
     computed_tokens: int = 0
     prompt_tokens: int = 0
@@ -110,8 +111,11 @@ class History:
                 t.salts.popitem(last=False)
             t.salts[salt] = None
             t.salts.move_to_end(salt)
+            # a hop that computed its prompt itself measures the prefill rate (a reused hop's time is the method's)
+            own_rate: float | None = None
             if computed >= RATE_MIN_ROWS and kvcmas.get("mode") != "reuse" and timings["prompt_per_second"] > 0:
-                self._rates.append(float(timings["prompt_per_second"]))
+                own_rate = float(timings["prompt_per_second"])
+                self._rates.append(own_rate)
             if workflow is None:
                 return
             hop = {
@@ -124,7 +128,7 @@ class History:
                 "completion_tokens": int(usage["completion_tokens"]),
                 "timings": dict(timings),
                 "reads": self._reads(reads),
-                "nonshared_estimate": self._nonshared(prompt, int(usage["completion_tokens"]), timings),
+                "nonshared_estimate": self._nonshared(prompt, int(usage["completion_tokens"]), timings, own_rate),
             }
             wf = t.workflows.pop(workflow, None)
             if wf is None:
@@ -138,6 +142,7 @@ class History:
             wf.updated = now
             if display_agent not in wf.agents and len(wf.agents) < MAX_HOPS:
                 wf.agents[display_agent] = None
+            wf.methods.add(str(kvcmas["method"]))
             wf.reused_tokens += int(kvcmas["reused_tokens"])
             wf.computed_tokens += computed
             wf.prompt_tokens += prompt
@@ -190,15 +195,20 @@ class History:
         rates = list(self._rates)
         return percentile(rates, 50) if rates else None
 
-    def _nonshared(self, prompt: int, completion: int, timings: dict[str, Any]) -> dict[str, Any]:
+    def _nonshared(
+        self, prompt: int, completion: int, timings: dict[str, Any], own_rate: float | None
+    ) -> dict[str, Any]:
         """The same hop had it computed its whole prompt: an estimate. KV bytes are exact for nonshared (every prompt
-        and generated row); the prefill time is the prompt at the measured prefill rate, plus the hop's own waits."""
-        rate = self.prefill_rate()
+        and generated row); the prefill time is the prompt at a measured prefill rate, plus the hop's own waits. The
+        rate: the hop's own when it computed at least RATE_MIN_ROWS rows itself (measured in its own conditions),
+        else the median of the recent hops that did."""
+        rate, basis = (own_rate, "this hop") if own_rate is not None else (self.prefill_rate(), "recent hops")
         estimate: dict[str, Any] = {
             "estimate": True,
             "computed_tokens": prompt,
             "kv_bytes": (prompt + completion) * self.row_bytes,
             "prefill_rate_tokens_per_s": None if rate is None else round(rate, 2),
+            "rate_from": None if rate is None else basis,
             "prompt_ms": None,
             "ttft_ms": None,
         }
@@ -230,7 +240,7 @@ class History:
             "prompt_tokens": wf.prompt_tokens,
             "reused_tokens": wf.reused_tokens,
             "computed_tokens": wf.computed_tokens,
-            "methods": sorted({str(h["method"]) for h in wf.hops}),
+            "methods": sorted(wf.methods),
         }
 
     def workflow(self, tenant: str, workflow: str) -> dict[str, Any] | None:

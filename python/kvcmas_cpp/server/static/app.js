@@ -330,7 +330,7 @@ function drawHops(hops) {
     tr.appendChild(num(fmtMs(t.ttft_ms), "ttft"));
     const est = h.nonshared_estimate;
     const estTd = num(fmtMs(est.ttft_ms), "est");
-    estTd.title = est.prefill_rate_tokens_per_s === null ? "no prefill rate measured yet" : `${fmtInt(est.computed_tokens)} tokens at ${est.prefill_rate_tokens_per_s} tok/s, plus this hop's waits`;
+    estTd.title = est.prefill_rate_tokens_per_s === null ? "no prefill rate measured yet" : `${fmtInt(est.computed_tokens)} tokens at ${est.prefill_rate_tokens_per_s} tok/s (measured on ${est.rate_from}), plus this hop's waits`;
     if (est.ttft_ms !== null && est.ttft_ms > t.ttft_ms) estTd.appendChild(el("span", "saving", "saves ~" + fmtMs(est.ttft_ms - t.ttft_ms)));
     tr.appendChild(estTd);
     const kv = num(fmtBytes(h.kv_bytes), "kv");
