@@ -97,13 +97,16 @@ def test_workflow_endpoints_hold_what_the_responses_and_metrics_reported(ui_serv
         row_bytes = hop["kv_bytes"] // (hop["computed_tokens"] + hop["completion_tokens"])
         assert est["kv_bytes"] == (hop["prompt_tokens"] + hop["completion_tokens"]) * row_bytes
         t = hop["timings"]
-        if hop["mode"] != "reuse" and hop["computed_tokens"] >= 64:  # it measured its own prefill rate
-            assert est["rate_from"] == "this hop"
+        if hop["mode"] != "reuse" and (hop["computed_tokens"] >= 64 or hop["reused_tokens"] == 0):
+            assert est["rate_from"] == "this hop"  # it measured its own prefill rate
             assert est["prefill_rate_tokens_per_s"] == round(t["prompt_per_second"], 2)
+        if hop["reused_tokens"] == 0:  # it is its own nonshared hop
+            assert est["ttft_ms"] == pytest.approx(t["ttft_ms"], rel=1e-3)
         if est["ttft_ms"] is not None:  # its waits, then the whole prompt at that rate
             prefill = hop["prompt_tokens"] / est["prefill_rate_tokens_per_s"] * 1000.0
             assert est["ttft_ms"] == pytest.approx(t["queue_ms"] + t["wait_ms"] + t["interleaved_ms"] + prefill, 1e-3)
     assert any(h["span_tokens"] > 0 for h in hops[1:])  # later agents read spans the earlier ones computed
+    assert hops[0]["reused_tokens"] == 0  # a fresh server: the first hop is its own nonshared hop (checked above)
     metrics = ui_server.metrics(auth("alice"))
     status, summary = get(ui_server, "/v1/kvcmas/summary", "alice")
     assert status == 200

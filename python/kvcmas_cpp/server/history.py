@@ -111,11 +111,14 @@ class History:
                 t.salts.popitem(last=False)
             t.salts[salt] = None
             t.salts.move_to_end(salt)
-            # a hop that computed its prompt itself measures the prefill rate (a reused hop's time is the method's)
+            # a hop that computed its prompt itself measures the prefill rate (a reused hop's time is the method's);
+            # one that reused nothing is its own nonshared hop, however short
             own_rate: float | None = None
-            if computed >= RATE_MIN_ROWS and kvcmas.get("mode") != "reuse" and timings["prompt_per_second"] > 0:
+            measured = kvcmas.get("mode") != "reuse" and timings["prompt_per_second"] > 0
+            if measured and (computed >= RATE_MIN_ROWS or int(kvcmas["reused_tokens"]) == 0):
                 own_rate = float(timings["prompt_per_second"])
-                self._rates.append(own_rate)
+            if measured and computed >= RATE_MIN_ROWS:
+                self._rates.append(float(timings["prompt_per_second"]))
             if workflow is None:
                 return
             hop = {
@@ -200,8 +203,9 @@ class History:
     ) -> dict[str, Any]:
         """The same hop had it computed its whole prompt: an estimate. KV bytes are exact for nonshared (every prompt
         and generated row); the prefill time is the prompt at a measured prefill rate, plus the hop's own waits. The
-        rate: the hop's own when it computed at least RATE_MIN_ROWS rows itself (measured in its own conditions),
-        else the median of the recent hops that did."""
+        rate: the hop's own when it computed at least RATE_MIN_ROWS rows itself or reused nothing (measured in its
+        own conditions; then a hop that reused nothing estimates its own TTFT), else the median of the recent hops
+        that computed RATE_MIN_ROWS rows."""
         rate, basis = (own_rate, "this hop") if own_rate is not None else (self.prefill_rate(), "recent hops")
         estimate: dict[str, Any] = {
             "estimate": True,

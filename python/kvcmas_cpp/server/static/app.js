@@ -133,7 +133,8 @@ function drawList(workflows) {
     if (w.id === state.selected) li.classList.add("selected");
     li.appendChild(el("div", "wf-name", w.id));
     const share = w.prompt_tokens ? w.reused_tokens / w.prompt_tokens : 0;
-    li.appendChild(el("div", "wf-line", `${w.hops} hops · ${w.agents.length} agents · ${fmtPct(share)} reused`));
+    const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+    li.appendChild(el("div", "wf-line", `${plural(w.hops, "hop")} · ${plural(w.agents.length, "agent")} · ${fmtPct(share)} reused`));
     const mini = el("div", "mini");
     const fill = el("div");
     fill.style.width = (100 * share).toFixed(1) + "%";
@@ -150,6 +151,7 @@ function drawList(workflows) {
 }
 
 function drawWorkflow(wf) {
+  $("wf-none").hidden = true;
   $("wf-title").textContent = wf.id;
   const stats = $("wf-stats");
   clear(stats);
@@ -218,10 +220,11 @@ function drawGraph(hops) {
   const H = 300;
   const nodeW = Math.min(170, Math.max(112, (W - 40) / Math.max(1, names.length) - 24));
   const nodeH = 84;
-  const gap = names.length > 1 ? (W - 40 - nodeW * names.length) / (names.length - 1) : 0;
+  const gap = names.length > 1 ? Math.min(150, (W - 40 - nodeW * names.length) / (names.length - 1)) : 0;
+  const left = (W - nodeW * names.length - gap * Math.max(0, names.length - 1)) / 2; // the group centred
   const baseY = H - nodeH - 12;
   const index = new Map(names.map((n, i) => [n, i]));
-  const x = new Map(names.map((n, i) => [n, 20 + i * (nodeW + gap) + nodeW / 2]));
+  const x = new Map(names.map((n, i) => [n, left + i * (nodeW + gap) + nodeW / 2]));
   const maxTokens = Math.max(1, ...edges.map((e) => e.tokens));
   g.setAttribute("viewBox", `0 0 ${W} ${H}`);
   // attachment points: a source's edges leave in the order of their targets, a target's arrive in the order of
@@ -433,7 +436,7 @@ async function sendChat(ev) {
     });
     const reply = body.choices[0].message.content || "";
     const k = body.kvcmas;
-    addLog("reply", `${agent}: reused ${k.reused_tokens} of ${body.usage.prompt_tokens} prompt tokens · ${k.gate || k.mode} · TTFT ${fmtMs(body.timings.ttft_ms)}`, reply);
+    addLog("reply", `${agent}: reused ${k.reused_tokens} of ${body.usage.prompt_tokens} prompt tokens · ${k.gate && k.gate !== "n/a" ? k.gate : k.mode} · TTFT ${fmtMs(body.timings.ttft_ms)}`, reply);
     const list = state.transcripts.get(workflow) || [];
     if (withHistory) {
       if (message.trim()) list.push(message);
