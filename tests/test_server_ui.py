@@ -9,6 +9,7 @@ page is kept under build/ui-test/.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -184,6 +185,24 @@ def test_client_text_comes_back_as_data(ui_server: ServerProcess) -> None:
     )
     assert status == 200 and headers["content-type"].startswith("application/json")
     assert wf["id"] == "hostile </script>" and wf["hops"][0]["agent"] == HOSTILE_AGENT == out["kvcmas"]["agent"]
+
+
+def test_a_streamed_response_is_recorded_as_sent(ui_server: ServerProcess) -> None:
+    body = {
+        "messages": [{"role": "system", "content": "You stream."}, {"role": "user", "content": "Count to three."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "kvcmas": {"workflow": "streamed", "agent": "streamer"},
+    }
+    status, _, text = ui_server.request("POST", "/v1/chat/completions", body, auth("alice"))
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    last = next(c for c in reversed(chunks) if "kvcmas" in c)
+    _, wf = get(ui_server, "/v1/kvcmas/workflows/streamed", "alice")
+    (hop,) = wf["hops"]
+    assert {k: hop[k] for k in last["kvcmas"]} == last["kvcmas"] and hop["timings"] == last["timings"]
+    assert hop["id"] == last["id"] and hop["node"] == "streamer"
 
 
 def test_the_page_is_static_package_data(ui_server: ServerProcess, model_path: str) -> None:

@@ -305,6 +305,9 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg.host,
         cfg.port,
     )
+    if cfg.ui:
+        shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        log.info("kvcmas-server: workflows, spans and savings at http://%s:%d/ui", shown, cfg.port)
     # Drain on SIGTERM/SIGINT: uvicorn stops accepting connections at once and waits for running requests; those
     # still running after --shutdown-timeout seconds are ended by the scheduler (a 503 / an SSE error event, then the
     # stream closes), so every response ends cleanly before uvicorn's own deadline (a little later) would cancel it.
