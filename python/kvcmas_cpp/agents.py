@@ -86,6 +86,24 @@ def estimator_bytes(model: Model) -> int:
     return sum(e.state_bytes() + e.pending_bytes() for e, _ in items)
 
 
+def estimator_edges(model: Model) -> dict[tuple[str, str], dict[str, int]]:
+    """Per shared estimator of a model ((method, workflow) as shared_estimator names it): its edges by calibration
+    state, {"fitted": edges with a learned map, "calibrating": edges gathering training reads, "reads": those reads,
+    "bytes": state + pending}. Estimators that learn nothing per edge report only bytes. Call it where no session is
+    using them (a server's engine thread)."""
+    with _estimators_lock:
+        items = list(_estimators.get(model, {}).items())
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for key, (e, _) in items:
+        row = {"fitted": 0, "calibrating": 0, "reads": 0, "bytes": e.state_bytes() + e.pending_bytes()}
+        if isinstance(e, est.RidgeEstimator):
+            pending = [edge for edge in e.pending_edges() if edge not in e.maps]
+            row["fitted"], row["calibrating"] = len(e.maps), len(pending)
+            row["reads"] = sum(e.examples(edge) for edge in pending)
+        out[key] = row
+    return out
+
+
 def bound_estimators(model: Model, max_bytes: int, live: Collection[str], busy: Collection[str]) -> int:
     """Brings what the shared estimators of a model hold (estimator_bytes) within max_bytes, for a server whose
     clients choose how many workflows (namespaces) there are. In order: the estimators of workflows no session in
@@ -210,6 +228,9 @@ class ResponseStats:
     # of ttft_ms, the time this call spent first running training reads earlier calls left pending (an AgentSession
     # runs them before its next prompt unless the caller ran them: run_training_reads); 0 on a server
     training_read_ms: float = 0.0
+    # the shared spans this call's prompt holds, by author: [{"from": agent name or None (shared context), "tokens",
+    # "spans"}] in prompt order (whether they were read or computed: mode says)
+    reads: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -1286,7 +1307,22 @@ class AgentSession:
             h.dense_reason if h.mode != "reuse" else None,
             h.shadow_tokens,
             round(p.training_read_ms, 3),
+            self._reads_of(p),
         )
+
+    def _reads_of(self, p: Prefilled) -> list[dict[str, Any]]:
+        """The spans of p's prompt grouped by author (ResponseStats.reads); a reply's author is an agent's name."""
+        by_author: dict[str | None, dict[str, Any]] = {}
+        for ph, (_, n) in p.pos_map.items():
+            span = self._state.spans.get(ph)
+            if span is None or ph == p.reply_ph:
+                continue
+            author = span.author
+            name = self.agents[author].name if author is not None and author < len(self.agents) else None
+            entry = by_author.setdefault(name, {"from": name, "tokens": 0, "spans": 0})
+            entry["tokens"] += n
+            entry["spans"] += 1
+        return list(by_author.values())
 
     def _respond(
         self,

@@ -249,6 +249,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="sharing sessions (workflow x cache_salt x method) one tenant may hold; beyond it its least recently "
         "used idle one is closed (default 64)",
     )
+    p.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the page at /ui (workflows, spans and savings; docs/ui.md); its JSON endpoints stay",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -302,6 +307,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         idle_ttl=args.idle_ttl if args.idle_ttl > 0 else None,
         max_tenant_sessions=args.max_sessions_per_tenant,
         metrics_key=args.metrics_key,
+        ui=not args.no_ui,
     )
     return Server(cfg, model)
 
@@ -341,6 +347,9 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg.host,
         cfg.port,
     )
+    if cfg.ui:
+        shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        log.info("kvcmas-server: workflows, spans and savings at http://%s:%d/ui", shown, cfg.port)
     # Drain on SIGTERM/SIGINT: uvicorn stops accepting connections at once and waits for running requests; those
     # still running after --shutdown-timeout seconds are ended by the scheduler (a 503 / an SSE error event, then the
     # stream closes), so every response ends cleanly before uvicorn's own deadline (a little later) would cancel it.

@@ -39,6 +39,8 @@ from ..sharing import persist
 from ..tools import ToolCallStream
 from .backend import Segment
 from .choices import Choice
+from .dashboard import UI_PATHS, dashboard_routes, record_response
+from .history import History
 from .metrics import Metrics
 from .scheduler import (
     CALIBRATION_BYTES,
@@ -129,6 +131,7 @@ class ServerConfig:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
     max_text_chars: int | None = None  # text one request may have tokenized or rendered; None: TEXT_CHARS_PER_CTX
+    ui: bool = True  # GET /ui, the page of workflows, spans and savings (--no-ui: off; its JSON endpoints stay)
 
     def host_allow_list(self) -> frozenset[str] | None:
         """The Host names accepted: bound to loopback, the loopback names and --allowed-host (a page on another
@@ -250,7 +253,7 @@ class _ApiKeyAndAccounting:
       against --max-inflight: a client that sends half a body holds a connection, never a slot;
     - requests beyond the in-flight limit get 503, and every request is counted by endpoint and status."""
 
-    PUBLIC = frozenset({"/health"})
+    PUBLIC = frozenset({"/health", *UI_PATHS})  # the page holds no data: it asks for the key its requests send
     UNLIMITED = frozenset({"/health", "/metrics"})  # probes still answer when the server is saturated
 
     def __init__(
@@ -482,6 +485,7 @@ class Server:
         with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()
+        self.history = History(model.kv_row_bytes)  # what the responses reported, per tenant (dashboard.py)
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
         self._image_decodes = asyncio.Semaphore(IMAGE_DECODES)
         text_chars = cfg.max_text_chars if cfg.max_text_chars is not None else TEXT_CHARS_PER_CTX * model.n_ctx
@@ -670,11 +674,15 @@ class Server:
         extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
         for path, handler, methods in extra_routes:
             self._route(app, path, handler, methods)
+        ui_routes = dashboard_routes(self, self.cfg.ui)  # /v1/kvcmas/workflows, /v1/kvcmas/summary, /ui
+        for path, handler, methods in ui_routes:
+            self._route(app, path, handler, methods)
         self._route(app, "/health", self.health, ["GET", "HEAD"])
         self._route(app, "/metrics", self.prometheus, ["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
             | {path for path, _, _ in extra_routes}
+            | {path for path, _, _ in ui_routes if "{" not in path}
         )
         if self.cfg.cors_origins:  # off unless asked: browsers on other origins get no CORS headers
             from starlette.middleware.cors import CORSMiddleware
@@ -1110,7 +1118,7 @@ class Server:
                         finished = True
                         dones.sort(key=lambda d: d.index)
                         self._log_done(job, kind, dones[0])
-                        extras = self._extras(dones, extra)
+                        extras = self._extras(job, dones, extra)
                         # include_usage: OpenAI's shape, usage in the last chunk only (clients add usages up)
                         usage = extras.pop("usage") if include_usage else None
                         yield _sse({**chunk, **extras})
@@ -1144,7 +1152,8 @@ class Server:
             "prompt_tokens_details": {"cached_tokens": s["reused_tokens"]},
         }
 
-    def _extras(self, dones: list[Done], extra: dict[str, Any]) -> dict[str, Any]:
+    def _extras(self, job: Job, dones: list[Done], extra: dict[str, Any]) -> dict[str, Any]:
+        """usage, timings and kvcmas of a finished response; recorded in the caller's history (dashboard.py)."""
         s = dones[0].stats
         timings = {
             "prompt_n": s["prompt_tokens"] - s["reused_tokens"],
@@ -1178,7 +1187,9 @@ class Server:
         }
         if self.cfg.replica is not None:
             kvcmas["replica"] = self.cfg.replica
-        return {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}
+        extras = {"usage": self._usage(dones), "timings": timings, "kvcmas": kvcmas}
+        record_response(self.history, job, extras, s)
+        return extras
 
     def _final_body(
         self, job: Job, kind: str, choices: list[Choice], dones: list[Done], extra: dict[str, Any]
@@ -1191,7 +1202,7 @@ class Server:
             "model": self.model_id,
             "choices": [c.final() for c in choices],
         }
-        body.update(self._extras(dones, extra))
+        body.update(self._extras(job, dones, extra))
         return body
 
     def _log_done(self, job: Job, kind: str, done: Done) -> None:

@@ -322,6 +322,8 @@ class Scheduler:
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
         self.estimator_bytes = 0  # snapshot of what the shared estimators hold (after prefills and finishes)
         self._estimators_touched = False  # a prefill or a finish ran since the snapshot: they feed the estimators
+        # snapshot of agents.estimator_edges: (method, estimator name) -> edges by calibration state
+        self.estimator_edges: dict[tuple[str, str], dict[str, int]] = {}
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
         self._mixed = False  # this turn ran a prompt chunk with the decode tokens (no decode-only step then)
@@ -530,6 +532,7 @@ class Scheduler:
             self.estimator_bytes = agents.estimator_bytes(self.model)
             if self.calibration_bytes is not None and self.estimator_bytes > self.calibration_bytes:
                 self._bound_estimators(self.calibration_bytes)  # one bound for all namespaces: clients add them
+            self.estimator_edges = agents.estimator_edges(self.model)  # read by /v1/kvcmas/summary (server.ui)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.model.kv_bytes_in_use)
 
     def _bound_estimators(self, max_bytes: int) -> None:
@@ -1123,6 +1126,7 @@ class Scheduler:
             # rows of the training read this call scheduled: computed after the reply (a dropped read never does)
             "calibration_tokens_scheduled": int(s.get("calibration_tokens_scheduled", 0)),
             "dense_reason": s.get("dense_reason"),
+            "reads": list(s.get("reads", [])),  # the prompt's shared spans by author (ResponseStats.reads)
         }
 
     def _release(self, job: Job) -> None:

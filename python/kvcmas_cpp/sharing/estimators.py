@@ -497,6 +497,10 @@ class RidgeEstimator(Estimator):
         """Bytes held by the statistics of edges not yet fitted."""
         return sum(em.moments.nbytes for em in self._pending.values())
 
+    def pending_edges(self) -> list[Edge]:
+        """The edges gathering training reads (no fitted map yet), least recently added to first."""
+        return list(self._pending)
+
     def stalest_pending(self) -> tuple[int, Edge] | None:
         """(when rows last came in, edge) of the calibrating edge that went longest without rows; None when none."""
         if not self._pending:
