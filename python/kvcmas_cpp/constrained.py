@@ -22,6 +22,7 @@ import numpy as np
 
 from ._native import KvcmasError
 from .tokenizer import Tokenizer
+from .tools import HERMES, ToolFormat
 
 __all__ = [
     "Constraint",
@@ -103,10 +104,14 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
-    """One or more (parallel) Hermes-style calls `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` of
-    the given functions (OpenAI tool objects {"type": "function", "function": {"name", "parameters"}}), the
-    arguments valid under each function's parameters schema."""
+def tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]], parallel: bool = True, fmt: ToolFormat = HERMES, prefix: str = ""
+) -> str:
+    """One or more (parallel) calls of the given functions (OpenAI tool objects {"type": "function", "function":
+    {"name", "parameters"}}) in the model family's format fmt (kvcmas_cpp.tools.ToolFormat: hermes
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, llama3 `{"name": ..., "parameters": {...}}`,
+    mistral `[TOOL_CALLS][...]`, phi4_mini `functools[...]`), the arguments valid under each function's parameters
+    schema. prefix: text written first (`</think>` when the prompt left a reasoning block open)."""
     calls = []
     for tool in tools:
         fn = tool["function"]
@@ -114,18 +119,35 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True)
         calls.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, fmt.args_key: params},
+                "required": ["name", fmt.args_key],
             }
         )
     if not calls:
         raise GrammarError("no function to call")
     schema = _with_options(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    call = f"{_lark_text(fmt.call_open)} %json {json.dumps(schema)} {_lark_text(fmt.call_close)}"
+    more = f"({_lark_text(fmt.separator)} call)*" if parallel else ""
+    start = f"start: {_lark_text(prefix + fmt.prefix)} call {more} {_lark_text(fmt.suffix)}"
     import llguidance
 
     return str(llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n"))
+
+
+def _lark_text(text: str) -> str:
+    """A literal in a Lark rule ("" for none)."""
+    return json.dumps(text) if text else ""
+
+
+def _after(prefix: str, schema: Mapping[str, Any]) -> str:
+    """JSON under schema, written after prefix."""
+    import llguidance
+
+    try:
+        lark = f"start: {_lark_text(prefix)} %json {json.dumps(_with_options(schema))}\n"
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    except ValueError as e:
+        raise GrammarError(f"invalid JSON schema: {e}", "response_format") from None
 
 
 class _TokenizerAdapter:
@@ -234,14 +256,18 @@ def output_constraint(
     tool_choice: str | Mapping[str, Any] | None = None,
     response_format: Mapping[str, Any] | None = None,
     parallel_tool_calls: bool = True,
+    fmt: ToolFormat = HERMES,
+    prefix: str = "",
 ) -> tuple[Constraint | None, frozenset[str] | None]:
     """OpenAI's output settings (tools, tool_choice, response_format, as their JSON objects) -> (the constraint the
     output follows or None, the names of the tools whose calls are read from the output or None).
 
     tool_choice "required" or a named function forces a call (constrained); "auto" (the default with tools) leaves
     the output free and reads calls from it; "none" reads none. response_format json_object / json_schema
-    constrains the output to JSON. Raises GrammarError (with .param) for schemas llguidance cannot compile and
-    contradicting settings."""
+    constrains the output to JSON. fmt: the model family's tool-call format (forced calls are written in it);
+    prefix: what the output must start with (`</think>` when the prompt left a reasoning block open, so that the
+    call or the JSON is the answer, not reasoning). Raises GrammarError (with .param) for schemas llguidance cannot
+    compile and contradicting settings."""
     tools = list(tools or [])
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
@@ -268,15 +294,17 @@ def output_constraint(
     if forced:
         if fmt_type != "text":
             raise GrammarError("response_format cannot be combined with a forced tool call", "response_format")
-        grammar = tool_call_grammar(forced, parallel_tool_calls)
+        grammar = tool_call_grammar(forced, parallel_tool_calls, fmt, prefix)
     elif fmt_type == "json_object":
-        param, grammar = "response_format", json_object_grammar()
+        param = "response_format"
+        grammar = _after(prefix, {"type": "object"}) if prefix else json_object_grammar()
     elif fmt_type == "json_schema":
         param = "response_format"
         spec = (response_format or {}).get("json_schema")
         if not isinstance(spec, Mapping):
             raise GrammarError("response_format json_schema needs a 'json_schema' object", param)
-        grammar = json_schema_grammar(spec.get("schema") or {})
+        schema = spec.get("schema") or {}
+        grammar = _after(prefix, schema) if prefix and isinstance(schema, Mapping) else json_schema_grammar(schema)
     try:
         constraint = Constraint(tok, grammar, n_logits) if grammar is not None else None
     except GrammarError as e:

@@ -357,8 +357,15 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The Jinja chat template from ``tokenizer.chat_template``, or None."""
+        """The Jinja chat template from ``tokenizer.chat_template`` (or the one set in its place), or None."""
         return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        """Replaces the file's template (llama.cpp's --chat-template-file); None or "": ChatML."""
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"a chat template must be a string, got {type(template).__name__}")
+        self._chat_template = template or None
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of a token (byte-level / "▁"-escaped form, as stored in the GGUF file)."""
