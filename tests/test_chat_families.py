@@ -163,6 +163,28 @@ def test_tools_and_tool_calls_render_as_transformers(model: kc.Model, name: str)
     assert kvcmas_render(model, name, first, TOOLS) == transformers_render(model, name, first, tools=TOOLS)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3.2", "mistral-small-3.1", "phi4-mini"])
+def test_a_sharing_session_renders_the_same_prompt(model: kc.Model, name: str) -> None:
+    """The sharing session (the server's chat path) renders a tool round trip, with its template variables, as
+    Model.apply_chat_template does: tool_calls, tool_call_id and chat_template_kwargs travel with its messages."""
+    from kvcmas_cpp.agents import AgentSession
+    from kvcmas_cpp.chat import TEMPLATE_KWARGS_KEY
+
+    messages = render_tool_messages(tool_chat(False), TOOLS)
+    messages[0][TEMPLATE_KWARGS_KEY] = {"enable_thinking": False}
+    model.tokenizer.chat_template = template(name)
+    want = model.apply_chat_template(messages)
+    if name == "qwen3":
+        assert want == transformers_render(model, name, tool_chat(True), tools=TOOLS, enable_thinking=False)
+        assert want.endswith("<think>\n\n</think>\n\n")
+    with AgentSession(model, "fullshared", calibration_dir=False) as session:
+        p = session.prefill(messages)
+        try:
+            assert model.detokenize(p.seq.tokens) == model.detokenize(model.tokenize(want))
+        finally:
+            p.close()
+
+
 def test_phi4_mini_takes_its_tools_in_the_system_message(model: kc.Model) -> None:
     """Phi-4-mini's template reads the tools as the system message's `tools` JSON text and has no tool-call
     syntax of its own: the tools go there, and an earlier call is written as the model writes it (functools)."""
@@ -189,9 +211,21 @@ def test_family_of_each_template() -> None:
 
 
 def test_which_prompts_open_a_reasoning_block(model: kc.Model) -> None:
-    assert opens_thinking(kvcmas_render(model, "deepseek-r1-distill-qwen", PLAIN[1]))
+    prompt = kvcmas_render(model, "deepseek-r1-distill-qwen", PLAIN[1])
+    assert opens_thinking(prompt)
     assert not opens_thinking(kvcmas_render(model, "qwen3", PLAIN[1]))
     assert not opens_thinking(kvcmas_render(model, "qwen3", PLAIN[1], enable_thinking=False))
+    # Model.chat returns the reply of an opened block as reasoning (this model never closes it)
+    raw = model.generate(prompt, max_tokens=8, temperature=0)
+    model.tokenizer.chat_template = template("deepseek-r1-distill-qwen")
+    out = model.chat(PLAIN[1], max_tokens=8, temperature=0)
+    assert isinstance(raw, kc.Completion) and isinstance(out, kc.Completion)
+    assert (out.reasoning_content, out.text) == (raw.text.strip(), "")
+    model.tokenizer.chat_template = template("qwen3")
+    out = model.chat(PLAIN[1], max_tokens=8, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    raw = model.generate(kvcmas_render(model, "qwen3", PLAIN[1], enable_thinking=False), max_tokens=8, temperature=0)
+    assert isinstance(raw, kc.Completion) and isinstance(out, kc.Completion)
+    assert (out.reasoning_content, out.text) == (None, raw.text)
 
 
 # -------------------------------------------------------------------------------------------- parsers

@@ -162,7 +162,7 @@ def test_tool_messages_render_as_spans() -> None:
         tools,
     )
     assert msgs[0] == {"role": "system", "content": "You are a clock.", TOOLS_KEY: tools}  # the template's to render
-    assert msgs[2] == {"role": "assistant", "tool_calls": calls}
+    assert msgs[2] == {"role": "assistant", "content": "", "tool_calls": calls}
     assert msgs[3] == {"role": "tool", "tool_call_id": "c1", "content": "12:00"}
     # a template that does not render tool calls (ChatML) gets them as the text the model generated ...
     plain, listed = model_messages(msgs, None)

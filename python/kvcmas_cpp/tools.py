@@ -141,6 +141,7 @@ def render_tool_messages(
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         m = {k: v for k, v in msg.items() if k != TOOLS_KEY and v is not None}
+        m.setdefault("content", "")  # an assistant message that only calls tools sends content None
         for c in msg.get("tool_calls") or []:
             fn = c.get("function") if isinstance(c, Mapping) else None
             if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
