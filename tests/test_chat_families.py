@@ -371,8 +371,17 @@ def test_forced_calls_follow_each_familys_format(model: kc.Model, fmt_name: str)
 
 
 # -------------------------------------------------------------------------------------------- server
+# qwen3 (hermes, chat_template_kwargs) and the R1 template (reasoning) by default; the other formats' servers are
+# slow tests (their grammars and parsers are checked above without a server)
 @pytest.fixture(
-    scope="module", params=["qwen3", "deepseek-r1-distill-qwen", "llama3.2", "mistral-small-3.1", "phi4-mini"]
+    scope="module",
+    params=[
+        "qwen3",
+        "deepseek-r1-distill-qwen",
+        pytest.param("llama3.2", marks=pytest.mark.slow),
+        pytest.param("mistral-small-3.1", marks=pytest.mark.slow),
+        pytest.param("phi4-mini", marks=pytest.mark.slow),
+    ],
 )
 def family_server(request: Any, default_model_path: Path) -> Iterator[tuple[str, ServerProcess]]:
     name = request.param

@@ -799,7 +799,7 @@ class Server:
                 messages.append(msg)
                 continue
             parts: list[str | np.ndarray] = [images[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
-            messages.append({"role": msg["role"], "content": [p for p in parts if not isinstance(p, str) or p]})
+            messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         tok = self.model.tokenizer
         segments: list[Segment] = []
