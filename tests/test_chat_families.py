@@ -344,6 +344,65 @@ def test_reasoning_split_streamed_and_whole(text: str, opened: bool, reasoning: 
         assert ("".join([*r_parts, r]) or None, "".join([*c_parts, c])) == (reasoning, content)
 
 
+# Replies as the families write them, thinking included, and what the server returns for each
+REPLIES = [
+    (
+        "qwen3",
+        "<think>\nThe user wants the time in Tokyo.\nI should call get_time.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Asia/Tokyo"}}\n</tool_call>',
+        "The user wants the time in Tokyo.\nI should call get_time.",
+        None,
+        [TOKYO],
+    ),
+    ("qwen3", "<think>\nEasy.\n</think>\n\nIt is 09:30 in Tokyo.", "Easy.", "It is 09:30 in Tokyo.", []),
+    ("qwen3", "It is 09:30 in Tokyo.", None, "It is 09:30 in Tokyo.", []),
+    ("deepseek-r1-distill-qwen", "Tokyo is UTC+9.\n</think>\n\nIt is 09:30.", "Tokyo is UTC+9.", "It is 09:30.", []),
+    (
+        "llama3.2",
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "Asia/Tokyo"}}',
+        None,
+        None,
+        [TOKYO],
+    ),
+    (
+        "mistral-small-3.1",
+        'Checking.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "Asia/Tokyo"}}]',
+        None,
+        "Checking.",
+        [TOKYO],
+    ),
+    ("phi4-mini", 'functools[{"name": "get_time", "arguments": {"zone": "Asia/Tokyo"}}]', None, None, [TOKYO]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(REPLIES)))
+def test_server_choice_reads_each_familys_reply(model: kc.Model, case: int) -> None:
+    """The server's reply assembly (server.choices.Choice, with the reply format output_plan picks for the
+    template) on real text of each family: the message's reasoning_content, content and tool_calls, and the same
+    from the stream's deltas at every chunking."""
+    from kvcmas_cpp.server.choices import Choice, ReplyFormat
+    from kvcmas_cpp.server.scheduler import Delta, Done
+
+    name, text, reasoning, content, calls = REPLIES[case]
+    prompt = kvcmas_render(model, name, ASK, TOOLS)
+    fmt = ReplyFormat(frozenset(NAMES), tool_format_of(template(name)), thinks(template(name)), opens_thinking(prompt))
+    for step in (len(text), 1, 3, 8):
+        choice = Choice(0, "chat", model.tokenizer, fmt)
+        chunks = [c for i in range(0, len(text), step) for c in choice.on_delta(Delta(text[i : i + step]))]
+        chunks += choice.on_done(Done("stop", {}))
+        deltas = [c["delta"] for c in chunks]
+        streamed = "".join(d.get("reasoning_content", "") for d in deltas)
+        assert (streamed or None, "".join(d.get("content") or "" for d in deltas) or None) == (reasoning, content)
+        got = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+        assert [c["index"] for c in got] == list(range(len(calls)))
+        final = choice.final()
+        message = final["message"]
+        assert message.get("reasoning_content") == reasoning and (message["content"] or None) == content
+        assert _calls(message.get("tool_calls") or []) == calls
+        assert final["finish_reason"] == ("tool_calls" if calls else "stop")
+
+
 @pytest.mark.parametrize("fmt_name", sorted(TOOL_FORMATS))
 def test_forced_calls_follow_each_familys_format(model: kc.Model, fmt_name: str) -> None:
     """The grammar of a forced call writes the family's format (random draws under the mask), which the family's
