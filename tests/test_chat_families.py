@@ -429,6 +429,27 @@ def test_forced_calls_follow_each_familys_format(model: kc.Model, fmt_name: str)
     assert think.startswith("</think>\n\n" + fmt.prefix + fmt.call_open), think
 
 
+def test_a_marker_that_is_one_special_token_is_forced_as_that_token(model: kc.Model) -> None:
+    """Mistral's `[TOOL_CALLS]` is one control token of its vocabulary, and the model writes it as that token: the
+    grammar forces the token, not the marker's text in pieces. Shown with a control token of the default vocabulary
+    (`<|im_start|>`) as a format's marker."""
+    pytest.importorskip("llguidance")
+    import dataclasses
+
+    import numpy as np
+
+    from kvcmas_cpp.constrained import Constraint, tool_call_grammar
+
+    tok = model.tokenizer
+    (marker,) = tok.encode("<|im_start|>", add_special=False, parse_special=True)
+    assert tok.is_special(marker)
+    fmt = dataclasses.replace(TOOL_FORMATS["mistral"], open="<|im_start|>", prefix="<|im_start|>[")
+    allowed = Constraint(tok, tool_call_grammar(TOOLS[:1], False, fmt, tok=tok)).allowed()
+    assert list(np.flatnonzero(allowed)) == [marker]
+    spelled = Constraint(tok, tool_call_grammar(TOOLS[:1], False, fmt)).allowed()  # no tokenizer: the text
+    assert not spelled[marker] and spelled.any()
+
+
 # -------------------------------------------------------------------------------------------- server
 # qwen3 (hermes, chat_template_kwargs) and the R1 template (reasoning) by default; the other formats' servers are
 # slow tests (their grammars and parsers are checked above without a server)

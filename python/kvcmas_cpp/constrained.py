@@ -105,13 +105,19 @@ def json_object_grammar() -> str:
 
 
 def tool_call_grammar(
-    tools: Sequence[Mapping[str, Any]], parallel: bool = True, fmt: ToolFormat = HERMES, prefix: str = ""
+    tools: Sequence[Mapping[str, Any]],
+    parallel: bool = True,
+    fmt: ToolFormat = HERMES,
+    prefix: str = "",
+    tok: Tokenizer | None = None,
 ) -> str:
     """One or more (parallel) calls of the given functions (OpenAI tool objects {"type": "function", "function":
     {"name", "parameters"}}) in the model family's format fmt (kvcmas_cpp.tools.ToolFormat: hermes
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, llama3 `{"name": ..., "parameters": {...}}`,
     mistral `[TOOL_CALLS][...]`, phi4_mini `functools[...]`), the arguments valid under each function's parameters
-    schema. prefix: text written first (`</think>` when the prompt left a reasoning block open)."""
+    schema. prefix: text written first (`</think>` when the prompt left a reasoning block open). tok: the model's
+    tokenizer, when known: a marker that is one special token of its vocabulary (Mistral's `[TOOL_CALLS]`) is
+    written as that token, as the model writes it, not spelled out in text pieces."""
     calls = []
     for tool in tools:
         fn = tool["function"]
@@ -126,25 +132,27 @@ def tool_call_grammar(
     if not calls:
         raise GrammarError("no function to call")
     schema = _with_options(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    call = f"{_lark_text(fmt.call_open)} %json {json.dumps(schema)} {_lark_text(fmt.call_close)}"
-    more = f"({_lark_text(fmt.separator)} call)*" if parallel else ""
-    start = f"start: {_lark_text(prefix + fmt.prefix)} call {more} {_lark_text(fmt.suffix)}"
+    call = f"{_lark_text(fmt.call_open, tok)} %json {json.dumps(schema)} {_lark_text(fmt.call_close, tok)}"
+    more = f"({_lark_text(fmt.separator, tok)} call)*" if parallel else ""
+    start = f"start: {_lark_text(prefix + fmt.prefix, tok)} call {more} {_lark_text(fmt.suffix, tok)}"
     import llguidance
 
     return str(llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n"))
 
 
-def _lark_text(text: str) -> str:
-    """A literal in a Lark rule ("" for none)."""
-    return json.dumps(text) if text else ""
+def _lark_text(text: str, tok: Tokenizer | None = None) -> str:
+    """text in a Lark rule ("" for none): literals, and the special tokens of tok's vocabulary written in it as
+    those tokens (llguidance's `<[id]>`)."""
+    pieces = tok.split_special(text) if tok is not None else [text]
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p) for p in pieces if p != "")
 
 
-def _after(prefix: str, schema: Mapping[str, Any]) -> str:
+def _after(prefix: str, schema: Mapping[str, Any], tok: Tokenizer | None = None) -> str:
     """JSON under schema, written after prefix."""
     import llguidance
 
     try:
-        lark = f"start: {_lark_text(prefix)} %json {json.dumps(_with_options(schema))}\n"
+        lark = f"start: {_lark_text(prefix, tok)} %json {json.dumps(_with_options(schema))}\n"
         return str(llguidance.LLMatcher.grammar_from_lark(lark))
     except ValueError as e:
         raise GrammarError(f"invalid JSON schema: {e}", "response_format") from None
@@ -294,17 +302,17 @@ def output_constraint(
     if forced:
         if fmt_type != "text":
             raise GrammarError("response_format cannot be combined with a forced tool call", "response_format")
-        grammar = tool_call_grammar(forced, parallel_tool_calls, fmt, prefix)
+        grammar = tool_call_grammar(forced, parallel_tool_calls, fmt, prefix, tok)
     elif fmt_type == "json_object":
         param = "response_format"
-        grammar = _after(prefix, {"type": "object"}) if prefix else json_object_grammar()
+        grammar = _after(prefix, {"type": "object"}, tok) if prefix else json_object_grammar()
     elif fmt_type == "json_schema":
         param = "response_format"
         spec = (response_format or {}).get("json_schema")
         if not isinstance(spec, Mapping):
             raise GrammarError("response_format json_schema needs a 'json_schema' object", param)
         schema = spec.get("schema") or {}
-        grammar = _after(prefix, schema) if prefix and isinstance(schema, Mapping) else json_schema_grammar(schema)
+        grammar = _after(prefix, schema, tok) if prefix and isinstance(schema, Mapping) else json_schema_grammar(schema)
     try:
         constraint = Constraint(tok, grammar, n_logits) if grammar is not None else None
     except GrammarError as e:

@@ -428,6 +428,11 @@ class Tokenizer:
             out.append(self._eos_id)
         return out
 
+    def split_special(self, text: str) -> list[str | int]:
+        """text as its raw-text pieces and the ids of the special tokens written in it (what encode with
+        parse_special=True reads as one token each)."""
+        return self._partition(text, True)
+
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Splits text into raw-text fragments and special token ids (llama.cpp's tokenizer_st_partition)."""
         fragments: list[str | int] = [text] if text else []
