@@ -15,6 +15,7 @@ from kvcmas_cpp.tools import (
     TOOLS_KEY,
     ToolCallStream,
     format_tool_call,
+    model_messages,
     parse_tool_calls,
     render_tool_messages,
     tools_system_text,
@@ -161,10 +162,17 @@ def test_tool_messages_render_as_spans() -> None:
         tools,
     )
     assert msgs[0] == {"role": "system", "content": "You are a clock.", TOOLS_KEY: tools}  # the template's to render
-    assert msgs[2] == {"role": "assistant", "content": format_tool_call("get_time", '{"zone": "UTC"}')}
-    assert msgs[3] == {"role": "tool", "content": "12:00"}
-    # the call as written reads back as the same call
-    assert parse_tool_calls(msgs[2]["content"], NAMES)[1][0]["function"] == calls[0]["function"]
+    assert msgs[2] == {"role": "assistant", "content": "", "tool_calls": calls}
+    assert msgs[3] == {"role": "tool", "tool_call_id": "c1", "content": "12:00"}
+    # a template that does not render tool calls (ChatML) gets them as the text the model generated ...
+    plain, listed = model_messages(msgs, None)
+    assert listed is None and plain[0]["content"] == "You are a clock.\n\n" + tools_system_text(tools)
+    assert plain[2] == {"role": "assistant", "content": format_tool_call("get_time", '{"zone": "UTC"}')}
+    # ... and the call as written reads back as the same call
+    assert parse_tool_calls(plain[2]["content"], NAMES)[1][0]["function"] == calls[0]["function"]
+    # one that renders them (Qwen3's) gets transformers' shape: arguments as an object, the tools as `tools`
+    native, listed = model_messages(msgs, "{{ tools }}{{ m.tool_calls }}")
+    assert listed == tools and native[2]["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
 
 
 # A template that renders `tools` itself, in a format of its own (not Hermes): Llama 3.1-like JSON in the user turn.

@@ -398,7 +398,7 @@ class Agent:
         kvcmas_cpp.tools.tools_system_text), response_format (json_object / json_schema), logprobs and top_logprobs
         (Response.logprobs). The reply's text, calls included, is what later agents read."""
         from .constrained import output_constraint
-        from .tools import parse_tool_calls
+        from .tools import parse_tool_calls, tool_format_of
 
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
@@ -407,10 +407,11 @@ class Agent:
         max_tokens_count(max_tokens, 1)
         stops = stop_strings(stop)
         model = self.session.model
+        fmt = tool_format_of(model.tokenizer.chat_template)
         constraint, names = (None, None)
         if tools or response_format:
             constraint, names = output_constraint(
-                model.tokenizer, model.n_vocab, tools, tool_choice, response_format, parallel_tool_calls
+                model.tokenizer, model.n_vocab, tools, tool_choice, response_format, parallel_tool_calls, fmt
             )
         top = (top_logprobs or 0) if logprobs else None
         chunks = self.session._respond(self, max_tokens, params, stops, constraint, top)
@@ -421,7 +422,7 @@ class Agent:
             last = c.response or last
         assert last is not None
         if names is not None:
-            _, calls = parse_tool_calls(last.text, names)
+            _, calls = parse_tool_calls(last.text, names, fmt)
             if calls:
                 last.tool_calls = calls
                 last.finish_reason = "tool_calls" if last.finish_reason == "stop" else last.finish_reason
@@ -729,15 +730,17 @@ class AgentSession:
             role, content = msg.get("role"), msg.get("content")
             if not isinstance(role, str):
                 raise ValueError(f"prefill: message {i} needs string 'role' and 'content'")
+            # what the template reads beside the content (tool_calls, tool_call_id, name, ...) is rendered with it
+            keys = {k: v for k, v in msg.items() if k not in ("role", "content", TOOLS_KEY)}
             if role == "system" and i == 0:
                 if not isinstance(content, str):
                     raise ValueError("prefill: the system prompt (message 0) must be a string")
                 system = content
-                rendered.append({"role": role, "content": content})
+                rendered.append({**keys, "role": role, "content": content})
                 continue
             ids = self._content_ids(i, role, content) or []
             if not ids:
-                rendered.append({"role": role, "content": content if isinstance(content, str) else ""})
+                rendered.append({**keys, "role": role, "content": content if isinstance(content, str) else ""})
                 continue
             ph = self._span(ids, content)
             pieces = self._pieces(content, ids) if ph is None and isinstance(content, str) else None
@@ -749,11 +752,11 @@ class AgentSession:
                     elif piece is not None and piece not in self._state.spans:
                         self._add_message_item(self._ids(text), text, role, piece)
                     marked.append(text if piece is None else f"<kvcmas-span-{nonce}:{piece}>")
-                rendered.append({"role": role, "content": "".join(marked)})
+                rendered.append({**keys, "role": role, "content": "".join(marked)})
                 continue
             if ph is None:
                 ph = self._add_message_item(ids, content if isinstance(content, str) else None, role)
-            rendered.append({"role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
+            rendered.append({**keys, "role": role, "content": f"<kvcmas-span-{nonce}:{ph}>"})
         key = agent if agent is not None else (system or "assistant")
         if tools is not None:  # the tools are part of the agent's prompt prefix, and so of who it is
             rendered[0][TOOLS_KEY] = tools

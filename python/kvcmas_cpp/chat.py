@@ -29,6 +29,8 @@ __all__ = [
     "CHATML_TEMPLATE",
     "MAX_OUTPUT_CHARS",
     "MAX_RENDER_SECONDS",
+    "RESERVED_TEMPLATE_VARIABLES",
+    "TEMPLATE_KWARGS_KEY",
     "ChatTemplateError",
     "normalize_messages",
     "render_chat",
@@ -45,6 +47,24 @@ CHATML_TEMPLATE = (
 MAX_OUTPUT_CHARS = 1 << 20  # 1 Mi characters: far beyond any real prompt, small enough to fail fast
 MAX_RENDER_SECONDS = 2.0
 MAX_TEMPLATE_CHARS = 1 << 20
+
+# What the renderer itself sets: a caller's template variables (chat_template_kwargs) may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    [
+        "messages",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "tools",
+        "documents",
+        "max_output_chars",
+        "max_seconds",
+        "template",
+    ]
+)
+
+# A request's template variables, carried on its first message to every rendering of it (Model.apply_chat_template).
+TEMPLATE_KWARGS_KEY = "kvcmas_template_kwargs"
 
 _VALID_ROLES_HINT = "e.g. 'system', 'user', 'assistant', 'tool'"
 

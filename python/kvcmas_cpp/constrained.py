@@ -23,6 +23,7 @@ import numpy as np
 
 from ._native import KvcmasError
 from .tokenizer import Tokenizer
+from .tools import HERMES, ToolFormat
 
 __all__ = [
     "Constraint",
@@ -106,10 +107,20 @@ def json_object_grammar() -> str:
     return json_schema_grammar({"type": "object"})
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
-    """One or more (parallel) Hermes-style calls `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` of
-    the given functions (OpenAI tool objects {"type": "function", "function": {"name", "parameters"}}), the
-    arguments valid under each function's parameters schema."""
+def tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]],
+    parallel: bool = True,
+    fmt: ToolFormat = HERMES,
+    prefix: str = "",
+    tok: Tokenizer | None = None,
+) -> str:
+    """One or more (parallel) calls of the given functions (OpenAI tool objects {"type": "function", "function":
+    {"name", "parameters"}}) in the model family's format fmt (kvcmas_cpp.tools.ToolFormat: hermes
+    `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, llama3 `{"name": ..., "parameters": {...}}`,
+    mistral `[TOOL_CALLS][...]`, phi4_mini `functools[...]`), the arguments valid under each function's parameters
+    schema. prefix: text written first (`</think>` when the prompt left a reasoning block open). tok: the model's
+    tokenizer, when known: a marker that is one special token of its vocabulary (Mistral's `[TOOL_CALLS]`) is
+    written as that token, as the model writes it, not spelled out in text pieces."""
     calls = []
     for tool in tools:
         fn = tool["function"]
@@ -117,18 +128,37 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool = True)
         calls.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, fmt.args_key: params},
+                "required": ["name", fmt.args_key],
             }
         )
     if not calls:
         raise GrammarError("no function to call")
     schema = _with_options(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    call = f"{json.dumps(TOOL_CALL_OPEN)} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_CLOSE)}"
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    call = f"{_lark_text(fmt.call_open, tok)} %json {json.dumps(schema)} {_lark_text(fmt.call_close, tok)}"
+    more = f"({_lark_text(fmt.separator, tok)} call)*" if parallel else ""
+    start = f"start: {_lark_text(prefix + fmt.prefix, tok)} call {more} {_lark_text(fmt.suffix, tok)}"
     import llguidance
 
     return str(llguidance.LLMatcher.grammar_from_lark(f"{start}\ncall: {call}\n"))
+
+
+def _lark_text(text: str, tok: Tokenizer | None = None) -> str:
+    """text in a Lark rule ("" for none): literals, and the special tokens of tok's vocabulary written in it as
+    those tokens (llguidance's `<[id]>`)."""
+    pieces = tok.split_special(text) if tok is not None else [text]
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p) for p in pieces if p != "")
+
+
+def _after(prefix: str, schema: Mapping[str, Any], tok: Tokenizer | None = None) -> str:
+    """JSON under schema, written after prefix."""
+    import llguidance
+
+    try:
+        lark = f"start: {_lark_text(prefix, tok)} %json {json.dumps(_with_options(schema))}\n"
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    except ValueError as e:
+        raise GrammarError(f"invalid JSON schema: {e}", "response_format") from None
 
 
 class _TokenizerAdapter:
@@ -255,14 +285,18 @@ def output_constraint(
     tool_choice: str | Mapping[str, Any] | None = None,
     response_format: Mapping[str, Any] | None = None,
     parallel_tool_calls: bool = True,
+    fmt: ToolFormat = HERMES,
+    prefix: str = "",
 ) -> tuple[Constraint | None, frozenset[str] | None]:
     """OpenAI's output settings (tools, tool_choice, response_format, as their JSON objects) -> (the constraint the
     output follows or None, the names of the tools whose calls are read from the output or None).
 
     tool_choice "required" or a named function forces a call (constrained); "auto" (the default with tools) leaves
     the output free and reads calls from it; "none" reads none. response_format json_object / json_schema
-    constrains the output to JSON. Raises GrammarError (with .param) for schemas llguidance cannot compile and
-    contradicting settings."""
+    constrains the output to JSON. fmt: the model family's tool-call format (forced calls are written in it);
+    prefix: what the output must start with (`</think>` when the prompt left a reasoning block open, so that the
+    call or the JSON is the answer, not reasoning). Raises GrammarError (with .param) for schemas llguidance cannot
+    compile and contradicting settings."""
     tools = list(tools or [])
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
@@ -289,15 +323,17 @@ def output_constraint(
     if forced:
         if fmt_type != "text":
             raise GrammarError("response_format cannot be combined with a forced tool call", "response_format")
-        grammar = tool_call_grammar(forced, parallel_tool_calls)
+        grammar = tool_call_grammar(forced, parallel_tool_calls, fmt, prefix, tok)
     elif fmt_type == "json_object":
-        param, grammar = "response_format", json_object_grammar()
+        param = "response_format"
+        grammar = _after(prefix, {"type": "object"}, tok) if prefix else json_object_grammar()
     elif fmt_type == "json_schema":
         param = "response_format"
         spec = (response_format or {}).get("json_schema")
         if not isinstance(spec, Mapping):
             raise GrammarError("response_format json_schema needs a 'json_schema' object", param)
-        grammar = json_schema_grammar(spec.get("schema") or {})
+        schema = spec.get("schema") or {}
+        grammar = _after(prefix, schema, tok) if prefix and isinstance(schema, Mapping) else json_schema_grammar(schema)
     try:
         constraint = Constraint(tok, grammar, n_logits) if grammar is not None else None
     except GrammarError as e:

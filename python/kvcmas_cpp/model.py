@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._native import core
-from .chat import ChatTemplateError, normalize_messages, render_chat
+from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
 from .sampling import (
     Sampler,
     SamplingParams,
@@ -166,6 +166,7 @@ class Completion:
     timings: Timings = field(default_factory=Timings)
     logprobs: list[dict[str, Any]] | None = None  # logprobs=: OpenAI's chat logprobs "content" entries, per token
     tool_calls: list[dict[str, Any]] | None = None  # chat(tools=...): OpenAI tool_call objects the model made
+    reasoning_content: str | None = None  # chat() of a thinking model: its `<think>` text (text is the answer)
 
 
 @dataclass
@@ -497,22 +498,32 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Renders messages with the model's chat template (sandboxed; ChatML when the file has none). A tool list
-        attached by kvcmas_cpp.tools.render_tool_messages (TOOLS_KEY) goes to the template as `tools` when the
-        template renders them, else into the system prompt as tools_system_text."""
-        from .tools import TOOLS_KEY, attached_tools, template_renders_tools, with_tools_text
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Renders messages with the model's chat template (sandboxed; ChatML when the file has none), as
+        transformers' apply_chat_template renders it. Tool calls and a tool list attached by
+        kvcmas_cpp.tools.render_tool_messages go to the template as kvcmas_cpp.tools.model_messages says (natively
+        where the template renders them). template_kwargs: extra template variables (OpenAI clients'
+        `chat_template_kwargs`, e.g. {"enable_thinking": False} for Qwen3); a message list may carry them on a
+        message under kvcmas_cpp.chat.TEMPLATE_KWARGS_KEY (how a sharing session's prompt gets them)."""
+        from .tools import model_messages
 
         normalize_messages(messages)  # the messages' faults first, without the file's name: what follows is the file's
         tok = self.tokenizer
-        tools = attached_tools(messages)
-        extra: dict[str, Any] = {}
+        carried = next((m.get(TEMPLATE_KWARGS_KEY) for m in messages if isinstance(m, dict)), None)
+        extra: dict[str, Any] = {**(carried or {}), **(template_kwargs or {})}
+        if carried is not None:
+            messages = [{k: v for k, v in m.items() if k != TEMPLATE_KWARGS_KEY} for m in messages]
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(extra))
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them")
+        messages, tools = model_messages(messages, tok.chat_template)
         if tools is not None:
-            messages = [{k: v for k, v in m.items() if k != TOOLS_KEY} if isinstance(m, dict) else m for m in messages]
-            if template_renders_tools(tok.chat_template):
-                extra["tools"] = tools
-            else:
-                messages = with_tools_text(messages, tools)
+            extra["tools"] = tools
         try:
             return render_chat(
                 tok.chat_template,
@@ -629,27 +640,44 @@ class Model:
         parallel_tool_calls (OpenAI tool objects; the calls come back in Completion.tool_calls, finish_reason
         "tool_calls"; "required" and a named function are enforced by constrained decoding), response_format
         ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}), logprobs=True and
-        top_logprobs (Completion.logprobs: OpenAI's chat logprobs entries). Messages may carry tool_calls and
-        tool messages. With stream=True the chunks are the raw text (parse it with kvcmas_cpp.tools.ToolCallStream).
+        top_logprobs (Completion.logprobs: OpenAI's chat logprobs entries), chat_template_kwargs (template
+        variables, e.g. {"enable_thinking": False}). Messages may carry tool_calls and tool messages. Calls are read
+        in the model family's format (kvcmas_cpp.tools.tool_format_of), and a thinking model's `<think>` text comes
+        back apart, in Completion.reasoning_content. With stream=True the chunks are the raw text (parse it with
+        kvcmas_cpp.reasoning.ReasoningStream and kvcmas_cpp.tools.ToolCallStream).
         """
         from .constrained import output_constraint
-        from .tools import parse_tool_calls, render_tool_messages
+        from .reasoning import THINK_CLOSE, opens_thinking, split_reasoning, thinks
+        from .tools import parse_tool_calls, render_tool_messages, tool_format_of
 
         if isinstance(kwargs.get("logprobs"), bool):
             kwargs["logprobs"] = (top_logprobs or 0) if kwargs["logprobs"] else None
+        template_kwargs = kwargs.pop("chat_template_kwargs", None)
+        text = self.apply_chat_template(render_tool_messages(messages, tools), True, template_kwargs)
+        reasoning = thinks(self.tokenizer.chat_template)
+        opened = reasoning and opens_thinking(text)
+        fmt = tool_format_of(self.tokenizer.chat_template)
         constraint, names = (None, None)
         if tools or response_format:
             constraint, names = output_constraint(
-                self.tokenizer, self.n_vocab, tools, tool_choice, response_format, parallel_tool_calls
+                self.tokenizer,
+                self.n_vocab,
+                tools,
+                tool_choice,
+                response_format,
+                parallel_tool_calls,
+                fmt,
+                THINK_CLOSE + "\n\n" if opened else "",
             )
-        text = self.apply_chat_template(render_tool_messages(messages, tools), add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
         bos = self.tokenizer.bos_id
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
         out = self.generate(ids, constraint=constraint, **kwargs)
+        if isinstance(out, Completion) and reasoning:
+            out.reasoning_content, out.text = split_reasoning(out.text, opened)
         if isinstance(out, Completion) and names is not None:
-            content, calls = parse_tool_calls(out.text, names)
+            content, calls = parse_tool_calls(out.text, names, fmt)
             if calls:
                 out.text, out.tool_calls = content or "", calls
                 out.finish_reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason

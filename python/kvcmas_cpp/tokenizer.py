@@ -360,8 +360,15 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The Jinja chat template from ``tokenizer.chat_template``, or None."""
+        """The Jinja chat template from ``tokenizer.chat_template`` (or the one set in its place), or None."""
         return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        """Replaces the file's template (llama.cpp's --chat-template-file); None or "": ChatML."""
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"a chat template must be a string, got {type(template).__name__}")
+        self._chat_template = template or None
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary string of a token (byte-level / "▁"-escaped form, as stored in the GGUF file)."""
@@ -426,6 +433,11 @@ class Tokenizer:
             assert self._eos_id is not None
             out.append(self._eos_id)
         return out
+
+    def split_special(self, text: str) -> list[str | int]:
+        """text as its raw-text pieces and the ids of the special tokens written in it (what encode with
+        parse_special=True reads as one token each)."""
+        return self._partition(text, True)
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Splits text into raw-text fragments and special token ids (llama.cpp's tokenizer_st_partition)."""

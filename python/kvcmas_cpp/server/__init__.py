@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..arguments import DocsFormatter, port, positive_float, positive_int
@@ -77,6 +78,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file or model name (default: SmolLM2-135M)")
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
+    p.add_argument(
+        "--chat-template-file",
+        default=None,
+        help="Jinja chat template used instead of the model file's (as llama.cpp's; its tool-call format and "
+        "reasoning follow it)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
@@ -272,6 +279,11 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
     if args.activations != "q8":
         kv_type["activations"] = args.activations
     model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
+    if args.chat_template_file is not None:
+        try:
+            model.tokenizer.chat_template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template-file {args.chat_template_file}: {e}") from None
     cfg = ServerConfig(
         model_path=path,
         host=args.host,

@@ -36,9 +36,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import Model
 from ..sharing import persist
-from ..tools import ToolCallStream
 from .backend import Segment
-from .choices import Choice
+from .choices import Choice, ReplyFormat
 from .dashboard import UI_PATHS, dashboard_routes, record_response
 from .history import History
 from .metrics import Metrics
@@ -915,7 +914,7 @@ class Server:
                 messages.append(msg)
                 continue
             parts: list[str | np.ndarray] = [images[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
-            messages.append({"role": msg["role"], "content": [p for p in parts if not isinstance(p, str) or p]})
+            messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         tok = self.model.tokenizer
         segments: list[Segment] = []
@@ -956,7 +955,7 @@ class Server:
         except ValueError as e:  # ChatTemplateError, or text the tokenizer refuses (lone surrogates)
             raise ApiError(400, f"the messages cannot be rendered: {e}", "invalid_messages", "messages") from None
         max_tokens = self._budget_tokens(n_prompt, parsed.max_tokens, "messages")
-        plan = await run_in_threadpool(output_plan, body, self.model)  # tools, response_format
+        plan = await run_in_threadpool(output_plan, body, self.model, ids)  # tools, response_format, reasoning
         options = body.kvcmas
         method = (options.method if options else None) or self.cfg.method
         workflow = (options.workflow if options else None) or DEFAULT_WORKFLOW
@@ -988,7 +987,7 @@ class Server:
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "", plan.parse_tools)
+        return await self._respond(job, queue, request, "chat", body.stream, include_usage, extra, "", plan.reply)
 
     async def completions(self, request: Request) -> Response:
         parsed = await self._parse("completion", request)
@@ -1039,10 +1038,10 @@ class Server:
         include_usage: bool,
         extra: dict[str, Any],
         echo: str,
-        tools: frozenset[str] | None = None,
+        reply: ReplyFormat | None = None,
     ) -> Response:
-        """Waits for the first event (so early failures keep their status code), then answers or streams. tools:
-        the names of the functions the output may call (None: no tool-call parsing)."""
+        """Waits for the first event (so early failures keep their status code), then answers or streams. reply:
+        how a chat reply is read (reasoning, tool calls; None: plain text)."""
         first = await self._next_event(queue, request)
         if first is None:
             self.scheduler.cancel(job)
@@ -1050,7 +1049,7 @@ class Server:
         if isinstance(first, Failed):
             self.scheduler.cancel(job)  # the other choices (n > 1)
             raise ApiError(first.status, first.message, first.code)
-        choices = self._new_choices(job, kind, echo, tools)
+        choices = self._new_choices(job, kind, echo, reply)
         if not stream:
             dones: list[Done] = []
             event: Event | None = first
@@ -1077,9 +1076,9 @@ class Server:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def _new_choices(self, job: Job, kind: str, echo: str, tools: frozenset[str] | None) -> list[Choice]:
+    def _new_choices(self, job: Job, kind: str, echo: str, reply: ReplyFormat | None) -> list[Choice]:
         tok = self.model.tokenizer
-        return [Choice(i, kind, tok, ToolCallStream(tools) if tools is not None else None, echo) for i in range(job.n)]
+        return [Choice(i, kind, tok, reply, echo) for i in range(job.n)]
 
     async def _stream(
         self,

@@ -1,15 +1,30 @@
 """One choice of a chat or text completion, assembled from the scheduler's events in OpenAI's shapes: its text, its
 logprobs (chat: {"content": [...]}, completions: tokens / token_logprobs / top_logprobs / text_offset) and, for chat
-requests with tools, its tool calls (kvcmas_cpp.tools.ToolCallStream), streamed or whole."""
+replies, the reasoning of a thinking model (`reasoning_content`, kvcmas_cpp.reasoning.ReasoningStream) and the tool
+calls of requests with tools (kvcmas_cpp.tools.ToolCallStream, in the model family's format), streamed or whole."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from ..reasoning import ReasoningStream
 from ..sampling import TokenLogprob, chat_logprobs
 from ..tokenizer import Tokenizer
-from ..tools import ToolCallStream
+from ..tools import HERMES, ToolCallStream, ToolFormat
 from .scheduler import Delta, Done
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How a chat reply is read. tools: the functions whose calls are parsed (None: no tool-call parsing);
+    tool_format: the model family's call format; reasoning: split `<think>` text off as reasoning_content; opened:
+    the prompt opened the reasoning block (the reply starts in it)."""
+
+    tools: frozenset[str] | None = None
+    tool_format: ToolFormat = HERMES
+    reasoning: bool = False
+    opened: bool = False
 
 
 def _piece(tok: Tokenizer, token: int) -> tuple[str, list[int]]:
@@ -34,14 +49,17 @@ def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprob], offset: int) ->
 
 
 class Choice:
-    """What one choice produced so far. kind: "chat" or "completion"; tools: parse tool calls (chat with tools and
-    tool_choice other than "none"); echo: the prompt text a completion repeats."""
+    """What one choice produced so far. kind: "chat" or "completion"; reply: how a chat reply is read (None: plain
+    text); echo: the prompt text a completion repeats."""
 
-    def __init__(self, index: int, kind: str, tok: Tokenizer, tools: ToolCallStream | None, echo: str = "") -> None:
+    def __init__(self, index: int, kind: str, tok: Tokenizer, reply: ReplyFormat | None, echo: str = "") -> None:
         self.index = index
         self.kind = kind
         self.tok = tok
-        self.tools = tools
+        reply = reply or ReplyFormat()
+        self.tools = ToolCallStream(reply.tools, reply.tool_format) if reply.tools is not None else None
+        self.reasoning = ReasoningStream(reply.opened) if reply.reasoning else None
+        self.reasoning_text: list[str] = []
         self.text: list[str] = [echo] if echo else []
         self.logprobs: list[TokenLogprob] | None = None
         self.offset = len(echo)
@@ -60,25 +78,34 @@ class Choice:
         if self.kind == "completion":
             self.text.append(ev.text)
             return [self._stream_choice(ev.text, lp, None)]
-        if self.tools is None:
+        if self.tools is None and self.reasoning is None:
             self.text.append(ev.text)
             return [self._stream_choice({"content": ev.text}, lp, None)]
-        content, calls = self.tools.feed(ev.text)
-        return self._tool_events(content, calls, lp)
+        reasoning, text = self.reasoning.feed(ev.text) if self.reasoning is not None else ("", ev.text)
+        content, calls = self.tools.feed(text) if self.tools is not None else (text, [])
+        return self._reply_events(reasoning, content, calls, lp)
 
     def on_done(self, ev: Done) -> list[dict[str, Any]]:
-        """The last stream choice objects: what the tool parser still held, then the finish reason."""
+        """The last stream choice objects: what the parsers still held, then the finish reason."""
         self.done = ev
         out: list[dict[str, Any]] = []
-        if self.tools is not None:
-            content, calls = self.tools.finish()
-            out = [c for c in self._tool_events(content, calls, None) if c["delta"]]
+        if self.reasoning is not None or self.tools is not None:
+            reasoning, text = self.reasoning.finish() if self.reasoning is not None else ("", "")
+            content, calls = self.tools.feed(text) if self.tools is not None else (text, [])
+            if self.tools is not None:
+                tail, more = self.tools.finish()
+                content, calls = content + tail, calls + more
+            out = [c for c in self._reply_events(reasoning, content, calls, None) if c["delta"]]
         empty: dict[str, Any] | str = {} if self.kind == "chat" else ""
         out.append(self._stream_choice(empty, None, self.finish_reason))
         return out
 
-    def _tool_events(self, content: str, calls: list[dict[str, Any]], lp: Any) -> list[dict[str, Any]]:
+    def _reply_events(self, reasoning: str, content: str, calls: list[dict[str, Any]], lp: Any) -> list[dict[str, Any]]:
         out = []
+        if reasoning:
+            self.reasoning_text.append(reasoning)
+            out.append(self._stream_choice({"reasoning_content": reasoning}, lp, None))
+            lp = None
         if content or lp is not None:
             self.text.append(content)
             out.append(self._stream_choice({"content": content} if content else {}, lp, None))
@@ -117,6 +144,8 @@ class Choice:
         if self.kind == "completion":
             return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning_text:
+            message["reasoning_content"] = "".join(self.reasoning_text)
         if self.tool_calls:
             message["content"] = text.strip() or None
             message["tool_calls"] = self.tool_calls

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ..chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY
 from ..sharing.methods import SERVED_METHODS
 from ..tools import render_tool_messages
 
@@ -133,6 +134,7 @@ class ChatMessage(_Body):
     refusal: StrictStr | None = None  # echoed back by clients that resend a reply; not rendered
     tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
     tool_call_id: StrictStr | None = None  # tool messages: the call this is the result of
+    reasoning_content: StrictStr | None = None  # assistant messages: a thinking model's reasoning, as it was returned
 
     def has_images(self) -> bool:
         return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
@@ -242,6 +244,16 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    # Variables for the chat template, as vLLM and llama.cpp take them (e.g. {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(v or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set here: the server sets them")
+        return v
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -277,8 +289,13 @@ class ChatCompletionRequest(_Sampling):
                 msg["name"] = m.name  # kept: templates that know names render it (e.g. an agent's name)
             if m.tool_calls:
                 msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            for key in ("tool_call_id", "reasoning_content"):  # what templates read beside the content
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
             out.append(msg)
-        # the tool list for the chat template, tool calls into their assistant message's text (kvcmas_cpp.tools)
+        if self.chat_template_kwargs:
+            out[0][TEMPLATE_KWARGS_KEY] = dict(self.chat_template_kwargs)
+        # the tool list and tool calls for the chat template (kvcmas_cpp.tools)
         return render_tool_messages(out, self.tool_dicts())
 
 
