@@ -1,0 +1,292 @@
+"""AnyRes vision (LLaVA-OneVision, LLaVA-NeXT) against transformers: pixels, token counts, features and logprobs.
+
+A random-weight LlavaOnevisionForConditionalGeneration (and LlavaNextForConditionalGeneration) made here with
+transformers at small sizes, saved with the processor settings as transformers 5 saves them (processor_config.json),
+converted by ``kvcmas mmproj`` (both halves), then run by kvcmas and by transformers on scikit-image's photos and
+synthetic images: portrait, landscape, tiny, larger than the largest pinpoint, one and two images per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+PIL_Image = pytest.importorskip("PIL.Image")
+skimage_data = pytest.importorskip("skimage.data")
+
+import kvcmas_cpp  # noqa: E402
+from kvcmas_convert.vision import convert_llava_text  # noqa: E402
+from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
+from kvcmas_cpp.vision.anyres import ANYRES, SINGLE  # noqa: E402
+from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
+
+REPO = Path(__file__).resolve().parent.parent
+PHOTOS = Path(skimage_data.__file__).parent
+S, P = 56, 14  # tile side and patch: 4 x 4 feature rows per tile
+PINPOINTS = [[S * a, S * b] for a in range(1, 7) for b in range(1, 7)]  # OneVision's 1..6 x 1..6 tiles, scaled
+IMAGE_TOKEN = 319
+MEAN, STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
+
+
+def _images() -> dict[str, Any]:
+    chelsea = PIL_Image.open(PHOTOS / "chelsea.png").convert("RGB")  # 451 x 300
+    rng = np.random.default_rng(3)
+    return {
+        "landscape": chelsea,
+        "portrait": chelsea.transpose(PIL_Image.Transpose.ROTATE_90),  # 300 x 451
+        "astronaut": PIL_Image.open(PHOTOS / "astronaut.png").convert("RGB"),  # 512 x 512 > 336 (largest pinpoint)
+        "coffee": PIL_Image.open(PHOTOS / "coffee.png").convert("RGB"),  # 600 x 400
+        "tiny": PIL_Image.fromarray(rng.integers(0, 256, (7, 10, 3), dtype=np.uint8)),
+        "tall": PIL_Image.fromarray(rng.integers(0, 256, (700, 90, 3), dtype=np.uint8)),
+    }
+
+
+IMAGES = _images()
+
+
+def _text_model(seed: int) -> Any:
+    cfg = transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                   tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def _image_processor(family: str) -> Any:
+    if family == "onevision":
+        cls = transformers.LlavaOnevisionImageProcessorPil
+        return cls(size={"height": S, "width": S}, image_grid_pinpoints=PINPOINTS, image_mean=MEAN, image_std=STD)
+    return transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": S}, crop_size={"height": S, "width": S}, image_grid_pinpoints=PINPOINTS
+    )
+
+
+def _make(root: Path, family: str) -> tuple[Path, Any, Any]:
+    """A random-weight checkpoint folder of the family (with processor_config.json), the model, its processor."""
+    text = _text_model(5)
+    if family == "onevision":
+        vcfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+        config = transformers.LlavaOnevisionConfig(
+            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINPOINTS,
+            vision_aspect_ratio="anyres_max_9", vision_feature_layer=-1, vision_feature_select_strategy="full",
+        )  # fmt: skip
+        cls: Any = transformers.LlavaOnevisionForConditionalGeneration
+    else:
+        vcfg = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                             num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+        config = transformers.LlavaNextConfig(
+            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINPOINTS,
+            vision_feature_layer=-2, vision_feature_select_strategy="default",
+        )  # fmt: skip
+        cls = transformers.LlavaNextForConditionalGeneration
+    torch.manual_seed(6)
+    model = cls(config).eval()
+    _randomize(model.model.vision_tower, 7)
+    _randomize(model.model.multi_modal_projector, 8)
+    with torch.no_grad():
+        model.model.image_newline.copy_(torch.randn(64, generator=torch.Generator().manual_seed(9)))
+    state = text.state_dict()
+    model.model.language_model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    model.lm_head.load_state_dict({"weight": state["lm_head.weight"]})
+    folder = root / family
+    model.save_pretrained(folder)
+    ip = _image_processor(family)
+    processor = {"image_processor": ip.to_dict(), "image_token": "<image>", "num_image_tokens": (S // P) ** 2,
+                 "processor_class": ip.to_dict()["image_processor_type"].replace("ImageProcessor", "Processor"),
+                 "vision_feature_select_strategy": config.vision_feature_select_strategy}  # fmt: skip
+    if family == "onevision":
+        processor["vision_aspect_ratio"] = config.vision_aspect_ratio
+    (folder / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    return folder, model, ip
+
+
+@pytest.fixture(scope="module", params=["onevision", "next"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """{name, folder, model, ip, enc, text}: the checkpoint, its mmproj written by the `kvcmas mmproj` command."""
+    root = tmp_path_factory.mktemp("anyres")
+    folder, model, ip = _make(root, request.param)
+    mmproj, text = root / f"{request.param}-mmproj.gguf", root / f"{request.param}-text.gguf"
+    cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "mmproj", str(folder), "-o", str(mmproj), "--outtype", "f32"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # the text half (the checkpoint has no tokenizer files: the ids are given directly)
+    convert_llava_text(folder, text, outtype="f32", vocab=False, progress=False)
+    enc = VisionEncoder(mmproj, n_threads=2)
+    return {"name": request.param, "folder": folder, "model": model, "ip": ip, "enc": enc, "text": text}
+
+
+def _hf_inputs(fam: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    images = [IMAGES[n] for n in names]
+    batch = [images] if fam["name"] == "onevision" else images
+    return dict(fam["ip"](images=batch, return_tensors="np"))
+
+
+def _hf_token_counts(fam: dict[str, Any], inputs: dict[str, Any]) -> list[int]:
+    """Image tokens per image as the transformers processor writes them into the prompt."""
+    cls = transformers.LlavaOnevisionProcessor if fam["name"] == "onevision" else transformers.LlavaNextProcessor
+    proc = cls.__new__(cls)  # its real counting code, without a tokenizer
+    proc.image_processor = fam["ip"]
+    proc.image_token = "<image>"
+    proc.num_image_tokens = (S // P) ** 2
+    proc.patch_size = P
+    proc.num_additional_image_tokens = 1 if fam["name"] == "next" else 0  # CLIP's class token (then dropped)
+    cfg = fam["model"].config
+    proc.vision_feature_select_strategy = cfg.vision_feature_select_strategy
+    proc.vision_aspect_ratio = getattr(cfg, "vision_aspect_ratio", None)
+    return [len(proc.replace_image_token(inputs, i)) // len("<image>") for i in range(len(inputs["image_sizes"]))]
+
+
+CASES = [["landscape"], ["portrait"], ["astronaut"], ["tiny"], ["tall"], ["coffee", "portrait"]]
+
+
+@pytest.mark.parametrize("names", CASES, ids=lambda n: "+".join(n))
+def test_pixels_and_token_counts_equal_the_processor(family: dict[str, Any], names: list[str]) -> None:
+    """Every tower input equals the processor's pixel_values bit for bit; rows per image equal its token count."""
+    enc: VisionEncoder = family["enc"]
+    inputs = _hf_inputs(family, names)
+    counts = _hf_token_counts(family, inputs)
+    for i, name in enumerate(names):
+        view = enc.view_for(len(names))
+        ours = enc.preprocess(IMAGES[name], view)
+        ref = np.asarray(inputs["pixel_values"][i])[: len(ours)]
+        assert ours.shape == ref.shape and ours.dtype == np.float32
+        assert np.array_equal(ours, ref), f"{name}: max |d| {np.abs(ours - ref).max()}"
+        assert not np.any(np.asarray(inputs["pixel_values"][i])[len(ours) :]), "the processor has more inputs"
+        w, h = IMAGES[name].size
+        assert enc.n_image_tokens(w, h, view) == counts[i], name
+    if family["name"] == "onevision" and len(names) > 1:
+        assert enc.view_for(len(names)) == SINGLE and counts == [(S // P) ** 2 + 1] * len(names)
+
+
+def _hf_features(fam: dict[str, Any], inputs: dict[str, Any]) -> list[np.ndarray]:
+    kwargs: dict[str, Any] = {"pixel_values": torch.tensor(inputs["pixel_values"]),
+                              "image_sizes": torch.tensor(np.asarray(inputs["image_sizes"]))}  # fmt: skip
+    if fam["name"] == "onevision":
+        kwargs["batch_num_images"] = torch.tensor(inputs["batch_num_images"])
+    with torch.no_grad():
+        out = fam["model"].model.get_image_features(**kwargs)
+    feats = getattr(out, "pooler_output", out)
+    return [f.numpy() for f in feats]
+
+
+@pytest.mark.parametrize("names", CASES, ids=lambda n: "+".join(n))
+def test_features_and_first_token_logprobs_equal_transformers(family: dict[str, Any], names: list[str]) -> None:
+    """Features after unpad, pooling and newline rows equal get_image_features' at f32; the text model fed them
+    (KVSequence.append_embeddings) gives the same first-token log-probabilities as the transformers model."""
+    enc: VisionEncoder = family["enc"]
+    inputs = _hf_inputs(family, names)
+    refs = _hf_features(family, inputs)
+    ours = [enc.encode(IMAGES[n], enc.view_for(len(names))) for n in names]
+    for name, got, ref in zip(names, ours, refs, strict=True):
+        assert got.shape == ref.shape, name
+        err = float(np.abs(got - ref).max())
+        assert err <= 1e-4 * float(np.abs(ref).max()) + 1e-6, f"{name}: max |d| {err}"
+    text_ids = [[11, 42, 7], [99, 3], [250, 17, 8]]
+    ids = list(text_ids[0])
+    for i, f in enumerate(ours):
+        ids += [IMAGE_TOKEN] * len(f) + text_ids[i + 1]
+    kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids]), "pixel_values": torch.tensor(inputs["pixel_values"]),
+                              "image_sizes": torch.tensor(np.asarray(inputs["image_sizes"]))}  # fmt: skip
+    if family["name"] == "onevision":
+        kwargs["batch_num_images"] = torch.tensor(inputs["batch_num_images"])
+    with torch.no_grad():
+        ref_logits = family["model"](**kwargs).logits[0, -1].double()
+    ref_lp = torch.log_softmax(ref_logits, -1).numpy()
+    model = kvcmas_cpp.Model(family["text"], n_threads=2)
+    seq = model.new_sequence()
+    seq.append(text_ids[0], logits="none")
+    for i, f in enumerate(ours):
+        seq.append_embeddings(f, logits=False)
+        last = seq.append(text_ids[i + 1], logits="last" if i == len(ours) - 1 else "none")
+    logits = np.asarray(last, dtype=np.float64).reshape(-1)
+    lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    assert int(lp.argmax()) == int(ref_lp.argmax())
+    assert float(np.abs(lp - ref_lp).max()) <= 2e-3
+
+
+def test_views_cache_and_low_detail(family: dict[str, Any]) -> None:
+    """detail "low" is the single view (G² + 1 rows); each (image, view) is encoded once."""
+    enc: VisionEncoder = family["enc"]
+    enc.clear_cache()
+    before = enc.encode_count
+    photo = PHOTOS / "coffee.png"
+    single = enc.encode(photo, enc.view_for(1, "low"))
+    assert single.shape[0] == (S // P) ** 2 + 1 and enc.view_for(1, "low") == SINGLE
+    full = enc.encode(photo, ANYRES)
+    assert full.shape[0] > single.shape[0] and np.array_equal(full[-1], enc.image_newline)
+    assert enc.encode(photo, SINGLE) is single and enc.encode(photo.read_bytes()) is full
+    assert enc.encode_count == before + 2
+    with pytest.raises(ValueError, match="view 'wide'"):
+        enc.encode(photo, "wide")
+
+
+def _refusal(tmp_path: Path, family_dir: Path, edit: Any) -> str:
+    folder = tmp_path / "edited"
+    shutil.copytree(family_dir, folder)
+    edit(folder)
+    from kvcmas_convert.errors import ConvertError
+    from kvcmas_convert.vision import convert_mmproj
+
+    with pytest.raises(ConvertError) as e:
+        convert_mmproj(folder, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+    return str(e.value)
+
+
+def _edit_json(name: str, change: Any) -> Any:
+    def edit(folder: Path) -> None:
+        data = json.loads((folder / name).read_text())
+        change(data)
+        (folder / name).write_text(json.dumps(data))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("file", "change", "named"),
+    [
+        ("processor_config.json", lambda d: d["image_processor"].update(resample=2), "'resample'"),
+        ("processor_config.json", lambda d: d["image_processor"].update(do_normalize=False), "'do_normalize'"),
+        ("processor_config.json", lambda d: d.update(vision_aspect_ratio="anyres_max_4"), "'vision_aspect_ratio'"),
+        ("processor_config.json", lambda d: d["image_processor"].update(image_grid_pinpoints=[[56, 56]]),
+         "'image_grid_pinpoints'"),
+        ("config.json", lambda d: d.update(image_grid_pinpoints=[[56, 100]]), "'image_grid_pinpoints'"),
+        ("config.json", lambda d: d.update(vision_aspect_ratio="anyres"), "'vision_aspect_ratio'"),
+        ("config.json", lambda d: d.update(vision_feature_layer=[-2, -1]), "vision_feature_layer"),
+        ("config.json", lambda d: d.update(vision_feature_select_strategy="default"), "vision_feature_select_strategy"),
+    ],
+    ids=["resample", "do_normalize", "aspect-mismatch", "pinpoints-mismatch", "pinpoint-not-tile", "aspect-form",
+         "layer-list", "siglip-default"],
+)  # fmt: skip
+def test_converter_refuses_what_it_cannot_represent(
+    family: dict[str, Any], tmp_path: Path, file: str, change: Any, named: str
+) -> None:
+    if family["name"] != "onevision":
+        pytest.skip("the OneVision checkpoint carries every setting checked here")
+    message = _refusal(tmp_path, family["folder"], _edit_json(file, change))
+    assert named in message, message
+
+
+def test_preprocessor_config_json_is_read_too(family: dict[str, Any], tmp_path: Path) -> None:
+    """transformers 4.x's preprocessor_config.json: read, and a setting it disagrees on is refused by name."""
+    if family["name"] != "onevision":
+        pytest.skip("one family is enough")
+
+    def add_old_file(folder: Path) -> None:
+        settings = json.loads((folder / "processor_config.json").read_text())["image_processor"]
+        (folder / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": [0.4, 0.5, 0.5]}))
+
+    assert "'image_mean'" in _refusal(tmp_path, family["folder"], add_old_file)
