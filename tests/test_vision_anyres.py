@@ -113,19 +113,34 @@ def _make(root: Path, family: str) -> tuple[Path, Any, Any]:
     return folder, model, ip
 
 
+_CONVERTED: dict[str, dict[str, Any]] = {}
+
+
+def _converted(name: str, factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """{name, folder, model, ip, enc, text}: the checkpoint, its mmproj written by the `kvcmas mmproj` command (made
+    once per session and family)."""
+    if name not in _CONVERTED:
+        root = factory.mktemp("anyres")
+        folder, model, ip = _make(root, name)
+        mmproj, text = root / f"{name}-mmproj.gguf", root / f"{name}-text.gguf"
+        cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "mmproj", str(folder), "-o", str(mmproj), "--outtype", "f32"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        # the text half (the checkpoint has no tokenizer files: the ids are given directly)
+        convert_llava_text(folder, text, outtype="f32", vocab=False, progress=False)
+        enc = VisionEncoder(mmproj, n_threads=2)
+        _CONVERTED[name] = {"name": name, "folder": folder, "model": model, "ip": ip, "enc": enc, "text": text}
+    return _CONVERTED[name]
+
+
 @pytest.fixture(scope="module", params=["onevision", "next"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """{name, folder, model, ip, enc, text}: the checkpoint, its mmproj written by the `kvcmas mmproj` command."""
-    root = tmp_path_factory.mktemp("anyres")
-    folder, model, ip = _make(root, request.param)
-    mmproj, text = root / f"{request.param}-mmproj.gguf", root / f"{request.param}-text.gguf"
-    cmd = [sys.executable, "-m", "kvcmas_cpp.cli", "mmproj", str(folder), "-o", str(mmproj), "--outtype", "f32"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    # the text half (the checkpoint has no tokenizer files: the ids are given directly)
-    convert_llava_text(folder, text, outtype="f32", vocab=False, progress=False)
-    enc = VisionEncoder(mmproj, n_threads=2)
-    return {"name": request.param, "folder": folder, "model": model, "ip": ip, "enc": enc, "text": text}
+    return _converted(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _converted("onevision", tmp_path_factory)
 
 
 def _hf_inputs(fam: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -267,26 +282,110 @@ def _edit_json(name: str, change: Any) -> Any:
         ("config.json", lambda d: d.update(vision_aspect_ratio="anyres"), "'vision_aspect_ratio'"),
         ("config.json", lambda d: d.update(vision_feature_layer=[-2, -1]), "vision_feature_layer"),
         ("config.json", lambda d: d.update(vision_feature_select_strategy="default"), "vision_feature_select_strategy"),
+        ("processor_config.json", lambda d: d["image_processor"].pop("image_mean"), "['image_mean']"),
     ],
     ids=["resample", "do_normalize", "aspect-mismatch", "pinpoints-mismatch", "pinpoint-not-tile", "aspect-form",
-         "layer-list", "siglip-default"],
+         "layer-list", "siglip-default", "no-mean"],
 )  # fmt: skip
 def test_converter_refuses_what_it_cannot_represent(
-    family: dict[str, Any], tmp_path: Path, file: str, change: Any, named: str
+    onevision: dict[str, Any], tmp_path: Path, file: str, change: Any, named: str
 ) -> None:
-    if family["name"] != "onevision":
-        pytest.skip("the OneVision checkpoint carries every setting checked here")
-    message = _refusal(tmp_path, family["folder"], _edit_json(file, change))
+    message = _refusal(tmp_path, onevision["folder"], _edit_json(file, change))
     assert named in message, message
 
 
-def test_preprocessor_config_json_is_read_too(family: dict[str, Any], tmp_path: Path) -> None:
+def test_preprocessor_config_json_is_read_too(onevision: dict[str, Any], tmp_path: Path) -> None:
     """transformers 4.x's preprocessor_config.json: read, and a setting it disagrees on is refused by name."""
-    if family["name"] != "onevision":
-        pytest.skip("one family is enough")
 
     def add_old_file(folder: Path) -> None:
         settings = json.loads((folder / "processor_config.json").read_text())["image_processor"]
         (folder / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": [0.4, 0.5, 0.5]}))
 
-    assert "'image_mean'" in _refusal(tmp_path, family["folder"], add_old_file)
+    assert "'image_mean'" in _refusal(tmp_path, onevision["folder"], add_old_file)
+
+
+# ------------------------------------------------------------------------------------------------------ the server
+def test_server_counts_anyres_rows_and_honours_detail(default_model_path: Path, tmp_path: Path) -> None:
+    """kvcmas-server with a OneVision-style mmproj (to the default model's width): one image takes the AnyRes
+    view, detail "low" and several images per prompt the single view; usage counts the rows fed; the answer is
+    the one the encoder's rows give through append_embeddings."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+    from kvcmas_cpp.vision.random_mmproj import write_random_mmproj
+
+    mmproj = tmp_path / "ov.gguf"
+    pinpoints = [(a, b) for a, b in PINPOINTS]
+    write_random_mmproj(mmproj, image_size=S, patch_size=P, n_embd=32, n_ff=64, n_layer=2, n_head=2, n_embd_out=576,
+                        outtype="f32", grid_pinpoints=pinpoints, vision_aspect_ratio="anyres_max_9")  # fmt: skip
+    buf = io.BytesIO()
+    IMAGES["coffee"].save(buf, "PNG")
+    png = buf.getvalue()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    enc = VisionEncoder(mmproj, n_threads=1)
+    w, h = IMAGES["coffee"].size
+    n_any, n_single = enc.n_image_tokens(w, h, ANYRES), enc.n_image_tokens(w, h, SINGLE)
+    assert n_any > 4 * n_single and n_single == (S // P) ** 2 + 1
+
+    model = kvcmas_cpp.Model(default_model_path, n_threads=2)
+    server = Server(ServerConfig(str(default_model_path), mmproj=str(mmproj), threads=2), model)
+
+    def image(detail: str | None = None) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
+
+    def ask(c: Any, *images: dict[str, Any]) -> dict[str, Any]:
+        parts = [{"type": "text", "text": "Look: "}, *images, {"type": "text", "text": " What is it?"}]
+        body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 4, "temperature": 0}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    before, after = model.apply_chat_template([{"role": "user", "content": "Look: @IMG@ What is it?"}]).split("@IMG@")
+    tok = model.tokenizer
+    prefix = tok.encode(before, add_special=False, parse_special=True)
+    if tok.add_bos and tok.bos_id is not None:
+        prefix = [tok.bos_id, *prefix]
+    suffix = tok.encode(after, add_special=False, parse_special=True)
+    try:
+        with TestClient(server.app, base_url="http://127.0.0.1") as c:
+            one = ask(c, image())
+            assert one["usage"]["prompt_tokens"] == len(prefix) + n_any + len(suffix)
+            assert ask(c, image("low"))["usage"]["prompt_tokens"] == len(prefix) + n_single + len(suffix)
+            assert ask(c, image("high"))["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+            two = ask(c, image(), image("high"))  # OneVision: each of several images takes the single view
+            assert two["usage"]["prompt_tokens"] == len(prefix) + 2 * n_single + len(suffix)
+            assert two["kvcmas"]["images"] == 2
+        with model.new_sequence() as seq:
+            seq.append(prefix, logits="none")
+            seq.append_embeddings(enc.encode(png, ANYRES))
+            want = model.generate(suffix, max_tokens=4, temperature=0, sequence=seq)
+        assert one["choices"][0]["message"]["content"] == want.text
+    finally:
+        server.scheduler.stop()
+
+
+def test_preprocessor_config_json_alone_is_used(onevision: dict[str, Any], tmp_path: Path) -> None:
+    """A checkpoint with only preprocessor_config.json: its settings (here another mean, one value just under 13/255,
+    which the file's float32 mean would round up) reach the file; the single view's pixels (padded with the mean
+    colour) still equal the processor's bit for bit."""
+    from kvcmas_convert.vision import convert_mmproj
+
+    folder = tmp_path / "old"
+    shutil.copytree(onevision["folder"], folder)
+    mean = [0.4, 0.5, 13 / 255 - 1e-9]
+    settings = json.loads((folder / "processor_config.json").read_text())["image_processor"]
+    (folder / "processor_config.json").unlink()
+    (folder / "preprocessor_config.json").write_text(json.dumps({**settings, "image_mean": mean}))
+    convert_mmproj(folder, tmp_path / "old.gguf", outtype="f32")
+    enc = VisionEncoder(tmp_path / "old.gguf", n_threads=1)
+    assert enc.config.image_mean == pytest.approx(mean) and enc.anyres is not None
+    ip = transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": S, "width": S}, image_grid_pinpoints=PINPOINTS, image_mean=mean, image_std=STD
+    )
+    images = [IMAGES["coffee"], IMAGES["portrait"]]
+    ref = ip(images=[images], return_tensors="np")["pixel_values"]  # [image, view, 3, S, S]
+    for i, image in enumerate(images):
+        assert np.array_equal(enc.preprocess(image, SINGLE), ref[i])

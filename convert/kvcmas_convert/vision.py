@@ -65,6 +65,7 @@ KEY_GRID_PINPOINTS: Final = "clip.vision.image_grid_pinpoints"  # int32 [h0, w0,
 KEY_PATCH_MERGE_TYPE: Final = "clip.vision.mm_patch_merge_type"  # "spatial_unpad"
 KEY_VISION_ASPECT_RATIO: Final = "kvcmas.vision.vision_aspect_ratio"  # OneVision: "anyres_max_N"
 KEY_MULTI_IMAGE_VIEW: Final = "kvcmas.vision.multi_image_view"  # OneVision: "single" (mean-padded square + newline)
+KEY_PAD_COLOR: Final = "kvcmas.vision.pad_color"  # int32[3]: the single view's padding, int(mean x 255) in float64
 TENSOR_IMAGE_NEWLINE: Final = "model.image_newline"
 
 ACTIVATIONS: Final = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu", "silu", "swish")
@@ -188,6 +189,12 @@ def _anyres(
 ) -> dict[str, Any]:
     """The AnyRes keys of a LLaVA-NeXT / LLaVA-OneVision checkpoint: grid pinpoints (config.json's, which the model
     uses; the image processor's must be the same), OneVision's vision_aspect_ratio and multi-image view."""
+    missing = [k for k in ("image_mean", "image_std") if k not in pp]
+    if missing:  # the processors' class defaults differ from the towers' families: never guess
+        raise ConvertError(
+            f"{where}: an AnyRes checkpoint needs its image processor's {missing} (processor_config.json or "
+            "preprocessor_config.json)"
+        )
     pinpoints = config.get("image_grid_pinpoints")
     if not isinstance(pinpoints, list) or not pinpoints:
         raise ConvertError(f"{where}: 'image_grid_pinpoints' = {pinpoints!r} must be a non-empty list")
@@ -217,6 +224,8 @@ def _anyres(
             raise ConvertError(f"{where}: 'vision_aspect_ratio' = {aspect!r} cannot be represented (anyres_max_N)")
         out[KEY_VISION_ASPECT_RATIO] = str(aspect)
         out[KEY_MULTI_IMAGE_VIEW] = "single"
+        # from the JSON's float64 mean, as the processor computes it (the file's float32 mean can round across)
+        out[KEY_PAD_COLOR] = [int(float(x) * 255) for x in pp["image_mean"]]
     return out
 
 

@@ -27,6 +27,7 @@ KEY_GRID_PINPOINTS = "clip.vision.image_grid_pinpoints"  # int32 [h0, w0, h1, w1
 KEY_PATCH_MERGE_TYPE = "clip.vision.mm_patch_merge_type"  # "spatial_unpad" with pinpoints
 KEY_VISION_ASPECT_RATIO = "kvcmas.vision.vision_aspect_ratio"  # OneVision's "anyres_max_N"
 KEY_MULTI_IMAGE_VIEW = "kvcmas.vision.multi_image_view"  # "single": OneVision's view of each of several images
+KEY_PAD_COLOR = "kvcmas.vision.pad_color"  # int32[3]: the single view's padding (default: int(mean x 255))
 TENSOR_IMAGE_NEWLINE = "model.image_newline"
 
 
@@ -59,12 +60,15 @@ def _read_anyres(path: str, core_encoder: Any, mean: tuple[float, ...]) -> tuple
     if newline is None or newline.data.size != n_out:
         raise ValueError(f"{path}: AnyRes needs the tensor {TENSOR_IMAGE_NEWLINE} of {n_out} values")
     image_size, patch = int(core_encoder.image_size), int(core_encoder.patch_size)
+    pad = value(KEY_PAD_COLOR) or [int(m * 255) for m in mean]
+    if len(pad) != 3 or not all(0 <= int(c) <= 255 for c in pad):
+        raise ValueError(f"{path}: {KEY_PAD_COLOR} = {pad!r} is not an 8-bit RGB colour")
     config = AnyResConfig(
         grid_pinpoints=tuple((int(pinpoints[i]), int(pinpoints[i + 1])) for i in range(0, len(pinpoints), 2)),
         tile=image_size,
         grid=image_size // patch,
         max_tiles=None if aspect is None else parse_vision_aspect_ratio(str(aspect)),
-        pad_color=(int(mean[0] * 255), int(mean[1] * 255), int(mean[2] * 255)),
+        pad_color=(int(pad[0]), int(pad[1]), int(pad[2])),
     )
     return config, np.array(newline.data, dtype=np.float32).reshape(n_out), multi == SINGLE
 
