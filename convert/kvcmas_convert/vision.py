@@ -410,7 +410,7 @@ class MmprojResult:
 
     output: Path
     model_type: str
-    n_tokens: int  # image tokens per image
+    n_tokens: int  # rows per tower input (per image; for AnyRes per tile, the image's count set by its size)
     tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, type name, numpy-order shape)
     metadata: dict[str, Any]
 
@@ -619,8 +619,10 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
 def _run_mmproj(args: argparse.Namespace) -> int:
     result = convert_mmproj(args.model_dir, args.outfile, outtype=args.outtype, feature_layer=args.feature_layer,
                             select_strategy=args.select_strategy, name=args.name, overwrite=args.force)  # fmt: skip
-    print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {result.n_tokens} image tokens)",
-          file=sys.stderr)  # fmt: skip
+    pinpoints = result.metadata.get(KEY_GRID_PINPOINTS)
+    rows = (f"AnyRes: {result.n_tokens} rows per tile, {len(pinpoints) // 2} grid pinpoints" if pinpoints
+            else f"{result.n_tokens} image tokens")  # fmt: skip
+    print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {rows})", file=sys.stderr)
     if args.text_outfile:
         text = convert_llava_text(
             args.model_dir, args.text_outfile, outtype=args.text_outtype, progress=False, overwrite=args.force
