@@ -64,31 +64,31 @@ def _text_model(seed: int) -> Any:
     return model.eval()
 
 
-def _image_processor(family: str) -> Any:
+def _image_processor(family: str, tile: int = S, pinpoints: list[list[int]] = PINPOINTS) -> Any:
     if family == "onevision":
         cls = transformers.LlavaOnevisionImageProcessorPil
-        return cls(size={"height": S, "width": S}, image_grid_pinpoints=PINPOINTS, image_mean=MEAN, image_std=STD)
+        return cls(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints, image_mean=MEAN, image_std=STD)
     return transformers.LlavaNextImageProcessorPil(
-        size={"shortest_edge": S}, crop_size={"height": S, "width": S}, image_grid_pinpoints=PINPOINTS
+        size={"shortest_edge": tile}, crop_size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints
     )
 
 
-def _make(root: Path, family: str) -> tuple[Path, Any, Any]:
+def _make(root: Path, family: str, tile: int = S, pinpoints: list[list[int]] = PINPOINTS) -> tuple[Path, Any, Any]:
     """A random-weight checkpoint folder of the family (with processor_config.json), the model, its processor."""
     text = _text_model(5)
     if family == "onevision":
         vcfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                               num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+                                               num_attention_heads=2, image_size=tile, patch_size=P)  # fmt: skip
         config = transformers.LlavaOnevisionConfig(
-            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINPOINTS,
+            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=pinpoints,
             vision_aspect_ratio="anyres_max_9", vision_feature_layer=-1, vision_feature_select_strategy="full",
         )  # fmt: skip
         cls: Any = transformers.LlavaOnevisionForConditionalGeneration
     else:
         vcfg = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                                             num_attention_heads=2, image_size=S, patch_size=P)  # fmt: skip
+                                             num_attention_heads=2, image_size=tile, patch_size=P)  # fmt: skip
         config = transformers.LlavaNextConfig(
-            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=PINPOINTS,
+            vision_config=vcfg, text_config=text.config, image_token_index=IMAGE_TOKEN, image_grid_pinpoints=pinpoints,
             vision_feature_layer=-2, vision_feature_select_strategy="default",
         )  # fmt: skip
         cls = transformers.LlavaNextForConditionalGeneration
@@ -103,8 +103,8 @@ def _make(root: Path, family: str) -> tuple[Path, Any, Any]:
     model.lm_head.load_state_dict({"weight": state["lm_head.weight"]})
     folder = root / family
     model.save_pretrained(folder)
-    ip = _image_processor(family)
-    processor = {"image_processor": ip.to_dict(), "image_token": "<image>", "num_image_tokens": (S // P) ** 2,
+    ip = _image_processor(family, tile, pinpoints)
+    processor = {"image_processor": ip.to_dict(), "image_token": "<image>", "num_image_tokens": (tile // P) ** 2,
                  "processor_class": ip.to_dict()["image_processor_type"].replace("ImageProcessor", "Processor"),
                  "vision_feature_select_strategy": config.vision_feature_select_strategy}  # fmt: skip
     if family == "onevision":
@@ -117,7 +117,7 @@ _CONVERTED: dict[str, dict[str, Any]] = {}
 
 
 def _converted(name: str, factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """{name, folder, model, ip, enc, text}: the checkpoint, its mmproj written by the `kvcmas mmproj` command (made
+    """{name, folder, model, ip, enc, lm}: the checkpoint, its mmproj written by the `kvcmas mmproj` command (made
     once per session and family)."""
     if name not in _CONVERTED:
         root = factory.mktemp("anyres")
@@ -129,7 +129,8 @@ def _converted(name: str, factory: pytest.TempPathFactory) -> dict[str, Any]:
         # the text half (the checkpoint has no tokenizer files: the ids are given directly)
         convert_llava_text(folder, text, outtype="f32", vocab=False, progress=False)
         enc = VisionEncoder(mmproj, n_threads=2)
-        _CONVERTED[name] = {"name": name, "folder": folder, "model": model, "ip": ip, "enc": enc, "text": text}
+        lm = kvcmas_cpp.Model(text, n_threads=2)
+        _CONVERTED[name] = {"name": name, "folder": folder, "model": model, "ip": ip, "enc": enc, "lm": lm}
     return _CONVERTED[name]
 
 
@@ -155,7 +156,7 @@ def _hf_token_counts(fam: dict[str, Any], inputs: dict[str, Any]) -> list[int]:
     proc = cls.__new__(cls)  # its real counting code, without a tokenizer
     proc.image_processor = fam["ip"]
     proc.image_token = "<image>"
-    proc.num_image_tokens = (S // P) ** 2
+    proc.num_image_tokens = (fam["model"].config.vision_config.image_size // P) ** 2
     proc.patch_size = P
     proc.num_additional_image_tokens = 1 if fam["name"] == "next" else 0  # CLIP's class token (then dropped)
     cfg = fam["model"].config
@@ -220,8 +221,7 @@ def test_features_and_first_token_logprobs_equal_transformers(family: dict[str, 
     with torch.no_grad():
         ref_logits = family["model"](**kwargs).logits[0, -1].double()
     ref_lp = torch.log_softmax(ref_logits, -1).numpy()
-    model = kvcmas_cpp.Model(family["text"], n_threads=2)
-    seq = model.new_sequence()
+    seq = family["lm"].new_sequence()
     seq.append(text_ids[0], logits="none")
     for i, f in enumerate(ours):
         seq.append_embeddings(f, logits=False)
@@ -389,3 +389,35 @@ def test_preprocessor_config_json_alone_is_used(onevision: dict[str, Any], tmp_p
     ref = ip(images=[images], return_tensors="np")["pixel_values"]  # [image, view, 3, S, S]
     for i, image in enumerate(images):
         assert np.array_equal(enc.preprocess(image, SINGLE), ref[i])
+
+
+@pytest.mark.slow
+def test_real_onevision_geometry(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """OneVision's real geometry (384 px tiles of 27 x 27 rows, its 36 pinpoints, anyres_max_9) on a narrow tower:
+    pixels, token counts and features equal transformers' for photos up to 1920 x 1080 (7,269 rows, pooled)."""
+    root = tmp_path_factory.mktemp("anyres-real")
+    pinpoints = [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)]
+    folder, model, ip = _make(root, "onevision", tile=384, pinpoints=pinpoints)
+    from kvcmas_convert.vision import convert_mmproj
+
+    convert_mmproj(folder, root / "ov.gguf", outtype="f32")
+    fam = {"name": "onevision", "model": model, "ip": ip, "enc": VisionEncoder(root / "ov.gguf", n_threads=2)}
+    wide = np.asarray(IMAGES["coffee"].resize((1920, 1080), PIL_Image.Resampling.BILINEAR))
+    IMAGES["hd"] = PIL_Image.fromarray(wide)
+    enc = fam["enc"]
+    try:
+        for names in (["hd"], ["astronaut"], ["portrait"], ["tall", "astronaut"]):
+            inputs = _hf_inputs(fam, names)
+            counts = _hf_token_counts(fam, inputs)
+            refs = _hf_features(fam, inputs)
+            for i, name in enumerate(names):
+                view = enc.view_for(len(names))
+                ours = enc.preprocess(IMAGES[name], view)
+                assert np.array_equal(ours, np.asarray(inputs["pixel_values"][i])[: len(ours)]), name
+                got = enc.encode(IMAGES[name], view)
+                assert got.shape[0] == counts[i] == refs[i].shape[0], name
+                assert float(np.abs(got - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max()) + 1e-6, name
+            if names == ["hd"]:
+                assert counts == [7269]  # the figure docs/vision.md quotes
+    finally:
+        del IMAGES["hd"]
