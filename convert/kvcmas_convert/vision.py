@@ -359,8 +359,8 @@ def plan_mmproj(
     }
     if feature_layer is not None:
         metadata[KEY_FEATURE_LAYER] = int(feature_layer)
-    pp, processor = _processor_settings(model_dir)
-    metadata.update(_preprocessing(model_dir, model_type, S, pp))
+    image_proc, processor = _processor_settings(model_dir)
+    metadata.update(_preprocessing(model_dir, model_type, S, image_proc))
     anyres_arch = next((a for a in archs if a in _ANYRES_ARCHS), None)
     if anyres_arch is not None:
         # pack_image_features lays out G x G rows per tile: no class token may reach the projector, none be lost
@@ -372,7 +372,7 @@ def plan_mmproj(
         for key in ("vision_feature_select_strategy",):
             if key in processor and processor[key] != config.get(key, select_strategy):
                 raise ConvertError(f"{where}: '{key}' differs between config.json and processor_config.json")
-        metadata.update(_anyres(config, anyres_arch, pp, processor, S, where))
+        metadata.update(_anyres(config, anyres_arch, image_proc, processor, S, where))
         newline = next((n for n in ("model.image_newline", "image_newline") if n in tensors), None)
         if newline is None:
             raise ConvertError(f"{model_dir}: AnyRes checkpoint without its image_newline tensor")
