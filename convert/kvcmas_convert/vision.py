@@ -60,13 +60,22 @@ KEY_MODEL_TYPE: Final = "kvcmas.vision.model_type"
 KEY_RESIZE_MODE: Final = "kvcmas.vision.resize_mode"
 KEY_RESIZE_SIZE: Final = "kvcmas.vision.resize_size"
 KEY_RESCALE_FACTOR: Final = "kvcmas.vision.rescale_factor"
+# AnyRes (LLaVA-NeXT, LLaVA-OneVision): llama.cpp's keys and newline tensor, then kvcmas's
+KEY_GRID_PINPOINTS: Final = "clip.vision.image_grid_pinpoints"  # int32 [h0, w0, h1, w1, ...] (HF order)
+KEY_PATCH_MERGE_TYPE: Final = "clip.vision.mm_patch_merge_type"  # "spatial_unpad"
+KEY_VISION_ASPECT_RATIO: Final = "kvcmas.vision.vision_aspect_ratio"  # OneVision: "anyres_max_N"
+KEY_MULTI_IMAGE_VIEW: Final = "kvcmas.vision.multi_image_view"  # OneVision: "single" (mean-padded square + newline)
+KEY_PAD_COLOR: Final = "kvcmas.vision.pad_color"  # int32[3]: the single view's padding, int(mean x 255) in float64
+TENSOR_IMAGE_NEWLINE: Final = "model.image_newline"
 
 ACTIVATIONS: Final = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu", "silu", "swish")
 OPENAI_CLIP_MEAN: Final = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD: Final = (0.26862954, 0.26130258, 0.27577711)
 MMPROJ_OUTTYPES: Final = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16}
 
-_LLAVA_ARCHS: Final = ("LlavaForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
+_LLAVA_ARCHS: Final = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                        "LlavaOnevisionForConditionalGeneration")  # fmt: skip
+_ANYRES_ARCHS: Final = ("LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
 _TOWER_ARCHS: Final = {"CLIPVisionModel": "clip", "SiglipVisionModel": "siglip"}
 _TOWER_TYPES: Final = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 
@@ -94,20 +103,57 @@ def _activation(value: Any, key: str, where: str) -> str:
     return str(value)
 
 
-def _preprocessing(model_dir: Path, model_type: str, image_size: int) -> dict[str, Any]:
-    """kvcmas.vision.* preprocessing keys and the mean/std, from preprocessor_config.json or the family defaults."""
+def _processor_settings(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(image processor settings, processor settings) from preprocessor_config.json (transformers 4.x) and
+    processor_config.json (transformers 5: the image processor's under "image_processor"). A setting both files
+    hold must agree (ConvertError naming it)."""
+    image: dict[str, Any] = {}
+    processor: dict[str, Any] = {}
+    origin: dict[str, Path] = {}
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConvertError(f"{path}: unreadable: {e}") from e
+        if not isinstance(data, dict):
+            raise ConvertError(f"{path}: expected a JSON object")
+        if name == "processor_config.json":
+            nested = data.get("image_processor", {})
+            if not isinstance(nested, dict):
+                raise ConvertError(f"{path}: 'image_processor' must be a JSON object")
+            processor = {k: v for k, v in data.items() if not isinstance(v, dict)}
+            data = nested
+        for key, value in data.items():
+            if key in image and image[key] != value and key != "image_processor_type":
+                raise ConvertError(
+                    f"{path}: image processor setting '{key}' = {value!r} disagrees with {origin[key]} ({image[key]!r})"
+                )
+            image[key], origin[key] = value, path
+    return image, processor
+
+
+# Image processor switches kvcmas's preprocessing always applies (a checkpoint turning one off is refused).
+_ALWAYS_ON: Final = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+_BICUBIC: Final = 3  # PIL's resample number
+
+
+def _preprocessing(model_dir: Path, model_type: str, image_size: int, pp: dict[str, Any]) -> dict[str, Any]:
+    """kvcmas.vision.* preprocessing keys and the mean/std, from the image processor settings (pp, see
+    _processor_settings) or the family defaults."""
+    where = f"{model_dir} (image processor)"
     is_clip = model_type == "clip"
     mean, std = (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD) if is_clip else ((0.5,) * 3, (0.5,) * 3)
     mode, resize = ("shortest_edge", image_size) if is_clip else ("square", image_size)
     rescale = 1.0 / 255.0
-    path = model_dir / "preprocessor_config.json"
-    if path.is_file():
-        try:
-            pp = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConvertError(f"{path}: unreadable: {e}") from e
-        if not isinstance(pp, dict):
-            raise ConvertError(f"{path}: expected a JSON object")
+    if pp:
+        for key in _ALWAYS_ON:
+            if pp.get(key, True) is not True:
+                raise ConvertError(f"{where}: '{key}' = {pp[key]!r} cannot be represented (always applied)")
+        if pp.get("resample", _BICUBIC) != _BICUBIC:
+            raise ConvertError(f"{where}: 'resample' = {pp['resample']!r} cannot be represented (bicubic = 3 only)")
         mean = tuple(pp.get("image_mean", mean))
         std = tuple(pp.get("image_std", std))
         rescale = float(pp.get("rescale_factor", rescale))
@@ -116,11 +162,15 @@ def _preprocessing(model_dir: Path, model_type: str, image_size: int) -> dict[st
         if isinstance(size, dict) and "shortest_edge" in size:
             mode, resize = "shortest_edge", int(size["shortest_edge"])
             if not pp.get("do_center_crop", True) or int(crop.get("height", image_size)) != image_size:
-                raise ConvertError(f"{path}: a shortest-edge resize must be followed by a {image_size}px centre crop")
+                raise ConvertError(f"{where}: a shortest-edge resize must be followed by a {image_size}px centre crop")
         elif isinstance(size, dict) and "height" in size:
             mode, resize = "square", int(size["height"])
             if int(size.get("width", resize)) != resize or resize != image_size:
-                raise ConvertError(f"{path}: size {size} does not resize to the tower's {image_size}px square")
+                raise ConvertError(f"{where}: 'size' = {size} does not resize to the tower's {image_size}px square")
+            if pp.get("do_center_crop") and crop and (crop.get("height"), crop.get("width")) != (resize, resize):
+                raise ConvertError(f"{where}: 'crop_size' = {crop} after a square resize cannot be represented")
+        elif size:
+            raise ConvertError(f"{where}: 'size' = {size!r} cannot be represented (shortest_edge or height/width)")
     if len(mean) != 3 or len(std) != 3 or not all(float(s) > 0 for s in std):
         raise ConvertError(f"{model_dir}: image_mean / image_std must hold 3 values (std > 0)")
     if resize < image_size:
@@ -132,6 +182,51 @@ def _preprocessing(model_dir: Path, model_type: str, image_size: int) -> dict[st
         KEY_RESIZE_SIZE: resize,
         KEY_RESCALE_FACTOR: rescale,
     }
+
+
+def _anyres(
+    config: dict[str, Any], arch: str, pp: dict[str, Any], processor: dict[str, Any], image_size: int, where: str
+) -> dict[str, Any]:
+    """The AnyRes keys of a LLaVA-NeXT / LLaVA-OneVision checkpoint: grid pinpoints (config.json's, which the model
+    uses; the image processor's must be the same), OneVision's vision_aspect_ratio and multi-image view."""
+    missing = [k for k in ("image_mean", "image_std") if k not in pp]
+    if missing:  # the processors' class defaults differ from the towers' families: never guess
+        raise ConvertError(
+            f"{where}: an AnyRes checkpoint needs its image processor's {missing} (processor_config.json or "
+            "preprocessor_config.json)"
+        )
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints:
+        raise ConvertError(f"{where}: 'image_grid_pinpoints' = {pinpoints!r} must be a non-empty list")
+    flat: list[int] = []
+    for p in pinpoints:
+        ok = isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p)
+        if not ok or p[0] % image_size or p[1] % image_size:
+            raise ConvertError(
+                f"{where}: 'image_grid_pinpoints' entry {p!r} is not a [height, width] pair of multiples of the tile "
+                f"size {image_size} (cannot be represented)"
+            )
+        flat += p
+    if "image_grid_pinpoints" in pp and pp["image_grid_pinpoints"] != pinpoints:
+        raise ConvertError(f"{where}: the image processor's 'image_grid_pinpoints' differ from config.json's")
+    if (pp.get("crop_size") or {}).get("height", image_size) != image_size:
+        raise ConvertError(f"{where}: the image processor's 'crop_size' {pp['crop_size']} is not the tile size")
+    out: dict[str, Any] = {KEY_GRID_PINPOINTS: flat, KEY_PATCH_MERGE_TYPE: "spatial_unpad"}
+    if arch == "LlavaOnevisionForConditionalGeneration":
+        aspect = config.get("vision_aspect_ratio", "anyres_max_9")
+        if processor.get("vision_aspect_ratio", aspect) != aspect:
+            raise ConvertError(
+                f"{where}: 'vision_aspect_ratio' {aspect!r} differs from the processor's "
+                f"{processor['vision_aspect_ratio']!r}"
+            )
+        tail = str(aspect)[len("anyres_max_") :]
+        if not str(aspect).startswith("anyres_max_") or not tail.isdigit() or int(tail) <= 0:
+            raise ConvertError(f"{where}: 'vision_aspect_ratio' = {aspect!r} cannot be represented (anyres_max_N)")
+        out[KEY_VISION_ASPECT_RATIO] = str(aspect)
+        out[KEY_MULTI_IMAGE_VIEW] = "single"
+        # from the JSON's float64 mean, as the processor computes it (the file's float32 mean can round across)
+        out[KEY_PAD_COLOR] = [int(float(x) * 255) for x in pp["image_mean"]]
+    return out
 
 
 def _vision_prefix(tensors: CheckpointTensors) -> str:
@@ -264,7 +359,24 @@ def plan_mmproj(
     }
     if feature_layer is not None:
         metadata[KEY_FEATURE_LAYER] = int(feature_layer)
-    metadata.update(_preprocessing(model_dir, model_type, S))
+    image_proc, processor = _processor_settings(model_dir)
+    metadata.update(_preprocessing(model_dir, model_type, S, image_proc))
+    anyres_arch = next((a for a in archs if a in _ANYRES_ARCHS), None)
+    if anyres_arch is not None:
+        # pack_image_features lays out G x G rows per tile: no class token may reach the projector, none be lost
+        if (model_type == "clip") != (select_strategy == "default"):
+            raise ConvertError(
+                f"{where}: vision_feature_select_strategy {select_strategy!r} with a {model_type} tower cannot be "
+                "represented for AnyRes (the tiles' rows must be the G x G patches)"
+            )
+        for key in ("vision_feature_select_strategy",):
+            if key in processor and processor[key] != config.get(key, select_strategy):
+                raise ConvertError(f"{where}: '{key}' differs between config.json and processor_config.json")
+        metadata.update(_anyres(config, anyres_arch, image_proc, processor, S, where))
+        newline = next((n for n in ("model.image_newline", "image_newline") if n in tensors), None)
+        if newline is None:
+            raise ConvertError(f"{model_dir}: AnyRes checkpoint without its image_newline tensor")
+        add(TENSOR_IMAGE_NEWLINE, newline, (_positive_int(config["text_config"], "hidden_size", where),))
 
     if is_llava:
         tcfg = config["text_config"]
@@ -298,7 +410,7 @@ class MmprojResult:
 
     output: Path
     model_type: str
-    n_tokens: int  # image tokens per image
+    n_tokens: int  # rows per tower input (per image; for AnyRes per tile, the image's count set by its size)
     tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, type name, numpy-order shape)
     metadata: dict[str, Any]
 
@@ -315,6 +427,8 @@ def _add(writer: GGUFWriter, key: str, value: Any) -> None:
         writer.add_float32(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
+    elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+        writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.INT32)
     elif isinstance(value, list):
         writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
     else:
@@ -505,8 +619,10 @@ def add_mmproj_subcommand(subparsers: Any) -> None:
 def _run_mmproj(args: argparse.Namespace) -> int:
     result = convert_mmproj(args.model_dir, args.outfile, outtype=args.outtype, feature_layer=args.feature_layer,
                             select_strategy=args.select_strategy, name=args.name, overwrite=args.force)  # fmt: skip
-    print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {result.n_tokens} image tokens)",
-          file=sys.stderr)  # fmt: skip
+    pinpoints = result.metadata.get(KEY_GRID_PINPOINTS)
+    rows = (f"AnyRes: {result.n_tokens} rows per tile, {len(pinpoints) // 2} grid pinpoints" if pinpoints
+            else f"{result.n_tokens} image tokens")  # fmt: skip
+    print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {rows})", file=sys.stderr)
     if args.text_outfile:
         text = convert_llava_text(
             args.model_dir, args.text_outfile, outtype=args.text_outtype, progress=False, overwrite=args.force

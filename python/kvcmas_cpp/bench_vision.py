@@ -60,12 +60,12 @@ def run_vision(args: argparse.Namespace) -> int:
             write_random_mmproj(mmproj, n_layer=args.layers, n_embd_out=model.n_embd)
         vision = VisionEncoder(mmproj, n_threads=args.threads)
         t0 = time.perf_counter()
-        vision.encode(image)
+        n_rows = len(vision.encode(image))
         cold = time.perf_counter() - t0
         t0 = time.perf_counter()
         vision.encode(image)
         cached = time.perf_counter() - t0
-        print(f"## image: {Path(image).name}, {vision.model_type} {vision.image_size} px -> {vision.n_tokens} tokens")
+        print(f"## image: {Path(image).name}, {vision.model_type} {vision.image_size} px -> {n_rows} tokens")
         print(f"encode: {cold * 1000:.0f} ms cold, {cached * 1000:.2f} ms from the feature cache\n")
         methods = [m.strip() for m in args.method.split(",") if m.strip()]
         cfg = MethodConfig("kvcmas", head=4, rank=8, calibrate=args.calibrate)

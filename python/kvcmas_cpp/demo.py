@@ -119,9 +119,10 @@ def run_demo(args: argparse.Namespace) -> int:
         from .vision import VisionEncoder
 
         encoder = VisionEncoder(args.mmproj, n_threads=args.threads)
-        encoder.load(args.image)  # a bad image fails here, before any work
+        width, height = encoder.load(args.image).size  # a bad image fails here, before any work
         image = (encoder, args.image)
-        print(f"image: {args.image} ({encoder.n_tokens} image tokens per agent prompt)", file=sys.stderr)
+        n_rows = encoder.n_image_tokens(width, height)
+        print(f"image: {args.image} ({n_rows} image tokens per agent prompt)", file=sys.stderr)
     task = get_task("gsm8k")
     examples = task.load(args.start, args.questions)
     print(f"model: {model.path} ({model.arch}, {model.n_layer} layers, {model.n_threads} threads)", file=sys.stderr)

@@ -56,7 +56,7 @@ from .scheduler import (
     Scheduler,
     SessionKey,
 )
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ImagePart
 from .structured import output_plan
 from .utility import utility_routes
 from .validation import (
@@ -500,7 +500,7 @@ class Server:
             self.vision.check_text_model(model.n_embd)
         # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
         # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
-        self._images: OrderedDict[tuple[Namespace, str], np.ndarray] = OrderedDict()
+        self._images: OrderedDict[tuple[Namespace, str, str | None], np.ndarray] = OrderedDict()
         self.calibration_problem = self._check_calibration_dir()
         budget = int(model._core.kv_budget)
         self.scheduler = Scheduler(
@@ -875,13 +875,14 @@ class Server:
             raise ApiError(499, "the client disconnected while sending the body", "client_disconnected") from None
         return b"".join(chunks)
 
-    async def _encode_image(self, data: bytes, namespace: Namespace) -> np.ndarray:
-        """The image's embeddings [n, n_embd], from the cache when the same bytes came before."""
-        key = (namespace, hashlib.sha256(data).hexdigest())
+    async def _encode_image(self, data: bytes, namespace: Namespace, view: str | None = None) -> np.ndarray:
+        """The image's embeddings [n, n_embd] in a view (VisionEncoder.view_for), from the cache when the same bytes
+        came before in that view."""
+        key = (namespace, hashlib.sha256(data).hexdigest(), view)
         if key not in self._images:
             try:
                 async with self._image_decodes:  # bounded concurrency: each decode may hold its decoded bytes
-                    encoded: np.ndarray = await run_in_threadpool(self.vision.encode, data)
+                    encoded: np.ndarray = await run_in_threadpool(self.vision.encode, data, view)
             except ValueError as e:  # ImageError, KvcmasError: unusable image
                 raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
             self._images[key] = encoded
@@ -897,7 +898,11 @@ class Server:
     ) -> tuple[list[dict[str, Any]], list[Segment]]:
         """A chat with images as (messages whose contents hold the images' embeddings between their texts, for a
         sharing session; the rendered prompt as text-id and embedding segments, for a plain prefill)."""
-        images = [await self._encode_image(data, namespace) for data in image_data]
+        # AnyRes models: detail "low", and OneVision's rule for several images per prompt, take the single view
+        details = [p.image_url.detail for m in body.messages if isinstance(m.content, list) for p in m.content
+                   if isinstance(p, ImagePart)]  # fmt: skip
+        views = [self.vision.view_for(len(image_data), detail) for detail in details]
+        images = [await self._encode_image(data, namespace, view) for data, view in zip(image_data, views, strict=True)]
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
         n_images = 0
 

@@ -61,7 +61,7 @@ class TextPart(_Body):
 
 class ImageUrl(_Body):
     url: StrictStr
-    detail: Literal["auto", "low", "high"] | None = None  # a resolution hint; the vision tower has one resolution
+    detail: Literal["auto", "low", "high"] | None = None  # "low": an AnyRes model's single view (docs/vision.md)
 
 
 class ImagePart(_Body):

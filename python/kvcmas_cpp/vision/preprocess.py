@@ -56,8 +56,13 @@ class PreprocessConfig:
         mean, std = tuple(core_encoder.image_mean), tuple(core_encoder.image_std)
         return cls(
             int(core_encoder.image_size), core_encoder.resize_mode, int(core_encoder.resize_size),
-            (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]), float(core_encoder.rescale_factor),
+            (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]), _exact(float(core_encoder.rescale_factor)),
         )  # fmt: skip
+
+
+def _exact(rescale: float) -> float:
+    """1/255 as Python's float when the file's float32 holds it (processors multiply by the float64 value)."""
+    return 1.0 / 255.0 if abs(rescale - 1.0 / 255.0) < 1e-9 else rescale
 
 
 def resize_shortest_edge_size(width: int, height: int, size: int) -> tuple[int, int]:
@@ -73,15 +78,26 @@ def preprocess(image: Image.Image, config: PreprocessConfig) -> np.ndarray:
     rgb = to_rgb(image)
     s = config.image_size
     if config.resize_mode == "square":
-        rgb = rgb.resize((s, s), resample=Image.Resampling.BICUBIC)
+        rgb = square(rgb, s)
     else:
         w, h = resize_shortest_edge_size(rgb.width, rgb.height, config.resize_size)
         if (w, h) != rgb.size:
             rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
         top, left = (h - s) // 2, (w - s) // 2
         rgb = rgb.crop((left, top, left + s, top + s))
-    pixels = np.asarray(rgb, dtype=np.float32) * np.float32(config.rescale_factor)
+    return normalize(rgb, config)
+
+
+def normalize(rgb: Image.Image, config: PreprocessConfig) -> np.ndarray:
+    """8-bit RGB -> [3, H, W] float32: rescaled in float64 and rounded, then normalised in float32 (the order and
+    precision of transformers' rescale and normalize, so the values are the same bits)."""
+    pixels = (np.asarray(rgb, dtype=np.float64) * config.rescale_factor).astype(np.float32)
     mean = np.asarray(config.image_mean, dtype=np.float32)
     std = np.asarray(config.image_std, dtype=np.float32)
     pixels = (pixels - mean) / std
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def square(rgb: Image.Image, side: int) -> Image.Image:
+    """The image squashed to side x side (bicubic, 8-bit)."""
+    return rgb if rgb.size == (side, side) else rgb.resize((side, side), resample=Image.Resampling.BICUBIC)

@@ -18,6 +18,8 @@ import numpy as np
 SIGLIP_SO400M_ONEVISION: dict[str, Any] = dict(
     model_type="siglip", image_size=384, patch_size=14, n_embd=1152, n_ff=4304, n_layer=26, n_head=16
 )
+# LLaVA-OneVision's grid pinpoints: 1..6 x 1..6 tiles of 384 px (with vision_aspect_ratio "anyres_max_9").
+ONEVISION_PINPOINTS: list[tuple[int, int]] = [(384 * a, 384 * b) for a in range(1, 7) for b in range(1, 7)]
 # CLIP ViT-L/14-336 as LLaVA-1.5 uses it: 23 of 24 blocks (vision_feature_layer -2), class token dropped.
 CLIP_L14_336_LLAVA15: dict[str, Any] = dict(
     model_type="clip", image_size=336, patch_size=14, n_embd=1024, n_ff=4096, n_layer=23, n_head=16
@@ -37,9 +39,23 @@ def write_random_mmproj(
     n_embd_out: int = 576,
     outtype: str = "f16",
     seed: int = 0,
+    grid_pinpoints: list[tuple[int, int]] | None = None,
+    vision_aspect_ratio: str | None = None,
 ) -> None:
-    """Writes an mmproj GGUF (tower + LLaVA MLP projector) with random weights; see the module docstring."""
+    """Writes an mmproj GGUF (tower + LLaVA MLP projector) with random weights; see the module docstring.
+
+    grid_pinpoints ((height, width) pairs) make it an AnyRes file (LLaVA-NeXT; with ``vision_aspect_ratio``
+    "anyres_max_N", LLaVA-OneVision, whose several images per prompt take the single view), with a random
+    ``image_newline``. ``ONEVISION_PINPOINTS`` are OneVision's."""
     import gguf
+
+    from .encoder import (
+        KEY_GRID_PINPOINTS,
+        KEY_MULTI_IMAGE_VIEW,
+        KEY_PATCH_MERGE_TYPE,
+        KEY_VISION_ASPECT_RATIO,
+        TENSOR_IMAGE_NEWLINE,
+    )
 
     if model_type not in ("clip", "siglip") or outtype not in ("f16", "f32"):
         raise ValueError("model_type must be 'clip' or 'siglip', outtype 'f16' or 'f32'")
@@ -87,6 +103,14 @@ def write_random_mmproj(
         vec("v.pre_ln.bias", n_embd)
     else:
         vec("v.patch_embd.bias", n_embd)
+    if grid_pinpoints:
+        flat = [int(x) for pair in grid_pinpoints for x in pair]
+        w.add_array(KEY_GRID_PINPOINTS, flat)  # gguf-py writes a list of ints as int32
+        w.add_string(KEY_PATCH_MERGE_TYPE, "spatial_unpad")
+        if vision_aspect_ratio:
+            w.add_string(KEY_VISION_ASPECT_RATIO, vision_aspect_ratio)
+            w.add_string(KEY_MULTI_IMAGE_VIEW, "single")
+        vec(TENSOR_IMAGE_NEWLINE, n_embd_out)
     w.add_tensor("v.position_embd.weight", 0.05 * rng.standard_normal((n_pos, n_embd), dtype=np.float32))
     for il in range(n_layer):
         b = f"v.blk.{il}."
