@@ -141,10 +141,15 @@ def _ids(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, N_VOCAB, size=n)]
 
 
-def _reference(folder: Path, ids: list[int]) -> np.ndarray:
+@functools.lru_cache(maxsize=4)
+def _reference_cached(folder: Path, ids: tuple[int, ...]) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
+        return model(torch.tensor([list(ids)])).logits[0].numpy()
+
+
+def _reference(folder: Path, ids: list[int]) -> np.ndarray:
+    return _reference_cached(folder, tuple(ids))
 
 
 def test_logits_match_transformers(case: tuple[str, Path]) -> None:
@@ -169,6 +174,41 @@ def test_logits_match_transformers(case: tuple[str, Path]) -> None:
         assert meta["phi3.rope.dimension_count"] == 12 and meta["phi3.rope.scaling.original_context_length"] == 32
     if name.endswith("yarn"):
         assert meta[f"{arch}.rope.scaling.type"] == "yarn"
+
+
+def _rounded_reference(folder: Path, ids: list[int], outtype: str) -> np.ndarray:
+    """transformers' logits with every weight matrix rounded as the converter stores it (per row, so the GGUF's
+    row permutations and expert stacking round the same values): the engine must then match at f32 tolerance."""
+    import gguf
+
+    qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim < 2:
+                continue  # vectors (norms, biases) stay f32 in the file; experts may be held as one 3-D tensor
+            w = p.numpy().reshape(-1, p.shape[-1])
+            t = qtype if outtype != "q8_0" or w.shape[-1] % 32 == 0 else gguf.GGMLQuantizationType.F16
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t).reshape(p.shape)))
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize(
+    "outtype", ["q8_0", pytest.param("f16", marks=pytest.mark.slow), pytest.param("bf16", marks=pytest.mark.slow)]
+)
+def test_weight_types(case: tuple[str, Path], outtype: str, tmp_path: Path) -> None:
+    """The checkpoint stored as f16, bf16 and q8_0 (experts included) computes what transformers computes with the
+    same rounded weights, at the f32 tolerance; and the rounding is visible (the test is not run at f32)."""
+    name, folder = case
+    out = tmp_path / f"{outtype}.gguf"
+    kconv.convert(folder, out, outtype=outtype, vocab=False, progress=False)
+    ids = _ids(1, PROMPT)
+    ref = _rounded_reference(folder, ids, outtype)
+    got = kc.Model(out, n_threads=2, activations="f32").logits(ids)
+    assert np.abs(got - ref).max() <= LOGIT_TOL, (name, outtype, float(np.abs(got - ref).max()))
+    assert (got.argmax(-1) == ref.argmax(-1)).all(), (name, outtype)
+    assert np.abs(got - _reference(folder, ids)).max() > LOGIT_TOL, (name, outtype)
 
 
 def test_shifted_span_is_exact_under_the_architectures_rope(case: tuple[str, Path]) -> None:
