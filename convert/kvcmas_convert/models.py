@@ -7,6 +7,7 @@ loaded while planning, so a checkpoint is validated (names and shapes) before an
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,15 +247,16 @@ class ModelClass:
         for il in range(self.n_layer):
             self.plan_attention(il, add)
             self.plan_ffn(il, add)
-        add(C.TENSOR_OUTPUT_NORM, "model.norm.weight", (E,), self.norm_transform)
+        add(C.TENSOR_OUTPUT_NORM, "model.norm.weight", (E,), self.norm_transform())
         # A tied checkpoint may still store lm_head.weight (a copy); it is then expected but not written.
         if not self.tied:
             add(C.TENSOR_OUTPUT, "lm_head.weight", (V, E))
         self._check(tensors, plans)
         return plans
 
-    # How norm weights are stored in GGUF (gemma: 1 + w, as its RMSNorm multiplies by).
-    norm_transform: ClassVar[Transform | None] = None
+    def norm_transform(self) -> Transform | None:
+        """How norm weights are stored in GGUF (None: as they are; gemma: 1 + w, what its RMSNorm multiplies by)."""
+        return None
 
     def plan_attention(self, il: int, add: Callable[..., None]) -> None:
         """The attention tensors of layer il: norm, Q/K/V (+ biases), output; llama's names."""
@@ -262,7 +264,7 @@ class ModelClass:
         hf = f"model.layers.{il}."
         permute_q = (lambda w: permute_rotary(w, self.n_head)) if self.permute_qk else None
         permute_k = (lambda w: permute_rotary(w, self.n_head_kv)) if self.permute_qk else None
-        add(C.block_tensor(il, C.BLK_ATTN_NORM), hf + "input_layernorm.weight", (E,), self.norm_transform)
+        add(C.block_tensor(il, C.BLK_ATTN_NORM), hf + "input_layernorm.weight", (E,), self.norm_transform())
         add(C.block_tensor(il, C.BLK_ATTN_Q), hf + "self_attn.q_proj.weight", (qd, E), permute_q)
         add(C.block_tensor(il, C.BLK_ATTN_K), hf + "self_attn.k_proj.weight", (kd, E), permute_k)
         add(C.block_tensor(il, C.BLK_ATTN_V), hf + "self_attn.v_proj.weight", (kd, E))
@@ -276,7 +278,7 @@ class ModelClass:
         """The feed-forward tensors of layer il: norm, gate, up, down; llama's names."""
         E, F = self.n_embd, self.n_ff
         hf = f"model.layers.{il}."
-        add(C.block_tensor(il, C.BLK_FFN_NORM), hf + "post_attention_layernorm.weight", (E,), self.norm_transform)
+        add(C.block_tensor(il, C.BLK_FFN_NORM), hf + "post_attention_layernorm.weight", (E,), self.norm_transform())
         add(C.block_tensor(il, C.BLK_FFN_GATE), hf + "mlp.gate_proj.weight", (F, E))
         add(C.block_tensor(il, C.BLK_FFN_UP), hf + "mlp.up_proj.weight", (F, E))
         add(C.block_tensor(il, C.BLK_FFN_DOWN), hf + "mlp.down_proj.weight", (E, F))
@@ -530,7 +532,9 @@ class Gemma3Model(ModelClass):
     gguf_architecture = C.ARCH_GEMMA3
     activation_key = "hidden_activation"
     activations = ("gelu_pytorch_tanh",)
-    norm_transform = staticmethod(lambda w: w + 1.0)
+
+    def norm_transform(self) -> Transform | None:
+        return _plus_one
 
     def __init__(self, config: dict[str, Any], where: str) -> None:
         super().__init__(config, where)
@@ -582,7 +586,7 @@ class Gemma3Model(ModelClass):
     def plan_attention(self, il: int, add: Callable[..., None]) -> None:
         super().plan_attention(il, add)
         hf = f"model.layers.{il}."
-        norm = self.norm_transform
+        norm = self.norm_transform()
         add(C.block_tensor(il, C.BLK_ATTN_Q_NORM), hf + "self_attn.q_norm.weight", (self.head_dim,), norm)
         add(C.block_tensor(il, C.BLK_ATTN_K_NORM), hf + "self_attn.k_norm.weight", (self.head_dim,), norm)
         add(C.block_tensor(il, C.BLK_ATTN_POST_NORM), hf + "post_attention_layernorm.weight", (self.n_embd,), norm)
@@ -590,7 +594,7 @@ class Gemma3Model(ModelClass):
     def plan_ffn(self, il: int, add: Callable[..., None]) -> None:
         E, F = self.n_embd, self.n_ff
         hf = f"model.layers.{il}."
-        norm = self.norm_transform
+        norm = self.norm_transform()
         add(C.block_tensor(il, C.BLK_FFN_NORM), hf + "pre_feedforward_layernorm.weight", (E,), norm)
         add(C.block_tensor(il, C.BLK_FFN_GATE), hf + "mlp.gate_proj.weight", (F, E))
         add(C.block_tensor(il, C.BLK_FFN_UP), hf + "mlp.up_proj.weight", (F, E))
@@ -640,7 +644,7 @@ class Phi3Model(ModelClass):
                 (C.TENSOR_ROPE_FACTORS_SHORT, "short_factor"),
             ):
                 factors = np.asarray(self.rope[key], dtype=np.float32)
-                plans.insert(1, TensorPlan(name, None, factors.shape, compute=lambda f=factors: f))
+                plans.insert(1, TensorPlan(name, None, factors.shape, compute=functools.partial(np.array, factors)))
         return plans
 
     def plan_attention(self, il: int, add: Callable[..., None]) -> None:
@@ -661,6 +665,10 @@ class Phi3Model(ModelClass):
 def text_architecture_for(model_type: str) -> str | None:
     """The registered Hugging Face architecture of a config.json model_type, or None."""
     return next((c.hf_architecture for c in MODEL_CLASSES.values() if c.hf_model_type == model_type), None)
+
+
+def _plus_one(w: np.ndarray) -> np.ndarray:
+    return w + 1.0
 
 
 def model_class_for(config: dict[str, Any], where: str) -> ModelClass:
