@@ -769,10 +769,10 @@ class CudaBackend final : public Backend {
         if (n == 0) {
             return;
         }
-        Buffer ids(*this, sizeof(int32_t) * static_cast<size_t>(n * k));
-        Buffer weights(*this, sizeof(float) * static_cast<size_t>(n * k));
-        moe_route_kernel<<<blocks_for(n, 64), 64>>>(logits, n, n_expert, k, norm, static_cast<int32_t *>(ids.data()),
-                                                     weights.f32());
+        Buffer    ids(*this, sizeof(int32_t) * static_cast<size_t>(n * k));
+        Buffer    weights(*this, sizeof(float) * static_cast<size_t>(n * k));
+        int32_t * d_ids = static_cast<int32_t *>(ids.data());
+        moe_route_kernel<<<blocks_for(n, 64), 64>>>(logits, n, n_expert, k, norm, d_ids, weights.f32());
         check_launch("moe_route");
         download(host_ids, ids.data(), sizeof(int32_t) * static_cast<size_t>(n * k));
         download(host_weights, weights.data(), sizeof(float) * static_cast<size_t>(n * k));
