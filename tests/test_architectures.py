@@ -237,6 +237,22 @@ def test_shifted_span_is_exact_under_the_architectures_rope(case: tuple[str, Pat
     assert np.abs(kb[1:] - kf[1:]).max() > 10 * KV_TOL  # deeper layers depend on the prefix: the check has teeth
 
 
+def test_span_by_reference_equals_dense_prefill(case: tuple[str, Path]) -> None:
+    """A reader that appends a span by reference (computed at the same position after the same prefix), then a
+    tail longer than the window, gets its own dense prefill's logits: sliding layers read the span's rows through
+    the run table as they read their own (gemma3: partly beyond the window; its global layer sees all of it)."""
+    name, folder = case
+    model = kc.Model(folder / "model.gguf", n_threads=2, activations="f32")
+    prefix, span, tail = _ids(6, 7), _ids(7, 15), _ids(8, 20)
+    with model.new_sequence() as writer, model.new_sequence() as dense, model.new_sequence() as reader:
+        writer.append(prefix + span, logits="none")
+        own = dense.append(prefix + span + tail, logits="all")[len(prefix) + len(span) :]
+        reader.append(prefix, logits="none")
+        reader.append_shared(writer.share(len(prefix), len(span)))
+        by_reference = reader.append(tail, logits="all")
+    assert np.abs(by_reference - own).max() <= 1e-5 * np.abs(own).max(), name
+
+
 def test_four_agent_workflow(case: tuple[str, Path]) -> None:
     name, folder = case
     model = kc.Model(folder / "model.gguf", n_threads=2, n_ctx=1024, activations="f32")
