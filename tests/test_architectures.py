@@ -299,6 +299,40 @@ def test_llama_cpp_agrees(case: tuple[str, Path]) -> None:
     assert rel < 2e-3, f"{name}: llama.cpp vs kvcmas relative error {rel}"
 
 
+def test_ridge_corrections_core_equal_numpy(case: tuple[str, Path]) -> None:
+    """The kvcmas method on every architecture: a ridge estimator fitted on exact runs, then readers reuse the
+    shared spans with corrections applied inside attention. The core's factors (keys moved by each layer's own
+    RoPE in C++) give the logits of the numpy reference path (rope_rotate per layer)."""
+    from kvcmas_cpp.sharing import RidgeEstimator
+
+    name, folder = case
+    model = kc.Model(folder / "model.gguf", n_threads=2, n_ctx=1024, activations="f32")
+    wf = gsm8k_workflow(4)
+    ridge = RidgeEstimator(rank=4)
+    trainer = WorkflowRunner(model, wf, MethodConfig("nonshared", head=4), ridge)
+    for i, text in enumerate(load_gsm8k(40, 2)):
+        trainer.run(question_ids(model, text), f"train-{i}", max_new_tokens=2, ridge_training=True).close()
+    trainer.close()
+    ridge.fit()
+    q = question_ids(model, load_gsm8k(13, 1)[0])
+    exact_runner = WorkflowRunner(model, wf, MethodConfig("nonshared"), None)
+    exact = exact_runner.run(q, "m", max_new_tokens=2)
+    forced = [h.generated for h in exact.hops]
+    hops = {}
+    for path in ("core", "numpy"):
+        runner = WorkflowRunner(model, wf, MethodConfig("kvcmas", head=4, apply="fused", ridge_path=path), ridge)
+        res = runner.run(q, "m", max_new_tokens=2, forced=forced, exact=exact)
+        hops[path] = [(h.mode, h.corr_rank, h.first_logits) for h in res.hops]
+        res.close()
+        runner.close()
+    for a in range(1, 4):
+        (mode, rank, got), (_, rank_ref, ref) = hops["core"][a], hops["numpy"][a]
+        assert mode == "reuse" and rank == rank_ref > 0, (name, a, mode, rank)
+        assert np.abs(got - ref).max() <= 1e-3 * np.abs(ref).max(), (name, a)
+    exact.close()
+    exact_runner.close()
+
+
 def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     src = Path(__file__).resolve().parents[1] / "models" / "generated" / "tiny-llama-f32.gguf"
     if not src.exists():
