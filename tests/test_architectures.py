@@ -8,7 +8,8 @@ SmolLM3 no-RoPE layers; Qwen3 MoE with 6 experts, 2 chosen), converted with kvcm
 * a span read at a shift, uncorrected, is exact under the architecture's RoPE: layer 0 (context-free) equals a fresh
   prefill at the reader's positions and every layer equals the source's rows with keys rotated by that layer's RoPE,
   to 1e-4;
-* a 4-agent workflow: the first agent is identical to nonshared, later agents reuse the shared spans;
+* a 4-agent workflow: the first agent is identical to nonshared, later agents reuse the shared spans, and the
+  recompute dial at 1 gives nonshared's logits; the kvcmas method's corrections (core vs numpy path) agree;
 * llama.cpp (where installed) agrees on the same file;
 * an architecture the engine lacks is refused naming itself and the supported list.
 """
@@ -269,10 +270,17 @@ def test_four_agent_workflow(case: tuple[str, Path]) -> None:
         assert hop.mode == "reuse" and hop.reused_tokens >= len(q), (name, hop.agent, hop.mode)
         assert hop.computed_tokens < exact.hops[hop.agent].computed_tokens
         assert np.isfinite(hop.first_logits).all()
-    for r in (shared, exact):
+    # the recompute dial at 1: every shared row recomputed in the reader's context, which is nonshared
+    full_runner = WorkflowRunner(model, wf, MethodConfig("fullshared", recompute=1.0), None)
+    full = full_runner.run(q, "m", max_new_tokens=3, forced=forced, exact=exact)
+    for hop in full.hops[1:]:
+        assert hop.recomputed_tokens > 0, (name, hop.agent)
+        ref = exact.hops[hop.agent].first_logits
+        assert np.abs(hop.first_logits - ref).max() <= 1e-4 * np.abs(ref).max(), (name, hop.agent)
+    for r in (full, shared, exact):
         r.close()
-    shared_runner.close()
-    exact_runner.close()
+    for runner in (full_runner, shared_runner, exact_runner):
+        runner.close()
 
 
 def test_llama_cpp_agrees(case: tuple[str, Path]) -> None:
