@@ -2,7 +2,7 @@
 machine: the files are too large to travel). The weights are N(0, 0.02) F16 values drawn once into a pool that the
 tensors are views of (distinct tensors may repeat values; speed does not depend on them); norms are 1.
 
-    python3 models/make_bench_models.py OUT_DIR [smollm2-135m qwen2-0.5b llama3-8b]
+    python3 models/make_bench_models.py OUT_DIR [smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m]
 """
 
 from __future__ import annotations
@@ -29,10 +29,14 @@ class Shape:
     tied: bool
     qkv_bias: bool = False
     rms_eps: float = 1e-5
+    head_size: int = 0  # 0: n_embd / n_head
+    qk_norm: bool = False  # per-head Q/K RMSNorm (qwen3, gemma3)
+    post_norms: bool = False  # gemma3: norms after attention and feed-forward
+    sliding_window: int = 0  # gemma3: every 6th layer global, the others slide
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
 
 # The published configurations of these models (config.json on the Hugging Face hub).
@@ -40,6 +44,25 @@ SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0, tied=True),
     "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, tied=False),
+    "qwen3-0.6b": Shape(
+        "qwen3", 1024, 28, 16, 8, 3072, 151936, 1000000.0, tied=True, rms_eps=1e-6, head_size=128, qk_norm=True
+    ),
+    "gemma3-270m": Shape(
+        "gemma3",
+        640,
+        18,
+        4,
+        1,
+        2048,
+        262144,
+        1000000.0,
+        tied=True,
+        rms_eps=1e-6,
+        head_size=256,
+        qk_norm=True,
+        post_norms=True,
+        sliding_window=512,
+    ),
 }
 
 
@@ -66,6 +89,10 @@ def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
         )
         if s.qkv_bias:
             out.update({b + "attn_q.bias": (s.n_head * hd,), b + "attn_k.bias": (kd,), b + "attn_v.bias": (kd,)})
+        if s.qk_norm:
+            out.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+        if s.post_norms:
+            out.update({b + "post_attention_norm.weight": (s.n_embd,), b + "post_ffw_norm.weight": (s.n_embd,)})
     return out
 
 
@@ -86,6 +113,11 @@ def write(name: str, path: Path) -> Path:
     writer.add_key_value(f"{a}.attention.head_count_kv", s.n_head_kv, gguf.GGUFValueType.UINT32)
     writer.add_key_value(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps, gguf.GGUFValueType.FLOAT32)
     writer.add_key_value(f"{a}.rope.freq_base", s.rope_theta, gguf.GGUFValueType.FLOAT32)
+    if s.head_size:
+        writer.add_key_value(f"{a}.attention.key_length", s.head_dim, gguf.GGUFValueType.UINT32)
+        writer.add_key_value(f"{a}.attention.value_length", s.head_dim, gguf.GGUFValueType.UINT32)
+    if s.sliding_window:  # llama.cpp's gemma3 files: the window only (every 6th layer global)
+        writer.add_key_value(f"{a}.attention.sliding_window", s.sliding_window, gguf.GGUFValueType.UINT32)
     for i, (tname, shape) in enumerate(shapes.items()):
         n = int(np.prod(shape))
         if len(shape) == 1:

@@ -112,7 +112,7 @@ def test_embed_rows(ops, type_name: str) -> None:
         np.testing.assert_array_equal(got[i], w[t] if t >= 0 else 0.0)
 
 
-def test_rms_norm_add_bias_add_swiglu(ops) -> None:
+def test_rms_norm_add_bias_add_swiglu_geglu_scale(ops) -> None:
     rng = np.random.default_rng(4)
     x = rng.standard_normal((5, 576)).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
@@ -125,6 +125,46 @@ def test_rms_norm_add_bias_add_swiglu(ops) -> None:
     np.testing.assert_allclose(ops.add(x, y), x64 + y, rtol=tol, atol=tol)
     silu = x64 / (1.0 + np.exp(-x64)) * y
     np.testing.assert_allclose(ops.swiglu(x, y), silu, rtol=2 * tol, atol=2 * tol)
+    # GeGLU (gemma): tanh-approximated GELU, as torch's gelu(approximate="tanh")
+    gelu = 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x64 + 0.044715 * x64**3))) * y
+    np.testing.assert_allclose(ops.geglu_tanh(x, y), gelu, rtol=4 * tol, atol=4 * tol)
+    np.testing.assert_allclose(ops.scale(x, 24.0), x64 * 24.0, rtol=tol, atol=tol)
+    # in place over rows of one head: the per-head Q/K norm of qwen3 / gemma3 (rows of 64 with one weight)
+    heads = x.reshape(-1, 64)
+    hn = heads.astype(np.float64)
+    np.testing.assert_allclose(
+        ops.rms_norm(heads, w[:64], 1e-6), hn / np.sqrt((hn**2).mean(axis=1, keepdims=True) + 1e-6) * w[:64],
+        rtol=tol, atol=tol,
+    )  # fmt: skip
+
+
+def test_moe_route_gather_and_scaled_add(ops) -> None:
+    """Top-k expert routing (softmax, k largest, renormalized or not) and the row gather / weighted scatter-add the
+    expert matmuls run between, against numpy; a destination row named twice sums both contributions in order."""
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((13, 10)).astype(np.float32)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    order = np.argsort(-p, axis=1, kind="stable")
+    tol = OP_TOL[ops.name]
+    for k, norm in ((1, False), (3, True), (3, False), (10, True)):
+        ids, w = ops.moe_route(logits, k, norm)
+        np.testing.assert_array_equal(ids.astype(np.int64), order[:, :k])
+        want = np.take_along_axis(p, order[:, :k], axis=1)
+        if norm:
+            want = want / want.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(w, want, rtol=10 * tol, atol=10 * tol)
+    src = rng.standard_normal((9, 40)).astype(np.float32)
+    dst = rng.standard_normal((6, 40)).astype(np.float32)
+    rows = np.array([4, 0, 8, 4], dtype=np.int32)
+    dst_rows = np.array([5, 1, 5, 0], dtype=np.int32)
+    scales = np.array([0.5, -2.0, 0.25, 1.0], dtype=np.float32)
+    gathered, added = ops.gather_add_rows(src, rows, dst, dst_rows, scales)
+    np.testing.assert_array_equal(gathered, src[rows])
+    want_dst = dst.astype(np.float64)
+    for r, d, s in zip(rows, dst_rows, scales, strict=True):
+        want_dst[d] += s * src[r].astype(np.float64)
+    np.testing.assert_allclose(added, want_dst, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------------------------------- KV and attention

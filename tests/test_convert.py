@@ -835,26 +835,29 @@ def test_constants_agree_with_cpp() -> None:
     py = {
         _camel(n): getattr(C, n)
         for n in dir(C)
-        if re.fullmatch(r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(LLAMA|QWEN2)|KVCMAS_PREFIX", n)
+        if re.fullmatch(r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(?!KEY)\w+|KVCMAS_PREFIX", n)
+        and isinstance(getattr(C, n), str)
     }
     py.update({_camel("KVCMAS_" + s.key.split(".", 1)[1]): s.key for s in C.KVCMAS_SETTINGS})
     assert cpp == py
 
-    # The engine reads only names that the converter knows (and writes).
-    model_cpp = (REPO / "cpp" / "engine" / "model.cpp").read_text()
-    arch_keys = set(re.findall(r'\ba \+ "([^"]+)"', model_cpp))
-    block_tensors = set(re.findall(r'\bbl \+ "([^"]+)"', model_cpp))
-    global_tensors = set(re.findall(r'(?<!bl \+ )"([a-z_]+\.weight)"', model_cpp))
-    if '#include "engine/gguf-names.h"' in model_cpp:  # names come from the header: no literal may bypass it
-        assert not (arch_keys or block_tensors or global_tensors), "model.cpp spells names the header defines"
-        return
-    assert arch_keys and block_tensors and global_tensors
-    assert arch_keys <= set(C.ARCH_KEYS)
-    assert block_tensors <= set(C.BLOCK_TENSORS)
-    assert global_tensors <= set(C.GLOBAL_TENSORS)
-    assert set(re.findall(r'p_\.arch == "(\w+)"', model_cpp)) == set(C.ENGINE_ARCHITECTURES)
-    prefix = re.search(r'"([a-z_]+\.)"\s*\+\s*std::to_string\(il\)', model_cpp)
-    assert prefix is not None and prefix.group(1) == C.BLOCK_PREFIX
+    # The engine and the architecture files spell no name themselves: every one comes from the header.
+    engine = [REPO / "cpp" / "engine" / "model.cpp", *sorted((REPO / "cpp" / "engine" / "arch").glob("*.cpp"))]
+    for path in engine:
+        text = path.read_text()
+        assert not re.findall(r'"[a-z_]+\.(?:weight|bias)"', text), f"{path.name} spells a tensor name"
+        assert not re.findall(r'\ba \+ "([^"]+)"', text), f"{path.name} spells a metadata key"
+
+    # One architecture list: each registry line names an arch file's Architecture, each file registers a header
+    # name, and those names are the converter's ENGINE_ARCHITECTURES, in registry order.
+    arch_dir = REPO / "cpp" / "engine" / "arch"
+    registry = (arch_dir / "registry.cpp").read_text()
+    listed = re.findall(r"&(kArch\w+)", registry.split("kArchitectures[]", 1)[1])
+    entry = re.compile(r"extern const Architecture (kArch\w+) = \{ gguf_names::(kArch\w+),")
+    registered = {var: cpp[name] for path in arch_dir.glob("*.cpp") for var, name in entry.findall(path.read_text())}
+    assert [registered[v] for v in listed] == list(C.ENGINE_ARCHITECTURES)
+    assert set(C.ENGINE_ARCHITECTURES) <= {v for k, v in cpp.items() if re.fullmatch(r"kArch[A-Z]\w*", k)}
+    assert kvcmas_cpp.supported_architectures() == list(C.ENGINE_ARCHITECTURES)
 
 
 def test_constants_are_gguf_py_names() -> None:

@@ -31,23 +31,49 @@ ARCH_KEY_SLIDING_WINDOW: Final = "attention.sliding_window"  # uint32: a query a
 ARCH_KEY_SLIDING_WINDOW_PATTERN: Final = "attention.sliding_window_pattern"  # bool per layer: windowed (absent: all)
 ARCH_KEY_ROPE_DIMENSION_COUNT: Final = "rope.dimension_count"
 ARCH_KEY_ROPE_FREQ_BASE: Final = "rope.freq_base"
+ARCH_KEY_ROPE_FREQ_BASE_SWA: Final = "rope.freq_base_swa"  # sliding-window layers' base (gemma3)
 ARCH_KEY_ROPE_SCALING_TYPE: Final = "rope.scaling.type"
 ARCH_KEY_ROPE_SCALING_FACTOR: Final = "rope.scaling.factor"
 ARCH_KEY_ROPE_SCALING_ORIG_CTX: Final = "rope.scaling.original_context_length"
+ARCH_KEY_ROPE_SCALING_ATTN_FACTOR: Final = "rope.scaling.attn_factor"  # yarn / longrope: q and k scale
+ARCH_KEY_ROPE_SCALING_YARN_BETA_FAST: Final = "rope.scaling.yarn_beta_fast"
+ARCH_KEY_ROPE_SCALING_YARN_BETA_SLOW: Final = "rope.scaling.yarn_beta_slow"
+ARCH_KEY_FINAL_LOGIT_SOFTCAPPING: Final = "final_logit_softcapping"
+ARCH_KEY_EXPERT_COUNT: Final = "expert_count"
+ARCH_KEY_EXPERT_USED_COUNT: Final = "expert_used_count"
+ARCH_KEY_EXPERT_FEED_FORWARD_LENGTH: Final = "expert_feed_forward_length"
 ARCH_KEY_VOCAB_SIZE: Final = "vocab_size"
 
 ARCH_KEYS: Final = (
     ARCH_KEY_CONTEXT_LENGTH, ARCH_KEY_EMBEDDING_LENGTH, ARCH_KEY_BLOCK_COUNT, ARCH_KEY_FEED_FORWARD_LENGTH,
     ARCH_KEY_HEAD_COUNT, ARCH_KEY_HEAD_COUNT_KV, ARCH_KEY_KEY_LENGTH, ARCH_KEY_VALUE_LENGTH, ARCH_KEY_RMS_EPS,
     ARCH_KEY_SLIDING_WINDOW, ARCH_KEY_SLIDING_WINDOW_PATTERN,
-    ARCH_KEY_ROPE_DIMENSION_COUNT, ARCH_KEY_ROPE_FREQ_BASE, ARCH_KEY_ROPE_SCALING_TYPE, ARCH_KEY_ROPE_SCALING_FACTOR,
-    ARCH_KEY_ROPE_SCALING_ORIG_CTX, ARCH_KEY_VOCAB_SIZE,
+    ARCH_KEY_ROPE_DIMENSION_COUNT, ARCH_KEY_ROPE_FREQ_BASE, ARCH_KEY_ROPE_FREQ_BASE_SWA, ARCH_KEY_ROPE_SCALING_TYPE,
+    ARCH_KEY_ROPE_SCALING_FACTOR, ARCH_KEY_ROPE_SCALING_ORIG_CTX, ARCH_KEY_ROPE_SCALING_ATTN_FACTOR,
+    ARCH_KEY_ROPE_SCALING_YARN_BETA_FAST, ARCH_KEY_ROPE_SCALING_YARN_BETA_SLOW, ARCH_KEY_FINAL_LOGIT_SOFTCAPPING,
+    ARCH_KEY_EXPERT_COUNT, ARCH_KEY_EXPERT_USED_COUNT, ARCH_KEY_EXPERT_FEED_FORWARD_LENGTH, ARCH_KEY_VOCAB_SIZE,
 )  # fmt: skip
 
-# Architectures the engine runs (general.architecture values).
+# Architectures the engine runs (general.architecture values): one file each in cpp/engine/arch/, listed by its
+# registry.cpp; tests/test_convert.py checks that this list, gguf-names.h and the registry agree.
 ARCH_LLAMA: Final = "llama"
 ARCH_QWEN2: Final = "qwen2"
-ENGINE_ARCHITECTURES: Final = (ARCH_LLAMA, ARCH_QWEN2)
+ARCH_QWEN3: Final = "qwen3"
+ARCH_QWEN3_MOE: Final = "qwen3moe"
+ARCH_GEMMA3: Final = "gemma3"
+ARCH_OLMO2: Final = "olmo2"
+ARCH_SMOLLM3: Final = "smollm3"
+ARCH_PHI3: Final = "phi3"
+ENGINE_ARCHITECTURES: Final = (
+    ARCH_LLAMA,
+    ARCH_QWEN2,
+    ARCH_QWEN3,
+    ARCH_QWEN3_MOE,
+    ARCH_GEMMA3,
+    ARCH_OLMO2,
+    ARCH_SMOLLM3,
+    ARCH_PHI3,
+)
 
 # --- tokenizer.* ----------------------------------------------------------------------------------------------------
 KEY_TOKENIZER_MODEL: Final = "tokenizer.ggml.model"
@@ -86,6 +112,8 @@ TENSOR_TOKEN_EMBD: Final = "token_embd.weight"
 TENSOR_OUTPUT_NORM: Final = "output_norm.weight"
 TENSOR_OUTPUT: Final = "output.weight"  # absent when the output matrix is tied to token_embd
 TENSOR_ROPE_FREQS: Final = "rope_freqs.weight"  # llama3-style rope scaling: per-frequency divisors
+TENSOR_ROPE_FACTORS_LONG: Final = "rope_factors_long.weight"  # LongRoPE divisors past the original context
+TENSOR_ROPE_FACTORS_SHORT: Final = "rope_factors_short.weight"  # LongRoPE divisors within it
 BLOCK_PREFIX: Final = "blk."  # per-layer tensors are "blk.<i>.<suffix>"
 BLK_ATTN_NORM: Final = "attn_norm.weight"
 BLK_ATTN_Q: Final = "attn_q.weight"
@@ -95,15 +123,29 @@ BLK_ATTN_OUTPUT: Final = "attn_output.weight"
 BLK_ATTN_Q_BIAS: Final = "attn_q.bias"
 BLK_ATTN_K_BIAS: Final = "attn_k.bias"
 BLK_ATTN_V_BIAS: Final = "attn_v.bias"
+BLK_ATTN_QKV: Final = "attn_qkv.weight"  # fused Q, K, V rows (phi3)
+BLK_ATTN_Q_NORM: Final = "attn_q_norm.weight"
+BLK_ATTN_K_NORM: Final = "attn_k_norm.weight"
+BLK_ATTN_POST_NORM: Final = "post_attention_norm.weight"
 BLK_FFN_NORM: Final = "ffn_norm.weight"
 BLK_FFN_GATE: Final = "ffn_gate.weight"
 BLK_FFN_UP: Final = "ffn_up.weight"
 BLK_FFN_DOWN: Final = "ffn_down.weight"
+BLK_FFN_POST_NORM: Final = "post_ffw_norm.weight"
+BLK_FFN_GATE_INP: Final = "ffn_gate_inp.weight"  # MoE router
+BLK_FFN_GATE_EXPS: Final = "ffn_gate_exps.weight"
+BLK_FFN_UP_EXPS: Final = "ffn_up_exps.weight"
+BLK_FFN_DOWN_EXPS: Final = "ffn_down_exps.weight"
 
-GLOBAL_TENSORS: Final = (TENSOR_TOKEN_EMBD, TENSOR_OUTPUT_NORM, TENSOR_OUTPUT, TENSOR_ROPE_FREQS)
+GLOBAL_TENSORS: Final = (
+    TENSOR_TOKEN_EMBD, TENSOR_OUTPUT_NORM, TENSOR_OUTPUT, TENSOR_ROPE_FREQS, TENSOR_ROPE_FACTORS_LONG,
+    TENSOR_ROPE_FACTORS_SHORT,
+)  # fmt: skip
 BLOCK_TENSORS: Final = (
     BLK_ATTN_NORM, BLK_ATTN_Q, BLK_ATTN_K, BLK_ATTN_V, BLK_ATTN_OUTPUT, BLK_ATTN_Q_BIAS, BLK_ATTN_K_BIAS,
-    BLK_ATTN_V_BIAS, BLK_FFN_NORM, BLK_FFN_GATE, BLK_FFN_UP, BLK_FFN_DOWN,
+    BLK_ATTN_V_BIAS, BLK_ATTN_QKV, BLK_ATTN_Q_NORM, BLK_ATTN_K_NORM, BLK_ATTN_POST_NORM, BLK_FFN_NORM, BLK_FFN_GATE,
+    BLK_FFN_UP, BLK_FFN_DOWN, BLK_FFN_POST_NORM, BLK_FFN_GATE_INP, BLK_FFN_GATE_EXPS, BLK_FFN_UP_EXPS,
+    BLK_FFN_DOWN_EXPS,
 )  # fmt: skip
 
 

@@ -39,13 +39,14 @@ _BLOCK = 32  # elements per Q8_0 / Q4_0 block
 
 
 def tensor_type(plan: TensorPlan, outtype: str) -> GGMLQuantizationType:
-    """The GGUF type of one tensor: vectors stay F32; matrices take the outtype.
+    """The GGUF type of one tensor: vectors stay F32; matrices (and a MoE layer's stack of expert matrices) take
+    the outtype.
 
     Matrices whose rows do not split into 32-element blocks fall back to F16 for the block types, and with q4_0
     the embedding and output matrices are kept at Q8_0 (they are the most sensitive to quantisation).
     """
     target = OUTTYPES[outtype][0]
-    if len(plan.shape) != 2:
+    if len(plan.shape) not in (2, 3):
         return GGMLQuantizationType.F32
     if target in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0):
         if plan.shape[-1] % _BLOCK != 0:

@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from .convert import ConvertResult, check_output, convert, encode_tensor, input_files, temporary_output
 from .errors import ConvertError
+from .models import MODEL_CLASSES, text_architecture_for
 from .source import CheckpointTensors, load_config
 
 ARCH_CLIP: Final = "clip"
@@ -505,7 +506,6 @@ def convert_mmproj(
 
 
 # ------------------------------------------------------------------------------------------ the text half of LLaVA
-_TEXT_ARCHS: Final = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TEXT_PREFIXES: Final = (("model.language_model.", "model."), ("language_model.model.", "model."),
                          ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))  # fmt: skip
 _TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -523,11 +523,10 @@ def extract_llava_text(model_dir: str | os.PathLike[str], out_dir: str | os.Path
     if not any(a in _LLAVA_ARCHS for a in config.get("architectures") or []):
         raise ConvertError(f"{where}: not a LLaVA checkpoint ({', '.join(_LLAVA_ARCHS)})")
     tcfg = dict(config.get("text_config") or {})
-    arch = _TEXT_ARCHS.get(str(tcfg.get("model_type")))
+    arch = text_architecture_for(str(tcfg.get("model_type")))
     if arch is None:
-        raise ConvertError(
-            f"{where}: text model type {tcfg.get('model_type')!r} is not supported ({list(_TEXT_ARCHS)})"
-        )
+        supported = sorted(c.hf_model_type for c in MODEL_CLASSES.values())
+        raise ConvertError(f"{where}: text model type {tcfg.get('model_type')!r} is not supported ({supported})")
     tcfg["architectures"] = [arch]
     if "tie_word_embeddings" not in tcfg and "tie_word_embeddings" in config:  # older LLaVA: at the top level
         tcfg["tie_word_embeddings"] = bool(config["tie_word_embeddings"])

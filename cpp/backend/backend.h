@@ -150,7 +150,7 @@ class Backend {
     virtual void matmul(const Weight & w, const float * x, float * y, int64_t n_tok) = 0;
     // What matmul's decode path over quantized weights multiplies with from now on (cpu::Activations, default F32;
     // Model sets it, Q8 by default: docs/quant-kernels.md). A backend without an 8-bit path keeps f32, reports F32.
-    virtual void             set_activations(cpu::Activations act) { (void) act; }
+    virtual void             set_activations(cpu::Activations act) { (void)act; }
     virtual cpu::Activations activations() const { return cpu::Activations::F32; }
     // n_mats products of the same x (Q/K/V, gate/up); each y[i] equals matmul(w[i], x, y[i], n_tok).
     virtual void matmul_multi(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok) = 0;
@@ -171,8 +171,24 @@ class Backend {
                            const RunTable * tables, int64_t max_visible) = 0;
     // g [n_rows][n] = silu(g) * u.
     virtual void swiglu(float * g, const float * u, int64_t n_rows, int64_t n) = 0;
+    // g [n_rows][n] = gelu_tanh(g) * u, gelu_tanh(x) = x/2 · (1 + tanh(sqrt(2/pi) · (x + 0.044715 x³))) (GeGLU).
+    virtual void geglu_tanh(float * g, const float * u, int64_t n_rows, int64_t n) = 0;
+    // x [n] *= s.
+    virtual void scale(float * x, float s, int64_t n) = 0;
     // x [n] += y [n].
     virtual void add(float * x, const float * y, int64_t n) = 0;
+
+    // ---- mixture of experts (the expert matmuls themselves are matmul / matmul_multi over gathered rows).
+    // Per row i of logits [n][n_expert]: softmax over the experts, its k most probable (ties: lower index first)
+    // into host_ids [n][k] (most probable first) and their probabilities into host_weights [n][k], divided by
+    // their sum when norm.
+    virtual void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,
+                           float * host_weights) = 0;
+    // dst [n][width] = rows host_rows[i] of src.
+    virtual void gather_rows(const float * src, const int32_t * host_rows, int64_t n, int64_t width, float * dst) = 0;
+    // dst[host_rows[i]] += host_scales[i] · src[i] for the n rows of src [n][width], in order.
+    virtual void add_scaled_rows(float * dst, const float * src, const int32_t * host_rows, const float * host_scales,
+                                 int64_t n, int64_t width) = 0;
 
     // ---- sharing ops (corrections, copies, read-back).
     // Rows [j0, j1) of run r of `table` in layer `layer` as attention reads them (stored rows in f32, correction

@@ -291,6 +291,62 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("g"), nb::arg("u"))
         .def(
+            "geglu_tanh",
+            [](Ops & o, F2 g, F2 u) {
+                const size_t r = g.shape(0), n = g.shape(1);
+                KC_CHECK(u.shape(0) == r && u.shape(1) == n, "g and u must have one shape");
+                backend::Buffer bg = o.put(g.data(), r * n), bu = o.put(u.data(), r * n);
+                o.be->geglu_tanh(bg.f32(), bu.f32(), static_cast<int64_t>(r), static_cast<int64_t>(n));
+                return out2(o.get(bg, r * n), r, n);
+            },
+            nb::arg("g"), nb::arg("u"))
+        .def(
+            "scale",
+            [](Ops & o, F2 x, float s) {
+                const size_t    r = x.shape(0), n = x.shape(1);
+                backend::Buffer bx = o.put(x.data(), r * n);
+                o.be->scale(bx.f32(), s, static_cast<int64_t>(r * n));
+                return out2(o.get(bx, r * n), r, n);
+            },
+            nb::arg("x"), nb::arg("s"))
+        .def(
+            "moe_route",
+            [](Ops & o, F2 logits, int k, bool norm) {
+                const size_t n = logits.shape(0), x = logits.shape(1);
+                KC_CHECK(k > 0 && static_cast<size_t>(k) <= x, "moe_route: k must be in [1, n_expert]");
+                backend::Buffer      bl = o.put(logits.data(), n * x);
+                std::vector<int32_t> ids(n * static_cast<size_t>(k));
+                std::vector<float>   w(n * static_cast<size_t>(k));
+                o.be->moe_route(bl.f32(), static_cast<int64_t>(n), static_cast<int>(x), k, norm, ids.data(), w.data());
+                std::vector<float> id_f(ids.begin(), ids.end());  // small ints, exact as floats
+                return nb::make_tuple(out2(std::move(id_f), n, static_cast<size_t>(k)),
+                                      out2(std::move(w), n, static_cast<size_t>(k)));
+            },
+            nb::arg("logits"), nb::arg("k"), nb::arg("norm"))
+        .def(
+            "gather_add_rows",
+            [](Ops & o, F2 src, I1 rows, F2 dst, I1 dst_rows, F1 scales) {
+                const size_t n = rows.shape(0), width = src.shape(1);
+                KC_CHECK(dst.shape(1) == width && dst_rows.shape(0) == n && scales.shape(0) == n,
+                         "gather_add_rows: shapes disagree");
+                for (size_t i = 0; i < n; ++i) {
+                    KC_CHECK(rows(i) >= 0 && static_cast<size_t>(rows(i)) < src.shape(0) && dst_rows(i) >= 0 &&
+                                 static_cast<size_t>(dst_rows(i)) < dst.shape(0),
+                             "gather_add_rows: row out of range");
+                }
+                backend::Buffer bs = o.put(src.data(), src.shape(0) * width),
+                                bd = o.put(dst.data(), dst.shape(0) * width);
+                backend::Buffer bg(*o.be, std::max<size_t>(n * width, 1) * sizeof(float));
+                o.be->gather_rows(bs.f32(), rows.data(), static_cast<int64_t>(n), static_cast<int64_t>(width),
+                                  bg.f32());
+                o.be->add_scaled_rows(bd.f32(), bg.f32(), dst_rows.data(), scales.data(), static_cast<int64_t>(n),
+                                      static_cast<int64_t>(width));
+                return nb::make_tuple(out2(o.get(bg, n * width), n, width),
+                                      out2(o.get(bd, dst.shape(0) * width), dst.shape(0), width));
+            },
+            nb::arg("src"), nb::arg("rows"), nb::arg("dst"), nb::arg("dst_rows"), nb::arg("scales"),
+            "gather_rows of src, then add_scaled_rows of those rows into dst: (gathered, dst after).")
+        .def(
             "rope_kv_write",
             [](Ops & o, int n_head, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox,
                F1 inv_freq, F2 q, F2 k, F2 v, I64_1 pos_q, I64_1 pos_k) {

@@ -123,6 +123,9 @@ void bind_engine(nb::module_ & m) {
         },
         "The backends compiled into this build: {name: (usable here, why not)}; 'cpu' always, 'cuda' with "
         "KVCMAS_CUDA=ON.");
+    m.def(
+        "architectures", []() { return registered_architectures(); },
+        "The GGUF general.architecture values the engine runs (engine/arch/registry.cpp).");
     nb::class_<SharedSpan>(m, "SharedSpan", "Rows of KV stored once, readable by any sequence of the same model.")
         .def_prop_ro("n", [](const SharedSpan & s) { return s.rows.n; })
         .def_prop_ro(
@@ -262,19 +265,22 @@ void bind_engine(nb::module_ & m) {
             nb::arg("seq"))
         .def(
             "rope_rotate",
-            [](Model & m, Mat2 x, double shift) {
+            [](Model & m, Mat2 x, double shift, int layer) {
                 const ModelParams & p  = m.params();
                 const size_t        kd = static_cast<size_t>(p.n_head_kv * p.head_dim);
                 KC_CHECK(x.shape(1) == kd, "rope_rotate: rows must have n_head_kv * head_dim = %zu floats", kd);
+                KC_CHECK(layer >= 0 && layer < p.n_layer, "rope_rotate: layer %d out of range [0, %lld)", layer,
+                         static_cast<long long>(p.n_layer));
                 auto * out = new std::vector<float>(x.data(), x.data() + x.shape(0) * kd);
                 for (size_t i = 0; i < x.shape(0); ++i) {
-                    m.rope().apply(out->data() + i * kd, static_cast<int>(p.n_head_kv), static_cast<int>(p.head_dim),
-                                   shift);
+                    m.rope(layer).apply(out->data() + i * kd, static_cast<int>(p.n_head_kv),
+                                        static_cast<int>(p.head_dim), shift);
                 }
                 const size_t shape[2] = { static_cast<size_t>(x.shape(0)), kd };
                 return owned_array<2, Mat2Out>(out, shape);
             },
-            nb::arg("x"), nb::arg("shift"), "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions.")
+            nb::arg("x"), nb::arg("shift"), nb::arg("layer") = 0,
+            "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions with layer `layer`'s RoPE.")
         .def("decode", &decode, nb::arg("seqs"), nb::arg("tokens"), nb::arg("want_logits"),
              nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(),
              "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items.");

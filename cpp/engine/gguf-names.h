@@ -26,14 +26,28 @@ inline constexpr char kArchKeySlidingWindow[] = "attention.sliding_window";
 inline constexpr char kArchKeySlidingWindowPattern[] = "attention.sliding_window_pattern";
 inline constexpr char kArchKeyRopeDimensionCount[] = "rope.dimension_count";
 inline constexpr char kArchKeyRopeFreqBase[] = "rope.freq_base";
+inline constexpr char kArchKeyRopeFreqBaseSwa[] = "rope.freq_base_swa";
 inline constexpr char kArchKeyRopeScalingType[] = "rope.scaling.type";
 inline constexpr char kArchKeyRopeScalingFactor[] = "rope.scaling.factor";
 inline constexpr char kArchKeyRopeScalingOrigCtx[] = "rope.scaling.original_context_length";
+inline constexpr char kArchKeyRopeScalingAttnFactor[] = "rope.scaling.attn_factor";
+inline constexpr char kArchKeyRopeScalingYarnBetaFast[] = "rope.scaling.yarn_beta_fast";
+inline constexpr char kArchKeyRopeScalingYarnBetaSlow[] = "rope.scaling.yarn_beta_slow";
+inline constexpr char kArchKeyFinalLogitSoftcapping[] = "final_logit_softcapping";
+inline constexpr char kArchKeyExpertCount[] = "expert_count";
+inline constexpr char kArchKeyExpertUsedCount[] = "expert_used_count";
+inline constexpr char kArchKeyExpertFeedForwardLength[] = "expert_feed_forward_length";
 inline constexpr char kArchKeyVocabSize[] = "vocab_size";
 
-// general.architecture values the engine runs
+// general.architecture values the engine runs: one per file of engine/arch (registry.cpp lists them)
 inline constexpr char kArchLlama[] = "llama";
 inline constexpr char kArchQwen2[] = "qwen2";
+inline constexpr char kArchQwen3[] = "qwen3";
+inline constexpr char kArchQwen3Moe[] = "qwen3moe";
+inline constexpr char kArchGemma3[] = "gemma3";
+inline constexpr char kArchOlmo2[] = "olmo2";
+inline constexpr char kArchSmollm3[] = "smollm3";
+inline constexpr char kArchPhi3[] = "phi3";
 
 // tokenizer.* keys
 inline constexpr char kKeyTokenizerModel[] = "tokenizer.ggml.model";
@@ -57,6 +71,8 @@ inline constexpr char kTensorTokenEmbd[] = "token_embd.weight";
 inline constexpr char kTensorOutputNorm[] = "output_norm.weight";
 inline constexpr char kTensorOutput[] = "output.weight";
 inline constexpr char kTensorRopeFreqs[] = "rope_freqs.weight";
+inline constexpr char kTensorRopeFactorsLong[] = "rope_factors_long.weight";
+inline constexpr char kTensorRopeFactorsShort[] = "rope_factors_short.weight";
 
 // per-layer tensors: kBlockPrefix + std::to_string(il) + "." + suffix
 inline constexpr char kBlockPrefix[] = "blk.";
@@ -68,10 +84,19 @@ inline constexpr char kBlkAttnOutput[] = "attn_output.weight";
 inline constexpr char kBlkAttnQBias[] = "attn_q.bias";
 inline constexpr char kBlkAttnKBias[] = "attn_k.bias";
 inline constexpr char kBlkAttnVBias[] = "attn_v.bias";
+inline constexpr char kBlkAttnQkv[] = "attn_qkv.weight";
+inline constexpr char kBlkAttnQNorm[] = "attn_q_norm.weight";
+inline constexpr char kBlkAttnKNorm[] = "attn_k_norm.weight";
+inline constexpr char kBlkAttnPostNorm[] = "post_attention_norm.weight";
 inline constexpr char kBlkFfnNorm[] = "ffn_norm.weight";
 inline constexpr char kBlkFfnGate[] = "ffn_gate.weight";
 inline constexpr char kBlkFfnUp[] = "ffn_up.weight";
 inline constexpr char kBlkFfnDown[] = "ffn_down.weight";
+inline constexpr char kBlkFfnPostNorm[] = "post_ffw_norm.weight";
+inline constexpr char kBlkFfnGateInp[] = "ffn_gate_inp.weight";
+inline constexpr char kBlkFfnGateExps[] = "ffn_gate_exps.weight";
+inline constexpr char kBlkFfnUpExps[] = "ffn_up_exps.weight";
+inline constexpr char kBlkFfnDownExps[] = "ffn_down_exps.weight";
 
 // kvcmas.* settings of the KV correction (types and defaults: constants.py KVCMAS_SETTINGS)
 inline constexpr char kKvcmasPrefix[] = "kvcmas.";

@@ -48,7 +48,7 @@ int32_t materialize_last_segment(Model & model, int32_t seq) {
             table.corrs.push_back(f);
         }
         seg.span->append_runs(seg.begin, n, 0, f != nullptr ? 0 : -1, seg.corr_row0, table);
-        model.backend().kv_copy(model.rope(), shape, store, il, table, 0, static_cast<int>(table.runs.size()),
+        model.backend().kv_copy(model.rope(il), shape, store, il, table, 0, static_cast<int>(table.runs.size()),
                                 shifts.data(), dst.data());
     }
     return n;

@@ -25,7 +25,8 @@ Model::Model(const std::string & path, int n_threads, int n_ctx, size_t kv_budge
         n_ctx = static_cast<int>(std::min<int64_t>(p_.n_ctx_train > 0 ? p_.n_ctx_train : 8192, 8192));
     }
     KC_CHECK(n_ctx <= (1 << 24), "n_ctx %d is too large", n_ctx);
-    n_ctx_   = n_ctx;
+    n_ctx_ = n_ctx;
+    make_ropes();
     backend_ = backend::make_backend(device, n_threads);
     backend_->set_activations(activations);
     load_weights();
@@ -77,39 +78,130 @@ void Model::load_params() {
              "%s: layer_norm_rms_epsilon %g out of range", path, static_cast<double>(p_.rms_eps));
     KC_CHECK(std::isfinite(p_.rope_base) && p_.rope_base > 1.0, "%s: rope.freq_base %g out of range", path,
              p_.rope_base);
-    if (const gguf::Value * st = f.find(a + names::kArchKeyRopeScalingType)) {
-        const std::string type = st->type == gguf::ValueType::STRING ? st->str : std::string("?");
-        if (type == "linear") {
-            const double factor = f.get_float(a + names::kArchKeyRopeScalingFactor);
-            KC_CHECK(std::isfinite(factor) && factor > 0.0, "%s: rope.scaling.factor %g out of range", path, factor);
-            p_.rope_scale = 1.0 / factor;
-        } else {
-            // llama3-style scaling is carried by the rope_freqs tensor; only yarn & co are unsupported.
-            KC_CHECK(type == "none" || type == "llama3", "%s: rope scaling '%s' is not supported", path, type.c_str());
-        }
-    }
+    load_rope_scaling();
     load_sliding_window();
-    arch_->configure(p_);
+    p_.layer_rope.assign(static_cast<size_t>(p_.n_layer), LayerRope::Global);
+    p_.rope_base_swa = f.get_float(a + names::kArchKeyRopeFreqBaseSwa, p_.rope_base_swa);
+    p_.logit_softcap = static_cast<float>(f.get_float(a + names::kArchKeyFinalLogitSoftcapping, 0.0));
+    KC_CHECK(std::isfinite(p_.logit_softcap) && p_.logit_softcap >= 0.0f, "%s: final_logit_softcapping %g is invalid",
+             path, static_cast<double>(p_.logit_softcap));
+    arch_->configure(p_, f);
+    KC_CHECK(std::isfinite(p_.rope_base_swa) && p_.rope_base_swa > 1.0, "%s: rope.freq_base_swa %g out of range", path,
+             p_.rope_base_swa);
+    KC_CHECK(p_.layer_rope.size() == static_cast<size_t>(p_.n_layer) &&
+                 p_.layer_window.size() == static_cast<size_t>(p_.n_layer),
+             "%s: architecture %s set per-layer settings for the wrong layer count", path, p_.arch.c_str());
     const gguf::TensorInfo * emb = f.find_tensor(names::kTensorTokenEmbd);
     KC_CHECK(emb != nullptr, "%s: tensor '%s' is missing", path, names::kTensorTokenEmbd);
     KC_CHECK(emb->ne.size() == 2 && emb->ne[0] == p_.n_embd, "%s: tensor '%s' has the wrong shape", path,
              names::kTensorTokenEmbd);
     p_.n_vocab     = emb->ne[1];
     p_.tied_output = f.find_tensor(names::kTensorOutput) == nullptr;
+}
 
-    rope_.n_rot = static_cast<int>(p_.n_rot);
-    rope_.neox  = p_.rope_neox;
-    rope_.inv_freq.resize(static_cast<size_t>(p_.n_rot / 2));
-    const std::vector<float> factors = TensorLoader(f).vector_f32(names::kTensorRopeFreqs, p_.n_rot / 2, false);
-    for (int64_t j = 0; j < p_.n_rot / 2; ++j) {
-        double inv = std::pow(p_.rope_base, -2.0 * static_cast<double>(j) / static_cast<double>(p_.n_rot));
-        if (!factors.empty()) {
-            KC_CHECK(std::isfinite(factors[j]) && factors[j] > 0.0f, "%s: rope_freqs.weight[%lld] = %g is invalid",
-                     path, static_cast<long long>(j), static_cast<double>(factors[j]));
-            inv /= factors[j];
+void Model::load_rope_scaling() {
+    const gguf::GgufFile & f    = *file_;
+    const std::string      a    = p_.arch + ".";
+    const char *           path = f.path().c_str();
+    const gguf::Value *    st   = f.find(a + names::kArchKeyRopeScalingType);
+    if (st == nullptr) {
+        // llama.cpp's phi3 files carry LongRoPE as the two factor tensors without a scaling type
+        if (f.find_tensor(names::kTensorRopeFactorsLong) != nullptr) {
+            p_.rope_scaling = "longrope";
         }
-        rope_.inv_freq[static_cast<size_t>(j)] = static_cast<float>(inv * p_.rope_scale);
+    } else {
+        p_.rope_scaling = st->type == gguf::ValueType::STRING ? st->str : std::string("?");
     }
+    const std::string & type = p_.rope_scaling;
+    KC_CHECK(type == "none" || type == "linear" || type == "llama3" || type == "yarn" || type == "longrope",
+             "%s: rope scaling '%s' is not supported (none, linear, llama3, yarn, longrope)", path, type.c_str());
+    if (type == "linear" || type == "yarn") {
+        p_.rope_factor = f.get_float(a + names::kArchKeyRopeScalingFactor);
+        KC_CHECK(std::isfinite(p_.rope_factor) && p_.rope_factor > 0.0, "%s: rope.scaling.factor %g out of range", path,
+                 p_.rope_factor);
+        if (type == "linear") {
+            p_.rope_scale = 1.0 / p_.rope_factor;
+        }
+    }
+    if (type == "yarn" || type == "longrope") {
+        p_.rope_orig_ctx = f.get_int(a + names::kArchKeyRopeScalingOrigCtx, p_.n_ctx_train);
+        KC_CHECK(p_.rope_orig_ctx > 0 && p_.rope_orig_ctx <= (int64_t{ 1 } << 31),
+                 "%s: rope.scaling.original_context_length %lld out of range", path,
+                 static_cast<long long>(p_.rope_orig_ctx));
+    }
+    if (type == "yarn") {
+        p_.yarn_beta_fast = f.get_float(a + names::kArchKeyRopeScalingYarnBetaFast, 32.0);
+        p_.yarn_beta_slow = f.get_float(a + names::kArchKeyRopeScalingYarnBetaSlow, 1.0);
+        // YaRN's mscale (0.1 ln(factor) + 1) unless the file names its own factor
+        const double mscale = p_.rope_factor > 1.0 ? 0.1 * std::log(p_.rope_factor) + 1.0 : 1.0;
+        p_.rope_attn_factor = f.get_float(a + names::kArchKeyRopeScalingAttnFactor, mscale);
+    }
+    if (type == "longrope") {
+        // factor: the extension the long factors were fitted for; attention factor as LongRoPE defines it
+        const double factor = static_cast<double>(p_.n_ctx_train) / static_cast<double>(p_.rope_orig_ctx);
+        const double scale =
+            factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(factor) / std::log(static_cast<double>(p_.rope_orig_ctx)));
+        p_.rope_factor      = factor;
+        p_.rope_attn_factor = f.get_float(a + names::kArchKeyRopeScalingAttnFactor, scale);
+    }
+    KC_CHECK(std::isfinite(p_.rope_attn_factor) && p_.rope_attn_factor > 0.0 && std::isfinite(p_.yarn_beta_fast) &&
+                 std::isfinite(p_.yarn_beta_slow),
+             "%s: rope scaling parameters out of range", path);
+}
+
+// The inverse frequencies of one kind of layer.
+void Model::make_ropes() {
+    const gguf::GgufFile & f    = *file_;
+    const char *           path = f.path().c_str();
+    const int64_t          half = p_.n_rot / 2;
+    const TensorLoader     loader(f);
+    ropes_.assign(3, cpu::Rope{});
+    // llama3: per-frequency divisors; longrope: the long factors when the context reaches past the original one
+    // (as llama.cpp picks them: one choice for the whole context, so a span reads the same at any position).
+    const char * factor_name = names::kTensorRopeFreqs;
+    if (p_.rope_scaling == "longrope") {
+        factor_name = n_ctx_ > p_.rope_orig_ctx ? names::kTensorRopeFactorsLong : names::kTensorRopeFactorsShort;
+    }
+    const std::vector<float> factors = loader.vector_f32(factor_name, half, p_.rope_scaling == "longrope");
+    for (size_t j = 0; j < factors.size(); ++j) {
+        KC_CHECK(std::isfinite(factors[j]) && factors[j] > 0.0f, "%s: %s[%zu] = %g is invalid", path, factor_name, j,
+                 static_cast<double>(factors[j]));
+    }
+    for (const LayerRope kind : { LayerRope::Global, LayerRope::Sliding }) {
+        cpu::Rope & r = ropes_[static_cast<size_t>(kind)];
+        r.n_rot       = static_cast<int>(p_.n_rot);
+        r.neox        = p_.rope_neox;
+        r.inv_freq.resize(static_cast<size_t>(half));
+        const bool   global = kind == LayerRope::Global;
+        const double base   = global ? p_.rope_base : p_.rope_base_swa;
+        // YaRN ramp between interpolated (j >= high) and extrapolated (j <= low) frequencies
+        double low = 0.0, high = 0.0;
+        if (global && p_.rope_scaling == "yarn") {
+            const double dim  = static_cast<double>(p_.n_rot);
+            const auto   corr = [&](double rotations) {
+                return dim * std::log(static_cast<double>(p_.rope_orig_ctx) / (rotations * 2.0 * M_PI)) /
+                       (2.0 * std::log(base));
+            };
+            low  = std::max(0.0, std::floor(corr(p_.yarn_beta_fast)));
+            high = std::min(dim - 1.0, std::ceil(corr(p_.yarn_beta_slow)));
+            if (low == high) {
+                high += 0.001;
+            }
+        }
+        for (int64_t j = 0; j < half; ++j) {
+            double inv = std::pow(base, -2.0 * static_cast<double>(j) / static_cast<double>(p_.n_rot));
+            if (global && !factors.empty()) {
+                inv /= factors[static_cast<size_t>(j)];
+            }
+            if (global && p_.rope_scaling == "yarn") {
+                const double ramp   = std::min(1.0, std::max(0.0, (static_cast<double>(j) - low) / (high - low)));
+                const double extrap = 1.0 - ramp;
+                inv                 = inv / p_.rope_factor * (1.0 - extrap) + inv * extrap;
+            }
+            r.inv_freq[static_cast<size_t>(j)] = static_cast<float>(global ? inv * p_.rope_scale : inv);
+        }
+    }
+    ropes_[static_cast<size_t>(LayerRope::None)].neox = p_.rope_neox;  // n_rot 0: rotates nothing
 }
 
 void Model::load_sliding_window() {
@@ -236,44 +328,64 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
     const int64_t      qd = H * hd, kd = KVH * hd, half = p_.n_rot / 2;
     const auto         floats = [&](int64_t count) { return backend::Buffer(be, sizeof(float) * count); };
 
-    ForwardState st(be, p_, rope_, *kv_, kv_->pool().store(), n);
-    st.shape = cpu::AttentionShape{ static_cast<int>(H),
-                                    static_cast<int>(KVH),
-                                    static_cast<int>(hd),
-                                    kd,
-                                    static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
-                                    kv_type_ };
-    st.x     = floats(n * E);
-    st.xn    = floats(n * E);
-    st.q     = floats(n * qd);
-    st.k     = floats(n * kd);
-    st.v     = floats(n * kd);
-    st.att   = floats(n * qd);
-    st.tmp   = floats(n * E);
-    st.g     = floats(n * F);
-    st.u     = floats(n * F);
+    ForwardState st(be, p_, ropes_, *kv_, kv_->pool().store(), n);
+    const double scale = p_.attn_scale > 0.0 ? p_.attn_scale : 1.0 / std::sqrt(static_cast<double>(hd));
+    st.shape           = cpu::AttentionShape{ static_cast<int>(H),       static_cast<int>(KVH),
+                                              static_cast<int>(hd),      kd,
+                                              static_cast<float>(scale), kv_type_ };
+    st.x               = floats(n * E);
+    st.xn              = floats(n * E);
+    st.q               = floats(n * qd);
+    st.k               = floats(n * kd);
+    st.v               = floats(n * kd);
+    st.att             = floats(n * qd);
+    st.tmp             = floats(n * E);
+    st.g               = floats(n * F);
+    st.u               = floats(n * F);
 
     std::vector<int32_t> tokens(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
         const BatchItem & it           = batch.items[static_cast<size_t>(i)];
         tokens[static_cast<size_t>(i)] = it.embd_row >= 0 ? -1 : it.token;
+    }
+    be.embed_rows(tok_embd_, tokens.data(), n, st.x.f32());
+    if (p_.embd_scale != 1.0f) {
+        be.scale(st.x.f32(), p_.embd_scale, n * E);  // embedding hook (gemma): token embeddings only
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const BatchItem & it = batch.items[static_cast<size_t>(i)];
         if (it.embd_row >= 0) {
             be.upload(st.x.f32() + i * E, batch.embd + static_cast<int64_t>(it.embd_row) * E, sizeof(float) * E);
         }
     }
-    be.embed_rows(tok_embd_, tokens.data(), n, st.x.f32());
 
-    // RoPE angles: queries at their positions, keys at their frame positions (equal unless a span is shared).
-    {
+    // RoPE angles per kind of layer in use: queries at their positions, keys at their frame positions (equal
+    // unless a span is shared).
+    st.rope_tables.resize(ropes_.size());
+    for (size_t r = 0; r < ropes_.size(); ++r) {
+        if (std::find(p_.layer_rope.begin(), p_.layer_rope.end(), static_cast<LayerRope>(r)) == p_.layer_rope.end() ||
+            ropes_[r].n_rot == 0) {
+            continue;
+        }
         std::vector<float> cq(n * half), sq(n * half), ck(n * half), sk(n * half);
         for (int64_t i = 0; i < n; ++i) {
-            rope_.angles(static_cast<double>(positions[i]), &cq[i * half], &sq[i * half]);
-            rope_.angles(static_cast<double>(slots[i].frame_pos), &ck[i * half], &sk[i * half]);
+            ropes_[r].angles(static_cast<double>(positions[i]), &cq[i * half], &sq[i * half]);
+            ropes_[r].angles(static_cast<double>(slots[i].frame_pos), &ck[i * half], &sk[i * half]);
         }
-        st.cos_q = backend::upload_floats(be, cq);
-        st.sin_q = backend::upload_floats(be, sq);
-        st.cos_k = backend::upload_floats(be, ck);
-        st.sin_k = backend::upload_floats(be, sk);
+        // yarn / longrope scale the rotated dims of q and k (not the rest of a partial rotation): stored keys keep
+        // the factor, and a shift, a pure rotation, commutes with it
+        if (static_cast<LayerRope>(r) == LayerRope::Global && p_.rope_attn_factor != 1.0) {
+            const float f = static_cast<float>(p_.rope_attn_factor);
+            for (std::vector<float> * t : { &cq, &sq, &ck, &sk }) {
+                for (float & x : *t) {
+                    x *= f;
+                }
+            }
+        }
+        st.rope_tables[r].cos_q = backend::upload_floats(be, cq);
+        st.rope_tables[r].sin_q = backend::upload_floats(be, sq);
+        st.rope_tables[r].cos_k = backend::upload_floats(be, ck);
+        st.rope_tables[r].sin_k = backend::upload_floats(be, sk);
     }
     // Distinct sequences, and blocks of consecutive items of one sequence (a prompt): attention reads each key
     // once per block.
@@ -314,6 +426,12 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         be.matmul(output_, st.xn.f32(), out.f32(), n_out);
         be.download(logits.data(), out.data(), logits.size() * sizeof(float));
     }
+    if (p_.logit_softcap > 0.0f) {  // output hook: c·tanh(logits / c)
+        const float c = p_.logit_softcap;
+        for (float & l : logits) {
+            l = c * std::tanh(l / c);
+        }
+    }
 }
 
 void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * v_out) {
@@ -336,7 +454,7 @@ void Model::read_kv(int32_t seq, int32_t pos, int32_t n, float * k_out, float * 
             const int64_t j1 = std::min<int64_t>(table.runs[r].n, static_cast<int64_t>(pos) + n - at);
             if (j0 < j1) {
                 const int64_t out_row = static_cast<int64_t>(il) * n + (at + j0 - pos);
-                backend_->kv_read(rope_, shape, store, il, table, static_cast<int>(r), static_cast<int32_t>(j0),
+                backend_->kv_read(rope(il), shape, store, il, table, static_cast<int>(r), static_cast<int32_t>(j0),
                                   static_cast<int32_t>(j1), k_out + out_row * kd, v_out + out_row * kd);
             }
             at += table.runs[r].n;

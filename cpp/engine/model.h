@@ -17,29 +17,6 @@
 
 namespace kvcmas {
 
-// Hyperparameters, all read from GGUF metadata ("<arch>.*" keys) and tensor shapes.
-struct ModelParams {
-    std::string arch;  // a registered architecture (engine/arch/registry.cpp)
-    int64_t     n_vocab      = 0;
-    int64_t     n_ctx_train  = 0;
-    int64_t     n_embd       = 0;
-    int64_t     n_layer      = 0;
-    int64_t     n_head       = 0;
-    int64_t     n_head_kv    = 0;
-    int64_t     head_dim     = 0;
-    int64_t     n_ff         = 0;
-    int64_t     n_rot        = 0;
-    float       rms_eps      = 1e-5f;
-    double      rope_base    = 10000.0;
-    double      rope_scale   = 1.0;    // linear scaling: positions are multiplied by this
-    bool        rope_neox    = false;  // set by the architecture: rotate (i, i + n_rot/2), else (2i, 2i + 1)
-    bool        has_qkv_bias = false;  // set by the architecture
-    bool        tied_output  = false;
-    // Per layer: attend only to the last this many positions (sliding-window attention; 0: all positions).
-    // From "<arch>.attention.sliding_window" and, when only some layers slide, "...sliding_window_pattern".
-    std::vector<int64_t> layer_window;
-};
-
 // One token (or embedding vector) of a batch.
 struct BatchItem {
     int32_t seq;          // sequence it is appended to
@@ -86,9 +63,10 @@ class Model {
     int                    n_threads() const { return backend_->n_threads(); }
     std::string            backend_name() const { return backend_->name(); }
     std::string            device_description() const { return backend_->device(); }
-    const cpu::Rope &      rope() const { return rope_; }
-    cpu::KvType            kv_type() const { return kv_type_; }
-    cpu::Activations       activations() const { return backend_->activations(); }
+    // The rotation of layer il's keys (architectures may rotate layers differently, or not at all).
+    const cpu::Rope & rope(int il) const { return ropes_[static_cast<size_t>(p_.layer_rope[static_cast<size_t>(il)])]; }
+    cpu::KvType       kv_type() const { return kv_type_; }
+    cpu::Activations  activations() const { return backend_->activations(); }
 
     // Runs the batch: appends every item to its sequence and returns the logits of the items with want_logits,
     // in batch order, as [n_wanted][n_vocab]. A sequence's items fill its reserved rows first (seq_reserve), in
@@ -143,7 +121,9 @@ class Model {
     void check_filled(int32_t seq, int32_t pos, int32_t n, const char * what) const;
 
     void load_params();
+    void load_rope_scaling();
     void load_sliding_window();
+    void make_ropes();  // after n_ctx_ is known (longrope picks its factors by it)
     void load_weights();
     void forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                  std::vector<float> & logits);
@@ -154,7 +134,7 @@ class Model {
     std::unique_ptr<gguf::GgufFile>   file_;
     ModelParams                       p_;
     const Architecture *              arch_ = nullptr;
-    cpu::Rope                         rope_;
+    std::vector<cpu::Rope>            ropes_;  // indexed by LayerRope
     cpu::KvType                       kv_type_;
     int32_t                           n_ctx_ = 0;
     std::unique_ptr<backend::Backend> backend_;  // declared before what it holds memory for: destroyed last

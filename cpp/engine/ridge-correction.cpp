@@ -190,7 +190,6 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
     out->n_kv_dim = static_cast<int32_t>(kd);
     out->layers.resize(static_cast<size_t>(layout.n_layer));
 
-    const cpu::Rope &              rope = model.rope();
     const int                      n_kv = static_cast<int>(p.n_head_kv), hd = static_cast<int>(p.head_dim);
     const size_t                   na = static_cast<size_t>(n) * rank, nb = static_cast<size_t>(rank) * kd;
     const backend::KvStore         store = kv.pool().store();
@@ -223,6 +222,7 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
         }
         if (has_map) {
             kv.runs(seq, il, table);
+            const cpu::Rope & rope = model.rope(il);
             ridge_layer_jobs(maps, il, rope, n_kv, hd, table, pos, n, &l.a_k[static_cast<size_t>(col)],
                              &l.a_v[static_cast<size_t>(col)], rank, cache_k, cache_v, jobs);
             model.backend().ridge_rows(store, il, jobs.data(), static_cast<int>(jobs.size()), maps.rank());

@@ -35,6 +35,18 @@ cpu::WeightView TensorLoader::matrix(const std::string & name, int64_t n_in, int
     return cpu::WeightView{ t->type, t->data, n_in, n_out, ggml_row_bytes(t->type, n_in) };
 }
 
+cpu::WeightView TensorLoader::matrices(const std::string & name, int64_t n_in, int64_t n_out, int64_t n_mat) const {
+    const char *             path = file_.path().c_str();
+    const gguf::TensorInfo * t    = file_.find_tensor(name);
+    KC_CHECK(t != nullptr, "%s: tensor '%s' is missing", path, name.c_str());
+    KC_CHECK(t->ne.size() == 3 && t->ne[0] == n_in && t->ne[1] == n_out && t->ne[2] == n_mat,
+             "%s: tensor '%s' should have shape [%lld, %lld, %lld] (%lld matrices of %lld rows of %lld elements)", path,
+             name.c_str(), static_cast<long long>(n_in), static_cast<long long>(n_out), static_cast<long long>(n_mat),
+             static_cast<long long>(n_mat), static_cast<long long>(n_out), static_cast<long long>(n_in));
+    check_weight_type(*t, n_in);
+    return cpu::WeightView{ t->type, t->data, n_in, n_out * n_mat, ggml_row_bytes(t->type, n_in) };
+}
+
 std::vector<float> TensorLoader::vector_f32(const std::string & name, int64_t n, bool required) const {
     const char *             path = file_.path().c_str();
     const gguf::TensorInfo * t    = file_.find_tensor(name);

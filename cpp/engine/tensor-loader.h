@@ -21,6 +21,10 @@ class TensorLoader {
     // naming the file and tensor when it is missing, shaped otherwise or of a type kvcmas cannot compute with.
     cpu::WeightView matrix(const std::string & name, int64_t n_in, int64_t n_out) const;
 
+    // A stack of n_mat matrices of n_out rows of n_in elements (GGUF [n_in, n_out, n_mat]: a MoE layer's experts),
+    // as one matrix of n_mat * n_out rows, matrix m's rows from m * n_out on.
+    cpu::WeightView matrices(const std::string & name, int64_t n_in, int64_t n_out, int64_t n_mat) const;
+
     // The n elements of a tensor (any shape) as f32. A missing tensor is an error when `required`, an empty result
     // otherwise; a wrong element count, an unusable type or a non-finite value are errors.
     std::vector<float> vector_f32(const std::string & name, int64_t n, bool required) const;

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from ._native import KvcmasError, backends
+from ._native import KvcmasError, backends, supported_architectures
 from .agents import Agent, AgentSession, Response, ResponseChunk
 from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, Timings, default_model_path
 
@@ -23,4 +23,5 @@ __all__ = [
     "__version__",
     "backends",
     "default_model_path",
+    "supported_architectures",
 ]

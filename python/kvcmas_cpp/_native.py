@@ -41,3 +41,8 @@ def backends() -> dict[str, tuple[bool, str]]:
     if listing is None:  # a core built before the backend seam
         return {"cpu": (True, "")}
     return {str(name): (bool(ok), str(why)) for name, (ok, why) in listing().items()}
+
+
+def supported_architectures() -> list[str]:
+    """The GGUF ``general.architecture`` values the core runs, in its registry's order."""
+    return [str(a) for a in core.architectures()]

@@ -16,6 +16,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quants.h"
 #include "backend/cpu/threadpool.h"
+#include "backend/moe-route.h"
 #include "common/error.h"
 
 namespace kvcmas::cpu {
@@ -242,6 +243,43 @@ class CpuBackend final : public Backend {
                 cpu::split_range(n_rows, ith, nth, b, e);
                 cpu::silu_mul(g + b * n, u + b * n, g + b * n, (e - b) * n);
             });
+        }
+    }
+
+    void geglu_tanh(float * g, const float * u, int64_t n_rows, int64_t n) override {
+        pool_.run([&](int ith, int nth) {
+            long long b, e;
+            cpu::split_range(n_rows, ith, nth, b, e);
+            cpu::gelu_tanh_mul(g + b * n, u + b * n, g + b * n, (e - b) * n);
+        });
+    }
+
+    void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,
+                   float * host_weights) override {
+        for (int64_t i = 0; i < n; ++i) {
+            backend::moe_route_row(logits + i * n_expert, n_expert, k, norm, host_ids + i * k, host_weights + i * k);
+        }
+    }
+
+    void gather_rows(const float * src, const int32_t * host_rows, int64_t n, int64_t width, float * dst) override {
+        for (int64_t i = 0; i < n; ++i) {
+            std::memcpy(dst + i * width, src + static_cast<int64_t>(host_rows[i]) * width, sizeof(float) * width);
+        }
+    }
+
+    void add_scaled_rows(float * dst, const float * src, const int32_t * host_rows, const float * host_scales,
+                         int64_t n, int64_t width) override {
+        for (int64_t i = 0; i < n; ++i) {
+            float * d = dst + static_cast<int64_t>(host_rows[i]) * width;
+            for (int64_t c = 0; c < width; ++c) {
+                d[c] += host_scales[i] * src[i * width + c];
+            }
+        }
+    }
+
+    void scale(float * x, float s, int64_t n) override {
+        for (int64_t i = 0; i < n; ++i) {
+            x[i] *= s;
         }
     }
 

@@ -34,6 +34,14 @@ void silu_mul(const float * gate, const float * up, float * y, int64_t n) {
     }
 }
 
+void gelu_tanh_mul(const float * gate, const float * up, float * y, int64_t n) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        y[i]          = 0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
 void Rope::angles(double pos, float * cos_out, float * sin_out) const {
     for (int j = 0; j < n_rot / 2; ++j) {
         const double angle = pos * static_cast<double>(inv_freq[static_cast<size_t>(j)]);

@@ -12,6 +12,9 @@ void rms_norm(const float * x, const float * w, float * y, int64_t n, float eps)
 // y[i] = silu(gate[i]) * up[i]
 void silu_mul(const float * gate, const float * up, float * y, int64_t n);
 
+// y[i] = gelu_tanh(gate[i]) * up[i] (GELU's tanh approximation, as gemma's hidden_activation gelu_pytorch_tanh)
+void gelu_tanh_mul(const float * gate, const float * up, float * y, int64_t n);
+
 // RoPE of one position, applied to n_head vectors of head_dim floats laid out one after another.
 // Rotates the first n_rot dims of each head by angle pos * inv_freq[j] for pair j; neox pairs dims (j, j + n_rot/2),
 // otherwise (2j, 2j + 1) as llama.cpp's llama models store Q/K. inv_freq has n_rot/2 entries.

@@ -17,6 +17,7 @@
 
 #include "backend/cuda/cuda-backend.h"
 #include "backend/cuda/quants.cuh"
+#include "backend/moe-route.h"
 #include "common/error.h"
 
 namespace kvcmas::backend {
@@ -214,6 +215,48 @@ __global__ void swiglu_kernel(float * g, const float * u, int64_t n) {
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const float v = g[i];
         g[i]          = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+__global__ void geglu_tanh_kernel(float * g, const float * u, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const float v = g[i];
+        g[i]          = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))) * u[i];
+    }
+}
+
+__global__ void scale_kernel(float * x, float s, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        x[i] *= s;
+    }
+}
+
+// One thread per row (moe-route.h).
+__global__ void moe_route_kernel(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * ids,
+                                 float * weights) {
+    const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+    if (i < n) {
+        moe_route_row(logits + i * n_expert, n_expert, k, norm, ids + i * k, weights + i * k);
+    }
+}
+
+__global__ void gather_rows_kernel(const float * src, const int32_t * rows, int64_t n, int64_t width, float * dst) {
+    for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < n * width;
+         t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        dst[t] = src[static_cast<int64_t>(rows[t / width]) * width + t % width];
+    }
+}
+
+// One thread per column, the rows in order (a row of dst may be named more than once).
+__global__ void add_scaled_rows_kernel(float * dst, const float * src, const int32_t * rows, const float * scales,
+                                       int64_t n, int64_t width) {
+    for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < width;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        for (int64_t i = 0; i < n; ++i) {
+            dst[static_cast<int64_t>(rows[i]) * width + c] += scales[i] * src[i * width + c];
+        }
     }
 }
 
@@ -711,6 +754,55 @@ class CudaBackend final : public Backend {
         if (n_rows * n > 0) {
             swiglu_kernel<<<blocks_for(n_rows * n, 256), 256>>>(g, u, n_rows * n);
             check_launch("swiglu");
+        }
+    }
+
+    void geglu_tanh(float * g, const float * u, int64_t n_rows, int64_t n) override {
+        if (n_rows * n > 0) {
+            geglu_tanh_kernel<<<blocks_for(n_rows * n, 256), 256>>>(g, u, n_rows * n);
+            check_launch("geglu_tanh");
+        }
+    }
+
+    void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,
+                   float * host_weights) override {
+        if (n == 0) {
+            return;
+        }
+        Buffer    ids(*this, sizeof(int32_t) * static_cast<size_t>(n * k));
+        Buffer    weights(*this, sizeof(float) * static_cast<size_t>(n * k));
+        int32_t * d_ids = static_cast<int32_t *>(ids.data());
+        moe_route_kernel<<<blocks_for(n, 64), 64>>>(logits, n, n_expert, k, norm, d_ids, weights.f32());
+        check_launch("moe_route");
+        download(host_ids, ids.data(), sizeof(int32_t) * static_cast<size_t>(n * k));
+        download(host_weights, weights.data(), sizeof(float) * static_cast<size_t>(n * k));
+    }
+
+    void gather_rows(const float * src, const int32_t * host_rows, int64_t n, int64_t width, float * dst) override {
+        if (n * width == 0) {
+            return;
+        }
+        Buffer rows = put(host_rows, n);
+        gather_rows_kernel<<<blocks_for(n * width, 256), 256>>>(src, static_cast<const int32_t *>(rows.data()), n,
+                                                                width, dst);
+        check_launch("gather_rows");
+    }
+
+    void add_scaled_rows(float * dst, const float * src, const int32_t * host_rows, const float * host_scales,
+                         int64_t n, int64_t width) override {
+        if (n * width == 0) {
+            return;
+        }
+        Buffer rows = put(host_rows, n), scales = put(host_scales, n);
+        add_scaled_rows_kernel<<<blocks_for(width, 256), 256>>>(dst, src, static_cast<const int32_t *>(rows.data()),
+                                                                scales.f32(), n, width);
+        check_launch("add_scaled_rows");
+    }
+
+    void scale(float * x, float s, int64_t n) override {
+        if (n > 0) {
+            scale_kernel<<<blocks_for(n, 256), 256>>>(x, s, n);
+            check_launch("scale");
         }
     }
 

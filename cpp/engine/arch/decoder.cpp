@@ -1,75 +1,256 @@
 #include "engine/arch/decoder.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "engine/gguf-names.h"
 #include "engine/kv-cache.h"
-#include "engine/model.h"
 
 namespace kvcmas::decoder {
 
 namespace names = gguf_names;
 
-static backend::Weight upload(backend::Backend & be, const cpu::WeightView & w) {
+void configure_neox_rope(ModelParams & p, const gguf::GgufFile &) {
+    p.rope_neox = true;
+}
+
+void configure_paired_rope(ModelParams & p, const gguf::GgufFile &) {
+    p.rope_neox = false;
+}
+
+std::string block_name(int il, const char * suffix) {
+    return names::kBlockPrefix + std::to_string(il) + "." + suffix;
+}
+
+backend::Weight upload(backend::Backend & be, const cpu::WeightView & w) {
     return be.upload_weight(w.type, w.data, w.n_in, w.n_out, w.row_bytes);
+}
+
+backend::Buffer load_norm(const TensorLoader & loader, backend::Backend & be, const std::string & name, int64_t n,
+                          bool required) {
+    return backend::upload_floats(be, loader.vector_f32(name, n, required));
+}
+
+// Rows [r0, r0 + n) of a fused weight, as a weight of its own.
+static backend::Weight upload_rows(backend::Backend & be, const cpu::WeightView & w, int64_t r0, int64_t n) {
+    const cpu::WeightView part{ w.type, static_cast<const uint8_t *>(w.data) + static_cast<size_t>(r0) * w.row_bytes,
+                                w.n_in, n, w.row_bytes };
+    return upload(be, part);
+}
+
+void load_attention(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L,
+                    const AttentionLayout & layout) {
+    const int64_t E = p.n_embd, hd = p.head_dim, qd = p.n_head * hd, kd = p.n_head_kv * hd;
+    if (layout.pre_norm) {
+        L.attn_norm = load_norm(loader, be, block_name(il, names::kBlkAttnNorm), E, true);
+    }
+    if (layout.fused_qkv) {
+        const cpu::WeightView qkv = loader.matrix(block_name(il, names::kBlkAttnQkv), E, qd + 2 * kd);
+        L.wq                      = upload_rows(be, qkv, 0, qd);
+        L.wk                      = upload_rows(be, qkv, qd, kd);
+        L.wv                      = upload_rows(be, qkv, qd + kd, kd);
+    } else {
+        L.wq = upload(be, loader.matrix(block_name(il, names::kBlkAttnQ), E, qd));
+        L.wk = upload(be, loader.matrix(block_name(il, names::kBlkAttnK), E, kd));
+        L.wv = upload(be, loader.matrix(block_name(il, names::kBlkAttnV), E, kd));
+    }
+    L.wo = upload(be, loader.matrix(block_name(il, names::kBlkAttnOutput), qd, E));
+    // Biases: required where the architecture has them; a llama file never carries them.
+    L.bq = load_norm(loader, be, block_name(il, names::kBlkAttnQBias), qd, layout.qkv_bias);
+    L.bk = load_norm(loader, be, block_name(il, names::kBlkAttnKBias), kd, layout.qkv_bias);
+    L.bv = load_norm(loader, be, block_name(il, names::kBlkAttnVBias), kd, layout.qkv_bias);
+    if (layout.qk_norm != QkNorm::None) {
+        const bool whole = layout.qk_norm == QkNorm::Whole;
+        L.q_norm         = load_norm(loader, be, block_name(il, names::kBlkAttnQNorm), whole ? qd : hd, true);
+        L.k_norm         = load_norm(loader, be, block_name(il, names::kBlkAttnKNorm), whole ? kd : hd, true);
+    }
+    if (layout.post_norm) {
+        L.attn_post_norm = load_norm(loader, be, block_name(il, names::kBlkAttnPostNorm), E, true);
+    }
+}
+
+void load_ffn(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L,
+              const FfnLayout & layout) {
+    const int64_t E = p.n_embd, F = p.n_ff;
+    if (layout.pre_norm) {
+        L.ffn_norm = load_norm(loader, be, block_name(il, names::kBlkFfnNorm), E, true);
+    }
+    if (layout.fused_gate_up) {
+        const cpu::WeightView gate_up = loader.matrix(block_name(il, names::kBlkFfnUp), E, 2 * F);
+        L.w_gate                      = upload_rows(be, gate_up, 0, F);
+        L.w_up                        = upload_rows(be, gate_up, F, F);
+    } else {
+        L.w_gate = upload(be, loader.matrix(block_name(il, names::kBlkFfnGate), E, F));
+        L.w_up   = upload(be, loader.matrix(block_name(il, names::kBlkFfnUp), E, F));
+    }
+    L.w_down = upload(be, loader.matrix(block_name(il, names::kBlkFfnDown), F, E));
+    if (layout.post_norm) {
+        L.ffn_post_norm = load_norm(loader, be, block_name(il, names::kBlkFfnPostNorm), E, true);
+    }
+}
+
+void load_experts(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L) {
+    const int64_t E = p.n_embd, F = p.n_ff_exp, X = p.n_expert;
+    L.ffn_norm                 = load_norm(loader, be, block_name(il, names::kBlkFfnNorm), E, true);
+    L.router                   = upload(be, loader.matrix(block_name(il, names::kBlkFfnGateInp), E, X));
+    const cpu::WeightView gate = loader.matrices(block_name(il, names::kBlkFfnGateExps), E, F, X);
+    const cpu::WeightView up   = loader.matrices(block_name(il, names::kBlkFfnUpExps), E, F, X);
+    const cpu::WeightView down = loader.matrices(block_name(il, names::kBlkFfnDownExps), F, E, X);
+    for (int64_t e = 0; e < X; ++e) {  // the 3-D tensors are one matrix per expert, one after another
+        L.exp_gate.push_back(upload_rows(be, gate, e * F, F));
+        L.exp_up.push_back(upload_rows(be, up, e * F, F));
+        L.exp_down.push_back(upload_rows(be, down, e * E, E));
+    }
 }
 
 void load_layer(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L,
                 bool with_qkv_bias) {
-    const int64_t     E = p.n_embd, qd = p.n_head * p.head_dim, kd = p.n_head_kv * p.head_dim;
-    const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
-    L.attn_norm          = backend::upload_floats(be, loader.vector_f32(bl + names::kBlkAttnNorm, E, true));
-    L.ffn_norm           = backend::upload_floats(be, loader.vector_f32(bl + names::kBlkFfnNorm, E, true));
-    L.wq                 = upload(be, loader.matrix(bl + names::kBlkAttnQ, E, qd));
-    L.wk                 = upload(be, loader.matrix(bl + names::kBlkAttnK, E, kd));
-    L.wv                 = upload(be, loader.matrix(bl + names::kBlkAttnV, E, kd));
-    L.wo                 = upload(be, loader.matrix(bl + names::kBlkAttnOutput, qd, E));
-    L.w_gate             = upload(be, loader.matrix(bl + names::kBlkFfnGate, E, p.n_ff));
-    L.w_up               = upload(be, loader.matrix(bl + names::kBlkFfnUp, E, p.n_ff));
-    L.w_down             = upload(be, loader.matrix(bl + names::kBlkFfnDown, p.n_ff, E));
-    L.bq                 = backend::upload_floats(be, loader.vector_f32(bl + names::kBlkAttnQBias, qd, with_qkv_bias));
-    L.bk                 = backend::upload_floats(be, loader.vector_f32(bl + names::kBlkAttnKBias, kd, with_qkv_bias));
-    L.bv                 = backend::upload_floats(be, loader.vector_f32(bl + names::kBlkAttnVBias, kd, with_qkv_bias));
+    AttentionLayout attn;
+    attn.qkv_bias = with_qkv_bias;
+    load_attention(loader, be, p, il, L, attn);
+    load_ffn(loader, be, p, il, L, FfnLayout{});
 }
 
-void attention_block(ForwardState & st, int il, const LayerWeights & L) {
-    backend::Backend &  be = st.be;
-    const ModelParams & p  = st.p;
-    const int64_t       n = st.n, E = p.n_embd, qd = p.n_head * p.head_dim, kd = p.n_head_kv * p.head_dim;
-    be.rms_norm(st.x.f32(), L.attn_norm.f32(), st.xn.f32(), n, E, p.rms_eps);
-    {
-        const backend::Weight qkv[3] = { L.wq, L.wk, L.wv };
-        float * const         out[3] = { st.q.f32(), st.k.f32(), st.v.f32() };
-        be.matmul_multi(qkv, out, 3, st.xn.f32(), n);
+const float * attention_input(ForwardState & st, const LayerWeights & L) {
+    if (L.attn_norm.data() == nullptr) {
+        return st.x.f32();
     }
+    st.be.rms_norm(st.x.f32(), L.attn_norm.f32(), st.xn.f32(), st.n, st.p.n_embd, st.p.rms_eps);
+    return st.xn.f32();
+}
+
+void qkv_projections(ForwardState & st, const LayerWeights & L, const float * in) {
+    const ModelParams &   p = st.p;
+    const int64_t         n = st.n, qd = p.n_head * p.head_dim, kd = p.n_head_kv * p.head_dim;
+    const backend::Weight qkv[3] = { L.wq, L.wk, L.wv };
+    float * const         out[3] = { st.q.f32(), st.k.f32(), st.v.f32() };
+    st.be.matmul_multi(qkv, out, 3, in, n);
     if (L.bq.data() != nullptr) {
-        be.add_bias(st.q.f32(), L.bq.f32(), n, qd);
-        be.add_bias(st.k.f32(), L.bk.f32(), n, kd);
-        be.add_bias(st.v.f32(), L.bv.f32(), n, kd);
+        st.be.add_bias(st.q.f32(), L.bq.f32(), n, qd);
+        st.be.add_bias(st.k.f32(), L.bk.f32(), n, kd);
+        st.be.add_bias(st.v.f32(), L.bv.f32(), n, kd);
     }
-    be.rope_kv_write(st.rope, st.shape, st.q.f32(), st.k.f32(), st.v.f32(), n, st.cos_q.f32(), st.sin_q.f32(),
-                     st.cos_k.f32(), st.sin_k.f32(), st.store, il, st.slots.data());
+}
+
+void qk_norm(ForwardState & st, const LayerWeights & L) {
+    if (L.q_norm.data() == nullptr) {
+        return;
+    }
+    const ModelParams & p = st.p;
+    const int64_t       n = st.n, hd = p.head_dim, qd = p.n_head * hd, kd = p.n_head_kv * hd;
+    // In place, row by row: a row is one head (per-head norm) or the whole projection.
+    const int64_t q_width = static_cast<int64_t>(L.q_norm.bytes() / sizeof(float));
+    const int64_t k_width = static_cast<int64_t>(L.k_norm.bytes() / sizeof(float));
+    st.be.rms_norm(st.q.f32(), L.q_norm.f32(), st.q.f32(), n * qd / q_width, q_width, p.rms_eps);
+    st.be.rms_norm(st.k.f32(), L.k_norm.f32(), st.k.f32(), n * kd / k_width, k_width, p.rms_eps);
+}
+
+void rope_and_store(ForwardState & st, int il) {
+    const ForwardState::RopeTables & t = st.rope_tables[st.rope_index(il)];
+    st.be.rope_kv_write(st.rope(il), st.shape, st.q.f32(), st.k.f32(), st.v.f32(), st.n, t.cos_q.f32(), t.sin_q.f32(),
+                        t.cos_k.f32(), t.sin_k.f32(), st.store, il, st.slots.data());
+}
+
+void attend(ForwardState & st, int il) {
     for (size_t s = 0; s < st.seq_ids.size(); ++s) {
         st.kv.runs(st.seq_ids[s], il, st.tables[s]);
     }
     backend::AttentionShape shape = st.shape;
-    shape.window                  = p.layer_window[static_cast<size_t>(il)];  // sliding-window layers: > 0
-    be.attention(shape, st.rope, st.store, il, st.q.f32(), st.att.f32(), n, st.blocks.data(),
-                 static_cast<int>(st.blocks.size()), st.tables.data(), st.max_visible);
-    be.matmul(L.wo, st.att.f32(), st.tmp.f32(), n);
-    be.add(st.x.f32(), st.tmp.f32(), n * E);
+    shape.window                  = st.p.layer_window[static_cast<size_t>(il)];  // sliding-window layers: > 0
+    st.be.attention(shape, st.rope(il), st.store, il, st.q.f32(), st.att.f32(), st.n, st.blocks.data(),
+                    static_cast<int>(st.blocks.size()), st.tables.data(), st.max_visible);
 }
 
-void swiglu_ffn_block(ForwardState & st, const LayerWeights & L) {
+// x += rms_norm(y) (post_norm set) or y.
+static void add_residual(ForwardState & st, const backend::Buffer & post_norm, float * y) {
+    const int64_t E = st.p.n_embd;
+    if (post_norm.data() != nullptr) {
+        st.be.rms_norm(y, post_norm.f32(), y, st.n, E, st.p.rms_eps);
+    }
+    st.be.add(st.x.f32(), y, st.n * E);
+}
+
+void attention_output(ForwardState & st, const LayerWeights & L) {
+    st.be.matmul(L.wo, st.att.f32(), st.tmp.f32(), st.n);
+    add_residual(st, L.attn_post_norm, st.tmp.f32());
+}
+
+void attention_block(ForwardState & st, int il, const LayerWeights & L) {
+    qkv_projections(st, L, attention_input(st, L));
+    qk_norm(st, L);
+    rope_and_store(st, il);
+    attend(st, il);
+    attention_output(st, L);
+}
+
+void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
     backend::Backend &  be = st.be;
     const ModelParams & p  = st.p;
     const int64_t       n = st.n, E = p.n_embd;
-    be.rms_norm(st.x.f32(), L.ffn_norm.f32(), st.xn.f32(), n, E, p.rms_eps);
+    const float *       in = st.x.f32();
+    if (L.ffn_norm.data() != nullptr) {
+        be.rms_norm(st.x.f32(), L.ffn_norm.f32(), st.xn.f32(), n, E, p.rms_eps);
+        in = st.xn.f32();
+    }
     {
         const backend::Weight gate_up[2] = { L.w_gate, L.w_up };
         float * const         out[2]     = { st.g.f32(), st.u.f32() };
-        be.matmul_multi(gate_up, out, 2, st.xn.f32(), n);
+        be.matmul_multi(gate_up, out, 2, in, n);
     }
-    be.swiglu(st.g.f32(), st.u.f32(), n, p.n_ff);
+    if (gate == Gate::Silu) {
+        be.swiglu(st.g.f32(), st.u.f32(), n, p.n_ff);
+    } else {
+        be.geglu_tanh(st.g.f32(), st.u.f32(), n, p.n_ff);
+    }
     be.matmul(L.w_down, st.g.f32(), st.tmp.f32(), n);
+    add_residual(st, L.ffn_post_norm, st.tmp.f32());
+}
+
+}  // namespace kvcmas::decoder
+
+namespace kvcmas::decoder {
+
+void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm) {
+    backend::Backend &  be = st.be;
+    const ModelParams & p  = st.p;
+    const int64_t       n = st.n, E = p.n_embd, F = p.n_ff_exp, X = p.n_expert;
+    const int           k      = static_cast<int>(p.n_expert_used);
+    const auto          floats = [&](int64_t count) { return backend::Buffer(be, sizeof(float) * count); };
+    be.rms_norm(st.x.f32(), L.ffn_norm.f32(), st.xn.f32(), n, E, p.rms_eps);
+    std::vector<int32_t> ids(static_cast<size_t>(n * k));
+    std::vector<float>   weights(static_cast<size_t>(n * k));
+    {
+        backend::Buffer logits = floats(n * X);
+        be.matmul(L.router, st.xn.f32(), logits.f32(), n);
+        be.moe_route(logits.f32(), n, static_cast<int>(X), k, norm, ids.data(), weights.data());
+    }
+    // Per expert, the tokens routed to it (in token order) and their weights; experts in index order.
+    std::vector<std::vector<int32_t>> rows(static_cast<size_t>(X));
+    std::vector<std::vector<float>>   scales(static_cast<size_t>(X));
+    for (int64_t i = 0; i < n * k; ++i) {
+        rows[static_cast<size_t>(ids[static_cast<size_t>(i)])].push_back(static_cast<int32_t>(i / k));
+        scales[static_cast<size_t>(ids[static_cast<size_t>(i)])].push_back(weights[static_cast<size_t>(i)]);
+    }
+    be.upload(st.tmp.data(), std::vector<float>(static_cast<size_t>(n * E), 0.0f).data(), sizeof(float) * n * E);
+    int64_t most = 0;
+    for (const auto & r : rows) {
+        most = std::max<int64_t>(most, static_cast<int64_t>(r.size()));
+    }
+    backend::Buffer xg = floats(most * E), g = floats(most * F), u = floats(most * F), out = floats(most * E);
+    for (int64_t e = 0; e < X; ++e) {
+        const std::vector<int32_t> & r = rows[static_cast<size_t>(e)];
+        const int64_t                m = static_cast<int64_t>(r.size());
+        if (m == 0) {
+            continue;  // an expert no token chose: its weights are not read
+        }
+        be.gather_rows(st.xn.f32(), r.data(), m, E, xg.f32());
+        const backend::Weight gate_up[2] = { L.exp_gate[static_cast<size_t>(e)], L.exp_up[static_cast<size_t>(e)] };
+        float * const         gu[2]      = { g.f32(), u.f32() };
+        be.matmul_multi(gate_up, gu, 2, xg.f32(), m);
+        be.swiglu(g.f32(), u.f32(), m, F);
+        be.matmul(L.exp_down[static_cast<size_t>(e)], g.f32(), out.f32(), m);
+        be.add_scaled_rows(st.tmp.f32(), out.f32(), r.data(), scales[static_cast<size_t>(e)].data(), m, E);
+    }
     be.add(st.x.f32(), st.tmp.f32(), n * E);
 }
 

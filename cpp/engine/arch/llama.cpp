@@ -1,14 +1,9 @@
 // llama (Llama 1-3, SmolLM, Mistral-style GQA): pre-norm layers, RoPE on interleaved pairs (2i, 2i + 1) as
 // llama.cpp stores Q/K, no attention biases, SwiGLU feed-forward.
 #include "engine/arch/decoder.h"
-#include "engine/model.h"
+#include "engine/gguf-names.h"
 
 namespace kvcmas {
-
-static void configure(ModelParams & p) {
-    p.rope_neox    = false;
-    p.has_qkv_bias = false;
-}
 
 static void load_layer(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il,
                        LayerWeights & L) {
@@ -17,9 +12,10 @@ static void load_layer(const TensorLoader & loader, backend::Backend & be, const
 
 static void forward_layer(ForwardState & st, int il, const LayerWeights & L) {
     decoder::attention_block(st, il, L);
-    decoder::swiglu_ffn_block(st, L);
+    decoder::ffn_block(st, L, decoder::Gate::Silu);
 }
 
-extern const Architecture kArchLlama = { "llama", configure, load_layer, forward_layer };
+extern const Architecture kArchLlama = { gguf_names::kArchLlama, decoder::configure_paired_rope, load_layer,
+                                         forward_layer };
 
 }  // namespace kvcmas

@@ -1,13 +1,8 @@
 // qwen2 (Qwen2 / Qwen2.5): the llama layer with Q/K/V biases (required) and NeoX RoPE pairing (i, i + n_rot/2).
 #include "engine/arch/decoder.h"
-#include "engine/model.h"
+#include "engine/gguf-names.h"
 
 namespace kvcmas {
-
-static void configure(ModelParams & p) {
-    p.rope_neox    = true;
-    p.has_qkv_bias = true;
-}
 
 static void load_layer(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il,
                        LayerWeights & L) {
@@ -16,9 +11,10 @@ static void load_layer(const TensorLoader & loader, backend::Backend & be, const
 
 static void forward_layer(ForwardState & st, int il, const LayerWeights & L) {
     decoder::attention_block(st, il, L);  // adds the biases L holds
-    decoder::swiglu_ffn_block(st, L);
+    decoder::ffn_block(st, L, decoder::Gate::Silu);
 }
 
-extern const Architecture kArchQwen2 = { "qwen2", configure, load_layer, forward_layer };
+extern const Architecture kArchQwen2 = { gguf_names::kArchQwen2, decoder::configure_neox_rope, load_layer,
+                                         forward_layer };
 
 }  // namespace kvcmas

@@ -191,15 +191,16 @@ class Correction:
         return kc
 
     def shifted(self, rope_rotate: Any, shift: int, n_layer: int) -> Correction:
-        """The same correction with keys `shift` positions later (B_k rotated by rope_rotate(rows, shift), the
-        model's rotation): canonical-frame factors to a span's stored frame (shift = its first stored position)."""
+        """The same correction with keys `shift` positions later (B_k rotated by rope_rotate(rows, shift, layer), the
+        model's rotation of that layer): canonical-frame factors to a span's stored frame (shift = its first stored
+        position)."""
         out: Factors = []
-        for f in self.factors(n_layer):
+        for il, f in enumerate(self.factors(n_layer)):
             if f is None:
                 out.append(None)
                 continue
             ak, bk, av, bv = f
-            out.append((ak, rope_rotate(np.ascontiguousarray(bk, np.float32), shift), av, bv))
+            out.append((ak, rope_rotate(np.ascontiguousarray(bk, np.float32), shift, il), av, bv))
         return Correction(out)
 
     def sliced(self, start: int, n: int, n_layer: int) -> Correction:

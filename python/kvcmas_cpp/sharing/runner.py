@@ -156,7 +156,7 @@ def _canonical(model: Model, seq: KVSequence, pos: int, n: int, first: int = 0) 
     """A sequence's view of span rows [first, first + n) of the span starting at pos, keys rotated back to span
     positions first..first+n-1 (the canonical frame)."""
     k, v = seq.kv(pos + first, n)
-    k = np.stack([model._core.rope_rotate(np.ascontiguousarray(k[il]), -pos) for il in range(k.shape[0])])
+    k = np.stack([model._core.rope_rotate(np.ascontiguousarray(k[il]), -pos, il) for il in range(k.shape[0])])
     return k, v
 
 
