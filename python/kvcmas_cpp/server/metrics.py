@@ -41,6 +41,7 @@ class Usage:
     span_tokens: int = 0
     generated_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    dense_hops: dict[str, int] = field(default_factory=dict)  # why a later hop computed its shared spans -> hops
 
 
 # The counters kept per tenant too (Usage's fields): (metric, attribute, help).
@@ -147,8 +148,8 @@ class Metrics:
             for u in self._usages(tenant):
                 u.prefix_cached_tokens += prefix_cached
                 u.span_tokens += span
-            if dense_reason is not None:
-                self.dense_hops[dense_reason] = self.dense_hops.get(dense_reason, 0) + 1
+                if dense_reason is not None:
+                    u.dense_hops[dense_reason] = u.dense_hops.get(dense_reason, 0) + 1
 
     def count_training_read(self, outcome: str, rows: int) -> None:
         """A training read left the queue: 'done' (it computed `rows` rows) or 'dropped'."""
@@ -199,6 +200,12 @@ class Metrics:
             lines.extend(f"kvcmas_ttft_seconds_bucket{labels} {_fmt(v)}" for labels, v in buckets)
             lines.append(f"kvcmas_ttft_seconds_sum {_fmt(h.total)}")
             lines.append(f"kvcmas_ttft_seconds_count {h.n}")
+            metric(
+                "kvcmas_dense_hops_total",
+                "counter",
+                "Generations whose shared spans were computed, by reason (calibrating, gate, no match, forced).",
+                [(f'{{reason="{r}"}}', n) for r, n in sorted(usage.dense_hops.items())],
+            )
             if tenant is not None:  # the rest is the whole server's: other tenants' volume shows in it
                 return "\n".join(lines) + "\n"
             for name, help_text, value in (
@@ -252,12 +259,6 @@ class Metrics:
                 ),
             ):
                 metric(name, "counter", help_text, [("", value)])
-            metric(
-                "kvcmas_dense_hops_total",
-                "counter",
-                "Generations whose shared spans were computed, by reason (calibrating, gate, no match, forced).",
-                [(f'{{reason="{r}"}}', n) for r, n in sorted(self.dense_hops.items())],
-            )
             metric(
                 "kvcmas_training_reads_total",
                 "counter",
