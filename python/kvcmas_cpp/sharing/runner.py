@@ -209,17 +209,25 @@ class TrainingRead:
         self.fit = True  # fit the edges that hold their reads (not when a benchmark gathers examples to fit later)
         self.chunk = 1 << 30  # rows per step of the exact rows' computation
         self.fitted: list[est.Edge] = []
+        self.ms = 0.0  # time its steps took, wherever they ran (a call's path, an idle worker, close())
+        self.steps = 0  # steps run so far
         self.kept = False  # its exact rows continue a chain (the source went to st.owned)
         self.done = self.dropped = False
         self.lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.on_done: Callable[[TrainingRead], None] | None = None
         self._steps: Iterator[None] | None = None
 
-    def step(self) -> bool:
-        """Runs the next step; returns whether steps are left."""
+    def step(self, when: Callable[[], bool] | None = None) -> bool:
+        """Runs the next step; returns whether steps are left. when: checked once the locks are held; False runs
+        nothing (an idle worker's test that no call has started meanwhile)."""
         if self.done or self.dropped:
             return False
         with self.lock():
+            if self.done or self.dropped:  # run to its end by another thread while this one waited for the locks
+                return False
+            if when is not None and not when():
+                return True
+            start = time.perf_counter()
             if self._steps is None:
                 self._steps = self._run()
             try:
@@ -230,6 +238,9 @@ class TrainingRead:
             except BaseException:
                 self.close()
                 raise
+            finally:
+                self.ms += (time.perf_counter() - start) * 1000.0
+                self.steps += 1
             self.done = True
             self._free(keep_source=self.kept)
             if self.on_done is not None:
@@ -280,9 +291,11 @@ class TrainingRead:
                 yield
             else:
                 e.end_read(part.edge)
-        if self.fit:
-            edges = dict.fromkeys(part.edge for part in self.parts)
-            self.fitted = e.fit([edge for edge in edges if e.examples(edge) >= self.calibrate])
+        if self.fit:  # an edge per step: a step is what a call arriving meanwhile may wait for
+            for edge in dict.fromkeys(part.edge for part in self.parts):
+                if e.examples(edge) >= self.calibrate:
+                    self.fitted += e.fit([edge])
+                    yield
         st = self.st
         if st is not None and self.computes:
             for part in self.parts:
