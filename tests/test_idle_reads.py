@@ -3,6 +3,7 @@ read, the reads run while no call is in flight or at close(), and they fit the m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ from kvcmas_cpp import idle_reads
 from kvcmas_cpp.agents import AgentSession
 from kvcmas_cpp.idle_reads import IdleReads
 from kvcmas_cpp.sharing import estimators as est
+from kvcmas_cpp.sharing import methods as registry
 from kvcmas_cpp.sharing.workflow import load_gsm8k
 
 ROLES = (
@@ -139,3 +141,41 @@ def test_close_runs_the_reads_left_and_a_call_in_flight_holds_them_back(
 def test_training_reads_setting_is_checked(model: kc.Model) -> None:
     with pytest.raises(ValueError, match="training_reads"):
         AgentSession(model, "kvcmas", training_reads="later", calibration_dir=False)  # type: ignore[arg-type]
+
+
+def test_a_sampled_read_computes_the_exact_first_rows_of_a_long_span(model: kc.Model, never_idle: None) -> None:
+    """MethodConfig.read_rows: the solver's read computes the context's exact rows up to its first read_rows rows
+    after the head (nonshared's rows for the same prompt), appends the rest as the solver read it, and fits the edge
+    on those rows; the next workflow reuses with the map."""
+    cap = 32
+    config = dataclasses.replace(registry.method("kvcmas", session=True).config(for_session=True), read_rows=cap)
+    ridge = est.RidgeEstimator(rank=8)
+    team, (planner, solver, _) = _team(model, ridge, config=config)
+    with team:
+        reply = planner.respond(max_tokens=6)
+        solved = solver.respond(max_tokens=6)
+        (read,) = team._reads
+        context = next(part for part in read.parts if part.n == cap)
+        assert context.chain is None  # its exact rows do not cover the span: the chain goes on from the view
+        n_context = len(model.tokenize(_context(), add_special=False))
+        assert read.rows < solved.stats.calibration_tokens_scheduled + 1 and read.rows < n_context
+        computing = sum(-(-len(piece) // read.chunk) for piece in read.pieces if isinstance(piece, list))
+        while read.steps < computing:
+            read.step()
+        exact_k, exact_v = read.source.kv(context.pos, cap)
+        with AgentSession(model, "nonshared") as ref:
+            r_planner, r_solver = (ref.agent(n, system=r) for n, r in ROLES[:2])
+            ref.share(_context(), label="Context")
+            assert r_planner.respond(max_tokens=6).ids == reply.ids
+            with ref.prefill_agent(r_solver) as p:
+                assert p.seq.tokens[: context.pos + cap] == read.source.tokens[: context.pos + cap]
+                want_k, want_v = p.seq.kv(context.pos, cap)
+        np.testing.assert_allclose(exact_k, want_k, rtol=1e-4, atol=1e-4 * float(np.abs(want_k).max()))
+        np.testing.assert_allclose(exact_v, want_v, rtol=1e-4, atol=1e-4 * float(np.abs(want_v).max()))
+        read.run()
+        assert read.done and context.edge in read.fitted and context.edge in ridge.maps
+    team, (planner, solver, _) = _team(model, ridge, config=config)
+    with team:
+        planner.respond(max_tokens=6)
+        again = solver.respond(max_tokens=6).stats
+        assert again.gate == "reuse" and again.corr_rank > 0 and again.calibration_tokens_scheduled == 0

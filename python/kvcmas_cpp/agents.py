@@ -1227,6 +1227,7 @@ class AgentSession:
         for queue in (self._reads, self._reads_out):
             if read in queue:
                 queue.remove(read)
+        self._idle.withdraw([read])  # the worker's queue holds it no longer (nor the session's state through it)
 
     @property
     def pending_training_reads(self) -> int:

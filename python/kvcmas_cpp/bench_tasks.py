@@ -36,6 +36,7 @@ import numpy as np
 
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model
+from .sharing import methods as registry
 from .sharing.methods import SESSION_METHODS, MethodConfig
 from .sharing.recompute import parse_label
 from .tasks import Example, Task, get_task
@@ -470,27 +471,34 @@ def concurrent(
     return rows
 
 
-COLD_METHODS = {  # row name -> (session method, cold policy, training reads per edge, when reads run; None: default)
+# row name -> (session method, cold policy, when reads run, MethodConfig overrides; None: the defaults)
+ColdMethod = tuple[str, str | None, str | None, dict[str, Any] | None]
+COLD_METHODS: dict[str, ColdMethod] = {
     "nonshared": ("nonshared", None, None, None),
     "fullshared": ("fullshared", None, None, None),
-    "kvcmas": ("kvcmas", "reuse", None, "idle"),  # the defaults: reads off the agents' path (idle, close())
-    "kvcmas reads=eager": ("kvcmas", "reuse", None, "eager"),  # reads on the next call's path (the old default)
-    "kvcmas cold=dense": ("kvcmas", "dense", None, "idle"),
+    "kvcmas": ("kvcmas", "reuse", "idle", None),  # the defaults: reads off the agents' path (idle, close())
+    "kvcmas reads=eager": ("kvcmas", "reuse", "eager", None),  # reads on the next call's path (the old default)
+    "kvcmas cold=dense": ("kvcmas", "dense", "idle", None),
 }
 
 
 def cold_start(
-    model: Model, shared_tokens: int, workflows: int, max_tokens: int, agents: int = 4
+    model: Model,
+    shared_tokens: int,
+    workflows: int,
+    max_tokens: int,
+    agents: int = 4,
+    methods: dict[str, ColdMethod] | None = None,
 ) -> list[dict[str, Any]]:
     """Per method (COLD_METHODS) and workflow: a fresh session of the GSM8K team reading a new shared_tokens-token
     context, its agents called one after another as a program would, then closed; the kvcmas estimators fresh at the
-    first workflow (in memory only). Replies are nonshared's greedy ones, teacher-forced in the other methods, so
-    every method's later agents see the same prompts: first-token KL and top-1 are against nonshared's logits for the
-    very same prompt. An agent's TTFT is the caller's wait for its prompt (prefill_agent: its own prefill, and under
-    reads=eager the reads it runs first); engine_ms is every piece of engine work the workflow took: the calls'
-    prefills and replies (nonshared's token-by-token decoding left out, the others' teacher-forced rows counted),
-    close() (it runs what reads are left) and the training reads an idle worker ran between them
-    (training_read_ms: the reads wherever they ran)."""
+    first workflow (in memory only); methods: rows to run instead of COLD_METHODS (nonshared first). Replies are
+    nonshared's greedy ones, teacher-forced in the other methods, so every method's later agents see the same prompts:
+    first-token KL and top-1 are against nonshared's logits for the very same prompt. An agent's TTFT is the caller's
+    wait for its prompt (prefill_agent: its own prefill, and under reads=eager the reads it runs first); engine_ms
+    is every piece of engine work the workflow took: the calls' prefills and replies (nonshared's token-by-token
+    decoding left out, the others' teacher-forced rows counted), close() (it runs what reads are left) and the
+    training reads an idle worker ran between them (training_read_ms: the reads wherever they ran)."""
     from .sharing import estimators as est
     from .sharing.workflow import gsm8k_workflow, load_gsm8k
 
@@ -511,10 +519,14 @@ def cold_start(
     forced: list[list[list[int]]] = []  # per workflow, per agent: nonshared's reply
     reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits
     rows: list[dict[str, Any]] = []
-    bar = _progress(len(COLD_METHODS) * workflows, "cold start")
-    for name, (method, cold, reads, when) in COLD_METHODS.items():
+    methods = COLD_METHODS if methods is None else methods
+    bar = _progress(len(methods) * workflows, "cold start")
+    for name, (method, cold, when, overrides) in methods.items():
         ridge = est.RidgeEstimator(rank=8) if method == "kvcmas" else None
-        config = None if reads is None else _config(method, reads)
+        config = None
+        if method == "kvcmas":
+            base = registry.method("kvcmas", session=True).config(for_session=True)
+            config = dataclasses.replace(base, **(overrides or {}))
         for w, ctx in enumerate(contexts):
             kw: dict[str, Any] = {}
             if cold:
@@ -585,9 +597,9 @@ def cold_start(
             )
             bar.update()
     bar.close()
-    base = {r["workflow"]: r for r in rows if r["method"] == "nonshared"}
+    by_workflow = {r["workflow"]: r for r in rows if r["method"] == "nonshared"}
     for r in rows:
-        b = base[r["workflow"]]
+        b = by_workflow[r["workflow"]]
         r["later_ttft_speedup"] = b["later_ttft_ms"] / max(r["later_ttft_ms"], 1e-9)
         r["engine_vs_nonshared"] = r["engine_ms"] / max(b["engine_ms"], 1e-9)
     return rows
