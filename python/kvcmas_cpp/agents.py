@@ -200,10 +200,10 @@ class ResponseStats:
     span_tokens: int = 0  # rows of shared spans other calls computed, read by reference (corrected by the method)
     dense_reason: str | None = None  # why this later call computed its shared spans: calibrating | gate | no match
     # rows of the training read this call scheduled (cold reuse while calibrating): computed after the reply, off its
-    # path (AgentSession.run_training_reads; a server runs them when it has nothing else to do)
+    # path (an idle worker, close(), run_training_reads(); a server runs them when it has nothing else to do)
     calibration_tokens_scheduled: int = 0
-    # of ttft_ms, the time this call spent first running training reads earlier calls left pending (an AgentSession
-    # runs them before its next prompt unless the caller ran them: run_training_reads); 0 on a server
+    # of ttft_ms, the time this call spent first running training reads earlier calls left pending: only under
+    # training_reads="eager" (AgentSession.training_read_ms_total counts them wherever they ran); 0 on a server
     training_read_ms: float = 0.0
 
     @property
