@@ -521,13 +521,15 @@ def cold_start(
     rows: list[dict[str, Any]] = []
     methods = COLD_METHODS if methods is None else methods
     bar = _progress(len(methods) * workflows, "cold start")
-    for name, (method, cold, when, overrides) in methods.items():
-        ridge = est.RidgeEstimator(rank=8) if method == "kvcmas" else None
-        config = None
-        if method == "kvcmas":
-            base = registry.method("kvcmas", session=True).config(for_session=True)
-            config = dataclasses.replace(base, **(overrides or {}))
-        for w, ctx in enumerate(contexts):
+    ridges = {name: est.RidgeEstimator(rank=8) for name, spec in methods.items() if spec[0] == "kvcmas"}
+    # workflow by workflow, every method in turn: a machine whose load drifts slows every row alike
+    for w, ctx in enumerate(contexts):
+        for name, (method, cold, when, overrides) in methods.items():
+            ridge = ridges.get(name)
+            config = None
+            if method == "kvcmas":
+                base = registry.method("kvcmas", session=True).config(for_session=True)
+                config = dataclasses.replace(base, **(overrides or {}))
             kw: dict[str, Any] = {}
             if cold:
                 kw = {"cold": cold, "estimator": ridge, "config": config, "training_reads": when}
@@ -597,6 +599,8 @@ def cold_start(
             )
             bar.update()
     bar.close()
+    order = list(methods)
+    rows.sort(key=lambda r: (order.index(r["method"]), r["workflow"]))
     by_workflow = {r["workflow"]: r for r in rows if r["method"] == "nonshared"}
     for r in rows:
         b = by_workflow[r["workflow"]]
