@@ -648,11 +648,10 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
         assert r.stats.gate == "calibrating -> reuse" and r.stats.mode == "reuse", r.stats
         assert r.stats.span_tokens >= n_ctx_tokens - 8 and r.stats.computed_tokens < 100, r.stats
         assert r.stats.calibration_tokens_scheduled >= n_ctx_tokens  # the exact rows, computed after the reply
-    # the reply returns first; the next agent's call runs that read before its prompt, and its TTFT says so
-    assert first[1].stats.training_read_ms == 0
-    for r, wall in zip(first[2:], walls[0][2:], strict=True):
-        assert r.stats.training_read_ms > 0 and r.stats.ttft_ms > r.stats.training_read_ms, r.stats
-        assert 0.5 * wall <= r.stats.ttft_ms <= wall, (r.stats, wall)  # was its prefill alone: ~3% of the wait
+    # the reply returns first, and the read it scheduled stays off the next agents' path (training_reads="idle":
+    # back-to-back calls leave no idle spell, so close() runs them); a call used to run the last one's read first
+    for r, wall in zip(first[1:], walls[0][1:], strict=True):
+        assert r.stats.training_read_ms == 0 and r.stats.ttft_ms <= wall, (r.stats, wall)
     for run in runs[1:CALIBRATION_READS]:
         assert [r.stats.gate for r in run[1:]] == ["calibrating -> reuse"] * 3
     for r in runs[-1][1:]:  # calibrated: learned corrections, nothing computed for calibration any more

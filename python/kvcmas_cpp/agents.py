@@ -46,6 +46,7 @@ from typing import Any, Literal, cast, overload
 
 import numpy as np
 
+from .idle_reads import IdleReads
 from .model import CompletionChunk, KVSequence, Model, token_ids
 from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
@@ -171,6 +172,13 @@ def shared_estimator(
         return estimator, lock
 
 
+# When an AgentSession runs the training reads its calls schedule (kvcmas calibrating under cold reuse):
+# idle: a worker runs them while no call is in flight on the model (idle_reads), the rest at reset()/close();
+# eager: the next call runs them before its prompt (its ttft_ms counts them), and reset()/close();
+# manual: only run_training_reads(), take_training_reads() (a server's scheduler) and reset()/close().
+TrainingReadPolicy = Literal["idle", "eager", "manual"]
+TRAINING_READ_POLICIES = ("idle", "eager", "manual")
+
 _WORD_IN_BRACES = re.compile(r"\{(\w+)\}")
 CONTEXT_PLACEHOLDER = "{context}"  # in a template: every shared item
 
@@ -223,10 +231,10 @@ class ResponseStats:
     span_tokens: int = 0  # rows of shared spans other calls computed, read by reference (corrected by the method)
     dense_reason: str | None = None  # why this later call computed its shared spans: calibrating | gate | no match
     # rows of the training read this call scheduled (cold reuse while calibrating): computed after the reply, off its
-    # path (AgentSession.run_training_reads; a server runs them when it has nothing else to do)
+    # path (an idle worker, close(), run_training_reads(); a server runs them when it has nothing else to do)
     calibration_tokens_scheduled: int = 0
-    # of ttft_ms, the time this call spent first running training reads earlier calls left pending (an AgentSession
-    # runs them before its next prompt unless the caller ran them: run_training_reads); 0 on a server
+    # of ttft_ms, the time this call spent first running training reads earlier calls left pending: only under
+    # training_reads="eager" (AgentSession.training_read_ms_total counts them wherever they ran); 0 on a server
     training_read_ms: float = 0.0
     # the shared spans this call's prompt holds, by author: [{"from": agent name or None (shared context), "tokens",
     # "spans"}] in prompt order (whether they were read or computed: mode says)
@@ -303,6 +311,7 @@ class Prefilled:
     prefix_cached: int = 0  # of them, rows an earlier call computed (served by the model's PrefixCache)
     prefix: KVSequence | None = None  # the template prefix the hop forked (its own fork of the cache's rows)
     training_read_ms: float = 0.0  # spent before the prompt on earlier calls' pending training reads
+    in_flight: bool = False  # counted as a call in flight (IdleReads.begin) until finished or closed
     runs: list[str] = field(default_factory=list)  # placeholders of sub-runs of stored spans this prompt reads
     finished: bool = False
     released: bool = False
@@ -454,6 +463,7 @@ class AgentSession:
         cold: Literal["reuse", "dense"] | None = None,
         calibration_dir: str | os.PathLike[str] | bool = True,
         cache_namespace: str = "",
+        training_reads: TrainingReadPolicy = "idle",
     ) -> None:
         """method: nonshared (every agent computes the shared items and replies it reads; only its template prefix
         comes from the model's exact prefix cache), fullshared (spans shared without correction), kvcmas (spans
@@ -473,7 +483,17 @@ class AgentSession:
         (system prompt and the chat template's text before the first span) comes from the model's exact prefix
         cache (kvcmas_cpp.prefix_cache.PrefixCache), shared by every session on the model with the same
         cache_namespace (the server gives each tenant and cache_salt its own): computed once, not once per
-        session."""
+        session. training_reads (kvcmas, cold reuse): when the training reads its calls schedule run: 'idle'
+        (default: in a worker while no call is in flight on the model, never on a call's path; what is left at
+        reset()/close()), 'eager' (at the start of the next call, which waits for them) or 'manual'
+        (run_training_reads(), take_training_reads(), reset()/close())."""
+        if training_reads not in TRAINING_READ_POLICIES:
+            raise ValueError(
+                f"training_reads must be one of {', '.join(TRAINING_READ_POLICIES)}, got {training_reads!r}"
+            )
+        self.training_reads: TrainingReadPolicy = training_reads
+        self._idle = IdleReads.of(model)
+        self._read_ms_done = 0.0  # training_read_ms_total of the reads that ran to their end
         entry = registry.method(method, session=True)
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
@@ -644,6 +664,7 @@ class AgentSession:
                 config=self._runner.config,
                 calibration_dir=False,
                 cache_namespace=self.cache_namespace,
+                training_reads=self.training_reads,
             )
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
             other._store = self._store
@@ -708,14 +729,16 @@ class AgentSession:
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
         with self._lock, self._recompute_budget(recompute):
-            read_ms = self._run_pending_reads()  # the last call's, if nobody took them: before this prompt reads
+            self._idle.begin()
             runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
             try:
+                read_ms = self._run_pending_reads()  # eager: the last call's, before this prompt reads
                 p = yield from self._prefill_messages(messages, agent, runs)
             except BaseException:
                 self._drop_runs(runs)
+                self._idle.end()
                 raise
-            p.runs, p.training_read_ms = runs, read_ms
+            p.runs, p.training_read_ms, p.in_flight = runs, read_ms, True
             return p
 
     def _prefill_messages(self, messages: list[dict[str, Any]], agent: str | None, runs: list[str]) -> Plan[Prefilled]:
@@ -1060,11 +1083,16 @@ class AgentSession:
         with self._lock:
             if agent.session is not self:
                 raise ValueError(f"prefill_agent: {agent!r} belongs to another session")
-            read_ms = self._run_pending_reads()
-            messages = [{"role": "system", "content": agent.system}] if agent.system else []
-            messages.append({"role": "user", "content": self._user_template(agent)})
-            p = run_plan(self._prefill_template(agent, template_from_messages(self.model, messages, agent.name)))
-            p.training_read_ms = read_ms
+            self._idle.begin()
+            try:
+                read_ms = self._run_pending_reads()
+                messages = [{"role": "system", "content": agent.system}] if agent.system else []
+                messages.append({"role": "user", "content": self._user_template(agent)})
+                p = run_plan(self._prefill_template(agent, template_from_messages(self.model, messages, agent.name)))
+            except BaseException:
+                self._idle.end()
+                raise
+            p.training_read_ms, p.in_flight = read_ms, True
             return p
 
     def finish(self, p: Prefilled, generated: Sequence[int], text: str | None = None) -> None:
@@ -1078,6 +1106,7 @@ class AgentSession:
             if p.released:
                 raise ValueError("finish: the prompt was closed")
             p.finished = True
+            self._end_call(p)
             out = [int(t) for t in generated]
             if out and out[-1] in self.model.tokenizer.eog_ids:
                 out = out[:-1]
@@ -1197,6 +1226,8 @@ class AgentSession:
         if read is not None:
             read.lock, read.on_done = self._read_lock, self._read_done
             self._reads.append(read)
+            if self.training_reads == "idle":
+                self._idle.submit(read)
         if reply is not None:  # the runner put it in the state, stored
             self._by_ids.setdefault(tuple(out), p.reply_ph)
         self._seqs.append(p.seq)
@@ -1207,6 +1238,12 @@ class AgentSession:
                 self._lru.move_to_end(ph)
         self._collect()
 
+    def _end_call(self, p: Prefilled) -> None:
+        """The call p's prefill began is over (its reply registered, or the prompt closed)."""
+        if p.in_flight:
+            p.in_flight = False
+            self._idle.end()
+
     @contextlib.contextmanager
     def _read_lock(self) -> Iterator[None]:
         with self._lock, self._estimator_lock:
@@ -1215,6 +1252,7 @@ class AgentSession:
     def _read_done(self, read: TrainingRead) -> None:
         """A training read ran to its end (under _read_lock): its fits are saved, its exact rows join the session's
         sequences when a chain reads on them."""
+        self._read_ms_done += read.ms
         if read.fitted and self._store is not None and isinstance(read.estimator, est.RidgeEstimator):
             self._store.save(read.estimator, read.fitted)
         if read.st is self._state:
@@ -1226,6 +1264,7 @@ class AgentSession:
         for queue in (self._reads, self._reads_out):
             if read in queue:
                 queue.remove(read)
+        self._idle.withdraw([read])  # the worker's queue holds it no longer (nor the session's state through it)
 
     @property
     def pending_training_reads(self) -> int:
@@ -1234,21 +1273,47 @@ class AgentSession:
         with self._lock:
             return len(self._reads) + len(self._reads_out)
 
+    @property
+    def training_read_ms_total(self) -> float:
+        """Milliseconds the training reads this session's calls scheduled have taken so far, wherever they ran (an
+        idle worker, a call's path under 'eager', reset()/close(), run_training_reads(); a taken read's steps
+        included): engine work a workflow costs besides its calls."""
+        with self._lock:
+            return self._read_ms_done + sum(r.ms for r in self._reads + self._reads_out)
+
+    def wait_training_reads(self, timeout: float | None = None) -> bool:
+        """Waits (without running them here) until the model's idle worker has run this session's pending reads;
+        False if `timeout` seconds passed first. Under 'eager' or 'manual' nothing runs them meanwhile: False at
+        once while some are pending."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                reads = list(self._reads)
+            if not reads:
+                return True
+            if self.training_reads != "idle":
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._idle.wait(min(left, 1.0) if left is not None else 1.0)
+
     def run_training_reads(self) -> int:
-        """Runs the pending training reads (kvcmas calibrating its edges) now; returns how many ran. A session runs
-        them itself at the start of its next prefill (that call's ttft_ms and training_read_ms count the wait) and in
-        reset()/close(), so a reply never waits for its own: call this when the program has time to spare (between
-        workflows, while a tool runs) to keep the wait off the next agent."""
+        """Runs the pending training reads (kvcmas calibrating its edges) now, on this thread; returns how many ran.
+        By default (training_reads='idle') a worker runs them while no call is in flight, and reset()/close() run what
+        is left; call this where the program would rather pay for them now."""
         with self._lock:
             reads, n = list(self._reads), 0
             for read in reads:
-                read.run()
-                n += 1
+                if not read.done:
+                    read.run()
+                    n += 1
             return n
 
     def _run_pending_reads(self) -> float:
-        """run_training_reads() before a prompt; the milliseconds it took (counted in that call's ttft_ms)."""
-        if not self._reads:
+        """Under 'eager', run_training_reads() before a prompt; the milliseconds it took (counted in that call's
+        ttft_ms)."""
+        if not self._reads or self.training_reads != "eager":
             return 0.0
         start = time.perf_counter()
         self.run_training_reads()
@@ -1261,6 +1326,7 @@ class AgentSession:
         with self._lock:
             taken, self._reads = self._reads, []
             self._reads_out += taken
+            self._idle.withdraw(taken)
             return taken
 
     def _release(self, p: Prefilled) -> None:
@@ -1268,6 +1334,7 @@ class AgentSession:
             if p.released:
                 return
             p.released = True
+            self._end_call(p)
             self._drop_runs(p.runs)
             if p.seq not in self._seqs:
                 p.seq.close()

@@ -201,6 +201,7 @@ class SessionBackend:
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
         kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
+        kw["training_reads"] = "manual"  # the scheduler takes them (finish) and runs them between its own work
         self.session = agents.AgentSession(
             model,
             method=method,

@@ -70,7 +70,9 @@ class MethodConfig:
     recompute: the share of a hop's shared rows (after the spans' heads) a reader recomputes in its own context,
     chosen by the rule of sharing/recompute.py in blocks of recompute_block rows (0: pure reuse; 1: every row, equal to
     nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
-    estimator still scores the rows)."""
+    estimator still scores the rows). read_rows (cold reuse): a training read computes a long span's exact rows up to
+    its first read_rows rows after the head and fits the edge on those, the rest of the span appended as the reader
+    read it (0: every row; docs/calibration.md)."""
 
     name: str
     head: int = 0
@@ -85,8 +87,11 @@ class MethodConfig:
     recompute: float = 0.0
     recompute_block: int = recompute_mod.DEFAULT_BLOCK
     correct: bool = True
+    read_rows: int = 0  # cold reuse: a training read reads a span's first this many rows (0: all of them)
 
     def __post_init__(self) -> None:
+        if self.read_rows < 0:
+            raise ValueError(f"read_rows must be >= 0 (0: every row), got {self.read_rows}")
         if not 0.0 <= self.recompute <= 1.0:
             raise ValueError(f"recompute must be in [0, 1], got {self.recompute}")
         if self.recompute_block < 1:

@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from .._native import core
-from ..model import KVSequence, Model
+from ..model import KVSequence, Model, SharedKV
 from ..plan import Append, Plan, chunk_bounds, run_plan
 from . import estimators as est
 from . import recompute as recompute_mod
@@ -162,6 +162,10 @@ def _canonical(model: Model, seq: KVSequence, pos: int, n: int, first: int = 0) 
 
 TRAINING_READ_ROWS = 512  # a training read goes into the ridge statistics in pieces of this many span rows
 
+# What a cold-reuse training read appends after its prefix: prompt ids it computes, or stored rows it appends by
+# reference (SharedKV, the core KvCorrection the reader read them with or None, that correction's first row).
+ReadPiece = list[int] | tuple[SharedKV, Any, int]
+
 
 @dataclass
 class _ReadPart:
@@ -204,22 +208,32 @@ class TrainingRead:
         self._bases = list(bases.values())
         self.parts = parts
         self.computes = computes
-        self.compute: list[int] = []
-        self.rows = 0  # rows the read computes (cold reuse), set with compute
+        # cold reuse: what the read appends after its prefix, in order: prompt ids to compute, or (rows, correction,
+        # first correction row) appended by reference (the rest of a span a sampled read reads only the start of)
+        self.pieces: list[ReadPiece] = []
+        self.rows = 0  # rows the read computes (cold reuse), set with pieces
         self.fit = True  # fit the edges that hold their reads (not when a benchmark gathers examples to fit later)
         self.chunk = 1 << 30  # rows per step of the exact rows' computation
         self.fitted: list[est.Edge] = []
+        self.ms = 0.0  # time its steps took, wherever they ran (a call's path, an idle worker, close())
+        self.steps = 0  # steps run so far
         self.kept = False  # its exact rows continue a chain (the source went to st.owned)
         self.done = self.dropped = False
         self.lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.on_done: Callable[[TrainingRead], None] | None = None
         self._steps: Iterator[None] | None = None
 
-    def step(self) -> bool:
-        """Runs the next step; returns whether steps are left."""
+    def step(self, when: Callable[[], bool] | None = None) -> bool:
+        """Runs the next step; returns whether steps are left. when: checked once the locks are held; False runs
+        nothing (an idle worker's test that no call has started meanwhile)."""
         if self.done or self.dropped:
             return False
         with self.lock():
+            if self.done or self.dropped:  # run to its end by another thread while this one waited for the locks
+                return False
+            if when is not None and not when():
+                return True
+            start = time.perf_counter()
             if self._steps is None:
                 self._steps = self._run()
             try:
@@ -230,6 +244,9 @@ class TrainingRead:
             except BaseException:
                 self.close()
                 raise
+            finally:
+                self.ms += (time.perf_counter() - start) * 1000.0
+                self.steps += 1
             self.done = True
             self._free(keep_source=self.kept)
             if self.on_done is not None:
@@ -256,17 +273,23 @@ class TrainingRead:
     def _free(self, keep_source: bool) -> None:
         for s in self._bases + ([] if keep_source else [self.source]):
             s.close()
-        self._bases = []
+        self._bases, self.pieces = [], []
         self.runner = None
 
     def _run(self) -> Iterator[None]:
         runner = self.runner
         assert runner is not None
-        n0 = len(self.source)
-        for a, b in chunk_bounds(len(self.compute), self.chunk):
-            run_plan(append_mixed(self.source, self.compute[a:b], "none", self.vectors))
-            yield
-        assert len(self.source) == n0 + len(self.compute)
+        n0, computed = len(self.source), 0
+        for piece in self.pieces:
+            if isinstance(piece, tuple):
+                shared, kc, row0 = piece
+                self.source.append_shared(shared, kc, row0)
+                continue
+            for a, b in chunk_bounds(len(piece), self.chunk):
+                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors))
+                computed += b - a
+                yield
+        assert computed == self.rows and len(self.source) >= n0 + computed
         e = cast(est.LearnsFromReads, self.estimator)
         for part in self.parts:
             for r0 in range(0, part.n, TRAINING_READ_ROWS):
@@ -280,9 +303,11 @@ class TrainingRead:
                 yield
             else:
                 e.end_read(part.edge)
-        if self.fit:
-            edges = dict.fromkeys(part.edge for part in self.parts)
-            self.fitted = e.fit([edge for edge in edges if e.examples(edge) >= self.calibrate])
+        if self.fit:  # an edge per step: a step is what a call arriving meanwhile may wait for
+            for edge in dict.fromkeys(part.edge for part in self.parts):
+                if e.examples(edge) >= self.calibrate:
+                    self.fitted += e.fit([edge])
+                    yield
         st = self.st
         if st is not None and self.computes:
             for part in self.parts:
@@ -511,7 +536,8 @@ class WorkflowRunner:
         prefix the hop started from). The caller runs it now (TrainingRead.run) or later, off the reply's path;
         hop.shadow_tokens says how many rows it computes."""
         train: list[str] | None = None  # the spans whose edges get a training read
-        compute: list[int] = []  # cold reuse: the prompt ids the read computes after the prefix
+        pieces: list[ReadPiece] = []  # cold reuse: what the read appends after the prefix
+        sampled: dict[str, int] = {}  # spans the read reads the first rows of (MethodConfig.read_rows)
         if ridge_training:
             train = list(pos_map)
         elif hop.gate.startswith("calibrating"):
@@ -521,15 +547,48 @@ class WorkflowRunner:
                 train = []  # the prefix is gone (a session replaced it): no read this time
             if hop.mode == "reuse" and train:
                 assert prefix is not None
-                end = max(pos_map[ph][0] + pos_map[ph][1] for ph in train)
-                compute = hop.prompt[len(prefix) : end]
-                hop.shadow_tokens = len(compute)
-        read = self._update_spans(a, seq, pos_map, st, hop.mode, corrs, exact, train, prefix if compute else None)
+                pieces, sampled = self._read_pieces(hop.prompt, len(prefix), pos_map, train, st, corrs)
+                hop.shadow_tokens = sum(len(x) for x in pieces if isinstance(x, list))
+        cold_prefix = prefix if pieces else None
+        read = self._update_spans(a, seq, pos_map, st, hop.mode, corrs, exact, train, cold_prefix, sampled)
         if read is not None:
-            read.compute, read.rows, read.fit = compute, len(compute), not ridge_training
+            read.pieces, read.rows, read.fit = pieces, hop.shadow_tokens, not ridge_training
         if out is not None:
             self._pass_on(seq, hop, st, out)
         return read
+
+    def _read_pieces(
+        self,
+        prompt: list[int],
+        start: int,
+        pos_map: dict[str, tuple[int, int]],
+        train: list[str],
+        st: RequestState,
+        corrs: dict[str, est.Correction],
+    ) -> tuple[list[ReadPiece], dict[str, int]]:
+        """What a cold-reuse read appends after the reader's prefix (prompt[:start]) to get the exact rows of the
+        spans in `train`: the prompt up to the end of the last one, computed, except that a span with more than
+        MethodConfig.read_rows rows after its head is computed only up to its first read_rows rows, and its other
+        rows are appended by reference as the reader read them (stored rows, the reader's correction): the rows
+        after it (template text, later spans) then see what the reader saw. Returns the pieces and the spans read
+        in part (placeholder -> rows read)."""
+        m, h, cap = self.model, self.config.head, self.config.read_rows
+        pieces: list[ReadPiece] = []
+        sampled: dict[str, int] = {}
+        at = start
+        for ph in sorted(train, key=lambda ph: pos_map[ph][0]):
+            p, n = pos_map[ph]
+            b = st.stored(ph)
+            if cap and n - h > cap and b is not None and b.shared is not None and self.config.recompute == 0:
+                pieces.append(prompt[at : p + h + cap])
+                corr = corrs.get(ph)
+                kc = corr.kv_correction(n - h, self.kd, m.n_layer) if corr is not None else None
+                pieces.append((b.shared.slice(cap, n - h - cap), kc, cap if kc is not None else 0))
+                sampled[ph], at = cap, p + n
+        end = max(pos_map[ph][0] + pos_map[ph][1] for ph in train)
+        if end > at:
+            pieces.append(prompt[at:end])
+        return [x for x in pieces if not isinstance(x, list) or x], sampled
 
     def _pass_on(self, seq: KVSequence, hop: HopReport, st: RequestState, out: Span) -> None:
         """The reply span `out` (its ids: rows of seq right after the prompt) joins st.spans, stored in seq."""
@@ -719,6 +778,7 @@ class WorkflowRunner:
         exact: RequestResult | None,
         train: list[str] | None,
         prefix: KVSequence | None,
+        sampled: dict[str, int] | None = None,
     ) -> TrainingRead | None:
         """train: spans whose edges get a ridge training read, returned (the base each read pairs with is the view
         the reader read, taken now); their exact rows are seq's at the prompt's positions, or, with `prefix` (cold
@@ -739,8 +799,9 @@ class WorkflowRunner:
             trained = prev is not None and train is not None and ph in train and e.learns_from_reads
             if trained:
                 assert prev is not None
-                # the exact rows' delta against the base the reader would have read
-                parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view, prev.view_pos, p + h, n - h))
+                # the exact rows' delta against the base the reader would have read (the first rows of a sampled one)
+                rows = (sampled or {}).get(ph, n - h)
+                parts.append(_ReadPart(ph, self.edge_of(ph, a), prev.view, prev.view_pos, p + h, rows))
             elif prev is not None and mode != "reuse" and e.observes_dense and cfg.name != "nonshared":
                 base_k, base_v = _canonical(m, prev.view, prev.view_pos, n - h)
                 ex_k, ex_v = _canonical(m, seq, p + h, n - h)
@@ -752,7 +813,7 @@ class WorkflowRunner:
             elif mode == "reuse" and cfg.chain:
                 # same stored rows; this reader's total correction is what the next reader's base starts from
                 spans[ph] = prev.with_rows(prev.shared, corrs.get(ph), prev.frame0, seq, p + h, a)
-                if trained and prefix is not None:
+                if trained and prefix is not None and ph not in (sampled or {}):  # exact rows for all of it
                     parts[-1].chain = spans[ph]
         if not parts:
             return None
