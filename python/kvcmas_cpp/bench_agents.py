@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,14 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "fused", "materialize"),
         default="auto",
         help="speed part: how readers hold corrected spans (MethodConfig.apply; auto = copy only full-rank ones)",
+    )
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        choices=["llama-cpp"],
+        help="speed part: also time llama.cpp (llama-cpp-python) prefilling what nonshared computes for each later "
+        "agent, with the same cached prefix (it shares no KV across agents)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     g = p.add_argument_group("accuracy mode (--task): each method's team free-running on a benchmark")
@@ -199,6 +208,61 @@ def speed_and_memory(
             r["later_ttft_speedup"] = b["later_ttft_ms"] / max(r["later_ttft_ms"], 1e-9)
             r["kv_vs_nonshared"] = r["kv_bytes"] / max(b["kv_bytes"], 1)
     return rows
+
+
+def llama_cpp_rows(
+    model_path: str, model: Model, threads: int | None, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """llama.cpp on the same team, per nonshared row: each hop keeps the prefix nonshared served from its prefix
+    cache (llama.cpp's prompt cache keeps a common prefix too) and times the prefill of the rest plus the first
+    token, as nonshared computes it (no engine shares KV across agents' prompts). KV: f16 rows (llama.cpp's
+    default) of each hop's prompt and generated tokens."""
+    from llama_cpp import Llama  # optional extra: pip install 'kvcmas_cpp[bench]'
+
+    from .bench import _prompt_ids
+
+    base = [r for r in rows if r["method"] == "nonshared"]
+    if not base:
+        raise ValueError("--compare llama-cpp times what nonshared computes: include nonshared in --method")
+    n_threads = threads or os.cpu_count() or 1
+    row_bytes = 2 * model.n_layer * 2 * model.n_head_kv * model._core.head_dim  # K and V, f16
+    out: list[dict[str, Any]] = []
+    for b in base:
+        prompts = [c + r for c, r in zip(b["computed_tokens"], b["reused_tokens"], strict=True)]
+        n_ctx = max(prompts) + b["decode_tokens"] + 8
+        llm = Llama(model_path=model_path, n_ctx=n_ctx, n_batch=512, n_threads=n_threads, verbose=False)
+        ids = _prompt_ids(llm.n_vocab(), max(prompts))
+        n_vocab = llm.n_vocab()
+        ttfts: list[float] = []
+        for prompt, computed in zip(prompts, b["computed_tokens"], strict=True):
+            llm.reset()
+            llm.eval(ids[: prompt - computed])  # the cached prefix, not timed (nonshared's is not either)
+            t0 = time.perf_counter()
+            llm.eval(ids[prompt - computed : prompt])
+            last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+            int(np.argmax(last))
+            ttfts.append(1000.0 * (time.perf_counter() - t0))
+        del llm
+        kv = [(p + b["decode_tokens"]) * row_bytes for p in prompts]
+        later = float(np.mean(ttfts[1:])) if len(ttfts) > 1 else float("nan")
+        out.append(
+            {
+                "shared_tokens": b["shared_tokens"],
+                "decode_tokens": b["decode_tokens"],
+                "method": "llama.cpp",
+                "first_ttft_ms": ttfts[0],
+                "later_ttft_ms": later,
+                "computed_tokens": list(b["computed_tokens"]),
+                "reused_tokens": [p - c for p, c in zip(prompts, b["computed_tokens"], strict=True)],
+                "modes": ["dense"] * len(prompts),
+                "kv_bytes": int(sum(kv)),
+                "kv_bytes_per_hop": kv,
+                "corr_bytes": 0,
+                "later_ttft_speedup": b["later_ttft_ms"] / max(later, 1e-9),
+                "kv_vs_nonshared": sum(kv) / max(b["kv_bytes"], 1),
+            }
+        )
+    return out
 
 
 def correction_state(
@@ -370,6 +434,8 @@ def run_agents(args: argparse.Namespace) -> int:
         fitted = fit_runners(model, learned, args.agents, args.train, args.gen_tokens, args.oracle_rank)
     with single_threaded_blas():
         result["speed"] = speed_and_memory(model, speed_methods, args.agents, sizes, decodes, fitted, args.apply)
+    if "llama-cpp" in args.compare:
+        result["speed"] += llama_cpp_rows(path, model, args.threads, result["speed"])
     kd = model.n_head_kv * model._core.head_dim
     result["correction_state"] = correction_state([kd, 1024], sizes, [model.n_layer, 32])
     result["seconds"] = time.perf_counter() - t0
