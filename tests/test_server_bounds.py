@@ -145,3 +145,38 @@ def test_one_tenants_images_never_evict_anothers_encoded_images(
     assert encoded() == before + IMAGE_CACHE + 4
     post(tenants_server, "bob", bobs, "/v1/chat/completions")
     assert encoded() == before + IMAGE_CACHE + 4  # Bob's was still cached
+
+
+def test_encoded_images_are_bounded_by_bytes_too(default_model_path: Path, mmproj_path: str | None) -> None:
+    """An AnyRes photo's rows take tens of MB, so 32 kept images could hold most of a GB: the cache is bounded by
+    --image-cache-memory as well as by count. With room for one tiny image's rows (16 x 576 f32 = 36 KiB), a
+    second image evicts the first, which is then encoded again; an image asked twice in a row is not."""
+    if mmproj_path is None:
+        pytest.skip("the core has no vision encoder")
+    import base64
+    import io
+
+    from PIL import Image
+
+    def image_chat(colour: tuple[int, int, int]) -> dict[str, Any]:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), colour).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+                "max_tokens": 1}  # fmt: skip
+
+    srv = ServerProcess(str(default_model_path), "--mmproj", mmproj_path, "--image-cache-memory", "40K")
+    try:
+
+        def encoded() -> float:
+            return srv.metrics()["kvcmas_images_encoded_total"]
+
+        a, b = image_chat((200, 10, 10)), image_chat((10, 10, 200))
+        post(srv, None, a, "/v1/chat/completions")
+        post(srv, None, a, "/v1/chat/completions")
+        assert encoded() == 1  # kept: it fits
+        post(srv, None, b, "/v1/chat/completions")
+        post(srv, None, a, "/v1/chat/completions")
+        assert encoded() == 3  # b took a's room (by count, 32 would have fit)
+    finally:
+        srv.stop()

@@ -185,6 +185,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "beyond it: 400 (default 256M)",
     )
     p.add_argument(
+        "--image-cache-memory",
+        type=parse_bytes,
+        default="256M",
+        help="memory the encoded images kept for reuse may take, split evenly among the tenants (an AnyRes photo's "
+        "rows take tens of MB); the least recently used go first (default 256M)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=positive_float,
         default=600.0,
@@ -311,6 +318,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         calibration_dir=False if args.no_calibration_dir else (args.calibration_dir or True),
         allowed_hosts=tuple(args.allowed_host),
         max_image_memory=args.max_image_memory,
+        image_cache_bytes=args.image_cache_memory,
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,
         replica=replica,

@@ -79,8 +79,10 @@ log = logging.getLogger("kvcmas.server")
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks that its client is still there
 DEFAULT_WORKFLOW = "default"  # the sharing session of requests that name no workflow (one per namespace)
 # encoded images kept (by content): agents that read the same image do not encode it again; split evenly among the
-# tenants, each making room from its own (another tenant's images evicting them would show in the timing)
+# tenants, each making room from its own (another tenant's images evicting them would show in the timing). Bounded
+# by count and by bytes (ServerConfig.image_cache_bytes): an AnyRes view is thousands of rows.
 IMAGE_CACHE = 32
+DEFAULT_IMAGE_CACHE_BYTES = 256 << 20
 IMAGE_DECODES = 2  # images decoded at once: each may take up to --max-image-memory
 DEFAULT_IMAGE_MEMORY = 256 << 20  # decoding one image may take this much (checked from its header, before decoding)
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive once its headers are in (--body-timeout)
@@ -127,6 +129,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host header names served besides the loopback names (loopback binds)
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_image_memory: int = DEFAULT_IMAGE_MEMORY  # per image being decoded (IMAGE_DECODES at once)
+    image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES  # encoded images kept for reuse, all tenants together
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
     max_text_chars: int | None = None  # text one request may have tokenized or rendered; None: TEXT_CHARS_PER_CTX
@@ -887,9 +890,13 @@ class Server:
                 raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
             self._images[key] = encoded
             self.metrics.bump("images_encoded")
-            own = [k for k in self._images if k[0].tenant == namespace.tenant]
-            for stale in own[: max(0, len(own) - max(1, IMAGE_CACHE // max(1, len(self.tenants.keys))))]:
-                del self._images[stale]
+            n_tenants = max(1, len(self.tenants.keys))
+            count_cap, byte_cap = max(1, IMAGE_CACHE // n_tenants), self.cfg.image_cache_bytes // n_tenants
+            own = [k for k in self._images if k[0].tenant == namespace.tenant]  # oldest first; the new one last
+            held = sum(self._images[k].nbytes for k in own)
+            while len(own) > 1 and (len(own) > count_cap or held > byte_cap):
+                held -= self._images[own[0]].nbytes
+                del self._images[own.pop(0)]
         self._images.move_to_end(key)
         return self._images[key]
 
