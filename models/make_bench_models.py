@@ -2,11 +2,18 @@
 machine: the files are too large to travel). The weights are N(0, 0.02) F16 values drawn once into a pool that the
 tensors are views of (distinct tensors may repeat values; speed does not depend on them); norms are 1.
 
-    python3 models/make_bench_models.py OUT_DIR [smollm2-135m qwen2-0.5b llama3-8b]
+    python3 models/make_bench_models.py OUT_DIR [--quantize Q4_K_M,Q6_K] [--keep-f16] [SHAPE ...]
+
+--quantize also writes each file in the named llama.cpp file types, made by llama.cpp's own quantizer
+(llama_model_quantize through llama-cpp-python, the `bench` extra), so the type mix of a "Q4_K_M" file is the one
+people download: its widths are multiples of 256 for the K-quant shapes here (Qwen2.5-1.5B, Llama-3.2-1B); rows that
+are not (Qwen2-0.5B's 896) make llama.cpp fall back to other types. The F16 source is deleted afterwards unless
+--keep-f16 (it is 2-3 GB at these sizes).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +47,12 @@ SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0, tied=True),
     "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, tied=False),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
+    "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True),
 }
+
+# llama.cpp file types (enum llama_ftype) that --quantize accepts.
+FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_K_S": 14, "Q8_0": 7, "IQ4_XS": 30}
 
 
 def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
@@ -101,15 +113,44 @@ def write(name: str, path: Path) -> Path:
     return path
 
 
+def quantize(src: Path, dst: Path, file_type: str) -> Path:
+    """src requantized to llama.cpp file type `file_type` (a FILE_TYPES key) by llama.cpp's quantizer."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {file_type} failed (status {rc})")
+    return dst
+
+
 def main(argv: list[str]) -> None:
-    if not argv:
-        sys.exit(__doc__)
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    for name in argv[1:] or list(SHAPES):
+    parser = argparse.ArgumentParser(prog="make_bench_models.py", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("shapes", nargs="*", help="shapes to write (default: all): " + ", ".join(SHAPES))
+    parser.add_argument("--quantize", default="", help="comma-separated llama.cpp file types: " + ", ".join(FILE_TYPES))
+    parser.add_argument("--keep-f16", action="store_true", help="keep the F16 source of quantized files")
+    args = parser.parse_args(argv)
+    types = [t for t in args.quantize.split(",") if t]
+    unknown = [t for t in types if t not in FILE_TYPES]
+    if unknown:
+        parser.error(f"unknown file type(s) {', '.join(unknown)}; known: {', '.join(FILE_TYPES)}")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.shapes or list(SHAPES):
         t0 = time.perf_counter()
-        path = write(name, out / f"bench-{name}-f16.gguf")
+        path = write(name, args.out_dir / f"bench-{name}-f16.gguf")
         print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+        for ft in types:
+            t0 = time.perf_counter()
+            q = quantize(path, args.out_dir / f"bench-{name}-{ft.lower()}.gguf", ft)
+            print(f"{q}: {q.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+        if types and not args.keep_f16:
+            path.unlink()
 
 
 if __name__ == "__main__":
