@@ -209,20 +209,6 @@ inline __m256i bit_to_0x10(__m256i v) {
     return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
 }
 
-// The 8 six-bit scales (bytes 0-7) and 8 mins (bytes 8-15) of a Q4_K / Q5_K super-block, as get_scale_min_k4 reads
-// them, unpacked from the 12 bytes with whole-word masks: sub-blocks 0-3 keep the low 6 bits of bytes 0-3 (scales)
-// and 4-7 (mins); sub-blocks 4-7 take a nibble of bytes 8-11 and, as bits 4-5, the top 2 bits of bytes 0-3 / 4-7.
-inline __m128i k4_scales_mins(const uint8_t * s) {
-    uint32_t u[3];
-    std::memcpy(u, s, 12);
-    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
-    const uint32_t sc_lo = u[0] & lo6, mn_lo = u[1] & lo6;
-    const uint32_t sc_hi = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);
-    const uint32_t mn_hi = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);
-    return _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), static_cast<int>(mn_lo),
-                          static_cast<int>(mn_hi));
-}
-
 template <typename Block, bool HasHigh, int NT, int C>
 inline void k4_pair(const Block & blk, __m256i qh, const float * scale, const Q8Rows<NT> & x, int64_t k0,
                     __m256 acc[NT][2]) {
@@ -252,7 +238,7 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
         acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
-        const __m128i sm  = k4_scales_mins(b[i].scales);
+        const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
         const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
         const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
