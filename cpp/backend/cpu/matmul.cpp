@@ -349,19 +349,21 @@ Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
     const int64_t nb     = n_in / kQ8Block;
     const size_t  qbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
     const size_t  fbytes = static_cast<size_t>(n_tok * nb) * sizeof(float);
-    char *        buf    = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 2 * fbytes));
+    char *        buf    = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 4 * fbytes));
     auto *        q      = reinterpret_cast<int8_t *>(buf);
     auto *        qr     = reinterpret_cast<int8_t *>(buf + qbytes);
     auto *        d      = reinterpret_cast<float *>(buf + 2 * qbytes);
     float *       sums   = d + n_tok * nb;
+    float *       groups = sums + n_tok * nb;  // 2·nb per token
 #if defined(KC_X86)
     for (int64_t t = 0; t < n_tok; ++t) {
-        quantize_q8_avx2(x + t * n_in, n_in, q + t * n_in, qr + t * n_in, d + t * nb, sums + t * nb);
+        quantize_q8_avx2(x + t * n_in, n_in, q + t * n_in, qr + t * n_in, d + t * nb, sums + t * nb,
+                         groups + 2 * t * nb);
     }
 #else
     (void) x;
 #endif
-    return Q8Acts{ q, qr, d, sums, n_in, nb };
+    return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
 }
 
 void check_weight(const WeightView & w, const char * what) {
@@ -448,6 +450,7 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
                                     q8.qr + t0 * q8.ldq,
                                     q8.d + t0 * q8.ld_blocks,
                                     q8.block_sums + t0 * q8.ld_blocks,
+                                    q8.group_sums + 2 * t0 * q8.ld_blocks,
                                     q8.ldq,
                                     q8.ld_blocks };
                 m.q8(base + r * w.row_bytes, group, nt, w.n_in, m.y + t0 * w.n_out + r, w.n_out);
