@@ -36,6 +36,7 @@ class Shape:
     tied: bool
     qkv_bias: bool = False
     rms_eps: float = 1e-5
+    vocab: str = ""  # llama.cpp's ggml-vocab-<vocab>.gguf with n_vocab tokens, copied in (llama.cpp needs a vocabulary)
 
     @property
     def head_dim(self) -> int:
@@ -47,8 +48,10 @@ SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0, tied=True),
     "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, tied=False),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
-    "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True),
+    "qwen2.5-1.5b": Shape(
+        "qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6, vocab="qwen2"
+    ),
+    "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True, vocab="llama-bpe"),
 }
 
 # llama.cpp file types (enum llama_ftype) that --quantize accepts.
@@ -81,6 +84,28 @@ def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
     return out
 
 
+VOCAB_DIR = Path(__file__).parent / "generated" / "vocab"  # models/fetch_vocab.py fills it
+
+
+def add_vocab(writer: gguf.GGUFWriter, s: Shape) -> None:
+    """Copies the tokenizer.* keys of llama.cpp's vocabulary file for s.vocab (same token count as s.n_vocab)."""
+    path = VOCAB_DIR / f"ggml-vocab-{s.vocab}.gguf"
+    if not path.exists():
+        sys.exit(f"{path} is missing: run models/fetch_vocab.py (llama.cpp refuses a file without a vocabulary)")
+    reader = gguf.GGUFReader(path)
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_tokens != s.n_vocab:
+        sys.exit(f"{path} has {n_tokens} tokens, the shape needs {s.n_vocab}")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+
+
 def write(name: str, path: Path) -> Path:
     s = SHAPES[name]
     shapes = tensors(s)
@@ -98,6 +123,8 @@ def write(name: str, path: Path) -> Path:
     writer.add_key_value(f"{a}.attention.head_count_kv", s.n_head_kv, gguf.GGUFValueType.UINT32)
     writer.add_key_value(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps, gguf.GGUFValueType.FLOAT32)
     writer.add_key_value(f"{a}.rope.freq_base", s.rope_theta, gguf.GGUFValueType.FLOAT32)
+    if s.vocab:
+        add_vocab(writer, s)
     for i, (tname, shape) in enumerate(shapes.items()):
         n = int(np.prod(shape))
         if len(shape) == 1:

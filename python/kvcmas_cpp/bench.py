@@ -213,7 +213,8 @@ def weight_type_mix(model_path: str) -> list[tuple[str, int]]:
     mix: dict[str, int] = {}
     for t in core.GgufFile(model_path).tensors():
         if len(t["shape"]) >= 2:
-            mix[t["type_name"]] = mix.get(t["type_name"], 0) + int(t["n_bytes"])
+            name = str(t["type_name"]).upper()
+            mix[name] = mix.get(name, 0) + int(t["n_bytes"])
     return sorted(mix.items(), key=lambda kv: -kv[1])
 
 
