@@ -2,11 +2,19 @@
 machine: the files are too large to travel). The weights are N(0, 0.02) F16 values drawn once into a pool that the
 tensors are views of (distinct tensors may repeat values; speed does not depend on them); norms are 1.
 
-    python3 models/make_bench_models.py OUT_DIR [smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m]
+    python3 models/make_bench_models.py OUT_DIR [--quantize Q4_K_M,Q6_K] [--keep-f16] [SHAPE ...]
+    (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b)
+
+--quantize also writes each file in the named llama.cpp file types, made by llama.cpp's own quantizer
+(llama_model_quantize through llama-cpp-python, the `bench` extra), so the type mix of a "Q4_K_M" file is the one
+people download: its widths are multiples of 256 for the K-quant shapes here (Qwen2.5-1.5B, Llama-3.2-1B); rows that
+are not (Qwen2-0.5B's 896) make llama.cpp fall back to other types. The F16 source is deleted afterwards unless
+--keep-f16 (it is 2-3 GB at these sizes).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +41,7 @@ class Shape:
     qk_norm: bool = False  # per-head Q/K RMSNorm (qwen3, gemma3)
     post_norms: bool = False  # gemma3: norms after attention and feed-forward
     sliding_window: int = 0  # gemma3: every 6th layer global, the others slide
+    vocab: str = ""  # llama.cpp's ggml-vocab-<vocab>.gguf with n_vocab tokens, copied in (llama.cpp needs a vocabulary)
 
     @property
     def head_dim(self) -> int:
@@ -63,7 +72,14 @@ SHAPES: dict[str, Shape] = {
         post_norms=True,
         sliding_window=512,
     ),
+    "qwen2.5-1.5b": Shape(
+        "qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6, vocab="qwen2"
+    ),
+    "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True, vocab="llama-bpe"),
 }
+
+# llama.cpp file types (enum llama_ftype) that --quantize accepts.
+FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_K_S": 14, "Q8_0": 7, "IQ4_XS": 30}
 
 
 def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
@@ -96,6 +112,28 @@ def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
     return out
 
 
+VOCAB_DIR = Path(__file__).parent / "generated" / "vocab"  # models/fetch_vocab.py fills it
+
+
+def add_vocab(writer: gguf.GGUFWriter, s: Shape) -> None:
+    """Copies the tokenizer.* keys of llama.cpp's vocabulary file for s.vocab (same token count as s.n_vocab)."""
+    path = VOCAB_DIR / f"ggml-vocab-{s.vocab}.gguf"
+    if not path.exists():
+        sys.exit(f"{path} is missing: run models/fetch_vocab.py (llama.cpp refuses a file without a vocabulary)")
+    reader = gguf.GGUFReader(path)
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_tokens != s.n_vocab:
+        sys.exit(f"{path} has {n_tokens} tokens, the shape needs {s.n_vocab}")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
+
+
 def write(name: str, path: Path) -> Path:
     s = SHAPES[name]
     shapes = tensors(s)
@@ -118,6 +156,8 @@ def write(name: str, path: Path) -> Path:
         writer.add_key_value(f"{a}.attention.value_length", s.head_dim, gguf.GGUFValueType.UINT32)
     if s.sliding_window:  # llama.cpp's gemma3 files: the window only (every 6th layer global)
         writer.add_key_value(f"{a}.attention.sliding_window", s.sliding_window, gguf.GGUFValueType.UINT32)
+    if s.vocab:
+        add_vocab(writer, s)
     for i, (tname, shape) in enumerate(shapes.items()):
         n = int(np.prod(shape))
         if len(shape) == 1:
@@ -133,15 +173,44 @@ def write(name: str, path: Path) -> Path:
     return path
 
 
+def quantize(src: Path, dst: Path, file_type: str) -> Path:
+    """src requantized to llama.cpp file type `file_type` (a FILE_TYPES key) by llama.cpp's quantizer."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {file_type} failed (status {rc})")
+    return dst
+
+
 def main(argv: list[str]) -> None:
-    if not argv:
-        sys.exit(__doc__)
-    out = Path(argv[0])
-    out.mkdir(parents=True, exist_ok=True)
-    for name in argv[1:] or list(SHAPES):
+    parser = argparse.ArgumentParser(prog="make_bench_models.py", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("shapes", nargs="*", help="shapes to write (default: all): " + ", ".join(SHAPES))
+    parser.add_argument("--quantize", default="", help="comma-separated llama.cpp file types: " + ", ".join(FILE_TYPES))
+    parser.add_argument("--keep-f16", action="store_true", help="keep the F16 source of quantized files")
+    args = parser.parse_args(argv)
+    types = [t for t in args.quantize.split(",") if t]
+    unknown = [t for t in types if t not in FILE_TYPES]
+    if unknown:
+        parser.error(f"unknown file type(s) {', '.join(unknown)}; known: {', '.join(FILE_TYPES)}")
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.shapes or list(SHAPES):
         t0 = time.perf_counter()
-        path = write(name, out / f"bench-{name}-f16.gguf")
+        path = write(name, args.out_dir / f"bench-{name}-f16.gguf")
         print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+        for ft in types:
+            t0 = time.perf_counter()
+            q = quantize(path, args.out_dir / f"bench-{name}-{ft.lower()}.gguf", ft)
+            print(f"{q}: {q.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+        if types and not args.keep_f16:
+            path.unlink()
 
 
 if __name__ == "__main__":

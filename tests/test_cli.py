@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -71,12 +72,20 @@ def test_chat_drops_a_bad_turn_and_goes_on() -> None:
     assert answer.strip() and out.stdout.decode().split("> ")[2] == answer  # the same answer as without it
 
 
-def test_bench_core_json_has_the_measured_fields() -> None:
+def test_bench_core_json_has_the_measured_fields(default_model_path: str) -> None:
     out = kvcmas("bench", "core", "--threads", "1", "--prompt", "16", "--gen", "4", "--rounds", "1", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert len(rows) == 1 and rows[0]["engine"] == "kvcmas"
     assert rows[0]["prefill_tok_s"] > 0 and rows[0]["decode_tok_s"] > 0 and rows[0]["peak_rss_mb"] > 50
+    # What the file really holds, not what its name says: bytes per storage type of its matrices, as gguf-py reads them.
+    reader = gguf.GGUFReader(default_model_path)
+    mix: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) >= 2:
+            mix[t.tensor_type.name] = mix.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    assert rows[0]["weight_bytes_per_type"] == mix
+    assert rows[0]["file_type"] == gguf.LlamaFileType(reader.fields["general.file_type"].contents()).name[7:]
 
 
 @pytest.fixture(scope="module")

@@ -206,14 +206,57 @@ def weight_bytes_per_token(model_path: str) -> int:
     return sum(int(t["n_bytes"]) for t in tensors if t["name"] != "token_embd.weight" or "output.weight" not in names)
 
 
+def weight_type_mix(model_path: str) -> list[tuple[str, int]]:
+    """Bytes of the file's matrices (tensors of 2 or more dimensions) per storage type, largest first."""
+    from ._native import core
+
+    mix: dict[str, int] = {}
+    for t in core.GgufFile(model_path).tensors():
+        if len(t["shape"]) >= 2:
+            name = str(t["type_name"]).upper()
+            mix[name] = mix.get(name, 0) + int(t["n_bytes"])
+    return sorted(mix.items(), key=lambda kv: -kv[1])
+
+
+def file_type_label(model_path: str) -> str:
+    """The llama.cpp file type the file says it is (general.file_type, e.g. 'Q4_K_M'), or '-' without one."""
+    import gguf
+
+    from ._native import core
+
+    value = core.GgufFile(model_path).metadata().get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else "-"
+    except ValueError:
+        return f"file type {value}"
+
+
+def describe_file(model_path: str) -> str:
+    """'Q4_K_M: Q4_K 68%, Q6_K 32% of 1,109 MB': the label a file gives itself and what its matrices really hold (a
+    file type name alone can mislead: llama.cpp's quantizer falls back to other types on rows that are not a multiple
+    of 256, so a "Q4_K_M" file of a 0.5B model holds mostly Q5_0 and Q8_0)."""
+    mix = weight_type_mix(model_path)
+    total = sum(b for _, b in mix) or 1
+    shares = ", ".join(f"{name} {b / total:.0%}" for name, b in mix if b / total >= 0.005)
+    return f"{file_type_label(model_path)}: {shares} of {total / 1e6:,.0f} MB"
+
+
 def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None) -> str:
-    """Markdown table with our/other ratios per model, and decode as a fraction of the memory bandwidth."""
+    """Markdown tables: each file's type mix, then our/other ratios per model, and decode as a fraction of the memory
+    bandwidth."""
     lines = [
+        "| file | file type: weight bytes per type | weights read per decode token MB |",
+        "|---|---|---|",
+    ]
+    per_token = {r.model: weight_bytes_per_token(r.model) for r in results}
+    for model in per_token:
+        lines.append(f"| {Path(model).name} | {describe_file(model)} | {per_token[model] / 1e6:,.0f} |")
+    lines += [
+        "",
         "| model | engine | threads | KV | activations | prefill tok/s | decode tok/s | decode GB/s (of bandwidth) "
         "| peak RSS MB | prefill ratio | decode ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    per_token = {r.model: weight_bytes_per_token(r.model) for r in results}
     ours = {r.model: r for r in results if r.engine == "kvcmas"}
     for r in results:
         base = ours.get(r.model)
@@ -234,7 +277,7 @@ def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None)
     if bandwidth_gb_s:
         lines.append(
             "decode GB/s = weights read per token x decode tok/s; "
-            f"memory bandwidth (numpy copy) {bandwidth_gb_s:.1f} GB/s"
+            f"memory bandwidth (numpy copy, read + write) {bandwidth_gb_s:.1f} GB/s"
         )
     return "\n".join(lines)
 
@@ -291,7 +334,13 @@ def run_core(args: argparse.Namespace) -> int:
     bandwidth = max(bandwidth, memory_bandwidth_gb_s())  # before and after: the better of the two
     if args.json:
         rows = [
-            {**asdict(r), "memory_bandwidth_gb_s": bandwidth, "weight_bytes_per_token": weight_bytes_per_token(r.model)}
+            {
+                **asdict(r),
+                "memory_bandwidth_gb_s": bandwidth,
+                "weight_bytes_per_token": weight_bytes_per_token(r.model),
+                "file_type": file_type_label(r.model),
+                "weight_bytes_per_type": dict(weight_type_mix(r.model)),
+            }
             for r in results
         ]
         print(json.dumps(rows, indent=2))

@@ -338,13 +338,10 @@ void dot_k4(const void * w_row, const DecodeActs & a, int64_t n, float * out, in
         acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
-        alignas(8) uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; ++j) {
-            get_scale_min_k4(j, b[i].scales, sc[j], mn[j]);
-        }
-        alignas(32) float dsc[8];
-        _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), u8x8_to_ps(sc)));
-        const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)), u8x8_to_ps(mn));
+        const ScalesMinsK4 sm = k4_scales_mins(b[i].scales);
+        alignas(32) float  dsc[8];
+        _mm256_store_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), u8x8_to_ps(sm.b)));
+        const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)), u8x8_to_ps(sm.b + 8));
         __m256i      qh[4];  // qh[l] for l = 8p + lane, bit j = sub-block j's bit 4
         if constexpr (HasHigh) {
             for (int p = 0; p < 4; ++p) {

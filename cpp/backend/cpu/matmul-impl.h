@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "common/ggml-types.h"
 
@@ -64,6 +65,23 @@ inline void get_scale_min_k4(int j, const uint8_t * s, uint8_t & sc, uint8_t & m
         sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
         m  = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+// All 8 scales (b[0..7]) and mins (b[8..15]) of a Q4_K / Q5_K super-block, as get_scale_min_k4 reads them one by one,
+// unpacked with whole-word masks: sub-blocks 0-3 keep the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks
+// 4-7 take a nibble of bytes 8-11 and, as bits 4-5, the top 2 bits of bytes 0-3 / 4-7.
+struct ScalesMinsK4 {
+    uint8_t b[16];
+};
+inline ScalesMinsK4 k4_scales_mins(const uint8_t * s) {
+    uint32_t u[3];
+    std::memcpy(u, s, 12);
+    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+    const uint32_t w[4] = { u[0] & lo6, (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4), u[1] & lo6,
+                            ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4) };
+    ScalesMinsK4   out;
+    std::memcpy(out.b, w, 16);
+    return out;
 }
 
 // ---- decode activations -------------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ void dequant_k4(const void * src, float * dst, int64_t n) {
         if constexpr (HasHigh) {
             qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[i].qh));
         }
+        const ScalesMinsK4 sm = k4_scales_mins(b[i].scales);
         for (int c = 0; c < 4; ++c) {
             const __m256i q   = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(b[i].qs + 32 * c));
             __m256i       v[2] = { _mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask) };
@@ -134,9 +135,7 @@ void dequant_k4(const void * src, float * dst, int64_t n) {
                     const __m256i hb  = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
                     v[s]              = _mm256_or_si256(v[s], _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
                 }
-                uint8_t sc, m;
-                get_scale_min_k4(j, b[i].scales, sc, m);
-                const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+                const float d1 = d * static_cast<float>(sm.b[j]), m1 = dmin * static_cast<float>(sm.b[8 + j]);
                 bytes_to_f32<false>(v[s], _mm256_set1_ps(d1), _mm256_set1_ps(-m1), dst);
             }
         }

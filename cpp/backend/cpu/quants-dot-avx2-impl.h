@@ -5,9 +5,9 @@
 // Every weight block is unpacked to 32 bytes of integer quants in element order, multiplied with both passes of the
 // activation bytes by maddubs (unsigned × signed bytes -> pairs summed into int16) and summed to int32 lanes by madd
 // (or both at once by vpdpbusd); the first pass's sums are weighted by 256 (madd by 256, or a shift) and added to the
-// residual's. Weights with signed quants (offsets such as Q4_0's -8 applied first) go through |w| and sign(x, w).
-// Nothing overflows: |pair| <= 2·128·127 (Q8_0) in int16, and the int32 lanes stay below 2^25 (Q6_K's scaled pairs:
-// below 2^30).
+// residual's. Weights with signed quants (offsets such as Q4_0's -8 applied first) go through |w| and sign(x, w);
+// Q6_K keeps its unsigned quants and subtracts its offset through the activations' sums per 16.
+// Nothing overflows: |pair| <= 2·128·127 (Q8_0) in int16, and the int32 lanes stay below 2^25.
 #pragma once
 
 #include <immintrin.h>
@@ -68,12 +68,14 @@ struct Q8Rows {
     const int8_t * qr[NT];
     const float *  d[NT];
     const float *  sums[NT];
+    const float *  groups[NT];
     explicit Q8Rows(const Q8Acts & a) {
         for (int t = 0; t < NT; ++t) {
-            q[t]    = a.q + t * a.ldq;
-            qr[t]   = a.qr + t * a.ldq;
-            d[t]    = a.d + t * a.ld_blocks;
-            sums[t] = a.block_sums != nullptr ? a.block_sums + t * a.ld_blocks : nullptr;
+            q[t]      = a.q + t * a.ldq;
+            qr[t]     = a.qr + t * a.ldq;
+            d[t]      = a.d + t * a.ld_blocks;
+            sums[t]   = a.block_sums != nullptr ? a.block_sums + t * a.ld_blocks : nullptr;
+            groups[t] = a.group_sums != nullptr ? a.group_sums + 2 * t * a.ld_blocks : nullptr;
         }
     }
 };
@@ -238,16 +240,10 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
         acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
-        alignas(8) uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; ++j) {
-            get_scale_min_k4(j, b[i].scales, sc[j], mn[j]);
-        }
-        const __m256 dsc = _mm256_mul_ps(
-            _mm256_set1_ps(h2f(b[i].d)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(sc)))));
-        const __m256 dmn = _mm256_mul_ps(
-            _mm256_set1_ps(h2f(b[i].dmin)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(mn)))));
+        const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
+        const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+        const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
         alignas(32) float scale[8 * NT];  // d·sc_j·d_x,j per token
         for (int t = 0; t < NT; ++t) {
             _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[t] + 8 * i)));
@@ -277,26 +273,17 @@ void dot_q5_k(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os
 
 // Q6_K, half h (elements 128h + 32C + e, chunk C = 0..3): low 4 bits from nibble C/2 of ql[64h + 32(C%2) + e], high
 // 2 bits from bits 2C of qh[32h + e]; w = d·scale_g·(q - 32) with g = 8h + 2C for e < 16, 8h + 2C + 1 for e >= 16.
-// The int16 scales of a chunk's two groups fill the low / high 128-bit lane of one vector, so madd applies them (×256
-// for the first pass: |scale·256| <= 2^15 fits int16).
+// The unsigned q (0..63) go into the byte products as they are, and the offset comes from the activations' sums per
+// 16: Σ_g d·scale_g·(Σ q·x̂ - 32·Σ x̂). A chunk's int32 lanes 0-3 sum its first group, lanes 4-7 its second, so one
+// vector of per-lane factors (d·scale_g·d_x) scales both.
 template <int NT, int C>
-inline void q6_chunk(__m256i q, __m256i scales16, const float * scale, const Q8Rows<NT> & x, int64_t k,
-                     __m256 acc[NT][2]) {
-    // Lane 0 repeats int16 element 2C of scales16, lane 1 element 2C + 1 (both lanes of scales16 hold the half's 8).
-    const __m256i pick = _mm256_setr_epi8(
-        4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C, 4 * C + 1,
-        4 * C, 4 * C + 1, 4 * C, 4 * C + 1, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2,
-        4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3, 4 * C + 2, 4 * C + 3);
-    const __m256i sc    = _mm256_shuffle_epi8(scales16, pick);
-    const __m256i sc256 = _mm256_slli_epi16(sc, 8);
-    const __m256i w     = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-    const __m256i wa    = _mm256_sign_epi8(w, w);
+inline void q6_chunk(__m256i q, __m256 dsc, const Q8Rows<NT> & x, int64_t k, int64_t kb, __m256 acc[NT][2]) {
+    const __m256 lane_scale = _mm256_permutevar8x32_ps(
+        dsc, _mm256_setr_epi32(2 * C, 2 * C, 2 * C, 2 * C, 2 * C + 1, 2 * C + 1, 2 * C + 1, 2 * C + 1));
     for (int t = 0; t < NT; ++t) {
-        const __m256i xq = _mm256_sign_epi8(load256(x.q[t] + k + 32 * C), w);
-        const __m256i xr = _mm256_sign_epi8(load256(x.qr[t] + k + 32 * C), w);
-        const __m256i si = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xq), sc256),
-                                            _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xr), sc));
-        acc[t][C % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_broadcast_ss(scale + 8 * t + C), acc[t][C % 2]);
+        const __m256i si = dot_u8_i8x2(q, load256(x.q[t] + k + 32 * C), load256(x.qr[t] + k + 32 * C));
+        acc[t][C % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si),
+                                        _mm256_mul_ps(lane_scale, _mm256_broadcast_ss(x.d[t] + kb + C)), acc[t][C % 2]);
     }
 }
 
@@ -304,25 +291,24 @@ template <int NT>
 void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
     const auto * b = static_cast<const BlockQ6_K *>(w_row);
     Q8Rows<NT>   x(a);
-    __m256       acc[NT][2];
+    __m256       acc[NT][2], offset[NT];
     for (int t = 0; t < NT; ++t) {
-        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        acc[t][0] = acc[t][1] = offset[t] = _mm256_setzero_ps();
     }
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < n / 256; ++i) {
-        const __m256i     all16 = _mm256_cvtepi8_epi16(load128(b[i].scales));
-        alignas(32) float scale[8 * NT];  // d·d_x of the 8 activation blocks, per token
-        const __m256      d = _mm256_set1_ps(h2f(b[i].d));
-        for (int t = 0; t < NT; ++t) {
-            _mm256_store_ps(scale + 8 * t, _mm256_mul_ps(d, _mm256_loadu_ps(x.d[t] + 8 * i)));
+        const __m256  d      = _mm256_set1_ps(h2f(b[i].d));
+        const __m128i sc8    = load128(b[i].scales);
+        const __m256  dsc[2] = { _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
+                                 _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)))) };
+        for (int t = 0; t < NT; ++t) {  // Σ_g d·scale_g·Σx̂_g
+            offset[t] = _mm256_fmadd_ps(dsc[0], _mm256_loadu_ps(x.groups[t] + 16 * i), offset[t]);
+            offset[t] = _mm256_fmadd_ps(dsc[1], _mm256_loadu_ps(x.groups[t] + 16 * i + 8), offset[t]);
         }
         for (int h = 0; h < 2; ++h) {
-            const __m256i sc16 =
-                h == 0 ? _mm256_permute2x128_si256(all16, all16, 0x00) : _mm256_permute2x128_si256(all16, all16, 0x11);
             const uint8_t * ql  = b[i].ql + 64 * h;
             const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(b[i].qh + 32 * h);
-            const int64_t   k = 256 * i + 128 * h;
-            const float *   s = scale + 4 * h;
+            const int64_t   k = 256 * i + 128 * h, kb = 8 * i + 4 * h;
             const __m256i   q0 =
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
             const __m256i q1 =
@@ -331,14 +317,14 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
             const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            q6_chunk<NT, 0>(q0, sc16, s, x, k, acc);
-            q6_chunk<NT, 1>(q1, sc16, s, x, k, acc);
-            q6_chunk<NT, 2>(q2, sc16, s, x, k, acc);
-            q6_chunk<NT, 3>(q3, sc16, s, x, k, acc);
+            q6_chunk<NT, 0>(q0, dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 1>(q1, dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 2>(q2, dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 3>(q3, dsc[h], x, k, kb, acc);
         }
     }
     for (int t = 0; t < NT; ++t) {
-        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+        out[t * os] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - 32.0f * hsum(offset[t]);
     }
 }
 

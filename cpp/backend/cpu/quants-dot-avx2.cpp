@@ -34,7 +34,8 @@ inline float abs_max(const __m256 v[4]) {
 
 }  // namespace
 
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums) {
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums,
+                      float * group_sums) {
     for (int64_t b = 0; b < n / kQ8Block; ++b) {
         __m256 v[4], r[4];
         for (int p = 0; p < 4; ++p) {
@@ -44,11 +45,22 @@ void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float
         const float dx  = abs_max(v) / 127.0f;
         const float inv = dx != 0.0f ? 1.0f / dx : 0.0f;
         round_to_i8(v, inv, q + 32 * b, r);
+        // Integer sums of each 16: exact in f32 (|256·Σq + Σqr| < 2^20).
+        __m256 sum16[2] = { _mm256_mul_ps(_mm256_add_ps(r[0], r[1]), _mm256_set1_ps(256.0f)),
+                            _mm256_mul_ps(_mm256_add_ps(r[2], r[3]), _mm256_set1_ps(256.0f)) };
         for (int p = 0; p < 4; ++p) {
             v[p] = _mm256_fnmadd_ps(_mm256_set1_ps(dx), r[p], v[p]);  // x - d·q, rounded once
         }
         round_to_i8(v, 256.0f * inv, qr + 32 * b, r);
-        d[b] = dx * (1.0f / 256.0f);
+        // The saturated residual as stored (round_to_i8 returns it unsaturated).
+        for (int p = 0; p < 4; ++p) {
+            r[p] = _mm256_max_ps(_mm256_min_ps(r[p], _mm256_set1_ps(127.0f)), _mm256_set1_ps(-127.0f));
+        }
+        sum16[0]              = _mm256_add_ps(sum16[0], _mm256_add_ps(r[0], r[1]));
+        sum16[1]              = _mm256_add_ps(sum16[1], _mm256_add_ps(r[2], r[3]));
+        d[b]                  = dx * (1.0f / 256.0f);
+        group_sums[2 * b]     = hsum(sum16[0]) * d[b];
+        group_sums[2 * b + 1] = hsum(sum16[1]) * d[b];
     }
 }
 

@@ -24,14 +24,16 @@ namespace kvcmas::cpu::detail {
 constexpr int kQ8Block = 32;  // activation elements per scale
 
 // nt activation rows quantized per 32: row t's first-pass int8 values q + t·ldq, its residual values qr + t·ldq, the
-// step of the combined value 256·q + qr per 32 elements, d + t·ld_blocks (max|x| / (127·256)), and the exact f32
+// step of the combined value 256·q + qr per 32 elements, d + t·ld_blocks (max|x| / (127·256)), the exact f32
 // sums of its original values per 32, block_sums + t·ld_blocks (for weights with a per-block min, whose min term m·Σx
-// is taken from the exact sums).
+// is taken from the exact sums), and the sums of the quantized values x̂ per 16 elements, group_sums + 2t·ld_blocks
+// (Q6_K's offset: Σ(q - 32)·x̂ = Σq·x̂ - 32·Σx̂ lets its unsigned quants go straight into maddubs / vpdpbusd).
 struct Q8Acts {
     const int8_t * q;
     const int8_t * qr;
     const float *  d;
     const float *  block_sums;
+    const float *  group_sums;
     int64_t        ldq;
     int64_t        ld_blocks;
 };
@@ -48,10 +50,11 @@ RowDotQ8Fn row_dot_q8_fn_avx2(GgmlType type);
 // The same kernels with AVX-VNNI (quants-dot-avxvnni.cpp); only once cpu_features().avx_vnni is true.
 RowDotQ8Fn row_dot_q8_fn_avxvnni(GgmlType type);
 #endif
-// Quantizes n (a multiple of 32) f32 values x into q[n], the residual qr[n], the combined step d[n/32] (d_x / 256) and
-// sums[n/32] (Σ of the f32 values). Rounding: x·(1/d_x) in f32 to nearest, ties to even; the residual x - d_x·q is
+// Quantizes n (a multiple of 32) f32 values x into q[n], the residual qr[n], the combined step d[n/32] (d_x / 256),
+// sums[n/32] (Σ of the f32 values) and group_sums[n/16] (Σ of the quantized values per 16: step·Σ(256·q + qr), the
+// integer sum exact, one rounding). Rounding: x·(1/d_x) in f32 to nearest, ties to even; the residual x - d_x·q is
 // rounded once to f32, then (x - d_x·q)·(256/d_x) to nearest and saturated to ±127.
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums);
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums, float * group_sums);
 #endif
 
 }  // namespace kvcmas::cpu::detail
