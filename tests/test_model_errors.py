@@ -152,7 +152,8 @@ def _rename_arch(keys: dict, tensors: dict) -> None:
         (_set("llama.attention.head_count", 0), "not a valid grouping"),
         (_set("llama.block_count", 100000), "block_count 100000 out of range"),
         (_set("llama.attention.layer_norm_rms_epsilon", -1.0), "layer_norm_rms_epsilon"),
-        (_set("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
+        (_set("llama.rope.scaling.type", "dynamic"), "rope scaling 'dynamic' is not supported"),
+        (_set("llama.rope.scaling.type", "yarn"), "metadata key 'llama.rope.scaling.factor' is missing"),
         (lambda k, t: k.pop("llama.embedding_length"), "llama.embedding_length"),
         (_set("llama.embedding_length", "wide"), "llama.embedding_length"),
         (_set("llama.attention.sliding_window", 0), "llama.attention.sliding_window = 0 out of range"),
@@ -257,12 +258,12 @@ def test_bad_vocabularies_and_chat_templates_are_kvcmas_errors_naming_the_file(
     tmp_path: Path, edit: Callable[[dict, dict], None] | None, message: str
 ) -> None:
     """They were TokenizerError / ChatTemplateError, plain ValueErrors that `except kc.KvcmasError` missed, and did
-    not say which file."""
+    not say which file. They name it by its file name, not its path (a server shows them to clients)."""
     path = _write(tmp_path / "bad.gguf", edit)
     model = kc.Model(path, n_threads=1)
     with pytest.raises(kc.KvcmasError) as info:
         model.chat([{"role": "user", "content": "hi"}], max_tokens=1)
-    assert str(info.value).startswith(f"{path}: {message}"), str(info.value)
+    assert str(info.value).startswith(f"{Path(path).name}: {message}"), str(info.value)
 
 
 def test_bad_chat_messages_are_kvcmas_errors_naming_the_message(tmp_path: Path) -> None:

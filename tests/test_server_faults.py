@@ -315,6 +315,13 @@ EXPECTED_ROUTES = {
     ("POST", "/detokenize"),
     ("POST", "/apply-template"),
     ("GET", "/props"),
+    # the live page (its files are a fixed set read from the package at start-up) and the JSON it draws from
+    ("GET", "/ui"),
+    ("GET", "/ui/"),
+    ("GET", "/ui/{name}"),
+    ("GET", "/v1/kvcmas/workflows"),
+    ("GET", "/v1/kvcmas/workflows/{workflow:path}"),
+    ("GET", "/v1/kvcmas/summary"),
 }
 
 
@@ -355,7 +362,7 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
             assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
             pre = c.options("/v1/models", headers={**origin, "Access-Control-Request-Method": "GET"})
             assert "access-control-allow-origin" not in pre.headers
-            for path in ("/docs", "/openapi.json", "/redoc", "/static/../etc/passwd", "/v1/files"):
+            for path in ("/docs", "/openapi.json", "/redoc", "/static/../etc/passwd", "/v1/files", "/ui/..%2Fapp.py"):
                 assert c.get(path, headers={"Authorization": "Bearer k3y"}).status_code == 404
             r = c.get("/v1/models/..%2F..%2Fetc%2Fpasswd", headers={"Authorization": "Bearer k3y"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
