@@ -25,6 +25,20 @@ def post(srv: ServerProcess, tenant: str | None, body: dict[str, Any], path: str
     return dict(out)
 
 
+def image_chat(colour: tuple[int, int, int]) -> dict[str, Any]:
+    """A one-token chat whose message is a 32x32 image of one colour."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), colour).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+
+
 @pytest.fixture(scope="module")
 def bounded_server(default_model_path: Path) -> Iterator[ServerProcess]:
     srv = ServerProcess(
@@ -118,19 +132,7 @@ def test_one_tenants_images_never_evict_anothers_encoded_images(
     request with it is not encoded again (it was: the cache's LRU was shared, and a re-encode shows in the timing)."""
     if mmproj_path is None:
         pytest.skip("the core has no vision encoder")
-    import base64
-    import io
-
-    from PIL import Image
-
     from kvcmas_cpp.server.app import IMAGE_CACHE
-
-    def image_chat(colour: tuple[int, int, int]) -> dict[str, Any]:
-        buf = io.BytesIO()
-        Image.new("RGB", (32, 32), colour).save(buf, "PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        part = {"type": "image_url", "image_url": {"url": url}}
-        return {"messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
 
     operator: dict[str, str] = {}  # keyless from loopback: the whole server's /metrics
 
@@ -153,18 +155,6 @@ def test_encoded_images_are_bounded_by_bytes_too(default_model_path: Path, mmpro
     second image evicts the first, which is then encoded again; an image asked twice in a row is not."""
     if mmproj_path is None:
         pytest.skip("the core has no vision encoder")
-    import base64
-    import io
-
-    from PIL import Image
-
-    def image_chat(colour: tuple[int, int, int]) -> dict[str, Any]:
-        buf = io.BytesIO()
-        Image.new("RGB", (32, 32), colour).save(buf, "PNG")
-        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
-                "max_tokens": 1}  # fmt: skip
-
     srv = ServerProcess(str(default_model_path), "--mmproj", mmproj_path, "--image-cache-memory", "40K")
     try:
 
