@@ -62,6 +62,15 @@ struct Ops {
     }
 };
 
+// A gated activation op (swiglu, geglu_tanh: g = act(g) * u, [rows][n] in place) on copies of g and u.
+Out2 gated(Ops & o, void (backend::Backend::*op)(float *, const float *, int64_t, int64_t), F2 g, F2 u) {
+    const size_t r = g.shape(0), n = g.shape(1);
+    KC_CHECK(u.shape(0) == r && u.shape(1) == n, "g and u must have one shape");
+    backend::Buffer bg = o.put(g.data(), r * n), bu = o.put(u.data(), r * n);
+    (o.be.get()->*op)(bg.f32(), bu.f32(), static_cast<int64_t>(r), static_cast<int64_t>(n));
+    return out2(o.get(bg, r * n), r, n);
+}
+
 // A one-layer KV block store on the backend holding rows k, v [n_rows][kd] (stored as kv_type), plus room for
 // `extra` more rows after them.
 struct Store {
@@ -281,24 +290,10 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("x"), nb::arg("y"))
         .def(
-            "swiglu",
-            [](Ops & o, F2 g, F2 u) {
-                const size_t r = g.shape(0), n = g.shape(1);
-                KC_CHECK(u.shape(0) == r && u.shape(1) == n, "g and u must have one shape");
-                backend::Buffer bg = o.put(g.data(), r * n), bu = o.put(u.data(), r * n);
-                o.be->swiglu(bg.f32(), bu.f32(), static_cast<int64_t>(r), static_cast<int64_t>(n));
-                return out2(o.get(bg, r * n), r, n);
-            },
-            nb::arg("g"), nb::arg("u"))
+            "swiglu", [](Ops & o, F2 g, F2 u) { return gated(o, &backend::Backend::swiglu, g, u); }, nb::arg("g"),
+            nb::arg("u"))
         .def(
-            "geglu_tanh",
-            [](Ops & o, F2 g, F2 u) {
-                const size_t r = g.shape(0), n = g.shape(1);
-                KC_CHECK(u.shape(0) == r && u.shape(1) == n, "g and u must have one shape");
-                backend::Buffer bg = o.put(g.data(), r * n), bu = o.put(u.data(), r * n);
-                o.be->geglu_tanh(bg.f32(), bu.f32(), static_cast<int64_t>(r), static_cast<int64_t>(n));
-                return out2(o.get(bg, r * n), r, n);
-            },
+            "geglu_tanh", [](Ops & o, F2 g, F2 u) { return gated(o, &backend::Backend::geglu_tanh, g, u); },
             nb::arg("g"), nb::arg("u"))
         .def(
             "scale",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 # TTFT histogram bucket bounds in seconds (Prometheus convention: cumulative, plus +Inf).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -71,17 +70,14 @@ def _fmt(v: float) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
 
-class Metrics:
-    """Thread-safe counters of the server. Gauges that live elsewhere (KV bytes, queue length) are read through
-    callbacks at exposition time, so they are never stale."""
+class Metrics(Usage):
+    """Thread-safe counters of the server: the whole server's Usage (what a tenant also sees of itself) and the rest.
+    Gauges that live elsewhere (KV bytes, queue length) are read through callbacks at exposition time, so they are
+    never stale."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.computed_prompt_tokens = 0
-        self.reused_tokens = 0
-        self.generated_tokens = 0
         self.cancelled = 0
         self.rejected_queue_full = 0
         self.rejected_body_too_large = 0
@@ -92,13 +88,9 @@ class Metrics:
         self.timed_out = 0
         self.evictions = 0
         self.images_encoded = 0
-        self.prefix_cached_tokens = 0
-        self.span_tokens = 0
         self.calibration_tokens = 0
-        self.dense_hops: dict[str, int] = {}  # why a later hop computed its shared spans -> hops
         self.training_reads: dict[str, int] = {"done": 0, "dropped": 0}  # training reads by outcome
         self.forward_passes: dict[str, int] = {"prefill": 0, "decode": 0, "mixed": 0}  # the scheduler's, by kind
-        self.ttft = Histogram(TTFT_BUCKETS)
         self.gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self.counted_elsewhere: dict[str, Callable[[], int]] = {}  # counter -> what another part counts toward it
         # counters another part keeps, by one label: name -> (help, label, read() -> {label value: count})
@@ -120,7 +112,7 @@ class Metrics:
         """A counter another part keeps, one sample per value of `label` (read at exposition)."""
         self.counters[name] = (help_text, label, read)
 
-    def _usages(self, tenant: str | None) -> list[Any]:
+    def _usages(self, tenant: str | None) -> list[Usage]:
         """The server's counters and the tenant's (lock held)."""
         return [self] if tenant is None else [self, self.tenants.setdefault(tenant, Usage())]
 
@@ -179,7 +171,7 @@ class Metrics:
                 lines.append(f"{name}{labels} {_fmt(value)}")
 
         with self._lock:
-            usage: Any = self if tenant is None else self.tenants.get(tenant) or Usage()
+            usage: Usage = self if tenant is None else self.tenants.get(tenant) or Usage()
             metric(
                 "kvcmas_requests_total",
                 "counter",
