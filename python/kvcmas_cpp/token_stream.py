@@ -169,6 +169,11 @@ class TokenStream:
             finish = "length"
         return Accepted(token, text, lp, finish, False)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string ended it."""
+        return self._matcher.stopped
+
     def flush(self) -> str:
         """The end of the generation: the text held back (a partial character, a partial stop string), '' after a
         stop string."""
