@@ -251,6 +251,7 @@ class TrainingRead:
             self._free(keep_source=self.kept)
             if self.on_done is not None:
                 self.on_done(self)
+            self._cut()
         return False
 
     def run(self) -> list[est.Edge]:
@@ -269,12 +270,20 @@ class TrainingRead:
             self.dropped = True
             self._steps = None
             self._free(keep_source=False)
+            self._cut()
 
     def _free(self, keep_source: bool) -> None:
         for s in self._bases + ([] if keep_source else [self.source]):
             s.close()
         self._bases, self.pieces = [], []
         self.runner = None
+
+    def _cut(self) -> None:
+        """Lets go of everything a finished read refers to: its parts' spans hold stored rows (SharedKV) and its
+        callbacks the session, so a read still referenced (an idle worker's queue, a caller's list) keeps no KV and
+        no session alive, and forms no reference cycle through them."""
+        self.parts, self.st, self.vectors = [], None, None
+        self.lock, self.on_done = contextlib.nullcontext, None
 
     def _run(self) -> Iterator[None]:
         runner = self.runner
