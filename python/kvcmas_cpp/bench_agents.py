@@ -26,8 +26,7 @@ from .model import Model, resolve_model_path
 from .sharing import estimators as est
 from .sharing._blas import single_threaded_blas
 from .sharing.evaluate import build_runners, evaluate, question_ids
-from .sharing.methods import METHODS, MethodConfig
-from .sharing.recompute import labelled_config, parse_label
+from .sharing.methods import METHODS, MethodConfig, labelled_config, parse_label
 from .sharing.runner import WorkflowRunner
 from .sharing.workflow import gsm8k_workflow, load_gsm8k
 

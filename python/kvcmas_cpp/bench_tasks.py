@@ -37,8 +37,7 @@ import numpy as np
 from .agents import CALIBRATION_READS, AgentSession, Response
 from .model import Model
 from .sharing import methods as registry
-from .sharing.methods import SESSION_METHODS, MethodConfig
-from .sharing.recompute import parse_label
+from .sharing.methods import SESSION_METHODS, MethodConfig, parse_label
 from .tasks import Example, Task, get_task
 
 CALIBRATION_OFFSET = {"gsm8k": 1000, "mmlu": 1000, "humaneval": None}  # None: the last problems of the set

@@ -594,6 +594,51 @@ class Model:
             if sequence is None:
                 seq.close()
 
+    # ------------------------------------------------------------------------------- the sharing layer's door
+    # What kvcmas_cpp.sharing and agents need from the core, so that nothing outside this module reaches _core.
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head's key (and value) rows."""
+        return int(self._core.head_dim)
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of one layer's K (or V) row: n_head_kv * head_dim (the sharing layer's "kd")."""
+        return self.n_head_kv * self.head_dim
+
+    def rope_rotate(self, rows: np.ndarray, shift: int, layer: int) -> np.ndarray:
+        """Key rows [n, kv_width] rotated by `shift` positions with layer `layer`'s RoPE (a negative shift rotates
+        back: a span's keys to its own positions 0..n-1)."""
+        return np.asarray(self._core.rope_rotate(np.ascontiguousarray(rows, dtype=np.float32), int(shift), layer))
+
+    def ridge_correction(self, maps: Any, view: KVSequence, pos: int, n: int, frame0: int, prev: Any = None) -> Any:
+        """The core KvCorrection of n span rows that a ridge map set (`_core.RidgeMaps`) predicts from a reader's
+        base view (view's rows pos..pos+n-1), in the frame of the stored rows (first stored position frame0), with
+        the correction `prev` (a KvCorrection or None) in front of it."""
+        return core.ridge_correction(self._core, maps, view.id, pos, n, frame0, prev)
+
+    def materialize_last(self, seq: KVSequence) -> None:
+        """Turns the corrected shared rows seq appended last into a private corrected copy (plain attention)."""
+        core.seq_materialize_last(self._core, seq.id)
+
+    def correction_bytes(self, seq: KVSequence) -> int:
+        """Bytes of the low-rank corrections seq's segments hold."""
+        return int(sum(s["corr_bytes"] for s in self._core.seq_segments(seq.id)))
+
+    def continue_generation(
+        self,
+        seq: KVSequence,
+        first_logits: np.ndarray,
+        max_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        constraint: Any = None,
+        logprobs: int | None = None,
+    ) -> Iterator[CompletionChunk]:
+        """Generates after a prompt already in `seq` whose next-token logits are `first_logits` (an agent session's
+        prefilled prompt): the chunks generate(stream=True) gives, the rows appended to seq."""
+        return self._generate(list(seq.tokens), max_tokens, params, stops, seq, first_logits, constraint, logprobs)
+
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:
     """A generation's chunks -> its Completion (logprobs in OpenAI's chat shape when asked)."""
