@@ -3,7 +3,7 @@
 A reader of a shared span of n rows with a rank-r correction can either keep the factors and apply them inside
 attention (fused: scores gain (q·Bᵀ)·Aᵀ, outputs (p·A)·B; per-agent memory n·r·2 + r·kd·2 floats) or materialize
 its own corrected copy of the span once (K + A_k B_k, V + A_v B_v; per-agent memory n·kd·2 rows) and attend over
-it like over any rows. Both run the engine's kernel (`_core.attend_test`, one query of all heads, one thread); the
+it like over any rows. Both run the engine's kernel (`_testing.attend_test`, one query of all heads, one thread); the
 table gives time per decode-step attention call, the one-time cost of materializing, and the memory per agent, so
 the crossover (if any) is visible. The runner chooses per span (`MethodConfig.apply`, default 'auto'): fused, whose
 memory stays O(n·r), unless the factors would take at least the copy's bytes (full-rank corrections).
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._native import core
+from ._native import testing_module
 from .arguments import positive_int, positive_int_list
 
 
@@ -66,7 +66,7 @@ def measure(
     materialize_ms = (time.perf_counter() - t0) * 1000.0
 
     def call(run: dict[str, Any]) -> np.ndarray:
-        return core.attend_test(q, [run], n_head_kv, hd, False, 10000.0, n, kv_type)
+        return testing_module().attend_test(q, [run], n_head_kv, hd, False, 10000.0, n, kv_type)
 
     fused_out, mat_out = call(fused_run), call(mat_run)
     rel = float(np.abs(fused_out - mat_out).max() / max(np.abs(mat_out).max(), 1e-30))
