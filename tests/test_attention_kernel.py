@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers.attention import CASES, make_runs, reference
-from helpers.native import testing
+from helpers.native import require_testing, testing
 from kvcmas_cpp._native import core
 
 
@@ -111,6 +111,7 @@ def test_rows_before_the_window_are_never_read() -> None:
 
 def test_portable_path_agrees() -> None:
     """KVCMAS_FORCE_SCALAR=1 (no AVX2) computes the same attention, with a sliding window too."""
+    require_testing()  # the child process loads it
     code = (
         "import numpy as np, sys; sys.path.insert(0, 'tests');"
         "from helpers.attention import make_runs, reference;"

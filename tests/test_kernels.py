@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from helpers.native import testing
+from helpers.native import require_testing, testing
 from helpers.quants import (
     ALL_TYPES,
     BLOCK32_TYPES,
@@ -224,6 +224,7 @@ SCALAR_N_TOKS = [1, 2, 3, 4, 5, 13, 17, 60, 129]
 
 def test_scalar_path_matches_numpy_and_default_path(tmp_path: Path) -> None:
     """KVCMAS_FORCE_SCALAR=1 (portable kernels): same accuracy bound, same row results at every token count."""
+    require_testing()  # the child process loads it
     rng = np.random.default_rng(11)
     cases: dict[str, np.ndarray] = {}
     weights = []
@@ -280,6 +281,7 @@ def test_avx512_gemm_matches_numpy_and_avx2_path(tmp_path: Path) -> None:
     """The prefill GEMM with AVX-512 (default here) and with KVCMAS_NO_AVX512=1 (the AVX2 kernel) over row counts
     around its 32-row micro tiles (1, 17, 47, 100) and widths with tails past its 128-wide k blocks: both within the
     f32 bound of numpy's float64 product, and of each other."""
+    require_testing()  # the child process loads it
     if not core.cpu_features().get("avx512"):
         pytest.skip("this CPU (or KVCMAS_NO_AVX512) has no AVX-512")
     rng = np.random.default_rng(18)

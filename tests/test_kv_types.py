@@ -13,7 +13,7 @@ import pytest
 
 import kvcmas_cpp as kc
 from helpers.attention import CASES, make_runs, reference
-from helpers.native import testing
+from helpers.native import require_testing, testing
 from kvcmas_cpp._native import core
 
 F16_EPS = 2.0**-11  # unit roundoff of IEEE half
@@ -58,6 +58,7 @@ def test_f16_kernel_equals_f32_kernel_on_rounded_rows(case) -> None:
 
 def test_f16_kernel_portable_path_agrees() -> None:
     """KVCMAS_FORCE_SCALAR=1 (no F16C) reads halves the same way."""
+    require_testing()  # the child process loads it
     code = (
         "import numpy as np, sys; sys.path.insert(0, 'tests');"
         "from helpers.attention import make_runs, reference;"

@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
-from helpers.native import testing
+from helpers.native import require_testing, testing
 from helpers.quants import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 from kvcmas_cpp._native import core
 
@@ -302,6 +302,7 @@ def test_low_bit_files_match_llama_cpp(reference_models, type_name: str, tmp_pat
 def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> None:
     """vpdpbusd and maddubs + madd compute the same integer sums (nothing saturates), so the two kernel sets agree
     bit for bit; KVCMAS_NO_VNNI=1 selects the AVX2 set."""
+    require_testing()  # the child process loads it
     if not core.cpu_features().get("avx_vnni"):
         pytest.skip("this CPU has no AVX-VNNI")
     import subprocess

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcmas_cpp.bench.tasks import Example, GSM8KTask, HumanEvalTask, MMLUTask, get_task, run_python
+from kvcmas_cpp.bench.tasks.humaneval import build_program, extract_code, humaneval_path
+from kvcmas_cpp.bench.tasks.mmlu import mmlu_path
 from kvcmas_cpp.model import Model
 from kvcmas_cpp.sharing.workflow import PLACEHOLDER_RE, build_template, gsm8k_path, gsm8k_workflow, response_placeholder
-from kvcmas_cpp.tasks import Example, GSM8KTask, HumanEvalTask, MMLUTask, get_task, run_python
-from kvcmas_cpp.tasks.humaneval import build_program, extract_code, humaneval_path
-from kvcmas_cpp.tasks.mmlu import mmlu_path
 
 TASK_NAMES = ("gsm8k", "mmlu", "humaneval")
 

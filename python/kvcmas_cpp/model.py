@@ -753,6 +753,23 @@ class Model:
             if sequence is None:
                 seq.close()
 
+    # ------------------------------------------------------------------------- shapes and files (bench, tools)
+    @property
+    def head_dim(self) -> int:
+        """Elements of one attention head's K (and V) row; a layer's K row is n_head_kv * head_dim."""
+        return int(self._core.head_dim)
+
+    @staticmethod
+    def file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The GGUF metadata of a model file, read without loading the model; KvcmasError (a ValueError) naming the
+        file where it is not a GGUF file the core can read."""
+        return dict(core.GgufFile(os.fspath(path)).metadata())
+
+    @staticmethod
+    def file_tensors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """The tensor table of a model file (name, shape, type_name, n_bytes, ...), read without loading the model."""
+        return list(core.GgufFile(os.fspath(path)).tensors())
+
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:
     """A generation's chunks -> its Completion (logprobs in OpenAI's chat shape when asked)."""

@@ -23,6 +23,8 @@ def require_testing() -> ModuleType:
 
 class _LazyTesting:
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # what pytest's collection probes (markers, __test__): no module load, no skip
+            raise AttributeError(name)
         return getattr(require_testing(), name)
 
 
