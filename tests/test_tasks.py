@@ -382,11 +382,6 @@ def test_workflow_roster_and_placeholders(name: str) -> None:
         task.workflow(1)
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: Path) -> Model:
-    return Model(str(default_model_path))
-
-
 @pytest.mark.parametrize("name", TASK_NAMES)
 def test_workflow_templates_build_on_default_model(model: Model, name: str) -> None:
     for agent in get_task(name).workflow().agents:
