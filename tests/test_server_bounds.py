@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from test_server import ServerProcess
+from helpers.server import ServerProcess
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
 

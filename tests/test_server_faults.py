@@ -27,7 +27,7 @@ from typing import Any, Literal
 import pytest
 
 import kvcmas_cpp as kc
-from test_server import BLOCK_BYTES, ServerProcess
+from helpers.server import BLOCK_BYTES, ServerProcess
 
 openai = pytest.importorskip("openai")
 
@@ -37,11 +37,6 @@ KINDS: tuple[Literal["chat", "completion"], ...] = ("chat", "completion")
 TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 1.5
 HEADER_TIMEOUT_S = 1.5
-
-
-@pytest.fixture(scope="module")
-def model_path(default_model_path: Path) -> str:
-    return str(default_model_path)
 
 
 def _wait_idle(srv: ServerProcess, baseline_kv: float, timeout: float = 15.0) -> dict[str, float]:

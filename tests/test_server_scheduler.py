@@ -42,11 +42,6 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: Path) -> kc.Model:
-    return kc.Model(str(default_model_path), n_threads=2)
-
-
 def _one_piece(model: kc.Model, segments: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Logits after the prompt and its K, V rows, the prompt appended one segment at a time."""
     with model.new_sequence() as seq:

@@ -12,18 +12,16 @@ from kvcmas_cpp._native import core
 from kvcmas_cpp.sharing import MethodConfig, RidgeEstimator, WorkflowRunner, gsm8k_workflow, load_gsm8k
 from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing.evaluate import question_ids
-from kvcmas_cpp.sharing.training_read import canonical as _canonical
 from kvcmas_cpp.sharing.span import Span
+from kvcmas_cpp.sharing.training_read import canonical as _canonical
 from kvcmas_cpp.sharing.workflow import QUESTION
 
 GEN = 4
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path) -> kc.Model:
-    # The exact path: these tests compare reused KV rows with rows recomputed by prefill, which 8-bit decode
-    # activations would move by ~1e-2 (docs/quant-kernels.md).
-    return kc.Model(default_model_path, n_threads=2, n_ctx=1024, kv_budget=256 << 20, activations="f32")
+def model(exact_sharing_model: kc.Model) -> kc.Model:
+    return exact_sharing_model
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,6 @@ REPLY = (
 PLANNER = [{"role": "system", "content": "You are the planner."}, {"role": "user", "content": TASK}]
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 def _ids(model: kc.Model, text: str) -> list[int]:
     return model.tokenizer.encode(text, add_special=False, parse_special=False)
 

@@ -25,10 +25,10 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
+from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.anyres import ANYRES, SINGLE  # noqa: E402
-from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
 
 REPO = Path(__file__).resolve().parent.parent
 PHOTOS = Path(skimage_data.__file__).parent
@@ -60,7 +60,7 @@ def _text_model(seed: int) -> Any:
                                    tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     return model.eval()
 
 
@@ -94,8 +94,8 @@ def _make(root: Path, family: str, tile: int = S, pinpoints: list[list[int]] = P
         cls = transformers.LlavaNextForConditionalGeneration
     torch.manual_seed(6)
     model = cls(config).eval()
-    _randomize(model.model.vision_tower, 7)
-    _randomize(model.model.multi_modal_projector, 8)
+    randomize_weights(model.model.vision_tower, 7)
+    randomize_weights(model.model.multi_modal_projector, 8)
     with torch.no_grad():
         model.model.image_newline.copy_(torch.randn(64, generator=torch.Generator().manual_seed(9)))
     state = text.state_dict()

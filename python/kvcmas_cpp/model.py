@@ -639,6 +639,18 @@ class Model:
         prefilled prompt): the chunks generate(stream=True) gives, the rows appended to seq."""
         return self._generate(list(seq.tokens), max_tokens, params, stops, seq, first_logits, constraint, logprobs)
 
+    # ------------------------------------------------------------------------- shapes and files (bench, tools)
+    @staticmethod
+    def file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The GGUF metadata of a model file, read without loading the model; KvcmasError (a ValueError) naming the
+        file where it is not a GGUF file the core can read."""
+        return dict(core.GgufFile(os.fspath(path)).metadata())
+
+    @staticmethod
+    def file_tensors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """The tensor table of a model file (name, shape, type_name, n_bytes, ...), read without loading the model."""
+        return list(core.GgufFile(os.fspath(path)).tensors())
+
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:
     """A generation's chunks -> its Completion (logprobs in OpenAI's chat shape when asked)."""
