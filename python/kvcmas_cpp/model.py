@@ -283,8 +283,12 @@ class KVSequence:
             return rows[-1][-1]
         return np.concatenate(rows, axis=0)
 
-    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
-        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings."""
+    def append_embeddings(
+        self, embeddings: np.ndarray, logits: bool = False, bidirectional: bool = False
+    ) -> np.ndarray | None:
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. bidirectional: the
+        rows attend to each other, not only to earlier ones (Gemma 3's image tokens: the model's mask within an
+        image)."""
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
@@ -294,7 +298,10 @@ class KVSequence:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
-        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32))
+        span = np.array([0, n], dtype=np.int32) if bidirectional else None
+        out = self._model._core.decode(
+            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32), span
+        )
         self.record([-1] * n, filled)
         return out[-1] if logits else None
 
