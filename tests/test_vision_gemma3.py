@@ -1,9 +1,10 @@
-"""Gemma 3 multimodal against transformers: pixels, image features, and first-token logprobs with images.
+"""Gemma 3 multimodal against transformers: pixels, image features, prompt ids and first-token logprobs with images.
 
 A random-weight Gemma3ForConditionalGeneration made here with transformers at small widths but the real structure
 (SigLIP with 14-px patches, 4 x 4 average pooling to mm_tokens_per_image soft tokens, the RMSNorm + projection
-projector, a gemma3 text model with a sliding and a global layer), saved with its processor settings, converted by
-``kvcmas mmproj`` (both halves), then run by kvcmas and by transformers at f32. The sliding window (8) is shorter
+projector, a gemma3 text model with a sliding and a global layer), saved with its processor settings and a small
+byte-level BPE tokenizer holding Gemma's image tokens, converted by ``kvcmas mmproj`` (both halves), then run by
+kvcmas and by transformers (Gemma3Processor, the model with token_type_ids) at f32. The sliding window (8) is shorter
 than an image's span (16 soft tokens), so the bidirectional mask within an image meets the window.
 """
 
@@ -31,8 +32,34 @@ from test_vision import _randomize  # noqa: E402  (weights far from transformers
 
 PHOTOS = Path(skimage_data.__file__).parent
 S, P, TOKENS = 224, 14, 16  # 16 x 16 patches pooled 4 x 4 -> 4 x 4 soft tokens
-VOCAB, BOI, EOI, IMAGE_TOKEN = 320, 300, 301, 302
+VOCAB, BOI, EOI, IMAGE_TOKEN = 320, 300, 301, 302  # the tokenizer's ids of Gemma's image tokens (checked)
 WINDOW = 8
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _tokenizer() -> Any:
+    """A byte-level BPE tokenizer with Gemma 3's special tokens (the real one is not available offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = ["User: look at this picture. What is it? A cat, a dog, an astronaut.\n\nModel: it is a cat.\n"] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<bos>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens(["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>",
+                            "<end_of_turn>"])  # fmt: skip
+    ids = [tok.token_to_id(t) for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")]
+    assert ids == [BOI, EOI, IMAGE_TOKEN] and tok.get_vocab_size() <= VOCAB
+    extra = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>",
+        extra_special_tokens=extra, chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
 
 
 def _images() -> dict[str, Any]:
@@ -78,7 +105,13 @@ def _make(root: Path) -> tuple[Path, Any]:
     ip = _image_processor()
     processor = {"image_processor": ip.to_dict(), "image_seq_length": TOKENS, "processor_class": "Gemma3Processor"}
     (folder / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    _tokenizer().save_pretrained(folder)
     return folder, model
+
+
+def _processor() -> Any:
+    return transformers.Gemma3Processor(image_processor=_image_processor(), tokenizer=_tokenizer(),
+                                        image_seq_length=TOKENS)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +124,10 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"{TOKENS} image tokens" in done.stderr
-    convert_llava_text(folder, text, outtype="f32", vocab=False, progress=False)
+    convert_llava_text(folder, text, outtype="f32", progress=False)
     enc = VisionEncoder(mmproj, n_threads=2)
     lm = kvcmas_cpp.Model(text, n_threads=2)
-    return {"folder": folder, "model": model, "enc": enc, "lm": lm}
+    return {"folder": folder, "model": model, "enc": enc, "lm": lm, "text": text, "mmproj": mmproj}
 
 
 def test_mmproj_holds_the_gemma3_projector(gemma3: dict[str, Any]) -> None:
@@ -189,3 +222,125 @@ def test_first_token_logprobs_equal_transformers(gemma3: dict[str, Any], names: 
     # the mask matters here: image rows attending only causally answer measurably differently
     causal = _kvcmas_logprobs(gemma3, texts, names, bidirectional=False)
     assert float(np.abs(causal - ref).max()) > 1e-2
+
+
+def _hf_logprobs(gemma3: dict[str, Any], ids: list[int], names: list[str]) -> np.ndarray:
+    pixels = _image_processor()(images=[IMAGES[n] for n in names], return_tensors="pt")["pixel_values"]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = gemma3["model"](
+            input_ids=input_ids, pixel_values=pixels, token_type_ids=(input_ids == IMAGE_TOKEN).long()
+        ).logits
+    return torch.log_softmax(logits[0, -1].double(), -1).numpy()
+
+
+PROMPTS = {
+    "one": ("<bos>User: look at this<start_of_image>What is it?\n", ["astronaut"]),
+    "two": ("<bos>User: a cat <start_of_image> and a dog\n<start_of_image>\nWhich is it?", ["landscape", "tiny"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_prompt_as_the_processor_writes_it(gemma3: dict[str, Any], case: str) -> None:
+    """vision.gemma3: each <start_of_image> becomes the processor's "\\n\\n<start_of_image>" + soft tokens +
+    "<end_of_image>\\n\\n", tokenized once: the ids equal Gemma3Processor's input_ids, the image rows stand where its
+    token_type_ids are 1, and the prompt fed by segments (the server's plain path, in chunks of 17 rows that never
+    split an image) gives transformers' first-token logprobs."""
+    from kvcmas_cpp.model import is_bidirectional
+    from kvcmas_cpp.server.backend import prefill_segments
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    text, names = PROMPTS[case]
+    ref = _processor()(text=[text], images=[[IMAGES[n] for n in names]], return_tensors="np")
+    ref_ids = [int(t) for t in ref["input_ids"][0]]
+    lm, enc = gemma3["lm"], gemma3["enc"]
+    tok = lm.tokenizer
+    expanded = text.replace(g3.BOI, g3.image_text(enc.n_tokens))
+    ids = tok.encode(expanded, False, True)
+    assert ids == ref_ids
+    assert g3.image_token_id(tok) == IMAGE_TOKEN
+    images = [enc.encode(IMAGES[n]) for n in names]
+    segments = g3.segments(ids, IMAGE_TOKEN, images)
+    kinds = np.concatenate([np.full(len(seg), is_bidirectional(seg)) for seg in segments])
+    assert np.array_equal(kinds, ref["token_type_ids"][0] == 1)
+    done = prefill_segments(lm, segments, chunk_tokens=17)
+    try:
+        got = _log_softmax(done.logits)
+    finally:
+        done.seq.close()
+    want = _hf_logprobs(gemma3, ref_ids, names)
+    assert int(got.argmax()) == int(want.argmax())
+    assert float(np.abs(got - want).max()) <= 2e-3
+    with pytest.raises(ValueError, match="image tokens"):
+        g3.segments(ids, IMAGE_TOKEN, images[:-1])
+
+
+def test_agent_session_shares_an_image(gemma3: dict[str, Any]) -> None:
+    """AgentSession.share(image=...) with a Gemma 3 mmproj: the image's rows stand between the processor's begin /
+    end tokens, computed bidirectionally; the first agent's first-token logprobs equal transformers' on the prompt
+    the session built (its ids, the image's soft tokens where the rows are), and a fullshared team's first agent
+    answers the same."""
+    from kvcmas_cpp.agents import AgentSession
+
+    lm, enc = gemma3["lm"], gemma3["enc"]
+    photo = PHOTOS / "astronaut.png"
+    first: dict[str, Any] = {}
+    for method in ("nonshared", "fullshared"):
+        with AgentSession(lm, method, vision=enc) as team:
+            agents = [team.agent(n, system=f"You are {n}.") for n in ("a cat", "a dog")]
+            team.share(image=photo, text="What is it?", label="Question")
+            p = team.prefill_agent(agents[0])
+            try:
+                tokens, logits = list(p.seq.tokens), np.asarray(p.logits)
+            finally:
+                p.close()
+            first[method] = logits
+            replies = [a.respond(max_tokens=2) for a in agents]
+            assert all(r.text is not None for r in replies)
+    ids = [IMAGE_TOKEN if t < 0 else t for t in tokens]
+    at = ids.index(IMAGE_TOKEN)
+    assert ids[at - 1] == BOI and ids[at + TOKENS] == EOI and ids.count(IMAGE_TOKEN) == TOKENS
+    want = _hf_logprobs(gemma3, ids, ["astronaut"])
+    got = _log_softmax(first["nonshared"])
+    assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3
+    assert np.array_equal(first["fullshared"], first["nonshared"])
+
+
+def test_server_image_parts(gemma3: dict[str, Any]) -> None:
+    """kvcmas-server with the Gemma 3 mmproj: image_url parts become the processor's image text in the rendered
+    template, tokenized once (usage counts the processor's ids) and the greedy answer is transformers' (generate
+    with pixel_values and token_type_ids)."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    lm = gemma3["lm"]
+    urls = []
+    for name in ("landscape", "tiny"):
+        buf = io.BytesIO()
+        IMAGES[name].save(buf, "PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": urls[0]}},
+             {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": urls[1]}},
+             {"type": "text", "text": " What is it?"}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 3, "temperature": 0}
+    server = Server(ServerConfig(str(gemma3["text"]), mmproj=str(gemma3["mmproj"]), threads=2), lm)
+    try:
+        with TestClient(server.app, base_url="http://127.0.0.1") as c:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+    finally:
+        server.scheduler.stop()
+    rendered = lm.apply_chat_template(
+        [{"role": "user", "content": "Look: <start_of_image> and <start_of_image> What is it?"}]
+    )
+    ref = _processor()(text=[rendered], images=[[IMAGES["landscape"], IMAGES["tiny"]]], return_tensors="pt")
+    assert answer["usage"]["prompt_tokens"] == ref["input_ids"].shape[1]
+    with torch.no_grad():
+        out = gemma3["model"].generate(**ref, max_new_tokens=3, do_sample=False)
+    want = _tokenizer().decode(out[0, ref["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert want and answer["choices"][0]["message"]["content"] == want

@@ -47,7 +47,7 @@ from typing import Any, Literal, cast, overload
 import numpy as np
 
 from .idle_reads import IdleReads
-from .model import CompletionChunk, KVSequence, Model, token_ids
+from .model import BidirectionalRows, CompletionChunk, KVSequence, Model, is_bidirectional, token_ids
 from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
@@ -497,7 +497,7 @@ class AgentSession:
         entry = registry.method(method, session=True)
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
-            vision.check_text_model(model.n_embd)
+            vision.check_text_model(model.n_embd, model.tokenizer)
         if config is None:
             config = entry.config(for_session=True)
         if cold is not None:
@@ -574,9 +574,10 @@ class AgentSession:
                 if self.vision is None:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
                 key = ("image", self.vision.image_hash(image))
+                rows = self.vision.encode(image)
                 if key not in self._vector_ids:
-                    self._vector_ids[key] = self._state.add_vectors(self.vision.encode(image))
-                ids += self._vector_ids[key]
+                    self._vector_ids[key] = self._state.add_vectors(rows)
+                ids += self._image_ids(self._vector_ids[key], rows)
             if embeddings is not None:
                 ids += self._embedding_ids(embeddings, "share") or []
             if body is not None:
@@ -593,12 +594,25 @@ class AgentSession:
             raise ValueError(f"{where}: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
         if not np.isfinite(rows).all():
             raise ValueError(f"{where}: embeddings hold NaN or infinite values")
-        key = ("vectors", hashlib.sha256(rows.tobytes()).hexdigest())
+        kind = "image rows" if is_bidirectional(embeddings) else "vectors"  # Gemma 3's images attend within
+        key = (kind, hashlib.sha256(rows.tobytes()).hexdigest())
         if key not in self._vector_ids:
             if not register:
                 return None
-            self._vector_ids[key] = self._state.add_vectors(rows)
-        return self._vector_ids[key]
+            self._vector_ids[key] = self._state.add_vectors(rows.view(BidirectionalRows) if kind != "vectors" else rows)
+        return self._image_ids(self._vector_ids[key], embeddings)
+
+    def _image_ids(self, vector_ids: list[int], rows: np.ndarray) -> list[int]:
+        """The prompt ids of input vectors: Gemma 3's image rows (BidirectionalRows) between the begin / end tokens
+        its processor writes around them (vision.gemma3), other vectors as they are."""
+        if not is_bidirectional(rows):
+            return vector_ids
+        from .vision import gemma3
+
+        tok = self.model.tokenizer
+        before = tok.encode(gemma3.BEFORE_IMAGE, add_special=False, parse_special=True)
+        after = tok.encode(gemma3.AFTER_IMAGE, add_special=False, parse_special=True)
+        return [*before, *vector_ids, *after]
 
     @property
     def context(self) -> list[tuple[str | None, str]]:
@@ -672,6 +686,7 @@ class AgentSession:
                 other.agent(a.name, a.system, template=a.template)
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
+            other._state.bidirectional = list(self._state.bidirectional)
             other._vector_ids = dict(self._vector_ids)
             other._by_text = dict(self._by_text)
             for span in self._items:

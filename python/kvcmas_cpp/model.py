@@ -180,6 +180,17 @@ class CompletionChunk:
     logprob: TokenLogprob | None = None  # logprobs=: this token's (None on the final chunk)
 
 
+class BidirectionalRows(np.ndarray):
+    """Input vectors [n, n_embd] whose rows attend to each other, not only to earlier ones: Gemma 3's image tokens
+    (its mask is opened within an image). A view type (``rows.view(BidirectionalRows)``), so the marking travels with
+    the array through prompt segments and plans; such rows are appended in one piece (KVSequence.append_embeddings)."""
+
+
+def is_bidirectional(rows: object) -> bool:
+    """Whether prompt rows must be computed as one bidirectional span (never split into chunks)."""
+    return isinstance(rows, BidirectionalRows)
+
+
 @dataclass(frozen=True)
 class SharedKV:
     """KV rows of some sequence, stored once, that other sequences can append without copying (see
@@ -284,11 +295,13 @@ class KVSequence:
         return np.concatenate(rows, axis=0)
 
     def append_embeddings(
-        self, embeddings: np.ndarray, logits: bool = False, bidirectional: bool = False
+        self, embeddings: np.ndarray, logits: bool = False, bidirectional: bool | None = None
     ) -> np.ndarray | None:
         """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. bidirectional: the
         rows attend to each other, not only to earlier ones (Gemma 3's image tokens: the model's mask within an
-        image)."""
+        image); default: whether they are BidirectionalRows."""
+        if bidirectional is None:
+            bidirectional = is_bidirectional(embeddings)
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")

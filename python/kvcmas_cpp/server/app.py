@@ -500,7 +500,7 @@ class Server:
             self.vision = VisionEncoder(
                 cfg.mmproj, n_threads=cfg.threads, cache_size=0, max_decode_bytes=cfg.max_image_memory
             )
-            self.vision.check_text_model(model.n_embd)
+            self.vision.check_text_model(model.n_embd, model.tokenizer)
         # (namespace, image bytes' sha256) -> embeddings (LRU): per namespace, so that a cache hit (which /metrics'
         # kvcmas_images_encoded_total and the timing would show) never says another tenant sent the same image.
         self._images: OrderedDict[tuple[Namespace, str, str | None], np.ndarray] = OrderedDict()
@@ -929,6 +929,8 @@ class Server:
             messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         tok = self.model.tokenizer
+        if self.vision.bidirectional:  # Gemma 3: its processor's image text, the prompt tokenized once
+            return messages, await run_in_threadpool(self._gemma3_segments, text, marker, images)
         segments: list[Segment] = []
         for i, piece in enumerate(text.split(marker)):
             if i % 2:
@@ -939,6 +941,19 @@ class Server:
                 ids = [tok.bos_id, *ids]
             segments.append(ids)
         return messages, segments
+
+    def _gemma3_segments(self, text: str, marker: str, images: list[np.ndarray]) -> list[Segment]:
+        """The rendered prompt with each image marker replaced by Gemma 3's image text (vision.gemma3), tokenized
+        once; the soft-token runs replaced by the images' rows."""
+        from ..vision import gemma3
+
+        pieces = text.split(marker)
+        expanded = "".join(gemma3.image_text(len(images[int(p)])) if i % 2 else p for i, p in enumerate(pieces))
+        tok = self.model.tokenizer
+        ids = tok.encode(expanded, False, True)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id, *ids]
+        return list(gemma3.segments(ids, gemma3.image_token_id(tok), images))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.chat(await self._parse("chat", request), request)

@@ -59,7 +59,7 @@ from .. import agents
 from .._native import KvcmasError
 from ..constrained import ConstraintDeadEnd
 from ..model import PROMPT_CHUNK, KVSequence, Model
-from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, chunk_bounds
+from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, append_chunk, chunk_bounds
 from ..prefix_cache import PrefixCache
 from ..sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob, token_logprobs
 from ..sharing.runner import TrainingRead
@@ -795,7 +795,7 @@ class Scheduler:
                 return
         step = job.append
         assert step is not None
-        first, end = chunk_bounds(len(step.rows) - job.appended, self.prefill_chunk)[0]
+        first, end = chunk_bounds(len(step.rows) - job.appended, append_chunk(step.rows, self.prefill_chunk))[0]
         first, end = first + job.appended, end + job.appended
         last = end == len(step.rows)
         try:

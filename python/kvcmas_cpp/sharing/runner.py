@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from .._native import core
-from ..model import KVSequence, Model, SharedKV
+from ..model import BidirectionalRows, KVSequence, Model, SharedKV, is_bidirectional
 from ..plan import Append, Plan, chunk_bounds, run_plan
 from . import estimators as est
 from . import recompute as recompute_mod
@@ -88,10 +88,12 @@ class RequestState:
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+    bidirectional: list[bool] = field(default_factory=list)  # per vector row: of a BidirectionalRows (Gemma 3 image)
     owned: list[KVSequence] = field(default_factory=list)  # sequences spans read besides the hops' (caller closes)
 
     def add_vectors(self, rows: np.ndarray) -> list[int]:
         """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
+        self.bidirectional += [is_bidirectional(rows)] * len(rows)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         first = 0 if self.vectors is None else self.vectors.shape[0]
         self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])
@@ -113,10 +115,16 @@ def reserve_rows(seq: KVSequence, pending: list[int], held: list[int]) -> list[i
 
 
 def append_mixed(
-    seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
+    seq: KVSequence,
+    ids: list[int],
+    logits: Literal["last", "none"],
+    vectors: np.ndarray | None,
+    bidirectional: list[bool] | None = None,
 ) -> Plan[np.ndarray | None]:
     """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
-    of `vectors`): one Append per run of ids or of vectors; returns the last one's logits."""
+    of `vectors`): one Append per run of ids or of vectors (a run of rows flagged in `bidirectional`, per vector row,
+    is appended as BidirectionalRows: Gemma 3's images, separated by their begin / end tokens); returns the last
+    one's logits."""
     if not ids:
         return None
     if min(ids) >= 0:
@@ -126,11 +134,17 @@ def append_mixed(
     out: np.ndarray | None = None
     i = 0
     while i < len(ids):
-        j, is_vec = i, ids[i] < 0
-        while j < len(ids) and (ids[j] < 0) == is_vec:
+
+        def kind(t: int) -> int:  # 0: a token, 1: a vector row, 2: a bidirectional vector row
+            return 0 if t >= 0 else 2 if bidirectional and bidirectional[-t - 1] else 1
+
+        j, run = i, kind(ids[i])
+        while j < len(ids) and kind(ids[j]) == run:
             j += 1
         want = logits if j == len(ids) else "none"
-        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if is_vec else ids[i:j]
+        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if run else ids[i:j]
+        if run == 2:
+            rows = np.asarray(rows).view(BidirectionalRows)
         out = yield Append(seq, rows, want)
         i = j
     return out
@@ -201,6 +215,7 @@ class TrainingRead:
         self.st: RequestState | None = st
         self.estimator, self.calibrate = runner.estimator, runner.config.calibrate
         self.vectors = st.vectors
+        self.bidirectional = st.bidirectional
         self.source = source  # this read's own sequence
         bases: dict[int, KVSequence] = {}
         for part in parts:  # a fork per base view (no copy), shared by the parts that read the same one
@@ -286,7 +301,7 @@ class TrainingRead:
                 self.source.append_shared(shared, kc, row0)
                 continue
             for a, b in chunk_bounds(len(piece), self.chunk):
-                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors))
+                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors, self.bidirectional))
                 computed += b - a
                 yield
         assert computed == self.rows and len(self.source) >= n0 + computed
@@ -472,7 +487,7 @@ class WorkflowRunner:
                 if not rest:  # a prefix that is the whole prompt: its last row is computed again, for the logits
                     seq.truncate(len(prompt) - 1)
                     rest = prompt[-1:]
-                logits = yield from append_mixed(seq, rest, "last", st.vectors)
+                logits = yield from append_mixed(seq, rest, "last", st.vectors, st.bidirectional)
                 computed = len(rest)
             else:
                 logits, computed, corrs = yield from self._assemble(a, t, seq, st, exact)
@@ -659,7 +674,7 @@ class WorkflowRunner:
         if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
             raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
-        logits = yield from append_mixed(seq, rows, "last", st.vectors)
+        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.bidirectional)
         assert logits is not None
         return logits, len(rows), corrs
 

@@ -62,7 +62,7 @@ class PreprocessConfig:
         return cls(
             int(core_encoder.image_size), core_encoder.resize_mode, int(core_encoder.resize_size),
             (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]), _exact(float(core_encoder.rescale_factor)),
-            str(core_encoder.resample),
+            core_encoder.resample,
         )  # fmt: skip
 
 
