@@ -344,3 +344,91 @@ def test_server_image_parts(gemma3: dict[str, Any]) -> None:
         out = gemma3["model"].generate(**ref, max_new_tokens=3, do_sample=False)
     want = _tokenizer().decode(out[0, ref["input_ids"].shape[1] :], skip_special_tokens=True)
     assert want and answer["choices"][0]["message"]["content"] == want
+
+
+def test_bad_bidirectional_spans_are_refused(gemma3: dict[str, Any]) -> None:
+    """The engine names what is wrong with a bidirectional span and changes nothing."""
+    from kvcmas_cpp._native import core
+
+    lm = gemma3["lm"]
+    with lm.new_sequence() as a, lm.new_sequence() as b:
+        n = lm.n_embd
+        seqs = np.array([a.id, a.id, b.id], dtype=np.int32)
+        tokens = np.array([5, 6, 7], dtype=np.int32)
+        want = np.zeros(3, dtype=np.uint8)
+        cases = {"outside the batch": [0, 4], "several sequences": [1, 3], "pairs": [0, 1, 2]}
+        for message, span in cases.items():
+            with pytest.raises(core.KvcmasError, match=message):
+                lm._core.decode(seqs, tokens, want, np.zeros((1, n), np.float32), np.full(3, -1, np.int32),
+                                np.array(span, dtype=np.int32))  # fmt: skip
+        assert lm._core.seq_length(a.id) == 0 and lm._core.seq_length(b.id) == 0
+
+
+def _edited(gemma3: dict[str, Any], tmp_path: Path, name: str, change: Any) -> str:
+    import shutil
+
+    from kvcmas_convert.errors import ConvertError
+    from kvcmas_convert.vision import convert_mmproj
+
+    folder = tmp_path / "edited"
+    shutil.copytree(gemma3["folder"], folder)
+    data = json.loads((folder / name).read_text())
+    change(data)
+    (folder / name).write_text(json.dumps(data))
+    with pytest.raises(ConvertError) as e:
+        convert_mmproj(folder, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("file", "change", "named"),
+    [
+        ("config.json", lambda d: d.update(mm_tokens_per_image=15), "'mm_tokens_per_image'"),
+        ("config.json", lambda d: d.update(mm_tokens_per_image=9), "'mm_tokens_per_image'"),  # 3 does not divide 16
+        ("processor_config.json", lambda d: d["image_processor"].update(do_pan_and_scan=True), "'do_pan_and_scan'"),
+        ("processor_config.json", lambda d: d["image_processor"].update(resample=0), "'resample'"),
+        ("processor_config.json", lambda d: d.update(image_seq_length=64), "'image_seq_length'"),
+    ],
+    ids=["not-square", "not-dividing", "pan-and-scan", "resample", "seq-length"],
+)
+def test_converter_refuses_what_it_cannot_represent(
+    gemma3: dict[str, Any], tmp_path: Path, file: str, change: Any, named: str
+) -> None:
+    message = _edited(gemma3, tmp_path, file, change)
+    assert named in message, message
+
+
+@pytest.mark.slow
+def test_real_gemma3_geometry(tmp_path: Path) -> None:
+    """Gemma 3's real image geometry (896 px, 64 x 64 patches of 14 px pooled 4 x 4 to 256 soft tokens) on a narrow
+    tower: pixels and features equal transformers'."""
+    from kvcmas_convert.vision import convert_mmproj
+
+    vcfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=896, patch_size=P, vision_use_head=False)  # fmt: skip # noqa: E501
+    tcfg = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         query_pre_attn_scalar=16)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=tcfg, vision_config=vcfg, mm_tokens_per_image=256)
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    _randomize(model.model.vision_tower, 2)
+    _randomize(model.model.multi_modal_projector, 3)
+    model.save_pretrained(tmp_path / "real")
+    ip = transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3, resample=2)  # fmt: skip
+    (tmp_path / "real" / "preprocessor_config.json").write_text(json.dumps({**ip.to_dict(), "image_seq_length": 256}))
+    convert_mmproj(tmp_path / "real", tmp_path / "real.gguf", outtype="f32")
+    enc = VisionEncoder(tmp_path / "real.gguf", n_threads=2)
+    assert enc.n_tokens == 256 and enc._core.pool_kernel == 4
+    names = ["landscape", "astronaut"]
+    pixels = ip(images=[IMAGES[n] for n in names], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=pixels)
+    refs = np.asarray(getattr(out, "pooler_output", out))
+    for i, name in enumerate(names):
+        assert np.array_equal(enc.preprocess(IMAGES[name]), pixels[i].numpy()), name
+        got = enc.encode(IMAGES[name])
+        assert got.shape == refs[i].shape == (256, 64)
+        assert float(np.abs(got - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max()) + 1e-6, name

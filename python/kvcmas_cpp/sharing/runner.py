@@ -300,7 +300,9 @@ class TrainingRead:
                 shared, kc, row0 = piece
                 self.source.append_shared(shared, kc, row0)
                 continue
-            for a, b in chunk_bounds(len(piece), self.chunk):
+            # an image whose rows attend to each other (Gemma 3) is computed in one piece
+            bidi = any(t < 0 and self.bidirectional[-t - 1] for t in piece)
+            for a, b in chunk_bounds(len(piece), max(self.chunk, len(piece)) if bidi else self.chunk):
                 run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors, self.bidirectional))
                 computed += b - a
                 yield
