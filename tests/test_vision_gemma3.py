@@ -432,3 +432,33 @@ def test_real_gemma3_geometry(tmp_path: Path) -> None:
         got = enc.encode(IMAGES[name])
         assert got.shape == refs[i].shape == (256, 64)
         assert float(np.abs(got - refs[i]).max()) <= 1e-4 * float(np.abs(refs[i]).max()) + 1e-6, name
+
+
+def test_portable_kernels_open_the_mask_too(gemma3: dict[str, Any], tmp_path: Path) -> None:
+    """KVCMAS_FORCE_SCALAR=1 (the portable attention kernel, as on CPUs without AVX2): the same logprobs."""
+    import os
+
+    names = ["portrait", "tiny"]
+    texts = TEXTS[: len(names) + 1]
+    script = f"""
+import numpy as np, kvcmas_cpp
+from kvcmas_cpp.vision import VisionEncoder
+from PIL import Image
+enc = VisionEncoder({str(gemma3["mmproj"])!r}, n_threads=1)
+lm = kvcmas_cpp.Model({str(gemma3["text"])!r}, n_threads=1)
+texts, images = {texts!r}, [np.load(p) for p in {[str(tmp_path / f"{n}.npy") for n in names]!r}]
+with lm.new_sequence() as seq:
+    seq.append(texts[0] + [{BOI}], logits="none")
+    for i, rows in enumerate(images):
+        seq.append_embeddings(enc.encode(Image.fromarray(rows)), bidirectional=True)
+        last = seq.append([{EOI}] + texts[i + 1] + ([{BOI}] if i + 1 < len(images) else []), logits="last")
+np.save({str(tmp_path / "out.npy")!r}, np.asarray(last))
+"""
+    for n in names:
+        np.save(tmp_path / f"{n}.npy", np.asarray(IMAGES[n]))
+    env = {**os.environ, "KVCMAS_FORCE_SCALAR": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    got = _log_softmax(np.load(tmp_path / "out.npy"))
+    want = _hf_logprobs(gemma3, _prompt(texts, len(names)), names)
+    assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3
