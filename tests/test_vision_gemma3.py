@@ -462,3 +462,33 @@ np.save({str(tmp_path / "out.npy")!r}, np.asarray(last))
     got = _log_softmax(np.load(tmp_path / "out.npy"))
     want = _hf_logprobs(gemma3, _prompt(texts, len(names)), names)
     assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3
+
+
+@pytest.mark.parametrize("method", ["nonshared", "kvcmas"])
+def test_session_prompt_equals_the_processor(gemma3: dict[str, Any], method: str) -> None:
+    """A chat whose content holds two images (AgentSession.prefill, as the server passes image parts, in chunks of
+    17 rows): the prompt's ids are Gemma3Processor's for the rendered chat, each image's rows where its soft tokens
+    are, and the first-token logprobs are transformers'."""
+    from kvcmas_cpp.agents import AgentSession
+
+    lm, enc = gemma3["lm"], gemma3["enc"]
+    names = ["landscape", "tiny"]
+    rows = [enc.encode(IMAGES[n]) for n in names]
+    content = ["Look: ", rows[0], " and", rows[1], rows[1], "\nWhat is it?"]  # text, image, text, two images, text
+    names.append("tiny")
+    rendered = lm.apply_chat_template(
+        [{"role": "user", "content": "Look: <start_of_image> and<start_of_image><start_of_image>\nWhat is it?"}]
+    )
+    ref = _processor()(text=[rendered], images=[[IMAGES[n] for n in names]], return_tensors="np")
+    ref_ids = [int(t) for t in ref["input_ids"][0]]
+    with AgentSession(lm, method, vision=enc) as team:
+        p = team.prefill([{"role": "user", "content": content}], chunk_tokens=17)
+        try:
+            ids = [IMAGE_TOKEN if t < 0 else t for t in p.seq.tokens]
+            logits = np.asarray(p.logits)
+        finally:
+            p.close()
+    assert ids == ref_ids
+    want = _hf_logprobs(gemma3, ref_ids, names)
+    got = _log_softmax(logits)
+    assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3

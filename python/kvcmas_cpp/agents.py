@@ -569,19 +569,16 @@ class AgentSession:
             raise ValueError("share: give the text as `content` or as `text`, not both")
         body = content if content is not None else text
         with self._lock:
-            ids: list[int] = []
+            parts: list[str | Sequence[int] | np.ndarray] = []
             if image is not None:
                 if self.vision is None:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
-                key = ("image", self.vision.image_hash(image))
-                rows = self.vision.encode(image)
-                if key not in self._vector_ids:
-                    self._vector_ids[key] = self._state.add_vectors(rows)
-                ids += self._image_ids(self._vector_ids[key], rows)
+                parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
             if embeddings is not None:
-                ids += self._embedding_ids(embeddings, "share") or []
+                parts.append(embeddings)
             if body is not None:
-                ids += self._ids(body)
+                parts.append(body)
+            ids = self._parts_ids(parts, "share") or []
             if not ids:
                 raise ValueError("share: the content is empty")
             self._add_span(Span(self._next_context_ph(), ids, f"context:{label or ''}", label))
@@ -600,19 +597,30 @@ class AgentSession:
             if not register:
                 return None
             self._vector_ids[key] = self._state.add_vectors(rows.view(BidirectionalRows) if kind != "vectors" else rows)
-        return self._image_ids(self._vector_ids[key], embeddings)
+        return self._vector_ids[key]
 
-    def _image_ids(self, vector_ids: list[int], rows: np.ndarray) -> list[int]:
-        """The prompt ids of input vectors: Gemma 3's image rows (BidirectionalRows) between the begin / end tokens
-        its processor writes around them (vision.gemma3), other vectors as they are."""
-        if not is_bidirectional(rows):
-            return vector_ids
-        from .vision import gemma3
+    def _parts_ids(
+        self, parts: Sequence[str | Sequence[int] | np.ndarray], where: str, register: bool = True
+    ) -> list[int] | None:
+        """Prompt ids of content parts (text, token ids, input vectors [n, n_embd]; None: vectors the session has not
+        seen, when not `register`). Gemma 3's image rows (BidirectionalRows) stand as its processor writes them:
+        the newlines around an image tokenized with the text beside it, the rows between the begin / end tokens
+        (vision.gemma3), so a content's ids are those of the processor's text."""
+        if any(is_bidirectional(p) for p in parts):
+            from .vision import gemma3
 
-        tok = self.model.tokenizer
-        before = tok.encode(gemma3.BEFORE_IMAGE, add_special=False, parse_special=True)
-        after = tok.encode(gemma3.AFTER_IMAGE, add_special=False, parse_special=True)
-        return [*before, *vector_ids, *after]
+            parts = gemma3.with_image_text(parts)
+            boi, eoi = gemma3.marker_ids(self.model.tokenizer)
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                vector_ids = self._embedding_ids(part, where, register)
+                if vector_ids is None:
+                    return None
+                ids += [boi, *vector_ids, eoi] if is_bidirectional(part) else vector_ids
+            else:
+                ids += self._ids(part)
+        return ids
 
     @property
     def context(self) -> list[tuple[str | None, str]]:
@@ -1080,18 +1088,9 @@ class AgentSession:
             )
         if isinstance(content, str):
             return self._ids(content)
-        ids: list[int] = []
-        for part in content:
-            if isinstance(part, str):
-                ids += self._ids(part)
-            elif isinstance(part, np.ndarray):
-                vector_ids = self._embedding_ids(part, f"prefill: message {i}", register)
-                if vector_ids is None:
-                    return None
-                ids += vector_ids
-            else:
-                raise ValueError(f"prefill: message {i}: content parts are strings or arrays [n, n_embd]")
-        return ids
+        if not all(isinstance(part, (str, np.ndarray)) for part in content):
+            raise ValueError(f"prefill: message {i}: content parts are strings or arrays [n, n_embd]")
+        return self._parts_ids(content, f"prefill: message {i}", register)
 
     def prefill_agent(self, agent: Agent) -> Prefilled:
         """The agent's prompt over the shared context so far, in the engine (what respond() generates from)."""

@@ -10,7 +10,7 @@ bidirectionally (BidirectionalRows).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,13 +20,51 @@ PROJECTOR_TYPE = "gemma3"  # clip.projector_type of a Gemma 3 mmproj
 BOI = "<start_of_image>"
 IMAGE_TOKEN = "<image_soft_token>"
 EOI = "<end_of_image>"
-BEFORE_IMAGE = f"\n\n{BOI}"  # the processor's text before and after an image's soft tokens
-AFTER_IMAGE = f"{EOI}\n\n"
+NEWLINES = "\n\n"  # the processor's text before <start_of_image> and after <end_of_image>
 
 
 def image_text(n_tokens: int) -> str:
     """What the processor writes for one image of n_tokens soft tokens."""
-    return BEFORE_IMAGE + IMAGE_TOKEN * n_tokens + AFTER_IMAGE
+    return f"{NEWLINES}{BOI}{IMAGE_TOKEN * n_tokens}{EOI}{NEWLINES}"
+
+
+def marker_ids(tokenizer: Any) -> tuple[int, int]:
+    """The ids of <start_of_image> and <end_of_image> (ValueError when the vocabulary lacks them)."""
+    out = []
+    for text in (BOI, EOI):
+        ids = tokenizer.encode(text, False, True)
+        if len(ids) != 1:
+            raise ValueError(f"the text model's vocabulary has no {text} token (a Gemma 3 mmproj needs it)")
+        out.append(int(ids[0]))
+    return out[0], out[1]
+
+
+T = TypeVar("T")
+
+
+def with_image_text(parts: Sequence[T]) -> list[T | str]:
+    """Content parts with the processor's newlines around each image (BidirectionalRows) joined to the text beside
+    it, as the processor's text tokenizes them (the begin / end tokens split the text there): ["a", image, "b"] ->
+    ["a\n\n", image, "\n\nb"]; an image with no text beside it gets the newlines as a part of their own."""
+    out: list[T | str] = []
+    after_image = False
+    for part in parts:
+        if isinstance(part, BidirectionalRows):
+            if out and isinstance(out[-1], str) and not after_image:
+                out[-1] += NEWLINES
+            elif after_image:
+                out[-1] = str(out[-1]) + NEWLINES  # two images in a row: "<end_of_image>\n\n\n\n<start_of_image>"
+            else:
+                out.append(NEWLINES)
+            out += [part, NEWLINES]
+            after_image = True
+        elif isinstance(part, str) and after_image:
+            out[-1] = str(out[-1]) + part
+            after_image = False
+        else:
+            out.append(part)
+            after_image = False
+    return out
 
 
 def image_token_id(tokenizer: Any) -> int:
