@@ -492,3 +492,59 @@ def test_session_prompt_equals_the_processor(gemma3: dict[str, Any], method: str
     want = _hf_logprobs(gemma3, ref_ids, names)
     got = _log_softmax(logits)
     assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3
+
+
+def _rewrite(src: Path, dst: Path, keys: dict[str, Any], drop: str | None = None) -> Path:
+    """A copy of an mmproj with some keys changed (string / uint32 values) and a tensor dropped."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, "clip")
+    for name, fld in reader.fields.items():
+        if name.startswith(("clip.", "kvcmas.")) and name not in keys:
+            vtype = fld.types[0]
+            writer.add_key_value(name, fld.contents(), vtype,
+                                 sub_type=fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+    for name, value in keys.items():
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_uint32(name, value)
+    for t in reader.tensors:
+        if t.name != drop:
+            writer.add_tensor(t.name, np.array(t.data).reshape([int(x) for x in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("keys", "drop", "named"),
+    [
+        ({"clip.projector_type": "mlp"}, None, "needs clip.projector_type = 'gemma3'"),
+        ({"clip.vision.projector.scale_factor": 3}, None, "must divide the 16 patches"),
+        ({"kvcmas.vision.resample": "lanczos"}, None, "'bicubic' or 'bilinear'"),
+        ({}, "mm.soft_emb_norm.weight", "mm.soft_emb_norm.weight"),
+        ({}, "v.post_ln.weight", "last_hidden_state"),
+    ],
+    ids=["type", "pooling", "resample", "no-norm", "no-post-ln"],
+)
+def test_bad_gemma3_mmproj_files_are_refused(
+    gemma3: dict[str, Any], tmp_path: Path, keys: dict[str, Any], drop: str | None, named: str
+) -> None:
+    bad = _rewrite(gemma3["mmproj"], tmp_path / "bad.gguf", keys, drop)
+    with pytest.raises(kvcmas_cpp.KvcmasError, match=named):
+        VisionEncoder(bad, n_threads=1)
+
+
+def test_text_model_without_the_image_tokens_is_refused(default_model_path: Path) -> None:
+    """A Gemma 3 mmproj needs a vocabulary with its image tokens (checked when a session or server loads it)."""
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    lm = kvcmas_cpp.Model(default_model_path, n_threads=1)
+    with pytest.raises(ValueError, match="no <image_soft_token> token"):
+        g3.image_token_id(lm.tokenizer)
+    with pytest.raises(ValueError, match="no <start_of_image> token"):
+        g3.marker_ids(lm.tokenizer)
