@@ -21,7 +21,7 @@ using EmbdArray = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device
 using FloatOut  = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 
 static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want_logits, std::optional<EmbdArray> embd,
-                       std::optional<IntArray> embd_rows) {
+                       std::optional<IntArray> embd_rows, std::optional<IntArray> bidirectional) {
     const size_t n = seqs.shape(0);
     KC_CHECK(tokens.shape(0) == n && want_logits.shape(0) == n,
              "decode: seqs, tokens and want_logits must have the same length (%zu, %zu, %zu)", n,
@@ -42,6 +42,12 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
         }
         batch.embd        = embd->data();
         batch.n_embd_rows = static_cast<int64_t>(embd->shape(0));
+    }
+    if (bidirectional) {
+        KC_CHECK(bidirectional->shape(0) % 2 == 0, "decode: bidirectional must hold (first, end) pairs");
+        for (size_t i = 0; i < bidirectional->shape(0); i += 2) {
+            batch.bidirectional.emplace_back((*bidirectional)(i), (*bidirectional)(i + 1));
+        }
     }
     std::vector<float> * logits = new std::vector<float>();
     try {
@@ -293,8 +299,9 @@ void bind_engine(nb::module_ & m) {
             nb::arg("x"), nb::arg("shift"), nb::arg("layer") = 0,
             "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions with layer `layer`'s RoPE.")
         .def("decode", &decode, nb::arg("seqs"), nb::arg("tokens"), nb::arg("want_logits"),
-             nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(),
-             "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items.");
+             nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(), nb::arg("bidirectional") = nb::none(),
+             "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items. "
+             "bidirectional: int32 (first, end) item-range pairs whose items attend to each other (Gemma 3 images).");
 }
 
 }  // namespace kvcmas::py

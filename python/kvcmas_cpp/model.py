@@ -78,6 +78,17 @@ def token_ids(ids: Any, where: str) -> list[int]:
     return [int(t) for t in out]
 
 
+class BidirectionalRows(np.ndarray):
+    """Input vectors [n, n_embd] whose rows attend to each other, not only to earlier ones: Gemma 3's image tokens
+    (its mask is opened within an image). A view type (``rows.view(BidirectionalRows)``), so the marking travels with
+    the array through prompt segments and plans; such rows are appended in one piece (KVSequence.append_embeddings)."""
+
+
+def is_bidirectional(rows: object) -> bool:
+    """Whether prompt rows must be computed as one bidirectional span (never split into chunks)."""
+    return isinstance(rows, BidirectionalRows)
+
+
 @dataclass(frozen=True)
 class SharedKV:
     """KV rows of some sequence, stored once, that other sequences can append without copying (see
@@ -181,8 +192,14 @@ class KVSequence:
             return rows[-1][-1]
         return np.concatenate(rows, axis=0)
 
-    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
-        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings."""
+    def append_embeddings(
+        self, embeddings: np.ndarray, logits: bool = False, bidirectional: bool | None = None
+    ) -> np.ndarray | None:
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. bidirectional: the
+        rows attend to each other, not only to earlier ones (Gemma 3's image tokens: the model's mask within an
+        image); default: whether they are BidirectionalRows."""
+        if bidirectional is None:
+            bidirectional = is_bidirectional(embeddings)
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
@@ -192,7 +209,10 @@ class KVSequence:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
-        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32))
+        span = np.array([0, n], dtype=np.int32) if bidirectional else None
+        out = self._model._core.decode(
+            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32), span
+        )
         self.record([-1] * n, filled)
         return out[-1] if logits else None
 

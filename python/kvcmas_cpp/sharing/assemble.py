@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..model import KVSequence, Model, SharedKV
+from ..model import BidirectionalRows, KVSequence, Model, SharedKV
 from ..plan import Append, Plan
 from . import recompute as recompute_mod
 from .factors import Correction
@@ -31,10 +31,16 @@ def reserve_rows(seq: KVSequence, pending: list[int], held: list[int]) -> list[i
 
 
 def append_mixed(
-    seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
+    seq: KVSequence,
+    ids: list[int],
+    logits: Literal["last", "none"],
+    vectors: np.ndarray | None,
+    bidirectional: list[bool] | None = None,
 ) -> Plan[np.ndarray | None]:
     """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
-    of `vectors`): one Append per run of ids or of vectors; returns the last one's logits."""
+    of `vectors`): one Append per run of ids or of vectors (a run of rows flagged in `bidirectional`, per vector row,
+    is appended as BidirectionalRows: Gemma 3's images, separated by their begin / end tokens); returns the last
+    one's logits."""
     if not ids:
         return None
     if min(ids) >= 0:
@@ -43,12 +49,18 @@ def append_mixed(
         raise ValueError("a prompt holds input-vector ids but no vectors were registered")
     out: np.ndarray | None = None
     i = 0
+
+    def kind(t: int) -> int:  # 0: a token, 1: a vector row, 2: a bidirectional vector row
+        return 0 if t >= 0 else 2 if bidirectional and bidirectional[-t - 1] else 1
+
     while i < len(ids):
-        j, is_vec = i, ids[i] < 0
-        while j < len(ids) and (ids[j] < 0) == is_vec:
+        j, run = i, kind(ids[i])
+        while j < len(ids) and kind(ids[j]) == run:
             j += 1
         want = logits if j == len(ids) else "none"
-        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if is_vec else ids[i:j]
+        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if run else ids[i:j]
+        if run == 2:
+            rows = np.asarray(rows).view(BidirectionalRows)
         out = yield Append(seq, rows, want)
         i = j
     return out
@@ -143,7 +155,7 @@ class SpanAssembly:
         if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
             raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
-        logits = yield from append_mixed(seq, rows, "last", st.vectors)
+        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.bidirectional)
         assert logits is not None
         return logits, len(rows), corrs
 
