@@ -26,6 +26,9 @@ from test_kernels import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make
 Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
 MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
+# The types whose prefill with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU: the same
+# quantized activations as the decode path, so the same error bound; the other types' prefill stays exact.
+INT_PREFILL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0) if core.cpu_features().get("avx512_vnni") else ()
 
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
@@ -97,7 +100,8 @@ def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
 def test_q8_error_within_activation_rounding_bound(qtype: QT) -> None:
     """|y_q8 - y_exact| <= Σ_blocks s·Σ|w - m| per row, s = d / 256 the step of the residual pass: rounding moves each
     activation by at most half a step, or one step where the residual saturates at ±127. The exact path stays within
-    1e-5 of the exact product, and from 17 tokens on (prefill) q8 is exact too."""
+    1e-5 of the exact product; from 17 tokens on (prefill) q8 is within the same bound where the integer prefill GEMM
+    runs, else exact."""
     rng = np.random.default_rng(4000 + int(qtype))
     n_in, n_out = (768, 97) if block_size(qtype) == 256 else (576, 97)
     raw, w = make_weight(qtype, n_out, n_in, rng)
@@ -116,7 +120,10 @@ def test_q8_error_within_activation_rounding_bound(qtype: QT) -> None:
     y_exact = core.matmul(int(qtype), raw, n_in, n_out, x[:Q8_DECODE_MAX], 2, "f32")
     assert max_scaled_err(y_exact, exact[:Q8_DECODE_MAX], magnitude[:Q8_DECODE_MAX]) < 1e-5
     y_prefill = core.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8")  # 24 tokens: the prefill path
-    assert max_scaled_err(y_prefill, exact, magnitude) < 1e-5
+    if qtype in INT_PREFILL_TYPES:
+        assert (np.abs(y_prefill - exact) <= bound * (1 + 1e-6) + 1e-5 * magnitude).all()
+    else:
+        assert max_scaled_err(y_prefill, exact, magnitude) < 1e-5
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
@@ -154,6 +161,35 @@ def test_q8_k_quants_on_real_model_widths(qtype: QT, n_in: int) -> None:
     assert (np.abs(one - exact) <= bound * (1 + 1e-6) + 1e-5 * exact_magnitude).all()
     np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8"), one)
     np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x[2:3], 2, "q8")[0], one[2])
+
+
+@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX512-VNNI")
+@pytest.mark.parametrize(("n_in", "n_tok"), [(1536, 17), (2048, 64), (8960, 23)])
+@pytest.mark.parametrize("qtype", INT_PREFILL_TYPES or [QT.Q4_K], ids=lambda t: t.name)
+def test_integer_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) -> None:
+    """The integer prefill GEMM on rows of 1,536 to 8,960 columns: it agrees with the integer reference on the same
+    quantized activations to f32 rounding, stays within the activation rounding bound of the exact product, gives
+    the same bits on 1, 2 and 3 threads, and a token's row does not depend on the tokens beside it (micro tiles of
+    6 tokens, 16-row panels: 37 rows and 17 / 23 tokens leave partial ones)."""
+    rng = np.random.default_rng(8000 + int(qtype) + n_in)
+    n_out = 37
+    raw, w = make_weight(qtype, n_out, n_in, rng)
+    mins = min_part(raw, qtype, n_out, n_in)
+    x = activations(rng, n_tok + 1, n_in)
+    xq, step = quantize_q8(x[:n_tok])
+    ref = xq @ (w - mins).T + x[:n_tok].astype(np.float64) @ mins.T
+    magnitude = np.abs(xq) @ np.abs(w - mins).T + np.abs(x[:n_tok]) @ np.abs(mins).T
+    one = core.matmul(int(qtype), raw, n_in, n_out, x[:n_tok], 1, "q8")
+    assert max_scaled_err(one, ref, magnitude) < 1e-5
+    exact, exact_magnitude = exact_product(x[:n_tok], w)
+    bound = step @ np.abs(w - mins).reshape(n_out, -1, 32).sum(axis=-1).T
+    assert (np.abs(one - exact) <= bound * (1 + 1e-6) + 1e-5 * exact_magnitude).all()
+    # Not the exact path: the f32 prefill (KVCMAS_NO_QGEMM's) would sit at f32 rounding of the exact product.
+    assert max_scaled_err(one, exact, exact_magnitude) > 1e-6
+    for n_threads in (2, 3):
+        np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x[:n_tok], n_threads, "q8"), one)
+    np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8")[:n_tok], one)
+    np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x[1 : n_tok + 1], 3, "q8")[-2], one[-1])
 
 
 def test_activations_option_is_checked() -> None:
