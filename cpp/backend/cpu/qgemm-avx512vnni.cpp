@@ -213,15 +213,22 @@ void micro(const Panels & p, const Acts16 & a, int64_t n, float * y, int64_t ldy
         for (int g = 0; g < 32 / G; ++g) {
             const int64_t kp0 = 16 * b + g * (G / 2);
             __m512i       s[T][NP];
+            for (int t = 0; t < T; ++t) {
+                for (int u = 0; u < NP; ++u) {
+                    s[t][u] = _mm512_setzero_si512();  // a zeroing idiom: no execution port
+                }
+            }
+#pragma GCC unroll 16
             for (int kp = 0; kp < G / 2; ++kp) {
                 __m512i wq[NP];
                 for (int u = 0; u < NP; ++u) {
                     wq[u] = _mm512_load_si512(p.q[u] + 32 * (kp0 + kp));
                 }
+#pragma GCC unroll 6
                 for (int t = 0; t < T; ++t) {
                     const __m512i x = bcast_pair(a.v + t * a.ldv + 2 * (kp0 + kp));
                     for (int u = 0; u < NP; ++u) {
-                        s[t][u] = kp == 0 ? _mm512_madd_epi16(wq[u], x) : _mm512_dpwssd_epi32(s[t][u], wq[u], x);
+                        s[t][u] = _mm512_dpwssd_epi32(s[t][u], wq[u], x);
                     }
                 }
             }
