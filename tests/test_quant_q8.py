@@ -28,7 +28,7 @@ MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + 
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
 # The types whose prefill with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU: the same
 # quantized activations as the decode path, so the same error bound; the other types' prefill stays exact.
-INT_PREFILL_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0) if core.cpu_features().get("avx512_vnni") else ()
+INT_PREFILL_TYPES = tuple(BLOCK32_TYPES + K_TYPES) if core.cpu_features().get("avx512_vnni") else ()
 
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"

@@ -123,19 +123,44 @@ struct Q6K {
     }
 };
 
-struct Q80 {
+// The 32-element block types: x = d·(q - Offset) (+ m with a min). Q8_0's quants are signed bytes; the others keep
+// elements 0..15 in the low nibbles of qs and 16..31 in the high ones, and the 5-bit types bit j of qh as element j's
+// bit 4.
+template <typename Block, int Offset, bool High, bool Min>
+struct Block32 {
     static constexpr int  kGroup  = 32;
-    static constexpr bool kHasMin = false;
+    static constexpr bool kHasMin = Min;
     static __m512i        quants(const void * row, int64_t b) {
-        return _mm512_cvtepi8_epi16(load256(static_cast<const BlockQ8_0 *>(row)[b].qs));
+        const Block & blk = static_cast<const Block *>(row)[b];
+        if constexpr (sizeof(blk.qs) == 32) {
+            return _mm512_cvtepi8_epi16(load256(blk.qs));
+        } else {
+            const __m128i v   = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk.qs));
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+            __m512i       q   = _mm512_cvtepu8_epi16(nib);
+            if constexpr (High) {
+                uint32_t bits;
+                std::memcpy(&bits, blk.qh, 4);
+                q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(bits), q, _mm512_set1_epi16(16));
+            }
+            return _mm512_sub_epi16(q, _mm512_set1_epi16(Offset));
+        }
     }
-    static void factors(const void * row, int64_t n, float * scale, float *) {
-        const auto * blk = static_cast<const BlockQ8_0 *>(row);
+    static void factors(const void * row, int64_t n, float * scale, float * min) {
+        const auto * blk = static_cast<const Block *>(row);
         for (int64_t b = 0; b < n / 32; ++b) {
             scale[16 * b] = h2f(blk[b].d);
+            if constexpr (Min) {
+                min[16 * b] = -h2f(blk[b].m);  // subtracted: w = d·q + m
+            }
         }
     }
 };
+using Q40 = Block32<BlockQ4_0, 8, false, false>;
+using Q41 = Block32<BlockQ4_1, 0, false, true>;
+using Q50 = Block32<BlockQ5_0, 16, true, false>;
+using Q51 = Block32<BlockQ5_1, 0, true, true>;
+using Q80 = Block32<BlockQ8_0, 0, false, false>;
 
 // 16 vectors of 16 dwords: r[i] dword j -> out[j] dword i. In place.
 inline void transpose16(__m512i r[16]) {
@@ -348,20 +373,40 @@ void qgemm(const WeightView & w, const Acts16 & a, float * y, int64_t n_tok, Thr
 }  // namespace
 
 bool qgemm_type_avx512vnni(GgmlType type) {
-    return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K || type == GgmlType::Q8_0;
+    switch (type) {
+        case GgmlType::Q4_0:
+        case GgmlType::Q4_1:
+        case GgmlType::Q5_0:
+        case GgmlType::Q5_1:
+        case GgmlType::Q8_0:
+        case GgmlType::Q4_K:
+        case GgmlType::Q5_K:
+        case GgmlType::Q6_K:
+            return true;
+        default:
+            return false;
+    }
 }
 
 void qgemm_avx512vnni(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool) {
     const Acts16 a = quantize_acts16(x, w.n_in, n_tok, pool);
     switch (w.type) {
+        case GgmlType::Q4_0:
+            return qgemm<Q40>(w, a, y, n_tok, pool);
+        case GgmlType::Q4_1:
+            return qgemm<Q41>(w, a, y, n_tok, pool);
+        case GgmlType::Q5_0:
+            return qgemm<Q50>(w, a, y, n_tok, pool);
+        case GgmlType::Q5_1:
+            return qgemm<Q51>(w, a, y, n_tok, pool);
+        case GgmlType::Q8_0:
+            return qgemm<Q80>(w, a, y, n_tok, pool);
         case GgmlType::Q4_K:
             return qgemm<Q4K>(w, a, y, n_tok, pool);
         case GgmlType::Q5_K:
             return qgemm<Q5K>(w, a, y, n_tok, pool);
-        case GgmlType::Q6_K:
-            return qgemm<Q6K>(w, a, y, n_tok, pool);
         default:
-            return qgemm<Q80>(w, a, y, n_tok, pool);
+            return qgemm<Q6K>(w, a, y, n_tok, pool);
     }
 }
 
