@@ -42,6 +42,32 @@ struct Panels {
     const float *   min[kUnitPanels];
 };
 
+// 16 vectors of 16 dwords: r[i] dword j -> out[j] dword i. In place.
+inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; ++i) {
+        b[2 * i]     = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // a[4i + m], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + m.
+    for (int i = 0; i < 4; ++i) {
+        a[4 * i]     = _mm512_unpacklo_epi64(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 1] = _mm512_unpackhi_epi64(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 2] = _mm512_unpacklo_epi64(b[4 * i + 1], b[4 * i + 3]);
+        a[4 * i + 3] = _mm512_unpackhi_epi64(b[4 * i + 1], b[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512i s0 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88),
+                      s1 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
+        const __m512i s2 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xDD),
+                      s3 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xDD);
+        r[m]             = _mm512_shuffle_i32x4(s0, s1, 0x88);
+        r[8 + m]         = _mm512_shuffle_i32x4(s0, s1, 0xDD);
+        r[4 + m]         = _mm512_shuffle_i32x4(s2, s3, 0x88);
+        r[12 + m]        = _mm512_shuffle_i32x4(s2, s3, 0xDD);
+    }
+}
+
 // ---- unpacking ----------------------------------------------------------------------------------------------------
 // Each weight type gives the 32 integer quants of its 32-element block b of a row as int16 in element order, and the
 // f32 factors of a whole row (scale per group, min per 32-block).
@@ -53,6 +79,7 @@ inline __m256i load256(const void * p) {
 struct Q4K {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = true;
+    static constexpr bool kSuper  = true;  // factors per 256-element super-block
     static __m512i        quants(const void * row, int64_t b) {
         const auto &  blk = static_cast<const BlockQ4_K *>(row)[b / 8];
         const int     j   = static_cast<int>(b % 8);
@@ -60,27 +87,25 @@ struct Q4K {
         return _mm512_cvtepu8_epi16(
             _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F)));
     }
-    // scale[16·g], min[16·b]: rows are 16 floats apart.
+    // Super-block i's 16 factors of one row: d·sc_j (j < 8), then the mins dmin·m_j; stored at factor_at(.., i, j).
     template <typename Block>
-    static void k4_factors(const void * row, int64_t n, float * scale, float * min) {
-        const auto * blk = static_cast<const Block *>(row);
-        for (int64_t i = 0; i < n / 256; ++i) {
-            const ScalesMinsK4 sm = k4_scales_mins(blk[i].scales);
-            const float        d = h2f(blk[i].d), dmin = h2f(blk[i].dmin);
-            for (int j = 0; j < 8; ++j) {
-                scale[16 * (8 * i + j)] = d * static_cast<float>(sm.b[j]);
-                min[16 * (8 * i + j)]   = dmin * static_cast<float>(sm.b[8 + j]);
-            }
-        }
+    static __m512 k4_factors(const void * row, int64_t i) {
+        const auto &       blk = static_cast<const Block *>(row)[i];
+        const ScalesMinsK4 sm  = k4_scales_mins(blk.scales);
+        const __m512       v =
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sm.b))));
+        return _mm512_mul_ps(v, _mm512_insertf32x8(_mm512_set1_ps(h2f(blk.d)), _mm256_set1_ps(h2f(blk.dmin)), 1));
     }
-    static void factors(const void * row, int64_t n, float * scale, float * min) {
-        k4_factors<BlockQ4_K>(row, n, scale, min);
+    static __m512  factors(const void * row, int64_t i) { return k4_factors<BlockQ4_K>(row, i); }
+    static float * factor_at(float * scale, float * min, int64_t i, int j) {
+        return j < 8 ? scale + 16 * (8 * i + j) : min + 16 * (8 * i + j - 8);
     }
 };
 
 struct Q5K {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = true;
+    static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
         const auto &  blk = static_cast<const BlockQ5_K *>(row)[b / 8];
         const int     j   = static_cast<int>(b % 8);
@@ -91,9 +116,8 @@ struct Q5K {
             _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
         return _mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi));
     }
-    static void factors(const void * row, int64_t n, float * scale, float * min) {
-        Q4K::k4_factors<BlockQ5_K>(row, n, scale, min);
-    }
+    static __m512  factors(const void * row, int64_t i) { return Q4K::k4_factors<BlockQ5_K>(row, i); }
+    static float * factor_at(float * scale, float * min, int64_t i, int j) { return Q4K::factor_at(scale, min, i, j); }
 };
 
 // Q6_K block b = 8i + 4h + C (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e] and bits
@@ -101,6 +125,7 @@ struct Q5K {
 struct Q6K {
     static constexpr int  kGroup  = 16;
     static constexpr bool kHasMin = false;
+    static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
         const auto &  blk = static_cast<const BlockQ6_K *>(row)[b / 8];
         const int     h = static_cast<int>(b % 8) / 4, c = static_cast<int>(b % 4);
@@ -112,15 +137,14 @@ struct Q6K {
         const __m256i q  = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
         return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(32));
     }
-    static void factors(const void * row, int64_t n, float * scale, float *) {
-        const auto * blk = static_cast<const BlockQ6_K *>(row);
-        for (int64_t i = 0; i < n / 256; ++i) {
-            const float d = h2f(blk[i].d);
-            for (int g = 0; g < 16; ++g) {
-                scale[16 * (16 * i + g)] = d * static_cast<float>(blk[i].scales[g]);
-            }
-        }
+    // Super-block i's 16 factors of one row, d·scale_g.
+    static __m512 factors(const void * row, int64_t i) {
+        const auto & blk = static_cast<const BlockQ6_K *>(row)[i];
+        const __m512 sc =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk.scales))));
+        return _mm512_mul_ps(sc, _mm512_set1_ps(h2f(blk.d)));
     }
+    static float * factor_at(float * scale, float *, int64_t i, int j) { return scale + 16 * (16 * i + j); }
 };
 
 // The 32-element block types: x = d·(q - Offset) (+ m with a min). Q8_0's quants are signed bytes; the others keep
@@ -130,6 +154,7 @@ template <typename Block, int Offset, bool High, bool Min>
 struct Block32 {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = Min;
+    static constexpr bool kSuper  = false;  // factors per block, by factors() below
     static __m512i        quants(const void * row, int64_t b) {
         const Block & blk = static_cast<const Block *>(row)[b];
         if constexpr (sizeof(blk.qs) == 32) {
@@ -162,32 +187,6 @@ using Q50 = Block32<BlockQ5_0, 16, true, false>;
 using Q51 = Block32<BlockQ5_1, 0, true, true>;
 using Q80 = Block32<BlockQ8_0, 0, false, false>;
 
-// 16 vectors of 16 dwords: r[i] dword j -> out[j] dword i. In place.
-inline void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; ++i) {
-        b[2 * i]     = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        b[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    // a[4i + m], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + m.
-    for (int i = 0; i < 4; ++i) {
-        a[4 * i]     = _mm512_unpacklo_epi64(b[4 * i], b[4 * i + 2]);
-        a[4 * i + 1] = _mm512_unpackhi_epi64(b[4 * i], b[4 * i + 2]);
-        a[4 * i + 2] = _mm512_unpacklo_epi64(b[4 * i + 1], b[4 * i + 3]);
-        a[4 * i + 3] = _mm512_unpackhi_epi64(b[4 * i + 1], b[4 * i + 3]);
-    }
-    for (int m = 0; m < 4; ++m) {
-        const __m512i s0 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88),
-                      s1 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
-        const __m512i s2 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xDD),
-                      s3 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xDD);
-        r[m]             = _mm512_shuffle_i32x4(s0, s1, 0x88);
-        r[8 + m]         = _mm512_shuffle_i32x4(s0, s1, 0xDD);
-        r[4 + m]         = _mm512_shuffle_i32x4(s2, s3, 0x88);
-        r[12 + m]        = _mm512_shuffle_i32x4(s2, s3, 0xDD);
-    }
-}
-
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q (n / 2 vectors), factors at scale / min
 // (missing rows: zero quants and factors).
 template <typename Q>
@@ -204,13 +203,26 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
             _mm512_store_si512(q + 32 * (16 * b + i), r[i]);
         }
     }
-    const int64_t n_groups = w.n_in / Q::kGroup;
-    std::memset(scale, 0, static_cast<size_t>(16 * n_groups) * sizeof(float));
-    if (Q::kHasMin) {
-        std::memset(min, 0, static_cast<size_t>(16 * nb) * sizeof(float));
-    }
-    for (int i = 0; i < nr; ++i) {
-        Q::factors(base + i * static_cast<int64_t>(w.row_bytes), w.n_in, scale + i, min + i);
+    const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
+    if constexpr (Q::kSuper) {  // the 16 factors of each row's super-block, transposed like the quants
+        for (int64_t i = 0; i < w.n_in / 256; ++i) {
+            __m512i r[16];
+            for (int k = 0; k < 16; ++k) {
+                r[k] = k < nr ? _mm512_castps_si512(Q::factors(base + k * row_bytes, i)) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; ++j) {
+                _mm512_store_si512(Q::factor_at(scale, min, i, j), r[j]);
+            }
+        }
+    } else {
+        std::memset(scale, 0, static_cast<size_t>(16 * nb) * sizeof(float));
+        if (Q::kHasMin) {
+            std::memset(min, 0, static_cast<size_t>(16 * nb) * sizeof(float));
+        }
+        for (int k = 0; k < nr; ++k) {
+            Q::factors(base + k * row_bytes, w.n_in, scale + k, min + k);
+        }
     }
 }
 
