@@ -562,7 +562,7 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
         matmul_decode(&m, 1, x, n_tok, pool);
     } else if (q8 != nullptr && integer_prefill(w.type)) {
 #if defined(KC_AVX512VNNI)
-        qgemm_avx512vnni(w, x, y, n_tok, pool);
+        qgemm_avx512vnni(&w, &y, 1, x, n_tok, pool);
 #endif
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
@@ -585,6 +585,17 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
         KC_CHECK(mats[i].k.dequant != nullptr && mats[i].k.row_dot != nullptr, "matmul_multi: no kernel for %s",
                  ggml_type_name(static_cast<uint32_t>(w[i].type)));
         decode = decode && n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
+    }
+    bool integer = n_tok > 0;  // prefill of them all by the integer GEMM: one quantization of x, one parallel job
+    for (int i = 0; i < n_mats; ++i) {
+        integer = integer && mats[i].q8 != nullptr && integer_prefill(w[i].type) && w[i].n_out > 0 &&
+                  n_tok >= decode_max_tokens(w[i].type, true);
+    }
+    if (integer) {
+#if defined(KC_AVX512VNNI)
+        qgemm_avx512vnni(w, y, n_mats, x, n_tok, pool);
+#endif
+        return;
     }
     if (!decode) {  // prefill (or an empty matrix): each product on its own, exactly as matmul() runs it
         for (int i = 0; i < n_mats; ++i) {

@@ -338,48 +338,75 @@ Acts16 quantize_acts16(const float * x, int64_t n_in, int64_t n_tok, ThreadPool 
     return Acts16{ v, step, sums, n_in, nb };
 }
 
+// A work unit's panel bytes for rows of n elements: quants (16 int16 per element), factors (16 floats per group),
+// mins (16 floats per 32-block).
 template <typename Q>
-void qgemm(const WeightView & w, const Acts16 & a, float * y, int64_t n_tok, ThreadPool & pool) {
-    const int64_t n = w.n_in, nb = n / 32, n_groups = n / Q::kGroup;
-    // Per panel: quants (n int16 · 16 rows), factors (16 per group), mins (16 per 32-block).
-    const size_t         q_elems = static_cast<size_t>(16 * n), f_elems = static_cast<size_t>(16 * (n_groups + nb));
-    const size_t         panel_bytes   = q_elems * sizeof(int16_t) + f_elems * sizeof(float);
-    const int64_t        rows_per_unit = kPanelRows * kUnitPanels;
-    const int64_t        units         = (w.n_out + rows_per_unit - 1) / rows_per_unit;
-    std::atomic<int64_t> next{ 0 };
-    pool.run([&](int, int) {
-        char * buf = static_cast<char *>(tl_panels.get(kUnitPanels * panel_bytes));
-        for (;;) {
-            const int64_t unit = next.fetch_add(1, std::memory_order_relaxed);
-            if (unit >= units) {
-                return;
-            }
-            const int64_t r0 = unit * rows_per_unit;
-            const int     nr = static_cast<int>(w.n_out - r0 < rows_per_unit ? w.n_out - r0 : rows_per_unit);
-            const int     np = (nr + kPanelRows - 1) / kPanelRows;
-            Panels        p{};
-            for (int u = 0; u < np; ++u) {
-                char * at    = buf + u * panel_bytes;
-                p.q[u]       = reinterpret_cast<int16_t *>(at);
-                p.scale[u]   = reinterpret_cast<float *>(at + q_elems * sizeof(int16_t));
-                p.min[u]     = p.scale[u] + 16 * n_groups;
-                const int rn = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
-                pack_panel<Q>(w, r0 + kPanelRows * u, rn, const_cast<int16_t *>(p.q[u]),
-                              const_cast<float *>(p.scale[u]), const_cast<float *>(p.min[u]));
-            }
-            for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
-                const int    nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
-                const Acts16 at{ a.v + t0 * a.ldv, a.step + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.ldv,
-                                 a.ld_blocks };
-                float *      yt = y + t0 * w.n_out + r0;
-                if (np == 2) {
-                    MicroTable<Q, 2>::fn[nt](p, at, n, yt, w.n_out, nr);
-                } else {
-                    MicroTable<Q, 1>::fn[nt](p, at, n, yt, w.n_out, nr);
-                }
-            }
+size_t panel_bytes(int64_t n) {
+    return static_cast<size_t>(16 * n) * sizeof(int16_t) +
+           static_cast<size_t>(16 * (n / Q::kGroup + n / 32)) * sizeof(float);
+}
+
+constexpr int64_t kUnitRows = kPanelRows * kUnitPanels;
+
+// Work unit `unit` of matrix w (rows 32·unit ..): its panels unpacked into buf, then every token against them.
+template <typename Q>
+void run_unit(const WeightView & w, const Acts16 & a, float * y, int64_t n_tok, int64_t unit, char * buf) {
+    const int64_t n = w.n_in, r0 = unit * kUnitRows;
+    const int     nr = static_cast<int>(w.n_out - r0 < kUnitRows ? w.n_out - r0 : kUnitRows);
+    const int     np = (nr + kPanelRows - 1) / kPanelRows;
+    Panels        p{};
+    for (int u = 0; u < np; ++u) {
+        char *    at    = buf + u * panel_bytes<Q>(n);
+        auto *    q     = reinterpret_cast<int16_t *>(at);
+        auto *    scale = reinterpret_cast<float *>(at + static_cast<size_t>(16 * n) * sizeof(int16_t));
+        float *   min   = scale + 16 * (n / Q::kGroup);
+        const int rn    = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
+        pack_panel<Q>(w, r0 + kPanelRows * u, rn, q, scale, min);
+        p.q[u]     = q;
+        p.scale[u] = scale;
+        p.min[u]   = min;
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
+        const int    nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
+        const Acts16 at{ a.v + t0 * a.ldv, a.step + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.ldv, a.ld_blocks };
+        float *      yt = y + t0 * w.n_out + r0;
+        if (np == 2) {
+            MicroTable<Q, 2>::fn[nt](p, at, n, yt, w.n_out, nr);
+        } else {
+            MicroTable<Q, 1>::fn[nt](p, at, n, yt, w.n_out, nr);
         }
-    });
+    }
+}
+
+struct UnitKernel {
+    void (*run)(const WeightView &, const Acts16 &, float *, int64_t, int64_t, char *);
+    size_t panel_bytes;  // per panel, for this matrix's rows
+};
+
+template <typename Q>
+UnitKernel unit_kernel(int64_t n) {
+    return { run_unit<Q>, panel_bytes<Q>(n) };
+}
+
+UnitKernel select_unit(GgmlType type, int64_t n) {
+    switch (type) {
+        case GgmlType::Q4_0:
+            return unit_kernel<Q40>(n);
+        case GgmlType::Q4_1:
+            return unit_kernel<Q41>(n);
+        case GgmlType::Q5_0:
+            return unit_kernel<Q50>(n);
+        case GgmlType::Q5_1:
+            return unit_kernel<Q51>(n);
+        case GgmlType::Q8_0:
+            return unit_kernel<Q80>(n);
+        case GgmlType::Q4_K:
+            return unit_kernel<Q4K>(n);
+        case GgmlType::Q5_K:
+            return unit_kernel<Q5K>(n);
+        default:
+            return unit_kernel<Q6K>(n);
+    }
 }
 
 }  // namespace
@@ -400,26 +427,33 @@ bool qgemm_type_avx512vnni(GgmlType type) {
     }
 }
 
-void qgemm_avx512vnni(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool) {
-    const Acts16 a = quantize_acts16(x, w.n_in, n_tok, pool);
-    switch (w.type) {
-        case GgmlType::Q4_0:
-            return qgemm<Q40>(w, a, y, n_tok, pool);
-        case GgmlType::Q4_1:
-            return qgemm<Q41>(w, a, y, n_tok, pool);
-        case GgmlType::Q5_0:
-            return qgemm<Q50>(w, a, y, n_tok, pool);
-        case GgmlType::Q5_1:
-            return qgemm<Q51>(w, a, y, n_tok, pool);
-        case GgmlType::Q8_0:
-            return qgemm<Q80>(w, a, y, n_tok, pool);
-        case GgmlType::Q4_K:
-            return qgemm<Q4K>(w, a, y, n_tok, pool);
-        case GgmlType::Q5_K:
-            return qgemm<Q5K>(w, a, y, n_tok, pool);
-        default:
-            return qgemm<Q6K>(w, a, y, n_tok, pool);
+void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                      ThreadPool & pool) {
+    const Acts16 a = quantize_acts16(x, w[0].n_in, n_tok, pool);
+    UnitKernel   k[kMaxMatmulMulti];
+    int64_t      first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
+    size_t       buf_bytes = 0;
+    first_unit[0]          = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        k[i]              = select_unit(w[i].type, w[i].n_in);
+        buf_bytes         = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
+        first_unit[i + 1] = first_unit[i] + (w[i].n_out + kUnitRows - 1) / kUnitRows;
     }
+    std::atomic<int64_t> next{ 0 };
+    pool.run([&](int, int) {
+        char * buf = static_cast<char *>(tl_panels.get(buf_bytes));
+        int    m   = 0;
+        for (;;) {
+            const int64_t unit = next.fetch_add(1, std::memory_order_relaxed);
+            if (unit >= first_unit[n_mats]) {
+                return;
+            }
+            while (unit >= first_unit[m + 1]) {
+                ++m;
+            }
+            k[m].run(w[m], a, y[m], n_tok, unit - first_unit[m], buf);
+        }
+    });
 }
 
 }  // namespace kvcmas::cpu::detail

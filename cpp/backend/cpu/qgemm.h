@@ -24,9 +24,12 @@ namespace kvcmas::cpu::detail {
 #if defined(KC_AVX512VNNI)
 // Whether qgemm_avx512vnni handles `type`.
 bool qgemm_type_avx512vnni(GgmlType type);
-// y [n_tok][w.n_out] = x̂ · dequantize(w)ᵀ for x [n_tok][w.n_in] f32; only once cpu_features().avx512_vnni and for a
-// type that qgemm_type_avx512vnni accepts.
-void qgemm_avx512vnni(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
+// y[i] [n_tok][w[i].n_out] = x̂ · dequantize(w[i])ᵀ for x [n_tok][n_in] f32 and n_mats (<= kMaxMatmulMulti) matrices
+// with the same n_in (a layer's Q, K, V; its gate and up): x is quantized once, and the 32-row units of all the
+// matrices are shared out in one parallel job. Only once cpu_features().avx512_vnni and for types that
+// qgemm_type_avx512vnni accepts.
+void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                      ThreadPool & pool);
 #endif
 
 }  // namespace kvcmas::cpu::detail
