@@ -24,7 +24,7 @@ inline float h2f(uint16_t h) {
 }
 
 // The activations of one call: v[t·ldv + k] = 256·q + qr (x̂ = step·v), and per 32 elements (t·ld_blocks + b) the
-// step and the exact sum of x (for the min term of Q4_K / Q5_K).
+// step and the exact sum of x (for the min term of Q4_1, Q5_1, Q4_K and Q5_K).
 struct Acts16 {
     const int16_t * v;
     const float *   step;
