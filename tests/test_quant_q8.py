@@ -192,6 +192,33 @@ def test_integer_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) 
     np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x[1 : n_tok + 1], 3, "q8")[-2], one[-1])
 
 
+@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX512-VNNI")
+def test_no_qgemm_turns_the_integer_prefill_off(tmp_path: Path) -> None:
+    """KVCMAS_NO_QGEMM=1 (docs/install.md): q8 prefill is then the exact f32 prefill, bit for bit, and the CPU no
+    longer reports avx512_vnni; without it, q8 prefill differs from the exact path."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9000)
+    raw, _ = make_weight(QT.Q4_K, 40, 512, rng)
+    x = activations(rng, 20, 512)
+    (tmp_path / "w.bin").write_bytes(raw)
+    np.save(tmp_path / "x.npy", x)
+    script = (
+        "import sys, numpy as np; from pathlib import Path; from kvcmas_cpp._native import core; "
+        f"d = Path({str(tmp_path)!r}); w = (d / 'w.bin').read_bytes(); x = np.load(d / 'x.npy'); "
+        f"[np.save(d / f'{{a}}.npy', core.matmul({int(QT.Q4_K)}, w, 512, 40, x, 2, a)) for a in ('q8', 'f32')]; "
+        "print(core.cpu_features()['avx512_vnni'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "KVCMAS_NO_QGEMM": "1"}, capture_output=True
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().strip() == "False"
+    np.testing.assert_array_equal(np.load(tmp_path / "q8.npy"), np.load(tmp_path / "f32.npy"))
+    assert not np.array_equal(core.matmul(int(QT.Q4_K), raw, 512, 40, x, 2, "q8"), np.load(tmp_path / "f32.npy"))
+
+
 def test_activations_option_is_checked() -> None:
     raw, _ = make_weight(QT.Q4_0, 4, 32, np.random.default_rng(0))
     with pytest.raises(kc.KvcmasError, match="activations must be 'q8' or 'f32'"):
