@@ -100,6 +100,43 @@ def test_matmul_multi_equals_separate_products(ops, n_tok: int) -> None:
         np.testing.assert_array_equal(y, ops.matmul(type_id, raw, n_in, n_out, x))
 
 
+INT_PREFILL = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]  # the types of the integer prefill GEMM (qgemm.h)
+
+
+@pytest.mark.parametrize("type_name", INT_PREFILL)
+@pytest.mark.parametrize("n_tok", [17, 40])
+def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
+    """The CPU backend with 8-bit activations: prefill (17+ tokens) is within the activation rounding bound of the
+    exact product (the integer GEMM on AVX512-VNNI CPUs, the exact f32 path elsewhere), matmul_multi over a layer's
+    Q/K/V-like matrices (one quantization, one job) gives the same bits as separate matmuls, and 1, 2 and 3 threads
+    the same bits."""
+    from test_quant_q8 import min_part, quantize_q8
+
+    rng = np.random.default_rng(zlib.crc32(f"{type_name}/{n_tok}".encode()))
+    n_in, outs = 1536, [256, 37, 100]
+    parts = [_weight(rng, type_name, n_in, n) for n in outs]
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    x[:, 7] *= 40.0  # an outlier channel: coarse steps in its blocks
+    _, step = quantize_q8(x)
+    first = None
+    for n_threads in (1, 2, 3):
+        ops = testing.BackendOps("cpu", n_threads)
+        ops.set_activations("q8")
+        got = ops.matmul_multi(parts[0][2], [p[0] for p in parts], n_in, outs, x)
+        for (raw, w, type_id), n_out, y in zip(parts, outs, got, strict=True):
+            np.testing.assert_array_equal(y, ops.matmul(type_id, raw, n_in, n_out, x))
+            ref = x.astype(np.float64) @ w.astype(np.float64).T
+            scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+            # Each x moves by at most its block's step; a min term (Q4_1, Q4_K, Q5_K) uses the exact sums of x.
+            wq = np.abs(w - min_part(raw, gguf.GGMLQuantizationType(type_id), n_out, n_in))
+            bound = step @ wq.reshape(n_out, -1, 32).sum(axis=-1).T
+            assert np.all(np.abs(y - ref) <= bound * (1 + 1e-6) + MATMUL_TOL["cpu"] * scale), type_name
+        if first is None:
+            first = got
+        for a, b in zip(first, got, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("type_name", WEIGHT_TYPES)
 def test_embed_rows(ops, type_name: str) -> None:
     rng = np.random.default_rng(3)

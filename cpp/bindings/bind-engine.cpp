@@ -137,6 +137,7 @@ void bind_engine(nb::module_ & m) {
             d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
             d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
             d["avx512"]        = cpu::cpu_features().avx512;
+            d["avx512_vnni"]   = cpu::cpu_features().avx512_vnni;
             return d;
         },
         "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");

@@ -12,6 +12,10 @@ struct CpuFeatures {
     // AVX-512 F/BW/DQ/VL with zmm state enabled by the OS (Skylake-X, Ice Lake, Sapphire Rapids, Zen 4 and later):
     // the prefill GEMM. KVCMAS_NO_AVX512=1 turns it off (tests compare it with the AVX2 kernel).
     bool avx512 = false;
+    // AVX512-VNNI on top of avx512 (Ice Lake, Sapphire Rapids, Zen 4 and later): 16-bit dot products in one
+    // instruction, used by the integer prefill GEMM of the 8-bit activation path (backend/cpu/qgemm.h).
+    // KVCMAS_NO_AVX512=1 turns it off with avx512; KVCMAS_NO_QGEMM=1 alone (tests compare the prefill paths).
+    bool avx512_vnni = false;
 };
 
 const CpuFeatures & cpu_features();

@@ -6,11 +6,35 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "common/ggml-types.h"
 
 namespace kvcmas::cpu::detail {
+
+// A grow-only, 64-byte aligned scratch buffer; one per thread, reused across calls (no allocation per matmul).
+class ScratchBuffer {
+  public:
+    ~ScratchBuffer() { std::free(data_); }
+    void * get(size_t bytes) {
+        if (bytes > capacity_) {
+            std::free(data_);
+            capacity_ = (bytes + 63) & ~size_t(63);
+            data_     = std::aligned_alloc(64, capacity_);
+            if (data_ == nullptr) {
+                capacity_ = 0;
+                throw std::bad_alloc();
+            }
+        }
+        return data_;
+    }
+
+  private:
+    void * data_     = nullptr;
+    size_t capacity_ = 0;
+};
 
 // ---- weight blocks (ggml layouts; f16 scales stored as raw bits) -------------------------------------------------
 // Elements j < 16 of a 32-block live in the low nibbles of qs[j], elements j >= 16 in the high nibbles of qs[j-16];

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "backend/cpu/cpu-features.h"
 #include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/qgemm.h"
 #include "backend/cpu/quants-dot.h"
 #include "backend/cpu/quants.h"
 
@@ -301,28 +302,6 @@ Kernels select_kernels(GgmlType type) {
     return { dequant_fn_scalar(type), row_dot_fn_scalar(type), gemm_tile_scalar };
 }
 
-// A grow-only, 64-byte aligned scratch buffer; one per thread, reused across calls (no allocation per matmul).
-class ScratchBuffer {
-  public:
-    ~ScratchBuffer() { std::free(data_); }
-    void * get(size_t bytes) {
-        if (bytes > capacity_) {
-            std::free(data_);
-            capacity_ = (bytes + 63) & ~size_t(63);
-            data_     = std::aligned_alloc(64, capacity_);
-            if (data_ == nullptr) {
-                capacity_ = 0;
-                throw std::bad_alloc();
-            }
-        }
-        return data_;
-    }
-
-  private:
-    void * data_     = nullptr;
-    size_t capacity_ = 0;
-};
-
 thread_local ScratchBuffer tl_tile_buffer;  // prefill: dequantized weight tile
 thread_local ScratchBuffer tl_sums_buffer;  // decode: per-32 sums of the activations (caller thread)
 thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and their scales (caller thread)
@@ -364,6 +343,16 @@ Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
     (void) x;
 #endif
     return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
+}
+
+// Whether the prefill of `type` with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU.
+bool integer_prefill(GgmlType type) {
+#if defined(KC_AVX512VNNI)
+    return cpu_features().avx512_vnni && qgemm_type_avx512vnni(type);
+#else
+    (void) type;
+    return false;
+#endif
 }
 
 void check_weight(const WeightView & w, const char * what) {
@@ -571,6 +560,10 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     if (n_tok < decode_max_tokens(w.type, q8 != nullptr)) {
         const DecodeTarget m{ &w, k, y, q8 };
         matmul_decode(&m, 1, x, n_tok, pool);
+    } else if (q8 != nullptr && integer_prefill(w.type)) {
+#if defined(KC_AVX512VNNI)
+        qgemm_avx512vnni(&w, &y, 1, x, n_tok, pool);
+#endif
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
     }
@@ -592,6 +585,17 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
         KC_CHECK(mats[i].k.dequant != nullptr && mats[i].k.row_dot != nullptr, "matmul_multi: no kernel for %s",
                  ggml_type_name(static_cast<uint32_t>(w[i].type)));
         decode = decode && n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
+    }
+    bool integer = n_tok > 0;  // prefill of them all by the integer GEMM: one quantization of x, one parallel job
+    for (int i = 0; i < n_mats; ++i) {
+        integer = integer && mats[i].q8 != nullptr && integer_prefill(w[i].type) && w[i].n_out > 0 &&
+                  n_tok >= decode_max_tokens(w[i].type, true);
+    }
+    if (integer) {
+#if defined(KC_AVX512VNNI)
+        qgemm_avx512vnni(w, y, n_mats, x, n_tok, pool);
+#endif
+        return;
     }
     if (!decode) {  // prefill (or an empty matrix): each product on its own, exactly as matmul() runs it
         for (int i = 0; i < n_mats; ++i) {

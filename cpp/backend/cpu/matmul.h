@@ -23,7 +23,9 @@ struct WeightView {
 // computes dequantize_row(w)·x to f32 rounding). Q8: the activations quantized per 32 elements in two 8-bit passes and
 // integer dot products with the stored blocks (like llama.cpp, which does one pass; faster, error bound in
 // backend/cpu/quants-dot.h). Q8 applies to the decode path (n_tok below the prefill threshold) of the quantized types
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on CPUs with AVX2; everything else runs as with F32.
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on CPUs with AVX2, and to the prefill path of the same types on CPUs
+// with AVX512-VNNI (the same quantized activations in an integer GEMM, backend/cpu/qgemm.h: same error bound);
+// everything else runs as with F32.
 enum class Activations { F32, Q8 };
 
 // y = x · wᵀ:  x [n_tok][n_in] f32 row-major (row stride n_in), y [n_tok][n_out] f32 row-major (row stride n_out).
@@ -32,7 +34,8 @@ enum class Activations { F32, Q8 };
 // for a register-blocked GEMM. With act == F32 every path computes dequantize_row(w)·x with f32 products and sums,
 // so a row's result agrees with it to f32 rounding (~1e-7 of Σ|w||x|) whatever n_tok, the thread count or the CPU
 // path. With act == Q8 the decode path of the quantized types (up to 16 tokens) uses 8-bit activations instead
-// (backend/cpu/quants-dot.h: error bound); a row's result still does not depend on n_tok (below 17) or the thread count.
+// (backend/cpu/quants-dot.h: error bound), and so does the prefill path of the types qgemm.h covers; a row's result
+// does not depend on the thread count, nor on n_tok within the decode range (below 17) or within the prefill range.
 void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool,
             Activations act = Activations::F32);
 

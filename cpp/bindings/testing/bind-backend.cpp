@@ -204,6 +204,10 @@ void bind_backend(nb::module_ & m) {
             "free_bytes", [](Ops & o) { return o.be->free_bytes(); },
             "device memory free now (the CPU backend: 0, its memory is the process's)")
         .def(
+            "set_activations", [](Ops & o, const std::string & act) { o.be->set_activations(parse_activations(act)); },
+            nb::arg("activations"),
+            "'q8' or 'f32': the activations of the backend's matmuls (the CPU backend; others keep theirs).")
+        .def(
             "try_alloc", [](Ops & o, size_t bytes) { backend::Buffer b(*o.be, bytes); }, nb::arg("bytes"),
             "Allocates and frees `bytes` of backend memory (raises when the device cannot hold them).")
         .def(

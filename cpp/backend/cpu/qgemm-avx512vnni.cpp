@@ -1,0 +1,459 @@
+// The integer prefill GEMM (compiled with -mavx512f/bw/dq/vl/vnni; called only after the run-time check). Contract,
+// number formats and error: qgemm.h.
+#include <immintrin.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/qgemm.h"
+#include "backend/cpu/quants-dot.h"
+
+// GCC 12 flags the undefined pass-through operand inside _mm512_cvtepi32_ps (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kvcmas::cpu::detail {
+namespace {
+
+constexpr int kPanelRows  = 16;  // weight rows per panel: the int32 lanes of a zmm
+constexpr int kUnitPanels = 2;   // panels per work unit and micro tile (32 rows)
+constexpr int kMicroT     = 6;   // tokens per micro tile: 12 int32 + 12 f32 accumulators of 32 zmm
+
+inline float h2f(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+// The activations of one call: v[t·ldv + k] = 256·q + qr (x̂ = step·v), and per 32 elements (t·ld_blocks + b) the
+// step and the exact sum of x (for the min term of Q4_1, Q5_1, Q4_K and Q5_K).
+struct Acts16 {
+    const int16_t * v;
+    const float *   step;
+    const float *   sums;
+    int64_t         ldv;
+    int64_t         ld_blocks;
+};
+
+// One work unit's weights, unpacked: panel p's quants at q[p] (k-pair kp at q[p] + 32·kp: rows 0..15 × 2 elements),
+// its f32 factors per group g (G elements) at scale[p] + 16·g, and for types with a min, the min factor per 32-block b
+// at min[p] + 16·b (subtracted: w = factor·q - min).
+struct Panels {
+    const int16_t * q[kUnitPanels];
+    const float *   scale[kUnitPanels];
+    const float *   min[kUnitPanels];
+};
+
+// 16 vectors of 16 dwords: r[i] dword j -> out[j] dword i. In place.
+inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; ++i) {
+        b[2 * i]     = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        b[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // a[4i + m], 128-bit lane L: rows 4i .. 4i + 3 of column 4L + m.
+    for (int i = 0; i < 4; ++i) {
+        a[4 * i]     = _mm512_unpacklo_epi64(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 1] = _mm512_unpackhi_epi64(b[4 * i], b[4 * i + 2]);
+        a[4 * i + 2] = _mm512_unpacklo_epi64(b[4 * i + 1], b[4 * i + 3]);
+        a[4 * i + 3] = _mm512_unpackhi_epi64(b[4 * i + 1], b[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+        const __m512i s0 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88),
+                      s1 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
+        const __m512i s2 = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xDD),
+                      s3 = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xDD);
+        r[m]             = _mm512_shuffle_i32x4(s0, s1, 0x88);
+        r[8 + m]         = _mm512_shuffle_i32x4(s0, s1, 0xDD);
+        r[4 + m]         = _mm512_shuffle_i32x4(s2, s3, 0x88);
+        r[12 + m]        = _mm512_shuffle_i32x4(s2, s3, 0xDD);
+    }
+}
+
+// ---- unpacking ----------------------------------------------------------------------------------------------------
+// Each weight type gives the 32 integer quants of its 32-element block b of a row as int16 in element order, and the
+// f32 factors of a whole row (scale per group, min per 32-block).
+
+inline __m256i load256(const void * p) {
+    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
+}
+
+struct Q4K {
+    static constexpr int  kGroup  = 32;
+    static constexpr bool kHasMin = true;
+    static constexpr bool kSuper  = true;  // factors per 256-element super-block
+    static __m512i        quants(const void * row, int64_t b) {
+        const auto &  blk = static_cast<const BlockQ4_K *>(row)[b / 8];
+        const int     j   = static_cast<int>(b % 8);
+        const __m256i v   = load256(blk.qs + 32 * (j / 2));
+        return _mm512_cvtepu8_epi16(
+            _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F)));
+    }
+    // Super-block i's 16 factors of one row: d·sc_j (j < 8), then the mins dmin·m_j; stored at factor_at(.., i, j).
+    template <typename Block>
+    static __m512 k4_factors(const void * row, int64_t i) {
+        const auto &       blk = static_cast<const Block *>(row)[i];
+        const ScalesMinsK4 sm  = k4_scales_mins(blk.scales);
+        const __m512       v =
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(sm.b))));
+        return _mm512_mul_ps(v, _mm512_insertf32x8(_mm512_set1_ps(h2f(blk.d)), _mm256_set1_ps(h2f(blk.dmin)), 1));
+    }
+    static __m512  factors(const void * row, int64_t i) { return k4_factors<BlockQ4_K>(row, i); }
+    static float * factor_at(float * scale, float * min, int64_t i, int j) {
+        return j < 8 ? scale + 16 * (8 * i + j) : min + 16 * (8 * i + j - 8);
+    }
+};
+
+struct Q5K {
+    static constexpr int  kGroup  = 32;
+    static constexpr bool kHasMin = true;
+    static constexpr bool kSuper  = true;
+    static __m512i        quants(const void * row, int64_t b) {
+        const auto &  blk = static_cast<const BlockQ5_K *>(row)[b / 8];
+        const int     j   = static_cast<int>(b % 8);
+        const __m256i lo  = _mm256_and_si256(
+            _mm256_srl_epi16(load256(blk.qs + 32 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F));
+        // Bit j of qh[l] to 0x10 (a 16-bit shift: bit 0 of each byte comes from the same byte for j < 8).
+        const __m256i hi = _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
+        return _mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi));
+    }
+    static __m512  factors(const void * row, int64_t i) { return Q4K::k4_factors<BlockQ5_K>(row, i); }
+    static float * factor_at(float * scale, float * min, int64_t i, int j) { return Q4K::factor_at(scale, min, i, j); }
+};
+
+// Q6_K block b = 8i + 4h + C (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e] and bits
+// 2C of qh[32h + e]; groups of 16 (group 2b + e / 16 uses scales[(2b) % 16 + e / 16]).
+struct Q6K {
+    static constexpr int  kGroup  = 16;
+    static constexpr bool kHasMin = false;
+    static constexpr bool kSuper  = true;
+    static __m512i        quants(const void * row, int64_t b) {
+        const auto &  blk = static_cast<const BlockQ6_K *>(row)[b / 8];
+        const int     h = static_cast<int>(b % 8) / 4, c = static_cast<int>(b % 4);
+        const __m256i lo =
+            _mm256_and_si256(_mm256_srl_epi16(load256(blk.ql + 64 * h + 32 * (c % 2)), _mm_cvtsi32_si128(4 * (c / 2))),
+                             _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh + 32 * h), _mm_cvtsi32_si128(2 * c)),
+                                            _mm256_set1_epi8(0x03));
+        const __m256i q  = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(32));
+    }
+    // Super-block i's 16 factors of one row, d·scale_g.
+    static __m512 factors(const void * row, int64_t i) {
+        const auto & blk = static_cast<const BlockQ6_K *>(row)[i];
+        const __m512 sc =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(blk.scales))));
+        return _mm512_mul_ps(sc, _mm512_set1_ps(h2f(blk.d)));
+    }
+    static float * factor_at(float * scale, float *, int64_t i, int j) { return scale + 16 * (16 * i + j); }
+};
+
+// The 32-element block types: x = d·(q - Offset) (+ m with a min). Q8_0's quants are signed bytes; the others keep
+// elements 0..15 in the low nibbles of qs and 16..31 in the high ones, and the 5-bit types bit j of qh as element j's
+// bit 4.
+template <typename Block, int Offset, bool High, bool Min>
+struct Block32 {
+    static constexpr int  kGroup  = 32;
+    static constexpr bool kHasMin = Min;
+    static constexpr bool kSuper  = false;  // factors per block, by factors() below
+    static __m512i        quants(const void * row, int64_t b) {
+        const Block & blk = static_cast<const Block *>(row)[b];
+        if constexpr (sizeof(blk.qs) == 32) {
+            return _mm512_cvtepi8_epi16(load256(blk.qs));
+        } else {
+            const __m128i v   = _mm_loadu_si128(reinterpret_cast<const __m128i *>(blk.qs));
+            const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+            __m512i       q   = _mm512_cvtepu8_epi16(nib);
+            if constexpr (High) {
+                uint32_t bits;
+                std::memcpy(&bits, blk.qh, 4);
+                q = _mm512_mask_add_epi16(q, static_cast<__mmask32>(bits), q, _mm512_set1_epi16(16));
+            }
+            return _mm512_sub_epi16(q, _mm512_set1_epi16(Offset));
+        }
+    }
+    static void factors(const void * row, int64_t n, float * scale, float * min) {
+        const auto * blk = static_cast<const Block *>(row);
+        for (int64_t b = 0; b < n / 32; ++b) {
+            scale[16 * b] = h2f(blk[b].d);
+            if constexpr (Min) {
+                min[16 * b] = -h2f(blk[b].m);  // subtracted: w = d·q + m
+            }
+        }
+    }
+};
+using Q40 = Block32<BlockQ4_0, 8, false, false>;
+using Q41 = Block32<BlockQ4_1, 0, false, true>;
+using Q50 = Block32<BlockQ5_0, 16, true, false>;
+using Q51 = Block32<BlockQ5_1, 0, true, true>;
+using Q80 = Block32<BlockQ8_0, 0, false, false>;
+
+// Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q (n / 2 vectors), factors at scale / min
+// (missing rows: zero quants and factors).
+template <typename Q>
+void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * scale, float * min) {
+    const auto *  base = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    const int64_t nb   = w.n_in / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+            r[i] = i < nr ? Q::quants(base + i * static_cast<int64_t>(w.row_bytes), b) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) {
+            _mm512_store_si512(q + 32 * (16 * b + i), r[i]);
+        }
+    }
+    const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
+    if constexpr (Q::kSuper) {  // the 16 factors of each row's super-block, transposed like the quants
+        for (int64_t i = 0; i < w.n_in / 256; ++i) {
+            __m512i r[16];
+            for (int k = 0; k < 16; ++k) {
+                r[k] = k < nr ? _mm512_castps_si512(Q::factors(base + k * row_bytes, i)) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; ++j) {
+                _mm512_store_si512(Q::factor_at(scale, min, i, j), r[j]);
+            }
+        }
+    } else {
+        std::memset(scale, 0, static_cast<size_t>(16 * nb) * sizeof(float));
+        if (Q::kHasMin) {
+            std::memset(min, 0, static_cast<size_t>(16 * nb) * sizeof(float));
+        }
+        for (int k = 0; k < nr; ++k) {
+            Q::factors(base + k * row_bytes, w.n_in, scale + k, min + k);
+        }
+    }
+}
+
+// ---- the micro tile -------------------------------------------------------------------------------------------------
+
+inline __m512i bcast_pair(const int16_t * v) {
+    int32_t pair;
+    std::memcpy(&pair, v, 4);
+    return _mm512_set1_epi32(pair);
+}
+
+// y[t·ldy + r] = Σ_groups cvt(Σ_k q·v)·(factor·step) - Σ_blocks min·sum, for T tokens (activation rows t0 ..) and the
+// rows r < nr of NP panels.
+template <typename Q, int T, int NP>
+void micro(const Panels & p, const Acts16 & a, int64_t n, float * y, int64_t ldy, int nr) {
+    constexpr int G = Q::kGroup;
+    __m512        acc[T][NP];
+    for (int t = 0; t < T; ++t) {
+        for (int u = 0; u < NP; ++u) {
+            acc[t][u] = _mm512_setzero_ps();
+        }
+    }
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int g = 0; g < 32 / G; ++g) {
+            const int64_t kp0 = 16 * b + g * (G / 2);
+            __m512i       s[T][NP];
+            for (int t = 0; t < T; ++t) {
+                for (int u = 0; u < NP; ++u) {
+                    s[t][u] = _mm512_setzero_si512();  // a zeroing idiom: no execution port
+                }
+            }
+#pragma GCC unroll 16
+            for (int kp = 0; kp < G / 2; ++kp) {
+                __m512i wq[NP];
+                for (int u = 0; u < NP; ++u) {
+                    wq[u] = _mm512_load_si512(p.q[u] + 32 * (kp0 + kp));
+                }
+#pragma GCC unroll 6
+                for (int t = 0; t < T; ++t) {
+                    const __m512i x = bcast_pair(a.v + t * a.ldv + 2 * (kp0 + kp));
+                    for (int u = 0; u < NP; ++u) {
+                        s[t][u] = _mm512_dpwssd_epi32(s[t][u], wq[u], x);
+                    }
+                }
+            }
+            const int64_t gi = b * (32 / G) + g;
+            for (int t = 0; t < T; ++t) {
+                const __m512 step = _mm512_set1_ps(a.step[t * a.ld_blocks + b]);
+                for (int u = 0; u < NP; ++u) {
+                    const __m512 f = _mm512_mul_ps(_mm512_load_ps(p.scale[u] + 16 * gi), step);
+                    acc[t][u]      = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t][u]), f, acc[t][u]);
+                }
+            }
+        }
+        if constexpr (Q::kHasMin) {
+            for (int t = 0; t < T; ++t) {
+                const __m512 sum = _mm512_set1_ps(a.sums[t * a.ld_blocks + b]);
+                for (int u = 0; u < NP; ++u) {
+                    acc[t][u] = _mm512_fnmadd_ps(_mm512_load_ps(p.min[u] + 16 * b), sum, acc[t][u]);
+                }
+            }
+        }
+    }
+    for (int u = 0; u < NP; ++u) {
+        const int       rn   = nr - kPanelRows * u;
+        const __mmask16 mask = rn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rn) - 1);
+        for (int t = 0; t < T; ++t) {
+            _mm512_mask_storeu_ps(y + t * ldy + kPanelRows * u, mask, acc[t][u]);
+        }
+    }
+}
+
+template <typename Q, int NP>
+using MicroFn = void (*)(const Panels &, const Acts16 &, int64_t, float *, int64_t, int);
+
+template <typename Q, int NP>
+struct MicroTable {
+    static constexpr MicroFn<Q, NP> fn[kMicroT + 1] = { nullptr,         micro<Q, 1, NP>, micro<Q, 2, NP>,
+                                                        micro<Q, 3, NP>, micro<Q, 4, NP>, micro<Q, 5, NP>,
+                                                        micro<Q, 6, NP> };
+};
+static_assert(kMicroT == 6, "micro tiles of up to 6 tokens");
+
+// ---- the driver -----------------------------------------------------------------------------------------------------
+
+thread_local ScratchBuffer tl_panels;  // a work unit's unpacked panels
+thread_local ScratchBuffer tl_quant;   // one activation row's two passes (quantize_q8_avx2's outputs)
+thread_local ScratchBuffer tl_acts;    // the call's activations (caller thread)
+
+// x [n_tok][n_in] -> the 16-bit activations, tokens shared out over the pool.
+Acts16 quantize_acts16(const float * x, int64_t n_in, int64_t n_tok, ThreadPool & pool) {
+    const int64_t nb     = n_in / 32;
+    const size_t  vbytes = (static_cast<size_t>(n_tok * n_in) * sizeof(int16_t) + 63) & ~size_t(63);
+    char *        buf  = static_cast<char *>(tl_acts.get(vbytes + 2 * static_cast<size_t>(n_tok * nb) * sizeof(float)));
+    auto *        v    = reinterpret_cast<int16_t *>(buf);
+    auto *        step = reinterpret_cast<float *>(buf + vbytes);
+    float *       sums = step + n_tok * nb;
+    pool.run([&](int ith, int nth) {
+        char * scratch = static_cast<char *>(tl_quant.get(2 * static_cast<size_t>(n_in) + 2 * sizeof(float) * nb));
+        auto * q       = reinterpret_cast<int8_t *>(scratch);
+        auto * qr      = q + n_in;
+        auto * groups  = reinterpret_cast<float *>(scratch + 2 * n_in);  // unused here: Q6_K's offset is in its quants
+        for (int64_t t = ith; t < n_tok; t += nth) {
+            quantize_q8_avx2(x + t * n_in, n_in, q, qr, step + t * nb, sums + t * nb, groups);
+            int16_t * vt = v + t * n_in;
+            for (int64_t k = 0; k < n_in; k += 32) {
+                const __m512i hi = _mm512_slli_epi16(_mm512_cvtepi8_epi16(load256(q + k)), 8);
+                _mm512_storeu_si512(vt + k, _mm512_add_epi16(hi, _mm512_cvtepi8_epi16(load256(qr + k))));
+            }
+        }
+    });
+    return Acts16{ v, step, sums, n_in, nb };
+}
+
+// A work unit's panel bytes for rows of n elements: quants (16 int16 per element), factors (16 floats per group),
+// mins (16 floats per 32-block).
+template <typename Q>
+size_t panel_bytes(int64_t n) {
+    return static_cast<size_t>(16 * n) * sizeof(int16_t) +
+           static_cast<size_t>(16 * (n / Q::kGroup + n / 32)) * sizeof(float);
+}
+
+constexpr int64_t kUnitRows = kPanelRows * kUnitPanels;
+
+// Work unit `unit` of matrix w (rows 32·unit ..): its panels unpacked into buf, then every token against them.
+template <typename Q>
+void run_unit(const WeightView & w, const Acts16 & a, float * y, int64_t n_tok, int64_t unit, char * buf) {
+    const int64_t n = w.n_in, r0 = unit * kUnitRows;
+    const int     nr = static_cast<int>(w.n_out - r0 < kUnitRows ? w.n_out - r0 : kUnitRows);
+    const int     np = (nr + kPanelRows - 1) / kPanelRows;
+    Panels        p{};
+    for (int u = 0; u < np; ++u) {
+        char *    at    = buf + u * panel_bytes<Q>(n);
+        auto *    q     = reinterpret_cast<int16_t *>(at);
+        auto *    scale = reinterpret_cast<float *>(at + static_cast<size_t>(16 * n) * sizeof(int16_t));
+        float *   min   = scale + 16 * (n / Q::kGroup);
+        const int rn    = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
+        pack_panel<Q>(w, r0 + kPanelRows * u, rn, q, scale, min);
+        p.q[u]     = q;
+        p.scale[u] = scale;
+        p.min[u]   = min;
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
+        const int    nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
+        const Acts16 at{ a.v + t0 * a.ldv, a.step + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.ldv, a.ld_blocks };
+        float *      yt = y + t0 * w.n_out + r0;
+        if (np == 2) {
+            MicroTable<Q, 2>::fn[nt](p, at, n, yt, w.n_out, nr);
+        } else {
+            MicroTable<Q, 1>::fn[nt](p, at, n, yt, w.n_out, nr);
+        }
+    }
+}
+
+struct UnitKernel {
+    void (*run)(const WeightView &, const Acts16 &, float *, int64_t, int64_t, char *);
+    size_t panel_bytes;  // per panel, for this matrix's rows
+};
+
+template <typename Q>
+UnitKernel unit_kernel(int64_t n) {
+    return { run_unit<Q>, panel_bytes<Q>(n) };
+}
+
+UnitKernel select_unit(GgmlType type, int64_t n) {
+    switch (type) {
+        case GgmlType::Q4_0:
+            return unit_kernel<Q40>(n);
+        case GgmlType::Q4_1:
+            return unit_kernel<Q41>(n);
+        case GgmlType::Q5_0:
+            return unit_kernel<Q50>(n);
+        case GgmlType::Q5_1:
+            return unit_kernel<Q51>(n);
+        case GgmlType::Q8_0:
+            return unit_kernel<Q80>(n);
+        case GgmlType::Q4_K:
+            return unit_kernel<Q4K>(n);
+        case GgmlType::Q5_K:
+            return unit_kernel<Q5K>(n);
+        default:
+            return unit_kernel<Q6K>(n);
+    }
+}
+
+}  // namespace
+
+bool qgemm_type_avx512vnni(GgmlType type) {
+    switch (type) {
+        case GgmlType::Q4_0:
+        case GgmlType::Q4_1:
+        case GgmlType::Q5_0:
+        case GgmlType::Q5_1:
+        case GgmlType::Q8_0:
+        case GgmlType::Q4_K:
+        case GgmlType::Q5_K:
+        case GgmlType::Q6_K:
+            return true;
+        default:
+            return false;
+    }
+}
+
+void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                      ThreadPool & pool) {
+    const Acts16 a = quantize_acts16(x, w[0].n_in, n_tok, pool);
+    UnitKernel   k[kMaxMatmulMulti];
+    int64_t      first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
+    size_t       buf_bytes = 0;
+    first_unit[0]          = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        k[i]              = select_unit(w[i].type, w[i].n_in);
+        buf_bytes         = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
+        first_unit[i + 1] = first_unit[i] + (w[i].n_out + kUnitRows - 1) / kUnitRows;
+    }
+    std::atomic<int64_t> next{ 0 };
+    pool.run([&](int, int) {
+        char * buf = static_cast<char *>(tl_panels.get(buf_bytes));
+        int    m   = 0;
+        for (;;) {
+            const int64_t unit = next.fetch_add(1, std::memory_order_relaxed);
+            if (unit >= first_unit[n_mats]) {
+                return;
+            }
+            while (unit >= first_unit[m + 1]) {
+                ++m;
+            }
+            k[m].run(w[m], a, y[m], n_tok, unit - first_unit[m], buf);
+        }
+    });
+}
+
+}  // namespace kvcmas::cpu::detail

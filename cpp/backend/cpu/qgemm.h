@@ -1,0 +1,35 @@
+// Private to cpu/: the integer prefill GEMM of the 8-bit activation path (Activations::Q8, n_tok at or above the
+// decode threshold) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights.
+//
+// The activations are quantized exactly as on the decode path (quants-dot.h: per 32 elements, two 8-bit passes), and
+// each value's two passes are joined into one 16-bit integer v = 256·q + qr (|v| <= 32639), x̂ = step·v. Weight
+// rows are unpacked once per call to 16-bit integer quants (offsets applied, so every weight is an integer times one
+// float per group, less a min: Q4_K / Q5_K d·sc_j per 32 and the min dmin·m_j, Q6_K d·scale_g per 16, the 32-element
+// block types d and, for Q4_1 / Q5_1, the min m), in panels of 16 rows where one 512-bit vector holds two adjacent
+// elements of each row; every token then runs against them with AVX512-VNNI vpdpwssd (16-bit pairs summed into int32
+// lanes). A group's integer sum (|Σ| <= 32·128·32639 < 2^31: nothing overflows) is converted to f32 once and scaled by
+// weight-factor · step.
+//
+// So the result is dequantize(w)·x̂ for the same x̂ as the decode path, to f32 rounding: the error against the exact
+// product is the decode path's activation rounding bound (quants-dot.h). Each output is computed by one thread in a
+// fixed order: the bits do not depend on the thread count or on the other tokens of the call.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cpu/matmul.h"
+
+namespace kvcmas::cpu::detail {
+
+#if defined(KC_AVX512VNNI)
+// Whether qgemm_avx512vnni handles `type`.
+bool qgemm_type_avx512vnni(GgmlType type);
+// y[i] [n_tok][w[i].n_out] = x̂ · dequantize(w[i])ᵀ for x [n_tok][n_in] f32 and n_mats (<= kMaxMatmulMulti) matrices
+// with the same n_in (a layer's Q, K, V; its gate and up): x is quantized once, and the 32-row units of all the
+// matrices are shared out in one parallel job. Only once cpu_features().avx512_vnni and for types that
+// qgemm_type_avx512vnni accepts.
+void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                      ThreadPool & pool);
+#endif
+
+}  // namespace kvcmas::cpu::detail
