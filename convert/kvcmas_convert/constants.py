@@ -17,7 +17,7 @@ KEY_FILE_TYPE: Final = "general.file_type"
 KEY_QUANTIZATION_VERSION: Final = "general.quantization_version"
 
 # --- adapter files (llama.cpp's LoRA GGUF, convert_lora_to_gguf.py) ---------------------------------------------------
-# general.type "adapter", adapter.type "lora", adapter.lora.alpha; per target tensor "<name without .weight>" +
+# general.type "adapter", adapter.type "lora", adapter.lora.alpha; per target tensor "<base tensor name>" +
 # ".lora_a" (A [rank, n_in], GGUF [n_in, rank]) and ".lora_b" (B [n_out, rank], GGUF [rank, n_out]).
 KEY_TYPE: Final = "general.type"
 KEY_ADAPTER_TYPE: Final = "adapter.type"

@@ -3,10 +3,10 @@
 A PEFT folder holds ``adapter_config.json`` (``peft_type`` "LORA", ``r``, ``lora_alpha``, ``target_modules``) and
 ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight`` [r, n_in] and ``.lora_B.weight``
 [n_out, r]). The GGUF file has ``general.type`` "adapter", ``adapter.type`` "lora", ``adapter.lora.alpha``, and per
-adapted matrix ``<GGUF name without .weight>.lora_a`` / ``.lora_b`` with the same numpy shapes (GGUF lists them
-reversed: [n_in, r] and [r, n_out]). The Hugging Face -> GGUF names and the row transforms (llama's Q/K RoPE
-permutation, applied to B's rows, since it permutes W = B·A's rows) are the base converter's (models.py), planned for
-the base model's hyper-parameters, read from its GGUF file.
+adapted matrix ``<GGUF tensor name>.lora_a`` / ``.lora_b`` (``blk.0.attn_q.weight.lora_a``) with the same numpy
+shapes (GGUF lists them reversed: [n_in, r] and [r, n_out]). The Hugging Face -> GGUF names and the row transforms
+(llama's Q/K RoPE permutation, applied to B's rows, since it permutes W = B·A's rows) are the base converter's
+(models.py), planned for the base model's hyper-parameters, read from its GGUF file.
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ def _base_model(base: Path) -> tuple[ModelClass, dict[str, tuple[int, ...]]]:
 
 
 def _target_plans(model: ModelClass) -> dict[str, tuple[str, tuple[int, ...], Transform | None]]:
-    """HF module name (without .weight) -> (GGUF name without .weight, [n_out, n_in], transform of W's rows), for
+    """HF module name (without .weight) -> (GGUF tensor name, [n_out, n_in], transform of W's rows), for
     every matrix of the base's layers that kvcmas adapts."""
     plans: dict[str, tuple[str, tuple[int, ...], Transform | None]] = {}
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], transform: Transform | None = None) -> None:
         if any(gguf_name.endswith("." + t) for t in _TARGETS) and hf_name.endswith(".weight"):
-            plans[hf_name[: -len(".weight")]] = (gguf_name[: -len(".weight")], shape, transform)
+            plans[hf_name[: -len(".weight")]] = (gguf_name, shape, transform)
 
     for il in range(model.n_layer):
         model._plans_out = []  # where plan_attention / plan_ffn append computed tensors
@@ -182,9 +182,9 @@ def convert_lora(
         gguf_name, (n_out, n_in), transform = targets[module]
         if set(names) != {"A", "B"}:
             raise ConvertError(f"{adapter_dir}: {module!r} has lora_{next(iter(names))} without its other factor")
-        if base_shapes.get(gguf_name + ".weight") != (n_out, n_in):
+        if base_shapes.get(gguf_name) != (n_out, n_in):
             raise ConvertError(
-                f"{base}: tensor {gguf_name + '.weight'!r} is {base_shapes.get(gguf_name + '.weight')}, "
+                f"{base}: tensor {gguf_name!r} is {base_shapes.get(gguf_name)}, "
                 f"the adapter's {module!r} needs {(n_out, n_in)}"
             )
         a, b = tensors.shape(names["A"]), tensors.shape(names["B"])

@@ -13,7 +13,7 @@ inline constexpr char kKeyFileType[] = "general.file_type";
 inline constexpr char kKeyQuantizationVersion[] = "general.quantization_version";
 
 // adapter files (llama.cpp's LoRA GGUF): general.type "adapter", adapter.type "lora", the alpha of alpha / rank;
-// tensors <base tensor name without ".weight"> + kLoraSuffixA / kLoraSuffixB
+// tensors <base tensor name> + kLoraSuffixA / kLoraSuffixB ("blk.0.attn_q.weight.lora_a")
 inline constexpr char kKeyType[] = "general.type";
 inline constexpr char kKeyAdapterType[] = "adapter.type";
 inline constexpr char kKeyAdapterLoraAlpha[] = "adapter.lora.alpha";

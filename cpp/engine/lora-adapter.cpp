@@ -41,7 +41,7 @@ std::string target_list() {
     return out;
 }
 
-// The layer and target of a base tensor name "blk.<il>.<target>" (without ".weight"); false when it is not one.
+// The layer and target of a base tensor name "blk.<il>.<target>.weight"; false when it is not one.
 bool parse_target(const std::string & base, int64_t n_layer, int & il, LoraTarget & target) {
     const std::string prefix = names::kBlockPrefix;
     if (base.compare(0, prefix.size(), prefix) != 0) {
@@ -59,7 +59,7 @@ bool parse_target(const std::string & base, int64_t n_layer, int & il, LoraTarge
     if (il >= n_layer) {
         return false;
     }
-    const std::string rest = base.substr(dot + 1) + kWeightSuffix;
+    const std::string rest = base.substr(dot + 1);
     for (const TargetName & t : kTargetNames) {
         if (rest == t.weight) {
             target = t.target;
@@ -128,7 +128,7 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         int                      il;
         LoraTarget               target;
     };
-    std::map<std::string, Found> found;  // by base tensor name (without ".weight")
+    std::map<std::string, Found> found;  // by base tensor name
     for (const gguf::TensorInfo & t : f.tensors()) {
         const bool is_a = ends_with(t.name, names::kLoraSuffixA), is_b = ends_with(t.name, names::kLoraSuffixB);
         KC_CHECK(is_a || is_b, "%s: tensor '%s' is not a LoRA factor (names end in %s / %s)", where, t.name.c_str(),
@@ -136,8 +136,8 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         const std::string name = t.name.substr(0, t.name.size() - std::strlen(names::kLoraSuffixA));
         Found &           e    = found[name];
         KC_CHECK(parse_target(name, p.n_layer, e.il, e.target),
-                 "%s: tensor '%s' adapts '%s', which kvcmas does not adapt (targets: blk.<layer < %lld>.{%s})", where,
-                 t.name.c_str(), name.c_str(), static_cast<long long>(p.n_layer), target_list().c_str());
+                 "%s: tensor '%s' adapts '%s', which kvcmas does not adapt (targets: blk.<layer < %lld>.{%s}.weight)",
+                 where, t.name.c_str(), name.c_str(), static_cast<long long>(p.n_layer), target_list().c_str());
         (is_a ? e.a : e.b) = &t;
     }
     KC_CHECK(!found.empty(), "%s: the adapter holds no LoRA tensors", where);
@@ -147,7 +147,7 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         KC_CHECK(e.a != nullptr && e.b != nullptr, "%s: tensor '%s%s' has no '%s%s' beside it", where, name.c_str(),
                  e.a != nullptr ? names::kLoraSuffixA : names::kLoraSuffixB, name.c_str(),
                  e.a != nullptr ? names::kLoraSuffixB : names::kLoraSuffixA);
-        const std::string        weight = name + kWeightSuffix;
+        const std::string &      weight = name;
         const gguf::TensorInfo * w      = base.find_tensor(weight);
         KC_CHECK(w != nullptr, "%s: the adapter adapts '%s', which the base model %s does not have", where,
                  weight.c_str(), base.path().c_str());

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import adapters as lora
 from ._native import core
 from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
 from .sampling import (
@@ -590,6 +591,8 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
         constraint: Any = None,
+        adapter: str | None = None,
+        adapter_scale: float = 1.0,
     ) -> Completion | Iterator[CompletionChunk]:
         """Generates a continuation of prompt (text, or token ids).
 
@@ -599,7 +602,8 @@ class Model:
         instead of a fresh one. presence_penalty,
         frequency_penalty, logit_bias: OpenAI's (see SamplingParams). logprobs: None, or report each token's
         logprob and this many alternatives. constraint: a kvcmas_cpp.constrained.Constraint the output follows
-        (it ends when the grammar is complete).
+        (it ends when the grammar is complete). adapter: the name of a loaded LoRA adapter (load_adapter) to
+        generate with, at adapter_scale.
         """
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
@@ -618,7 +622,11 @@ class Model:
             logit_bias=dict(logit_bias) if logit_bias else None,
         )
         stops = stop_strings(stop)
-        chunks = self._generate(ids, max_tokens, params, stops, sequence, None, constraint, logprobs)
+
+        def run(seq: KVSequence | None) -> Iterator[CompletionChunk]:
+            return self._generate(ids, max_tokens, params, stops, seq, None, constraint, logprobs)
+
+        chunks = run(sequence) if adapter is None else lora.run_with(self, adapter, adapter_scale, sequence, run)
         if stream:
             return chunks
         return collect_completion(chunks, self.tokenizer, logprobs is not None)
@@ -752,6 +760,25 @@ class Model:
         finally:
             if sequence is None:
                 seq.close()
+
+    # --------------------------------------------------------------------------------------- LoRA adapters
+    def load_adapter(self, path: str | os.PathLike[str], name: str | None = None) -> lora.Adapter:
+        """Loads a GGUF LoRA adapter of this model (`kvcmas convert-lora` writes one from a PEFT folder) under
+        `name` (default: the file's stem), for generate/chat(adapter=name) and set_sequence_adapter."""
+        return lora.load(self, path, name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees a loaded adapter (refused while a sequence uses it)."""
+        lora.unload(self, name)
+
+    @property
+    def adapters(self) -> dict[str, lora.Adapter]:
+        """The loaded adapters by name."""
+        return dict(lora.registry(self))
+
+    def set_sequence_adapter(self, sequence: KVSequence, adapter: str | None, scale: float = 1.0) -> None:
+        """Runs the sequence's next tokens with a loaded adapter at `scale` (None: the base model)."""
+        lora.set_sequence_adapter(self, sequence, adapter, scale)
 
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:
