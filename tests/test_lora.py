@@ -264,7 +264,7 @@ def test_bad_adapters_are_clear_errors_and_load_nothing(
         assert model.adapters == before
     # an adapter of another base: the converted SmolLM2 adapter in the tiny llama, and its PEFT folder for it
     tiny = kc.Model(tiny_models[("llama", "F32")], n_threads=1)
-    with pytest.raises(kc.KvcmasError, match="shaped otherwise|does not have|do not fit"):
+    with pytest.raises(kc.KvcmasError, match=f"has {tiny.n_layer} layers: the adapter is for another model"):
         tiny.load_adapter(adapters["attn_r4"].gguf)
     assert tiny.adapters == {}
     with pytest.raises(ConvertError, match="does not have"):
@@ -332,3 +332,31 @@ def test_converted_adapter_agrees_with_llama_cpp(loaded: kc.Model, adapters, f32
     np.testing.assert_array_equal(ours.argmax(axis=1), theirs.argmax(axis=1))
     assert np.abs(ours - theirs).max() <= 0.1  # llama.cpp keeps f16 K/V rows (measured: 0.03)
     assert np.abs(loaded.logits(ids) - theirs).max() > 10 * np.abs(ours - theirs).max()  # llama.cpp applied it
+
+
+# ---------------------------------------------------------------------------------------------------------- bench
+
+
+def test_bench_lora_reports_each_case(tiny_models, tmp_path: Path) -> None:
+    """`kvcmas bench lora`: its random adapter loads and changes the logits; the table has the four cases and each
+    adapter row's ratio is its time over the base row's."""
+    from kvcmas_cpp.bench_lora import bench_lora, write_random_adapter
+
+    path = str(tiny_models[("llama", "F32")])
+    model = kc.Model(path, n_threads=1, activations="f32")
+    write_random_adapter(path, 8, tmp_path / "r.gguf", seed=0)
+    model.load_adapter(tmp_path / "r.gguf", name="r")
+    assert model.adapters["r"].n_matrices == 7 * model.n_layer and model.adapters["r"].max_rank == 8
+    with model.new_sequence() as seq:
+        model.set_sequence_adapter(seq, "r")
+        tuned = seq.append([5, 6, 7])
+    assert np.abs(tuned - model.logits([5, 6, 7])[-1]).max() > 1e-3
+    rows = bench_lora(path, rank=8, threads=1, prompt=4, gen=2, batch=2)
+    assert [r["case"] for r in rows] == [
+        "base, 1 sequence",
+        "rank-8 adapter, 1 sequence",
+        "base, batch of 2",
+        "2 rank-8 adapters, batch of 2",
+    ]
+    for base, tuned_row in (rows[0:2], rows[2:4]):
+        assert tuned_row["vs_base"] == pytest.approx(tuned_row["ms_per_step"] / base["ms_per_step"])

@@ -231,7 +231,7 @@ def add_lora_subcommand(subparsers: Any) -> None:
         "convert-lora",
         help="convert a PEFT LoRA adapter folder to a GGUF LoRA file for a base model (docs/convert.md)",
         description="Write a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) as a GGUF LoRA "
-        "file in llama.cpp's layout, for the base model GGUF file it adapts.",
+        "file in llama.cpp's layout, for the base model GGUF file it adapts (docs/convert.md).",
     )
     p.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="PEFT adapter folder")
     p.add_argument("--base", required=True, metavar="BASE.gguf", help="the base model's GGUF file")

@@ -42,7 +42,7 @@ std::string target_list() {
 }
 
 // The layer and target of a base tensor name "blk.<il>.<target>.weight"; false when it is not one.
-bool parse_target(const std::string & base, int64_t n_layer, int & il, LoraTarget & target) {
+bool parse_target(const std::string & base, int & il, LoraTarget & target) {
     const std::string prefix = names::kBlockPrefix;
     if (base.compare(0, prefix.size(), prefix) != 0) {
         return false;
@@ -55,10 +55,7 @@ bool parse_target(const std::string & base, int64_t n_layer, int & il, LoraTarge
     if (digits.find_first_not_of("0123456789") != std::string::npos) {
         return false;
     }
-    il = std::stoi(digits);
-    if (il >= n_layer) {
-        return false;
-    }
+    il                     = std::stoi(digits);
     const std::string rest = base.substr(dot + 1);
     for (const TargetName & t : kTargetNames) {
         if (rest == t.weight) {
@@ -135,9 +132,13 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
                  names::kLoraSuffixA, names::kLoraSuffixB);
         const std::string name = t.name.substr(0, t.name.size() - std::strlen(names::kLoraSuffixA));
         Found &           e    = found[name];
-        KC_CHECK(parse_target(name, p.n_layer, e.il, e.target),
-                 "%s: tensor '%s' adapts '%s', which kvcmas does not adapt (targets: blk.<layer < %lld>.{%s}.weight)",
-                 where, t.name.c_str(), name.c_str(), static_cast<long long>(p.n_layer), target_list().c_str());
+        KC_CHECK(parse_target(name, e.il, e.target),
+                 "%s: tensor '%s' adapts '%s', which kvcmas does not adapt (targets: blk.<layer>.{%s}.weight)", where,
+                 t.name.c_str(), name.c_str(), target_list().c_str());
+        KC_CHECK(
+            e.il < p.n_layer,
+            "%s: tensor '%s' adapts layer %d, and the base model %s has %lld layers: the adapter is for another model",
+            where, t.name.c_str(), e.il, base.path().c_str(), static_cast<long long>(p.n_layer));
         (is_a ? e.a : e.b) = &t;
     }
     KC_CHECK(!found.empty(), "%s: the adapter holds no LoRA tensors", where);
