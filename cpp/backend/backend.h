@@ -115,11 +115,11 @@ struct RidgeJob {
 };
 
 // One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
-// B [n_out][rank] f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each
+// B transposed, b_t [rank][n_out], f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each
 // row's factor (the sequence's adapter scale times alpha / rank).
 struct LoraGroup {
     const float *   a           = nullptr;
-    const float *   b           = nullptr;
+    const float *   b_t         = nullptr;
     int             rank        = 0;
     const int32_t * host_rows   = nullptr;
     const float *   host_scales = nullptr;

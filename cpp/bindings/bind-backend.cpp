@@ -360,7 +360,13 @@ void bind_backend(nb::module_ & m) {
                         used[rows(i)] = true;
                     }
                     bufs.push_back(o.put(a.data(), r * n_in));
-                    bufs.push_back(o.put(b.data(), n_out * r));
+                    std::vector<float> b_t(n_out * r);  // the op takes B transposed
+                    for (size_t i = 0; i < n_out; ++i) {
+                        for (size_t c = 0; c < r; ++c) {
+                            b_t[c * n_out + i] = b.data()[i * r + c];
+                        }
+                    }
+                    bufs.push_back(o.put(b_t.data(), n_out * r));
                     gs.push_back(backend::LoraGroup{ bufs[bufs.size() - 2].f32(), bufs.back().f32(),
                                                      static_cast<int>(r), rows.data(), scales.data(),
                                                      static_cast<int64_t>(rows.shape(0)) });

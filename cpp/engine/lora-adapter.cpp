@@ -174,8 +174,15 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         pair->n_in  = n_in;
         pair->n_out = n_out;
         pair->a     = backend::upload_floats(be, loader.vector_f32(e.a->name, n_in * pair->rank, true));
-        pair->b     = backend::upload_floats(be, loader.vector_f32(e.b->name, n_out * pair->rank, true));
-        bytes_ += pair->a.bytes() + pair->b.bytes();
+        const std::vector<float> b_rows = loader.vector_f32(e.b->name, n_out * pair->rank, true);  // [n_out][rank]
+        std::vector<float>       b_t(b_rows.size());
+        for (int64_t o = 0; o < n_out; ++o) {
+            for (int c = 0; c < pair->rank; ++c) {
+                b_t[static_cast<size_t>(c * n_out + o)] = b_rows[static_cast<size_t>(o * pair->rank + c)];
+            }
+        }
+        pair->b_t = backend::upload_floats(be, b_t);
+        bytes_ += pair->a.bytes() + pair->b_t.bytes();
         max_rank_ = std::max(max_rank_, pair->rank);
         ++n_pairs_;
         layers_[static_cast<size_t>(e.il)][static_cast<size_t>(e.target)] = std::move(pair);
@@ -203,7 +210,7 @@ void apply_lora(ForwardState & st, LoraTarget t, const float * in, int64_t n_in,
         for (size_t i = 0; i < lr.scales.size(); ++i) {
             scales.back()[i] = lr.scales[i] * f;
         }
-        groups.push_back(backend::LoraGroup{ pr->a.f32(), pr->b.f32(), pr->rank, lr.rows.data(), scales.back().data(),
+        groups.push_back(backend::LoraGroup{ pr->a.f32(), pr->b_t.f32(), pr->rank, lr.rows.data(), scales.back().data(),
                                              static_cast<int64_t>(lr.rows.size()) });
     }
     if (!groups.empty()) {

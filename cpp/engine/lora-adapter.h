@@ -20,9 +20,9 @@ namespace kvcmas {
 enum class LoraTarget : uint8_t { Q, K, V, Output, Gate, Up, Down };
 constexpr int kLoraTargets = 7;
 
-// A target's low-rank factors in backend memory (f32): a [rank][n_in], b [n_out][rank].
+// A target's low-rank factors in backend memory (f32): a [rank][n_in], and B transposed, b_t [rank][n_out].
 struct LoraPair {
-    backend::Buffer a, b;
+    backend::Buffer a, b_t;
     int             rank  = 0;
     int64_t         n_in  = 0;
     int64_t         n_out = 0;

@@ -52,7 +52,7 @@ def write_random_adapter(model_path: str, rank: int, out: Path, seed: int, alpha
 
 def _decode_ms_per_token(model: Any, adapters: list[str | None], prompt: list[int], gen: int) -> float:
     """Prefills one sequence per entry (its adapter or none), then times `gen` greedy decode steps of all of them
-    in one batch per step (after one untimed step); ms per step."""
+    in one batch per step (after one untimed step); the median step's ms (steady against other load)."""
     seqs = [model.new_sequence() for _ in adapters]
     try:
         for seq, name in zip(seqs, adapters, strict=True):
@@ -63,10 +63,12 @@ def _decode_ms_per_token(model: Any, adapters: list[str | None], prompt: list[in
             return model.decode_batch([(s, [int(np.argmax(lg))]) for s, lg in zip(seqs, logits, strict=True)])
 
         logits = step()  # untimed: the first step after a prompt warms the decode path
-        t0 = time.perf_counter()
+        times = []
         for _ in range(gen):
+            t0 = time.perf_counter()
             logits = step()
-        return (time.perf_counter() - t0) * 1000.0 / gen
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) * 1000.0
     finally:
         for s in seqs:
             s.close()
@@ -82,14 +84,15 @@ def bench_lora(model_path: str, rank: int, threads: int, prompt: int, gen: int, 
             path = Path(tmp) / f"lora{i}.gguf"
             write_random_adapter(model_path, rank, path, seed=i)
             model.load_adapter(path, name=f"lora{i}")
-    names = [f"lora{i}" for i in range(max(1, batch))]
-    rows = []
-    for label, adapters in (
+    names: list[str | None] = [f"lora{i}" for i in range(max(1, batch))]
+    cases: list[tuple[str, list[str | None]]] = [
         ("base, 1 sequence", [None]),
         (f"rank-{rank} adapter, 1 sequence", names[:1]),
         (f"base, batch of {batch}", [None] * batch),
         (f"{batch} rank-{rank} adapters, batch of {batch}", names[:batch]),
-    ):
+    ]
+    rows: list[dict[str, Any]] = []
+    for label, adapters in cases:
         if batch <= 1 and "batch" in label:
             continue
         rows.append({"case": label, "ms_per_step": _decode_ms_per_token(model, adapters, ids, gen)})
@@ -117,8 +120,8 @@ def run_lora(args: argparse.Namespace) -> int:
         print(json.dumps({"model": path, "threads": args.threads, "rows": rows}))
         return 0
     print(f"{os.path.basename(path)}, {args.threads} threads, {args.prompt}-token prompts, {args.gen} decode steps")
-    print(f"{'case':<40} {'ms / decode step':>16} {'vs base':>8}")
+    print(f"{'case':<40} {'ms / decode step (median)':>25} {'vs base':>8}")
     for r in rows:
         ratio = f"{r['vs_base']:.2f}x" if "vs_base" in r else ""
-        print(f"{r['case']:<40} {r['ms_per_step']:>16.2f} {ratio:>8}")
+        print(f"{r['case']:<40} {r['ms_per_step']:>25.2f} {ratio:>8}")
     return 0

@@ -258,8 +258,9 @@ class CpuBackend final : public Backend {
     void lora_add(const float * x, int64_t n_in, float * y, int64_t n_out, const LoraGroup * groups,
                   int n_groups) override {
         // Work items flattened over the groups' rows: first t = A x (one dot product of n_in per rank row), then
-        // y += s · B t (one dot product of rank per output). Each value is computed the same way however the work
-        // is split, so a row's result does not depend on the batch.
+        // y += s · B t (per output, the rank terms t[c]·b_t[c][o] added in order c = 0, 1, ...: contiguous rows of
+        // b_t, so the outputs vectorize). Each value is computed the same way however the work is split, so a row's
+        // result does not depend on the batch.
         std::vector<int64_t> row0(static_cast<size_t>(n_groups) + 1, 0), t0(static_cast<size_t>(n_groups) + 1, 0);
         for (int g = 0; g < n_groups; ++g) {
             row0[g + 1] = row0[g] + groups[g].n_rows;
@@ -282,16 +283,27 @@ class CpuBackend final : public Backend {
             }
         };
         const long long n_up = row0[n_groups] * n_out;
-        const auto      up   = [&](long long b, long long e) {  // items: (group, row, output)
-            for (long long j = b; j < e; ++j) {
-                const long long   r  = j / n_out;
-                const int64_t     o  = j % n_out;
-                const int         g  = group_of(row0, r);
-                const LoraGroup & gr = groups[g];
-                const int64_t     i  = r - row0[g];
-                const float *     ti = &t[static_cast<size_t>(t0[g] + i * gr.rank)];
-                y[static_cast<int64_t>(gr.host_rows[i]) * n_out + o] +=
-                    gr.host_scales[i] * cpu::dot_f32(gr.b + o * gr.rank, ti, gr.rank);
+        const auto      up   = [&](long long b, long long e) {  // items: (group, row, output), a row's outputs in turn
+            for (long long r = b / n_out; r * n_out < e; ++r) {
+                const int          g  = group_of(row0, r);
+                const LoraGroup &  gr = groups[g];
+                const int64_t      i  = r - row0[g];
+                const float *      ti = &t[static_cast<size_t>(t0[g] + i * gr.rank)];
+                float *            yr = y + static_cast<int64_t>(gr.host_rows[i]) * n_out;
+                const int64_t      o0 = std::max<long long>(0, b - r * n_out);
+                const int64_t      o1 = std::min<long long>(n_out, e - r * n_out);
+                std::vector<float> u(static_cast<size_t>(o1 - o0), 0.0f);
+                for (int c = 0; c < gr.rank; ++c) {
+                    const float   tc = ti[c];
+                    const float * bc = gr.b_t + c * n_out + o0;
+                    for (int64_t o = 0; o < o1 - o0; ++o) {
+                        u[o] += tc * bc[o];
+                    }
+                }
+                const float s = gr.host_scales[i];
+                for (int64_t o = 0; o < o1 - o0; ++o) {
+                    yr[o0 + o] += s * u[o];
+                }
             }
         };
         const auto run = [&](long long n, long long cost, const std::function<void(long long, long long)> & fn) {

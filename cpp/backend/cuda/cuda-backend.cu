@@ -276,16 +276,15 @@ __global__ void lora_down_kernel(const float * x, int64_t n_in, const float * a,
     }
 }
 
-__global__ void lora_up_kernel(const float * t, const float * b, int rank, const int32_t * rows, const float * scales,
+__global__ void lora_up_kernel(const float * t, const float * b_t, int rank, const int32_t * rows, const float * scales,
                                int64_t n, int64_t n_out, float * y) {
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n * n_out;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t i = j / n_out, o = j % n_out;
         const float * ti  = t + i * rank;
-        const float * bo  = b + o * rank;
         float         acc = 0.0f;
         for (int c = 0; c < rank; ++c) {
-            acc = fmaf(bo[c], ti[c], acc);
+            acc = fmaf(ti[c], b_t[c * n_out + o], acc);
         }
         y[static_cast<int64_t>(rows[i]) * n_out + o] += scales[i] * acc;
     }
@@ -843,7 +842,7 @@ class CudaBackend final : public Backend {
             lora_down_kernel<<<blocks_for(gr.n_rows * gr.rank, 128), 128>>>(x, n_in, gr.a, gr.rank, d_rows, gr.n_rows,
                                                                             t.f32());
             check_launch("lora_add (A)");
-            lora_up_kernel<<<blocks_for(gr.n_rows * n_out, 256), 256>>>(t.f32(), gr.b, gr.rank, d_rows, scales.f32(),
+            lora_up_kernel<<<blocks_for(gr.n_rows * n_out, 256), 256>>>(t.f32(), gr.b_t, gr.rank, d_rows, scales.f32(),
                                                                         gr.n_rows, n_out, y);
             check_launch("lora_add (B)");
         }
