@@ -115,8 +115,8 @@ struct RidgeJob {
 };
 
 // One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
-// B transposed, b_t [rank][n_out], f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each
-// row's factor (the sequence's adapter scale times alpha / rank).
+// B transposed, b_t [rank][n_out], f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales
+// [n_rows] each row's factor (the sequence's adapter scale times alpha / rank).
 struct LoraGroup {
     const float *   a           = nullptr;
     const float *   b_t         = nullptr;
