@@ -436,3 +436,51 @@ def test_cuda_out_of_memory_is_a_clear_error_and_frees_what_it_took() -> None:
     with pytest.raises(kc.KvcmasError, match="out of device memory"):
         ops.try_alloc(free0 + (1 << 40))
     assert abs(ops.free_bytes() - free0) < (64 << 20)
+
+
+# ---------------------------------------------------------------------------------------------------------- LoRA
+
+
+@pytest.mark.parametrize("n_tok", [1, 5, 40])
+def test_lora_add_groups_of_adapters(ops, n_tok: int) -> None:
+    """y[r] += s·B(A x[r]) per adapter group (ranks 1, 8, 16; some rows in no group), against numpy in f64; each
+    row's result is the one it gets alone (a mixed batch changes nothing for a row)."""
+    rng = np.random.default_rng(n_tok)
+    n_in, n_out = 320, 200
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    y = rng.standard_normal((n_tok, n_out)).astype(np.float32)
+    order = rng.permutation(n_tok).astype(np.int32)
+    groups = []
+    for g, rank in enumerate([8, 1, 16]):
+        rows = np.sort(order[g::4])  # every 4th row in no group
+        a = rng.standard_normal((rank, n_in)).astype(np.float32) * 0.1
+        b = rng.standard_normal((n_out, rank)).astype(np.float32) * 0.1
+        groups.append((a, b, rows, rng.uniform(-2, 2, len(rows)).astype(np.float32)))
+    got = ops.lora_add(x, y, groups)
+    ref = y.astype(np.float64)
+    bound = np.zeros_like(ref)
+    for a, b, rows, scales in groups:
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        for r, s in zip(rows, scales, strict=True):
+            t = a64 @ x[r]
+            ref[r] += s * (b64 @ t)
+            bound[r] = abs(s) * (np.abs(b64) @ (np.abs(a64) @ np.abs(x[r]))) + np.abs(y[r])
+    assert np.all(np.abs(got - ref) <= OP_TOL[ops.name] * 4 * bound + 1e-30)
+    untouched = np.setdiff1d(np.arange(n_tok), np.concatenate([g[2] for g in groups]))
+    np.testing.assert_array_equal(got[untouched], y[untouched])
+    for a, b, rows, scales in groups:
+        for r, s in zip(rows[:2], scales[:2], strict=True):  # the row alone, in a batch of one
+            alone = ops.lora_add(x[r : r + 1], y[r : r + 1], [(a, b, np.zeros(1, np.int32), np.array([s], np.float32))])
+            np.testing.assert_array_equal(alone[0], got[r])
+
+
+def test_lora_add_refuses_bad_groups(ops) -> None:
+    x, y = np.zeros((3, 8), np.float32), np.zeros((3, 4), np.float32)
+    a, b = np.zeros((2, 8), np.float32), np.zeros((4, 2), np.float32)
+    one = np.ones(1, np.float32)
+    with pytest.raises(kc.KvcmasError, match="a \\[rank, n_in\\]"):
+        ops.lora_add(x, y, [(a, np.zeros((4, 3), np.float32), np.zeros(1, np.int32), one)])
+    with pytest.raises(kc.KvcmasError, match="distinct rows"):
+        ops.lora_add(x, y, [(a, b, np.array([3], np.int32), one)])
+    with pytest.raises(kc.KvcmasError, match="distinct rows"):
+        ops.lora_add(x, y, [(a, b, np.zeros(1, np.int32), one), (a, b, np.zeros(1, np.int32), one)])

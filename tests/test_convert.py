@@ -835,7 +835,11 @@ def test_constants_agree_with_cpp() -> None:
     py = {
         _camel(n): getattr(C, n)
         for n in dir(C)
-        if re.fullmatch(r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(?!KEY)\w+|KVCMAS_PREFIX", n)
+        if re.fullmatch(
+            r"(KEY|ARCH_KEY|TENSOR|BLK)_\w+|BLOCK_PREFIX|ARCH_(?!KEY)\w+|KVCMAS_PREFIX"
+            r"|TYPE_ADAPTER|ADAPTER_TYPE_LORA|LORA_SUFFIX_[AB]",  # adapter files (llama.cpp's LoRA GGUF)
+            n,
+        )
         and isinstance(getattr(C, n), str)
     }
     py.update({_camel("KVCMAS_" + s.key.split(".", 1)[1]): s.key for s in C.KVCMAS_SETTINGS})

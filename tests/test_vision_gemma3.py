@@ -26,9 +26,9 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
+from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
-from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
 
 PHOTOS = Path(skimage_data.__file__).parent
 S, P, TOKENS = 224, 14, 16  # 16 x 16 patches pooled 4 x 4 -> 4 x 4 soft tokens

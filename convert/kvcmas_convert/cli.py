@@ -15,6 +15,7 @@ from .constants import KVCMAS_SETTINGS
 from .convert import OUTTYPES, convert
 from .errors import ConvertError
 from .gguf_tools import parse_assignments, set_values, show
+from .lora import add_lora_subcommand
 from .settings import parse_setting
 from .vision import add_mmproj_subcommand
 
@@ -101,6 +102,7 @@ def add_subcommands(subparsers: Any) -> None:
     _add_convert_arguments(p)
     p.set_defaults(func=run_convert)
     add_mmproj_subcommand(subparsers)
+    add_lora_subcommand(subparsers)
     g = subparsers.add_parser(
         "gguf",
         help="inspect or update a GGUF file (docs/convert.md)",
@@ -128,7 +130,7 @@ def add_subcommands(subparsers: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvcmas_convert [convert] HF_DIR -o OUT.gguf ...`` or ``python -m kvcmas_convert gguf ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("convert", "gguf", "mmproj", "-h", "--help"):
+    if not argv or argv[0] not in ("convert", "convert-lora", "gguf", "mmproj", "-h", "--help"):
         argv.insert(0, "convert")
     parser = argparse.ArgumentParser(
         prog="python -m kvcmas_convert", description="Hugging Face checkpoints to GGUF, and GGUF metadata tools."

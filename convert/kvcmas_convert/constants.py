@@ -16,6 +16,17 @@ KEY_NAME: Final = "general.name"
 KEY_FILE_TYPE: Final = "general.file_type"
 KEY_QUANTIZATION_VERSION: Final = "general.quantization_version"
 
+# --- adapter files (llama.cpp's LoRA GGUF, convert_lora_to_gguf.py) ---------------------------------------------------
+# general.type "adapter", adapter.type "lora", adapter.lora.alpha; per target tensor "<base tensor name>" +
+# ".lora_a" (A [rank, n_in], GGUF [n_in, rank]) and ".lora_b" (B [n_out, rank], GGUF [rank, n_out]).
+KEY_TYPE: Final = "general.type"
+KEY_ADAPTER_TYPE: Final = "adapter.type"
+KEY_ADAPTER_LORA_ALPHA: Final = "adapter.lora.alpha"
+TYPE_ADAPTER: Final = "adapter"
+ADAPTER_TYPE_LORA: Final = "lora"
+LORA_SUFFIX_A: Final = ".lora_a"
+LORA_SUFFIX_B: Final = ".lora_b"
+
 # --- {arch}.* hyper-parameters: the suffix after "<arch>." ----------------------------------------------------------
 # The engine builds these as arch + "." + suffix.
 ARCH_KEY_CONTEXT_LENGTH: Final = "context_length"

@@ -117,6 +117,18 @@ struct RidgeJob {
     int64_t         out_stride = 0;
 };
 
+// One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
+// B transposed, b_t [rank][n_out], f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales
+// [n_rows] each row's factor (the sequence's adapter scale times alpha / rank).
+struct LoraGroup {
+    const float *   a           = nullptr;
+    const float *   b_t         = nullptr;
+    int             rank        = 0;
+    const int32_t * host_rows   = nullptr;
+    const float *   host_scales = nullptr;
+    int64_t         n_rows      = 0;
+};
+
 class Backend {
   public:
     virtual ~Backend()                    = default;
@@ -180,6 +192,12 @@ class Backend {
     virtual void scale(float * x, float s, int64_t n) = 0;
     // x [n] += y [n].
     virtual void add(float * x, const float * y, int64_t n) = 0;
+
+    // ---- adapters. y[r] += s · B (A x[r]) for each row r of each group (scale s), x [n][n_in], y [n][n_out]: the
+    // gathered low-rank products of several adapters beside one base matmul. A row's result does not depend on the
+    // other rows or groups of the call (a batch mixing adapters gives each row what it gets alone).
+    virtual void lora_add(const float * x, int64_t n_in, float * y, int64_t n_out, const LoraGroup * groups,
+                          int n_groups) = 0;
 
     // ---- mixture of experts (the expert matmuls themselves are matmul / matmul_multi over gathered rows).
     // Per row i of logits [n][n_expert]: softmax over the experts, its k most probable (ties: lower index first)

@@ -250,6 +250,30 @@ void bind_engine(nb::module_ & m) {
         .def("seq_reserved", &Model::seq_reserved, nb::arg("seq"))
         .def_prop_ro("n_seqs", &Model::n_seqs)
         .def(
+            "load_adapter",
+            [](Model & m, const std::string & path) {
+                nb::gil_scoped_release release;
+                return m.load_adapter(path);
+            },
+            nb::arg("path"), "Loads a LoRA adapter file checked against this model; returns its id.")
+        .def("unload_adapter", &Model::unload_adapter, nb::arg("id"))
+        .def(
+            "adapter_info",
+            [](Model & m, int32_t id) {
+                const std::shared_ptr<const LoraAdapter> ad = m.adapter(id);
+                nb::dict                                 d;
+                d["path"]     = ad->path();
+                d["alpha"]    = ad->alpha();
+                d["n_pairs"]  = ad->n_pairs();
+                d["max_rank"] = ad->max_rank();
+                d["bytes"]    = ad->bytes();
+                return d;
+            },
+            nb::arg("id"), "An adapter's file, alpha, adapted matrices (n_pairs), largest rank and backend bytes.")
+        .def("seq_set_adapter", &Model::seq_set_adapter, nb::arg("seq"), nb::arg("id"), nb::arg("scale") = 1.0f,
+             "Runs seq's next items with adapter id (-1: none) at `scale`; forks inherit it.")
+        .def("seq_adapter", &Model::seq_adapter, nb::arg("seq"), "(adapter id or -1, scale) of seq")
+        .def(
             "seq_share",
             [](Model & m, int32_t s, int32_t pos, int32_t n) { return SharedSpan{ m.seq_span(s, pos, n) }; },
             nb::arg("seq"), nb::arg("pos"), nb::arg("n"), nb::keep_alive<0, 1>(),

@@ -12,6 +12,16 @@ inline constexpr char kKeyName[] = "general.name";
 inline constexpr char kKeyFileType[] = "general.file_type";
 inline constexpr char kKeyQuantizationVersion[] = "general.quantization_version";
 
+// adapter files (llama.cpp's LoRA GGUF): general.type "adapter", adapter.type "lora", the alpha of alpha / rank;
+// tensors <base tensor name> + kLoraSuffixA / kLoraSuffixB ("blk.0.attn_q.weight.lora_a")
+inline constexpr char kKeyType[] = "general.type";
+inline constexpr char kKeyAdapterType[] = "adapter.type";
+inline constexpr char kKeyAdapterLoraAlpha[] = "adapter.lora.alpha";
+inline constexpr char kTypeAdapter[] = "adapter";
+inline constexpr char kAdapterTypeLora[] = "lora";
+inline constexpr char kLoraSuffixA[] = ".lora_a";
+inline constexpr char kLoraSuffixB[] = ".lora_b";
+
 // "<arch>." + suffix: hyper-parameter keys (the suffix after the architecture name)
 inline constexpr char kArchKeyContextLength[] = "context_length";
 inline constexpr char kArchKeyEmbeddingLength[] = "embedding_length";

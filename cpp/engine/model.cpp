@@ -432,8 +432,23 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         }
     }
     st.tables.resize(st.seq_ids.size());
+    // The rows of each adapter in use, in batch order, with their sequences' scales.
+    std::map<int32_t, size_t> lora_index;
+    for (int64_t i = 0; i < n; ++i) {
+        const auto ad = seq_adapters_.find(batch.items[static_cast<size_t>(i)].seq);
+        if (ad == seq_adapters_.end()) {
+            continue;
+        }
+        const auto ins = lora_index.emplace(ad->second.first, st.lora.size());
+        if (ins.second) {
+            st.lora.push_back(ForwardState::LoraRows{ adapters_.at(ad->second.first).get(), {}, {} });
+        }
+        st.lora[ins.first->second].rows.push_back(static_cast<int32_t>(i));
+        st.lora[ins.first->second].scales.push_back(ad->second.second);
+    }
 
     for (int64_t il = 0; il < p_.n_layer; ++il) {
+        st.layer = static_cast<int>(il);
         arch_->forward_layer(st, static_cast<int>(il), layers_[static_cast<size_t>(il)]);
     }
 
@@ -497,7 +512,12 @@ int32_t Model::seq_fork(int32_t src) {
     const auto r = reserved_.find(src);
     KC_CHECK(r == reserved_.end(), "seq_fork: sequence %d has %d reserved rows not yet computed", src,
              r == reserved_.end() ? 0 : static_cast<int>(r->second.size()));
-    return kv_->seq_fork(src);
+    const int32_t child = kv_->seq_fork(src);
+    const auto    ad    = seq_adapters_.find(src);
+    if (ad != seq_adapters_.end()) {
+        seq_adapters_[child] = ad->second;
+    }
+    return child;
 }
 void Model::seq_truncate(int32_t seq, int32_t n) {
     KC_LOCKED;
@@ -517,6 +537,7 @@ void Model::seq_remove(int32_t seq) {
     KC_LOCKED;
     kv_->seq_remove(seq);
     reserved_.erase(seq);
+    seq_adapters_.erase(seq);
 }
 void Model::seq_reserve(int32_t seq, int32_t n) {
     KC_LOCKED;
@@ -616,6 +637,44 @@ int32_t Model::materialize_last_segment(int32_t seq) {
         check_filled(seq, kv_->seq_length(seq) - n, n, "materialize");
     }
     return kvcmas::materialize_last_segment(*this, seq);
+}
+
+int32_t Model::load_adapter(const std::string & path) {
+    KC_LOCKED;  // the backend is not used by two threads at once
+    auto ad                  = std::make_shared<const LoraAdapter>(path, *file_, p_, *backend_);
+    adapters_[next_adapter_] = std::move(ad);
+    return next_adapter_++;
+}
+void Model::unload_adapter(int32_t id) {
+    KC_LOCKED;
+    KC_CHECK(adapters_.count(id) != 0, "unload_adapter: no adapter with id %d", id);
+    for (const auto & [seq, ad] : seq_adapters_) {
+        KC_CHECK(ad.first != id, "unload_adapter: adapter %d is in use by sequence %d", id, seq);
+    }
+    adapters_.erase(id);
+}
+std::shared_ptr<const LoraAdapter> Model::adapter(int32_t id) {
+    KC_LOCKED;
+    const auto it = adapters_.find(id);
+    KC_CHECK(it != adapters_.end(), "no adapter with id %d", id);
+    return it->second;
+}
+void Model::seq_set_adapter(int32_t seq, int32_t id, float scale) {
+    KC_LOCKED;
+    KC_CHECK(kv_->seq_exists(seq), "seq_set_adapter: no sequence with id %d", seq);
+    if (id < 0) {
+        seq_adapters_.erase(seq);
+        return;
+    }
+    KC_CHECK(adapters_.count(id) != 0, "seq_set_adapter: no adapter with id %d", id);
+    KC_CHECK(std::isfinite(scale), "seq_set_adapter: the scale must be finite, got %g", static_cast<double>(scale));
+    seq_adapters_[seq] = { id, scale };
+}
+std::pair<int32_t, float> Model::seq_adapter(int32_t seq) {
+    KC_LOCKED;
+    KC_CHECK(kv_->seq_exists(seq), "seq_adapter: no sequence with id %d", seq);
+    const auto it = seq_adapters_.find(seq);
+    return it == seq_adapters_.end() ? std::make_pair(-1, 0.0f) : it->second;
 }
 
 #undef KC_LOCKED

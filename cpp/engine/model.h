@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "engine/arch/arch.h"
 #include "engine/kv-cache.h"
+#include "engine/lora-adapter.h"
 #include "gguf/gguf-file.h"
 
 namespace kvcmas {
@@ -110,6 +111,16 @@ class Model {
     // KV block geometry, the pool's: bytes of one block (kKvBlockRows rows of K and V, every layer, in kv_type).
     size_t kv_block_bytes() const;
 
+    // Adapters (engine/lora-adapter.h). load_adapter checks `path` against this model and returns the adapter's
+    // id (nothing loaded on error). A sequence uses one adapter (or none, -1) with a scale, set by seq_set_adapter
+    // and inherited by forks; decode runs each of its items with it. unload_adapter refuses an adapter a sequence
+    // still uses.
+    int32_t                            load_adapter(const std::string & path);
+    void                               unload_adapter(int32_t id);
+    std::shared_ptr<const LoraAdapter> adapter(int32_t id);
+    void                               seq_set_adapter(int32_t seq, int32_t id, float scale);
+    std::pair<int32_t, float>          seq_adapter(int32_t seq);
+
     // The sharing layer's core ops (engine/ridge-correction.h, engine/kv-materialize.h), under the lock.
     std::shared_ptr<KvCorrection> ridge_correction(const RidgeMaps & maps, int32_t seq, int32_t pos, int32_t n,
                                                    int32_t frame0, const KvCorrection * prev);
@@ -148,7 +159,11 @@ class Model {
     std::unique_ptr<KvCache>          kv_;
     // Per sequence: its reserved rows not yet filled, in position order (where each goes, its position).
     std::map<int32_t, std::deque<std::pair<KvSlot, int32_t>>> reserved_;
-    std::mutex                                                mutex_;
+    // Loaded adapters by id, and each sequence's adapter and scale (sequences without one are absent).
+    std::map<int32_t, std::shared_ptr<const LoraAdapter>> adapters_;
+    int32_t                                               next_adapter_ = 0;
+    std::map<int32_t, std::pair<int32_t, float>>          seq_adapters_;
+    std::mutex                                            mutex_;
 };
 
 }  // namespace kvcmas

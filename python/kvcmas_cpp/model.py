@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import adapters as lora
 from ._native import core
 from .model_chat import chat_completion, render_chat_prompt
 from .model_files import default_model_path, resolve_model_path
@@ -250,6 +251,22 @@ class KVSequence:
         self._model._core.seq_truncate(self.id, n)
         del self.tokens[n:]
         self._reserved = [(p, t) for p, t in self._reserved if p < n]
+
+    @property
+    def adapter(self) -> tuple[int, float]:
+        """(engine id of the LoRA adapter the sequence runs with, or -1; its scale): see kvcmas_cpp.adapters."""
+        aid, scale = self._model._core.seq_adapter(self.id)
+        return int(aid), float(scale)
+
+    def set_adapter(self, adapter_id: int, scale: float = 1.0) -> None:
+        """Runs the next tokens with the loaded adapter of engine id `adapter_id` (-1: the base model) at `scale`;
+        forks inherit it. (Model.set_sequence_adapter takes the adapter's name.)"""
+        self._model._core.seq_set_adapter(self.id, int(adapter_id), float(scale))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine still holds this sequence (not closed)."""
+        return self.id >= 0 and bool(self._model._core.seq_exists(self.id))
 
     def close(self) -> None:
         if self.id >= 0 and self._model._core.seq_exists(self.id):
@@ -505,6 +522,8 @@ class Model:
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
         constraint: Any = None,
+        adapter: str | None = None,
+        adapter_scale: float = 1.0,
     ) -> Completion | Iterator[CompletionChunk]:
         """Generates a continuation of prompt (text, or token ids).
 
@@ -514,7 +533,8 @@ class Model:
         instead of a fresh one. presence_penalty,
         frequency_penalty, logit_bias: OpenAI's (see SamplingParams). logprobs: None, or report each token's
         logprob and this many alternatives. constraint: a kvcmas_cpp.constrained.Constraint the output follows
-        (it ends when the grammar is complete).
+        (it ends when the grammar is complete). adapter: the name of a loaded LoRA adapter (load_adapter) to
+        generate with, at adapter_scale.
         """
         if isinstance(prompt, str):
             ids = self.tokenize(prompt, add_special=sequence is None or len(sequence) == 0)
@@ -533,7 +553,11 @@ class Model:
             logit_bias=dict(logit_bias) if logit_bias else None,
         )
         stops = stop_strings(stop)
-        chunks = self._generate(ids, max_tokens, params, stops, sequence, None, constraint, logprobs)
+
+        def run(seq: KVSequence | None) -> Iterator[CompletionChunk]:
+            return self._generate(ids, max_tokens, params, stops, seq, None, constraint, logprobs)
+
+        chunks = run(sequence) if adapter is None else lora.run_with(self, adapter, adapter_scale, sequence, run)
         if stream:
             return chunks
         return collect_completion(chunks, self.tokenizer, logprobs is not None)
@@ -670,6 +694,29 @@ class Model:
     def file_tensors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """The tensor table of a model file (name, shape, type_name, n_bytes, ...), read without loading the model."""
         return list(core.GgufFile(os.fspath(path)).tensors())
+
+    # --------------------------------------------------------------------------------------- LoRA adapters
+    def load_adapter(self, path: str | os.PathLike[str], name: str | None = None) -> lora.Adapter:
+        """Loads a GGUF LoRA adapter of this model (`kvcmas convert-lora` writes one from a PEFT folder) under
+        `name` (default: the file's stem), for generate/chat(adapter=name) and set_sequence_adapter."""
+        path = os.fspath(path)
+        name = lora.new_name(self, path, name)
+        aid = self._core.load_adapter(path)
+        return lora.register(self, name, aid, path, dict(self._core.adapter_info(aid)))
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees a loaded adapter (refused while a sequence uses it)."""
+        self._core.unload_adapter(lora.lookup(self, name).id)
+        lora.forget(self, name)
+
+    @property
+    def adapters(self) -> dict[str, lora.Adapter]:
+        """The loaded adapters by name."""
+        return dict(lora.registry(self))
+
+    def set_sequence_adapter(self, sequence: KVSequence, adapter: str | None, scale: float = 1.0) -> None:
+        """Runs the sequence's next tokens with a loaded adapter at `scale` (None: the base model)."""
+        lora.set_sequence_adapter(self, sequence, adapter, scale)
 
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:

@@ -44,7 +44,9 @@ template <int NT>
 void dot_f32(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
     const auto *  w = static_cast<const float *>(w_row);
     XRows<NT>     x(a);
-    constexpr int U = NT == 1 ? 4 : 2;  // independent accumulators per token to cover FMA latency
+    // Independent accumulators per token to cover FMA latency; as many for every NT, so a token's sum is added in
+    // the same order however many tokens share the pass (a sequence's logits do not depend on its batch).
+    constexpr int U = 2;
     __m256        acc[NT][U];
     for (int t = 0; t < NT; ++t) {
         for (int u = 0; u < U; ++u) {
@@ -97,7 +99,7 @@ template <int NT, bool BF>
 void dot_half(const void * w_row, const DecodeActs & a, int64_t n, float * out, int64_t os) {
     const auto *  w = static_cast<const uint16_t *>(w_row);
     XRows<NT>     x(a);
-    constexpr int U = NT == 1 ? 4 : 2;
+    constexpr int U = 2;  // as dot_f32: the same for every NT
     __m256        acc[NT][U];
     for (int t = 0; t < NT; ++t) {
         for (int u = 0; u < U; ++u) {

@@ -18,4 +18,19 @@ void silu_mul_avx2(const float * gate, const float * up, float * y, int64_t n) {
     }
 }
 
+// dot_f32 (ops.cpp) with the 8 partial sums in one register: the same order of additions, fused multiply-adds.
+float dot_f32_avx2(const float * a, const float * b, int64_t n) {
+    __m256        acc = _mm256_setzero_ps();
+    const int64_t n8  = n - n % 8;
+    for (int64_t i = 0; i < n8; i += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (int64_t i = n8; i < n; ++i) {
+        lanes[i - n8] += a[i] * b[i];
+    }
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
 }  // namespace kvcmas::cpu

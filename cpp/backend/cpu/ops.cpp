@@ -18,6 +18,29 @@ void rms_norm(const float * x, const float * w, float * y, int64_t n, float eps)
 }
 
 #ifdef KC_X86
+float dot_f32_avx2(const float * a, const float * b, int64_t n);
+#endif
+
+float dot_f32(const float * a, const float * b, int64_t n) {
+#ifdef KC_X86
+    if (cpu_features().avx2_fma_f16c) {
+        return dot_f32_avx2(a, b, n);
+    }
+#endif
+    float         acc[8] = {};
+    const int64_t n8     = n - n % 8;
+    for (int64_t i = 0; i < n8; i += 8) {
+        for (int l = 0; l < 8; ++l) {
+            acc[l] += a[i + l] * b[i + l];
+        }
+    }
+    for (int64_t i = n8; i < n; ++i) {
+        acc[i - n8] += a[i] * b[i];
+    }
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+#ifdef KC_X86
 void silu_mul_avx2(const float * gate, const float * up, float * y, int64_t n);
 #endif
 

@@ -9,6 +9,10 @@ namespace kvcmas::cpu {
 // y[i] = x[i] / sqrt(mean(x²) + eps) * w[i] for one row of n.
 void rms_norm(const float * x, const float * w, float * y, int64_t n, float eps);
 
+// Σ a[i]·b[i] in f32, summed in a fixed order (8 interleaved partial sums; AVX2 where the CPU has it): the same
+// result on every call on one machine.
+float dot_f32(const float * a, const float * b, int64_t n);
+
 // y[i] = silu(gate[i]) * up[i]
 void silu_mul(const float * gate, const float * up, float * y, int64_t n);
 

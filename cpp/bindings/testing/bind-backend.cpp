@@ -347,6 +347,43 @@ void bind_backend(nb::module_ & m) {
             nb::arg("src"), nb::arg("rows"), nb::arg("dst"), nb::arg("dst_rows"), nb::arg("scales"),
             "gather_rows of src, then add_scaled_rows of those rows into dst: (gathered, dst after).")
         .def(
+            "lora_add",
+            [](Ops & o, F2 x, F2 y, const std::vector<std::tuple<F2, F2, I1, F1>> & groups) {
+                const size_t n = x.shape(0), n_in = x.shape(1), n_out = y.shape(1);
+                KC_CHECK(y.shape(0) == n, "lora_add: x and y must have the same rows");
+                std::vector<backend::Buffer>    bufs;
+                std::vector<backend::LoraGroup> gs;
+                std::vector<bool>               used(n, false);
+                for (const auto & [a, b, rows, scales] : groups) {
+                    const size_t r = a.shape(0);
+                    KC_CHECK(r > 0 && a.shape(1) == n_in && b.shape(0) == n_out && b.shape(1) == r,
+                             "lora_add: a [rank, n_in] and b [n_out, rank]");
+                    KC_CHECK(rows.shape(0) == scales.shape(0), "lora_add: one scale per row");
+                    for (size_t i = 0; i < rows.shape(0); ++i) {
+                        KC_CHECK(rows(i) >= 0 && static_cast<size_t>(rows(i)) < n && !used[rows(i)],
+                                 "lora_add: rows must be distinct rows of x");
+                        used[rows(i)] = true;
+                    }
+                    bufs.push_back(o.put(a.data(), r * n_in));
+                    std::vector<float> b_t(n_out * r);  // the op takes B transposed
+                    for (size_t i = 0; i < n_out; ++i) {
+                        for (size_t c = 0; c < r; ++c) {
+                            b_t[c * n_out + i] = b.data()[i * r + c];
+                        }
+                    }
+                    bufs.push_back(o.put(b_t.data(), n_out * r));
+                    gs.push_back(backend::LoraGroup{ bufs[bufs.size() - 2].f32(), bufs.back().f32(),
+                                                     static_cast<int>(r), rows.data(), scales.data(),
+                                                     static_cast<int64_t>(rows.shape(0)) });
+                }
+                backend::Buffer bx = o.put(x.data(), n * n_in), by = o.put(y.data(), n * n_out);
+                o.be->lora_add(bx.f32(), static_cast<int64_t>(n_in), by.f32(), static_cast<int64_t>(n_out), gs.data(),
+                               static_cast<int>(gs.size()));
+                return out2(o.get(by, n * n_out), n, n_out);
+            },
+            nb::arg("x"), nb::arg("y"), nb::arg("groups"),
+            "y after y[r] += s · B (A x[r]) for each group (a, b, rows, scales) and each of its rows r (scale s).")
+        .def(
             "rope_kv_write",
             [](Ops & o, int n_head, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox,
                F1 inv_freq, F2 q, F2 k, F2 v, I64_1 pos_q, I64_1 pos_k) {

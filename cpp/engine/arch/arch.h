@@ -16,6 +16,7 @@
 namespace kvcmas {
 
 class KvCache;
+class LoraAdapter;
 
 // How one layer rotates its queries and keys.
 enum class LayerRope : uint8_t {
@@ -123,6 +124,14 @@ struct ForwardState {
     std::vector<backend::RunTable>   tables;           // [seq_ids.size()] runs of the current layer
     int64_t                          max_visible = 0;  // most KV rows a query sees
     std::vector<int32_t>             positions;        // [n] host: each token's position
+    // Adapters: the batch's rows per adapter in use (their sequences' scales), and the layer being run.
+    struct LoraRows {
+        const LoraAdapter *  adapter = nullptr;
+        std::vector<int32_t> rows;
+        std::vector<float>   scales;
+    };
+    std::vector<LoraRows> lora;
+    int                   layer = 0;
 };
 
 struct Architecture {
