@@ -27,8 +27,7 @@ messages become spans: sharing.segments, sharing.span_index), session_reads.py (
 sharing.pool.EstimatorPool (the estimators sessions share, handed to the session or the model's default).
 
 Thread safety: a session serialises its own calls with a lock; sessions run concurrently on one model (compute
-releases the GIL; the engine serialises compute), each with its own shared context.
-"""
+releases the GIL; the engine serialises compute), each with its own shared context."""
 
 from __future__ import annotations
 

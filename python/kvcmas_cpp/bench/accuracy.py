@@ -26,7 +26,7 @@ import numpy as np
 
 from ..agents import CALIBRATION_READS, AgentSession, Response
 from ..model import Model
-from ..sharing.methods import SESSION_METHODS, MethodConfig, parse_label
+from ..sharing.methods import LEARNING_METHODS, SESSION_METHODS, MethodConfig, parse_label
 from .progress import progress_bar
 from .tasks import Example, Task, get_task
 
@@ -192,7 +192,7 @@ def accuracy(
     done = _finished(out_path) if out_path is not None and resume and out_path.is_file() else {}
     if calibrate:
         learned = list(dict.fromkeys(session_spec(m, calibrate)[0] for m in methods))
-        learned = [m for m in learned if m in ("kvcmas", "kvcmas-ref", "kvcomm")]
+        learned = [m for m in learned if m in LEARNING_METHODS]
         train = calibration_examples(task, calibrate, limit)
         bar = progress_bar(len(train) * len(learned), "calibration")
         for m in learned:

@@ -21,7 +21,7 @@ from typing import Any
 from ..arguments import non_negative_int, output_file, output_folder, positive_int, positive_int_list
 from ..model import Model, resolve_model_path
 from ..sharing._blas import single_threaded_blas
-from ..sharing.methods import METHODS, parse_label
+from ..sharing.methods import LEARNING_METHODS, METHODS, parse_label
 from ..sharing.runner import WorkflowRunner
 from .sharing_fidelity import correction_state, fidelity, fit_runners
 from .sharing_speed import llama_cpp_rows, speed_and_memory
@@ -142,7 +142,7 @@ def run_agents(args: argparse.Namespace) -> int:
     sizes, decodes = args.shared_tokens, args.decode
     if not sizes and args.questions == 0:
         raise ValueError("nothing to measure: --shared-tokens is empty (no speed part) and --questions is 0")
-    learned = [m for m in methods if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
+    learned = [m for m in methods if parse_label(m)[0] in LEARNING_METHODS]
     if (sizes or args.questions > 0) and learned and args.train < 1:
         print(f"bench agents: {', '.join(learned)} need fitted estimators (--train 1 or more)", file=sys.stderr)
         return 2

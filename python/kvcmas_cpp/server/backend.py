@@ -192,8 +192,10 @@ class SessionBackend:
         cold: str = "reuse",
         calibration_dir: str | os.PathLike[str] | bool = True,
         cache_namespace: str | None = None,
+        pool: Any = None,
     ) -> None:
-        """estimator_name: sessions with the same name share what the method's estimator learns and (unless
+        """pool: the server's EstimatorPool (sharing.pool), whose estimators its sessions share (None: the model's
+        default pool). estimator_name: sessions with the same name share what the method's estimator learns and (unless
         cache_namespace names another) their agents' template prefixes in the model's prefix cache (the server gives
         each namespace its own, so nothing learned from one tenant's reads shapes another's answers, and no tenant
         reads another's prompt rows; its calibration files are keyed by it too). calibration_bytes: the least
@@ -202,7 +204,8 @@ class SessionBackend:
         cold, calibration_dir: see AgentSession (kvcmas)."""
         agents = importlib.import_module("kvcmas_cpp.agents")
         self.method = method
-        kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if method == "kvcmas" else {}
+        learns = importlib.import_module("kvcmas_cpp.sharing.methods").method(method).learns_online
+        kw: dict[str, Any] = {"cold": cold, "calibration_dir": calibration_dir} if learns else {}
         kw["training_reads"] = "manual"  # the scheduler takes them (finish) and runs them between its own work
         self.session = agents.AgentSession(
             model,
@@ -210,10 +213,11 @@ class SessionBackend:
             workflow=estimator_name,
             vision=vision,
             cache_namespace=estimator_name if cache_namespace is None else cache_namespace,
+            pool=pool,
             **kw,
         )
         if calibration_bytes is not None:
-            estimator, lock = agents.shared_estimator(model, method, self.session.workflow)
+            estimator, lock = self.session.pool.get(method, self.session.workflow)
             with lock:
                 if getattr(estimator, "max_pending_bytes", calibration_bytes) < calibration_bytes:
                     estimator.max_pending_bytes = calibration_bytes
@@ -263,13 +267,14 @@ def make_backend(
     cold: str = "reuse",
     calibration_dir: str | os.PathLike[str] | bool = True,
     cache_namespace: str | None = None,
+    pool: Any = None,
 ) -> MethodBackend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
     any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name, cold,
-    calibration_dir, cache_namespace: see SessionBackend."""
+    calibration_dir, cache_namespace, pool: see SessionBackend."""
     if agents_available():
         return SessionBackend(
-            model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir, cache_namespace
+            model, method, vision, calibration_bytes, estimator_name, cold, calibration_dir, cache_namespace, pool
         )
     return PlainBackend(model, estimator_name if cache_namespace is None else cache_namespace)

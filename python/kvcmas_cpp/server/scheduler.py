@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import agents
 from .._native import KvcmasError
 from ..kv_budget import KVBudget
 from ..model import Model
@@ -128,7 +127,7 @@ class Scheduler:
         self.stored_bytes = 0  # snapshot of the sessions' stored span bytes (updated each turn)
         self.estimator_bytes = 0  # snapshot of what the shared estimators hold (after prefills and finishes)
         self._estimators_touched = False  # a prefill or a finish ran since the snapshot: they feed the estimators
-        # snapshot of agents.estimator_edges: (method, estimator name) -> edges by calibration state
+        # snapshot of EstimatorPool.edges: (method, estimator name) -> edges by calibration state
         self.estimator_edges: dict[tuple[str, str], dict[str, int]] = {}
         self.peak_kv_bytes = 0
         self.trimmed_bytes = 0  # KV memory handed back to the system when idle, in all
@@ -233,7 +232,7 @@ class Scheduler:
         gone = self.sessions.expire({j.space for j in self._active})
         if gone:  # the snapshots /metrics reads (a busy turn takes them again)
             self.stored_bytes = self.sessions.stored_bytes
-            self.estimator_bytes = agents.estimator_bytes(self.model)
+            self.estimator_bytes = self.sessions.estimators.bytes()
         return gone
 
     def _turn(self) -> None:
@@ -259,10 +258,10 @@ class Scheduler:
         self.stored_bytes = self.sessions.stored_bytes
         if self._estimators_touched or self.output.estimators_touched:
             self._estimators_touched = self.output.estimators_touched = False
-            self.estimator_bytes = agents.estimator_bytes(self.model)
+            self.estimator_bytes = self.sessions.estimators.bytes()
             if self.calibration_bytes is not None and self.estimator_bytes > self.calibration_bytes:
                 self._bound_estimators(self.calibration_bytes)  # one bound for all namespaces: clients add them
-            self.estimator_edges = agents.estimator_edges(self.model)  # read by /v1/kvcmas/summary (server.ui)
+            self.estimator_edges = self.sessions.estimators.edges()  # read by /v1/kvcmas/summary (server.ui)
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.budget.in_use)
 
     def _bound_estimators(self, max_bytes: int) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .. import agents
 from ..model import Model
 from ..prefix_cache import PrefixCache
+from ..sharing.pool import EstimatorPool
 from .backend import MethodBackend, make_backend
 
 MAX_SESSIONS = 256  # sharing sessions kept; idle least recently used ones are closed beyond this
@@ -89,6 +89,7 @@ class SessionStore:
         self.calibration_bytes, self.cold, self.calibration_dir = calibration_bytes, cold, calibration_dir
         self.idle_ttl, self.max_tenant_sessions = idle_ttl, max_tenant_sessions
         self.prefix_cache = PrefixCache.of(model)  # agents' template prefixes and plain prompts, per namespace
+        self.estimators = EstimatorPool(model)  # what this server's sessions learn, handed to each of them
         self.by_key: OrderedDict[SessionKey, Session] = OrderedDict()  # least recently used first
         self.namespaces: dict[Namespace, float] = {}  # namespace -> when a request of it last ended (monotonic)
         self.busy: dict[int, Any] = {}  # id() of a session -> its job whose prefill plan is in flight
@@ -135,6 +136,7 @@ class SessionStore:
                 self.cold,
                 self.calibration_dir,
                 key.namespace.cache_namespace(),
+                self.estimators,
             )
             s = Session(backend)
             self.by_key[key] = s
@@ -227,7 +229,7 @@ class SessionStore:
         for ns, last in list(self.namespaces.items()):
             if last < cutoff and ns not in held:
                 del self.namespaces[ns]
-                agents.forget_estimators(self.model, ns.estimator_name())
+                self.estimators.forget(ns.estimator_name())
                 self.prefix_cache.forget(ns.cache_namespace())
                 self.expired["namespace"] += 1
                 gone = True
@@ -247,8 +249,8 @@ class SessionStore:
         return False
 
     def bound_estimators(self, max_bytes: int) -> int:
-        """Brings the shared estimators of every namespace within max_bytes (agents.bound_estimators); returns the
+        """Brings the shared estimators of every namespace within max_bytes (EstimatorPool.bound); returns the
         bytes freed. Estimators of sessions with a prefill in flight keep their statistics."""
         live = {key.namespace.estimator_name() for key in self.by_key}
         busy = {key.namespace.estimator_name() for key, s in self.by_key.items() if id(s) in self.busy}
-        return int(agents.bound_estimators(self.model, max_bytes, live, busy))
+        return int(self.estimators.bound(max_bytes, live, busy))
