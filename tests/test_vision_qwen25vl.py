@@ -8,6 +8,7 @@ mmproj`` (the tower), then run by kvcmas and by transformers at f32.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from typing import Any
@@ -20,7 +21,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import kvcmas_cpp  # noqa: E402
+from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
+from kvcmas_cpp.vision.qwen import QwenVisionEncoder  # noqa: E402
 from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
+from test_vision_anyres import IMAGES  # noqa: E402  (photos and synthetic images of several sizes and shapes)
+
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 448 * 448  # at most 1,024 patches (256 image tokens): a fast test tower
 
 VOCAB = 400
 IMAGE_TOKEN, VISION_START, VISION_END = 397, 395, 396
@@ -39,6 +45,10 @@ def _config() -> Any:
                                          vision_end_token_id=VISION_END)  # fmt: skip
 
 
+def _image_processor() -> Any:
+    return transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+
+
 def _run(*args: str) -> None:
     cmd = [sys.executable, "-m", "kvcmas_cpp.cli", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -47,16 +57,23 @@ def _run(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """{folder, model, lm}: the checkpoint, the transformers model, and the text GGUF written by `kvcmas convert`."""
+    """{folder, model, ip, lm, enc}: the checkpoint (with processor_config.json as transformers 5 writes it), the
+    transformers model and image processor, the text GGUF written by `kvcmas convert` and the tower by `kvcmas
+    mmproj`."""
     root = tmp_path_factory.mktemp("qwen25vl")
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(_config()).eval()
     _randomize(model, 11)
     folder = root / "qwen25vl"
     model.save_pretrained(folder)
-    text = root / "text.gguf"
+    ip = _image_processor()
+    processor = {"image_processor": ip.to_dict(), "processor_class": "Qwen2_5_VLProcessor"}
+    (folder / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    text, mmproj = root / "text.gguf", root / "mmproj.gguf"
     _run("convert", str(folder), "-o", str(text), "--outtype", "f32", "--no-vocab")
-    return {"folder": folder, "model": model, "lm": kvcmas_cpp.Model(text, n_threads=2)}
+    _run("mmproj", str(folder), "-o", str(mmproj), "--outtype", "f32")
+    lm = kvcmas_cpp.Model(text, n_threads=2)
+    return {"folder": folder, "model": model, "ip": ip, "lm": lm, "enc": VisionEncoder(mmproj, n_threads=2)}
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -76,3 +93,57 @@ def test_text_only_logits_equal_transformers(qwen: dict[str, Any]) -> None:
     assert ours.shape == ref.shape
     assert np.abs(_log_softmax(ours) - _log_softmax(ref)).max() <= 2e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+CASES = ["landscape", "portrait", "astronaut", "coffee", "tiny", "tall"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pixels_and_token_counts_equal_the_processor(qwen: dict[str, Any], name: str) -> None:
+    """The tower's input equals the processor's pixel_values bit for bit; the grid and the image-token count are
+    its image_grid_thw and what Qwen2_5_VLProcessor writes into the prompt."""
+    enc: QwenVisionEncoder = qwen["enc"]
+    assert isinstance(enc, QwenVisionEncoder)  # VisionEncoder opens a Qwen2.5-VL file as its own class
+    assert (enc.qwen.min_pixels, enc.qwen.max_pixels) == (MIN_PIXELS, MAX_PIXELS)  # read from the checkpoint
+    out = qwen["ip"](images=[IMAGES[name]], return_tensors="np")
+    patches, grid = enc.preprocess(IMAGES[name])
+    assert patches.dtype == np.float32 and np.array_equal(patches, out["pixel_values"])
+    assert [1, *grid] == out["image_grid_thw"][0].tolist()
+    proc = transformers.Qwen2_5_VLProcessor.__new__(transformers.Qwen2_5_VLProcessor)  # its counting, no tokenizer
+    proc.image_processor, proc.image_token = qwen["ip"], "<|image_pad|>"
+    count = len(proc.replace_image_token(out, 0)) // len("<|image_pad|>")
+    w, h = IMAGES[name].size
+    assert enc.n_image_tokens(w, h) == count == int(np.prod(enc.grid(w, h)))
+
+
+def _hf_features(qwen: dict[str, Any], name: str) -> np.ndarray:
+    out = qwen["ip"](images=[IMAGES[name]], return_tensors="pt")
+    with torch.no_grad():
+        feats = qwen["model"].model.get_image_features(pixel_values=out["pixel_values"],
+                                                       image_grid_thw=out["image_grid_thw"])  # fmt: skip
+    feats = getattr(feats, "pooler_output", feats)
+    return (feats[0] if isinstance(feats, (list, tuple)) else feats).numpy()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_image_features_equal_transformers(qwen: dict[str, Any], name: str) -> None:
+    """The windowed / full-attention ViT, 2D RoPE and the merger give transformers' features at f32."""
+    ref = _hf_features(qwen, name)
+    ours = qwen["enc"].encode(IMAGES[name])
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_windows_matter(qwen: dict[str, Any]) -> None:
+    """The windowed blocks are windowed: transformers with every block attending fully gives features far from
+    ours (so the equality above checks the windows, and not a tower that attends over the whole image)."""
+    enc: QwenVisionEncoder = qwen["enc"]
+    assert enc._core.full_attention == [False, True, False, True] and enc._core.window_size == 112
+    visual = qwen["model"].model.visual
+    saved = visual.fullatt_block_indexes
+    try:
+        visual.fullatt_block_indexes = list(range(len(visual.blocks)))
+        everywhere = _hf_features(qwen, "astronaut")  # 32 x 32 patches: 4 x 4 windows
+    finally:
+        visual.fullatt_block_indexes = saved
+    assert np.abs(qwen["enc"].encode(IMAGES["astronaut"]) - everywhere).max() > 1e-2
