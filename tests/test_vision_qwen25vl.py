@@ -147,3 +147,84 @@ def test_windows_matter(qwen: dict[str, Any]) -> None:
     finally:
         visual.fullatt_block_indexes = saved
     assert np.abs(qwen["enc"].encode(IMAGES["astronaut"]) - everywhere).max() > 1e-2
+
+
+def _prompt(qwen: dict[str, Any], names: list[str], seed: int) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Text pieces around the images (each image between <|vision_start|> and <|vision_end|>) and each image's
+    (rows, cols) of tokens."""
+    rng = np.random.default_rng(seed)
+    pieces = [rng.integers(0, 390, 5).tolist() + [VISION_START]]
+    for i, _ in enumerate(names):
+        tail = rng.integers(0, 390, 4).tolist()
+        pieces.append([VISION_END, *tail] + ([VISION_START] if i + 1 < len(names) else []))
+    grids = [qwen["enc"].grid(*IMAGES[n].size) for n in names]
+    return pieces, grids
+
+
+def _hf_inputs(qwen: dict[str, Any], names: list[str], pieces: list[list[int]], grids: list[tuple[int, int]]) -> Any:
+    ids = list(pieces[0])
+    for (rows, cols), piece in zip(grids, pieces[1:], strict=True):
+        ids += [IMAGE_TOKEN] * (rows * cols) + piece
+    out = qwen["ip"](images=[IMAGES[n] for n in names], return_tensors="pt")
+    input_ids = torch.tensor([ids])
+    return input_ids, out["pixel_values"], out["image_grid_thw"], (input_ids == IMAGE_TOKEN).int()
+
+
+@pytest.mark.parametrize("names", [["landscape"], ["tall"], ["coffee", "tiny"]], ids=lambda n: "+".join(n))
+def test_mrope_positions_equal_get_rope_index(qwen: dict[str, Any], names: list[str]) -> None:
+    """Sequence positions plus the offsets kvcmas decodes with are transformers' (t, h, w) positions for every
+    token, images and the text after them included."""
+    pieces, grids = _prompt(qwen, names, 7)
+    input_ids, _, thw, mm = _hf_inputs(qwen, names, pieces, grids)
+    ref, ref_delta = qwen["model"].model.get_rope_index(input_ids, mm_token_type_ids=mm, image_grid_thw=thw)
+    ours, delta, at = [], 0, 0
+    for i, piece in enumerate(pieces):
+        ours += [[at + k + delta] * 3 for k in range(len(piece))]
+        at += len(piece)
+        if i < len(grids):
+            offsets, delta = kvcmas_cpp.model.image_rope_offsets(*grids[i], at, delta)
+            ours += (np.arange(at, at + len(offsets))[:, None] + offsets).tolist()
+            at += len(offsets)
+    assert np.array_equal(np.asarray(ours).T, ref[:, 0].numpy()) and delta == int(ref_delta)
+
+
+@pytest.mark.parametrize("names", [["landscape"], ["portrait"], ["astronaut"], ["tiny"], ["tall"], ["coffee", "tiny"]],
+                         ids=lambda n: "+".join(n))  # fmt: skip
+def test_first_token_logprobs_with_images_equal_transformers(qwen: dict[str, Any], names: list[str]) -> None:
+    """The text model reading the tower's rows at their M-RoPE positions gives transformers' first-token
+    distribution: top-1 identical, max |Δ logprob| <= 2e-3; then a generated token (text after the image, its
+    positions shifted) agrees too."""
+    pieces, grids = _prompt(qwen, names, 8)
+    input_ids, pixels, thw, mm = _hf_inputs(qwen, names, pieces, grids)
+    with torch.no_grad():
+        ref = qwen["model"](input_ids=input_ids, pixel_values=pixels, image_grid_thw=thw, mm_token_type_ids=mm)
+    ref_lp = _log_softmax(ref.logits[0, -1].numpy())
+    lm = qwen["lm"]
+    with lm.new_sequence() as seq:
+        seq.append(pieces[0], logits="none")
+        for name, grid, piece in zip(names, grids, pieces[1:], strict=True):
+            seq.append_embeddings(qwen["enc"].encode(IMAGES[name]), image_grid=grid)
+            last = seq.append(piece)
+        lp = _log_softmax(last)
+        assert lp.argmax() == ref_lp.argmax() and np.abs(lp - ref_lp).max() <= 2e-3
+        # one decode step after the prompt: transformers continues with its cached rope deltas
+        nxt = int(ref_lp.argmax())
+        with torch.no_grad():
+            ref2 = qwen["model"](input_ids=torch.tensor([[nxt]]), cache=ref.past_key_values,
+                                 mm_token_type_ids=torch.zeros((1, 1), dtype=torch.int))  # fmt: skip
+        lp2, ref_lp2 = _log_softmax(seq.append([nxt])), _log_softmax(ref2.logits[0, -1].numpy())
+        assert lp2.argmax() == ref_lp2.argmax() and np.abs(lp2 - ref_lp2).max() <= 2e-3
+
+
+def test_image_positions_matter(qwen: dict[str, Any]) -> None:
+    """Without M-RoPE positions (the rows in sequence, as LLaVA runs them) the logprobs move far from
+    transformers': the equality above checks the positions."""
+    pieces, grids = _prompt(qwen, ["coffee"], 8)
+    input_ids, pixels, thw, mm = _hf_inputs(qwen, ["coffee"], pieces, grids)
+    with torch.no_grad():
+        ref = qwen["model"](input_ids=input_ids, pixel_values=pixels, image_grid_thw=thw, mm_token_type_ids=mm)
+    with qwen["lm"].new_sequence() as seq:
+        seq.append(pieces[0], logits="none")
+        seq.append_embeddings(qwen["enc"].encode(IMAGES["coffee"]))
+        lp = _log_softmax(seq.append(pieces[1]))
+    assert np.abs(lp - _log_softmax(ref.logits[0, -1].numpy())).max() > 1e-2

@@ -200,6 +200,17 @@ class SharedKV:
         return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n])
 
 
+def image_rope_offsets(rows: int, cols: int, start: int, rope_delta: int) -> tuple[np.ndarray, int]:
+    """M-RoPE of an image of rows x cols tokens appended at sequence position ``start`` of a sequence whose text
+    positions are its positions plus ``rope_delta``: (offsets [rows * cols, 3] int32 for
+    ``decode(rope_offsets=...)``, the sequence's rope_delta after the image)."""
+    k = np.arange(rows * cols, dtype=np.int64)
+    base = start + rope_delta  # the position the image's first token would have as text
+    pos = np.stack([np.full_like(k, base), base + k // cols, base + k % cols], axis=1)
+    offsets = pos - (start + k)[:, None]
+    return offsets.astype(np.int32), rope_delta + max(rows, cols) - rows * cols
+
+
 class KVSequence:
     """One sequence of KV rows in the engine (a KV slot). Positions are 0..len-1.
 
@@ -212,6 +223,10 @@ class KVSequence:
         self.id = seq_id
         self.tokens = tokens  # the ids whose KV the sequence holds or will hold (-1 for embedding inputs)
         self._reserved: list[tuple[int, int]] = []  # (position, id) of rows reserved and not yet computed, in order
+        # M-RoPE models (qwen2vl): the next text row's rotary position is its position plus rope_delta (an image
+        # span advances it by max(rows, cols), not its rows x cols); (end, rope_delta after) of each image span.
+        self.rope_delta = 0
+        self._rope_marks: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -273,7 +288,7 @@ class KVSequence:
             elif logits == "last" and is_last_chunk:
                 want[-1] = 1
             filled = self.check_fill(chunk)
-            out = self._model._decode([self.id] * len(chunk), chunk, want)
+            out = self._model._decode([self.id] * len(chunk), chunk, want, [self.rope_delta] * len(chunk))
             self.record(chunk, filled)
             if len(out):
                 rows.append(out)
@@ -283,8 +298,12 @@ class KVSequence:
             return rows[-1][-1]
         return np.concatenate(rows, axis=0)
 
-    def append_embeddings(self, embeddings: np.ndarray, logits: bool = False) -> np.ndarray | None:
-        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings."""
+    def append_embeddings(
+        self, embeddings: np.ndarray, logits: bool = False, image_grid: tuple[int, int] | None = None
+    ) -> np.ndarray | None:
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. image_grid: (rows,
+        cols) of an image whose rows these are, row-major: an M-RoPE model gives them 2D positions (others run
+        them in sequence, as any vectors)."""
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
@@ -294,8 +313,21 @@ class KVSequence:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
-        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32))
+        delta, offsets = self.rope_delta, None
+        if self._model.rope_sections:
+            offsets = np.full((n, 3), delta, dtype=np.int32)
+            if image_grid is not None:
+                rows, cols = (int(x) for x in image_grid)
+                if rows <= 0 or cols <= 0 or rows * cols != n:
+                    raise ValueError(f"append_embeddings: an image grid of {rows} x {cols} does not hold {n} rows")
+                start = self._reserved[0][0] if self._reserved else len(self.tokens)
+                offsets, delta = image_rope_offsets(rows, cols, start, self.rope_delta)
+        rows_ids = np.arange(n, dtype=np.int32)
+        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, rows_ids, offsets)
         self.record([-1] * n, filled)
+        if delta != self.rope_delta:
+            self.rope_delta = delta
+            self._rope_marks.append((len(self.tokens), delta))
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
@@ -323,7 +355,9 @@ class KVSequence:
 
     def fork(self) -> KVSequence:
         """A new sequence that reads this one's rows (no copy)."""
-        return KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
+        child = KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
+        child.rope_delta, child._rope_marks = self.rope_delta, list(self._rope_marks)
+        return child
 
     def truncate(self, n: int) -> None:
         """Keeps the first n rows."""
@@ -332,6 +366,8 @@ class KVSequence:
         self._model._core.seq_truncate(self.id, n)
         del self.tokens[n:]
         self._reserved = [(p, t) for p, t in self._reserved if p < n]
+        self._rope_marks = [(end, d) for end, d in self._rope_marks if end <= n]
+        self.rope_delta = self._rope_marks[-1][1] if self._rope_marks else 0
 
     def close(self) -> None:
         if self.id >= 0 and self._model._core.seq_exists(self.id):
@@ -433,6 +469,9 @@ class Model:
     n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")
     n_layer = property(lambda self: self._core.n_layer, doc="transformer blocks")
     n_embd = property(lambda self: self._core.n_embd, doc="hidden size")
+    rope_sections = property(
+        lambda self: list(self._core.rope_sections), doc="M-RoPE pairs per t / h / w position (empty: one position)"
+    )
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
@@ -537,9 +576,17 @@ class Model:
             raise ChatTemplateError(f"{os.path.basename(self.path)}: {e}") from None  # by name: servers show it
 
     # ---------------------------------------------------------------------------------------------- compute
-    def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:
+    def _decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray, rope_deltas: Sequence[int] | None = None
+    ) -> np.ndarray:
+        offsets = None
+        if rope_deltas is not None and self.rope_sections and any(rope_deltas):  # M-RoPE text after an image
+            offsets = np.repeat(np.asarray(rope_deltas, dtype=np.int32)[:, None], 3, axis=1)
         return self._core.decode(
-            np.asarray(seqs, dtype=np.int32), np.asarray(tokens, dtype=np.int32), np.asarray(want, dtype=np.uint8)
+            np.asarray(seqs, dtype=np.int32),
+            np.asarray(tokens, dtype=np.int32),
+            np.asarray(want, dtype=np.uint8),
+            rope_offsets=offsets,
         )
 
     def new_sequence(self) -> KVSequence:
@@ -559,7 +606,8 @@ class Model:
             toks.extend(ids)
             want.extend([0] * (len(ids) - 1) + [1])
         filled = [seq.check_fill(ids) for seq, ids in steps]
-        out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
+        deltas = [seq.rope_delta for seq, ids in steps for _ in ids]
+        out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8), deltas)
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
         return [out[i] for i in range(len(steps))]

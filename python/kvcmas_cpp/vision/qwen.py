@@ -10,7 +10,7 @@ M-RoPE (``get_rope_index``): a text token's temporal, height and width positions
 at ``base + (0, row, col)``, base the position the first of them would have as text; the text after the image goes
 on from ``base + max(rows, cols)``. The engine takes them as offsets from each token's sequence position
 (``_core.Model.decode(rope_offsets=...)``), so a sequence carries one number, ``rope_delta``: what its next text
-position adds to its length.
+position adds to its length (``KVSequence.append_embeddings(image_grid=...)``, ``model.image_rope_offsets``).
 """
 
 from __future__ import annotations
@@ -91,17 +91,6 @@ def preprocess(image: Image.Image, config: QwenImageConfig) -> tuple[np.ndarray,
     blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
     frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))  # a still image, t times
     return np.ascontiguousarray(frames.reshape(gh * gw, 3 * t * p * p), dtype=np.float32), (gh, gw)
-
-
-def image_rope_offsets(rows: int, cols: int, start: int, rope_delta: int) -> tuple[np.ndarray, int]:
-    """M-RoPE of an image of rows x cols tokens appended at sequence position ``start`` of a sequence whose text
-    positions are its positions plus ``rope_delta``: (offsets [rows * cols, 3] int32 for
-    ``decode(rope_offsets=...)``, the sequence's rope_delta after the image)."""
-    k = np.arange(rows * cols, dtype=np.int64)
-    base = start + rope_delta  # the position the image's first token would have as text
-    pos = np.stack([np.full_like(k, base), base + k // cols, base + k % cols], axis=1)
-    offsets = pos - (start + k)[:, None]
-    return offsets.astype(np.int32), rope_delta + max(rows, cols) - rows * cols
 
 
 class QwenVisionEncoder(VisionEncoder):
