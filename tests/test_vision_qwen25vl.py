@@ -228,3 +228,40 @@ def test_image_positions_matter(qwen: dict[str, Any]) -> None:
         seq.append_embeddings(qwen["enc"].encode(IMAGES["coffee"]))
         lp = _log_softmax(seq.append(pieces[1]))
     assert np.abs(lp - _log_softmax(ref.logits[0, -1].numpy())).max() > 1e-2
+
+
+def test_image_span_read_at_another_position_is_exact(qwen: dict[str, Any]) -> None:
+    """An image span (and the text after it) computed by one sequence and read by reference by another at a
+    different position is rotated to the reader's M-RoPE positions: its first layer's keys (which depend on nothing
+    before them) equal those of computing it there, and the reader's text after it goes on at the image's
+    positions (its first-layer keys equal too). Deeper layers differ by what the span attended to, which the
+    sharing methods correct."""
+    lm, grid = qwen["lm"], qwen["enc"].grid(*IMAGES["coffee"].size)
+    feats = qwen["enc"].encode(IMAGES["coffee"])
+    rng = np.random.default_rng(9)
+    first, other = rng.integers(0, 390, 3).tolist(), rng.integers(0, 390, 11).tolist()
+    after, question = [VISION_END, *rng.integers(0, 390, 4).tolist()], rng.integers(0, 390, 6).tolist()
+    n = len(feats) + len(after)
+    with lm.new_sequence() as src, lm.new_sequence() as reader, lm.new_sequence() as fresh:
+        src.append([*first, VISION_START], logits="none")
+        src.append_embeddings(feats, image_grid=grid)
+        src.append(after, logits="none")
+        span = src.share(len(first) + 1, n)
+        reader.append([*other, VISION_START], logits="none")
+        reader.append_shared(span)
+        assert reader.rope_delta == src.rope_delta == max(grid) - grid[0] * grid[1]
+        fresh.append([*other, VISION_START], logits="none")
+        fresh.append_embeddings(feats, image_grid=grid)
+        fresh.append(after, logits="none")
+        reader.append(question, logits="none")
+        fresh.append(question, logits="none")
+        k_read, v_read = reader.kv(len(other) + 1, n + len(question))
+        k_fresh, v_fresh = fresh.kv(len(other) + 1, n + len(question))
+        assert np.abs(k_read[0] - k_fresh[0]).max() <= 1e-5 and np.abs(v_read[0] - v_fresh[0]).max() <= 1e-6
+        unshifted = src.kv(len(first) + 1, n)[0][0]
+        assert np.abs(unshifted - k_fresh[0, :n]).max() > 1e-2  # the shift is not nothing
+        fork = reader.fork()  # a fork goes on from the same positions; a truncation before the image forgets it
+        assert fork.rope_delta == reader.rope_delta
+        fork.truncate(len(other) + 1)
+        assert fork.rope_delta == 0
+        fork.close()

@@ -187,6 +187,8 @@ class SharedKV:
 
     handle: Any  # _core.SharedSpan
     tokens: tuple[int, ...]
+    # M-RoPE: (end, change) of each whole image in the rows: after row end - 1 a reader's rope_delta changes by it
+    rope_marks: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -197,7 +199,8 @@ class SharedKV:
             raise ValueError(f"SharedKV.slice: rows [{first}, {first + n}) are outside the span's {len(self)} rows")
         if first == 0 and n == len(self):
             return self
-        return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n])
+        marks = tuple((end - first, d) for end, d in self.rope_marks if first < end <= first + n)
+        return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n], marks)
 
 
 def image_rope_offsets(rows: int, cols: int, start: int, rope_delta: int) -> tuple[np.ndarray, int]:
@@ -224,7 +227,7 @@ class KVSequence:
         self.tokens = tokens  # the ids whose KV the sequence holds or will hold (-1 for embedding inputs)
         self._reserved: list[tuple[int, int]] = []  # (position, id) of rows reserved and not yet computed, in order
         # M-RoPE models (qwen2vl): the next text row's rotary position is its position plus rope_delta (an image
-        # span advances it by max(rows, cols), not its rows x cols); (end, rope_delta after) of each image span.
+        # span advances it by max(rows, cols), not its rows x cols); (end, change of rope_delta) of each image.
         self.rope_delta = 0
         self._rope_marks: list[tuple[int, int]] = []
 
@@ -314,27 +317,28 @@ class KVSequence:
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
         delta, offsets = self.rope_delta, None
+        start = self._reserved[0][0] if self._reserved else len(self.tokens)
         if self._model.rope_sections:
             offsets = np.full((n, 3), delta, dtype=np.int32)
             if image_grid is not None:
                 rows, cols = (int(x) for x in image_grid)
                 if rows <= 0 or cols <= 0 or rows * cols != n:
                     raise ValueError(f"append_embeddings: an image grid of {rows} x {cols} does not hold {n} rows")
-                start = self._reserved[0][0] if self._reserved else len(self.tokens)
                 offsets, delta = image_rope_offsets(rows, cols, start, self.rope_delta)
         rows_ids = np.arange(n, dtype=np.int32)
         out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, rows_ids, offsets)
         self.record([-1] * n, filled)
         if delta != self.rope_delta:
+            self._rope_marks.append((start + n, delta - self.rope_delta))
             self.rope_delta = delta
-            self._rope_marks.append((len(self.tokens), delta))
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
         """The stored rows of positions [pos, pos + n), to append to other sequences (no copy)."""
         if not (pos >= 0 and n > 0 and pos + n <= len(self.tokens)):
             raise ValueError(f"share: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
-        return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]))
+        marks = tuple((end - pos, d) for end, d in self._rope_marks if pos < end <= pos + n)
+        return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]), marks)
 
     def append_shared(self, shared: SharedKV, correction: Any = None, corr_row0: int = 0) -> None:
         """Appends shared rows at this sequence's end: attention re-positions their keys (RoPE) in the kernel and,
@@ -343,6 +347,9 @@ class KVSequence:
         if abs(corr_row0) > INT32_MAX:  # the core checks the correction's rows, but only of offsets a C int holds
             raise core.KvcmasError(f"append_shared: corr_row0 {corr_row0} is outside the correction's rows")
         self._model._core.seq_append_shared(self.id, shared.handle, correction, corr_row0)
+        for end, d in shared.rope_marks:  # images in the rows: the text after them goes on at their positions
+            self._rope_marks.append((len(self.tokens) + end, d))
+            self.rope_delta += d
         self.tokens.extend(shared.tokens)
 
     def kv(self, pos: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -367,7 +374,7 @@ class KVSequence:
         del self.tokens[n:]
         self._reserved = [(p, t) for p, t in self._reserved if p < n]
         self._rope_marks = [(end, d) for end, d in self._rope_marks if end <= n]
-        self.rope_delta = self._rope_marks[-1][1] if self._rope_marks else 0
+        self.rope_delta = sum(d for _, d in self._rope_marks)
 
     def close(self) -> None:
         if self.id >= 0 and self._model._core.seq_exists(self.id):
