@@ -177,14 +177,16 @@ def test_mrope_positions_equal_get_rope_index(qwen: dict[str, Any], names: list[
     pieces, grids = _prompt(qwen, names, 7)
     input_ids, _, thw, mm = _hf_inputs(qwen, names, pieces, grids)
     ref, ref_delta = qwen["model"].model.get_rope_index(input_ids, mm_token_type_ids=mm, image_grid_thw=thw)
-    ours, delta, at = [], 0, 0
-    for i, piece in enumerate(pieces):
-        ours += [[at + k + delta] * 3 for k in range(len(piece))]
-        at += len(piece)
-        if i < len(grids):
-            offsets, delta = kvcmas_cpp.model.image_rope_offsets(*grids[i], at, delta)
-            ours += (np.arange(at, at + len(offsets))[:, None] + offsets).tolist()
-            at += len(offsets)
+    image_pos = np.zeros((input_ids.shape[1], 3), dtype=np.int64)  # (k, rows, cols) of each image row
+    at = len(pieces[0])
+    for (rows, cols), piece in zip(grids, pieces[1:], strict=True):
+        image_pos[at : at + rows * cols] = np.stack([np.arange(rows * cols), [rows] * (rows * cols),
+                                                     [cols] * (rows * cols)], axis=1)  # fmt: skip
+        at += rows * cols + len(piece)
+    positions = np.arange(input_ids.shape[1])
+    offsets, marks = kvcmas_cpp.model.mrope_offsets(image_pos, positions.tolist(), [])
+    ours = positions[:, None] + offsets
+    delta = sum(d for _, d in marks)
     assert np.array_equal(np.asarray(ours).T, ref[:, 0].numpy()) and delta == int(ref_delta)
 
 
@@ -265,3 +267,21 @@ def test_image_span_read_at_another_position_is_exact(qwen: dict[str, Any]) -> N
         fork.truncate(len(other) + 1)
         assert fork.rope_delta == 0
         fork.close()
+
+
+def test_an_image_in_several_appends_takes_the_same_positions(qwen: dict[str, Any]) -> None:
+    """image_pos (row k of a rows x cols image per vector) lets chunked prefill split an image: the logits equal
+    appending it whole."""
+    lm, grid = qwen["lm"], qwen["enc"].grid(*IMAGES["coffee"].size)
+    feats = qwen["enc"].encode(IMAGES["coffee"])
+    n = len(feats)
+    info = np.stack([np.arange(n), np.full(n, grid[0]), np.full(n, grid[1])], axis=1)
+    head, tail = [1, 2, VISION_START], [VISION_END, 5, 6, 7]
+    with lm.new_sequence() as whole, lm.new_sequence() as split:
+        whole.append(head, logits="none")
+        whole.append_embeddings(feats, image_grid=grid)
+        split.append(head, logits="none")
+        for a, b in ((0, 100), (100, 101), (101, n)):
+            split.append_embeddings(feats[a:b], image_pos=info[a:b])
+        assert split.rope_delta == whole.rope_delta
+        assert np.abs(whole.append(tail) - split.append(tail)).max() <= 1e-4

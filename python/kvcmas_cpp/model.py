@@ -203,15 +203,29 @@ class SharedKV:
         return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n], marks)
 
 
-def image_rope_offsets(rows: int, cols: int, start: int, rope_delta: int) -> tuple[np.ndarray, int]:
-    """M-RoPE of an image of rows x cols tokens appended at sequence position ``start`` of a sequence whose text
-    positions are its positions plus ``rope_delta``: (offsets [rows * cols, 3] int32 for
-    ``decode(rope_offsets=...)``, the sequence's rope_delta after the image)."""
-    k = np.arange(rows * cols, dtype=np.int64)
-    base = start + rope_delta  # the position the image's first token would have as text
-    pos = np.stack([np.full_like(k, base), base + k // cols, base + k % cols], axis=1)
-    offsets = pos - (start + k)[:, None]
-    return offsets.astype(np.int32), rope_delta + max(rows, cols) - rows * cols
+def mrope_offsets(
+    image_pos: np.ndarray, positions: Sequence[int], marks: list[tuple[int, int]]
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """M-RoPE of rows at sequence `positions` (get_rope_index's positions, as offsets from the sequence positions):
+    image_pos [n, 3] per row (k, rows, cols), row k of an image of rows x cols tokens (rows = 0: a text row); marks:
+    (end, change) of the images before, each adding its change to the positions from `end` on. A text row sits at
+    its position plus the changes before it; image row k at base + (0, k // cols, k % cols), base the position its
+    first row would have as text; an image's change is max(rows, cols) - rows x cols. Returns (offsets [n, 3]
+    int32, marks with the images these rows end)."""
+    marks = list(marks)
+    offsets = np.zeros((len(positions), 3), dtype=np.int32)
+    for i, pos in enumerate(positions):
+        k, rows, cols = (int(x) for x in image_pos[i])
+        if rows <= 0:
+            offsets[i] = sum(d for end, d in marks if end <= pos)
+            continue
+        if cols <= 0 or not 0 <= k < rows * cols:
+            raise ValueError(f"M-RoPE: image row {k} is outside a {rows} x {cols} image")
+        d = sum(d for end, d in marks if end <= pos - k)  # as of the image's first row
+        offsets[i] = (d - k, d + k // cols - k, d + k % cols - k)
+        if k == rows * cols - 1:  # the image's last row: the text after it goes on from its positions
+            marks.append((pos + 1, max(rows, cols) - rows * cols))
+    return offsets, marks
 
 
 class KVSequence:
@@ -226,13 +240,25 @@ class KVSequence:
         self.id = seq_id
         self.tokens = tokens  # the ids whose KV the sequence holds or will hold (-1 for embedding inputs)
         self._reserved: list[tuple[int, int]] = []  # (position, id) of rows reserved and not yet computed, in order
-        # M-RoPE models (qwen2vl): the next text row's rotary position is its position plus rope_delta (an image
-        # span advances it by max(rows, cols), not its rows x cols); (end, change of rope_delta) of each image.
-        self.rope_delta = 0
+        # M-RoPE models (qwen2vl): (end, change) of each image: a text row's rotary position is its position plus
+        # the changes of the images that end before it (an image advances positions by max(rows, cols), not by its
+        # rows x cols)
         self._rope_marks: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def rope_delta(self) -> int:
+        """What the next text row's rotary position adds to its position (M-RoPE models; 0 without images)."""
+        return sum(d for _, d in self._rope_marks)
+
+    def _delta_at(self, pos: int) -> int:
+        return sum(d for end, d in self._rope_marks if end <= pos)
+
+    def _next_positions(self, filled: int, n: int) -> list[int]:
+        """Positions of the next n computed rows, the first `filled` of them filling reserved rows."""
+        return [p for p, _ in self._reserved[:filled]] + list(range(len(self.tokens), len(self.tokens) + n - filled))
 
     @property
     def reserved(self) -> int:
@@ -291,7 +317,8 @@ class KVSequence:
             elif logits == "last" and is_last_chunk:
                 want[-1] = 1
             filled = self.check_fill(chunk)
-            out = self._model._decode([self.id] * len(chunk), chunk, want, [self.rope_delta] * len(chunk))
+            deltas = [self._delta_at(p) for p in self._next_positions(filled, len(chunk))] if self._rope_marks else None
+            out = self._model._decode([self.id] * len(chunk), chunk, want, deltas)
             self.record(chunk, filled)
             if len(out):
                 rows.append(out)
@@ -302,35 +329,40 @@ class KVSequence:
         return np.concatenate(rows, axis=0)
 
     def append_embeddings(
-        self, embeddings: np.ndarray, logits: bool = False, image_grid: tuple[int, int] | None = None
+        self,
+        embeddings: np.ndarray,
+        logits: bool = False,
+        image_grid: tuple[int, int] | None = None,
+        image_pos: np.ndarray | None = None,
     ) -> np.ndarray | None:
-        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. image_grid: (rows,
-        cols) of an image whose rows these are, row-major: an M-RoPE model gives them 2D positions (others run
-        them in sequence, as any vectors)."""
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. For an M-RoPE model
+        the rows of an image take 2D positions (others run them in sequence, as any vectors): image_grid (rows,
+        cols) says the vectors are a whole image, row-major; image_pos [n, 3] says per vector (k, rows, cols): row k
+        of an image of rows x cols tokens (rows = 0: not an image row), so an image may come in several appends."""
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
         n = embd.shape[0]
+        if image_grid is not None:
+            rows, cols = (int(x) for x in image_grid)
+            if rows <= 0 or cols <= 0 or rows * cols != n:
+                raise ValueError(f"append_embeddings: an image grid of {rows} x {cols} does not hold {n} rows")
+            image_pos = np.stack([np.arange(n), np.full(n, rows), np.full(n, cols)], axis=1)
         want = np.zeros(n, dtype=np.uint8)
         if logits:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
-        delta, offsets = self.rope_delta, None
-        start = self._reserved[0][0] if self._reserved else len(self.tokens)
-        if self._model.rope_sections:
-            offsets = np.full((n, 3), delta, dtype=np.int32)
-            if image_grid is not None:
-                rows, cols = (int(x) for x in image_grid)
-                if rows <= 0 or cols <= 0 or rows * cols != n:
-                    raise ValueError(f"append_embeddings: an image grid of {rows} x {cols} does not hold {n} rows")
-                offsets, delta = image_rope_offsets(rows, cols, start, self.rope_delta)
+        offsets, marks = None, self._rope_marks
+        if self._model.rope_sections and (image_pos is not None or marks):
+            info = np.zeros((n, 3), dtype=np.int64) if image_pos is None else np.asarray(image_pos, dtype=np.int64)
+            if info.shape != (n, 3):
+                raise ValueError(f"append_embeddings: image_pos must be [{n}, 3] rows of (k, rows, cols)")
+            offsets, marks = mrope_offsets(info, self._next_positions(filled, n), marks)
         rows_ids = np.arange(n, dtype=np.int32)
         out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, rows_ids, offsets)
         self.record([-1] * n, filled)
-        if delta != self.rope_delta:
-            self._rope_marks.append((start + n, delta - self.rope_delta))
-            self.rope_delta = delta
+        self._rope_marks = marks
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
@@ -349,7 +381,6 @@ class KVSequence:
         self._model._core.seq_append_shared(self.id, shared.handle, correction, corr_row0)
         for end, d in shared.rope_marks:  # images in the rows: the text after them goes on at their positions
             self._rope_marks.append((len(self.tokens) + end, d))
-            self.rope_delta += d
         self.tokens.extend(shared.tokens)
 
     def kv(self, pos: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -363,7 +394,7 @@ class KVSequence:
     def fork(self) -> KVSequence:
         """A new sequence that reads this one's rows (no copy)."""
         child = KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
-        child.rope_delta, child._rope_marks = self.rope_delta, list(self._rope_marks)
+        child._rope_marks = list(self._rope_marks)
         return child
 
     def truncate(self, n: int) -> None:
@@ -374,7 +405,6 @@ class KVSequence:
         del self.tokens[n:]
         self._reserved = [(p, t) for p, t in self._reserved if p < n]
         self._rope_marks = [(end, d) for end, d in self._rope_marks if end <= n]
-        self.rope_delta = sum(d for _, d in self._rope_marks)
 
     def close(self) -> None:
         if self.id >= 0 and self._model._core.seq_exists(self.id):
@@ -613,7 +643,8 @@ class Model:
             toks.extend(ids)
             want.extend([0] * (len(ids) - 1) + [1])
         filled = [seq.check_fill(ids) for seq, ids in steps]
-        deltas = [seq.rope_delta for seq, ids in steps for _ in ids]
+        deltas = [seq._delta_at(p) for (seq, ids), k in zip(steps, filled, strict=True)
+                  for p in seq._next_positions(k, len(ids))]  # fmt: skip
         out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8), deltas)
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
