@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import kvcmas_cpp  # noqa: E402
+from kvcmas_cpp.model import image_pos_of  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.qwen import QwenVisionEncoder  # noqa: E402
 from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
@@ -28,6 +30,7 @@ from test_vision_anyres import IMAGES  # noqa: E402  (photos and synthetic image
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 448 * 448  # at most 1,024 patches (256 image tokens): a fast test tower
 
+REPO = Path(__file__).resolve().parent.parent
 VOCAB = 400
 IMAGE_TOKEN, VISION_START, VISION_END = 397, 395, 396
 SECTIONS = [2, 3, 3]  # M-RoPE pairs of the temporal, height and width positions (head_dim 16)
@@ -227,7 +230,7 @@ def test_image_positions_matter(qwen: dict[str, Any]) -> None:
         ref = qwen["model"](input_ids=input_ids, pixel_values=pixels, image_grid_thw=thw, mm_token_type_ids=mm)
     with qwen["lm"].new_sequence() as seq:
         seq.append(pieces[0], logits="none")
-        seq.append_embeddings(qwen["enc"].encode(IMAGES["coffee"]))
+        seq.append_embeddings(np.array(qwen["enc"].encode(IMAGES["coffee"])))  # plain rows: no grid
         lp = _log_softmax(seq.append(pieces[1]))
     assert np.abs(lp - _log_softmax(ref.logits[0, -1].numpy())).max() > 1e-2
 
@@ -285,3 +288,77 @@ def test_an_image_in_several_appends_takes_the_same_positions(qwen: dict[str, An
             split.append_embeddings(feats[a:b], image_pos=info[a:b])
         assert split.rope_delta == whole.rope_delta
         assert np.abs(whole.append(tail) - split.append(tail)).max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen_chat(qwen: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A Qwen2.5-VL checkpoint with a tokenizer and chat template (SmolLM2's, vocabulary 49,152) for agents."""
+    tok_dir = REPO / "models" / "generated" / "hf-tokenizer-smollm2"
+    if not (tok_dir / "tokenizer.json").is_file():
+        pytest.skip("the SmolLM2 tokenizer files are not installed")
+    root = tmp_path_factory.mktemp("qwen25vl-chat")
+    config = _config()
+    config.text_config.vocab_size = 49152
+    torch.manual_seed(1)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    _randomize(model, 12)
+    model.model.visual.load_state_dict(qwen["model"].model.visual.state_dict())  # the tower of qwen["enc"]
+    folder = root / "ck"
+    model.save_pretrained(folder)
+    for f in tok_dir.iterdir():
+        if f.name != "SOURCE":
+            (folder / f.name).write_bytes(f.read_bytes())
+    text = root / "text.gguf"
+    _run("convert", str(folder), "-o", str(text), "--outtype", "f32")
+    return {"model": model, "lm": kvcmas_cpp.Model(text, n_threads=2)}
+
+
+@pytest.mark.slow
+def test_agents_share_an_image_with_mrope(qwen: dict[str, Any], qwen_chat: dict[str, Any]) -> None:
+    """AgentSession.share(image=...) on Qwen2.5-VL: the image's rows take their M-RoPE positions in the agents'
+    prompts; the first agent generates transformers' greedy tokens from the same prompt, and the team encodes the
+    image once."""
+    from kvcmas_cpp.agents import AgentSession
+
+    lm, enc = qwen_chat["lm"], qwen["enc"]
+    photo, count0 = IMAGES["coffee"], enc.encode_count
+    enc.clear_cache()
+    with AgentSession(lm, "nonshared", vision=enc) as team:
+        agents = [team.agent("a", system="You describe pictures."), team.agent("b", system="You count things.")]
+        team.share(image=photo, text="What is in this picture?", label="Question")
+        replies = [ag.respond(max_tokens=4) for ag in agents]
+        prompt = list(team._state.prompts[0])
+    assert enc.encode_count == count0 + 1
+    n = sum(1 for t in prompt if t < 0)
+    assert n == enc.n_image_tokens(*photo.size) and IMAGE_TOKEN not in prompt
+    input_ids = torch.tensor([[IMAGE_TOKEN if t < 0 else t for t in prompt]])
+    out = qwen["ip"](images=[photo], return_tensors="pt")
+    mm = (input_ids == IMAGE_TOKEN).int()
+    hf, ids = qwen_chat["model"], []
+    with torch.no_grad():
+        step = hf(input_ids=input_ids, pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                  mm_token_type_ids=mm)  # fmt: skip
+        for _ in range(4):
+            ids.append(int(step.logits[0, -1].argmax()))
+            step = hf(input_ids=torch.tensor([[ids[-1]]]), cache=step.past_key_values,
+                      mm_token_type_ids=torch.zeros((1, 1), dtype=torch.int))  # fmt: skip
+    assert replies[0].ids == ids
+
+
+def test_the_servers_segments_carry_the_image_positions(qwen: dict[str, Any]) -> None:
+    """The encoder's rows know their grid (ImageFeatures), so the server's prompt segments (text ids and image rows,
+    prefilled in chunks that split the image) give the logits of appending the image with its grid."""
+    from kvcmas_cpp.server.backend import prefill_segments
+
+    feats = qwen["enc"].encode(IMAGES["coffee"])
+    assert feats.grid == qwen["enc"].grid(*IMAGES["coffee"].size) and image_pos_of(feats[:5]) is None
+    head, tail = [1, 2, VISION_START], [VISION_END, 5, 6, 7]
+    done = prefill_segments(qwen["lm"], [head, feats, tail], chunk_tokens=40)
+    with qwen["lm"].new_sequence() as seq:
+        seq.append(head, logits="none")
+        seq.append_embeddings(np.array(feats), image_grid=feats.grid)
+        ref = seq.append(tail)
+    try:
+        assert done.seq.rope_delta == seq.rope_delta != 0 and np.abs(done.logits - ref).max() <= 1e-4
+    finally:
+        done.close()

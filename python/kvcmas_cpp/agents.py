@@ -575,7 +575,8 @@ class AgentSession:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
                 key = ("image", self.vision.image_hash(image))
                 if key not in self._vector_ids:
-                    self._vector_ids[key] = self._state.add_vectors(self.vision.encode(image))
+                    rows = self.vision.encode(image)  # an M-RoPE tower's rows know their grid (ImageFeatures)
+                    self._vector_ids[key] = self._state.add_vectors(rows, getattr(rows, "grid", None))
                 ids += self._vector_ids[key]
             if embeddings is not None:
                 ids += self._embedding_ids(embeddings, "share") or []
@@ -593,11 +594,12 @@ class AgentSession:
             raise ValueError(f"{where}: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
         if not np.isfinite(rows).all():
             raise ValueError(f"{where}: embeddings hold NaN or infinite values")
-        key = ("vectors", hashlib.sha256(rows.tobytes()).hexdigest())
+        grid = getattr(embeddings, "grid", None)  # an image's rows for an M-RoPE model (ImageFeatures)
+        key = ("vectors" if grid is None else f"image{grid}", hashlib.sha256(rows.tobytes()).hexdigest())
         if key not in self._vector_ids:
             if not register:
                 return None
-            self._vector_ids[key] = self._state.add_vectors(rows)
+            self._vector_ids[key] = self._state.add_vectors(rows, grid)
         return self._vector_ids[key]
 
     @property
@@ -672,6 +674,7 @@ class AgentSession:
                 other.agent(a.name, a.system, template=a.template)
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
+            other._state.vector_pos = None if self._state.vector_pos is None else self._state.vector_pos.copy()
             other._vector_ids = dict(self._vector_ids)
             other._by_text = dict(self._by_text)
             for span in self._items:

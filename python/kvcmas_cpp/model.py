@@ -203,6 +203,35 @@ class SharedKV:
         return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n], marks)
 
 
+class ImageFeatures(np.ndarray):
+    """An image's rows [rows * cols, n_embd] (a vision encoder's output) that know their token grid, so every path
+    that appends them (KVSequence.append_embeddings, plans, the server's segments, an agent session's vectors) gives
+    an M-RoPE model their 2D positions. A slice or copy is plain rows again."""
+
+    grid: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, rows: np.ndarray, grid: tuple[int, int]) -> ImageFeatures:
+        if grid[0] * grid[1] != len(rows):
+            raise ValueError(f"an image grid of {grid[0]} x {grid[1]} does not hold {len(rows)} rows")
+        out = rows.view(cls)
+        out.grid = (int(grid[0]), int(grid[1]))
+        return out
+
+    def __array_finalize__(self, obj: Any) -> None:
+        grid = getattr(obj, "grid", None)
+        self.grid = grid if grid is not None and self.ndim == 2 and len(self) == grid[0] * grid[1] else None
+
+
+def image_pos_of(rows: Any) -> np.ndarray | None:
+    """[n, 3] (k, rows, cols) of ImageFeatures with a grid (append_embeddings' image_pos), else None."""
+    grid = getattr(rows, "grid", None)
+    if grid is None:
+        return None
+    n = grid[0] * grid[1]
+    return np.stack([np.arange(n), np.full(n, grid[0]), np.full(n, grid[1])], axis=1)
+
+
 def mrope_offsets(
     image_pos: np.ndarray, positions: Sequence[int], marks: list[tuple[int, int]]
 ) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -317,8 +346,11 @@ class KVSequence:
             elif logits == "last" and is_last_chunk:
                 want[-1] = 1
             filled = self.check_fill(chunk)
-            deltas = [self._delta_at(p) for p in self._next_positions(filled, len(chunk))] if self._rope_marks else None
-            out = self._model._decode([self.id] * len(chunk), chunk, want, deltas)
+            if self._rope_marks:  # M-RoPE text after an image
+                deltas = [self._delta_at(p) for p in self._next_positions(filled, len(chunk))]
+                out = self._model._decode([self.id] * len(chunk), chunk, want, deltas)
+            else:
+                out = self._model._decode([self.id] * len(chunk), chunk, want)
             self.record(chunk, filled)
             if len(out):
                 rows.append(out)
@@ -343,6 +375,8 @@ class KVSequence:
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
         n = embd.shape[0]
+        if image_grid is None and image_pos is None:
+            image_pos = image_pos_of(embeddings)
         if image_grid is not None:
             rows, cols = (int(x) for x in image_grid)
             if rows <= 0 or cols <= 0 or rows * cols != n:
@@ -643,9 +677,12 @@ class Model:
             toks.extend(ids)
             want.extend([0] * (len(ids) - 1) + [1])
         filled = [seq.check_fill(ids) for seq, ids in steps]
-        deltas = [seq._delta_at(p) for (seq, ids), k in zip(steps, filled, strict=True)
-                  for p in seq._next_positions(k, len(ids))]  # fmt: skip
-        out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8), deltas)
+        if any(seq._rope_marks for seq, _ in steps):  # M-RoPE text after an image
+            deltas = [seq._delta_at(p) for (seq, ids), k in zip(steps, filled, strict=True)
+                      for p in seq._next_positions(k, len(ids))]  # fmt: skip
+            out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8), deltas)
+        else:
+            out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
         return [out[i] for i in range(len(steps))]

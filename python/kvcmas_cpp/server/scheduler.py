@@ -799,7 +799,11 @@ class Scheduler:
         first, end = first + job.appended, end + job.appended
         last = end == len(step.rows)
         try:
-            out = self._pass(job, step.seq, step.rows[first:end], step.logits if last else "none")
+            want = step.logits if last else "none"
+            if step.image_pos is None:
+                out = self._pass(job, step.seq, step.rows[first:end], want)
+            else:  # an M-RoPE image's rows, with their places in it
+                out = self._pass(job, step.seq, step.rows[first:end], want, step.image_pos[first:end])
         except Exception as e:
             self._advance_plan(job, None, e)
             return
@@ -911,7 +915,12 @@ class Scheduler:
         return forks
 
     def _pass(
-        self, job: Job, seq: KVSequence, chunk: list[int] | np.ndarray, logits: Literal["last", "none"]
+        self,
+        job: Job,
+        seq: KVSequence,
+        chunk: list[int] | np.ndarray,
+        logits: Literal["last", "none"],
+        image_pos: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """One forward pass: a chunk of job's prompt with the pending token of every generating job, whose next
         tokens are sampled from their rows; returns the chunk's logits. Image embeddings, a chunk shorter than
@@ -935,7 +944,14 @@ class Scheduler:
             seqs = [seq.id] * n + [j.prefilled.seq.id for j in running if j.prefilled is not None]
             filled = seq.check_fill(ids)
             try:
-                rows = self.model._decode(seqs, ids + [j.pending_token for j in running], want)
+                deltas = [seq._delta_at(p) for p in seq._next_positions(filled, n)] + [
+                    j.prefilled.seq.rope_delta for j in running if j.prefilled is not None
+                ]  # M-RoPE: text after images goes on from their positions
+                tokens = ids + [j.pending_token for j in running]
+                if any(deltas):
+                    rows = self.model._decode(seqs, tokens, want, deltas)
+                else:
+                    rows = self.model._decode(seqs, tokens, want)
             except KvcmasError as e:
                 log.info("a mixed step was refused by the engine (%s): the chunk and the decode step run apart", e)
                 mixed = False
@@ -952,7 +968,7 @@ class Scheduler:
             for j, row in zip(running, rows[k:], strict=True):
                 self._sample_and_accept(j, row)
         else:
-            out = ChunkExecutor().append(seq, chunk, logits)
+            out = ChunkExecutor().append(seq, chunk, logits, image_pos)
             self.metrics.count_pass("prefill")
             job.engine_ms += (time.perf_counter() - t_pass) * 1000.0
             if running:

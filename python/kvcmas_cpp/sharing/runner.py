@@ -88,13 +88,20 @@ class RequestState:
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+    vector_pos: np.ndarray | None = None  # [n, 3] per vector (k, rows, cols): row k of an image (M-RoPE); rows 0: not
     owned: list[KVSequence] = field(default_factory=list)  # sequences spans read besides the hops' (caller closes)
 
-    def add_vectors(self, rows: np.ndarray) -> list[int]:
-        """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
+    def add_vectors(self, rows: np.ndarray, image_grid: tuple[int, int] | None = None) -> list[int]:
+        """Registers input vectors (rows [n, n_embd]; image_grid: they are an image of (rows, cols) tokens,
+        row-major) and returns the ids that stand for them in prompts."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         first = 0 if self.vectors is None else self.vectors.shape[0]
         self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])
+        n = rows.shape[0]
+        pos = np.zeros((n, 3), dtype=np.int64)
+        if image_grid is not None:
+            pos[:, 0], pos[:, 1], pos[:, 2] = np.arange(n), image_grid[0], image_grid[1]
+        self.vector_pos = pos if self.vector_pos is None else np.concatenate([self.vector_pos, pos])
         return [-(1 + first + i) for i in range(rows.shape[0])]
 
     def stored(self, ph: str) -> Span | None:
@@ -113,10 +120,15 @@ def reserve_rows(seq: KVSequence, pending: list[int], held: list[int]) -> list[i
 
 
 def append_mixed(
-    seq: KVSequence, ids: list[int], logits: Literal["last", "none"], vectors: np.ndarray | None
+    seq: KVSequence,
+    ids: list[int],
+    logits: Literal["last", "none"],
+    vectors: np.ndarray | None,
+    vector_pos: np.ndarray | None = None,
 ) -> Plan[np.ndarray | None]:
     """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
-    of `vectors`): one Append per run of ids or of vectors; returns the last one's logits."""
+    of `vectors`, at image position vector_pos[r]): one Append per run of ids or of vectors; returns the last one's
+    logits."""
     if not ids:
         return None
     if min(ids) >= 0:
@@ -130,8 +142,10 @@ def append_mixed(
         while j < len(ids) and (ids[j] < 0) == is_vec:
             j += 1
         want = logits if j == len(ids) else "none"
-        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if is_vec else ids[i:j]
-        out = yield Append(seq, rows, want)
+        picked = [-t - 1 for t in ids[i:j]]
+        rows: list[int] | np.ndarray = vectors[picked] if is_vec else ids[i:j]
+        pos = vector_pos[picked] if is_vec and vector_pos is not None and vector_pos[picked, 1].any() else None
+        out = yield Append(seq, rows, want, image_pos=pos)
         i = j
     return out
 
@@ -200,7 +214,7 @@ class TrainingRead:
         self.runner: WorkflowRunner | None = runner
         self.st: RequestState | None = st
         self.estimator, self.calibrate = runner.estimator, runner.config.calibrate
-        self.vectors = st.vectors
+        self.vectors, self.vector_pos = st.vectors, st.vector_pos
         self.source = source  # this read's own sequence
         bases: dict[int, KVSequence] = {}
         for part in parts:  # a fork per base view (no copy), shared by the parts that read the same one
@@ -286,7 +300,7 @@ class TrainingRead:
                 self.source.append_shared(shared, kc, row0)
                 continue
             for a, b in chunk_bounds(len(piece), self.chunk):
-                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors))
+                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors, self.vector_pos))
                 computed += b - a
                 yield
         assert computed == self.rows and len(self.source) >= n0 + computed
@@ -472,7 +486,7 @@ class WorkflowRunner:
                 if not rest:  # a prefix that is the whole prompt: its last row is computed again, for the logits
                     seq.truncate(len(prompt) - 1)
                     rest = prompt[-1:]
-                logits = yield from append_mixed(seq, rest, "last", st.vectors)
+                logits = yield from append_mixed(seq, rest, "last", st.vectors, st.vector_pos)
                 computed = len(rest)
             else:
                 logits, computed, corrs = yield from self._assemble(a, t, seq, st, exact)
@@ -659,7 +673,7 @@ class WorkflowRunner:
         if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
             raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
-        logits = yield from append_mixed(seq, rows, "last", st.vectors)
+        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.vector_pos)
         assert logits is not None
         return logits, len(rows), corrs
 

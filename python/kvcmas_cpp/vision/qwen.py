@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from .._native import core
+from ..model import ImageFeatures
 from .encoder import VisionEncoder
 from .image import ImageSource
 from .preprocess import PreprocessConfig, normalize, to_rgb
@@ -135,7 +136,9 @@ class QwenVisionEncoder(VisionEncoder):
         return self._core.encode(patches, int(grid_hw[0]), int(grid_hw[1]))
 
     def _features(self, rgb: Image.Image, view: str | None) -> np.ndarray:
-        return self.encode_pixels(*preprocess(rgb, self.qwen))
+        patches, (gh, gw) = preprocess(rgb, self.qwen)
+        m = self.qwen.merge_size
+        return ImageFeatures.of(self.encode_pixels(patches, (gh, gw)), (gh // m, gw // m))
 
     def __repr__(self) -> str:
         return f"QwenVisionEncoder({self.path!r}, {self.qwen.min_pixels}..{self.qwen.max_pixels} pixels)"
