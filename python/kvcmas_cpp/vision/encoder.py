@@ -148,6 +148,9 @@ class VisionEncoder:
     has_projector = property(lambda self: bool(self._core.has_projector), doc="whether the file has a projector")
     model_type = property(lambda self: str(self._core.model_type), doc="'clip' or 'siglip'")
 
+    # The text a prompt puts before and after an image's rows (special tokens of the model's chat template).
+    image_tokens: tuple[str, str] = ("", "")
+
     def load(self, image: ImageSource) -> Image.Image:
         """The image decoded to RGB under this encoder's limits (raises ImageError)."""
         return load_image(

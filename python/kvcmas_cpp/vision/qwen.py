@@ -98,6 +98,8 @@ class QwenVisionEncoder(VisionEncoder):
     """Qwen2.5-VL's tower and merger from an mmproj GGUF (``VisionEncoder(path)`` opens one as this class): one view
     per image, at its own resolution; the same feature cache and image limits as ``VisionEncoder``."""
 
+    image_tokens = ("<|vision_start|>", "<|vision_end|>")  # Qwen2.5-VL's template: its <|image_pad|> run between
+
     def _open(self, n_threads: int) -> None:
         self._core: Any = core.QwenVisionEncoder(self.path, n_threads)
         c = self._core
