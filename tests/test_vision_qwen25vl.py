@@ -362,3 +362,31 @@ def test_the_servers_segments_carry_the_image_positions(qwen: dict[str, Any]) ->
         assert done.seq.rope_delta == seq.rope_delta != 0 and np.abs(done.logits - ref).max() <= 1e-4
     finally:
         done.close()
+
+
+def test_bad_inputs_are_refused_with_their_reason(qwen: dict[str, Any], tmp_path: Path) -> None:
+    """Wrong grids, offsets for a model with one position, and a checkpoint M-RoPE cannot represent give errors
+    that say what is wrong (nothing crashes)."""
+    from kvcmas_convert.errors import ConvertError
+    from kvcmas_convert.models import model_class_for
+
+    enc, lm = qwen["enc"], qwen["lm"]
+    patches, (gh, gw) = enc.preprocess(IMAGES["tiny"])
+    with pytest.raises(kvcmas_cpp.KvcmasError, match="multiple of the merge size"):
+        enc.encode_pixels(patches[: (gh - 1) * gw], (gh - 1, gw))
+    with pytest.raises(kvcmas_cpp.KvcmasError, match="expected patches"):
+        enc.encode_pixels(patches[:, :100], (gh, gw))
+    bad = patches.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(kvcmas_cpp.KvcmasError, match="not finite"):
+        enc.encode_pixels(bad, (gh, gw))
+    with lm.new_sequence() as seq, pytest.raises(ValueError, match="does not hold"):
+        seq.append_embeddings(enc.encode(IMAGES["tiny"]), image_grid=(3, 3))
+    plain = kvcmas_cpp.Model(kvcmas_cpp.model.default_model_path(), n_threads=1)
+    with pytest.raises(kvcmas_cpp.KvcmasError, match="M-RoPE offsets"):
+        plain._core.decode(np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, np.uint8),
+                           rope_offsets=np.zeros((1, 3), np.int32))  # fmt: skip
+    config = json.loads((qwen["folder"] / "config.json").read_text())
+    config["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 2]  # 7 pairs of 8
+    with pytest.raises(ConvertError, match="mrope_section"):
+        model_class_for(config, "config.json")
