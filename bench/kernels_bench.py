@@ -19,7 +19,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from kvcmas_cpp._native import core
+from kvcmas_cpp._native import core, testing_module
+
+testing = testing_module()  # matmul_bench: built with KVCMAS_TESTING_MODULE=ON (developer cmake builds)
 
 TYPES = {
     "f32": QT.F32,
@@ -63,7 +65,7 @@ def bench_prefill(qtype: QT, n_tok: int, n_in: int, n_out: int, threads: int, rn
     """GFLOP/s of one prefill-shaped product (best of several)."""
     w = make_weight(qtype, n_out, n_in, rng)
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-    sec = pick(core.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, 8), threads)
+    sec = pick(testing.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, 8), threads)
     return 2.0 * n_tok * n_in * n_out / sec / 1e9
 
 
@@ -73,7 +75,7 @@ def bench_decode(
     """GB/s of weight bytes read by n_tok-token products over `copies` distinct matrices (one decode step)."""
     weights = [make_weight(qtype, n_out, n_in, rng) for _ in range(copies)]
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-    sec = pick(core.matmul_bench(int(qtype), weights, n_in, n_out, x, threads, 20), threads)
+    sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x, threads, 20), threads)
     return len(weights[0]) * copies / sec / 1e9
 
 

@@ -24,7 +24,7 @@ BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
 start=$(date +%s)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVCMAS_CUDA=ON \
+cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DKVCMAS_CUDA=ON -DKVCMAS_TESTING_MODULE=ON \
   -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DKVCMAS_CUDA_ARCHITECTURES="$CUDA_ARCHS" \
   -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$BUILD_DIR/py" >/dev/null
 cmake --build "$BUILD_DIR" --parallel "$JOBS"

@@ -42,7 +42,8 @@ SKIP=(
 start=$(date +%s)
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DKVCMAS_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DKVCMAS_SANITIZE=ON -DKVCMAS_TESTING_MODULE=ON \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$BUILD_DIR/py" >/dev/null
 cmake --build "$BUILD_DIR" --parallel "$JOBS"
 built=$(date +%s)

@@ -44,7 +44,7 @@ fi
 step "build (KVCMAS_CUDA=ON, sm_90)"
 BUILD=build-gpu
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVCMAS_CUDA=ON -DKVCMAS_CUDA_ARCHITECTURES=90-real \
-  -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$PWD/$BUILD/py" 2>&1 | tail -3 | tee -a "$REPORT"
+  -DKVCMAS_TESTING_MODULE=ON -DPython_EXECUTABLE="$(command -v "$PY")" -DKVCMAS_MODULE_DIR="$PWD/$BUILD/py" 2>&1 | tail -3 | tee -a "$REPORT"
 if ! timeout 300 cmake --build "$BUILD" --parallel "$JOBS" > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log" | tee -a "$REPORT"
   log "BUILD FAILED"

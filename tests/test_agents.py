@@ -26,11 +26,6 @@ ROLES = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 def kv_without_prefix_cache(model: kc.Model) -> int:
     """KV bytes in use once the model's prefix cache (which outlives sessions by design) is emptied."""
     PrefixCache.of(model).clear()

@@ -6,7 +6,6 @@ checks of CUDA against the CPU backend are at the end (GPU only)."""
 
 from __future__ import annotations
 
-import sys
 import zlib
 from pathlib import Path
 
@@ -14,10 +13,9 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.attention import make_runs, reference, rotate
+from helpers.native import testing
 from kvcmas_cpp._native import core
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_attention_kernel import make_runs, reference, rotate  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 mtm = pytest.importorskip("make_test_models")
@@ -48,7 +46,7 @@ def ops(request):
     ok, why = _usable(request.param)
     if not ok:
         pytest.skip(f"{request.param}: {why}")
-    return core.BackendOps(request.param, 2)
+    return testing.BackendOps(request.param, 2)
 
 
 def _inv_freq(n_rot: int) -> np.ndarray:
@@ -396,7 +394,7 @@ def test_cuda_shared_corrected_span_matches_cpu(tiny_f32) -> None:
 @pytest.mark.gpu
 def test_cuda_out_of_memory_is_a_clear_error_and_frees_what_it_took() -> None:
     _need_cuda()
-    ops = core.BackendOps("cuda", 1)
+    ops = testing.BackendOps("cuda", 1)
     free0 = ops.free_bytes()
     with pytest.raises(kc.KvcmasError, match="out of device memory"):
         ops.try_alloc(free0 + (1 << 40))

@@ -24,7 +24,7 @@ def test_bench_agents_times_llama_cpp_on_nonshared_prompts(default_model_path: P
                    check=True)  # fmt: skip
     env = {**os.environ, "LD_PRELOAD": str(shim)}
     args = "--questions 0 --train 1 --shared-tokens 64 --decode 1 --threads 2 --method nonshared,kvcmas"
-    cmd = [sys.executable, "-m", "kvcmas_cpp.bench_agents", *args.split(), "--compare", "llama-cpp", "--json"]
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench.agents", *args.split(), "--compare", "llama-cpp", "--json"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["method"]: r for r in json.loads(out.stdout)["speed"]}

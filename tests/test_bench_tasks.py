@@ -9,13 +9,9 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from kvcmas_cpp import bench_tasks as bt
 from kvcmas_cpp.agents import Response, ResponseStats
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
+from kvcmas_cpp.bench import accuracy, cold_start, concurrency, report
+from kvcmas_cpp.bench.tasks import get_task
 
 
 def _resp(ids: list[int], logits: np.ndarray) -> Response:
@@ -27,7 +23,7 @@ def test_compare_stops_measuring_once_prompts_diverge() -> None:
     la, lb, lc = (rng.standard_normal(10) for _ in range(3))
     exact = [_resp([1, 2], la), _resp([3], lb), _resp([4], lc)]
     other = [_resp([1, 2], la), _resp([9], lb + 0.1), _resp([4], lc)]
-    rows = bt.compare(exact, other)
+    rows = accuracy.compare(exact, other)
     assert [r["identical"] for r in rows] == [True, False, True]
     assert [r["aligned"] for r in rows] == [True, True, False]
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-12) and rows[0]["top1"]
@@ -37,7 +33,7 @@ def test_compare_stops_measuring_once_prompts_diverge() -> None:
 
 def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path) -> None:
     out = tmp_path / "acc.jsonl"
-    res = bt.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=False)
+    res = accuracy.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=False)
     lines = out.read_text().splitlines()
     assert len(lines) == 1 and res["examples"] == 1
     rec = json.loads(lines[0])
@@ -48,12 +44,12 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     assert names == ["nonshared", "fullshared"]
     assert res["summary"][0]["identical_replies"] == 1.0 and res["summary"][0]["first_token_kl"] == 0.0
     assert res["summary"][1]["computed_tokens"] < res["summary"][0]["computed_tokens"]
-    again = bt.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=True)
+    again = accuracy.accuracy(model, "gsm8k", ["fullshared"], 1, 4, 0, out, resume=True)
     assert len(out.read_text().splitlines()) == 1  # nothing recomputed
     assert again["summary"] == res["summary"]
     # resumed by (example, method): a method added later runs alone (with the nonshared reference); at recompute
     # budget 1 kvcmas' team answers exactly like nonshared's, teacher-forced top-1 100%
-    more = bt.accuracy(model, "gsm8k", ["fullshared", "kvcmas@1"], 1, 4, 0, out, resume=True)
+    more = accuracy.accuracy(model, "gsm8k", ["fullshared", "kvcmas@1"], 1, 4, 0, out, resume=True)
     lines = out.read_text().splitlines()
     assert len(lines) == 2 and set(json.loads(lines[1])["per_method"]) == {"nonshared", "kvcmas@1"}
     row = {r["method"]: r for r in more["summary"]}
@@ -82,31 +78,31 @@ def test_accuracy_mode_writes_jsonl_and_resumes(model: kc.Model, tmp_path: Path)
     assert [x["identical_with_unchanged_prompt"] for x in row["kvcmas@1"]["per_reader"]] == [1, 1, 1]
     assert row["kvcmas@1"]["recomputed_tokens"] > 0 and row["kvcmas@1"]["vs_nonshared"]["diff"] == 0.0
     # --report: the same table from the file alone, nothing run (a method some example lacks is left out of it)
-    assert bt.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]
-    assert bt.report("gsm8k", ["fullshared"], out)["summary"][1] == res["summary"][1]
+    assert accuracy.report("gsm8k", ["fullshared", "kvcmas@1"], out)["summary"] == more["summary"]
+    assert accuracy.report("gsm8k", ["fullshared"], out)["summary"][1] == res["summary"][1]
     with pytest.raises(ValueError, match="no gsm8k example has results for all of nonshared, kvcomm"):
-        bt.report("gsm8k", ["kvcomm"], out)
+        accuracy.report("gsm8k", ["kvcomm"], out)
     with pytest.raises(ValueError, match=r"no mmlu example .* \(0 mmlu examples"):  # a file of another task
-        bt.report("mmlu", ["fullshared"], out)
+        accuracy.report("mmlu", ["fullshared"], out)
     # --report --limit N: only examples 0..N-1 (here a later example whose fullshared answer is the other way)
     later_ex = json.loads(lines[0])
     later_ex["id"] = "gsm8k/7"
     later_ex["per_method"]["fullshared"]["correct"] = not later_ex["per_method"]["fullshared"]["correct"]
     longer = tmp_path / "longer.jsonl"
     longer.write_text(out.read_text() + json.dumps(later_ex) + "\n")
-    assert bt.report("gsm8k", ["fullshared"], longer)["examples"] == 2
-    assert bt.report("gsm8k", ["fullshared"], longer, limit=7) == bt.report("gsm8k", ["fullshared"], out)
-    assert bt.report("gsm8k", ["fullshared"], longer, limit=8)["examples"] == 2
+    assert accuracy.report("gsm8k", ["fullshared"], longer)["examples"] == 2
+    assert accuracy.report("gsm8k", ["fullshared"], longer, limit=7) == accuracy.report("gsm8k", ["fullshared"], out)
+    assert accuracy.report("gsm8k", ["fullshared"], longer, limit=8)["examples"] == 2
     with pytest.raises(ValueError, match="--limit must be at least 1"):
-        bt.report("gsm8k", ["fullshared"], longer, limit=0)
+        accuracy.report("gsm8k", ["fullshared"], longer, limit=0)
     with open(out, "a") as f:
         f.write('{"id": "gsm8k/1"}\n')
     with pytest.raises(ValueError, match=r"acc\.jsonl:3: not a result line"):
-        bt.report("gsm8k", ["fullshared"], out)
+        accuracy.report("gsm8k", ["fullshared"], out)
     with pytest.raises(ValueError, match="no such results file"):
-        bt.report("gsm8k", ["fullshared"], tmp_path / "missing.jsonl")
+        accuracy.report("gsm8k", ["fullshared"], tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="accuracy mode runs"):
-        bt.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
+        accuracy.accuracy(model, "gsm8k", ["oracle"], 1, 4, 0, None, resume=False)
 
 
 def test_numeric_references_run_nonshared_on_their_own_engine_configuration(model: kc.Model, tmp_path: Path) -> None:
@@ -114,11 +110,11 @@ def test_numeric_references_run_nonshared_on_their_own_engine_configuration(mode
     activations: nothing shared, the same prompts, first-token logits that differ from nonshared's by numerics only
     (on the same model they would be bit-identical), KV bytes halved by f16 rows."""
     variants = ["nonshared+kv-f16", "nonshared+act-f32"]
-    models = bt.variant_models(model, ["fullshared", *variants])
+    models = accuracy.variant_models(model, ["fullshared", *variants])
     assert set(models) == set(variants) and models["nonshared+act-f32"].activations == "f32"
     assert models["nonshared+kv-f16"].kv_row_bytes * 2 == model.kv_row_bytes
     out = tmp_path / "numeric.jsonl"
-    res = bt.accuracy(model, "gsm8k", variants, 1, 6, 0, out, resume=False)
+    res = accuracy.accuracy(model, "gsm8k", variants, 1, 6, 0, out, resume=False)
     per = json.loads(out.read_text())["per_method"]
     ref = per["nonshared"]
     for m in variants:
@@ -131,11 +127,11 @@ def test_numeric_references_run_nonshared_on_their_own_engine_configuration(mode
     assert row["nonshared+kv-f16"]["kv_bytes_per_request"] < row["nonshared"]["kv_bytes_per_request"]
     assert row["nonshared+kv-f16"]["reuse_share"] == 0.0
     with pytest.raises(ValueError, match="unknown method"):
-        bt.accuracy(model, "gsm8k", ["nonshared+kv-f8"], 1, 4, 0, None, resume=False)
+        accuracy.accuracy(model, "gsm8k", ["nonshared+kv-f8"], 1, 4, 0, None, resume=False)
 
 
 def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
-    rows = bt.concurrent(model, ["fullshared"], [1, 2], max_tokens=3, calibrate=0)
+    rows = concurrency.concurrent(model, ["fullshared"], [1, 2], max_tokens=3, calibrate=0)
     assert [r["workflows"] for r in rows] == [1, 2]
     for r in rows:
         assert r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"] and r["peak_kv_bytes"] > 0
@@ -158,7 +154,7 @@ def test_concurrent_mode_and_plots(model: kc.Model, tmp_path: Path) -> None:
             for m, t, kl in (("nonshared", 100.0, 0.0), ("kvcmas", 20.0, 1e-3), ("kvcmas@0.1", 30.0, 1e-4))
         ],
     }
-    files = bt.plot({"speed": speed, "accuracy": acc, "concurrent": rows}, tmp_path)
+    files = report.plot({"speed": speed, "accuracy": acc, "concurrent": rows}, tmp_path)
     assert {f.name for f in files} == {
         "ttft_vs_shared_length.png",
         "memory_vs_agents.png",
@@ -175,8 +171,8 @@ def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
     corrections (CALIBRATION_READS = 1); by default the reads run off the agents' path (close() here: the calls come
     back to back), under reads=eager on the next call's; both count them in the workflow's engine time. nonshared's
     speedup is 1 and every sharing row's first-token KL and top-1 are measured against it."""
-    rows = {(r["method"], r["workflow"]): r for r in bt.cold_start(model, 96, 2, 4)}
-    assert set(rows) == {(m, w) for m in bt.COLD_METHODS for w in (1, 2)}
+    rows = {(r["method"], r["workflow"]): r for r in cold_start.cold_start(model, 96, 2, 4)}
+    assert set(rows) == {(m, w) for m in cold_start.COLD_METHODS for w in (1, 2)}
     first, second = rows[("kvcmas", 1)], rows[("kvcmas", 2)]
     assert set(first["gates"]) == {"calibrating -> reuse"} and first["calibration_tokens"] > 0
     assert set(second["gates"]) == {"reuse"} and second["calibration_tokens"] == 0
@@ -188,16 +184,18 @@ def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
     assert all(rows[(m, 2)]["later_kl"] > 0 for m in ("fullshared", "kvcmas", "kvcmas reads=eager"))
     assert all(r["first_identical"] for r in rows.values())  # the first agent computes its prompt: nonshared's
     assert all(0.0 <= r["later_top1"] <= 1.0 for r in rows.values())
-    totals = {t["method"]: t for t in bt.cold_start_totals(list(rows.values()))}
+    totals = {t["method"]: t for t in cold_start.cold_start_totals(list(rows.values()))}
     assert totals["nonshared"]["engine_vs_nonshared"] == 1.0
     assert totals["kvcmas"]["training_read_ms"] == first["training_read_ms"]
 
 
 def test_bench_attention_compares_fused_with_materialized() -> None:
-    from kvcmas_cpp import bench_attention
+    from helpers.native import require_testing
+    from kvcmas_cpp.bench import attention
 
+    kernels = require_testing()
     for kv_type, tol in (("f32", 1e-5), ("f16", 2e-3)):
-        r = bench_attention.measure(64, 8, kv_type, n_head=6, n_head_kv=2, hd=32, repeat=2)
+        r = attention.measure(kernels, 64, 8, kv_type, n_head=6, n_head_kv=2, hd=32, repeat=2)
         assert r["max_rel_diff"] < tol and r["fused_us"] > 0 and r["materialized_us"] > 0
         assert r["fused_bytes_per_agent"] == (2 * 64 * 8 + 2 * 8 * 64) * 4
         assert r["materialized_bytes_per_agent"] == 2 * 64 * 64 * (2 if kv_type == "f16" else 4)
@@ -206,14 +204,14 @@ def test_bench_attention_compares_fused_with_materialized() -> None:
 def test_paired_interval_and_mcnemar() -> None:
     base = [True] * 10 + [False] * 10
     other = [False] * 10 + [False] * 10  # ten losses, no wins
-    v = bt.paired(base, other)
+    v = accuracy.paired(base, other)
     assert v["diff"] == pytest.approx(-0.5) and (v["wins"], v["losses"]) == (0, 10)
     assert v["mcnemar_p"] == pytest.approx(2 / 2**10)
     lo, hi = v["ci95"]
     assert lo <= -0.5 <= hi < 0
     sd = np.std([-1.0] * 10 + [0.0] * 10, ddof=1)
     assert v["questions_for_3pt"] == int(np.ceil((1.96 * sd / 0.03) ** 2))
-    same = bt.paired(base, base)
+    same = accuracy.paired(base, base)
     assert same["diff"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["mcnemar_p"] == 1.0
 
 
@@ -228,7 +226,7 @@ def test_harness_calibrates_on_its_own_examples_with_full_length_replies(
     from kvcmas_cpp.sharing.persist import default_calibration_dir
 
     model = kc.Model(default_model_path, n_threads=2)  # a model of its own: a fresh estimator (shared per model)
-    real = bt.run_workflow
+    real = accuracy.run_workflow
     calls: list[tuple[str, int, list[Response] | list[float]]] = []
 
     def observed(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -236,22 +234,24 @@ def test_harness_calibrates_on_its_own_examples_with_full_length_replies(
         calls.append((args[3], args[4], out))
         return out
 
-    monkeypatch.setattr(bt, "run_workflow", observed)
-    calibration = {e.question for e in bt.calibration_examples(bt.get_task("gsm8k"), 1, 1)}
+    monkeypatch.setattr(accuracy, "run_workflow", observed)
+    calibration = {e.question for e in accuracy.calibration_examples(get_task("gsm8k"), 1, 1)}
 
     def calibration_reply_lengths() -> list[int]:
         return [len(r.ids) for q, _, out in calls if q in calibration for r in out if isinstance(r, Response)]
 
-    bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False)
+    accuracy.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False)
     lengths = calibration_reply_lengths()
     assert len(lengths) == 4 and 16 < max(lengths) <= 24, lengths
     written = [p for p in default_calibration_dir().rglob("*") if p.is_file()]
     assert not written, written
     calls.clear()
-    bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False, calibrate_tokens=5)
+    accuracy.accuracy(
+        model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, teacher_forced=False, calibrate_tokens=5
+    )
     lengths = calibration_reply_lengths()
     assert len(lengths) == 4 and max(lengths) <= 5, lengths
     calls.clear()
     with pytest.raises(ValueError, match="at least 1 reply token"):
-        bt.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, calibrate_tokens=0)
+        accuracy.accuracy(model, "gsm8k", ["kvcmas"], 1, 24, 1, None, resume=False, calibrate_tokens=0)
     assert not calls  # refused before any run

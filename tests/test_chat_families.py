@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.constrained import drive_randomly
+from helpers.server import ServerProcess
 from kvcmas_cpp.reasoning import ReasoningStream, opens_thinking, split_reasoning, thinks
 from kvcmas_cpp.tools import (
     TOOL_FORMATS,
@@ -25,8 +27,6 @@ from kvcmas_cpp.tools import (
     render_tool_messages,
     tool_format_of,
 )
-from test_server import ServerProcess
-from test_tools_constrained import _drive
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 FAMILIES = ("qwen3", "gemma3", "phi4-mini", "llama3.2", "mistral-small-3.1", "deepseek-r1-distill-qwen")
@@ -418,12 +418,12 @@ def test_forced_calls_follow_each_familys_format(model: kc.Model, fmt_name: str)
     bounded = [
         {"type": "function", "function": {**TOOLS[0]["function"], "parameters": {**ZONE, "properties": {"zone": zone}}}}
     ]
-    text = _drive(Constraint(tok, tool_call_grammar(bounded, False, fmt)), tok, np.random.default_rng(3))
+    text = drive_randomly(Constraint(tok, tool_call_grammar(bounded, False, fmt)), tok, np.random.default_rng(3))
     content, calls = parse_tool_calls(text, NAMES, fmt)
     assert content is None and len(calls) == 1, text
     call = calls[0]["function"]
     assert text == format_tool_calls([(call["name"], call["arguments"])], fmt)
-    think = _drive(
+    think = drive_randomly(
         Constraint(tok, tool_call_grammar(bounded, False, fmt, "</think>\n\n")), tok, np.random.default_rng(4)
     )
     assert think.startswith("</think>\n\n" + fmt.prefix + fmt.call_open), think

@@ -28,11 +28,6 @@ def kvcmas(*args: str, stdin: str | None = None, timeout: float = 300) -> subpro
     )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 def test_generate_prints_the_greedy_answer_and_timings(model: kc.Model, default_model_path: str) -> None:
     out = kvcmas("generate", "What is 2 + 2?", "-n", "12", "-t", "2", "--timings", "--no-stream")
     assert out.returncode == 0, out.stderr
@@ -123,7 +118,7 @@ def test_benchmarks_refuse_bad_input_before_any_run(cut_model: Path) -> None:
 
 
 def test_a_failed_benchmark_worker_reports_its_last_error_line(cut_model: Path) -> None:
-    from kvcmas_cpp import bench
+    from kvcmas_cpp.bench import core as bench
     from kvcmas_cpp.errors import CommandError
 
     with pytest.raises(CommandError, match=r"kvcmas benchmark failed on .*cut\.gguf \(exit status 1\): .*lies past"):
@@ -132,7 +127,7 @@ def test_a_failed_benchmark_worker_reports_its_last_error_line(cut_model: Path) 
 
 def test_bench_serve_reports_a_server_it_cannot_use(cut_model: Path, default_model_path: str) -> None:
     """A server it starts that exits, and a --url server that refuses its key: one error line each."""
-    from test_server import ServerProcess
+    from helpers.server import ServerProcess
 
     out = kvcmas("bench", "serve", "--model", str(cut_model), timeout=180)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
@@ -305,7 +300,7 @@ def test_run_calibrates_on_replies_as_long_as_the_demos(monkeypatch: pytest.Monk
     of the reply spans' edges correct replies that long. The demo's own team runs are observed, not replaced."""
     import argparse
 
-    from kvcmas_cpp import demo
+    from kvcmas_cpp.bench import demo
 
     real = demo.run_team
     calls: list[tuple[str, int, list[int]]] = []

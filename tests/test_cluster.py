@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.server import ServerProcess, free_port
 from kvcmas_cpp.cluster.config import ENGINE_IMPORT, serve_config, settings_of
 from kvcmas_cpp.cluster.routing import SESSION_HEADER, rendezvous_order, routing_key, workflow_key
-from test_server import ServerProcess, _free_port
 
 ROLES = [
     "You are a careful planner. List the steps needed to solve the problem.",
@@ -211,7 +211,7 @@ def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path], tmp_p
     env["PYTHONPATH"] = os.pathsep.join([package_root, env.get("PYTHONPATH", "")])
     worker = Path(__file__).with_name("cluster_nodes_worker.py")
     server_args = ["--model", str(tiny_models[("llama", "Q8_0")]), "-t", "1", "--no-calibration-dir"]
-    config = _documented_here(server_args, _free_port())
+    config = _documented_here(server_args, free_port())
     path = tmp_path / "kvcmas-cluster.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     done = subprocess.run(
@@ -230,7 +230,7 @@ def test_three_nodes_one_removed(tiny_models: dict[tuple[str, str], Path], tmp_p
 # ------------------------------------------------------------------------------------------ the cluster
 class Cluster:
     def __init__(self, root: Path, model: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.env = dict(os.environ)
         self.env["XDG_CACHE_HOME"] = str(root / "cache")  # the state file
         package_root = str(Path(kc.__file__).resolve().parent.parent)
@@ -260,7 +260,7 @@ class Cluster:
             # the free port was taken by another process between choosing and binding it, or Ray Serve killed a
             # proxy that did not start within its fixed 60 s (a loaded machine): once more, on another port
             self.cli("down")
-            self.port = _free_port()
+            self.port = free_port()
             path.write_text(json.dumps(_documented_here(server_args, self.port)))
             done = self.cli("up", "--config", str(path), "--num-cpus", "2", "--resources", resources)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_server import ServerProcess
+from helpers.server import ServerProcess
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -24,11 +24,6 @@ ROLES = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 @pytest.fixture
 def never_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker waits for an idle spell no test reaches (idle() is False), until a test sets IDLE_S back."""

@@ -14,54 +14,19 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from helpers.native import require_testing, testing
+from helpers.quants import (
+    ALL_TYPES,
+    BLOCK32_TYPES,
+    RANDOM_BLOCK_TYPES,
+    block_size,
+    exact_product,
+    make_weight,
+    max_scaled_err,
+    random_blocks,
+)
 from kvcmas_cpp import KvcmasError
 from kvcmas_cpp._native import core
-
-FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
-BLOCK32_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
-K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
-# the types of llama.cpp's smaller files (cpp/backend/cpu/quants-lowbit.cpp); gguf-py cannot quantize them
-LOWBIT_TYPES = [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
-RANDOM_BLOCK_TYPES = K_TYPES + LOWBIT_TYPES
-ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES + LOWBIT_TYPES
-
-
-def block_size(qtype: QT) -> int:
-    return gguf.GGML_QUANT_SIZES[qtype][0]
-
-
-def f16_bytes(values: np.ndarray) -> np.ndarray:
-    """f16 bit patterns of `values` as a (n, 2) uint8 array."""
-    return np.asarray(values, dtype=np.float16).view(np.uint8).reshape(-1, 2)
-
-
-def random_blocks(qtype: QT, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for n_blocks blocks of a block type, every quant bit random, f16 scales small and finite."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    scales = f16_bytes(rng.uniform(-0.02, 0.02, n_blocks))
-    mins = f16_bytes(rng.uniform(-0.02, 0.02, n_blocks))
-    if qtype in (QT.Q6_K, QT.Q3_K):
-        raw[:, -2:] = scales  # d is the last field
-    elif qtype == QT.Q2_K:
-        raw[:, -4:-2], raw[:, -2:] = scales, mins  # d, dmin last
-    else:
-        raw[:, 0:2] = scales
-        if qtype in (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K):
-            raw[:, 2:4] = mins  # m / dmin
-    return raw
-
-
-def make_weight(qtype: QT, n_out: int, n_in: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
-    """Weight bytes of the given type and their f32 dequantization by gguf-py, shape (n_out, n_in)."""
-    if qtype in RANDOM_BLOCK_TYPES:
-        raw = random_blocks(qtype, n_out * n_in // block_size(qtype), rng).reshape(n_out, -1)
-    else:
-        values = rng.standard_normal((n_out, n_in)).astype(np.float32)
-        raw = gguf.quants.quantize(values, qtype)
-    ref = gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(n_out, n_in)
-    return raw.tobytes(), ref
-
 
 # ---- dequantization ---------------------------------------------------------------------------------------------
 
@@ -70,7 +35,7 @@ def make_weight(qtype: QT, n_out: int, n_in: int, rng: np.random.Generator) -> t
 def test_dequantize_random_blocks_match_gguf(qtype: QT) -> None:
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, 64, rng)
-    ours = core.dequantize(int(qtype), raw.tobytes(), 64 * block_size(qtype))
+    ours = testing.dequantize(int(qtype), raw.tobytes(), 64 * block_size(qtype))
     ref = gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))  # bit-exact, sign of zero included
 
@@ -79,14 +44,14 @@ def test_dequantize_random_blocks_match_gguf(qtype: QT) -> None:
 def test_dequantize_quantized_data_matches_gguf(qtype: QT) -> None:
     rng = np.random.default_rng(100 + int(qtype))
     raw, ref = make_weight(qtype, 3, 512, rng)
-    ours = core.dequantize(int(qtype), raw, 3 * 512)
+    ours = testing.dequantize(int(qtype), raw, 3 * 512)
     np.testing.assert_array_equal(ours.view(np.uint32), ref.reshape(-1).view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_dequantize_every_half_bit_pattern(qtype: QT) -> None:
     bits = np.arange(65536, dtype=np.uint16)
-    ours = core.dequantize(int(qtype), bits.tobytes(), 65536)
+    ours = testing.dequantize(int(qtype), bits.tobytes(), 65536)
     if qtype == QT.F16:
         ref = bits.view(np.float16).astype(np.float32)
     else:
@@ -95,7 +60,7 @@ def test_dequantize_every_half_bit_pattern(qtype: QT) -> None:
 
 
 def test_dequantize_zero_elements() -> None:
-    assert core.dequantize(int(QT.Q4_K), b"", 0).shape == (0,)
+    assert testing.dequantize(int(QT.Q4_K), b"", 0).shape == (0,)
 
 
 # ---- matmul -----------------------------------------------------------------------------------------------------
@@ -122,18 +87,6 @@ MATMUL_TOL = 1e-5
 N_TOKS = [1, 2, 3, 4, 5, 7, 11, 12, 16, 17, 64, 129]
 
 
-def exact_product(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(x · wᵀ in float64, |x| · |w|ᵀ in float64): the reference and the per-element error scale."""
-    exact = x.astype(np.float64) @ w.T.astype(np.float64)
-    magnitude = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
-    return exact, magnitude
-
-
-def max_scaled_err(y: np.ndarray, exact: np.ndarray, magnitude: np.ndarray) -> float:
-    """Largest |y - exact| relative to the element's Σ|w||x| (1e-30 floor for all-zero rows)."""
-    return float(np.max(np.abs(y.astype(np.float64) - exact) / np.maximum(magnitude, 1e-30), initial=0.0))
-
-
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_matmul_matches_numpy(qtype: QT) -> None:
     rng = np.random.default_rng(1000 * int(qtype))
@@ -143,11 +96,11 @@ def test_matmul_matches_numpy(qtype: QT) -> None:
         exact_all, magnitude_all = exact_product(x_all, w)
         for n_tok in N_TOKS:
             x, exact, magnitude = x_all[:n_tok], exact_all[:n_tok], magnitude_all[:n_tok]
-            ref = core.matmul_reference(int(qtype), raw, n_in, n_out, x)
+            ref = testing.matmul_reference(int(qtype), raw, n_in, n_out, x)
             assert ref.shape == (n_tok, n_out) and ref.dtype == np.float32
             assert max_scaled_err(ref, exact, magnitude) < 1e-6
             for n_threads in (1, 2):
-                y = core.matmul(int(qtype), raw, n_in, n_out, x, n_threads)
+                y = testing.matmul(int(qtype), raw, n_in, n_out, x, n_threads)
                 assert y.shape == (n_tok, n_out) and y.dtype == np.float32
                 err = max_scaled_err(y, exact, magnitude)
                 assert err < MATMUL_TOL, (n_in, n_out, n_tok, n_threads, err)
@@ -164,10 +117,10 @@ def test_matmul_row_result_does_not_depend_on_token_count(qtype: QT) -> None:
     raw, w = make_weight(qtype, 50, n_in, rng)
     x = rng.standard_normal((max(ROW_CONSISTENCY_N_TOKS), n_in)).astype(np.float32)
     _, magnitude = exact_product(x[:1], w)
-    alone = core.matmul(int(qtype), raw, n_in, 50, x[:1], 1)[0]
+    alone = testing.matmul(int(qtype), raw, n_in, 50, x[:1], 1)[0]
     for n_tok in ROW_CONSISTENCY_N_TOKS[1:]:
         for n_threads in (1, 2):
-            row0 = core.matmul(int(qtype), raw, n_in, 50, x[:n_tok], n_threads)[0]
+            row0 = testing.matmul(int(qtype), raw, n_in, 50, x[:n_tok], n_threads)[0]
             delta = np.abs(row0.astype(np.float64) - alone) / magnitude[0]
             assert delta.max() <= MATMUL_TOL, (n_tok, n_threads, delta.max())
 
@@ -176,9 +129,9 @@ def test_matmul_threads_agree_on_a_larger_product() -> None:
     rng = np.random.default_rng(7)
     raw, _ = make_weight(QT.Q4_1, 300, 576, rng)
     x = rng.standard_normal((40, 576)).astype(np.float32)
-    one = core.matmul(int(QT.Q4_1), raw, 576, 300, x, 1)
+    one = testing.matmul(int(QT.Q4_1), raw, 576, 300, x, 1)
     for n_threads in (2, 3, 5):
-        np.testing.assert_array_equal(core.matmul(int(QT.Q4_1), raw, 576, 300, x, n_threads), one)
+        np.testing.assert_array_equal(testing.matmul(int(QT.Q4_1), raw, 576, 300, x, n_threads), one)
 
 
 @pytest.mark.parametrize("activations", ["f32", "q8"])
@@ -189,15 +142,15 @@ def test_decode_rows_split_over_threads_give_the_one_thread_result(activations: 
     raw, _ = make_weight(QT.Q5_0, 1000, 256, rng)
     for n_tok in (1, 3):
         x = rng.standard_normal((n_tok, 256)).astype(np.float32)
-        one = core.matmul(int(QT.Q5_0), raw, 256, 1000, x, 1, activations)
+        one = testing.matmul(int(QT.Q5_0), raw, 256, 1000, x, 1, activations)
         for n_threads in (2, 3, 5):
-            np.testing.assert_array_equal(core.matmul(int(QT.Q5_0), raw, 256, 1000, x, n_threads, activations), one)
+            np.testing.assert_array_equal(testing.matmul(int(QT.Q5_0), raw, 256, 1000, x, n_threads, activations), one)
 
 
 def test_matmul_zero_tokens_and_rows() -> None:
     raw, _ = make_weight(QT.Q8_0, 4, 64, np.random.default_rng(3))
-    assert core.matmul(int(QT.Q8_0), raw, 64, 4, np.zeros((0, 64), np.float32)).shape == (0, 4)
-    assert core.matmul(int(QT.Q8_0), b"", 64, 0, np.ones((3, 64), np.float32)).shape == (3, 0)
+    assert testing.matmul(int(QT.Q8_0), raw, 64, 4, np.zeros((0, 64), np.float32)).shape == (0, 4)
+    assert testing.matmul(int(QT.Q8_0), b"", 64, 0, np.ones((3, 64), np.float32)).shape == (3, 0)
 
 
 # ---- thread pool ------------------------------------------------------------------------------------------------
@@ -205,13 +158,13 @@ def test_matmul_zero_tokens_and_rows() -> None:
 
 @pytest.mark.parametrize("n_threads", [1, 2, 4])
 def test_thread_pool_runs_every_index_once_per_job(n_threads: int) -> None:
-    assert core.thread_pool_check(n_threads, 2000) == [2000] * n_threads
+    assert testing.thread_pool_check(n_threads, 2000) == [2000] * n_threads
 
 
 @pytest.mark.parametrize("fail_ith", [0, 1, 3])
 def test_thread_pool_rethrows_errors_of_any_thread(fail_ith: int) -> None:
     with pytest.raises(KvcmasError, match=f"failed in thread {fail_ith}"):
-        core.thread_pool_check(4, 50, fail_ith)
+        testing.thread_pool_check(4, 50, fail_ith)
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -221,24 +174,24 @@ def test_bad_sizes_raise() -> None:
     raw, _ = make_weight(QT.Q4_0, 4, 64, np.random.default_rng(5))
     x = np.ones((2, 64), np.float32)
     with pytest.raises(KvcmasError, match="bytes"):
-        core.matmul(int(QT.Q4_0), raw[:-1], 64, 4, x)
+        testing.matmul(int(QT.Q4_0), raw[:-1], 64, 4, x)
     with pytest.raises(KvcmasError, match="bytes"):
-        core.matmul(int(QT.Q4_0), raw, 64, 5, x)
+        testing.matmul(int(QT.Q4_0), raw, 64, 5, x)
     with pytest.raises(KvcmasError, match="columns"):
-        core.matmul(int(QT.Q4_0), raw, 64, 4, np.ones((2, 32), np.float32))
+        testing.matmul(int(QT.Q4_0), raw, 64, 4, np.ones((2, 32), np.float32))
     with pytest.raises(KvcmasError, match="block"):
-        core.matmul(int(QT.Q4_0), raw, 48, 4, np.ones((2, 48), np.float32))
+        testing.matmul(int(QT.Q4_0), raw, 48, 4, np.ones((2, 48), np.float32))
     with pytest.raises(KvcmasError, match="n_threads"):
-        core.matmul(int(QT.Q4_0), raw, 64, 4, x, 0)
+        testing.matmul(int(QT.Q4_0), raw, 64, 4, x, 0)
     with pytest.raises(KvcmasError, match="bytes"):
-        core.matmul_reference(int(QT.Q4_0), raw + b"\0", 64, 4, x)
+        testing.matmul_reference(int(QT.Q4_0), raw + b"\0", 64, 4, x)
     with pytest.raises(KvcmasError, match="bytes"):
-        core.dequantize(int(QT.Q4_K), bytes(143), 256)
+        testing.dequantize(int(QT.Q4_K), bytes(143), 256)
     with pytest.raises(KvcmasError, match="block"):
-        core.dequantize(int(QT.Q8_0), bytes(34), 31)
+        testing.dequantize(int(QT.Q8_0), bytes(34), 31)
     for bad_type in (int(QT.IQ2_XXS), int(QT.Q8_K), 99):
         with pytest.raises(KvcmasError, match="not a supported weight type"):
-            core.dequantize(bad_type, bytes(84), 256)
+            testing.dequantize(bad_type, bytes(84), 256)
 
 
 # ---- portable path against the SIMD path ---------------------------------------------------------------------------
@@ -249,7 +202,8 @@ _SCALAR_SCRIPT = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from kvcmas_cpp._native import core
+    from kvcmas_cpp._native import core, testing_module
+    testing = testing_module()
     cases = np.load(sys.argv[1])
     n_toks = [int(v) for v in sys.argv[3].split(",")]
     features = core.cpu_features()
@@ -257,10 +211,10 @@ _SCALAR_SCRIPT = textwrap.dedent(
     for i in range(len(cases.files) // 3):
         qtype, n_in, n_out = (int(v) for v in cases[f"meta_{i}"])
         raw, x = cases[f"raw_{i}"].tobytes(), cases[f"x_{i}"]
-        out[f"d_{i}"] = core.dequantize(qtype, raw, n_in * n_out)
+        out[f"d_{i}"] = testing.dequantize(qtype, raw, n_in * n_out)
         for n_tok in n_toks:
             for n_threads in (1, 2):
-                out[f"y_{i}_{n_tok}_{n_threads}"] = core.matmul(qtype, raw, n_in, n_out, x[:n_tok], n_threads)
+                out[f"y_{i}_{n_tok}_{n_threads}"] = testing.matmul(qtype, raw, n_in, n_out, x[:n_tok], n_threads)
     np.savez(sys.argv[2], **out)
     """
 )
@@ -270,6 +224,7 @@ SCALAR_N_TOKS = [1, 2, 3, 4, 5, 13, 17, 60, 129]
 
 def test_scalar_path_matches_numpy_and_default_path(tmp_path: Path) -> None:
     """KVCMAS_FORCE_SCALAR=1 (portable kernels): same accuracy bound, same row results at every token count."""
+    require_testing()  # the child process loads it
     rng = np.random.default_rng(11)
     cases: dict[str, np.ndarray] = {}
     weights = []
@@ -306,7 +261,7 @@ def test_scalar_path_matches_numpy_and_default_path(tmp_path: Path) -> None:
         exact, magnitude = exact_product(x, w)
         alone = scalar[f"y_{i}_1_1"][0]
         for n_tok in SCALAR_N_TOKS:
-            default = core.matmul(int(qtype), raw, n_in, 9, x[:n_tok], 2)
+            default = testing.matmul(int(qtype), raw, n_in, 9, x[:n_tok], 2)
             for n_threads in (1, 2):
                 y = scalar[f"y_{i}_{n_tok}_{n_threads}"]
                 assert y.shape == (n_tok, 9)
@@ -326,6 +281,7 @@ def test_avx512_gemm_matches_numpy_and_avx2_path(tmp_path: Path) -> None:
     """The prefill GEMM with AVX-512 (default here) and with KVCMAS_NO_AVX512=1 (the AVX2 kernel) over row counts
     around its 32-row micro tiles (1, 17, 47, 100) and widths with tails past its 128-wide k blocks: both within the
     f32 bound of numpy's float64 product, and of each other."""
+    require_testing()  # the child process loads it
     if not core.cpu_features().get("avx512"):
         pytest.skip("this CPU (or KVCMAS_NO_AVX512) has no AVX-512")
     rng = np.random.default_rng(18)

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.attention import CASES, make_runs, reference
+from helpers.native import require_testing, testing
 from kvcmas_cpp._native import core
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_attention_kernel import CASES, make_runs, reference  # noqa: E402
 
 F16_EPS = 2.0**-11  # unit roundoff of IEEE half
 
@@ -50,8 +49,8 @@ def test_f16_kernel_equals_f32_kernel_on_rounded_rows(case) -> None:
     q = rng.standard_normal((n_head, hd)).astype(np.float32)
     total = sum(lengths)
     for n_visible in (1, total // 2 + 1, total):
-        got = core.attend_test(q, halves, n_head_kv, n_rot, neox, 10000.0, n_visible, "f16")
-        same = core.attend_test(q, rounded, n_head_kv, n_rot, neox, 10000.0, n_visible)
+        got = testing.attend_test(q, halves, n_head_kv, n_rot, neox, 10000.0, n_visible, "f16")
+        same = testing.attend_test(q, rounded, n_head_kv, n_rot, neox, 10000.0, n_visible)
         np.testing.assert_array_equal(got, same)
         ref = reference(q, rounded, n_head_kv, n_rot, neox, 10000.0, n_visible)
         assert np.abs(got - ref).max() / np.abs(ref).max() <= 1e-5
@@ -59,16 +58,18 @@ def test_f16_kernel_equals_f32_kernel_on_rounded_rows(case) -> None:
 
 def test_f16_kernel_portable_path_agrees() -> None:
     """KVCMAS_FORCE_SCALAR=1 (no F16C) reads halves the same way."""
+    require_testing()  # the child process loads it
     code = (
         "import numpy as np, sys; sys.path.insert(0, 'tests');"
-        "from test_attention_kernel import make_runs, reference; from kvcmas_cpp._native import core;"
+        "from helpers.attention import make_runs, reference;"
+        "from kvcmas_cpp._native import core, testing_module; testing = testing_module();"
         "rng=np.random.default_rng(3); runs=make_runs(rng,[32,20],[0,9],[0,8],3,64);"
         "h=[dict(r,k=r['k'].astype(np.float16).view(np.uint16),v=r['v'].astype(np.float16).view(np.uint16))"
         " for r in runs];"
         "f=[dict(r,k=r['k'].astype(np.float16).astype(np.float32),v=r['v'].astype(np.float16).astype(np.float32))"
         " for r in runs];"
         "q=rng.standard_normal((9,64)).astype(np.float32);"
-        "got=core.attend_test(q,h,3,64,False,10000.0,52,'f16'); ref=reference(q,f,3,64,False,10000.0,52);"
+        "got=testing.attend_test(q,h,3,64,False,10000.0,52,'f16'); ref=reference(q,f,3,64,False,10000.0,52);"
         "assert not core.cpu_features()['avx2_fma_f16c'];"
         "print(np.abs(got-ref).max()/np.abs(ref).max())"
     )
@@ -81,9 +82,9 @@ def test_f16_kernel_rejects_f32_rows() -> None:
     q = np.zeros((4, 64), np.float32)
     run = {"k": np.zeros((3, 128), np.float32), "v": np.zeros((3, 128), np.float32)}
     with pytest.raises(core.KvcmasError, match="uint16"):
-        core.attend_test(q, [run], 2, 64, False, 10000.0, 3, "f16")
+        testing.attend_test(q, [run], 2, 64, False, 10000.0, 3, "f16")
     with pytest.raises(core.KvcmasError, match="kv_type"):
-        core.attend_test(q, [run], 2, 64, False, 10000.0, 3, "bf16")
+        testing.attend_test(q, [run], 2, 64, False, 10000.0, 3, "bf16")
 
 
 # ------------------------------------------------------------------------------------------------ the engine

@@ -16,11 +16,6 @@ QUESTION = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 def test_the_registry_holds_the_methods_and_their_defaults() -> None:
     assert methods.METHODS == ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm", "oracle")
     assert methods.names(session=True) == ("nonshared", "fullshared", "kvcmas", "kvcmas-ref", "kvcomm")  # no oracle

@@ -13,11 +13,6 @@ from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing import persist
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
-
-
 def _ctx(model: kc.Model, ph: str, reader: int, rng: np.random.Generator) -> est.EdgeContext:
     kd = model.n_head_kv * model._core.head_dim
     shape = (model.n_layer, 48, kd)

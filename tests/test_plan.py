@@ -7,7 +7,6 @@ driven to its end), and the engine's own memory counter for what a closed plan l
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,11 +23,6 @@ CONTEXT = (
     "50 minutes of babysitting. How much did she earn? "
 )
 REPLY = "In April she sold 48 clips and in May half as many, 24, so 72 clips in all."
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path: Path) -> kc.Model:
-    return kc.Model(str(default_model_path), n_threads=2)
 
 
 def _hop(role: str, *contents: str) -> list[dict[str, Any]]:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.server import ServerProcess
 from kvcmas_cpp.agents import AgentSession
 from kvcmas_cpp.plan import MIN_CHUNK_ROWS
 from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.server.backend import prefill_segments
-from test_server import ServerProcess
 
 SYSTEM = (
     "You are a careful math expert on a team of agents. Solve the problem step by step, check every "
@@ -36,8 +36,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path: Path) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2, activations="f32")  # exact: compared bit for bit
+def model(exact_model: kc.Model) -> kc.Model:
+    return exact_model  # exact: compared bit for bit
 
 
 def fresh_logits(model: kc.Model, ids: list[int]) -> np.ndarray:

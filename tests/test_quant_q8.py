@@ -20,8 +20,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
+from helpers.native import require_testing, testing
+from helpers.quants import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 from kvcmas_cpp._native import core
-from test_kernels import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
 
 Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
 MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
@@ -88,7 +89,7 @@ def test_q8_matmul_matches_integer_reference(qtype: QT) -> None:
             ref = xq @ (w - mins).T + x.astype(np.float64) @ mins.T
             magnitude = np.abs(xq) @ np.abs(w - mins).T + np.abs(x) @ np.abs(mins).T
             for n_threads in (1, 2):
-                y = core.matmul(int(qtype), raw, n_in, n_out, x, n_threads, "q8")
+                y = testing.matmul(int(qtype), raw, n_in, n_out, x, n_threads, "q8")
                 err = max_scaled_err(y, ref, magnitude)
                 assert err < 1e-5, (n_in, n_out, n_tok, n_threads, err)
 
@@ -107,15 +108,15 @@ def test_q8_error_within_activation_rounding_bound(qtype: QT) -> None:
     _, step = quantize_q8(x)
     wabs = np.abs(w - mins).reshape(n_out, -1, 32).sum(axis=-1)  # [n_out, n_blocks]
     bound = step @ wabs.T  # [n_tok, n_out]
-    y = core.matmul(int(qtype), raw, n_in, n_out, x[:Q8_DECODE_MAX], 2, "q8")
+    y = testing.matmul(int(qtype), raw, n_in, n_out, x[:Q8_DECODE_MAX], 2, "q8")
     excess = np.abs(y - exact[:Q8_DECODE_MAX]) - (bound[:Q8_DECODE_MAX] * (1 + 1e-6) + 1e-5 * magnitude[:Q8_DECODE_MAX])
     assert excess.max() <= 0, f"bound exceeded by {excess.max():.3g}"
     # The bound is not loose by orders of magnitude: rounding errors of random activations partly cancel (~1/√n).
     ratio = np.abs(y - exact[:Q8_DECODE_MAX]).mean() / bound[:Q8_DECODE_MAX].mean()
     assert 1e-3 < ratio < 0.5, ratio
-    y_exact = core.matmul(int(qtype), raw, n_in, n_out, x[:Q8_DECODE_MAX], 2, "f32")
+    y_exact = testing.matmul(int(qtype), raw, n_in, n_out, x[:Q8_DECODE_MAX], 2, "f32")
     assert max_scaled_err(y_exact, exact[:Q8_DECODE_MAX], magnitude[:Q8_DECODE_MAX]) < 1e-5
-    y_prefill = core.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8")  # 24 tokens: the prefill path
+    y_prefill = testing.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8")  # 24 tokens: the prefill path
     assert max_scaled_err(y_prefill, exact, magnitude) < 1e-5
 
 
@@ -126,10 +127,10 @@ def test_q8_row_result_does_not_depend_on_batch_or_threads(qtype: QT) -> None:
     n_in = 512
     raw, _ = make_weight(qtype, 50, n_in, rng)
     x = activations(rng, Q8_DECODE_MAX, n_in)
-    alone = core.matmul(int(qtype), raw, n_in, 50, x[:1], 1, "q8")[0]
+    alone = testing.matmul(int(qtype), raw, n_in, 50, x[:1], 1, "q8")[0]
     for n_tok in (2, 4, 7, 16):
         for n_threads in (1, 2):
-            row0 = core.matmul(int(qtype), raw, n_in, 50, x[:n_tok], n_threads, "q8")[0]
+            row0 = testing.matmul(int(qtype), raw, n_in, 50, x[:n_tok], n_threads, "q8")[0]
             np.testing.assert_allclose(row0, alone, rtol=1e-6, atol=1e-6 * float(np.abs(alone).max()))
 
 
@@ -147,19 +148,19 @@ def test_q8_k_quants_on_real_model_widths(qtype: QT, n_in: int) -> None:
     xq, step = quantize_q8(x)
     ref = xq @ (w - mins).T + x.astype(np.float64) @ mins.T
     magnitude = np.abs(xq) @ np.abs(w - mins).T + np.abs(x) @ np.abs(mins).T
-    one = core.matmul(int(qtype), raw, n_in, n_out, x, 1, "q8")
+    one = testing.matmul(int(qtype), raw, n_in, n_out, x, 1, "q8")
     assert max_scaled_err(one, ref, magnitude) < 1e-5
     exact, exact_magnitude = exact_product(x, w)
     bound = step @ np.abs(w - mins).reshape(n_out, -1, 32).sum(axis=-1).T
     assert (np.abs(one - exact) <= bound * (1 + 1e-6) + 1e-5 * exact_magnitude).all()
-    np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8"), one)
-    np.testing.assert_array_equal(core.matmul(int(qtype), raw, n_in, n_out, x[2:3], 2, "q8")[0], one[2])
+    np.testing.assert_array_equal(testing.matmul(int(qtype), raw, n_in, n_out, x, 2, "q8"), one)
+    np.testing.assert_array_equal(testing.matmul(int(qtype), raw, n_in, n_out, x[2:3], 2, "q8")[0], one[2])
 
 
 def test_activations_option_is_checked() -> None:
     raw, _ = make_weight(QT.Q4_0, 4, 32, np.random.default_rng(0))
     with pytest.raises(kc.KvcmasError, match="activations must be 'q8' or 'f32'"):
-        core.matmul(int(QT.Q4_0), raw, 32, 4, np.zeros((1, 32), np.float32), 1, "int8")
+        testing.matmul(int(QT.Q4_0), raw, 32, 4, np.zeros((1, 32), np.float32), 1, "int8")
 
 
 # ---- whole models -------------------------------------------------------------------------------------------------
@@ -301,6 +302,7 @@ def test_low_bit_files_match_llama_cpp(reference_models, type_name: str, tmp_pat
 def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> None:
     """vpdpbusd and maddubs + madd compute the same integer sums (nothing saturates), so the two kernel sets agree
     bit for bit; KVCMAS_NO_VNNI=1 selects the AVX2 set."""
+    require_testing()  # the child process loads it
     if not core.cpu_features().get("avx_vnni"):
         pytest.skip("this CPU has no AVX-VNNI")
     import subprocess
@@ -316,9 +318,10 @@ def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> Non
         np.save(tmp_path / f"x{i}.npy", x)
         cases.append((int(qtype), n_in))
     script = (
-        "import sys, numpy as np, json; from pathlib import Path; from kvcmas_cpp._native import core; "
+        "import sys, numpy as np, json; from pathlib import Path; from kvcmas_cpp._native import testing_module; "
+        "testing = testing_module(); "
         f"d = Path({str(tmp_path)!r}); cases = json.loads(sys.argv[1]); "
-        "[np.save(d / f'y{i}_{sys.argv[2]}.npy', core.matmul(t, (d / f'w{i}.bin').read_bytes(), n, 33, "
+        "[np.save(d / f'y{i}_{sys.argv[2]}.npy', testing.matmul(t, (d / f'w{i}.bin').read_bytes(), n, 33, "
         "np.load(d / f'x{i}.npy'), 2, 'q8')) for i, (t, n) in enumerate(cases)]"
     )
     for flag in ("0", "1"):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from test_server import ServerProcess
+from helpers.server import ServerProcess
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
 
@@ -132,7 +132,7 @@ def test_one_tenants_images_never_evict_anothers_encoded_images(
     request with it is not encoded again (it was: the cache's LRU was shared, and a re-encode shows in the timing)."""
     if mmproj_path is None:
         pytest.skip("the core has no vision encoder")
-    from kvcmas_cpp.server.app import IMAGE_CACHE
+    from kvcmas_cpp.server.config import IMAGE_CACHE
 
     operator: dict[str, str] = {}  # keyless from loopback: the whole server's /metrics
 

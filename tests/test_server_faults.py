@@ -27,7 +27,7 @@ from typing import Any, Literal
 import pytest
 
 import kvcmas_cpp as kc
-from test_server import BLOCK_BYTES, ServerProcess
+from helpers.server import BLOCK_BYTES, ServerProcess
 
 openai = pytest.importorskip("openai")
 
@@ -37,11 +37,6 @@ KINDS: tuple[Literal["chat", "completion"], ...] = ("chat", "completion")
 TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 1.5
 HEADER_TIMEOUT_S = 1.5
-
-
-@pytest.fixture(scope="module")
-def model_path(default_model_path: Path) -> str:
-    return str(default_model_path)
 
 
 def _wait_idle(srv: ServerProcess, baseline_kv: float, timeout: float = 15.0) -> dict[str, float]:
@@ -331,7 +326,7 @@ def test_routes_cors_api_key_and_loopback(model_path: str, monkeypatch: pytest.M
     from fastapi.testclient import TestClient
 
     from kvcmas_cpp.server import add_serve_arguments
-    from kvcmas_cpp.server import app as app_module
+    from kvcmas_cpp.server import http_guard as app_module
     from kvcmas_cpp.server.app import Server, ServerConfig
 
     parser = __import__("argparse").ArgumentParser()
@@ -447,7 +442,7 @@ def test_a_stopped_server_and_its_model_are_freed(model_path: str) -> None:
 def _server_exit(model_path: str, port: int, patch_precheck: bool = False) -> subprocess.CompletedProcess[str]:
     """kvcmas-server run to its exit on `port` (1 thread); patch_precheck disables its bind check beforehand."""
     args = ["--model", model_path, "--port", str(port), "-t", "1"]
-    code = "import sys, kvcmas_cpp.server as s\n"
+    code = "import sys, kvcmas_cpp.server.cli as s\n"
     if patch_precheck:
         code += "s._cannot_listen = lambda host, port: None\n"
     code += f"sys.exit(s.main({args!r}))\n"

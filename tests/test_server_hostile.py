@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import kvcmas_cpp as kc
-from test_server import ServerProcess, _free_port
+from helpers.server import ServerProcess, free_port
 
 KEYS = {"alice": "alice-key-0123456789", "bob": "bob-key-9876543210"}
 
@@ -175,7 +175,7 @@ def _start(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """kvcmas-server run until it exits (one that starts is stopped by the caller's timeout: not expected here)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(kc.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "kvcmas_cpp.server", "--model", str(model), "--port", str(_free_port()), "-t", "1"]
+    cmd = [sys.executable, "-m", "kvcmas_cpp.server", "--model", str(model), "--port", str(free_port()), "-t", "1"]
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=120)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import kvcmas_cpp as kc
-from test_server import ServerProcess
+from helpers.server import ServerProcess
 
 pytest.importorskip("openai")
 
@@ -34,11 +34,6 @@ PROBES = [  # client text written in the shape of the sharing session's placehol
     "{user_question}",
 ]
 STORY = " ".join(f"Step {i}: the agent reads the shared log entry number {i} and notes its outcome." for i in range(40))
-
-
-@pytest.fixture(scope="module")
-def model_path(default_model_path: Path) -> str:
-    return str(default_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
-from test_server import ServerProcess
+from helpers.server import ServerProcess
 
 openai = pytest.importorskip("openai")
 

@@ -42,11 +42,6 @@ TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def model(default_model_path: Path) -> kc.Model:
-    return kc.Model(str(default_model_path), n_threads=2)
-
-
 def _one_piece(model: kc.Model, segments: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Logits after the prompt and its K, V rows, the prompt appended one segment at a time."""
     with model.new_sequence() as seq:
@@ -462,7 +457,7 @@ def test_a_cancelled_session_prefill_frees_its_rows_and_its_session(model: kc.Mo
         assert job.session is None and job.plan is None
         assert job.remaining > 0  # it stopped part-way
         assert model.kv_bytes_in_use == before
-        session = sched._sessions[key].backend.session  # type: ignore[attr-defined]
+        session = sched.sessions.by_key[key].backend.session  # type: ignore[attr-defined]
         got: list[int] = []
         reader = threading.Thread(target=lambda: got.append(session.reusable_tokens(second)))
         reader.start()

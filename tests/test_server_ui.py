@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from test_server import ROLES, TASK, ServerProcess, _workflow, chat
+from helpers.server import ROLES, TASK, ServerProcess, chat, run_workflow
 
 KEYS = {"alice": "alice-ui-key-0123456789", "bob": "bob-ui-key-9876543210"}
 ARTIFACTS = Path(__file__).resolve().parent.parent / "build" / "ui-test"  # gitignored
@@ -28,11 +28,6 @@ HOSTILE_TEXT = '<img src=x onerror="window.__kvcmas_pwned = 2"><b>bold?</b>'
 
 def auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
-
-
-@pytest.fixture(scope="module")
-def model_path(default_model_path: Path) -> str:
-    return str(default_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +64,7 @@ def authors_read(replies: list[str], k: int) -> set[str | None]:
 
 def test_workflow_endpoints_hold_what_the_responses_and_metrics_reported(ui_server: ServerProcess) -> None:
     # the first traffic on this server: alice's totals are the server's
-    answers = _workflow(ui_server, "team", None, headers=auth("alice"))  # it ends with DELETE: the history stays
+    answers = run_workflow(ui_server, "team", None, headers=auth("alice"))  # it ends with DELETE: the history stays
     status, listed = get(ui_server, "/v1/kvcmas/workflows", "alice")
     assert status == 200
     (entry,) = listed["data"]
@@ -149,7 +144,7 @@ def one_hop(srv: ServerProcess, tenant: str, workflow: str) -> dict[str, Any]:
 
 def test_a_tenant_sees_only_its_own_workflows(ui_server: ServerProcess) -> None:
     one_hop(ui_server, "alice", "alice-only")
-    bob = _workflow(ui_server, "team", None, max_tokens=4, headers=auth("bob"))  # the same id as alice's
+    bob = run_workflow(ui_server, "team", None, max_tokens=4, headers=auth("bob"))  # the same id as alice's
     one_hop(ui_server, "bob", "bob-only")
     _, alice_list = get(ui_server, "/v1/kvcmas/workflows", "alice")
     _, bob_list = get(ui_server, "/v1/kvcmas/workflows", "bob")

@@ -19,10 +19,8 @@ GEN = 4  # generated tokens per agent (relayed outputs of 3 tokens): the first-t
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path) -> kc.Model:
-    # The exact path: these tests compare reused KV rows with rows recomputed by prefill, which 8-bit decode
-    # activations would move by ~1e-2 (docs/quant-kernels.md).
-    return kc.Model(default_model_path, n_threads=2, n_ctx=1024, kv_budget=256 << 20, activations="f32")
+def model(exact_sharing_model: kc.Model) -> kc.Model:
+    return exact_sharing_model
 
 
 @pytest.fixture(scope="module")

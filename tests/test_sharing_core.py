@@ -12,18 +12,16 @@ from kvcmas_cpp._native import core
 from kvcmas_cpp.sharing import MethodConfig, RidgeEstimator, WorkflowRunner, gsm8k_workflow, load_gsm8k
 from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing.evaluate import question_ids
-from kvcmas_cpp.sharing.runner import _canonical
 from kvcmas_cpp.sharing.span import Span
+from kvcmas_cpp.sharing.training_read import canonical as _canonical
 from kvcmas_cpp.sharing.workflow import QUESTION
 
 GEN = 4
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path) -> kc.Model:
-    # The exact path: these tests compare reused KV rows with rows recomputed by prefill, which 8-bit decode
-    # activations would move by ~1e-2 (docs/quant-kernels.md).
-    return kc.Model(default_model_path, n_threads=2, n_ctx=1024, kv_budget=256 << 20, activations="f32")
+def model(exact_sharing_model: kc.Model) -> kc.Model:
+    return exact_sharing_model
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +55,7 @@ def _assert_factors_equal(corr: est.Correction | None, ref: est.Correction | Non
         if layer is None:
             assert got[il] is None, il
             continue
-        for g, r in zip(got[il], est._pad_rank(layer), strict=True):
+        for g, r in zip(got[il], est.pad_rank(layer), strict=True):
             assert g.shape == r.shape
             assert _rel(g, r) < 1e-5, (il, _rel(g, r))
 
@@ -269,7 +267,7 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
                     np.concatenate([vt_v, muy_v[None]]),
                 )
             )
-        want = est._pad_rank(est.concat([[f] for f in ref])[0])
+        want = est.pad_rank(est.concat([[f] for f in ref])[0])
         width = got[il][0].shape[1]
         for g, w, is_a in zip(got[il], want, (True, False, True, False), strict=True):
             pad = width - w.shape[1 if is_a else 0]

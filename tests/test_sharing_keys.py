@@ -4,7 +4,6 @@ the client received, cached tokens only for rows earlier calls computed, KV byte
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import kvcmas_cpp as kc
 from kvcmas_cpp.agents import AgentSession, agent_identity
@@ -16,11 +15,6 @@ QUESTION = (
 )
 SOLVER = ("Solver", "You are a math expert. Solve the problem step by step.")
 CRITIC = ("Critic", "You are a careful critic. Check the other agents' reasoning.")
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
 
 
 def _greedy(model: kc.Model, p: kc.agents.Prefilled, n: int) -> list[int]:

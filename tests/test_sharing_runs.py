@@ -4,8 +4,6 @@ re-tokenize), with the span's correction restricted to those rows; shorter runs 
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -29,11 +27,6 @@ REPLY = (
     "exported every Monday morning as a plain spreadsheet file that anyone can open."
 )
 PLANNER = [{"role": "system", "content": "You are the planner."}, {"role": "user", "content": TASK}]
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path: str) -> kc.Model:
-    return kc.Model(default_model_path, n_threads=2)
 
 
 def _ids(model: kc.Model, text: str) -> list[int]:
@@ -202,9 +195,6 @@ def test_runs_hold_nothing_once_their_prompt_is_done(model: kc.Model) -> None:
         team.run_training_reads()
     assert idle.wait(timeout=300)
     PrefixCache.of(model).clear()
-    # Under training_reads="idle" some rows of the closed session come back only when Python's garbage collector
-    # frees a reference cycle that still holds a fork of a prefix-cache entry (found, not yet broken): collect first.
-    gc.collect()
     assert model.kv_bytes_in_use == before
 
 

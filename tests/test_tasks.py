@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcmas_cpp.bench.tasks import Example, GSM8KTask, HumanEvalTask, MMLUTask, get_task, run_python
+from kvcmas_cpp.bench.tasks.humaneval import build_program, extract_code, humaneval_path
+from kvcmas_cpp.bench.tasks.mmlu import mmlu_path
 from kvcmas_cpp.model import Model
 from kvcmas_cpp.sharing.workflow import PLACEHOLDER_RE, build_template, gsm8k_path, gsm8k_workflow, response_placeholder
-from kvcmas_cpp.tasks import Example, GSM8KTask, HumanEvalTask, MMLUTask, get_task, run_python
-from kvcmas_cpp.tasks.humaneval import build_program, extract_code, humaneval_path
-from kvcmas_cpp.tasks.mmlu import mmlu_path
 
 TASK_NAMES = ("gsm8k", "mmlu", "humaneval")
 
@@ -380,11 +380,6 @@ def test_workflow_roster_and_placeholders(name: str) -> None:
         assert PLACEHOLDER_RE.findall(agents[-1].user_template)[1:] == [response_placeholder(j) for j in range(n - 1)]
     with pytest.raises(ValueError):
         task.workflow(1)
-
-
-@pytest.fixture(scope="module")
-def model(default_model_path: Path) -> Model:
-    return Model(str(default_model_path))
 
 
 @pytest.mark.parametrize("name", TASK_NAMES)

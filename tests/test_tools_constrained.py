@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvcmas_cpp as kc
+from helpers.constrained import drive_randomly
 from kvcmas_cpp.sampling import Sampler, SamplingParams, token_logprobs
 from kvcmas_cpp.tools import (
     TOOLS_KEY,
@@ -232,33 +233,9 @@ BOUNDED = {
 
 
 @pytest.fixture(scope="module")
-def model(default_model_path: Any) -> Any:
-    import kvcmas_cpp as kc
-
-    return kc.Model(str(default_model_path), n_threads=2)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(model: Any) -> Any:
     pytest.importorskip("llguidance")
     return model.tokenizer
-
-
-def _drive(constraint: Any, tok: Any, rng: np.random.Generator, max_steps: int = 400) -> str:
-    """Random logits under the mask until the grammar ends: the mask alone must keep the output valid."""
-    out: list[int] = []
-    for _ in range(max_steps):
-        allowed = constraint.allowed()
-        logits = rng.normal(size=allowed.shape[0]).astype(np.float32)
-        token = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=int(rng.integers(1 << 30))))
-        t = token.sample(logits, allowed=allowed)
-        if t in tok.eog_ids:
-            break
-        constraint.accept(t)
-        out.append(t)
-        if constraint.finished:
-            break
-    return str(tok.decode(out))
 
 
 def test_json_schema_mask_keeps_random_draws_valid(tokenizer: Any) -> None:
@@ -268,7 +245,7 @@ def test_json_schema_mask_keeps_random_draws_valid(tokenizer: Any) -> None:
     rng = np.random.default_rng(0)
     grammar = json_schema_grammar(BOUNDED)
     for _ in range(5):
-        text = _drive(Constraint(tokenizer, grammar), tokenizer, rng)
+        text = drive_randomly(Constraint(tokenizer, grammar), tokenizer, rng)
         jsonschema.validate(json.loads(text), BOUNDED)
     c = Constraint(tokenizer, json_object_grammar())
     first = [tokenizer.token_to_piece(int(t)) for t in np.flatnonzero(c.allowed())]
@@ -282,7 +259,7 @@ def test_tool_call_grammar_and_fork(tokenizer: Any) -> None:
     c = Constraint(tokenizer, tool_call_grammar(tools, parallel=False))
     rng = np.random.default_rng(1)
     fork = c.fork()
-    text = _drive(c, tokenizer, rng)
+    text = drive_randomly(c, tokenizer, rng)
     _, calls = parse_tool_calls(text, ["get_time"])
     assert len(calls) == 1 and calls[0]["function"]["name"] == "get_time", text
     assert not fork.finished and fork.allowed().sum() < 50  # the fork is still at the start: "<" of "<tool_call>"
@@ -330,13 +307,13 @@ def test_n_choices_are_forks_of_one_prefill(model: Any) -> None:
     ids = model.tokenize("The three primary colors are")
     sched = Scheduler(model, "nonshared", 4, 1 << 30, 8, Metrics())
     prefills: list[int] = []
-    real = sched._plain.prefill_plan
+    real = sched.runner.plain.prefill_plan
 
     def counting(*args: Any, **kwargs: Any) -> Any:  # the real prefill, counted
         prefills.append(1)
         return real(*args, **kwargs)
 
-    sched._plain.prefill_plan = counting  # type: ignore[method-assign]
+    sched.runner.plain.prefill_plan = counting  # type: ignore[method-assign]
     try:
         for params, distinct in (
             (SamplingParams(temperature=0.0), False),
@@ -374,7 +351,7 @@ def test_bench_constrained_reports_overhead_and_coverage(default_model_path: Any
     coverage table, llguidance compiling every schema but the if/then one it refuses by name."""
     import argparse
 
-    from kvcmas_cpp.bench_constrained import add_constrained_arguments, run_constrained
+    from kvcmas_cpp.bench.constrained import add_constrained_arguments, run_constrained
 
     p = argparse.ArgumentParser()
     add_constrained_arguments(p)

@@ -66,16 +66,7 @@ def _vision_converter() -> ModuleType:
 
 kv = _vision_converter()
 
-
-def _randomize(model: Any, seed: int) -> None:
-    """Weights far from transformers' near-zero init, so every part of the network moves the output."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+from helpers.vision import randomize_weights  # noqa: E402
 
 
 def _clip_config(**kw: Any) -> Any:
@@ -103,7 +94,7 @@ def towers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, An
     ):
         torch.manual_seed(seed)
         model = cls(cfg).eval()
-        _randomize(model, seed)
+        randomize_weights(model, seed)
         model.save_pretrained(root / kind)
         out[kind] = (root / kind, model)
     return out
@@ -200,7 +191,7 @@ def _text_model(kind: str, seed: int) -> Any:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     return model.eval()
 
 
@@ -234,8 +225,8 @@ def test_llava_logits_match_transformers(tmp_path: Path, vision: str, text: str,
     )  # fmt: skip
     torch.manual_seed(6)
     llava = transformers.LlavaForConditionalGeneration(config).eval()
-    _randomize(llava.model.vision_tower, 7)
-    _randomize(llava.model.multi_modal_projector, 8)
+    randomize_weights(llava.model.vision_tower, 7)
+    randomize_weights(llava.model.multi_modal_projector, 8)
     state = text_model.state_dict()
     llava.model.language_model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
     llava.lm_head.load_state_dict({"weight": state["lm_head.weight"]})

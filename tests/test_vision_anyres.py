@@ -25,10 +25,10 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
+from helpers.vision import randomize_weights, sample_images  # noqa: E402  (weights far from transformers' init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.anyres import ANYRES, SINGLE  # noqa: E402
-from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
 
 REPO = Path(__file__).resolve().parent.parent
 PHOTOS = Path(skimage_data.__file__).parent
@@ -38,20 +38,7 @@ IMAGE_TOKEN = 319
 MEAN, STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
 
 
-def _images() -> dict[str, Any]:
-    chelsea = PIL_Image.open(PHOTOS / "chelsea.png").convert("RGB")  # 451 x 300
-    rng = np.random.default_rng(3)
-    return {
-        "landscape": chelsea,
-        "portrait": chelsea.transpose(PIL_Image.Transpose.ROTATE_90),  # 300 x 451
-        "astronaut": PIL_Image.open(PHOTOS / "astronaut.png").convert("RGB"),  # 512 x 512 > 336 (largest pinpoint)
-        "coffee": PIL_Image.open(PHOTOS / "coffee.png").convert("RGB"),  # 600 x 400
-        "tiny": PIL_Image.fromarray(rng.integers(0, 256, (7, 10, 3), dtype=np.uint8)),
-        "tall": PIL_Image.fromarray(rng.integers(0, 256, (700, 90, 3), dtype=np.uint8)),
-    }
-
-
-IMAGES = _images()
+IMAGES = sample_images()  # 512 x 512 is larger than the largest pinpoint (336)
 
 
 def _text_model(seed: int) -> Any:
@@ -60,7 +47,7 @@ def _text_model(seed: int) -> Any:
                                    tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     return model.eval()
 
 
@@ -94,8 +81,8 @@ def _make(root: Path, family: str, tile: int = S, pinpoints: list[list[int]] = P
         cls = transformers.LlavaNextForConditionalGeneration
     torch.manual_seed(6)
     model = cls(config).eval()
-    _randomize(model.model.vision_tower, 7)
-    _randomize(model.model.multi_modal_projector, 8)
+    randomize_weights(model.model.vision_tower, 7)
+    randomize_weights(model.model.multi_modal_projector, 8)
     with torch.no_grad():
         model.model.image_newline.copy_(torch.randn(64, generator=torch.Generator().manual_seed(9)))
     state = text.state_dict()

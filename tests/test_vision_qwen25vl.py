@@ -22,17 +22,17 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import kvcmas_cpp  # noqa: E402
+from helpers.vision import randomize_weights, sample_images  # noqa: E402  (weights far from transformers' init)
 from kvcmas_cpp.model import image_pos_of  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.qwen import QwenVisionEncoder  # noqa: E402
-from test_vision import _randomize  # noqa: E402  (weights far from transformers' near-zero init)
-from test_vision_anyres import IMAGES  # noqa: E402  (photos and synthetic images of several sizes and shapes)
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 448 * 448  # at most 1,024 patches (256 image tokens): a fast test tower
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 400
 IMAGE_TOKEN, VISION_START, VISION_END = 397, 395, 396
+IMAGES = sample_images()
 SECTIONS = [2, 3, 3]  # M-RoPE pairs of the temporal, height and width positions (head_dim 16)
 
 
@@ -66,7 +66,7 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("qwen25vl")
     torch.manual_seed(0)
     model = transformers.Qwen2_5_VLForConditionalGeneration(_config()).eval()
-    _randomize(model, 11)
+    randomize_weights(model, 11)
     folder = root / "qwen25vl"
     model.save_pretrained(folder)
     ip = _image_processor()
@@ -301,7 +301,7 @@ def qwen_chat(qwen: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) ->
     config.text_config.vocab_size = 49152
     torch.manual_seed(1)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    _randomize(model, 12)
+    randomize_weights(model, 12)
     model.model.visual.load_state_dict(qwen["model"].model.visual.state_dict())  # the tower of qwen["enc"]
     folder = root / "ck"
     model.save_pretrained(folder)

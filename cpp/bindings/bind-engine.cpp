@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bindings/bindings.h"
+#include "backend/cpu/cpu-features.h"
 #include "common/error.h"
 #include "engine/model.h"
 
@@ -130,6 +131,16 @@ void bind_engine(nb::module_ & m) {
         },
         "The backends compiled into this build: {name: (usable here, why not)}; 'cpu' always, 'cuda' with "
         "KVCMAS_CUDA=ON.");
+    m.def(
+        "cpu_features",
+        [] {
+            nb::dict d;
+            d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
+            d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
+            d["avx512"]        = cpu::cpu_features().avx512;
+            return d;
+        },
+        "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");
     m.def(
         "architectures", []() { return registered_architectures(); },
         "The GGUF general.architecture values the engine runs (engine/arch/registry.cpp).");

@@ -1,4 +1,5 @@
-// Each bind_*.cpp adds one part of the core to the `_core` extension module.
+// Each bind_*.cpp adds one part of the core to the `_core` extension module; testing/ holds the `_testing` module
+// (kernels and backend ops for tests), built with KVCMAS_TESTING_MODULE=ON.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -9,16 +10,17 @@
 
 namespace kvcmas::py {
 
-void bind_gguf(nanobind::module_ & m);       // bind-gguf.cpp: GgufFile
-void bind_kernels(nanobind::module_ & m);    // bind-kernels.cpp: dequantize / matmul entry points for tests
-void bind_engine(nanobind::module_ & m);     // bind-engine.cpp: Model, sequences, batches
-void bind_attention(nanobind::module_ & m);  // bind-attention.cpp: the attention kernel, for tests
-void bind_vision(nanobind::module_ & m);     // bind-vision.cpp: VisionEncoder (mmproj towers)
+void bind_gguf(nanobind::module_ & m);    // bind-gguf.cpp: GgufFile
+void bind_engine(nanobind::module_ & m);  // bind-engine.cpp: Model, sequences, batches
+void bind_vision(nanobind::module_ & m);  // bind-vision.cpp: VisionEncoder (mmproj towers)
 // bind-correction.cpp: ridge maps, corrections built in the core, materialized copies of corrected spans
 void bind_correction(nanobind::module_ & m);
-void bind_backend(nanobind::module_ & m);  // bind-backend.cpp: the backends' ops one by one, for tests
 
 // "q8" | "f32" -> how decode matmuls take their activations; anything else is an error naming the option.
-cpu::Activations parse_activations(const std::string & name);
+cpu::Activations parse_activations(const std::string & name);  // common.cpp
+
+// common.cpp: kvcmas::Error raised in this module's bindings reaches Python as `error_type` (an exception class),
+// its message decoded with replacement characters where it quotes bytes that are not UTF-8.
+void translate_errors(nanobind::handle error_type);
 
 }  // namespace kvcmas::py

@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 from ._native import KvcmasError, backends, supported_architectures
 from .agents import Agent, AgentSession, Response, ResponseChunk
-from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, Timings, default_model_path
+from .model import Completion, CompletionChunk, KVSequence, Model, SharedKV, default_model_path
+from .token_stream import Timings
 
 __all__ = [
     "Agent",

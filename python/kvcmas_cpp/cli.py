@@ -129,7 +129,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_core
+    from .bench.core import run_core
 
     return run_core(args)
 
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 
-    from .demo import add_run_arguments, run_demo
+    from .bench.demo import add_run_arguments, run_demo
 
     p = sub.add_parser(
         "run", **documented("the main job: a 4-agent GSM8K team, nonshared vs kvcmas, on the default model", "cli.md")
@@ -182,14 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", **documented("benchmarks: core, agents, serve, attention, vision, constrained", "cli.md")
     )
     bench_sub = p.add_subparsers(dest="bench", required=True)
-    from .bench import add_core_arguments
+    from .bench.core import add_core_arguments
 
     pc = bench_sub.add_parser(
         "core", **documented("prefill/decode tokens/s and peak RSS (optionally vs llama.cpp)", "engine-speed.md")
     )
     add_core_arguments(pc)
     pc.set_defaults(func=cmd_bench)
-    from .bench_agents import add_agents_arguments, run_agents
+    from .bench.agents import add_agents_arguments, run_agents
 
     pa = bench_sub.add_parser(
         "agents", **documented("multi-agent sharing: TTFT, KV memory, fidelity, task accuracy", "evaluation.md")
@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_agents_arguments(pa)
     pa.set_defaults(func=run_agents)
 
-    from .bench_serve import add_bench_serve_arguments, run_bench_serve
+    from .bench.serve import add_bench_serve_arguments, run_bench_serve
 
     ps = bench_sub.add_parser(
         "serve", **documented("multi-agent workflows replayed against kvcmas-server, per method and rate", "serving.md")
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_arguments(ps)
     ps.set_defaults(func=run_bench_serve)
 
-    from .bench_attention import add_attention_arguments, run_attention
+    from .bench.attention import add_attention_arguments, run_attention
 
     pt = bench_sub.add_parser(
         "attention",
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attention_arguments(pt)
     pt.set_defaults(func=run_attention)
 
-    from .bench_vision import add_vision_arguments, run_vision
+    from .bench.vision import add_vision_arguments, run_vision
 
     pv = bench_sub.add_parser(
         "vision", **documented("an image in the shared context: encode time, later-agent TTFT, memory", "vision.md")
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--find-links", action="append", help="also look for the wheels in this folder (pip --find-links)")
     pp.set_defaults(func=cmd_models)
 
-    from .bench_constrained import add_constrained_arguments, run_constrained
+    from .bench.constrained import add_constrained_arguments, run_constrained
 
     pg = bench_sub.add_parser(
         "constrained",

@@ -4,7 +4,7 @@ The grammars come from llguidance (https://github.com/guidance-ai/llguidance), w
 grammars and computes, per generated token, the set of tokens that keep the output inside the grammar. Nothing here
 writes a JSON grammar by hand: JSON Schema goes to llguidance's JSON compiler, and a tool call is a two-line Lark
 grammar around llguidance's `%json` (the same JSON compiler). docs/openai-surface.md says why llguidance rather than
-xgrammar (measured with `python -m kvcmas_cpp.bench_constrained`).
+xgrammar (measured with `python -m kvcmas_cpp.bench.constrained`).
 
 One Constraint follows one generation: `allowed()` is the mask for the next token, `accept(token)` advances it,
 `finished` is true once the grammar admits nothing more (the generation ends there).

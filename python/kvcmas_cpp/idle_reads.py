@@ -1,12 +1,13 @@
 """Training reads off the agents' path: a worker per model runs them while no agent call is in flight.
 
-kvcmas calibrating an edge under cold reuse schedules a training read after the reply (sharing.runner.TrainingRead:
-the span's exact rows in the reader's context, folded into the edge's statistics, then the fit). An AgentSession
-with training_reads="idle" (the default) queues its reads here. The worker steps the oldest read only once no call of
-any session on the model has been in flight for IDLE_S seconds, and checks again with the read's locks held before
-each step, so a call never runs a read and waits at most for one step that began before it (a step is READ_STEP_ROWS
-rows of prefill, one batch of statistics, or one edge's fit). What is left when a session resets or closes runs
-then. A server runs its sessions' reads itself (server.scheduler), between its own work.
+kvcmas calibrating an edge under cold reuse schedules a training read after the reply
+(sharing.training_read.TrainingRead: the span's exact rows in the reader's context, folded into the edge's
+statistics, then the fit). An AgentSession with training_reads="idle" (the default) queues its reads here. The
+worker steps the oldest read only once no call of any session on the model has been in flight for IDLE_S seconds,
+and checks again with the read's locks held before each step, so a call never runs a read and waits at most for one
+step that began before it (a step is READ_STEP_ROWS rows of prefill, one batch of statistics, or one edge's fit).
+What is left when a session resets or closes runs then. A server runs its sessions' reads itself
+(server.scheduler), between its own work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from .model import Model
-from .sharing.runner import TrainingRead
+from .sharing.training_read import TrainingRead
 
 log = logging.getLogger("kvcmas.idle_reads")
 

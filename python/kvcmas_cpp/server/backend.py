@@ -32,7 +32,9 @@ class Prefilled(Protocol):
     def close(self) -> None: ...
 
 
-class Backend(Protocol):
+class MethodBackend(Protocol):
+    """Where a request's prompt KV comes from, for one sharing method (see the module's docstring)."""
+
     method: str
 
     def prefill_plan(
@@ -261,7 +263,7 @@ def make_backend(
     cold: str = "reuse",
     calibration_dir: str | os.PathLike[str] | bool = True,
     cache_namespace: str | None = None,
-) -> Backend:
+) -> MethodBackend:
     """The backend for a sharing method; nonshared requests fall back to PlainBackend when there is no agents module,
     and so do the sharing methods (their stats then say method 'nonshared'). vision: the server's VisionEncoder, if
     any (the session checks that its embeddings fit the model). calibration_bytes, estimator_name, cold,

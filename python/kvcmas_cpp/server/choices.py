@@ -12,7 +12,7 @@ from ..reasoning import ReasoningStream
 from ..sampling import TokenLogprob, chat_logprobs
 from ..tokenizer import Tokenizer
 from ..tools import HERMES, ToolCallStream, ToolFormat
-from .scheduler import Delta, Done
+from .jobs import Delta, Done
 
 
 @dataclass(frozen=True)

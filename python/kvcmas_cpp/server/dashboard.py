@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from .history import History
-from .scheduler import Job, Namespace
+from .jobs import Job
+from .sessions import Namespace
 from .validation import ApiError
 
 if TYPE_CHECKING:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # TTFT histogram bucket bounds in seconds (Prometheus convention: cumulative, plus +Inf).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -142,6 +143,18 @@ class Metrics(Usage):
                 u.span_tokens += span
                 if dense_reason is not None:
                     u.dense_hops[dense_reason] = u.dense_hops.get(dense_reason, 0) + 1
+
+    def count_done(self, stats: dict[str, Any], choice: int, tenant: str | None) -> None:
+        """A finished job's usage (jobs.job_stats): choice 0 counts the prompt and where its reused rows came from;
+        another choice of an n > 1 request (a fork of that prompt) only its tokens."""
+        if choice == 0:
+            ttft_s = stats["ttft_ms"] / 1000.0
+            self.count_generation(
+                stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], ttft_s, tenant
+            )
+            self.count_sharing(stats["prefix_cached_tokens"], stats["span_tokens"], stats["dense_reason"], tenant)
+        else:
+            self.count_generation(0, 0, stats["completion_tokens"], None, tenant)
 
     def count_training_read(self, outcome: str, rows: int) -> None:
         """A training read left the queue: 'done' (it computed `rows` rows) or 'dropped'."""

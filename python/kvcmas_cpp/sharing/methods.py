@@ -14,6 +14,7 @@ benchmarks read this table.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -110,7 +111,10 @@ class Method:
     """One sharing method. defaults: its MethodConfig fields (a benchmark's runner); session: fields an AgentSession
     (and so the server) changes on top (kvcmas calibrates online there); estimator(model, workflow, config): a fresh
     estimator (workflow: the workflow or workload name, e.g. for kvcmas-ref's per-workload gate threshold).
-    in_sessions: AgentSession runs it (oracle needs the exact run); served: kvcmas-server offers it."""
+    in_sessions: AgentSession runs it (oracle needs the exact run); served: kvcmas-server offers it. shares: spans
+    are stored once and later readers append them by reference (False: nonshared, every reader computes its whole
+    prompt, and a message stays one piece). learns: its estimator learns from dense reads (a benchmark fits it on
+    training questions first: kvcmas, kvcmas-ref, kvcomm)."""
 
     name: str
     estimator: Callable[[Model, str, MethodConfig], est.Estimator]
@@ -118,6 +122,14 @@ class Method:
     session: dict[str, Any] = field(default_factory=dict)
     in_sessions: bool = True
     served: bool = False
+    shares: bool = True
+    learns: bool = False
+
+    @property
+    def learns_online(self) -> bool:
+        """Sessions fit its estimator from their own training reads (calibrate > 0): its cold setting, training
+        reads and calibration directory apply."""
+        return bool(self.session.get("calibrate", self.defaults.get("calibrate", 0)))
 
     def config(self, *, for_session: bool = False, **overrides: Any) -> MethodConfig:
         """The method's MethodConfig: its defaults (plus the session's when for_session), then overrides."""
@@ -132,7 +144,7 @@ def _no_estimator(model: Model, workflow: str, config: MethodConfig) -> est.Esti
 REGISTRY: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("nonshared", _no_estimator, served=True),
+        Method("nonshared", _no_estimator, served=True, shares=False),
         Method("fullshared", _no_estimator, served=True),
         Method(
             "kvcmas",
@@ -140,11 +152,13 @@ REGISTRY: dict[str, Method] = {
             defaults={"head": 4, "rank": 8},
             session={"calibrate": CALIBRATION_READS},
             served=True,
+            learns=True,
         ),
         Method(
             "kvcmas-ref",
             lambda model, workflow, config: reference_estimator(model, workflow),
             defaults={"rank": 32},
+            learns=True,
         ),
         Method(
             "kvcomm",
@@ -152,6 +166,7 @@ REGISTRY: dict[str, Method] = {
                 rank=None, base_rank=None, max_anchors=20, gamma=0.3, name="kvcomm"
             ),
             defaults={"rank": 0},
+            learns=True,
         ),
         Method(
             "oracle",
@@ -178,6 +193,8 @@ def method(name: str, *, session: bool = False, served: bool = False) -> Method:
 
 # The registry's names at import (command-line choices, messages): method() and names() see later entries too.
 METHODS = names()
+REFERENCE = next(n for n, m in REGISTRY.items() if not m.shares)  # the exact run other methods are measured against
+LEARNING_METHODS = tuple(n for n, m in REGISTRY.items() if m.learns)
 SESSION_METHODS = names(session=True)
 SERVED_METHODS = names(served=True)
 
@@ -192,3 +209,36 @@ def default_config(name: str) -> MethodConfig:
 def make_estimator(model: Model, config: MethodConfig, workflow: str) -> est.Estimator:
     """A fresh estimator of config's method."""
     return method(config.name).estimator(model, workflow, config)
+
+
+BASELINE = "recompute"  # label prefix of the selective-recompute-only baseline
+
+
+def parse_label(label: str) -> tuple[str, float | None, bool]:
+    """A benchmark method label: a method name, `METHOD@B` (the method at recompute budget B) or `recompute@B` (the
+    baseline: kvcmas' rows chosen, no correction applied). Returns (method, budget or None, correct)."""
+    name, sep, budget_text = label.partition("@")
+    if not sep:
+        if name not in METHODS:
+            raise ValueError(f"unknown method {label!r}; choose from {', '.join(METHODS)}, METHOD@B or recompute@B")
+        return name, None, True
+    try:
+        budget = float(budget_text)
+    except ValueError:
+        raise ValueError(f"{label!r}: the recompute budget after @ must be a number in [0, 1]") from None
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"{label!r}: the recompute budget must be in [0, 1]")
+    if name == BASELINE:
+        return "kvcmas", budget, False
+    if name not in METHODS or not REGISTRY[name].shares:
+        raise ValueError(f"{label!r}: budgets apply to the sharing methods (or {BASELINE}@B)")
+    return name, budget, True
+
+
+def labelled_config(label: str, base: MethodConfig | None = None) -> MethodConfig:
+    """The MethodConfig a label names: `base` (default: the method's default_config) with the label's budget."""
+    name, budget, correct = parse_label(label)
+    cfg = base if base is not None else default_config(name)
+    if budget is None:
+        return cfg
+    return dataclasses.replace(cfg, recompute=budget, correct=correct)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from ..model import Model
-from .estimators import Edge, RidgeEstimator, _RidgeMap
+from .estimator_base import Edge
+from .ridge import RidgeEstimator, RidgeMap
 
 log = logging.getLogger("kvcmas")
 
@@ -115,13 +116,13 @@ def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstima
     """load_ridge, and the file's header."""
     with _opened(path) as (_, z):
         header = _header(z, model)
-        kd = model.n_head_kv * model._core.head_dim
+        kd = model.kv_width
         rank, alpha = int(header["rank"]), float(header["alpha"])
         if not 1 <= rank <= kd:
             raise ValueError(f"rank {rank} out of range")
         est = RidgeEstimator(rank=rank, alpha=alpha)
         for i, (ph, reader) in enumerate(header["edges"]):
-            maps: list[tuple[_RidgeMap, _RidgeMap] | None] = [None]
+            maps: list[tuple[RidgeMap, RidgeMap] | None] = [None]
             for il in range(1, model.n_layer):
                 pair = []
                 for kind in "kv":
@@ -131,7 +132,7 @@ def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstima
                     for name, arr in a.items():
                         if arr.shape != want[name] or arr.dtype != np.float32 or not np.isfinite(arr).all():
                             raise ValueError(f"array {name} of edge {ph!r}/{reader} layer {il} is malformed")
-                    pair.append(_RidgeMap(**a))
+                    pair.append(RidgeMap(**a))
                 maps.append((pair[0], pair[1]))
             if not isinstance(reader, (int, str)):
                 raise ValueError(f"edge {ph!r}: reader key {reader!r} is neither a number nor a string")

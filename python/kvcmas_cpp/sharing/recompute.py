@@ -16,7 +16,8 @@ mean score over all of the hop's spans (ties to the earlier one), until at least
 n the hop's shared rows after the exact heads: the budget is the hop's, so a short span (a relayed reply shorter
 than a block) is recomputed only if it ranks among the hop's most deviating blocks. The chosen rows are reserved in
 place between the reused pieces and computed with the rest of the reader's prompt in one forward pass
-(KVSequence.reserve), so recomputing costs rows, not calls.
+(KVSequence.reserve), so recomputing costs rows, not calls. This module only chooses the rows; sharing.assemble
+appends the span around them.
 Budget 0 is the method unchanged; budget 1 forwards every row, so the reader computes exactly what `nonshared`
 computes (bit for bit: the whole prompt after the template prefix goes to the engine in one append).
 
@@ -29,21 +30,15 @@ rows: recomputation helps the reader that paid for it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._native import core
-from ..model import KVSequence, SharedKV
-from . import estimators as est
-
-if TYPE_CHECKING:
-    from .runner import MethodConfig, WorkflowRunner
+from .factors import Correction
 
 DEFAULT_BLOCK = 16  # rows per choice: few, long reused pieces between the chosen rows
 
 
-def deviation_scores(corrs: list[tuple[est.Correction | None, int]], n_layer: int) -> list[np.ndarray]:
+def deviation_scores(corrs: list[tuple[Correction | None, int]], n_layer: int) -> list[np.ndarray]:
     """The rule's score of every row of a hop's spans: per span (its correction, or None, and its rows n) an array
     [n]. Each layer's K and V deviations are normalised by their mean over all of the hop's rows, so spans compete on
     one scale and no layer dominates; a span without a correction scores zeros."""
@@ -107,80 +102,3 @@ def runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
         out.append((i, j, bool(mask[i])))
         i = j
     return out
-
-
-def append_span(
-    runner: WorkflowRunner,
-    seq: KVSequence,
-    shared: SharedKV,
-    ids: list[int],
-    corr: est.Correction | None,
-    mask: np.ndarray,
-    pending: list[int],
-    held: list[int],
-) -> list[int]:
-    """Appends a shared span (rows `ids`, stored as `shared`) to seq with the rows the rule chose (`mask`, from
-    select_rows over the hop): chosen rows join `pending`, to be computed in order with the rest of the prompt
-    (pending rows are reserved in seq, and moved to `held`, before a reused piece is appended after them); the others
-    are appended by reference, every piece reading its rows of the span's one correction (none when
-    MethodConfig.correct is False), so however finely the rows are chosen the factors are held once. Returns
-    pending."""
-    from .runner import reserve_rows
-
-    cfg, m = runner.config, runner.model
-    n_reused = int((~mask).sum())
-    kc: Any = None
-    if corr is not None and cfg.correct and n_reused:
-        kc = corr.kv_correction(len(ids), runner.kd, m.n_layer)
-    copy = kc is not None and runner._wants_copy(kc, n_reused)
-    for start, end, chosen in runs(mask):
-        if chosen:
-            pending = pending + ids[start:end]
-            continue
-        pending = reserve_rows(seq, pending, held)
-        seq.append_shared(shared.slice(start, end - start), kc, corr_row0=start if kc is not None else 0)
-        if copy:
-            core.seq_materialize_last(m._core, seq.id)
-            runner._materialized += end - start
-    if kc is not None and not copy:
-        runner._factor_bytes += kc.bytes
-    return pending
-
-
-BASELINE = "recompute"  # label prefix of the selective-recompute-only baseline
-
-
-def parse_label(label: str) -> tuple[str, float | None, bool]:
-    """A benchmark method label: a method name, `METHOD@B` (the method at recompute budget B) or `recompute@B` (the
-    baseline: kvcmas' rows chosen, no correction applied). Returns (method, budget or None, correct)."""
-    from .methods import METHODS
-
-    name, sep, budget_text = label.partition("@")
-    if not sep:
-        if name not in METHODS:
-            raise ValueError(f"unknown method {label!r}; choose from {', '.join(METHODS)}, METHOD@B or recompute@B")
-        return name, None, True
-    try:
-        budget = float(budget_text)
-    except ValueError:
-        raise ValueError(f"{label!r}: the recompute budget after @ must be a number in [0, 1]") from None
-    if not 0.0 <= budget <= 1.0:
-        raise ValueError(f"{label!r}: the recompute budget must be in [0, 1]")
-    if name == BASELINE:
-        return "kvcmas", budget, False
-    if name not in METHODS or name == "nonshared":
-        raise ValueError(f"{label!r}: budgets apply to the sharing methods (or {BASELINE}@B)")
-    return name, budget, True
-
-
-def labelled_config(label: str, base: MethodConfig | None = None) -> MethodConfig:
-    """The MethodConfig a label names: `base` (default: the method's default_config) with the label's budget."""
-    import dataclasses
-
-    from .methods import default_config
-
-    name, budget, correct = parse_label(label)
-    cfg = base if base is not None else default_config(name)
-    if budget is None:
-        return cfg
-    return dataclasses.replace(cfg, recompute=budget, correct=correct)

@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from ..sharing.workflow import Workflow, gsm8k_path, gsm8k_workflow
+from ...sharing.workflow import Workflow, gsm8k_path, gsm8k_workflow
 from .base import Example, Task, check_range
 
 # A number not glued to a preceding word, digit, '.' or ',' (so "16-3" gives 16 and 3, not -3), with an optional

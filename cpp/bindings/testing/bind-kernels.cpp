@@ -1,4 +1,5 @@
-// Test and benchmark entry points for the CPU kernels: dequantize, matmul, matmul_reference, cpu_features.
+// Test and benchmark entry points for the CPU kernels (kvcmas_cpp._testing): dequantize, matmul, matmul_reference,
+// matmul_bench, thread_pool_check.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -12,9 +13,9 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "bindings/testing/testing.h"
 #include "common/error.h"
 #include "common/ggml-types.h"
-#include "backend/cpu/cpu-features.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/quants.h"
 #include "backend/cpu/threadpool.h"
@@ -170,14 +171,6 @@ std::vector<int> py_thread_pool_check(int n_threads, int rounds, int fail_ith) {
 
 }  // namespace
 
-cpu::Activations parse_activations(const std::string & name) {
-    if (name == "q8") {
-        return cpu::Activations::Q8;
-    }
-    KC_CHECK(name == "f32", "activations must be 'q8' or 'f32', got '%s'", name.c_str());
-    return cpu::Activations::F32;
-}
-
 void bind_kernels(nb::module_ & m) {
     m.def("thread_pool_check", &py_thread_pool_check, nb::arg("n_threads"), nb::arg("rounds"), nb::arg("fail_ith") = -1,
           "Runs `rounds` jobs on a pool and returns how often each thread index ran (tests); with fail_ith, that "
@@ -196,16 +189,6 @@ void bind_kernels(nb::module_ & m) {
           nb::arg("x"), nb::arg("n_threads") = 1, nb::arg("repeats") = 10, nb::arg("activations") = "f32",
           "(best wall seconds, best caller-thread CPU seconds) of one pass of matmul over all `weights` on one "
           "thread pool (benchmarks).");
-    m.def(
-        "cpu_features",
-        [] {
-            nb::dict d;
-            d["avx2_fma_f16c"] = cpu::cpu_features().avx2_fma_f16c;
-            d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
-            d["avx512"]        = cpu::cpu_features().avx512;
-            return d;
-        },
-        "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");
 }
 
 }  // namespace kvcmas::py

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .arguments import non_negative_int, positive_int
-from .errors import CommandError
+from ..arguments import non_negative_int, positive_int
+from ..errors import CommandError
 
 ENGINES = ("kvcmas", "llama-cpp", "torch-bf16")
 
@@ -45,7 +45,7 @@ class CoreResult:
     activations: str = "-"  # kvcmas: activations of the decode matmuls ("q8" | "f32")
 
 
-def _prompt_ids(n_vocab: int, n: int) -> list[int]:
+def prompt_ids(n_vocab: int, n: int) -> list[int]:
     rng = np.random.default_rng(1234)
     # Avoid the first ids (often control tokens); any ids serve for timing.
     return [int(t) for t in rng.integers(100, min(n_vocab, 32000), size=n)]
@@ -56,11 +56,11 @@ def _peak_rss_mb() -> float:
 
 
 def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
-    from .model import Model
+    from ..model import Model
 
     kv, _, act = kv_type.partition(":")  # "<kv type>:<activations>"
     model = Model(model_path, n_threads=threads, n_ctx=prompt + gen + 8, kv_type=kv, activations=act or "q8")  # type: ignore[arg-type]
-    ids = _prompt_ids(model.n_vocab, prompt)
+    ids = prompt_ids(model.n_vocab, prompt)
     with model.new_sequence() as warm:  # first touch of the mapped weights
         warm.append(ids[:32])
     with model.new_sequence() as seq:
@@ -87,7 +87,7 @@ def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int, kv_type
         n_threads_batch=threads,
         verbose=False,
     )
-    ids = _prompt_ids(llm.n_vocab(), prompt)
+    ids = prompt_ids(llm.n_vocab(), prompt)
     llm.eval(ids[:32])
     llm.reset()
     t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int, kv_typ
     path = Path(model_path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.bfloat16)
     model.eval()
-    ids = torch.tensor([_prompt_ids(model.config.vocab_size, prompt)])
+    ids = torch.tensor([prompt_ids(model.config.vocab_size, prompt)])
     with torch.no_grad():
         model(ids[:, :32])
         t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int, k
 
 
 def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
-    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--worker", engine, model_path]
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench.core", "--worker", engine, model_path]
     cmd += [str(threads), str(prompt), str(gen), kv_type]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -181,7 +181,7 @@ def bench_core(
 def memory_bandwidth_gb_s() -> float:
     """This machine's memory bandwidth as a large numpy copy sees it (read + write bytes / s, best of 5; one
     thread), measured in a subprocess: the workers would otherwise inherit its 1 GiB as their peak RSS."""
-    cmd = [sys.executable, "-m", "kvcmas_cpp.bench", "--bandwidth"]
+    cmd = [sys.executable, "-m", "kvcmas_cpp.bench.core", "--bandwidth"]
     return float(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
 
 
@@ -199,19 +199,19 @@ def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
 def weight_bytes_per_token(model_path: str) -> int:
     """Bytes of weights a decode step reads: every matrix once; of the token embedding only one row, unless the
     output projection is tied to it."""
-    from ._native import core
+    from ..model import Model
 
-    tensors = core.GgufFile(model_path).tensors()
+    tensors = Model.file_tensors(model_path)
     names = {t["name"] for t in tensors}
     return sum(int(t["n_bytes"]) for t in tensors if t["name"] != "token_embd.weight" or "output.weight" not in names)
 
 
 def weight_type_mix(model_path: str) -> list[tuple[str, int]]:
     """Bytes of the file's matrices (tensors of 2 or more dimensions) per storage type, largest first."""
-    from ._native import core
+    from ..model import Model
 
     mix: dict[str, int] = {}
-    for t in core.GgufFile(model_path).tensors():
+    for t in Model.file_tensors(model_path):
         if len(t["shape"]) >= 2:
             name = str(t["type_name"]).upper()
             mix[name] = mix.get(name, 0) + int(t["n_bytes"])
@@ -222,9 +222,9 @@ def file_type_label(model_path: str) -> str:
     """The llama.cpp file type the file says it is (general.file_type, e.g. 'Q4_K_M'), or '-' without one."""
     import gguf
 
-    from ._native import core
+    from ..model import Model
 
-    value = core.GgufFile(model_path).metadata().get("general.file_type")
+    value = Model.file_metadata(model_path).get("general.file_type")
     try:
         return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else "-"
     except ValueError:
@@ -308,7 +308,7 @@ def _check_core_arguments(args: argparse.Namespace, models: list[str]) -> None:
     """Refuses what would fail inside a worker, before any run starts: engines not installed, bad model files."""
     import importlib.util
 
-    from ._native import core
+    from ..model import Model
 
     needs = {
         "llama-cpp": (("llama_cpp",), "llama-cpp-python (scripts/setup.sh --bench)"),
@@ -319,11 +319,11 @@ def _check_core_arguments(args: argparse.Namespace, models: list[str]) -> None:
         if any(importlib.util.find_spec(m) is None for m in modules):
             raise ValueError(f"--compare {engine} needs {packages} installed")
     for path in models:
-        core.GgufFile(path)  # KvcmasError (a ValueError) naming the file and what is wrong with it
+        Model.file_metadata(path)  # KvcmasError (a ValueError) naming the file and what is wrong with it
 
 
 def run_core(args: argparse.Namespace) -> int:
-    from .model import resolve_model_path
+    from ..model import resolve_model_path
 
     models = [resolve_model_path(m) for m in args.model] if args.model else [resolve_model_path(None)]
     _check_core_arguments(args, models)
@@ -356,6 +356,6 @@ if __name__ == "__main__":
         _, _, eng, path, th, pr, ge, kv = sys.argv
         print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv))))
     else:
-        parser = argparse.ArgumentParser(prog="python -m kvcmas_cpp.bench")
+        parser = argparse.ArgumentParser(prog="python -m kvcmas_cpp.bench.core")
         add_core_arguments(parser)
         sys.exit(run_core(parser.parse_args()))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..sharing.workflow import Workflow, team_workflow
+from ...sharing.workflow import Workflow, team_workflow
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .arguments import output_file
-from .errors import CommandError
+from ..arguments import output_file
+from ..errors import CommandError
 
 AGENTS = (
     "You are a careful planner. List the steps needed to solve the problem, without solving it.",
@@ -137,7 +137,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------- the workload
 def _contexts(n: int, context_tokens: int, seed: int) -> list[str]:
     """n shared contexts: reference problems (about context_tokens tokens, ~4 characters each) and a question."""
-    from .sharing.workflow import load_gsm8k
+    from ..sharing.workflow import load_gsm8k
 
     questions = load_gsm8k(0, 1000)
     out: list[str] = []

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import Model, resolve_model_path
-from .sampling import Sampler, SamplingParams
+from ..model import Model, resolve_model_path
+from ..sampling import Sampler, SamplingParams
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "object": {"type": "object"},
@@ -104,7 +104,7 @@ def add_constrained_arguments(p: argparse.ArgumentParser) -> None:
 
 def _decode_run(model: Model, prompt: list[int], n_tokens: int, constrained: bool) -> tuple[float, float]:
     """(engine ms per token, mask ms per token) over n_tokens greedy steps."""
-    from .constrained import Constraint, json_schema_grammar
+    from ..constrained import Constraint, json_schema_grammar
 
     tok = model.tokenizer
     grammar = json_schema_grammar(DECODE_SCHEMA)
@@ -131,7 +131,7 @@ def _decode_run(model: Model, prompt: list[int], n_tokens: int, constrained: boo
 
 
 def _llguidance_coverage(model: Model, schema: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-    from .constrained import Constraint, GrammarError, json_schema_grammar
+    from ..constrained import Constraint, GrammarError, json_schema_grammar
 
     t0 = time.perf_counter()
     try:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .agents import AgentSession, Response
-from .arguments import output_file, positive_int
-from .bench_tasks import compare
-from .model import Model, resolve_model_path
-from .sharing.estimators import RidgeEstimator
-from .sharing.methods import MethodConfig
-from .sharing.persist import load_ridge, save_ridge
+from ..agents import AgentSession, Response
+from ..arguments import output_file, positive_int
+from ..model import Model, resolve_model_path
+from ..sharing.estimators import RidgeEstimator
+from ..sharing.methods import MethodConfig
+from ..sharing.persist import load_ridge, save_ridge
+from .accuracy import compare
 from .tasks import Example, get_task
 from .tasks.base import Task
 
@@ -116,7 +116,7 @@ def run_demo(args: argparse.Namespace) -> int:
     model = Model(resolve_model_path(args.model), n_threads=args.threads, kv_type=args.kv_type)
     image = None
     if args.image is not None:
-        from .vision import VisionEncoder
+        from ..vision import VisionEncoder
 
         encoder = VisionEncoder(args.mmproj, n_threads=args.threads)
         width, height = encoder.load(args.image).size  # a bad image fails here, before any work

@@ -3,10 +3,12 @@
 A reader of a shared span of n rows with a rank-r correction can either keep the factors and apply them inside
 attention (fused: scores gain (q·Bᵀ)·Aᵀ, outputs (p·A)·B; per-agent memory n·r·2 + r·kd·2 floats) or materialize
 its own corrected copy of the span once (K + A_k B_k, V + A_v B_v; per-agent memory n·kd·2 rows) and attend over
-it like over any rows. Both run the engine's kernel (`_core.attend_test`, one query of all heads, one thread); the
+it like over any rows. Both run the engine's kernel (`_testing.attend_test`, one query of all heads, one thread); the
 table gives time per decode-step attention call, the one-time cost of materializing, and the memory per agent, so
 the crossover (if any) is visible. The runner chooses per span (`MethodConfig.apply`, default 'auto'): fused, whose
 memory stays O(n·r), unless the factors would take at least the copy's bytes (full-rank corrections).
+
+The kernel is reached through kvcmas_cpp._testing, built with KVCMAS_TESTING_MODULE=ON (scripts/setup.sh --bench).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from ._native import core
-from .arguments import positive_int, positive_int_list
+from .._native import testing_module
+from ..arguments import positive_int, positive_int_list
+from ..errors import CommandError
 
 
 def add_attention_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +50,15 @@ def _time(fn: Any, repeat: int) -> float:
 
 
 def measure(
-    n: int, rank: int, kv_type: str, n_head: int, n_head_kv: int, hd: int, repeat: int, seed: int = 0
+    kernels: ModuleType,
+    n: int,
+    rank: int,
+    kv_type: str,
+    n_head: int,
+    n_head_kv: int,
+    hd: int,
+    repeat: int,
+    seed: int = 0,
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     kd = n_head_kv * hd
@@ -66,7 +78,7 @@ def measure(
     materialize_ms = (time.perf_counter() - t0) * 1000.0
 
     def call(run: dict[str, Any]) -> np.ndarray:
-        return core.attend_test(q, [run], n_head_kv, hd, False, 10000.0, n, kv_type)
+        return kernels.attend_test(q, [run], n_head_kv, hd, False, 10000.0, n, kv_type)
 
     fused_out, mat_out = call(fused_run), call(mat_run)
     rel = float(np.abs(fused_out - mat_out).max() / max(np.abs(mat_out).max(), 1e-30))
@@ -89,8 +101,12 @@ def measure(
 def run_attention(args: argparse.Namespace) -> int:
     spans, ranks = args.spans, args.ranks
     types = [x.strip() for x in args.kv_type.split(",") if x.strip()]
+    try:
+        kernels = testing_module()
+    except ImportError as e:
+        raise CommandError(f"bench attention needs {e}") from e
     rows = [
-        measure(n, r, t, args.heads, args.kv_heads, args.head_dim, args.repeat)
+        measure(kernels, n, r, t, args.heads, args.kv_heads, args.head_dim, args.repeat)
         for t in types
         for n in spans
         for r in ranks

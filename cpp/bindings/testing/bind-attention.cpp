@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "bindings/bindings.h"
+#include "bindings/testing/testing.h"
 #include "common/error.h"
 #include "backend/cpu/attention.h"
 

@@ -14,6 +14,7 @@
 
 #include "backend/backend.h"
 #include "bindings/bindings.h"
+#include "bindings/testing/testing.h"
 #include "common/error.h"
 
 namespace nb = nanobind;

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .agents import AgentSession
-from .model import Model, resolve_model_path
-from .sharing.methods import MethodConfig
+from ..agents import AgentSession
+from ..model import Model, resolve_model_path
+from ..sharing.methods import MethodConfig
 
 ROLES = (
     ("Describer", "You describe images precisely."),
@@ -43,8 +43,8 @@ def add_vision_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_vision(args: argparse.Namespace) -> int:
-    from .vision import VisionEncoder
-    from .vision.random_mmproj import write_random_mmproj
+    from ..vision import VisionEncoder
+    from ..vision.random_mmproj import write_random_mmproj
 
     model = Model(resolve_model_path(args.model), n_threads=args.threads)
     image = args.image

@@ -1,0 +1,218 @@
+"""An agent of a session (a role that reads the shared context and replies), its template's checks and its identity
+in the estimator."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, Protocol, overload
+
+from .agent_results import Prefilled, Response, ResponseChunk
+from .constrained import output_constraint
+from .model import CompletionChunk, Model
+from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
+from .sharing.workflow import PLACEHOLDER_RE
+from .tools import parse_tool_calls, tool_format_of
+
+
+class AgentOwner(Protocol):
+    """The session an agent belongs to (agents.AgentSession), as its replies use it."""
+
+    model: Model
+    lock: threading.RLock
+
+    def prefill_agent(self, agent: Agent) -> Prefilled: ...
+
+    def finish(self, p: Prefilled, generated: Sequence[int], text: str | None = None) -> None: ...
+
+    def stats_of(self, p: Prefilled, generation_ms: float = 0.0) -> Any: ...
+
+    def release(self, p: Prefilled) -> None: ...
+
+
+_WORD_IN_BRACES = re.compile(r"\{(\w+)\}")
+CONTEXT_PLACEHOLDER = "{context}"  # in a template: every shared item
+
+
+def check_template(name: str, template: object) -> None:
+    """A session agent's template must read the shared context, and a {word} in it must be a placeholder: a typo
+    ({contex}) or a template without any would otherwise leave the agent blind to what it is meant to read."""
+    if not isinstance(template, str):
+        raise ValueError(f"agent {name!r}: template must be a string, got {type(template).__name__}")
+    words = _WORD_IN_BRACES.findall(template)
+    unknown = [w for w in words if not (f"{{{w}}}" == CONTEXT_PLACEHOLDER or PLACEHOLDER_RE.fullmatch(f"{{{w}}}"))]
+    if unknown:
+        raise ValueError(
+            f"agent {name!r}: the template's {{{unknown[0]}}} is not a placeholder ({{context}}, {{user_question}}, "
+            "{agent_<i>_current}, {agent_<i>_history}, {condition_<k>_current}); a template has no escape for a "
+            "literal {word}"
+        )
+    if not words:
+        raise ValueError(
+            f"agent {name!r}: the template reads nothing shared (no {{context}} or other placeholder), so the agent "
+            "would never see the shared context"
+        )
+
+
+def agent_identity(system: str, template: str | None = None) -> str:
+    """A reader's key in the estimator: a hash of its role prompt (and template), not its arrival order."""
+    return "agent:" + hashlib.sha256(f"{system}\0{template or ''}".encode()).hexdigest()[:16]
+
+
+class Agent:
+    """A role in a session. Create with AgentSession.agent()."""
+
+    def __init__(self, session: AgentOwner, index: int, name: str, system: str, template: str | None) -> None:
+        self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
+
+    @overload
+    def respond(
+        self,
+        max_tokens: int = ...,
+        *,
+        stream: Literal[False] = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        min_p: float = ...,
+        repeat_penalty: float = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool = ...,
+        response_format: Mapping[str, Any] | None = ...,
+        logprobs: bool = ...,
+        top_logprobs: int | None = ...,
+    ) -> Response: ...
+
+    @overload
+    def respond(
+        self,
+        max_tokens: int = ...,
+        *,
+        stream: Literal[True],
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        min_p: float = ...,
+        repeat_penalty: float = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool = ...,
+        response_format: Mapping[str, Any] | None = ...,
+        logprobs: bool = ...,
+        top_logprobs: int | None = ...,
+    ) -> Iterator[ResponseChunk]: ...
+
+    def respond(
+        self,
+        max_tokens: int = 256,
+        *,
+        stream: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        response_format: Mapping[str, Any] | None = None,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+    ) -> Response | Iterator[ResponseChunk]:
+        """The agent's reply to the shared context so far (greedy by default). The reply joins the shared context
+        as a span later agents read. stream=True returns an iterator of ResponseChunk.
+
+        OpenAI's output options as Model.chat and the server take them (kvcmas_cpp.constrained.output_constraint):
+        tools / tool_choice / parallel_tool_calls (calls in Response.tool_calls; "required" and a named function
+        are enforced by constrained decoding; list the tools in the agent's system prompt, e.g. with
+        kvcmas_cpp.tools.tools_system_text), response_format (json_object / json_schema), logprobs and top_logprobs
+        (Response.logprobs). The reply's text, calls included, is what later agents read."""
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
+        )
+        params.validate()
+        max_tokens_count(max_tokens, 1)
+        stops = stop_strings(stop)
+        model = self.session.model
+        fmt = tool_format_of(model.tokenizer.chat_template)
+        constraint, names = (None, None)
+        if tools or response_format:
+            constraint, names = output_constraint(
+                model.tokenizer, model.n_vocab, tools, tool_choice, response_format, parallel_tool_calls, fmt
+            )
+        top = (top_logprobs or 0) if logprobs else None
+        chunks = _reply(self.session, self, max_tokens, params, stops, constraint, top)
+        if stream:
+            return chunks
+        last: Response | None = None
+        for c in chunks:
+            last = c.response or last
+        assert last is not None
+        if names is not None:
+            _, calls = parse_tool_calls(last.text, names, fmt)
+            if calls:
+                last.tool_calls = calls
+                last.finish_reason = "tool_calls" if last.finish_reason == "stop" else last.finish_reason
+        return last
+
+    async def arespond(self, max_tokens: int = 256, **kwargs: Any) -> Response:
+        """respond() for asyncio: runs in a worker thread (compute releases the GIL), so other sessions' calls and
+        the event loop go on meanwhile."""
+        kwargs.pop("stream", None)
+        return await asyncio.to_thread(lambda: self.respond(max_tokens, **kwargs))
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, index={self.index})"
+
+
+def _reply(
+    session: AgentOwner,
+    ag: Agent,
+    max_tokens: int,
+    params: SamplingParams,
+    stops: list[str],
+    constraint: Any = None,
+    logprobs: int | None = None,
+) -> Iterator[ResponseChunk]:
+    """The chunks of agent ag's reply: its prompt prefilled by the session, generated, then registered (finish)."""
+    with session.lock:
+        p = session.prefill_agent(ag)
+        ids: list[int] = []
+        pieces: list[str] = []
+        finish: Literal["stop", "length"] = "length"
+        gen_ms = 0.0
+        try:
+            chunks = session.model.continue_generation(p.seq, p.logits, max_tokens, params, stops, constraint, logprobs)
+            lps: list[TokenLogprob] = []
+            for c in chunks:
+                c_: CompletionChunk = c
+                if c_.logprob is not None:
+                    lps.append(c_.logprob)
+                if c_.token is not None:
+                    ids.append(c_.token)
+                if c_.finish_reason is not None:
+                    finish = c_.finish_reason
+                    gen_ms = c_.timings.generation_ms if c_.timings else 0.0
+                    pieces.append(c_.text)
+                    break
+                pieces.append(c_.text)
+                if c_.text:
+                    yield ResponseChunk(c_.text, c_.token)
+            text = "".join(pieces)
+            session.finish(p, ids, text)
+            stats = session.stats_of(p, gen_ms)
+            chosen = chat_logprobs(session.model.tokenizer, lps) if logprobs is not None else None
+            response = Response(ag.name, text, ids, finish, stats, p.logits, chosen)
+            yield ResponseChunk(pieces[-1] if pieces else "", None, finish, response)
+        finally:
+            session.release(p)

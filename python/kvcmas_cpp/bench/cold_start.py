@@ -1,0 +1,197 @@
+"""Cold start (`kvcmas bench agents --cold-start N`): fresh sessions of the GSM8K team over an N-token shared context,
+workflow after workflow from a fresh estimator: later-agent TTFT and first-token KL against nonshared while kvcmas
+calibrates (cold reuse vs dense) and after."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from ..agents import AgentSession
+from ..model import Model
+from ..sharing import methods as registry
+from .progress import progress_bar
+
+# row name -> (session method, cold policy, when reads run, MethodConfig overrides; None: the defaults)
+ColdMethod = tuple[str, str | None, str | None, dict[str, Any] | None]
+COLD_METHODS: dict[str, ColdMethod] = {
+    "nonshared": ("nonshared", None, None, None),
+    "fullshared": ("fullshared", None, None, None),
+    "kvcmas": ("kvcmas", "reuse", "idle", None),  # the defaults: reads off the agents' path (idle, close())
+    "kvcmas reads=eager": ("kvcmas", "reuse", "eager", None),  # reads on the next call's path (the old default)
+    "kvcmas cold=dense": ("kvcmas", "dense", "idle", None),
+}
+
+
+def cold_start(
+    model: Model,
+    shared_tokens: int,
+    workflows: int,
+    max_tokens: int,
+    agents: int = 4,
+    methods: dict[str, ColdMethod] | None = None,
+) -> list[dict[str, Any]]:
+    """Per method (COLD_METHODS) and workflow: a fresh session of the GSM8K team reading a new shared_tokens-token
+    context, its agents called one after another as a program would, then closed; the kvcmas estimators fresh at the
+    first workflow (in memory only); methods: rows to run instead of COLD_METHODS (nonshared first). Replies are
+    nonshared's greedy ones, teacher-forced in the other methods, so every method's later agents see the same prompts:
+    first-token KL and top-1 are against nonshared's logits for the very same prompt. An agent's TTFT is the caller's
+    wait for its prompt (prefill_agent: its own prefill, and under reads=eager the reads it runs first); engine_ms
+    is every piece of engine work the workflow took: the calls' prefills and replies (nonshared's token-by-token
+    decoding left out, the others' teacher-forced rows counted), close() (it runs what reads are left) and the
+    training reads an idle worker ran between them (training_read_ms: the reads wherever they ran)."""
+    from ..sharing import estimators as est
+    from ..sharing.workflow import gsm8k_workflow, load_gsm8k
+
+    wf = gsm8k_workflow(agents)
+    texts = load_gsm8k(100, 1000)
+    contexts: list[str] = []
+    picked: list[str] = []
+    for t in texts:
+        picked.append(t)
+        if len(model.tokenize("\n".join(picked), add_special=False)) >= shared_tokens:
+            contexts.append("\n".join(picked))
+            picked = []
+            if len(contexts) == workflows:
+                break
+    if len(contexts) < workflows:
+        raise ValueError(f"not enough GSM8K text for {workflows} contexts of {shared_tokens} tokens")
+    eog = model.tokenizer.eog_ids
+    forced: list[list[list[int]]] = []  # per workflow, per agent: nonshared's reply
+    reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits
+    rows: list[dict[str, Any]] = []
+    methods = COLD_METHODS if methods is None else methods
+    bar = progress_bar(len(methods) * workflows, "cold start")
+    ridges = {name: est.RidgeEstimator(rank=8) for name, spec in methods.items() if spec[0] == "kvcmas"}
+    # workflow by workflow, every method in turn: a machine whose load drifts slows every row alike
+    for w, ctx in enumerate(contexts):
+        for name, (method, cold, when, overrides) in methods.items():
+            ridge = ridges.get(name)
+            config = None
+            if method == "kvcmas":
+                base = registry.method("kvcmas", session=True).config(for_session=True)
+                config = dataclasses.replace(base, **(overrides or {}))
+            kw: dict[str, Any] = {}
+            if cold:
+                kw = {"cold": cold, "estimator": ridge, "config": config, "training_reads": when}
+            ttft: list[float] = []
+            kl: list[float] = []
+            top1: list[bool] = []
+            gates: list[str] = []
+            calls_ms, reads_on_calls, cal = 0.0, 0.0, 0
+            t_start = time.perf_counter()
+            team = AgentSession(model, method, calibration_dir=False, **kw)
+            members = [team.agent(a.name, system=a.role, template=a.user_template) for a in wf.agents]
+            team.share(ctx)
+            for i, ag in enumerate(members):
+                t0 = time.perf_counter()
+                p = team.prefill_agent(ag)
+                ttft.append((time.perf_counter() - t0) * 1000.0)
+                if method == "nonshared":
+                    ids = [int(np.argmax(p.logits))]
+                    while len(ids) < max_tokens and ids[-1] not in eog:
+                        (lg,) = model.decode_batch([(p.seq, ids[-1:])])
+                        ids.append(int(np.argmax(lg)))
+                    if i == 0:
+                        forced.append([])
+                        reference.append([])
+                    forced[w].append(ids)
+                    reference[w].append(p.logits.astype(np.float64))
+                else:
+                    ref = reference[w][i] - np.logaddexp.reduce(reference[w][i])
+                    q = p.logits.astype(np.float64)
+                    kl.append(float(np.sum(np.exp(ref) * (ref - (q - np.logaddexp.reduce(q))))))
+                    top1.append(bool(np.argmax(q) == np.argmax(ref)))
+                t1 = time.perf_counter()
+                team.finish(p, forced[w][i])
+                p.close()
+                calls_ms += ttft[-1] + (time.perf_counter() - t1) * 1000.0
+                stats = p.stats
+                gates.append(stats["gate"])
+                cal += stats["calibration_tokens_scheduled"]
+                reads_on_calls += stats["training_read_ms"]
+            read_ms_before_close = team.training_read_ms_total
+            t2 = time.perf_counter()
+            team.close()
+            close_ms = (time.perf_counter() - t2) * 1000.0
+            workflow_ms = (time.perf_counter() - t_start) * 1000.0
+            read_ms = team.training_read_ms_total
+            rows.append(
+                {
+                    "method": name,
+                    "workflow": w + 1,
+                    "shared_tokens": shared_tokens,
+                    "later_ttft_ms": float(np.mean(ttft[1:])),
+                    "first_ttft_ms": ttft[0],
+                    "later_ttft_each_ms": ttft[1:],
+                    "later_kl": float(np.mean(kl[1:])) if kl else 0.0,
+                    "later_top1": float(np.mean(top1[1:])) if top1 else 1.0,
+                    "first_identical": bool(top1[0] and kl[0] == 0.0) if kl else True,
+                    "gates": gates[1:],
+                    "training_read_ms": read_ms,
+                    "training_read_ms_on_calls": reads_on_calls,
+                    # reads run by the idle worker between the calls (not inside any timed call or close())
+                    "training_read_ms_idle": max(read_ms_before_close - reads_on_calls, 0.0),
+                    "close_ms": close_ms,
+                    "engine_ms": calls_ms + close_ms + max(read_ms_before_close - reads_on_calls, 0.0),
+                    "workflow_ms": workflow_ms,
+                    "calibration_tokens": cal,
+                }
+            )
+            bar.update()
+    bar.close()
+    order = list(methods)
+    rows.sort(key=lambda r: (order.index(r["method"]), r["workflow"]))
+    by_workflow = {r["workflow"]: r for r in rows if r["method"] == "nonshared"}
+    for r in rows:
+        b = by_workflow[r["workflow"]]
+        r["later_ttft_speedup"] = b["later_ttft_ms"] / max(r["later_ttft_ms"], 1e-9)
+        r["engine_vs_nonshared"] = r["engine_ms"] / max(b["engine_ms"], 1e-9)
+    return rows
+
+
+def cold_start_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method: engine time and training reads over all its workflows, against nonshared's engine time."""
+    out: list[dict[str, Any]] = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == m]
+        out.append(
+            {
+                "method": m,
+                "workflows": len(mine),
+                "engine_ms": sum(r["engine_ms"] for r in mine),
+                "training_read_ms": sum(r["training_read_ms"] for r in mine),
+                "workflow_ms": sum(r["workflow_ms"] for r in mine),
+            }
+        )
+    base = next((t["engine_ms"] for t in out if t["method"] == "nonshared"), None)
+    for t in out:
+        t["engine_vs_nonshared"] = t["engine_ms"] / base if base else float("nan")
+    return out
+
+
+def print_cold_start(rows: list[dict[str, Any]]) -> None:
+    print(f"## cold start: fresh sessions over {rows[0]['shared_tokens']} shared tokens, fresh estimators (GSM8K team)")
+    print(
+        "| method | workflow | later-agent TTFT ms (caller's wait) | speedup vs nonshared | first-token KL (later "
+        "agents) | top-1 | gates of later agents | training reads ms (on calls) | engine ms | vs nonshared | "
+        "calibration rows |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['workflow']} | {r['later_ttft_ms']:.0f} | {r['later_ttft_speedup']:.2f}x | "
+            f"{r['later_kl']:.3e} | {100 * r['later_top1']:.0f}% | {', '.join(sorted(set(r['gates'])))} | "
+            f"{r['training_read_ms']:.0f} ({r['training_read_ms_on_calls']:.0f}) | {r['engine_ms']:.0f} | "
+            f"{r['engine_vs_nonshared']:.2f}x | {r['calibration_tokens']} |"
+        )
+    print("\n| method | workflows | engine s (calls, reads, close) | vs nonshared | training reads s |")
+    print("|---|---|---|---|---|")
+    for t in cold_start_totals(rows):
+        print(
+            f"| {t['method']} | {t['workflows']} | {t['engine_ms'] / 1000:.1f} | {t['engine_vs_nonshared']:.2f}x | "
+            f"{t['training_read_ms'] / 1000:.1f} |"
+        )
