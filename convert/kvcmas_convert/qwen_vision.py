@@ -29,6 +29,7 @@ KEY_ROPE_THETA: Final = "kvcmas.vision.rope_theta"
 # Qwen2VLImageProcessor's defaults (its class attributes), used when the checkpoint has no processor settings
 DEFAULT_MIN_PIXELS: Final = 56 * 56
 DEFAULT_MAX_PIXELS: Final = 28 * 28 * 1280
+BICUBIC: Final = 3  # PIL's resample number: the processor's filter, the only one kvcmas runs for this tower
 
 
 def _int(cfg: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
@@ -54,7 +55,6 @@ def plan_qwen25vl(model_dir: Path, tensors: CheckpointTensors, config: dict[str,
     cannot be represented."""
     from .vision import (
         _ALWAYS_ON,
-        _BICUBIC,
         KEY_BLOCK_COUNT,
         KEY_EMBEDDING_LENGTH,
         KEY_FEED_FORWARD_LENGTH,
@@ -109,10 +109,10 @@ def plan_qwen25vl(model_dir: Path, tensors: CheckpointTensors, config: dict[str,
     full = vcfg.get("fullatt_block_indexes", [])
     if not isinstance(full, list) or not all(isinstance(i, int) and 0 <= i < depth for i in full):
         raise ConvertError(f"{where}: fullatt_block_indexes {full!r} must list blocks of the {depth}-block tower")
-    for key in _ALWAYS_ON:
-        if pp.get(key, True) is not True:
+    for key in _ALWAYS_ON:  # None: the processor class's default (on)
+        if pp.get(key) not in (True, None):
             raise ConvertError(f"{model_dir} (image processor): '{key}' = {pp[key]!r} cannot be represented")
-    if pp.get("resample", _BICUBIC) != _BICUBIC:
+    if pp.get("resample", BICUBIC) != BICUBIC:
         raise ConvertError(f"{model_dir} (image processor): 'resample' = {pp['resample']!r} (bicubic = 3 only)")
     for key, want in (("patch_size", P), ("temporal_patch_size", T), ("merge_size", m)):
         if key in pp and pp[key] != want:

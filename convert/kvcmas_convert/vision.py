@@ -53,6 +53,7 @@ KEY_LAYER_NORM_EPS: Final = "clip.vision.attention.layer_norm_epsilon"
 KEY_PROJECTION_DIM: Final = "clip.vision.projection_dim"
 KEY_IMAGE_MEAN: Final = "clip.vision.image_mean"
 KEY_IMAGE_STD: Final = "clip.vision.image_std"
+KEY_PROJ_SCALE_FACTOR: Final = "clip.vision.projector.scale_factor"  # Gemma 3: the average pooling's side
 # kvcmas keys
 KEY_HIDDEN_ACT: Final = "kvcmas.vision.hidden_act"
 KEY_PROJECTOR_ACT: Final = "kvcmas.vision.projector_act"
@@ -62,6 +63,7 @@ KEY_MODEL_TYPE: Final = "kvcmas.vision.model_type"
 KEY_RESIZE_MODE: Final = "kvcmas.vision.resize_mode"
 KEY_RESIZE_SIZE: Final = "kvcmas.vision.resize_size"
 KEY_RESCALE_FACTOR: Final = "kvcmas.vision.rescale_factor"
+KEY_RESAMPLE: Final = "kvcmas.vision.resample"  # "bicubic" | "bilinear" (Gemma 3)
 # AnyRes (LLaVA-NeXT, LLaVA-OneVision): llama.cpp's keys and newline tensor, then kvcmas's
 KEY_GRID_PINPOINTS: Final = "clip.vision.image_grid_pinpoints"  # int32 [h0, w0, h1, w1, ...] (HF order)
 KEY_PATCH_MERGE_TYPE: Final = "clip.vision.mm_patch_merge_type"  # "spatial_unpad"
@@ -77,6 +79,10 @@ MMPROJ_OUTTYPES: Final = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizati
 
 _LLAVA_ARCHS: Final = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                         "LlavaOnevisionForConditionalGeneration")  # fmt: skip
+_GEMMA3_ARCH: Final = "Gemma3ForConditionalGeneration"  # SigLIP, average pooling, RMSNorm, projection
+# Gemma 3's projector (transformers' names after the prefix) -> llama.cpp's; the norm is stored as 1 + w
+_GEMMA3_PROJECTOR: Final = {"mm_input_projection_weight": "mm.input_projection.weight",
+                            "mm_soft_emb_norm.weight": "mm.soft_emb_norm.weight"}  # fmt: skip
 _ANYRES_ARCHS: Final = ("LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
 _TOWER_ARCHS: Final = {"CLIPVisionModel": "clip", "SiglipVisionModel": "siglip"}
 _TOWER_TYPES: Final = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
@@ -90,6 +96,7 @@ class MmprojPlan:
     metadata: dict[str, Any]
     tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, HF name, numpy-order shape)
     ignored: set[str] = field(default_factory=set)
+    plus_one: set[str] = field(default_factory=set)  # GGUF names written as 1 + the checkpoint's values
     # GGUF name -> what makes it from its HF tensor (a slice: Qwen2.5-VL's fused QKV, its Conv3d's time steps)
     transforms: dict[str, Any] = field(default_factory=dict)
 
@@ -141,23 +148,28 @@ def _processor_settings(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any]
 
 # Image processor switches kvcmas's preprocessing always applies (a checkpoint turning one off is refused).
 _ALWAYS_ON: Final = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
-_BICUBIC: Final = 3  # PIL's resample number
+_RESAMPLE: Final = {3: "bicubic", 2: "bilinear"}  # PIL's resample numbers kvcmas runs
 
 
-def _preprocessing(model_dir: Path, model_type: str, image_size: int, pp: dict[str, Any]) -> dict[str, Any]:
+def _preprocessing(
+    model_dir: Path, model_type: str, image_size: int, pp: dict[str, Any], resample: int = 3
+) -> dict[str, Any]:
     """kvcmas.vision.* preprocessing keys and the mean/std, from the image processor settings (pp, see
-    _processor_settings) or the family defaults."""
+    _processor_settings) or the family defaults (resample: the processor class's default filter)."""
     where = f"{model_dir} (image processor)"
     is_clip = model_type == "clip"
     mean, std = (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD) if is_clip else ((0.5,) * 3, (0.5,) * 3)
     mode, resize = ("shortest_edge", image_size) if is_clip else ("square", image_size)
     rescale = 1.0 / 255.0
     if pp:
-        for key in _ALWAYS_ON:
-            if pp.get(key, True) is not True:
+        for key in _ALWAYS_ON:  # None: the processor class's default (on)
+            if pp.get(key) not in (True, None):
                 raise ConvertError(f"{where}: '{key}' = {pp[key]!r} cannot be represented (always applied)")
-        if pp.get("resample", _BICUBIC) != _BICUBIC:
-            raise ConvertError(f"{where}: 'resample' = {pp['resample']!r} cannot be represented (bicubic = 3 only)")
+        if pp.get("do_pan_and_scan"):
+            raise ConvertError(f"{where}: 'do_pan_and_scan' = {pp['do_pan_and_scan']!r} cannot be represented")
+        resample = pp.get("resample", resample)
+        if resample not in _RESAMPLE:
+            raise ConvertError(f"{where}: 'resample' = {resample!r} cannot be represented (bicubic = 3, bilinear = 2)")
         mean = tuple(pp.get("image_mean", mean))
         std = tuple(pp.get("image_std", std))
         rescale = float(pp.get("rescale_factor", rescale))
@@ -185,6 +197,7 @@ def _preprocessing(model_dir: Path, model_type: str, image_size: int, pp: dict[s
         KEY_RESIZE_MODE: mode,
         KEY_RESIZE_SIZE: resize,
         KEY_RESCALE_FACTOR: rescale,
+        KEY_RESAMPLE: _RESAMPLE[resample],
     }
 
 
@@ -199,6 +212,8 @@ def _anyres(
             f"{where}: an AnyRes checkpoint needs its image processor's {missing} (processor_config.json or "
             "preprocessor_config.json)"
         )
+    if pp.get("resample", 3) != 3:  # the tiles and views are resized bicubic
+        raise ConvertError(f"{where}: 'resample' = {pp['resample']!r} cannot be represented for AnyRes (bicubic = 3)")
     pinpoints = config.get("image_grid_pinpoints")
     if not isinstance(pinpoints, list) or not pinpoints:
         raise ConvertError(f"{where}: 'image_grid_pinpoints' = {pinpoints!r} must be a non-empty list")
@@ -269,13 +284,18 @@ def plan_mmproj(
     if qwen_vision.ARCHITECTURE in archs:
         return qwen_vision.plan_qwen25vl(model_dir, tensors, config, _processor_settings(model_dir)[0])
     is_llava = any(a in _LLAVA_ARCHS for a in archs)
-    if is_llava:
+    is_gemma3 = _GEMMA3_ARCH in archs
+    if is_gemma3:
+        if feature_layer is not None or select_strategy not in (None, "full"):
+            raise ConvertError(f"{where}: Gemma 3 reads the tower's last hidden state (no feature layer to choose)")
+        select_strategy = "full"
+    if is_llava or is_gemma3:
         vcfg = config.get("vision_config")
         tcfg = config.get("text_config")
         if not isinstance(vcfg, dict) or not isinstance(tcfg, dict):
             raise ConvertError(f"{where}: a LLaVA config needs 'vision_config' and 'text_config' objects")
         model_type = _TOWER_TYPES.get(str(vcfg.get("model_type")))
-        if feature_layer is None:
+        if feature_layer is None and is_llava:
             feature_layer = config.get("vision_feature_layer", -2)
         if select_strategy is None:
             select_strategy = config.get("vision_feature_select_strategy", "default")
@@ -283,7 +303,7 @@ def plan_mmproj(
     else:
         arch = next((a for a in archs if a in _TOWER_ARCHS), None)
         if arch is None:
-            supported = ", ".join((*_LLAVA_ARCHS, *_TOWER_ARCHS))
+            supported = ", ".join((*_LLAVA_ARCHS, _GEMMA3_ARCH, *_TOWER_ARCHS))
             raise ConvertError(f"{where}: unsupported architecture {archs!r} for an mmproj file ({supported})")
         vcfg, model_type, projector_act = config, _TOWER_ARCHS[arch], "gelu"
         select_strategy = select_strategy or "full"
@@ -294,7 +314,7 @@ def plan_mmproj(
     if select_strategy not in ("default", "full"):
         raise ConvertError(f"{where}: vision_feature_select_strategy {select_strategy!r} must be 'default' or 'full'")
 
-    vwhere = f"{where} (vision_config)" if is_llava else where
+    vwhere = f"{where} (vision_config)" if is_llava or is_gemma3 else where
     E = _positive_int(vcfg, "hidden_size", vwhere)
     F = _positive_int(vcfg, "intermediate_size", vwhere)
     n_layer = _positive_int(vcfg, "num_hidden_layers", vwhere)
@@ -366,7 +386,7 @@ def plan_mmproj(
     if feature_layer is not None:
         metadata[KEY_FEATURE_LAYER] = int(feature_layer)
     image_proc, processor = _processor_settings(model_dir)
-    metadata.update(_preprocessing(model_dir, model_type, S, image_proc))
+    metadata.update(_preprocessing(model_dir, model_type, S, image_proc, 2 if is_gemma3 else 3))
     anyres_arch = next((a for a in archs if a in _ANYRES_ARCHS), None)
     if anyres_arch is not None:
         # pack_image_features lays out G x G rows per tile: no class token may reach the projector, none be lost
@@ -384,6 +404,32 @@ def plan_mmproj(
             raise ConvertError(f"{model_dir}: AnyRes checkpoint without its image_newline tensor")
         add(TENSOR_IMAGE_NEWLINE, newline, (_positive_int(config["text_config"], "hidden_size", where),))
 
+    plus_one: set[str] = set()
+    if is_gemma3:
+        if model_type != "siglip":
+            raise ConvertError(f"{where}: Gemma 3's vision tower must be SigLIP, got {vcfg.get('model_type')!r}")
+        n_text = _positive_int(config["text_config"], "hidden_size", f"{where} (text_config)")
+        n_tokens = _positive_int(config, "mm_tokens_per_image", where)
+        side = int(round(n_tokens**0.5))
+        if side * side != n_tokens or G % side:
+            raise ConvertError(
+                f"{where}: 'mm_tokens_per_image' = {n_tokens} must be a square whose side divides the {G} patches a "
+                "side (cannot be represented)"
+            )
+        if (image_proc.get("image_seq_length") or processor.get("image_seq_length") or n_tokens) != n_tokens:
+            raise ConvertError(f"{where}: the processor's 'image_seq_length' differs from 'mm_tokens_per_image'")
+        pp = next((p for p in ("model.multi_modal_projector.", "multi_modal_projector.")
+                   if f"{p}mm_input_projection_weight" in tensors), None)  # fmt: skip
+        if pp is None:
+            raise ConvertError(f"{model_dir}: no Gemma 3 projector (multi_modal_projector.mm_input_projection_weight)")
+        add(_GEMMA3_PROJECTOR["mm_input_projection_weight"], pp + "mm_input_projection_weight", (E, n_text))
+        add(_GEMMA3_PROJECTOR["mm_soft_emb_norm.weight"], pp + "mm_soft_emb_norm.weight", (E,))
+        plus_one.add(_GEMMA3_PROJECTOR["mm_soft_emb_norm.weight"])
+        metadata[KEY_PROJECTOR_TYPE] = "gemma3"
+        metadata[KEY_PROJECTION_DIM] = n_text
+        metadata[KEY_PROJ_SCALE_FACTOR] = G // side
+        metadata[KEY_HAS_LLAVA_PROJECTOR] = False
+
     if is_llava:
         tcfg = config["text_config"]
         n_text = _positive_int(tcfg, "hidden_size", f"{where} (text_config)")
@@ -400,7 +446,7 @@ def plan_mmproj(
         metadata[KEY_PROJECTOR_ACT] = projector_act
 
     check_shapes(model_dir, tensors, [(hf_name, gguf_name, shape) for gguf_name, hf_name, shape in out])
-    return MmprojPlan(model_type, metadata, out)
+    return MmprojPlan(model_type, metadata, out, plus_one=plus_one)
 
 
 def check_shapes(model_dir: Path, tensors: CheckpointTensors, expected: list[tuple[str, str, tuple[int, ...]]]) -> None:
@@ -504,6 +550,8 @@ def convert_mmproj(
                 writer.write_ti_data_to_file()
                 for (gguf_name, hf_name, _), t in zip(plan.tensors, types, strict=True):
                     data = tensors.load(hf_name)
+                    if gguf_name in plan.plus_one:
+                        data = np.asarray(data, dtype=np.float32) + 1.0
                     if gguf_name in plan.transforms:
                         data = np.ascontiguousarray(plan.transforms[gguf_name](data))
                     writer.write_tensor_data(encode_tensor(data, t))
@@ -516,7 +564,7 @@ def convert_mmproj(
     if plan.model_type == qwen_vision.MODEL_TYPE:  # dynamic resolution: the most tokens an image can take
         factor = meta[KEY_PATCH_SIZE] * meta[qwen_vision.KEY_SPATIAL_MERGE_SIZE]
         return MmprojResult(out, plan.model_type, meta[qwen_vision.KEY_IMAGE_MAX_PIXELS] // factor**2, listing, meta)
-    n_patches = (meta[KEY_IMAGE_SIZE] // meta[KEY_PATCH_SIZE]) ** 2
+    n_patches = (meta[KEY_IMAGE_SIZE] // meta[KEY_PATCH_SIZE] // meta.get(KEY_PROJ_SCALE_FACTOR, 1)) ** 2
     keeps_cls = plan.model_type == "clip" and meta[KEY_SELECT_STRATEGY] == "full"
     return MmprojResult(out, plan.model_type, n_patches + int(keeps_cls), listing, meta)
 
@@ -536,8 +584,8 @@ def extract_llava_text(model_dir: str | os.PathLike[str], out_dir: str | os.Path
     src, dst = Path(model_dir), Path(out_dir)
     config = load_config(src)
     where = str(src / "config.json")
-    if not any(a in _LLAVA_ARCHS for a in config.get("architectures") or []):
-        raise ConvertError(f"{where}: not a LLaVA checkpoint ({', '.join(_LLAVA_ARCHS)})")
+    if not any(a in (*_LLAVA_ARCHS, _GEMMA3_ARCH) for a in config.get("architectures") or []):
+        raise ConvertError(f"{where}: not a LLaVA or Gemma 3 checkpoint ({', '.join((*_LLAVA_ARCHS, _GEMMA3_ARCH))})")
     tcfg = dict(config.get("text_config") or {})
     arch = text_architecture_for(str(tcfg.get("model_type")))
     if arch is None:

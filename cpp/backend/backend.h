@@ -90,12 +90,15 @@ struct RunTable {
 };
 
 // nq consecutive query tokens of one sequence (rows [first, first + nq) of q and out): query i sees the first
-// n_visible0 + i rows of run table `table`.
+// max(n_visible0 + i, n_visible_min) rows of run table `table`. n_visible_min > 0 opens the causal mask within a
+// bidirectional span (Gemma 3's image tokens see the whole image); a sliding window still ends at the query's own
+// position, so it starts at n_visible0 + i - window.
 struct QueryBlock {
     int64_t first;
     int     nq;
     int64_t n_visible0;
     int     table;
+    int64_t n_visible_min = 0;
 };
 
 // Rows [j0, j1) of one run's K (values = false) or V side through a ridge map prepared for that run (see

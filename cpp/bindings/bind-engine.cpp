@@ -6,8 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "bindings/bindings.h"
 #include "backend/cpu/cpu-features.h"
+#include "bindings/bindings.h"
 #include "common/error.h"
 #include "engine/model.h"
 
@@ -23,7 +23,8 @@ using FloatOut  = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 using OffsetArray = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want_logits, std::optional<EmbdArray> embd,
-                       std::optional<IntArray> embd_rows, std::optional<OffsetArray> rope_offsets) {
+                       std::optional<IntArray> embd_rows, std::optional<IntArray> bidirectional,
+                       std::optional<OffsetArray> rope_offsets) {
     const size_t n = seqs.shape(0);
     KC_CHECK(tokens.shape(0) == n && want_logits.shape(0) == n,
              "decode: seqs, tokens and want_logits must have the same length (%zu, %zu, %zu)", n,
@@ -44,6 +45,12 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
         }
         batch.embd        = embd->data();
         batch.n_embd_rows = static_cast<int64_t>(embd->shape(0));
+    }
+    if (bidirectional) {
+        KC_CHECK(bidirectional->shape(0) % 2 == 0, "decode: bidirectional must hold (first, end) pairs");
+        for (size_t i = 0; i < bidirectional->shape(0); i += 2) {
+            batch.bidirectional.emplace_back((*bidirectional)(i), (*bidirectional)(i + 1));
+        }
     }
     if (rope_offsets) {
         KC_CHECK(rope_offsets->shape(0) == n && rope_offsets->shape(1) == 3,
@@ -303,8 +310,10 @@ void bind_engine(nb::module_ & m) {
             nb::arg("x"), nb::arg("shift"), nb::arg("layer") = 0,
             "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions with layer `layer`'s RoPE.")
         .def("decode", &decode, nb::arg("seqs"), nb::arg("tokens"), nb::arg("want_logits"),
-             nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(), nb::arg("rope_offsets") = nb::none(),
+             nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(), nb::arg("bidirectional") = nb::none(),
+             nb::arg("rope_offsets") = nb::none(),
              "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items. "
+             "bidirectional: int32 (first, end) item-range pairs whose items attend to each other (Gemma 3 images). "
              "rope_offsets [n, 3] (M-RoPE models): added to each item's position for its temporal, height and width "
              "rotation.");
 }

@@ -92,8 +92,9 @@ static const char * activation_name(vision::Activation a) {
 void bind_vision(nb::module_ & m) {
     bind_qwen_vision(m);
     using vision::VisionEncoder;
-    nb::class_<VisionEncoder>(m, "VisionEncoder",
-                              "A CLIP / SigLIP vision tower with its LLaVA projector, loaded from an mmproj GGUF.")
+    nb::class_<VisionEncoder>(
+        m, "VisionEncoder",
+        "A CLIP / SigLIP vision tower with its LLaVA or Gemma 3 projector, loaded from an mmproj GGUF.")
         .def(nb::init<const std::string &, int>(), nb::arg("path"), nb::arg("n_threads") = 0,
              nb::call_guard<nb::gil_scoped_release>())
         .def("encode", &encode, nb::arg("pixels"),
@@ -116,6 +117,13 @@ void bind_vision(nb::module_ & m) {
         .def_prop_ro("image_std", [](const VisionEncoder & e) { return e.params().image_std; })
         .def_prop_ro("resize_mode", [](const VisionEncoder & e) { return e.params().resize_mode; })
         .def_prop_ro("resize_size", [](const VisionEncoder & e) { return e.params().resize_size; })
+        .def_prop_ro("resample", [](const VisionEncoder & e) { return e.params().resample; })
+        .def_prop_ro(
+            "projector_type",
+            [](const VisionEncoder & e) {
+                return std::string(!e.params().projector ? "" : e.params().gemma3_projector ? "gemma3" : "mlp");
+            })
+        .def_prop_ro("pool_kernel", [](const VisionEncoder & e) { return e.params().pool_kernel; })
         .def_prop_ro("rescale_factor", [](const VisionEncoder & e) { return e.params().rescale_factor; })
         .def_prop_ro("model_type", [](const VisionEncoder & e) { return e.params().model_type; });
 }

@@ -272,6 +272,16 @@ std::vector<float> Model::decode(const Batch & batch) {
             length[it.seq] = kv_->seq_length(it.seq);
         }
     }
+    for (const auto & [first, end] : batch.bidirectional) {
+        KC_CHECK(first >= 0 && first < end && end <= static_cast<int64_t>(batch.items.size()),
+                 "decode: bidirectional span [%lld, %lld) is outside the batch's %zu items",
+                 static_cast<long long>(first), static_cast<long long>(end), batch.items.size());
+        for (int64_t i = first + 1; i < end; ++i) {
+            KC_CHECK(batch.items[static_cast<size_t>(i)].seq == batch.items[static_cast<size_t>(first)].seq,
+                     "decode: bidirectional span [%lld, %lld) holds items of several sequences",
+                     static_cast<long long>(first), static_cast<long long>(end));
+        }
+    }
     for (int32_t s : order) {
         const auto r = reserved_.find(s);
         fill[s]      = r == reserved_.end() ? 0 : std::min(count[s], static_cast<int32_t>(r->second.size()));
@@ -299,6 +309,13 @@ std::vector<float> Model::decode(const Batch & batch) {
             } else {
                 slots.push_back(seq_slots[it.seq][static_cast<size_t>(i - fill[it.seq])]);
                 positions.push_back(length[it.seq] + i - fill[it.seq]);
+            }
+        }
+        for (const auto & [first, end] : batch.bidirectional) {
+            for (int64_t i = first + 1; i < end; ++i) {
+                KC_CHECK(positions[static_cast<size_t>(i)] == positions[static_cast<size_t>(i - 1)] + 1,
+                         "decode: bidirectional span [%lld, %lld) is not at consecutive positions",
+                         static_cast<long long>(first), static_cast<long long>(end));
             }
         }
         forward(batch, slots, positions, logits);
@@ -413,21 +430,28 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
     // Distinct sequences, and blocks of consecutive items of one sequence (a prompt): attention reads each key
     // once per block.
     std::map<int32_t, int32_t> seq_index;
+    std::vector<int64_t>       visible_min(static_cast<size_t>(n), 0);  // a bidirectional span's items: its end
+    for (const auto & [first, end] : batch.bidirectional) {
+        for (int64_t i = first; i < end; ++i) {
+            visible_min[static_cast<size_t>(i)] = positions[static_cast<size_t>(end - 1)] + 1;
+        }
+    }
     for (int64_t i = 0; i < n; ++i) {
         const int32_t s   = batch.items[static_cast<size_t>(i)].seq;
         auto          ins = seq_index.emplace(s, static_cast<int32_t>(st.seq_ids.size()));
         if (ins.second) {
             st.seq_ids.push_back(s);
         }
-        const int table = ins.first->second;
-        st.max_visible  = std::max<int64_t>(st.max_visible, positions[i] + 1);
+        const int     table = ins.first->second;
+        const int64_t vmin  = visible_min[static_cast<size_t>(i)];
+        st.max_visible      = std::max<int64_t>({ st.max_visible, positions[i] + 1, vmin });
         st.slots.push_back(slots[static_cast<size_t>(i)].ref);
         backend::QueryBlock * last = st.blocks.empty() ? nullptr : &st.blocks.back();
         if (last != nullptr && last->nq < cpu::kMaxAttentionBlock && last->table == table &&
-            positions[last->first] + last->nq == positions[i]) {
+            positions[last->first] + last->nq == positions[i] && last->n_visible_min == vmin) {
             ++last->nq;
         } else {
-            st.blocks.push_back(backend::QueryBlock{ i, 1, positions[i] + 1, table });
+            st.blocks.push_back(backend::QueryBlock{ i, 1, positions[i] + 1, table, vmin });
         }
     }
     st.tables.resize(st.seq_ids.size());

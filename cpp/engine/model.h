@@ -29,6 +29,9 @@ struct Batch {
     std::vector<BatchItem> items;                  // a sequence's items appear in the order they are appended
     const float *          embd        = nullptr;  // [n_embd_rows][n_embd] input vectors (images later)
     int64_t                n_embd_rows = 0;
+    // Bidirectional spans: item ranges [first, end) of one sequence at consecutive positions whose items attend to
+    // each other, not only to earlier ones (Gemma 3's image tokens). A span is computed in one batch.
+    std::vector<std::pair<int64_t, int64_t>> bidirectional;
     // M-RoPE (models with rope_sections): [items][3] added to each item's sequence position to give its temporal,
     // height and width positions (an image's grid; text after an image is shifted by the same amount in all
     // three). Null: zero. The same offsets rotate the item's key, so a shared span read at another position (a

@@ -22,7 +22,10 @@ VisionEncoder::VisionEncoder(const std::string & path, int n_threads)
 VisionEncoder::~VisionEncoder() = default;
 
 int64_t VisionEncoder::n_output_embd() const {
-    return p_.projector ? mm2_.n_out : p_.n_embd;
+    if (!p_.projector) {
+        return p_.n_embd;
+    }
+    return p_.gemma3_projector ? input_proj_.n_out : mm2_.n_out;
 }
 
 // A string key, or `fallback` when absent; an error when present with another type.
@@ -115,6 +118,9 @@ void VisionEncoder::load_params() {
     KC_CHECK(p_.resize_size >= p_.image_size && p_.resize_size <= 8192,
              "%s: %s = %lld must lie in [image_size %lld, 8192]", path, names::kKeyResizeSize,
              static_cast<long long>(p_.resize_size), static_cast<long long>(p_.image_size));
+    p_.resample = string_key(f, names::kKeyResample, "bicubic");
+    KC_CHECK(p_.resample == "bicubic" || p_.resample == "bilinear", "%s: %s = '%s' must be 'bicubic' or 'bilinear'",
+             path, names::kKeyResample, p_.resample.c_str());
     p_.rescale_factor = f.get_float(names::kKeyRescaleFactor, 1.0 / 255.0);
     KC_CHECK(std::isfinite(p_.rescale_factor) && p_.rescale_factor > 0.0, "%s: %s = %g out of range", path,
              names::kKeyRescaleFactor, p_.rescale_factor);
@@ -172,10 +178,17 @@ void VisionEncoder::load_weights() {
         "%s: holds more blocks than clip.vision.block_count = %lld", path, static_cast<long long>(p_.n_layer));
 
     const gguf::TensorInfo * mm0 = file_->find_tensor(w(names::kTensorMm0));
-    p_.projector                 = mm0 != nullptr;
+    if (file_->find_tensor(names::kTensorMmInputProj) != nullptr) {
+        load_gemma3_projector();
+        return;
+    }
+    p_.projector = mm0 != nullptr;
     if (p_.projector) {
-        const std::string type = string_key(*file_, names::kKeyProjectorType, "mlp");
-        KC_CHECK(type == "mlp", "%s: projector type '%s' is not supported (kvcmas runs 'mlp')", path, type.c_str());
+        const std::string type = string_key(*file_, names::kKeyProjectorType, names::kProjectorMlp);
+        KC_CHECK(type == names::kProjectorMlp,
+                 "%s: projector type '%s' with tensor %s is not supported (kvcmas runs "
+                 "'mlp' and 'gemma3')",
+                 path, type.c_str(), w(names::kTensorMm0).c_str());
         KC_CHECK(mm0->ne.size() == 2, "%s: tensor '%s' must be a matrix", path, w(names::kTensorMm0).c_str());
         p_.n_embd_proj               = mm0->ne[1];
         mm0_                         = weight(w(names::kTensorMm0), E, p_.n_embd_proj);
@@ -188,6 +201,78 @@ void VisionEncoder::load_weights() {
         mm2_   = weight(w(names::kTensorMm2), p_.n_embd_proj, mm2->ne[1]);
         mm2_b_ = vector_f32(b(names::kTensorMm2), mm2_.n_out, false);
     }
+}
+
+void VisionEncoder::load_gemma3_projector() {
+    const gguf::GgufFile & f    = *file_;
+    const char *           path = f.path().c_str();
+    const std::string      type = string_key(f, names::kKeyProjectorType, "");
+    KC_CHECK(type == names::kProjectorGemma3, "%s: tensor %s needs %s = '%s', the file says '%s'", path,
+             names::kTensorMmInputProj, names::kKeyProjectorType, names::kProjectorGemma3, type.c_str());
+    const int64_t E = p_.n_embd, G = p_.image_size / p_.patch_size;
+    p_.pool_kernel = f.get_int(names::kKeyProjScaleFactor, 4);  // llama.cpp's default for every Gemma 3 size
+    KC_CHECK(p_.pool_kernel >= 1 && p_.pool_kernel <= G && G % p_.pool_kernel == 0,
+             "%s: %s = %lld must divide the %lld patches a side", path, names::kKeyProjScaleFactor,
+             static_cast<long long>(p_.pool_kernel), static_cast<long long>(G));
+    KC_CHECK(p_.post_ln && !p_.class_token,
+             "%s: a gemma3 projector reads a SigLIP tower's last_hidden_state "
+             "(v.post_ln present, no class token)",
+             path);
+    const gguf::TensorInfo * proj = f.find_tensor(names::kTensorMmInputProj);
+    KC_CHECK(proj->ne.size() == 2 && proj->ne[1] == E && proj->ne[0] > 0 && proj->ne[0] <= 65536,
+             "%s: tensor %s must be [n_embd_out, %lld] (GGUF order)", path, names::kTensorMmInputProj,
+             static_cast<long long>(E));
+    const int64_t            n_out = proj->ne[0];
+    const TensorLoader       loader(f);
+    const std::vector<float> w = loader.vector_f32(names::kTensorMmInputProj, E * n_out, true);  // [E][n_out]
+    input_proj_t_.resize(w.size());
+    for (int64_t e = 0; e < E; ++e) {
+        for (int64_t o = 0; o < n_out; ++o) {
+            input_proj_t_[static_cast<size_t>(o * E + e)] = w[static_cast<size_t>(e * n_out + o)];
+        }
+    }
+    input_proj_         = cpu::WeightView{ GgmlType::F32, input_proj_t_.data(), E, n_out, sizeof(float) * E };
+    soft_emb_norm_      = loader.vector_f32(names::kTensorMmSoftEmbNorm, E, true);
+    p_.projector        = true;
+    p_.gemma3_projector = true;
+    p_.n_embd_proj      = E;
+}
+
+std::vector<float> VisionEncoder::gemma3_project(const float * x) {
+    const int64_t      E = p_.n_embd, G = p_.image_size / p_.patch_size, k = p_.pool_kernel, side = G / k;
+    const int64_t      n_out = side * side;
+    std::vector<float> pooled(static_cast<size_t>(n_out * E));
+    // AvgPool2d(k, k) over the G x G grid (patch n at row n / G, column n % G), row-major output; each window is
+    // summed in float and divided by k², then each row is RMS-normalised (Gemma3RMSNorm: the stored 1 + w).
+    pool_.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_out, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+            const int64_t oy = t / side, ox = t % side;
+            float *       dst = &pooled[static_cast<size_t>(t * E)];
+            for (int64_t ky = 0; ky < k; ++ky) {
+                for (int64_t kx = 0; kx < k; ++kx) {
+                    const float * src = x + ((oy * k + ky) * G + ox * k + kx) * E;
+                    for (int64_t e = 0; e < E; ++e) {
+                        dst[e] += src[e];
+                    }
+                }
+            }
+            const float inv = 1.0f / static_cast<float>(k * k);
+            double      ss  = 0.0;
+            for (int64_t e = 0; e < E; ++e) {
+                dst[e] *= inv;
+                ss += static_cast<double>(dst[e]) * dst[e];
+            }
+            const float r = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(E)) + p_.eps);
+            for (int64_t e = 0; e < E; ++e) {
+                dst[e] = dst[e] * r * soft_emb_norm_[static_cast<size_t>(e)];
+            }
+        }
+    });
+    std::vector<float> out(static_cast<size_t>(n_out * input_proj_.n_out));
+    linear(input_proj_, {}, pooled.data(), out.data(), n_out);
+    return out;
 }
 
 void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
@@ -316,6 +401,9 @@ std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels,
         norm_rows(post_ln_w_, post_ln_b_, x.data(), x.data());
     }
 
+    if (p_.gemma3_projector) {
+        return gemma3_project(x.data());
+    }
     const int64_t skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
     const int64_t n_out = T - skip;
     const float * feats = &x[static_cast<size_t>(skip * E)];

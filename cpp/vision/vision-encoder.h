@@ -8,6 +8,8 @@
 //   block_count blocks: x += attn(LN1(x)) (all-to-all, no mask); x += down(act(up(LN2(x))))
 //   LayerNorm v.post_ln when present; the class token row dropped for select strategy "default"
 //   projector when mm.0 exists: mm.2(act(mm.0(x)))               -> [n_tokens, n_embd_out]
+//   or Gemma 3's (projector type "gemma3"): k x k average pooling of the G x G patch grid (k: the scale factor),
+//   RMSNorm mm.soft_emb_norm, · mm.input_projection                 -> [(G / k)², n_embd_out]
 // The converter stores only the blocks whose output feeds the projector (LLaVA's vision_feature_layer), so the
 // last stored block's output is the feature layer.
 #pragma once
@@ -38,12 +40,15 @@ struct VisionParams {
     bool       keep_class_token = false;  // select strategy "full"
     bool       pre_ln           = false;
     bool       post_ln          = false;
-    bool       projector        = false;  // mm.0 / mm.2 present
+    bool       projector        = false;  // mm.0 / mm.2 present, or Gemma 3's projector
+    bool       gemma3_projector = false;  // projector type "gemma3": pooling, RMSNorm, projection
+    int64_t    pool_kernel      = 1;      // gemma3: average pooling side (clip.vision.projector.scale_factor)
     int64_t    n_embd_proj      = 0;      // projector hidden width (mm.0 rows)
     Activation projector_act    = Activation::GeluErf;
     // Preprocessing (applied by the caller, recorded here so the file is self-contained).
     std::vector<float> image_mean, image_std;         // per channel
     std::string        resize_mode    = "square";     // "shortest_edge" (resize, then centre crop) | "square"
+    std::string        resample       = "bicubic";    // the resize filter: "bicubic" | "bilinear" (Gemma 3)
     int64_t            resize_size    = 0;            // shortest edge before the crop ("shortest_edge" mode)
     double             rescale_factor = 1.0 / 255.0;  // 8-bit values times this before normalising
     std::string        model_type     = "clip";       // "clip" | "siglip" (informational)
@@ -51,7 +56,13 @@ struct VisionParams {
     int64_t n_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
     int64_t n_positions() const { return n_patches() + (class_token ? 1 : 0); }
     // Rows of encode()'s output.
-    int64_t n_output_tokens() const { return n_patches() + (class_token && keep_class_token ? 1 : 0); }
+    int64_t n_output_tokens() const {
+        if (gemma3_projector) {
+            const int64_t side = image_size / patch_size / pool_kernel;
+            return side * side;
+        }
+        return n_patches() + (class_token && keep_class_token ? 1 : 0);
+    }
 };
 
 class VisionEncoder {
@@ -86,6 +97,9 @@ class VisionEncoder {
     // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty).
     void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
     void attention(const Layer & L, const float * xn, float * out, int64_t n_tok);
+    void load_gemma3_projector();
+    // Gemma 3's projector on the tower's output x [G·G, E] -> [n_output_tokens()][n_output_embd()].
+    std::vector<float> gemma3_project(const float * x);
 
     std::unique_ptr<gguf::GgufFile> file_;
     VisionParams                    p_;
@@ -94,6 +108,9 @@ class VisionEncoder {
     std::vector<Layer>              layers_;
     cpu::WeightView                 mm0_{}, mm2_{};
     std::vector<float>              mm0_b_, mm2_b_;
+    std::vector<float>              soft_emb_norm_;  // gemma3: [E], (1 + w) as stored
+    std::vector<float>              input_proj_t_;   // gemma3: the projection transposed to [n_embd_out][E]
+    cpu::WeightView                 input_proj_{};   // a view of input_proj_t_
     cpu::ThreadPool                 pool_;
     struct AttentionScratch {
         std::vector<float> q, k, v, qh, vt, oh, scores;  // [T, E] x3, [T, hd] x3, [T, T]

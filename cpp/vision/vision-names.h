@@ -12,7 +12,7 @@ inline constexpr char kArchClip[] = "clip";
 // llama.cpp keys
 inline constexpr char kKeyArchitecture[]     = "general.architecture";
 inline constexpr char kKeyHasVisionEncoder[] = "clip.has_vision_encoder";
-inline constexpr char kKeyProjectorType[]    = "clip.projector_type";  // "mlp": Linear, GELU, Linear (LLaVA)
+inline constexpr char kKeyProjectorType[]    = "clip.projector_type";  // "mlp" (LLaVA) | "gemma3"
 inline constexpr char kKeyUseGelu[]          = "clip.use_gelu";        // without kvcmas.vision.hidden_act
 inline constexpr char kKeyUseSilu[]          = "clip.use_silu";
 inline constexpr char kKeyImageSize[]        = "clip.vision.image_size";
@@ -25,6 +25,7 @@ inline constexpr char kKeyLayerNormEps[]     = "clip.vision.attention.layer_norm
 inline constexpr char kKeyProjectionDim[]    = "clip.vision.projection_dim";
 inline constexpr char kKeyImageMean[]        = "clip.vision.image_mean";
 inline constexpr char kKeyImageStd[]         = "clip.vision.image_std";
+inline constexpr char kKeyProjScaleFactor[]  = "clip.vision.projector.scale_factor";  // gemma3: pooling side (4)
 
 // kvcmas keys
 inline constexpr char kKeyHiddenAct[]      = "kvcmas.vision.hidden_act";       // Hugging Face name of the ViT MLP act
@@ -35,6 +36,7 @@ inline constexpr char kKeyModelType[]      = "kvcmas.vision.model_type";       /
 inline constexpr char kKeyResizeMode[]     = "kvcmas.vision.resize_mode";      // "shortest_edge" | "square"
 inline constexpr char kKeyResizeSize[]     = "kvcmas.vision.resize_size";      // shortest edge before the crop
 inline constexpr char kKeyRescaleFactor[]  = "kvcmas.vision.rescale_factor";   // pixel scale before normalising
+inline constexpr char kKeyResample[]       = "kvcmas.vision.resample";         // "bicubic" (default) | "bilinear"
 
 // tensors ("v.blk.<i>." + block suffix + ".weight" / ".bias")
 inline constexpr char kTensorPatchEmbd[] = "v.patch_embd";  // .weight [P, P, 3, E] (ggml order), optional .bias
@@ -53,6 +55,12 @@ inline constexpr char kBlkFfnUp[]        = "ffn_up";
 inline constexpr char kBlkFfnDown[]      = "ffn_down";
 inline constexpr char kTensorMm0[]       = "mm.0";  // projector linear_1
 inline constexpr char kTensorMm2[]       = "mm.2";  // projector linear_2 (index 1 is the activation)
+// Gemma 3's projector: average pooling, RMSNorm (weight stored as 1 + w), a bias-free projection stored as
+// Hugging Face's mm_input_projection_weight [E, n_embd_out] (GGUF ne [n_embd_out, E]).
+inline constexpr char kTensorMmSoftEmbNorm[] = "mm.soft_emb_norm.weight";
+inline constexpr char kTensorMmInputProj[]   = "mm.input_projection.weight";
+inline constexpr char kProjectorMlp[]        = "mlp";
+inline constexpr char kProjectorGemma3[]     = "gemma3";
 
 // Qwen2.5-VL (clip.projector_type "qwen2.5vl_merger"; llama.cpp's keys and names)
 inline constexpr char kProjectorQwen25Vl[]    = "qwen2.5vl_merger";

@@ -142,7 +142,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         entry = self._entry = registry.method(method, session=True)
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
-            vision.check_text_model(model.n_embd)
+            vision.check_text_model(model.n_embd, model.tokenizer)
         if config is None:
             config = entry.config(for_session=True)
         if cold is not None:
@@ -256,6 +256,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
                 other.agent(a.name, a.system, template=a.template)
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
+            other._state.bidirectional = list(self._state.bidirectional)
             other._state.vector_pos = None if self._state.vector_pos is None else self._state.vector_pos.copy()
             other._vector_ids = dict(self._vector_ids)
             other._index.by_text = dict(self._index.by_text)

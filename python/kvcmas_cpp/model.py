@@ -78,6 +78,17 @@ def token_ids(ids: Any, where: str) -> list[int]:
     return [int(t) for t in out]
 
 
+class BidirectionalRows(np.ndarray):
+    """Input vectors [n, n_embd] whose rows attend to each other, not only to earlier ones: Gemma 3's image tokens
+    (its mask is opened within an image). A view type (``rows.view(BidirectionalRows)``), so the marking travels with
+    the array through prompt segments and plans; such rows are appended in one piece (KVSequence.append_embeddings)."""
+
+
+def is_bidirectional(rows: object) -> bool:
+    """Whether prompt rows must be computed as one bidirectional span (never split into chunks)."""
+    return isinstance(rows, BidirectionalRows)
+
+
 @dataclass(frozen=True)
 class SharedKV:
     """KV rows of some sequence, stored once, that other sequences can append without copying (see
@@ -262,13 +273,18 @@ class KVSequence:
         self,
         embeddings: np.ndarray,
         logits: bool = False,
+        bidirectional: bool | None = None,
         image_grid: tuple[int, int] | None = None,
         image_pos: np.ndarray | None = None,
     ) -> np.ndarray | None:
-        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. For an M-RoPE model
-        the rows of an image take 2D positions (others run them in sequence, as any vectors): image_grid (rows,
-        cols) says the vectors are a whole image, row-major; image_pos [n, 3] says per vector (k, rows, cols): row k
-        of an image of rows x cols tokens (rows = 0: not an image row), so an image may come in several appends."""
+        """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. bidirectional: the
+        rows attend to each other, not only to earlier ones (Gemma 3's image tokens: the model's mask within an
+        image); default: whether they are BidirectionalRows. For an M-RoPE model the rows of an image take 2D
+        positions (others run them in sequence, as any vectors): image_grid (rows, cols) says the vectors are a whole
+        image, row-major; image_pos [n, 3] says per vector (k, rows, cols): row k of an image of rows x cols tokens
+        (rows = 0: not an image row), so an image may come in several appends; default: an ImageFeatures' grid."""
+        if bidirectional is None:
+            bidirectional = is_bidirectional(embeddings)
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
@@ -291,8 +307,10 @@ class KVSequence:
             if info.shape != (n, 3):
                 raise ValueError(f"append_embeddings: image_pos must be [{n}, 3] rows of (k, rows, cols)")
             offsets, marks = mrope_offsets(info, self._next_positions(filled, n), marks)
-        rows_ids = np.arange(n, dtype=np.int32)
-        out = self._model._core.decode(seqs, np.full(n, -1, dtype=np.int32), want, embd, rows_ids, offsets)
+        span = np.array([0, n], dtype=np.int32) if bidirectional else None
+        out = self._model._core.decode(
+            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32), span, offsets
+        )
         self.record([-1] * n, filled)
         self._rope_marks = marks
         return out[-1] if logits else None

@@ -21,7 +21,7 @@ from typing import Literal, TypeVar
 
 import numpy as np
 
-from .model import KVSequence
+from .model import KVSequence, is_bidirectional
 
 # The engine computes appends of up to 12 rows with its decode kernels, and of up to 16 rows over quantized weights
 # with 8-bit activations (q8), which round differently from its prefill kernels: a chunked append never makes a chunk
@@ -60,6 +60,12 @@ def chunk_bounds(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, starts[i + 1] if i + 1 < len(starts) else n) for i, a in enumerate(starts)]
 
 
+def append_chunk(rows: Rows, chunk: int) -> int:
+    """The chunk size an append of `rows` runs in: `chunk`, or all of them for bidirectional rows (Gemma 3's image
+    tokens attend to each other, so they are computed in one forward pass)."""
+    return max(chunk, len(rows)) if is_bidirectional(rows) else chunk
+
+
 class ChunkExecutor:
     """Runs one chunk of an Append by itself (the engine's append at the sequence's end). A caller may override
     append, e.g. to count chunks or to run each with other work."""
@@ -79,7 +85,7 @@ def run_append(step: Append, executor: ChunkExecutor | None = None, chunk_tokens
     chunk by itself); returns what the plan is sent."""
     executor = executor if executor is not None else ChunkExecutor()
     out: np.ndarray | None = None
-    bounds = chunk_bounds(len(step.rows), chunk_tokens)
+    bounds = chunk_bounds(len(step.rows), append_chunk(step.rows, chunk_tokens))
     for k, (a, b) in enumerate(bounds):
         want = step.logits if k == len(bounds) - 1 else "none"
         if step.image_pos is None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .agent import CONTEXT_PLACEHOLDER, Agent
 from .agent_results import Prefilled
-from .model import Model, token_ids
+from .model import BidirectionalRows, Model, is_bidirectional, token_ids
 from .plan import Plan
 from .sharing.methods import Method
 from .sharing.runner import WorkflowRunner
@@ -58,13 +58,40 @@ class SessionMessages:
             raise ValueError(f"{where}: embeddings must have shape [n, {self.model.n_embd}], got {rows.shape}")
         if not np.isfinite(rows).all():
             raise ValueError(f"{where}: embeddings hold NaN or infinite values")
+        kind = "image rows" if is_bidirectional(embeddings) else "vectors"  # Gemma 3's images attend within
         grid = getattr(embeddings, "grid", None)  # an image's rows for an M-RoPE model (ImageFeatures)
-        key = ("vectors" if grid is None else f"image{grid}", hashlib.sha256(rows.tobytes()).hexdigest())
+        if grid is not None:
+            kind = f"image{grid}"
+        key = (kind, hashlib.sha256(rows.tobytes()).hexdigest())
         if key not in self._vector_ids:
             if not register:
                 return None
-            self._vector_ids[key] = self._state.add_vectors(rows, grid)
+            registered = rows.view(BidirectionalRows) if is_bidirectional(embeddings) else rows
+            self._vector_ids[key] = self._state.add_vectors(registered, grid)
         return self._vector_ids[key]
+
+    def _parts_ids(
+        self, parts: Sequence[str | Sequence[int] | np.ndarray], where: str, register: bool = True
+    ) -> list[int] | None:
+        """Prompt ids of content parts (text, token ids, input vectors [n, n_embd]; None: vectors the session has not
+        seen, when not `register`). Gemma 3's image rows (BidirectionalRows) stand as its processor writes them:
+        the newlines around an image tokenized with the text beside it, the rows between the begin / end tokens
+        (vision.gemma3), so a content's ids are those of the processor's text."""
+        if any(is_bidirectional(p) for p in parts):
+            from .vision import gemma3
+
+            parts = gemma3.with_image_text(parts)
+            boi, eoi = gemma3.marker_ids(self.model.tokenizer)
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                vector_ids = self._embedding_ids(part, where, register)
+                if vector_ids is None:
+                    return None
+                ids += [boi, *vector_ids, eoi] if is_bidirectional(part) else vector_ids
+            else:
+                ids += self._ids(part)
+        return ids
 
     def _prefill_messages(self, messages: list[dict[str, Any]], agent: str | None, runs: list[str]) -> Plan[Prefilled]:
         # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
@@ -199,18 +226,9 @@ class SessionMessages:
             )
         if isinstance(content, str):
             return self._ids(content)
-        ids: list[int] = []
-        for part in content:
-            if isinstance(part, str):
-                ids += self._ids(part)
-            elif isinstance(part, np.ndarray):
-                vector_ids = self._embedding_ids(part, f"prefill: message {i}", register)
-                if vector_ids is None:
-                    return None
-                ids += vector_ids
-            else:
-                raise ValueError(f"prefill: message {i}: content parts are strings or arrays [n, n_embd]")
-        return ids
+        if not all(isinstance(part, (str, np.ndarray)) for part in content):
+            raise ValueError(f"prefill: message {i}: content parts are strings or arrays [n, n_embd]")
+        return self._parts_ids(content, f"prefill: message {i}", register)
 
     def _ids(self, content: str | Sequence[int]) -> list[int]:
         if isinstance(content, str):
@@ -248,19 +266,16 @@ class SessionMessages:
             raise ValueError("share: give the text as `content` or as `text`, not both")
         body = content if content is not None else text
         with self._lock:
-            ids: list[int] = []
+            parts: list[str | Sequence[int] | np.ndarray] = []
             if image is not None:
                 if self.vision is None:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
-                key = ("image", self.vision.image_hash(image))
-                if key not in self._vector_ids:
-                    rows = self.vision.encode(image)  # an M-RoPE tower's rows know their grid (ImageFeatures)
-                    self._vector_ids[key] = self._state.add_vectors(rows, getattr(rows, "grid", None))
-                ids += self._vector_ids[key]
+                parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
             if embeddings is not None:
-                ids += self._embedding_ids(embeddings, "share") or []
+                parts.append(embeddings)
             if body is not None:
-                ids += self._ids(body)
+                parts.append(body)
+            ids = self._parts_ids(parts, "share") or []
             if not ids:
                 raise ValueError("share: the content is empty")
             self._add_span(Span(self._next_context_ph(), ids, f"context:{label or ''}", label))

@@ -123,13 +123,13 @@ inline void prefetch_rows(const T * base, int64_t stride, int64_t n, int hd) {
 template <typename T>
 void attend_block_t(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
                     const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
-                    int64_t out_stride, float * scratch) {
+                    int64_t out_stride, float * scratch, int64_t n_visible_min) {
     constexpr bool kF32     = std::is_same_v<T, float>;
     const int      hd       = shape.head_dim;
     const int      n_chunks = hd / 8;
     const int      group    = shape.n_head / shape.n_head_kv;
     const int      per_pass = std::max(1, std::min(group, kMaxAttentionBlock / nq));  // heads per pass
-    const int64_t  n_max    = n_visible0 + nq - 1;
+    const int64_t  n_max    = std::max(n_visible0 + nq - 1, n_visible_min);
     const int64_t  ld       = (n_max + 15) / 8 * 8;  // score row stride, room for a padded group
     const int      max_rows = nq * per_pass;
     float *        q_rot    = scratch;                                        // [rows][hd]
@@ -150,10 +150,11 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
         const auto    out_row = [&](int r) {
             return out + (r / n_h) * out_stride + static_cast<int64_t>(h0 + r % n_h) * hd;
         };
-        const auto visible = [&](int r) { return n_visible0 + r / n_h; };
+        const auto causal  = [&](int r) { return n_visible0 + r / n_h; };  // the query's position + 1
+        const auto visible = [&](int r) { return std::max(causal(r), n_visible_min); };
         // First key a row attends: its window's start (keys before it are scored with the group and ignored).
         const auto first = [&](int r) {
-            return shape.window > 0 ? std::max<int64_t>(0, visible(r) - shape.window) : int64_t{ 0 };
+            return shape.window > 0 ? std::max<int64_t>(0, causal(r) - shape.window) : int64_t{ 0 };
         };
         int64_t seen         = 0;
         bool    have_rot     = false;
@@ -321,21 +322,22 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
 
 void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
                        const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
-                       int64_t out_stride, float * scratch) {
+                       int64_t out_stride, float * scratch, int64_t n_visible_min) {
     const int hd = shape.head_dim;
     if (hd % 8 != 0 || hd > 512) {
         for (int i = 0; i < nq; ++i) {
-            portable_in_avx2::attend(shape, rope, q + i * q_stride, runs, n_runs, n_visible0 + i, h_begin, h_end,
-                                     out + i * out_stride, scratch);
+            portable_in_avx2::attend(shape, rope, q + i * q_stride, runs, n_runs,
+                                     std::max(n_visible0 + i, n_visible_min), h_begin, h_end, out + i * out_stride,
+                                     scratch, n_visible0 + i);
         }
         return;
     }
     if (shape.kv_type == KvType::F16) {
         attend_block_t<uint16_t>(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out,
-                                 out_stride, scratch);
+                                 out_stride, scratch, n_visible_min);
     } else {
         attend_block_t<float>(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out, out_stride,
-                              scratch);
+                              scratch, n_visible_min);
     }
 }
 

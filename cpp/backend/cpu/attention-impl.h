@@ -112,14 +112,15 @@ static void add_output_corrections(const KvRun * runs, int n_runs, int64_t n_fir
 // T: the stored element type (float for F32, uint16_t for F16).
 template <typename T>
 static void attend_t(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
-                     int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+                     int64_t n_visible, int h_begin, int h_end, float * out, float * scratch, int64_t n_causal) {
     const int hd      = shape.head_dim;
     const int group   = shape.n_head / shape.n_head_kv;
     float *   q_rot   = scratch;                                            // [n_head * hd], q re-rotated for a shift
     float *   score   = scratch + static_cast<int64_t>(shape.n_head) * hd;  // [n_visible]
     float *   row_buf = score + n_visible + 16;                             // [hd], an f16 head slice as f32
     // Keys [first, n_visible) are attended (all with no window); scores before first are computed and ignored.
-    const int64_t first = shape.window > 0 ? std::max<int64_t>(0, n_visible - shape.window) : 0;
+    // (n_causal: the query's own position + 1, which the window ends at, when it sees further: a bidirectional span)
+    const int64_t first = shape.window > 0 ? std::max<int64_t>(0, n_causal - shape.window) : 0;
     for (int h = h_begin; h < h_end; ++h) {
         const int64_t kv_off = static_cast<int64_t>(h / group) * hd;
         // Pass 1: scores of every visible key.
@@ -183,11 +184,12 @@ static void attend_t(const AttentionShape & shape, const Rope & rope, const floa
 }
 
 static void attend(const AttentionShape & shape, const Rope & rope, const float * q, const KvRun * runs, int n_runs,
-                   int64_t n_visible, int h_begin, int h_end, float * out, float * scratch) {
+                   int64_t n_visible, int h_begin, int h_end, float * out, float * scratch, int64_t n_causal = -1) {
+    n_causal = n_causal < 0 ? n_visible : n_causal;
     if (shape.kv_type == KvType::F16) {
-        attend_t<uint16_t>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch);
+        attend_t<uint16_t>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch, n_causal);
     } else {
-        attend_t<float>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch);
+        attend_t<float>(shape, rope, q, runs, n_runs, n_visible, h_begin, h_end, out, scratch, n_causal);
     }
 }
 

@@ -1,16 +1,16 @@
 #include <algorithm>
 #include <vector>
 #define KC_ATTN_NS portable
-#include "common/error.h"
 #include "backend/cpu/attention-impl.h"
 #include "backend/cpu/cpu-features.h"
+#include "common/error.h"
 
 namespace kvcmas::cpu {
 
 #ifdef KC_X86
 void attend_block_avx2(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
                        const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
-                       int64_t out_stride, float * scratch);
+                       int64_t out_stride, float * scratch, int64_t n_visible_min);
 void fp32_to_fp16_row_f16c(const float * src, uint16_t * dst, int64_t n);
 void fp16_to_fp32_row_f16c(const uint16_t * src, float * dst, int64_t n);
 #endif
@@ -121,21 +121,23 @@ WindowedRuns skip_rows_before_window(const AttentionShape & shape, const KvRun *
 
 void attend_block(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
                   const KvRun * all_runs, int n_all_runs, int64_t n_all_visible0, int h_begin, int h_end, float * out,
-                  int64_t out_stride, float * scratch) {
+                  int64_t out_stride, float * scratch, int64_t n_all_visible_min) {
     const WindowedRuns w          = skip_rows_before_window(shape, all_runs, n_all_runs, n_all_visible0);
     const KvRun *      runs       = w.runs;
     const int          n_runs     = w.n_runs;
     const int64_t      n_visible0 = w.n_visible0;
+    // in the kept rows' numbering (rows before the first query's window dropped)
+    const int64_t n_visible_min = std::max<int64_t>(0, n_all_visible_min - (n_all_visible0 - n_visible0));
 #ifdef KC_X86
     if (cpu_features().avx2_fma_f16c) {
         attend_block_avx2(shape, rope, q, q_stride, nq, runs, n_runs, n_visible0, h_begin, h_end, out, out_stride,
-                          scratch);
+                          scratch, n_visible_min);
         return;
     }
 #endif
     for (int i = 0; i < nq; ++i) {
-        portable::attend(shape, rope, q + i * q_stride, runs, n_runs, n_visible0 + i, h_begin, h_end,
-                         out + i * out_stride, scratch);
+        portable::attend(shape, rope, q + i * q_stride, runs, n_runs, std::max(n_visible0 + i, n_visible_min), h_begin,
+                         h_end, out + i * out_stride, scratch, n_visible0 + i);
     }
 }
 
@@ -154,7 +156,7 @@ void attend(const AttentionShape & shape, const Rope & rope, const float * q, co
     const int64_t      n_visible = w.n_visible0;
 #ifdef KC_X86
     if (cpu_features().avx2_fma_f16c) {
-        attend_block_avx2(shape, rope, q, 0, 1, runs, n_runs, n_visible, h_begin, h_end, out, 0, scratch);
+        attend_block_avx2(shape, rope, q, 0, 1, runs, n_runs, n_visible, h_begin, h_end, out, 0, scratch, 0);
         return;
     }
 #endif

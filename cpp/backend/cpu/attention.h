@@ -68,11 +68,12 @@ void attend(const AttentionShape & shape, const Rope & rope, const float * q, co
             int64_t n_visible, int h_begin, int h_end, float * out, float * scratch);
 
 // nq (<= kMaxAttentionBlock) consecutive query tokens of one sequence: query i, row i of q (row stride q_stride
-// floats, laid out like attend()'s q), sees the first n_visible0 + i rows; its output goes to row i of out (stride
-// out_stride). Bit-identical to nq attend() calls, but each key and value is read once per block of queries.
+// floats, laid out like attend()'s q), sees the first max(n_visible0 + i, n_visible_min) rows (n_visible_min: the
+// end of a bidirectional span; a window still starts at n_visible0 + i - window); its output goes to row i of out
+// (stride out_stride). Bit-identical to nq attend() calls, but each key and value is read once per block of queries.
 void attend_block(const AttentionShape & shape, const Rope & rope, const float * q, int64_t q_stride, int nq,
                   const KvRun * runs, int n_runs, int64_t n_visible0, int h_begin, int h_end, float * out,
-                  int64_t out_stride, float * scratch);
+                  int64_t out_stride, float * scratch, int64_t n_visible_min = 0);
 
 // Floats of scratch memory attend_block() needs.
 int64_t attention_block_scratch_floats(const AttentionShape & shape, int nq, int64_t n_visible_max);

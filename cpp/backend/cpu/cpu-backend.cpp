@@ -228,7 +228,7 @@ class CpuBackend final : public Backend {
                 const int          h1  = static_cast<int>(std::min<long long>(H, h0 + (e - t)));
                 const auto &       r   = runs_[static_cast<size_t>(blk.table)];
                 cpu::attend_block(shape, rope, q + blk.first * qd, qd, blk.nq, r.data(), static_cast<int>(r.size()),
-                                  blk.n_visible0, h0, h1, out + blk.first * qd, qd, scr);
+                                  blk.n_visible0, h0, h1, out + blk.first * qd, qd, scr, blk.n_visible_min);
                 t += h1 - h0;
             }
         });
@@ -421,7 +421,10 @@ class CpuBackend final : public Backend {
                 int64_t readers = 0;  // queries of this table that see the run (query i sees n_visible0 + i rows)
                 for (int b = 0; run.rank > 0 && b < n_blocks; ++b) {
                     if (blocks[b].table == t) {
-                        readers += std::clamp<int64_t>(blocks[b].n_visible0 + blocks[b].nq - 1 - at, 0, blocks[b].nq);
+                        readers +=
+                            blocks[b].n_visible_min > at
+                                ? blocks[b].nq
+                                : std::clamp<int64_t>(blocks[b].n_visible0 + blocks[b].nq - 1 - at, 0, blocks[b].nq);
                     }
                 }
                 const bool fits = (total + run.n) * 2 * kd * static_cast<int64_t>(sizeof(float)) <= kMaxCopyBytes;

@@ -850,7 +850,8 @@ class CudaBackend final : public Backend {
         for (int b = 0; b < n_blocks; ++b) {
             for (int i = 0; i < blocks[b].nq; ++i) {
                 tab[static_cast<size_t>(blocks[b].first + i)] = blocks[b].table;
-                vis[static_cast<size_t>(blocks[b].first + i)] = blocks[b].n_visible0 + i;
+                vis[static_cast<size_t>(blocks[b].first + i)] =
+                    std::max(blocks[b].n_visible0 + i, blocks[b].n_visible_min);
             }
         }
         Buffer       d_runs = put(runs.data(), runs.size()), d_first = put(first.data(), first.size());

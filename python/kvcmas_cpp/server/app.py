@@ -78,7 +78,7 @@ class Server:
             self.vision = VisionEncoder(
                 cfg.mmproj, n_threads=cfg.threads, cache_size=0, max_decode_bytes=cfg.max_image_memory
             )
-            self.vision.check_text_model(model.n_embd)
+            self.vision.check_text_model(model.n_embd, model.tokenizer)
         self.images = ImagePrompts(model, self.vision, self.metrics, len(self.tenants.keys), cfg.image_cache_bytes)
         self.calibration_problem = self._check_calibration_dir()
         budget = model.kv_budget

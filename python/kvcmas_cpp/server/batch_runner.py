@@ -26,7 +26,7 @@ import numpy as np
 
 from .._native import KvcmasError
 from ..model import PROMPT_CHUNK, Model
-from ..plan import MIN_CHUNK_ROWS, ChunkExecutor, chunk_bounds
+from ..plan import MIN_CHUNK_ROWS, ChunkExecutor, append_chunk, chunk_bounds
 from .backend import PlainBackend, Prefilled, Segment
 from .jobs import Job
 from .metrics import Metrics
@@ -126,7 +126,7 @@ class BatchRunner:
         the chunk (the caller throws it into the plan)."""
         step = job.append
         assert step is not None
-        first, end = chunk_bounds(len(step.rows) - job.appended, self.prefill_chunk)[0]
+        first, end = chunk_bounds(len(step.rows) - job.appended, append_chunk(step.rows, self.prefill_chunk))[0]
         first, end = first + job.appended, end + job.appended
         last = end == len(step.rows)
         chunk = step.rows[first:end]

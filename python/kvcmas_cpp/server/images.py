@@ -91,6 +91,8 @@ class ImagePrompts:
         for i in range(n_images):
             text = text.replace(f"{marker}{i}{marker}", f"{before}{marker}{i}{marker}{after}")
         tok = self.model.tokenizer
+        if self.vision.bidirectional:  # Gemma 3: its processor's image text, the prompt tokenized once
+            return messages, await run_in_threadpool(self._gemma3_segments, text, marker, images)
         segments: list[Segment] = []
         for i, piece in enumerate(text.split(marker)):
             if i % 2:
@@ -101,3 +103,16 @@ class ImagePrompts:
                 ids = [tok.bos_id, *ids]
             segments.append(ids)
         return messages, segments
+
+    def _gemma3_segments(self, text: str, marker: str, images: list[np.ndarray]) -> list[Segment]:
+        """The rendered prompt with each image marker replaced by Gemma 3's image text (vision.gemma3), tokenized
+        once; the soft-token runs replaced by the images' rows."""
+        from ..vision import gemma3
+
+        pieces = text.split(marker)
+        expanded = "".join(gemma3.image_text(len(images[int(p)])) if i % 2 else p for i, p in enumerate(pieces))
+        tok = self.model.tokenizer
+        ids = tok.encode(expanded, False, True)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id, *ids]
+        return list(gemma3.segments(ids, gemma3.image_token_id(tok), images))

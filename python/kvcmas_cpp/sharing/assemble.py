@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..model import KVSequence, Model, SharedKV
+from ..model import BidirectionalRows, KVSequence, Model, SharedKV
 from ..plan import Append, Plan
 from . import recompute as recompute_mod
 from .factors import Correction
@@ -35,11 +35,13 @@ def append_mixed(
     ids: list[int],
     logits: Literal["last", "none"],
     vectors: np.ndarray | None,
+    bidirectional: list[bool] | None = None,
     vector_pos: np.ndarray | None = None,
 ) -> Plan[np.ndarray | None]:
     """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
-    of `vectors`, at image position vector_pos[r]): one Append per run of ids or of vectors; returns the last one's
-    logits."""
+    of `vectors`, at image position vector_pos[r] for M-RoPE): one Append per run of ids or of vectors (a run of rows
+    flagged in `bidirectional`, per vector row, is appended as BidirectionalRows: Gemma 3's images, separated by
+    their begin / end tokens); returns the last one's logits."""
     if not ids:
         return None
     if min(ids) >= 0:
@@ -48,14 +50,20 @@ def append_mixed(
         raise ValueError("a prompt holds input-vector ids but no vectors were registered")
     out: np.ndarray | None = None
     i = 0
+
+    def kind(t: int) -> int:  # 0: a token, 1: a vector row, 2: a bidirectional vector row
+        return 0 if t >= 0 else 2 if bidirectional and bidirectional[-t - 1] else 1
+
     while i < len(ids):
-        j, is_vec = i, ids[i] < 0
-        while j < len(ids) and (ids[j] < 0) == is_vec:
+        j, run = i, kind(ids[i])
+        while j < len(ids) and kind(ids[j]) == run:
             j += 1
         want = logits if j == len(ids) else "none"
         picked = [-t - 1 for t in ids[i:j]]
-        rows: list[int] | np.ndarray = vectors[picked] if is_vec else ids[i:j]
-        pos = vector_pos[picked] if is_vec and vector_pos is not None and vector_pos[picked, 1].any() else None
+        rows: list[int] | np.ndarray = vectors[picked] if run else ids[i:j]
+        if run == 2:
+            rows = np.asarray(rows).view(BidirectionalRows)
+        pos = vector_pos[picked] if run and vector_pos is not None and vector_pos[picked, 1].any() else None
         out = yield Append(seq, rows, want, image_pos=pos)
         i = j
     return out
@@ -150,7 +158,7 @@ class SpanAssembly:
         if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
             raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
-        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.vector_pos)
+        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.bidirectional, st.vector_pos)
         assert logits is not None
         return logits, len(rows), corrs
 

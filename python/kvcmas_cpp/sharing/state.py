@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model import KVSequence
+from ..model import KVSequence, is_bidirectional
 from .span import Span
 
 
@@ -60,12 +60,14 @@ class RequestState:
     hops: list[HopReport] = field(default_factory=list)
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
+    bidirectional: list[bool] = field(default_factory=list)  # per vector row: of a BidirectionalRows (Gemma 3 image)
     vector_pos: np.ndarray | None = None  # [n, 3] per vector (k, rows, cols): row k of an image (M-RoPE); rows 0: not
     owned: list[KVSequence] = field(default_factory=list)  # sequences spans read besides the hops' (caller closes)
 
     def add_vectors(self, rows: np.ndarray, image_grid: tuple[int, int] | None = None) -> list[int]:
         """Registers input vectors (rows [n, n_embd]; image_grid: they are an image of (rows, cols) tokens,
-        row-major) and returns the ids that stand for them in prompts."""
+        row-major, for M-RoPE) and returns the ids that stand for them in prompts."""
+        self.bidirectional += [is_bidirectional(rows)] * len(rows)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         first = 0 if self.vectors is None else self.vectors.shape[0]
         self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])

@@ -78,6 +78,7 @@ class TrainingRead:
         self.st: RequestState | None = st
         self.estimator, self.calibrate = estimator, calibrate
         self.vectors, self.vector_pos = st.vectors, st.vector_pos
+        self.bidirectional = st.bidirectional
         self.source = source  # this read's own sequence
         bases: dict[int, KVSequence] = {}
         for part in parts:  # a fork per base view (no copy), shared by the parts that read the same one
@@ -171,8 +172,12 @@ class TrainingRead:
                 shared, kc, row0 = piece
                 self.source.append_shared(shared, kc, row0)
                 continue
-            for a, b in chunk_bounds(len(piece), self.chunk):
-                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors, self.vector_pos))
+            # an image whose rows attend to each other (Gemma 3) is computed in one piece
+            bidi = any(t < 0 and self.bidirectional[-t - 1] for t in piece)
+            for a, b in chunk_bounds(len(piece), max(self.chunk, len(piece)) if bidi else self.chunk):
+                run_plan(
+                    append_mixed(self.source, piece[a:b], "none", self.vectors, self.bidirectional, self.vector_pos)
+                )
                 computed += b - a
                 yield
         assert computed == self.rows and len(self.source) >= n0 + computed

@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from .._native import core
+from ..model import BidirectionalRows
 from .anyres import ANYRES, SINGLE, VIEWS, AnyResConfig, n_rows, pack, pad_to_square, parse_vision_aspect_ratio, tiles
 from .image import (
     DEFAULT_MAX_BYTES,
@@ -147,6 +148,12 @@ class VisionEncoder:
     image_size = property(lambda self: int(self._core.image_size), doc="input side in pixels")
     has_projector = property(lambda self: bool(self._core.has_projector), doc="whether the file has a projector")
     model_type = property(lambda self: str(self._core.model_type), doc="'clip' or 'siglip'")
+    projector_type = property(
+        lambda self: str(self._core.projector_type), doc="'mlp' (LLaVA), 'gemma3', or '' (no projector)"
+    )
+    bidirectional = property(
+        lambda self: self.projector_type == "gemma3", doc="an image's rows attend to each other (Gemma 3)"
+    )
 
     # The text a prompt puts before and after an image's rows (special tokens of the model's chat template).
     image_tokens: tuple[str, str] = ("", "")
@@ -211,7 +218,8 @@ class VisionEncoder:
     def _features(self, rgb: Image.Image, view: str | None) -> np.ndarray:
         pixels = self.preprocess(rgb, view)
         if view is None or self.anyres is None:
-            return self.encode_pixels(pixels)
+            rows = self.encode_pixels(pixels)
+            return rows.view(BidirectionalRows) if self.bidirectional else rows
         rows = self.encode_pixels(pixels)
         assert self.image_newline is not None
         if view == SINGLE:
@@ -220,8 +228,8 @@ class VisionEncoder:
 
     def encode(self, image: ImageSource, view: str | None = None) -> np.ndarray:
         """Image-token embeddings [n_image_tokens(w, h, view), n_embd] float32 (read-only; shared between callers
-        via the cache, keyed by the pixels and the view). view: see ``view_for``; default ANYRES when the file has
-        it."""
+        via the cache, keyed by the pixels and the view; BidirectionalRows for Gemma 3). view: see ``view_for``;
+        default ANYRES when the file has it."""
         view = self._check_view(view)
         rgb = self.load(image)
         key = (image_hash(rgb), view)
@@ -239,12 +247,17 @@ class VisionEncoder:
                     self._cache.popitem(last=False)
             return features
 
-    def check_text_model(self, n_embd: int) -> None:
-        """Raises ValueError unless the features fit a text model of width n_embd."""
+    def check_text_model(self, n_embd: int, tokenizer: Any = None) -> None:
+        """Raises ValueError unless the features fit a text model of width n_embd (and, for Gemma 3, whose tokenizer
+        has the image soft token)."""
         if not self.has_projector:
             raise ValueError(f"{self.path}: has no projector; its features cannot be fed to a text model")
         if self.n_embd != n_embd:
             raise ValueError(f"{self.path}: projects to n_embd {self.n_embd}, the text model has {n_embd}")
+        if self.bidirectional and tokenizer is not None:
+            from . import gemma3
+
+            gemma3.image_token_id(tokenizer)
 
     def clear_cache(self) -> None:
         with self._lock:

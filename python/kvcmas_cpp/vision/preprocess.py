@@ -3,6 +3,7 @@
 CLIP (``CLIPImageProcessor``): resize so the shortest edge is ``resize_size`` (the long edge scaled and truncated
 to an integer), bicubic; centre crop ``image_size`` squared; rescale by 1/255; normalise by mean / std.
 SigLIP (``SiglipImageProcessor``): resize to ``image_size`` squared, bicubic; rescale; normalise.
+Gemma 3 (``Gemma3ImageProcessor``): SigLIP's steps with a bilinear resize (``resample``).
 Resizing is Pillow's bicubic filter on the 8-bit image, as the processors' PIL backend does, so the results agree
 to float rounding; it is deterministic.
 """
@@ -19,6 +20,7 @@ from .image import to_rgb
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,15 @@ class PreprocessConfig:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     rescale_factor: float = 1.0 / 255.0
+    resample: Literal["bicubic", "bilinear"] = "bicubic"  # the resize filter
 
     def __post_init__(self) -> None:
         if self.image_size <= 0 or self.resize_size < self.image_size:
             raise ValueError(f"PreprocessConfig: need 0 < image_size <= resize_size, got {self}")
         if self.resize_mode not in ("shortest_edge", "square"):
             raise ValueError(f"PreprocessConfig: resize_mode must be 'shortest_edge' or 'square': {self.resize_mode!r}")
+        if self.resample not in RESAMPLE:
+            raise ValueError(f"PreprocessConfig: resample must be one of {sorted(RESAMPLE)}: {self.resample!r}")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ValueError("PreprocessConfig: image_mean and image_std need 3 values (std > 0)")
 
@@ -57,6 +62,7 @@ class PreprocessConfig:
         return cls(
             int(core_encoder.image_size), core_encoder.resize_mode, int(core_encoder.resize_size),
             (mean[0], mean[1], mean[2]), (std[0], std[1], std[2]), _exact(float(core_encoder.rescale_factor)),
+            core_encoder.resample,
         )  # fmt: skip
 
 
@@ -78,11 +84,11 @@ def preprocess(image: Image.Image, config: PreprocessConfig) -> np.ndarray:
     rgb = to_rgb(image)
     s = config.image_size
     if config.resize_mode == "square":
-        rgb = square(rgb, s)
+        rgb = square(rgb, s, config.resample)
     else:
         w, h = resize_shortest_edge_size(rgb.width, rgb.height, config.resize_size)
         if (w, h) != rgb.size:
-            rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
+            rgb = rgb.resize((w, h), resample=RESAMPLE[config.resample])
         top, left = (h - s) // 2, (w - s) // 2
         rgb = rgb.crop((left, top, left + s, top + s))
     return normalize(rgb, config)
@@ -98,6 +104,6 @@ def normalize(rgb: Image.Image, config: PreprocessConfig) -> np.ndarray:
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
 
-def square(rgb: Image.Image, side: int) -> Image.Image:
-    """The image squashed to side x side (bicubic, 8-bit)."""
-    return rgb if rgb.size == (side, side) else rgb.resize((side, side), resample=Image.Resampling.BICUBIC)
+def square(rgb: Image.Image, side: int, resample: str = "bicubic") -> Image.Image:
+    """The image squashed to side x side (8-bit, with the named filter)."""
+    return rgb if rgb.size == (side, side) else rgb.resize((side, side), resample=RESAMPLE[resample])

@@ -114,6 +114,7 @@ class QwenVisionEncoder(VisionEncoder):
     image_size = property(lambda self: None, doc="no fixed size: each image at its own resolution")
     has_projector = property(lambda self: True, doc="the merger projects to the text model")
     model_type = property(lambda self: "qwen2.5vl", doc="the tower family")
+    projector_type = property(lambda self: "qwen2.5vl_merger", doc="the 2x2 patch merger")
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """(rows, cols) of image tokens for an image of width x height."""
