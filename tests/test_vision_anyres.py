@@ -25,7 +25,7 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
-from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
+from helpers.vision import randomize_weights, sample_images  # noqa: E402  (weights far from transformers' init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.anyres import ANYRES, SINGLE  # noqa: E402
@@ -38,20 +38,7 @@ IMAGE_TOKEN = 319
 MEAN, STD = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]
 
 
-def _images() -> dict[str, Any]:
-    chelsea = PIL_Image.open(PHOTOS / "chelsea.png").convert("RGB")  # 451 x 300
-    rng = np.random.default_rng(3)
-    return {
-        "landscape": chelsea,
-        "portrait": chelsea.transpose(PIL_Image.Transpose.ROTATE_90),  # 300 x 451
-        "astronaut": PIL_Image.open(PHOTOS / "astronaut.png").convert("RGB"),  # 512 x 512 > 336 (largest pinpoint)
-        "coffee": PIL_Image.open(PHOTOS / "coffee.png").convert("RGB"),  # 600 x 400
-        "tiny": PIL_Image.fromarray(rng.integers(0, 256, (7, 10, 3), dtype=np.uint8)),
-        "tall": PIL_Image.fromarray(rng.integers(0, 256, (700, 90, 3), dtype=np.uint8)),
-    }
-
-
-IMAGES = _images()
+IMAGES = sample_images()  # 512 x 512 is larger than the largest pinpoint (336)
 
 
 def _text_model(seed: int) -> Any:

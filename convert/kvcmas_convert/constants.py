@@ -43,6 +43,7 @@ ARCH_KEY_SLIDING_WINDOW_PATTERN: Final = "attention.sliding_window_pattern"  # b
 ARCH_KEY_ROPE_DIMENSION_COUNT: Final = "rope.dimension_count"
 ARCH_KEY_ROPE_FREQ_BASE: Final = "rope.freq_base"
 ARCH_KEY_ROPE_FREQ_BASE_SWA: Final = "rope.freq_base_swa"  # sliding-window layers' base (gemma3)
+ARCH_KEY_ROPE_DIMENSION_SECTIONS: Final = "rope.dimension_sections"  # M-RoPE (qwen2vl): pairs per t / h / w, 0
 ARCH_KEY_ROPE_SCALING_TYPE: Final = "rope.scaling.type"
 ARCH_KEY_ROPE_SCALING_FACTOR: Final = "rope.scaling.factor"
 ARCH_KEY_ROPE_SCALING_ORIG_CTX: Final = "rope.scaling.original_context_length"
@@ -60,6 +61,7 @@ ARCH_KEYS: Final = (
     ARCH_KEY_HEAD_COUNT, ARCH_KEY_HEAD_COUNT_KV, ARCH_KEY_KEY_LENGTH, ARCH_KEY_VALUE_LENGTH, ARCH_KEY_RMS_EPS,
     ARCH_KEY_SLIDING_WINDOW, ARCH_KEY_SLIDING_WINDOW_PATTERN,
     ARCH_KEY_ROPE_DIMENSION_COUNT, ARCH_KEY_ROPE_FREQ_BASE, ARCH_KEY_ROPE_FREQ_BASE_SWA, ARCH_KEY_ROPE_SCALING_TYPE,
+    ARCH_KEY_ROPE_DIMENSION_SECTIONS,
     ARCH_KEY_ROPE_SCALING_FACTOR, ARCH_KEY_ROPE_SCALING_ORIG_CTX, ARCH_KEY_ROPE_SCALING_ATTN_FACTOR,
     ARCH_KEY_ROPE_SCALING_YARN_BETA_FAST, ARCH_KEY_ROPE_SCALING_YARN_BETA_SLOW, ARCH_KEY_FINAL_LOGIT_SOFTCAPPING,
     ARCH_KEY_EXPERT_COUNT, ARCH_KEY_EXPERT_USED_COUNT, ARCH_KEY_EXPERT_FEED_FORWARD_LENGTH, ARCH_KEY_VOCAB_SIZE,
@@ -75,6 +77,7 @@ ARCH_GEMMA3: Final = "gemma3"
 ARCH_OLMO2: Final = "olmo2"
 ARCH_SMOLLM3: Final = "smollm3"
 ARCH_PHI3: Final = "phi3"
+ARCH_QWEN2_VL: Final = "qwen2vl"
 ENGINE_ARCHITECTURES: Final = (
     ARCH_LLAMA,
     ARCH_QWEN2,
@@ -84,6 +87,7 @@ ENGINE_ARCHITECTURES: Final = (
     ARCH_OLMO2,
     ARCH_SMOLLM3,
     ARCH_PHI3,
+    ARCH_QWEN2_VL,
 )
 
 # --- tokenizer.* ----------------------------------------------------------------------------------------------------

@@ -374,6 +374,72 @@ class Qwen2Model(ModelClass):
         return [il >= first for il in range(self.n_layer)]
 
 
+class _TextTensors:
+    """The text model's tensors of a vision-language checkpoint under causal-LM names: ``model.language_model.*``
+    (transformers 5) as ``model.*``; the vision tower's (``model.visual.*``, ``visual.*``) left out."""
+
+    def __init__(self, tensors: CheckpointTensors) -> None:
+        self.source: dict[str, str] = {}
+        for name in tensors:
+            if name.startswith(("model.visual.", "visual.")):
+                continue
+            new = "model." + name[len("model.language_model.") :] if name.startswith("model.language_model.") else name
+            self.source[new] = name
+        self.refs = {new: tensors.refs[old] for new, old in self.source.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.refs
+
+    def __iter__(self) -> Any:
+        return iter(self.refs)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.refs[name].shape
+
+
+@register
+class Qwen2VLModel(Qwen2Model):
+    """The text half of ``Qwen2_5_VLForConditionalGeneration``: llama.cpp's "qwen2vl", the qwen2 layer with M-RoPE
+    (``rope.dimension_sections``: the rotated pairs of the temporal, height and width positions, then 0)."""
+
+    hf_architecture = "Qwen2_5_VLForConditionalGeneration"
+    hf_model_type = ""  # only whole checkpoints: its text_config alone is not a causal LM of its own
+    gguf_architecture = C.ARCH_QWEN2_VL
+    rope_types = ("default", "mrope")
+
+    def __init__(self, config: dict[str, Any], where: str) -> None:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise ConvertError(f"{where}: a {self.hf_architecture} config needs a 'text_config' object")
+        merged = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+        merged.update(text)
+        super().__init__(merged, where)
+        sections = self.rope.get("mrope_section")
+        half = self.n_rot // 2
+        if (
+            not isinstance(sections, list)
+            or len(sections) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sections)
+            or sum(sections) != half
+        ):
+            raise ConvertError(
+                f"{where}: rope parameters 'mrope_section' = {sections!r} must be 3 integers summing to {half} "
+                "(half the rotated head size)"
+            )
+        self.sections = [*sections, 0]
+
+    def write_extra(self, writer: Any, a: str) -> None:
+        writer.add_array(a + C.ARCH_KEY_ROPE_DIMENSION_SECTIONS, self.sections)
+
+    def plan(self, tensors: CheckpointTensors) -> list[TensorPlan]:
+        view = _TextTensors(tensors)
+        plans = super().plan(view)  # type: ignore[arg-type]
+        for p in plans:
+            if p.source is not None:
+                p.source = view.source[p.source]
+        return plans
+
+
 @register
 class Qwen3Model(Qwen2Model):
     """``Qwen3ForCausalLM``: llama.cpp's "qwen3" (NeoX RoPE, no q/k/v biases, per-head RMSNorm of Q and K)."""

@@ -28,6 +28,7 @@ from typing import Any, Final
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from . import qwen_vision
 from .convert import ConvertResult, check_output, convert, encode_tensor, input_files, temporary_output
 from .errors import ConvertError
 from .models import MODEL_CLASSES, text_architecture_for
@@ -96,6 +97,8 @@ class MmprojPlan:
     tensors: list[tuple[str, str, tuple[int, ...]]]  # (GGUF name, HF name, numpy-order shape)
     ignored: set[str] = field(default_factory=set)
     plus_one: set[str] = field(default_factory=set)  # GGUF names written as 1 + the checkpoint's values
+    # GGUF name -> what makes it from its HF tensor (a slice: Qwen2.5-VL's fused QKV, its Conv3d's time steps)
+    transforms: dict[str, Any] = field(default_factory=dict)
 
 
 def _positive_int(cfg: dict[str, Any], key: str, where: str) -> int:
@@ -278,6 +281,8 @@ def plan_mmproj(
     config = load_config(model_dir)
     where = str(model_dir / "config.json")
     archs = config.get("architectures") or []
+    if qwen_vision.ARCHITECTURE in archs:
+        return qwen_vision.plan_qwen25vl(model_dir, tensors, config, _processor_settings(model_dir)[0])
     is_llava = any(a in _LLAVA_ARCHS for a in archs)
     is_gemma3 = _GEMMA3_ARCH in archs
     if is_gemma3:
@@ -440,15 +445,20 @@ def plan_mmproj(
         metadata[KEY_PROJECTION_DIM] = n_text
         metadata[KEY_PROJECTOR_ACT] = projector_act
 
-    for gguf_name, hf_name, shape in out:
+    check_shapes(model_dir, tensors, [(hf_name, gguf_name, shape) for gguf_name, hf_name, shape in out])
+    return MmprojPlan(model_type, metadata, out, plus_one=plus_one)
+
+
+def check_shapes(model_dir: Path, tensors: CheckpointTensors, expected: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """ConvertError unless each (HF name, what it is for, shape) is in the checkpoint with that shape."""
+    for hf_name, purpose, shape in expected:
         if hf_name not in tensors:
-            raise ConvertError(f"{model_dir}: tensor {hf_name!r} (for {gguf_name!r}) is missing from the checkpoint")
+            raise ConvertError(f"{model_dir}: tensor {hf_name!r} (for {purpose!r}) is missing from the checkpoint")
         if tensors.shape(hf_name) != shape:
             raise ConvertError(
                 f"{tensors.refs[hf_name].path}: tensor {hf_name!r} has shape {list(tensors.shape(hf_name))}, "
                 f"config.json implies {list(shape)}"
             )
-    return MmprojPlan(model_type, metadata, out, plus_one=plus_one)
 
 
 @dataclass
@@ -542,6 +552,8 @@ def convert_mmproj(
                     data = tensors.load(hf_name)
                     if gguf_name in plan.plus_one:
                         data = np.asarray(data, dtype=np.float32) + 1.0
+                    if gguf_name in plan.transforms:
+                        data = np.ascontiguousarray(plan.transforms[gguf_name](data))
                     writer.write_tensor_data(encode_tensor(data, t))
             finally:
                 writer.close()
@@ -549,6 +561,9 @@ def convert_mmproj(
     finally:
         tensors.close()
     meta = plan.metadata
+    if plan.model_type == qwen_vision.MODEL_TYPE:  # dynamic resolution: the most tokens an image can take
+        factor = meta[KEY_PATCH_SIZE] * meta[qwen_vision.KEY_SPATIAL_MERGE_SIZE]
+        return MmprojResult(out, plan.model_type, meta[qwen_vision.KEY_IMAGE_MAX_PIXELS] // factor**2, listing, meta)
     n_patches = (meta[KEY_IMAGE_SIZE] // meta[KEY_PATCH_SIZE] // meta.get(KEY_PROJ_SCALE_FACTOR, 1)) ** 2
     keeps_cls = plan.model_type == "clip" and meta[KEY_SELECT_STRATEGY] == "full"
     return MmprojResult(out, plan.model_type, n_patches + int(keeps_cls), listing, meta)
@@ -670,6 +685,8 @@ def _run_mmproj(args: argparse.Namespace) -> int:
     pinpoints = result.metadata.get(KEY_GRID_PINPOINTS)
     rows = (f"AnyRes: {result.n_tokens} rows per tile, {len(pinpoints) // 2} grid pinpoints" if pinpoints
             else f"{result.n_tokens} image tokens")  # fmt: skip
+    if result.model_type == qwen_vision.MODEL_TYPE:
+        rows = f"dynamic resolution: up to {result.n_tokens} image tokens"
     print(f"wrote {result.output} ({result.model_type}, {len(result.tensors)} tensors, {rows})", file=sys.stderr)
     if args.text_outfile:
         text = convert_llava_text(

@@ -6,8 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include "bindings/bindings.h"
 #include "backend/cpu/cpu-features.h"
+#include "bindings/bindings.h"
 #include "common/error.h"
 #include "engine/model.h"
 
@@ -20,8 +20,11 @@ using BoolArray = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::devi
 using EmbdArray = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using FloatOut  = nb::ndarray<nb::numpy, float, nb::ndim<2>>;
 
+using OffsetArray = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
 static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want_logits, std::optional<EmbdArray> embd,
-                       std::optional<IntArray> embd_rows, std::optional<IntArray> bidirectional) {
+                       std::optional<IntArray> embd_rows, std::optional<IntArray> bidirectional,
+                       std::optional<OffsetArray> rope_offsets) {
     const size_t n = seqs.shape(0);
     KC_CHECK(tokens.shape(0) == n && want_logits.shape(0) == n,
              "decode: seqs, tokens and want_logits must have the same length (%zu, %zu, %zu)", n,
@@ -48,6 +51,11 @@ static FloatOut decode(Model & m, IntArray seqs, IntArray tokens, BoolArray want
         for (size_t i = 0; i < bidirectional->shape(0); i += 2) {
             batch.bidirectional.emplace_back((*bidirectional)(i), (*bidirectional)(i + 1));
         }
+    }
+    if (rope_offsets) {
+        KC_CHECK(rope_offsets->shape(0) == n && rope_offsets->shape(1) == 3,
+                 "decode: rope_offsets must be [n_items, 3] (temporal, height, width offsets)");
+        batch.rope_offsets = rope_offsets->data();
     }
     std::vector<float> * logits = new std::vector<float>();
     try {
@@ -212,6 +220,9 @@ void bind_engine(nb::module_ & m) {
         .def_prop_ro("device", &Model::backend_name, "the backend the model runs on: 'cpu' or 'cuda'")
         .def_prop_ro("device_description", &Model::device_description)
         .def_prop_ro("arch", [](const Model & m) { return m.params().arch; })
+        .def_prop_ro(
+            "rope_sections", [](const Model & m) { return m.params().rope_sections; },
+            "M-RoPE rotated pairs per temporal / height / width position (empty: one position)")
         .def_prop_ro("n_vocab", [](const Model & m) { return m.params().n_vocab; })
         .def_prop_ro("n_ctx_train", [](const Model & m) { return m.params().n_ctx_train; })
         .def_prop_ro("n_layer", [](const Model & m) { return m.params().n_layer; })
@@ -325,8 +336,11 @@ void bind_engine(nb::module_ & m) {
             "Rotates key rows [n, n_head_kv * head_dim] by `shift` positions with layer `layer`'s RoPE.")
         .def("decode", &decode, nb::arg("seqs"), nb::arg("tokens"), nb::arg("want_logits"),
              nb::arg("embd") = nb::none(), nb::arg("embd_rows") = nb::none(), nb::arg("bidirectional") = nb::none(),
+             nb::arg("rope_offsets") = nb::none(),
              "Appends items to sequences and returns the logits [n_wanted, n_vocab] of the flagged items. "
-             "bidirectional: int32 (first, end) item-range pairs whose items attend to each other (Gemma 3 images).");
+             "bidirectional: int32 (first, end) item-range pairs whose items attend to each other (Gemma 3 images). "
+             "rope_offsets [n, 3] (M-RoPE models): added to each item's position for its temporal, height and width "
+             "rotation.");
 }
 
 }  // namespace kvcmas::py

@@ -6,6 +6,7 @@
 
 #include "bindings/bindings.h"
 #include "common/error.h"
+#include "vision/qwen-vision-encoder.h"
 #include "vision/vision-encoder.h"
 
 namespace nb = nanobind;
@@ -31,6 +32,49 @@ static FloatOut encode(vision::VisionEncoder & enc, PixelArray pixels) {
     return FloatOut(out->data(), { rows, cols }, owner);
 }
 
+using PatchArray = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+static FloatOut encode_patches(vision::QwenVisionEncoder & enc, PatchArray patches, int64_t grid_h, int64_t grid_w) {
+    auto * out = new std::vector<float>();
+    try {
+        nb::gil_scoped_release release;
+        *out = enc.encode(patches.data(), static_cast<int64_t>(patches.shape(0)),
+                          static_cast<int64_t>(patches.shape(1)), grid_h, grid_w);
+    } catch (...) {
+        delete out;
+        throw;
+    }
+    const size_t cols = static_cast<size_t>(enc.params().n_embd_out);
+    nb::capsule  owner(out, [](void * p) noexcept { delete static_cast<std::vector<float> *>(p); });
+    return FloatOut(out->data(), { out->size() / cols, cols }, owner);
+}
+
+static void bind_qwen_vision(nb::module_ & m) {
+    using vision::QwenVisionEncoder;
+    nb::class_<QwenVisionEncoder>(m, "QwenVisionEncoder",
+                                  "Qwen2.5-VL's vision tower and patch merger, loaded from an mmproj GGUF.")
+        .def(nb::init<const std::string &, int>(), nb::arg("path"), nb::arg("n_threads") = 0,
+             nb::call_guard<nb::gil_scoped_release>())
+        .def("encode", &encode_patches, nb::arg("patches"), nb::arg("grid_h"), nb::arg("grid_w"),
+             "patches: float32 [grid_h * grid_w, 3 * 2 * P * P] in the processor's order -> float32 "
+             "[grid_h * grid_w / merge^2, n_embd_out]")
+        .def_prop_ro("path", [](const QwenVisionEncoder & e) { return e.file().path(); })
+        .def_prop_ro("n_threads", &QwenVisionEncoder::n_threads)
+        .def_prop_ro("patch_size", [](const QwenVisionEncoder & e) { return e.params().patch_size; })
+        .def_prop_ro("temporal_patch_size", [](const QwenVisionEncoder & e) { return e.params().temporal_patch_size; })
+        .def_prop_ro("merge_size", [](const QwenVisionEncoder & e) { return e.params().merge_size; })
+        .def_prop_ro("window_size", [](const QwenVisionEncoder & e) { return e.params().window_size; })
+        .def_prop_ro("n_embd", [](const QwenVisionEncoder & e) { return e.params().n_embd; })
+        .def_prop_ro("n_layer", [](const QwenVisionEncoder & e) { return e.params().n_layer; })
+        .def_prop_ro("n_head", [](const QwenVisionEncoder & e) { return e.params().n_head; })
+        .def_prop_ro("n_embd_out", [](const QwenVisionEncoder & e) { return e.params().n_embd_out; })
+        .def_prop_ro("full_attention", [](const QwenVisionEncoder & e) { return e.params().full_attention; })
+        .def_prop_ro("min_pixels", [](const QwenVisionEncoder & e) { return e.params().min_pixels; })
+        .def_prop_ro("max_pixels", [](const QwenVisionEncoder & e) { return e.params().max_pixels; })
+        .def_prop_ro("image_mean", [](const QwenVisionEncoder & e) { return e.params().image_mean; })
+        .def_prop_ro("image_std", [](const QwenVisionEncoder & e) { return e.params().image_std; });
+}
+
 static const char * activation_name(vision::Activation a) {
     switch (a) {
         case vision::Activation::GeluErf:
@@ -46,6 +90,7 @@ static const char * activation_name(vision::Activation a) {
 }
 
 void bind_vision(nb::module_ & m) {
+    bind_qwen_vision(m);
     using vision::VisionEncoder;
     nb::class_<VisionEncoder>(
         m, "VisionEncoder",

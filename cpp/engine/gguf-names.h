@@ -37,6 +37,7 @@ inline constexpr char kArchKeySlidingWindowPattern[] = "attention.sliding_window
 inline constexpr char kArchKeyRopeDimensionCount[] = "rope.dimension_count";
 inline constexpr char kArchKeyRopeFreqBase[] = "rope.freq_base";
 inline constexpr char kArchKeyRopeFreqBaseSwa[] = "rope.freq_base_swa";
+inline constexpr char kArchKeyRopeDimensionSections[] = "rope.dimension_sections";
 inline constexpr char kArchKeyRopeScalingType[] = "rope.scaling.type";
 inline constexpr char kArchKeyRopeScalingFactor[] = "rope.scaling.factor";
 inline constexpr char kArchKeyRopeScalingOrigCtx[] = "rope.scaling.original_context_length";
@@ -58,6 +59,7 @@ inline constexpr char kArchGemma3[] = "gemma3";
 inline constexpr char kArchOlmo2[] = "olmo2";
 inline constexpr char kArchSmollm3[] = "smollm3";
 inline constexpr char kArchPhi3[] = "phi3";
+inline constexpr char kArchQwen2Vl[] = "qwen2vl";
 
 // tokenizer.* keys
 inline constexpr char kKeyTokenizerModel[] = "tokenizer.ggml.model";

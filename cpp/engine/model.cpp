@@ -253,6 +253,8 @@ void Model::load_weights() {
 std::vector<float> Model::decode(const Batch & batch) {
     std::lock_guard<std::mutex> lock(mutex_);
     KC_CHECK(!batch.items.empty(), "decode: the batch is empty");
+    KC_CHECK(batch.rope_offsets == nullptr || !p_.rope_sections.empty(),
+             "decode: M-RoPE offsets given, but architecture '%s' has one position per token", p_.arch.c_str());
     std::map<int32_t, int32_t> count, length, fill;  // per sequence: items, rows before, reserved rows they fill
     std::vector<int32_t>       order;                // sequences by first appearance
     for (const BatchItem & it : batch.items) {
@@ -337,6 +339,22 @@ std::vector<float> Model::decode(const Batch & batch) {
     return logits;
 }
 
+// M-RoPE: pair j rotates by component c(j) of (pos + offsets[0], pos + offsets[1], pos + offsets[2]), c(j) the
+// section (p.rope_sections) pair j falls in.
+void Model::mrope_angles(const cpu::Rope & rope, int32_t pos, const int32_t * offsets, float * cos_out,
+                         float * sin_out) const {
+    const int64_t      half = p_.n_rot / 2;
+    std::vector<float> c(static_cast<size_t>(half)), s(static_cast<size_t>(half));
+    int64_t            j = 0;
+    for (int comp = 0; comp < 3; ++comp) {
+        rope.angles(static_cast<double>(pos) + offsets[comp], c.data(), s.data());
+        for (int64_t end = j + p_.rope_sections[static_cast<size_t>(comp)]; j < end; ++j) {
+            cos_out[j] = c[static_cast<size_t>(j)];
+            sin_out[j] = s[static_cast<size_t>(j)];
+        }
+    }
+}
+
 void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                     std::vector<float> & logits) {
     backend::Backend & be = *backend_;
@@ -386,6 +404,11 @@ void Model::forward(const Batch & batch, const std::vector<KvSlot> & slots, cons
         }
         std::vector<float> cq(n * half), sq(n * half), ck(n * half), sk(n * half);
         for (int64_t i = 0; i < n; ++i) {
+            if (!p_.rope_sections.empty() && batch.rope_offsets != nullptr) {
+                mrope_angles(ropes_[r], positions[i], &batch.rope_offsets[i * 3], &cq[i * half], &sq[i * half]);
+                mrope_angles(ropes_[r], slots[i].frame_pos, &batch.rope_offsets[i * 3], &ck[i * half], &sk[i * half]);
+                continue;
+            }
             ropes_[r].angles(static_cast<double>(positions[i]), &cq[i * half], &sq[i * half]);
             ropes_[r].angles(static_cast<double>(slots[i].frame_pos), &ck[i * half], &sk[i * half]);
         }

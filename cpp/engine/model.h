@@ -33,6 +33,11 @@ struct Batch {
     // Bidirectional spans: item ranges [first, end) of one sequence at consecutive positions whose items attend to
     // each other, not only to earlier ones (Gemma 3's image tokens). A span is computed in one batch.
     std::vector<std::pair<int64_t, int64_t>> bidirectional;
+    // M-RoPE (models with rope_sections): [items][3] added to each item's sequence position to give its temporal,
+    // height and width positions (an image's grid; text after an image is shifted by the same amount in all
+    // three). Null: zero. The same offsets rotate the item's key, so a shared span read at another position (a
+    // uniform shift) stays exact.
+    const int32_t * rope_offsets = nullptr;
 };
 
 // What a sequence's segment is, for accounting and tests.
@@ -141,6 +146,9 @@ class Model {
     void load_weights();
     void forward(const Batch & batch, const std::vector<KvSlot> & slots, const std::vector<int32_t> & positions,
                  std::vector<float> & logits);
+    // cos/sin [n_rot/2] of an M-RoPE item at sequence position pos with its 3 offsets (Batch::rope_offsets).
+    void mrope_angles(const cpu::Rope & rope, int32_t pos, const int32_t * offsets, float * cos_out,
+                      float * sin_out) const;
     // For the engine's helpers that run under the lock.
     KvCache &          kv() { return *kv_; }
     backend::Backend & backend() { return *backend_; }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 #include "backend/cpu/quants.h"
 #include "common/error.h"
@@ -14,16 +13,8 @@ namespace kvcmas::vision {
 
 namespace names = vision_names;
 
-static int default_threads(int n_threads) {
-    if (n_threads > 0) {
-        return n_threads;
-    }
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
-}
-
 VisionEncoder::VisionEncoder(const std::string & path, int n_threads)
-    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(default_threads(n_threads)) {
+    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(encoder_threads(n_threads)) {
     load_params();
     load_weights();
 }
@@ -286,21 +277,7 @@ std::vector<float> VisionEncoder::gemma3_project(const float * x) {
 
 void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
                            int64_t n_tok) {
-    cpu::matmul(w, x, y, n_tok, pool_);
-    if (b.empty()) {
-        return;
-    }
-    const int64_t n = w.n_out;
-    pool_.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(n_tok, ith, nth, t0, t1);
-        for (long long t = t0; t < t1; ++t) {
-            float * row = y + t * n;
-            for (int64_t i = 0; i < n; ++i) {
-                row[i] += b[static_cast<size_t>(i)];
-            }
-        }
-    });
+    vision::linear(w, b, x, y, n_tok, pool_);
 }
 
 // Multi-head attention without a mask. Each head runs as two matmuls against f32 views of K and Vᵀ, which

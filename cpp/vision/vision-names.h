@@ -62,4 +62,17 @@ inline constexpr char kTensorMmInputProj[]   = "mm.input_projection.weight";
 inline constexpr char kProjectorMlp[]        = "mlp";
 inline constexpr char kProjectorGemma3[]     = "gemma3";
 
+// Qwen2.5-VL (clip.projector_type "qwen2.5vl_merger"; llama.cpp's keys and names)
+inline constexpr char kProjectorQwen25Vl[]    = "qwen2.5vl_merger";
+inline constexpr char kKeyWindowAttnPattern[] = "clip.vision.n_wa_pattern";      // every n-th block attends fully
+inline constexpr char kKeyFullAttnLayers[]    = "clip.vision.wa_layer_indexes";  // the blocks that attend fully
+inline constexpr char kKeyWindowSize[]        = "clip.vision.window_size";       // pixels a side of a window
+inline constexpr char kKeySpatialMergeSize[]  = "clip.vision.spatial_merge_size";
+inline constexpr char kKeyImageMinPixels[]    = "clip.vision.image_min_pixels";
+inline constexpr char kKeyImageMaxPixels[]    = "clip.vision.image_max_pixels";
+inline constexpr char kKeyTemporalPatchSize[] = "kvcmas.vision.temporal_patch_size";  // the Conv3d's depth (2)
+inline constexpr char kKeyRopeTheta[]         = "kvcmas.vision.rope_theta";           // the ViT's 2D RoPE base
+inline constexpr char kTensorPatchEmbd1[]     = "v.patch_embd.weight.1";              // the second temporal kernel
+inline constexpr char kBlkFfnGate[]           = "ffn_gate";
+
 }  // namespace kvcmas::vision_names

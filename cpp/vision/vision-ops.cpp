@@ -1,7 +1,9 @@
 #include "vision/vision-ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 namespace kvcmas::vision {
 
@@ -87,6 +89,33 @@ void softmax(float * x, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         x[i] *= inv;
     }
+}
+
+void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok,
+            cpu::ThreadPool & pool) {
+    cpu::matmul(w, x, y, n_tok, pool);
+    if (b.empty()) {
+        return;
+    }
+    const int64_t n = w.n_out;
+    pool.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_tok, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+            float * row = y + t * n;
+            for (int64_t i = 0; i < n; ++i) {
+                row[i] += b[static_cast<size_t>(i)];
+            }
+        }
+    });
+}
+
+int encoder_threads(int n_threads) {
+    if (n_threads > 0) {
+        return n_threads;
+    }
+    const unsigned hw = std::thread::hardware_concurrency();
+    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
 }
 
 }  // namespace kvcmas::vision

@@ -3,6 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/threadpool.h"
 
 namespace kvcmas::vision {
 
@@ -26,5 +30,12 @@ void activate(Activation act, float * x, int64_t n);
 
 // x[i] = exp(x[i] - max) / Σ exp(x[j] - max): a numerically safe softmax of one row, in place.
 void softmax(float * x, int64_t n);
+
+// y [n_tok, w.n_out] = x · wᵀ + b (b may be empty), on the pool.
+void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok,
+            cpu::ThreadPool & pool);
+
+// Threads of an encoder's pool: n_threads when positive, else all cores (at most 64).
+int encoder_threads(int n_threads);
 
 }  // namespace kvcmas::vision

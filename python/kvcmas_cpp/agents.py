@@ -256,6 +256,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
             other._state.bidirectional = list(self._state.bidirectional)
+            other._state.vector_pos = None if self._state.vector_pos is None else self._state.vector_pos.copy()
             other._vector_ids = dict(self._vector_ids)
             other._index.by_text = dict(self._index.by_text)
             for span in self._items:

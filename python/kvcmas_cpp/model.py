@@ -97,6 +97,8 @@ class SharedKV:
 
     handle: Any  # _core.SharedSpan
     tokens: tuple[int, ...]
+    # M-RoPE: (end, change) of each whole image in the rows: after row end - 1 a reader's rope_delta changes by it
+    rope_marks: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -107,7 +109,62 @@ class SharedKV:
             raise ValueError(f"SharedKV.slice: rows [{first}, {first + n}) are outside the span's {len(self)} rows")
         if first == 0 and n == len(self):
             return self
-        return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n])
+        marks = tuple((end - first, d) for end, d in self.rope_marks if first < end <= first + n)
+        return SharedKV(self.handle.slice(first, n), self.tokens[first : first + n], marks)
+
+
+class ImageFeatures(np.ndarray):
+    """An image's rows [rows * cols, n_embd] (a vision encoder's output) that know their token grid, so every path
+    that appends them (KVSequence.append_embeddings, plans, the server's segments, an agent session's vectors) gives
+    an M-RoPE model their 2D positions. A slice or copy is plain rows again."""
+
+    grid: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, rows: np.ndarray, grid: tuple[int, int]) -> ImageFeatures:
+        if grid[0] * grid[1] != len(rows):
+            raise ValueError(f"an image grid of {grid[0]} x {grid[1]} does not hold {len(rows)} rows")
+        out = rows.view(cls)
+        out.grid = (int(grid[0]), int(grid[1]))
+        return out
+
+    def __array_finalize__(self, obj: Any) -> None:
+        grid = getattr(obj, "grid", None)
+        self.grid = grid if grid is not None and self.ndim == 2 and len(self) == grid[0] * grid[1] else None
+
+
+def image_pos_of(rows: Any) -> np.ndarray | None:
+    """[n, 3] (k, rows, cols) of ImageFeatures with a grid (append_embeddings' image_pos), else None."""
+    grid = getattr(rows, "grid", None)
+    if grid is None:
+        return None
+    n = grid[0] * grid[1]
+    return np.stack([np.arange(n), np.full(n, grid[0]), np.full(n, grid[1])], axis=1)
+
+
+def mrope_offsets(
+    image_pos: np.ndarray, positions: Sequence[int], marks: list[tuple[int, int]]
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """M-RoPE of rows at sequence `positions` (get_rope_index's positions, as offsets from the sequence positions):
+    image_pos [n, 3] per row (k, rows, cols), row k of an image of rows x cols tokens (rows = 0: a text row); marks:
+    (end, change) of the images before, each adding its change to the positions from `end` on. A text row sits at
+    its position plus the changes before it; image row k at base + (0, k // cols, k % cols), base the position its
+    first row would have as text; an image's change is max(rows, cols) - rows x cols. Returns (offsets [n, 3]
+    int32, marks with the images these rows end)."""
+    marks = list(marks)
+    offsets = np.zeros((len(positions), 3), dtype=np.int32)
+    for i, pos in enumerate(positions):
+        k, rows, cols = (int(x) for x in image_pos[i])
+        if rows <= 0:
+            offsets[i] = sum(d for end, d in marks if end <= pos)
+            continue
+        if cols <= 0 or not 0 <= k < rows * cols:
+            raise ValueError(f"M-RoPE: image row {k} is outside a {rows} x {cols} image")
+        d = sum(d for end, d in marks if end <= pos - k)  # as of the image's first row
+        offsets[i] = (d - k, d + k // cols - k, d + k % cols - k)
+        if k == rows * cols - 1:  # the image's last row: the text after it goes on from its positions
+            marks.append((pos + 1, max(rows, cols) - rows * cols))
+    return offsets, marks
 
 
 class KVSequence:
@@ -122,9 +179,25 @@ class KVSequence:
         self.id = seq_id
         self.tokens = tokens  # the ids whose KV the sequence holds or will hold (-1 for embedding inputs)
         self._reserved: list[tuple[int, int]] = []  # (position, id) of rows reserved and not yet computed, in order
+        # M-RoPE models (qwen2vl): (end, change) of each image: a text row's rotary position is its position plus
+        # the changes of the images that end before it (an image advances positions by max(rows, cols), not by its
+        # rows x cols)
+        self._rope_marks: list[tuple[int, int]] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def rope_delta(self) -> int:
+        """What the next text row's rotary position adds to its position (M-RoPE models; 0 without images)."""
+        return sum(d for _, d in self._rope_marks)
+
+    def _delta_at(self, pos: int) -> int:
+        return sum(d for end, d in self._rope_marks if end <= pos)
+
+    def _next_positions(self, filled: int, n: int) -> list[int]:
+        """Positions of the next n computed rows, the first `filled` of them filling reserved rows."""
+        return [p for p, _ in self._reserved[:filled]] + list(range(len(self.tokens), len(self.tokens) + n - filled))
 
     @property
     def reserved(self) -> int:
@@ -183,7 +256,11 @@ class KVSequence:
             elif logits == "last" and is_last_chunk:
                 want[-1] = 1
             filled = self.check_fill(chunk)
-            out = self._model._decode([self.id] * len(chunk), chunk, want)
+            if self._rope_marks:  # M-RoPE text after an image
+                deltas = [self._delta_at(p) for p in self._next_positions(filled, len(chunk))]
+                out = self._model._decode([self.id] * len(chunk), chunk, want, deltas)
+            else:
+                out = self._model._decode([self.id] * len(chunk), chunk, want)
             self.record(chunk, filled)
             if len(out):
                 rows.append(out)
@@ -194,34 +271,57 @@ class KVSequence:
         return np.concatenate(rows, axis=0)
 
     def append_embeddings(
-        self, embeddings: np.ndarray, logits: bool = False, bidirectional: bool | None = None
+        self,
+        embeddings: np.ndarray,
+        logits: bool = False,
+        bidirectional: bool | None = None,
+        image_grid: tuple[int, int] | None = None,
+        image_pos: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """Appends input vectors [n, n_embd] (e.g. image features) in place of token embeddings. bidirectional: the
         rows attend to each other, not only to earlier ones (Gemma 3's image tokens: the model's mask within an
-        image); default: whether they are BidirectionalRows."""
+        image); default: whether they are BidirectionalRows. For an M-RoPE model the rows of an image take 2D
+        positions (others run them in sequence, as any vectors): image_grid (rows, cols) says the vectors are a whole
+        image, row-major; image_pos [n, 3] says per vector (k, rows, cols): row k of an image of rows x cols tokens
+        (rows = 0: not an image row), so an image may come in several appends; default: an ImageFeatures' grid."""
         if bidirectional is None:
             bidirectional = is_bidirectional(embeddings)
         embd = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embd.ndim != 2 or embd.shape[1] != self._model.n_embd or embd.shape[0] == 0:
             raise ValueError(f"append_embeddings: expected shape [n, {self._model.n_embd}], got {embd.shape}")
         n = embd.shape[0]
+        if image_grid is None and image_pos is None:
+            image_pos = image_pos_of(embeddings)
+        if image_grid is not None:
+            rows, cols = (int(x) for x in image_grid)
+            if rows <= 0 or cols <= 0 or rows * cols != n:
+                raise ValueError(f"append_embeddings: an image grid of {rows} x {cols} does not hold {n} rows")
+            image_pos = np.stack([np.arange(n), np.full(n, rows), np.full(n, cols)], axis=1)
         want = np.zeros(n, dtype=np.uint8)
         if logits:
             want[-1] = 1
         seqs = np.full(n, self.id, dtype=np.int32)
         filled = self.check_fill([-1] * n)
+        offsets, marks = None, self._rope_marks
+        if self._model.rope_sections and (image_pos is not None or marks):
+            info = np.zeros((n, 3), dtype=np.int64) if image_pos is None else np.asarray(image_pos, dtype=np.int64)
+            if info.shape != (n, 3):
+                raise ValueError(f"append_embeddings: image_pos must be [{n}, 3] rows of (k, rows, cols)")
+            offsets, marks = mrope_offsets(info, self._next_positions(filled, n), marks)
         span = np.array([0, n], dtype=np.int32) if bidirectional else None
         out = self._model._core.decode(
-            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32), span
+            seqs, np.full(n, -1, dtype=np.int32), want, embd, np.arange(n, dtype=np.int32), span, offsets
         )
         self.record([-1] * n, filled)
+        self._rope_marks = marks
         return out[-1] if logits else None
 
     def share(self, pos: int, n: int) -> SharedKV:
         """The stored rows of positions [pos, pos + n), to append to other sequences (no copy)."""
         if not (pos >= 0 and n > 0 and pos + n <= len(self.tokens)):
             raise ValueError(f"share: positions [{pos}, {pos + n}) are outside the sequence (length {len(self)})")
-        return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]))
+        marks = tuple((end - pos, d) for end, d in self._rope_marks if pos < end <= pos + n)
+        return SharedKV(self._model._core.seq_share(self.id, pos, n), tuple(self.tokens[pos : pos + n]), marks)
 
     def append_shared(self, shared: SharedKV, correction: Any = None, corr_row0: int = 0) -> None:
         """Appends shared rows at this sequence's end: attention re-positions their keys (RoPE) in the kernel and,
@@ -230,6 +330,8 @@ class KVSequence:
         if abs(corr_row0) > INT32_MAX:  # the core checks the correction's rows, but only of offsets a C int holds
             raise core.KvcmasError(f"append_shared: corr_row0 {corr_row0} is outside the correction's rows")
         self._model._core.seq_append_shared(self.id, shared.handle, correction, corr_row0)
+        for end, d in shared.rope_marks:  # images in the rows: the text after them goes on at their positions
+            self._rope_marks.append((len(self.tokens) + end, d))
         self.tokens.extend(shared.tokens)
 
     def kv(self, pos: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +344,9 @@ class KVSequence:
 
     def fork(self) -> KVSequence:
         """A new sequence that reads this one's rows (no copy)."""
-        return KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
+        child = KVSequence(self._model, self._model._core.seq_fork(self.id), list(self.tokens))
+        child._rope_marks = list(self._rope_marks)
+        return child
 
     def truncate(self, n: int) -> None:
         """Keeps the first n rows."""
@@ -251,6 +355,7 @@ class KVSequence:
         self._model._core.seq_truncate(self.id, n)
         del self.tokens[n:]
         self._reserved = [(p, t) for p, t in self._reserved if p < n]
+        self._rope_marks = [(end, d) for end, d in self._rope_marks if end <= n]
 
     @property
     def adapter(self) -> tuple[int, float]:
@@ -369,6 +474,9 @@ class Model:
     n_ctx = property(lambda self: self._core.n_ctx, doc="most tokens one sequence may hold")
     n_layer = property(lambda self: self._core.n_layer, doc="transformer blocks")
     n_embd = property(lambda self: self._core.n_embd, doc="hidden size")
+    rope_sections = property(
+        lambda self: list(self._core.rope_sections), doc="M-RoPE pairs per t / h / w position (empty: one position)"
+    )
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
@@ -459,9 +567,17 @@ class Model:
         return render_chat_prompt(self, messages, add_generation_prompt, template_kwargs)
 
     # ---------------------------------------------------------------------------------------------- compute
-    def _decode(self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray) -> np.ndarray:
+    def _decode(
+        self, seqs: Sequence[int], tokens: Sequence[int], want: np.ndarray, rope_deltas: Sequence[int] | None = None
+    ) -> np.ndarray:
+        offsets = None
+        if rope_deltas is not None and self.rope_sections and any(rope_deltas):  # M-RoPE text after an image
+            offsets = np.repeat(np.asarray(rope_deltas, dtype=np.int32)[:, None], 3, axis=1)
         return self._core.decode(
-            np.asarray(seqs, dtype=np.int32), np.asarray(tokens, dtype=np.int32), np.asarray(want, dtype=np.uint8)
+            np.asarray(seqs, dtype=np.int32),
+            np.asarray(tokens, dtype=np.int32),
+            np.asarray(want, dtype=np.uint8),
+            rope_offsets=offsets,
         )
 
     def new_sequence(self) -> KVSequence:
@@ -490,7 +606,12 @@ class Model:
             toks.extend(ids)
             want.extend([0] * (len(ids) - 1) + [int(bool(last))])
         filled = [seq.check_fill(ids) for seq, ids in steps]
-        out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
+        if any(seq._rope_marks for seq, _ in steps):  # M-RoPE text after an image
+            deltas = [seq._delta_at(p) for (seq, ids), k in zip(steps, filled, strict=True)
+                      for p in seq._next_positions(k, len(ids))]  # fmt: skip
+            out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8), deltas)
+        else:
+            out = self._decode(seqs, toks, np.asarray(want, dtype=np.uint8))
         for (seq, ids), k in zip(steps, filled, strict=True):
             seq.record(ids, k)
         rows = iter(out)  # the wanted rows, in order

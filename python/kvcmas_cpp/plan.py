@@ -39,6 +39,7 @@ class Append:
     seq: KVSequence
     rows: Rows
     logits: Literal["last", "none"] = "none"
+    image_pos: np.ndarray | None = None  # vector rows: [len(rows), 3] (k, rows, cols) of image rows (M-RoPE)
 
     def __post_init__(self) -> None:
         if not len(self.rows):
@@ -69,11 +70,13 @@ class ChunkExecutor:
     """Runs one chunk of an Append by itself (the engine's append at the sequence's end). A caller may override
     append, e.g. to count chunks or to run each with other work."""
 
-    def append(self, seq: KVSequence, chunk: Rows, logits: Literal["last", "none"]) -> np.ndarray | None:
-        """Appends a chunk of token ids, or of input vectors [n, n_embd], at seq's end; returns the last row's logits
-        ("last") or None."""
+    def append(
+        self, seq: KVSequence, chunk: Rows, logits: Literal["last", "none"], image_pos: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """Appends a chunk of token ids, or of input vectors [n, n_embd] (image_pos: KVSequence.append_embeddings),
+        at seq's end; returns the last row's logits ("last") or None."""
         if isinstance(chunk, np.ndarray):
-            return seq.append_embeddings(chunk, logits == "last")
+            return seq.append_embeddings(chunk, logits == "last", image_pos=image_pos)
         return seq.append(chunk, logits)
 
 
@@ -84,7 +87,11 @@ def run_append(step: Append, executor: ChunkExecutor | None = None, chunk_tokens
     out: np.ndarray | None = None
     bounds = chunk_bounds(len(step.rows), append_chunk(step.rows, chunk_tokens))
     for k, (a, b) in enumerate(bounds):
-        out = executor.append(step.seq, step.rows[a:b], step.logits if k == len(bounds) - 1 else "none")
+        want = step.logits if k == len(bounds) - 1 else "none"
+        if step.image_pos is None:
+            out = executor.append(step.seq, step.rows[a:b], want)
+        else:
+            out = executor.append(step.seq, step.rows[a:b], want, image_pos=step.image_pos[a:b])
     return out
 
 

@@ -59,11 +59,15 @@ class SessionMessages:
         if not np.isfinite(rows).all():
             raise ValueError(f"{where}: embeddings hold NaN or infinite values")
         kind = "image rows" if is_bidirectional(embeddings) else "vectors"  # Gemma 3's images attend within
+        grid = getattr(embeddings, "grid", None)  # an image's rows for an M-RoPE model (ImageFeatures)
+        if grid is not None:
+            kind = f"image{grid}"
         key = (kind, hashlib.sha256(rows.tobytes()).hexdigest())
         if key not in self._vector_ids:
             if not register:
                 return None
-            self._vector_ids[key] = self._state.add_vectors(rows.view(BidirectionalRows) if kind != "vectors" else rows)
+            registered = rows.view(BidirectionalRows) if is_bidirectional(embeddings) else rows
+            self._vector_ids[key] = self._state.add_vectors(registered, grid)
         return self._vector_ids[key]
 
     def _parts_ids(

@@ -57,6 +57,11 @@ struct ModelParams {
     bool                   rope_neox = false;  // set by the architecture: rotate (i, i + n_rot/2), else (2i, 2i + 1)
     std::vector<LayerRope> layer_rope;         // [n_layer]
 
+    // M-RoPE (qwen2vl): rotated pairs per position component (temporal, height, width; the 4th is unused), in
+    // frequency order; pair j of a query or key rotates by the component its section names. Empty: one position.
+    // A text token's three components are equal, so its rotation is plain RoPE at that position.
+    std::vector<int64_t> rope_sections;
+
     // Per layer: attend only to the last this many positions (sliding-window attention; 0: all positions).
     // From "<arch>.attention.sliding_window" and, when only some layers slide, "...sliding_window_pattern".
     std::vector<int64_t> layer_window;

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..model import KVSequence, Model
+from ..model import KVSequence, Model, image_pos_of
 from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, run_plan
 from ..prefix_cache import PrefixCache
 from ..sharing.runner import TrainingRead
@@ -99,7 +99,7 @@ def plan_segments(
     logits: np.ndarray | None = None
     try:
         for k, seg in enumerate(segments):
-            logits = yield Append(seq, seg, "last" if k == len(segments) - 1 else "none")
+            logits = yield Append(seq, seg, "last" if k == len(segments) - 1 else "none", image_pos=image_pos_of(seg))
     except BaseException:
         seq.close()
         raise

@@ -145,7 +145,8 @@ class BatchRunner:
             out, decode_rows = rows[0], [r for r in rows[1:] if r is not None]
             self.metrics.count_pass("mixed")
         else:
-            out, decode_rows = ChunkExecutor().append(step.seq, chunk, logits), None
+            pos = None if step.image_pos is None else step.image_pos[first:end]  # an M-RoPE image's rows
+            out, decode_rows = ChunkExecutor().append(step.seq, chunk, logits, pos), None
             self.metrics.count_pass("prefill")
         job.engine_ms += (time.perf_counter() - t_pass) * 1000.0
         job.appended = end

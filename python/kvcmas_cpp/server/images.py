@@ -85,6 +85,11 @@ class ImagePrompts:
             parts: list[str | np.ndarray] = [images[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
             messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
+        # the model's own tokens around an image (Qwen2.5-VL: <|vision_start|> ... <|vision_end|>), as its template
+        # writes them for an image part
+        before, after = self.vision.image_tokens
+        for i in range(n_images):
+            text = text.replace(f"{marker}{i}{marker}", f"{before}{marker}{i}{marker}{after}")
         tok = self.model.tokenizer
         if self.vision.bidirectional:  # Gemma 3: its processor's image text, the prompt tokenized once
             return messages, await run_in_threadpool(self._gemma3_segments, text, marker, images)

@@ -36,11 +36,12 @@ def append_mixed(
     logits: Literal["last", "none"],
     vectors: np.ndarray | None,
     bidirectional: list[bool] | None = None,
+    vector_pos: np.ndarray | None = None,
 ) -> Plan[np.ndarray | None]:
     """The plan of appending a prompt piece that mixes token ids with input vectors (an id -(1 + r) stands for row r
-    of `vectors`): one Append per run of ids or of vectors (a run of rows flagged in `bidirectional`, per vector row,
-    is appended as BidirectionalRows: Gemma 3's images, separated by their begin / end tokens); returns the last
-    one's logits."""
+    of `vectors`, at image position vector_pos[r] for M-RoPE): one Append per run of ids or of vectors (a run of rows
+    flagged in `bidirectional`, per vector row, is appended as BidirectionalRows: Gemma 3's images, separated by
+    their begin / end tokens); returns the last one's logits."""
     if not ids:
         return None
     if min(ids) >= 0:
@@ -58,10 +59,12 @@ def append_mixed(
         while j < len(ids) and kind(ids[j]) == run:
             j += 1
         want = logits if j == len(ids) else "none"
-        rows: list[int] | np.ndarray = vectors[[-t - 1 for t in ids[i:j]]] if run else ids[i:j]
+        picked = [-t - 1 for t in ids[i:j]]
+        rows: list[int] | np.ndarray = vectors[picked] if run else ids[i:j]
         if run == 2:
             rows = np.asarray(rows).view(BidirectionalRows)
-        out = yield Append(seq, rows, want)
+        pos = vector_pos[picked] if run and vector_pos is not None and vector_pos[picked, 1].any() else None
+        out = yield Append(seq, rows, want, image_pos=pos)
         i = j
     return out
 
@@ -155,7 +158,7 @@ class SpanAssembly:
         if not pending:  # the last computed row would not be the prompt's last: no next-token logits to take
             raise ValueError("a reusing prompt must end with template text after its last shared span")
         rows = held + pending  # the reserved rows, filled in order, then the prompt's last rows
-        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.bidirectional)
+        logits = yield from append_mixed(seq, rows, "last", st.vectors, st.bidirectional, st.vector_pos)
         assert logits is not None
         return logits, len(rows), corrs
 

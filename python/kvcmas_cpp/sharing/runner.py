@@ -203,7 +203,7 @@ class WorkflowRunner:
                 if not rest:  # a prefix that is the whole prompt: its last row is computed again, for the logits
                     seq.truncate(len(prompt) - 1)
                     rest = prompt[-1:]
-                logits = yield from append_mixed(seq, rest, "last", st.vectors, st.bidirectional)
+                logits = yield from append_mixed(seq, rest, "last", st.vectors, st.bidirectional, st.vector_pos)
                 computed = len(rest)
             else:
                 logits, computed, corrs = yield from self._assemble(a, t, seq, st, exact)

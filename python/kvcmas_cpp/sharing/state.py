@@ -61,14 +61,21 @@ class RequestState:
     kv0: int = 0  # model KV bytes when the current hop started
     vectors: np.ndarray | None = None  # input vectors [n, n_embd] that ids -(1 + row) stand for (e.g. image features)
     bidirectional: list[bool] = field(default_factory=list)  # per vector row: of a BidirectionalRows (Gemma 3 image)
+    vector_pos: np.ndarray | None = None  # [n, 3] per vector (k, rows, cols): row k of an image (M-RoPE); rows 0: not
     owned: list[KVSequence] = field(default_factory=list)  # sequences spans read besides the hops' (caller closes)
 
-    def add_vectors(self, rows: np.ndarray) -> list[int]:
-        """Registers input vectors (rows [n, n_embd]) and returns the ids that stand for them in prompts."""
+    def add_vectors(self, rows: np.ndarray, image_grid: tuple[int, int] | None = None) -> list[int]:
+        """Registers input vectors (rows [n, n_embd]; image_grid: they are an image of (rows, cols) tokens,
+        row-major, for M-RoPE) and returns the ids that stand for them in prompts."""
         self.bidirectional += [is_bidirectional(rows)] * len(rows)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         first = 0 if self.vectors is None else self.vectors.shape[0]
         self.vectors = rows.copy() if self.vectors is None else np.concatenate([self.vectors, rows])
+        n = rows.shape[0]
+        pos = np.zeros((n, 3), dtype=np.int64)
+        if image_grid is not None:
+            pos[:, 0], pos[:, 1], pos[:, 2] = np.arange(n), image_grid[0], image_grid[1]
+        self.vector_pos = pos if self.vector_pos is None else np.concatenate([self.vector_pos, pos])
         return [-(1 + first + i) for i in range(rows.shape[0])]
 
     def stored(self, ph: str) -> Span | None:

@@ -77,7 +77,7 @@ class TrainingRead:
         self.model: Model | None = model
         self.st: RequestState | None = st
         self.estimator, self.calibrate = estimator, calibrate
-        self.vectors = st.vectors
+        self.vectors, self.vector_pos = st.vectors, st.vector_pos
         self.bidirectional = st.bidirectional
         self.source = source  # this read's own sequence
         bases: dict[int, KVSequence] = {}
@@ -160,7 +160,7 @@ class TrainingRead:
         """Lets go of everything a finished read refers to: its parts' spans hold stored rows (SharedKV) and its
         callbacks the session, so a read still referenced (an idle worker's queue, a caller's list) keeps no KV and
         no session alive, and forms no reference cycle through them."""
-        self.parts, self.st, self.vectors = [], None, None
+        self.parts, self.st, self.vectors, self.vector_pos = [], None, None, None
         self.lock, self.on_done = contextlib.nullcontext, None
 
     def _run(self) -> Iterator[None]:
@@ -175,7 +175,9 @@ class TrainingRead:
             # an image whose rows attend to each other (Gemma 3) is computed in one piece
             bidi = any(t < 0 and self.bidirectional[-t - 1] for t in piece)
             for a, b in chunk_bounds(len(piece), max(self.chunk, len(piece)) if bidi else self.chunk):
-                run_plan(append_mixed(self.source, piece[a:b], "none", self.vectors, self.bidirectional))
+                run_plan(
+                    append_mixed(self.source, piece[a:b], "none", self.vectors, self.bidirectional, self.vector_pos)
+                )
                 computed += b - a
                 yield
         assert computed == self.rows and len(self.source) >= n0 + computed

@@ -32,6 +32,20 @@ KEY_PAD_COLOR = "kvcmas.vision.pad_color"  # int32[3]: the single view's padding
 TENSOR_IMAGE_NEWLINE = "model.image_newline"
 
 
+QWEN25VL_PROJECTOR = "qwen2.5vl_merger"  # clip.projector_type of a Qwen2.5-VL file (vision/qwen.py)
+
+
+def _projector_type(path: str) -> str | None:
+    """clip.projector_type of an mmproj file (None when absent or the file unreadable: the core says why)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).fields.get("clip.projector_type")
+    except Exception:  # noqa: BLE001  (the C++ loader reports a bad file with its reason)
+        return None
+    return None if field is None else str(field.contents())
+
+
 def _read_anyres(path: str, core_encoder: Any, mean: tuple[float, ...]) -> tuple[AnyResConfig | None, Any, bool]:
     """(AnyRes settings, image_newline [n_embd_out] float32, several images take the single view) from an mmproj
     file; (None, None, False) for a file without grid pinpoints. Raises ValueError naming what is wrong."""
@@ -87,6 +101,14 @@ class VisionEncoder:
         max_pixels, max_bytes, max_decode_bytes: limits for images loaded from paths / bytes (see ``load_image``).
     """
 
+    def __new__(cls, mmproj_path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> VisionEncoder:
+        # A Qwen2.5-VL file opens as its own encoder (vision/qwen.py), so every caller takes any mmproj file.
+        if cls is VisionEncoder and _projector_type(os.fspath(mmproj_path)) == QWEN25VL_PROJECTOR:
+            from .qwen import QwenVisionEncoder
+
+            cls = QwenVisionEncoder
+        return super().__new__(cls)
+
     def __init__(
         self,
         mmproj_path: str | os.PathLike[str],
@@ -101,14 +123,7 @@ class VisionEncoder:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.path = os.fspath(mmproj_path)
-        self._core: Any = core.VisionEncoder(self.path, n_threads or 0)
-        self.config = PreprocessConfig.from_encoder(self._core)
-        # float64 of the file's float32 mean: the processor's int(mean x 255) for the single view's padding
-        self.anyres, self.image_newline, self.multi_image_single = _read_anyres(
-            self.path, self._core, tuple(float(m) for m in self._core.image_mean)
-        )
-        if self.anyres is not None and (self.config.resize_size != self.image_size or not self.has_projector):
-            raise ValueError(f"{self.path}: AnyRes needs a projector and a resize size equal to the tile size")
+        self._open(n_threads or 0)
         self.cache_size = cache_size
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
@@ -116,6 +131,17 @@ class VisionEncoder:
         self.encode_count = 0  # images actually run through the tower (cache misses)
         self._cache: OrderedDict[tuple[str, str | None], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # cache + encode: concurrent readers of one image wait for one encode
+
+    def _open(self, n_threads: int) -> None:
+        """Loads the tower (self._core) and the preprocessing settings of the file."""
+        self._core: Any = core.VisionEncoder(self.path, n_threads)
+        self.config = PreprocessConfig.from_encoder(self._core)
+        # float64 of the file's float32 mean: the processor's int(mean x 255) for the single view's padding
+        self.anyres, self.image_newline, self.multi_image_single = _read_anyres(
+            self.path, self._core, tuple(float(m) for m in self._core.image_mean)
+        )
+        if self.anyres is not None and (self.config.resize_size != self.image_size or not self.has_projector):
+            raise ValueError(f"{self.path}: AnyRes needs a projector and a resize size equal to the tile size")
 
     n_tokens = property(lambda self: int(self._core.n_tokens), doc="tower rows per tower input (the base view's)")
     n_embd = property(lambda self: int(self._core.n_embd_out), doc="width of the output rows (text model's n_embd)")
@@ -128,6 +154,9 @@ class VisionEncoder:
     bidirectional = property(
         lambda self: self.projector_type == "gemma3", doc="an image's rows attend to each other (Gemma 3)"
     )
+
+    # The text a prompt puts before and after an image's rows (special tokens of the model's chat template).
+    image_tokens: tuple[str, str] = ("", "")
 
     def load(self, image: ImageSource) -> Image.Image:
         """The image decoded to RGB under this encoder's limits (raises ImageError)."""

@@ -1,0 +1,356 @@
+#include "vision/qwen-vision-encoder.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "common/error.h"
+#include "engine/tensor-loader.h"
+#include "vision/vision-names.h"
+#include "vision/vision-ops.h"
+
+namespace kvcmas::vision {
+
+namespace names = vision_names;
+
+QwenVisionEncoder::QwenVisionEncoder(const std::string & path, int n_threads)
+    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(encoder_threads(n_threads)) {
+    load_params();
+    load_weights();
+}
+
+QwenVisionEncoder::~QwenVisionEncoder() = default;
+
+// An array key of n floats, or `fallback` when absent.
+static std::vector<float> float_array(const gguf::GgufFile & f, const char * key, const std::vector<float> & fallback,
+                                      bool positive) {
+    const gguf::Value * v = f.find(key);
+    if (v == nullptr) {
+        return fallback;
+    }
+    KC_CHECK(v->type == gguf::ValueType::ARRAY && v->floats.size() == fallback.size(),
+             "%s: %s must be an array of %zu floats", f.path().c_str(), key, fallback.size());
+    std::vector<float> out;
+    for (double x : v->floats) {
+        KC_CHECK(std::isfinite(x) && (!positive || x > 0.0), "%s: %s holds an invalid value %g", f.path().c_str(), key,
+                 x);
+        out.push_back(static_cast<float>(x));
+    }
+    return out;
+}
+
+void QwenVisionEncoder::load_params() {
+    const gguf::GgufFile & f    = *file_;
+    const char *           path = f.path().c_str();
+    const std::string      arch = f.get_string(names::kKeyArchitecture);
+    KC_CHECK(arch == names::kArchClip, "%s: general.architecture is '%s', expected '%s' (an mmproj file)", path,
+             arch.c_str(), names::kArchClip);
+    const std::string type = f.find(names::kKeyProjectorType) ? f.get_string(names::kKeyProjectorType) : "";
+    KC_CHECK(type == names::kProjectorQwen25Vl, "%s: %s is '%s', expected '%s'", path, names::kKeyProjectorType,
+             type.c_str(), names::kProjectorQwen25Vl);
+    p_.patch_size          = f.get_int(names::kKeyPatchSize);
+    p_.n_embd              = f.get_int(names::kKeyEmbeddingLength);
+    p_.n_ff                = f.get_int(names::kKeyFeedForward);
+    p_.n_layer             = f.get_int(names::kKeyBlockCount);
+    p_.n_head              = f.get_int(names::kKeyHeadCount);
+    p_.merge_size          = f.get_int(names::kKeySpatialMergeSize, 2);
+    p_.window_size         = f.get_int(names::kKeyWindowSize, 112);
+    p_.temporal_patch_size = f.get_int(names::kKeyTemporalPatchSize, 2);
+    p_.rope_theta          = f.get_float(names::kKeyRopeTheta, 10000.0);
+    p_.min_pixels          = f.get_int(names::kKeyImageMinPixels, 56 * 56);
+    p_.max_pixels          = f.get_int(names::kKeyImageMaxPixels, 14 * 14 * 4 * 16384);
+    const double eps       = f.get_float(names::kKeyLayerNormEps, 1e-6);
+    const auto   ll        = [](int64_t v) { return static_cast<long long>(v); };
+    KC_CHECK(p_.patch_size > 0 && p_.patch_size <= 64, "%s: patch_size %lld out of range [1, 64]", path,
+             ll(p_.patch_size));
+    KC_CHECK(p_.temporal_patch_size == 2, "%s: %s = %lld: kvcmas runs Qwen2.5-VL's temporal patch of 2", path,
+             names::kKeyTemporalPatchSize, ll(p_.temporal_patch_size));
+    KC_CHECK(p_.merge_size > 0 && p_.merge_size <= 8, "%s: %s = %lld out of range [1, 8]", path,
+             names::kKeySpatialMergeSize, ll(p_.merge_size));
+    KC_CHECK(p_.window_size >= p_.patch_size * p_.merge_size && p_.window_size <= 65536,
+             "%s: %s = %lld must hold at least one merge block (%lld pixels)", path, names::kKeyWindowSize,
+             ll(p_.window_size), ll(p_.patch_size * p_.merge_size));
+    KC_CHECK(p_.n_embd > 0 && p_.n_embd <= 16384, "%s: embedding_length %lld out of range", path, ll(p_.n_embd));
+    KC_CHECK(p_.n_ff > 0 && p_.n_ff <= 65536, "%s: feed_forward_length %lld out of range", path, ll(p_.n_ff));
+    KC_CHECK(p_.n_layer >= 0 && p_.n_layer <= 256, "%s: block_count %lld out of range", path, ll(p_.n_layer));
+    KC_CHECK(p_.n_head > 0 && p_.n_head <= 256 && p_.n_embd % (4 * p_.n_head) == 0,
+             "%s: head_count %lld must divide embedding_length %lld into heads of a multiple of 4", path, ll(p_.n_head),
+             ll(p_.n_embd));
+    KC_CHECK(std::isfinite(eps) && eps > 0.0 && eps < 1.0, "%s: layer_norm_epsilon %g out of range", path, eps);
+    KC_CHECK(std::isfinite(p_.rope_theta) && p_.rope_theta > 1.0, "%s: %s = %g out of range", path,
+             names::kKeyRopeTheta, p_.rope_theta);
+    KC_CHECK(p_.min_pixels > 0 && p_.min_pixels <= p_.max_pixels, "%s: %s = %lld and %s = %lld are not a range", path,
+             names::kKeyImageMinPixels, ll(p_.min_pixels), names::kKeyImageMaxPixels, ll(p_.max_pixels));
+    p_.eps = static_cast<float>(eps);
+
+    p_.full_attention.assign(static_cast<size_t>(p_.n_layer), false);
+    if (const gguf::Value * v = f.find(names::kKeyFullAttnLayers)) {
+        KC_CHECK(v->type == gguf::ValueType::ARRAY, "%s: %s must be an array of block indexes", path,
+                 names::kKeyFullAttnLayers);
+        for (int64_t il : v->ints) {
+            KC_CHECK(il >= 0 && il < p_.n_layer, "%s: %s holds block %lld, outside [0, %lld)", path,
+                     names::kKeyFullAttnLayers, ll(il), ll(p_.n_layer));
+            p_.full_attention[static_cast<size_t>(il)] = true;
+        }
+    } else {
+        const int64_t n = f.get_int(names::kKeyWindowAttnPattern, 0);
+        KC_CHECK(n > 0, "%s: needs %s or %s (which blocks attend over the whole image)", path,
+                 names::kKeyFullAttnLayers, names::kKeyWindowAttnPattern);
+        for (int64_t il = 0; il < p_.n_layer; ++il) {
+            p_.full_attention[static_cast<size_t>(il)] = (il + 1) % n == 0;
+        }
+    }
+    const std::vector<float> clip_mean{ 0.48145466f, 0.4578275f, 0.40821073f };
+    const std::vector<float> clip_std{ 0.26862954f, 0.26130258f, 0.27577711f };
+    p_.image_mean = float_array(f, names::kKeyImageMean, clip_mean, false);
+    p_.image_std  = float_array(f, names::kKeyImageStd, clip_std, true);
+}
+
+void QwenVisionEncoder::load_weights() {
+    const TensorLoader loader(*file_);
+    const int64_t      E = p_.n_embd, F = p_.n_ff, P = p_.patch_size, T = p_.temporal_patch_size;
+    const int64_t      M    = p_.merge_size * p_.merge_size;
+    const char *       path = file_->path().c_str();
+    auto               w    = [](const std::string & base) { return base + ".weight"; };
+    auto               b    = [](const std::string & base) { return base + ".bias"; };
+
+    // The Conv3d kernel [E][3][T][P][P] from llama.cpp's two Conv2d kernels [E][3][P][P] (one per time step).
+    const std::vector<float> k0 = loader.vector_f32(w(names::kTensorPatchEmbd), E * 3 * P * P, true);
+    const std::vector<float> k1 = loader.vector_f32(names::kTensorPatchEmbd1, E * 3 * P * P, true);
+    patch_w_data_.resize(static_cast<size_t>(E * p_.patch_dim()));
+    for (int64_t e = 0; e < E; ++e) {
+        for (int64_t c = 0; c < 3; ++c) {
+            for (int64_t t = 0; t < T; ++t) {
+                const float * src = (t == 0 ? k0 : k1).data() + (e * 3 + c) * P * P;
+                std::copy(src, src + P * P, patch_w_data_.data() + ((e * 3 + c) * T + t) * P * P);
+            }
+        }
+    }
+    patch_w_ = cpu::WeightView{ GgmlType::F32, patch_w_data_.data(), p_.patch_dim(), E,
+                                static_cast<size_t>(p_.patch_dim()) * sizeof(float) };
+
+    layers_.resize(static_cast<size_t>(p_.n_layer));
+    for (int64_t il = 0; il < p_.n_layer; ++il) {
+        Layer &           L  = layers_[static_cast<size_t>(il)];
+        const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
+        L.ln1                = loader.vector_f32(w(bl + names::kBlkLn1), E, true);
+        L.ln2                = loader.vector_f32(w(bl + names::kBlkLn2), E, true);
+        L.wq                 = loader.matrix(w(bl + names::kBlkAttnQ), E, E);
+        L.wk                 = loader.matrix(w(bl + names::kBlkAttnK), E, E);
+        L.wv                 = loader.matrix(w(bl + names::kBlkAttnV), E, E);
+        L.wo                 = loader.matrix(w(bl + names::kBlkAttnOut), E, E);
+        L.w_gate             = loader.matrix(w(bl + names::kBlkFfnGate), E, F);
+        L.w_up               = loader.matrix(w(bl + names::kBlkFfnUp), E, F);
+        L.w_down             = loader.matrix(w(bl + names::kBlkFfnDown), F, E);
+        L.bq                 = loader.vector_f32(b(bl + names::kBlkAttnQ), E, true);
+        L.bk                 = loader.vector_f32(b(bl + names::kBlkAttnK), E, true);
+        L.bv                 = loader.vector_f32(b(bl + names::kBlkAttnV), E, true);
+        L.bo                 = loader.vector_f32(b(bl + names::kBlkAttnOut), E, true);
+        L.b_gate             = loader.vector_f32(b(bl + names::kBlkFfnGate), F, true);
+        L.b_up               = loader.vector_f32(b(bl + names::kBlkFfnUp), F, true);
+        L.b_down             = loader.vector_f32(b(bl + names::kBlkFfnDown), E, true);
+    }
+    KC_CHECK(
+        file_->find_tensor(w(names::kBlockPrefix + std::to_string(p_.n_layer) + "." + names::kBlkAttnQ)) == nullptr,
+        "%s: holds more blocks than clip.vision.block_count = %lld", path, static_cast<long long>(p_.n_layer));
+    merger_ln_                   = loader.vector_f32(w(names::kTensorPostLn), E, true);
+    mm0_                         = loader.matrix(w(names::kTensorMm0), M * E, M * E);
+    mm0_b_                       = loader.vector_f32(b(names::kTensorMm0), M * E, true);
+    const gguf::TensorInfo * mm2 = file_->find_tensor(w(names::kTensorMm2));
+    KC_CHECK(mm2 != nullptr && mm2->ne.size() == 2 && mm2->ne[1] > 0 && mm2->ne[1] <= 65536,
+             "%s: tensor '%s' is missing or not a matrix of at most 65536 rows", path, w(names::kTensorMm2).c_str());
+    p_.n_embd_out = mm2->ne[1];
+    mm2_          = loader.matrix(w(names::kTensorMm2), M * E, p_.n_embd_out);
+    mm2_b_        = loader.vector_f32(b(names::kTensorMm2), p_.n_embd_out, true);
+}
+
+void QwenVisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
+                               int64_t n_tok) {
+    vision::linear(w, b, x, y, n_tok, pool_);
+}
+
+void QwenVisionEncoder::rms_rows(const std::vector<float> & w, const float * x, float * y, int64_t n_tok, int64_t n) {
+    pool_.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_tok, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+            cpu::rms_norm(x + t * n, w.data(), y + t * n, n, p_.eps);
+        }
+    });
+}
+
+// Rotates the heads of rows [N][E] in place: pair (i, i + hd/2) of each head by the row's angle i.
+static void rotate_rows(float * x, const float * cos_t, const float * sin_t, int64_t N, int64_t H, int64_t hd,
+                        cpu::ThreadPool & pool) {
+    const int64_t half = hd / 2;
+    pool.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(N, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+            const float * c = cos_t + t * half;
+            const float * s = sin_t + t * half;
+            for (int64_t h = 0; h < H; ++h) {
+                float * v = x + (t * H + h) * hd;
+                for (int64_t i = 0; i < half; ++i) {
+                    const float a = v[i], bb = v[i + half];
+                    v[i]        = a * c[i] - bb * s[i];
+                    v[i + half] = bb * c[i] + a * s[i];
+                }
+            }
+        }
+    });
+}
+
+void QwenVisionEncoder::attention(const Layer & L, const float * xn, const std::vector<int64_t> & seg,
+                                  const float * cos_t, const float * sin_t, float * out, int64_t N) {
+    const int64_t      E = p_.n_embd, H = p_.n_head, hd = E / H;
+    std::vector<float> q(static_cast<size_t>(N * E)), k(q.size()), v(q.size());
+    linear(L.wq, L.bq, xn, q.data(), N);
+    linear(L.wk, L.bk, xn, k.data(), N);
+    linear(L.wv, L.bv, xn, v.data(), N);
+    rotate_rows(q.data(), cos_t, sin_t, N, H, hd, pool_);
+    rotate_rows(k.data(), cos_t, sin_t, N, H, hd, pool_);
+    int64_t most = 0;
+    for (size_t s = 0; s + 1 < seg.size(); ++s) {
+        most = std::max(most, seg[s + 1] - seg[s]);
+    }
+    std::vector<float> qh(static_cast<size_t>(most * hd)), vt(qh.size()), oh(qh.size());
+    std::vector<float> scores(static_cast<size_t>(most * most));
+    const float        scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (size_t s = 0; s + 1 < seg.size(); ++s) {
+        const int64_t a = seg[s], n = seg[s + 1] - seg[s];
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t t = 0; t < n; ++t) {
+                for (int64_t d = 0; d < hd; ++d) {
+                    qh[t * hd + d] = q[(a + t) * E + h * hd + d] * scale;
+                    vt[d * n + t]  = v[(a + t) * E + h * hd + d];
+                }
+            }
+            // scores = qh Kᵀ and out = softmax(scores) V through the GEMM, K and Vᵀ as f32 weight views
+            const cpu::WeightView kview{ GgmlType::F32, k.data() + a * E + h * hd, hd, n,
+                                         static_cast<size_t>(E) * sizeof(float) };
+            cpu::matmul(kview, qh.data(), scores.data(), n, pool_);
+            pool_.run([&](int ith, int nth) {
+                long long t0, t1;
+                cpu::split_range(n, ith, nth, t0, t1);
+                for (long long t = t0; t < t1; ++t) {
+                    softmax(&scores[static_cast<size_t>(t * n)], n);
+                }
+            });
+            const cpu::WeightView vview{ GgmlType::F32, vt.data(), n, hd, static_cast<size_t>(n) * sizeof(float) };
+            cpu::matmul(vview, scores.data(), oh.data(), n, pool_);
+            for (int64_t t = 0; t < n; ++t) {
+                std::memcpy(&out[(a + t) * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
+            }
+        }
+    }
+}
+
+std::vector<float> QwenVisionEncoder::encode(const float * patches, int64_t n_patches, int64_t dim, int64_t grid_h,
+                                             int64_t grid_w) {
+    const int64_t m = p_.merge_size, M = m * m, E = p_.n_embd, F = p_.n_ff, H = p_.n_head, hd = E / H;
+    const auto    ll = [](int64_t v) { return static_cast<long long>(v); };
+    KC_CHECK(grid_h > 0 && grid_w > 0 && grid_h % m == 0 && grid_w % m == 0 && grid_h <= 4096 && grid_w <= 4096,
+             "encode: a grid of %lld x %lld patches is not a positive multiple of the merge size %lld", ll(grid_h),
+             ll(grid_w), ll(m));
+    KC_CHECK(patches != nullptr && n_patches == grid_h * grid_w && dim == p_.patch_dim(),
+             "encode: expected patches [%lld, %lld] for a %lld x %lld grid, got [%lld, %lld]", ll(grid_h * grid_w),
+             ll(p_.patch_dim()), ll(grid_h), ll(grid_w), ll(n_patches), ll(dim));
+    KC_CHECK(n_patches <= 65536, "encode: %lld patches is more than kvcmas encodes at once (65536)", ll(n_patches));
+    for (int64_t i = 0; i < n_patches * dim; ++i) {
+        KC_CHECK(std::isfinite(patches[i]), "encode: pixel value %lld is not finite", ll(i));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t               N = n_patches, units = N / M, units_w = grid_w / m;
+
+    // Window order: windows of ws x ws merge blocks row-major, the blocks of a window row-major (a merge block's
+    // patches stay together); attention segments are the windows, or the whole image for full-attention blocks.
+    const int64_t        ws = p_.window_size / m / p_.patch_size, units_h = grid_h / m;
+    std::vector<int64_t> order, windows{ 0 };
+    for (int64_t wr = 0; wr < units_h; wr += ws) {
+        for (int64_t wc = 0; wc < units_w; wc += ws) {
+            for (int64_t r = wr; r < std::min(wr + ws, units_h); ++r) {
+                for (int64_t c = wc; c < std::min(wc + ws, units_w); ++c) {
+                    order.push_back(r * units_w + c);
+                }
+            }
+            windows.push_back(static_cast<int64_t>(order.size()) * M);
+        }
+    }
+    const std::vector<int64_t> whole{ 0, N };
+
+    // Rows in window order; each row's 2D RoPE angles (its patch row, then its column).
+    std::vector<float> x(static_cast<size_t>(N * E));
+    {
+        std::vector<float> embd(x.size());
+        linear(patch_w_, {}, patches, embd.data(), N);
+        for (int64_t i = 0; i < units; ++i) {
+            std::memcpy(&x[static_cast<size_t>(i * M * E)], &embd[static_cast<size_t>(order[i] * M * E)],
+                        static_cast<size_t>(M * E) * sizeof(float));
+        }
+    }
+    const int64_t      quarter = hd / 4, half = hd / 2;
+    std::vector<float> cos_t(static_cast<size_t>(N * half)), sin_t(cos_t.size());
+    for (int64_t i = 0; i < units; ++i) {
+        const int64_t u = order[i];
+        for (int64_t j = 0; j < M; ++j) {
+            const int64_t row = (u / units_w) * m + j / m, col = (u % units_w) * m + j % m;
+            const int64_t t = i * M + j;
+            for (int64_t f = 0; f < quarter; ++f) {
+                const double inv    = std::pow(p_.rope_theta, -static_cast<double>(2 * f) / static_cast<double>(half));
+                const float  a_h    = static_cast<float>(row) * static_cast<float>(inv);
+                const float  a_w    = static_cast<float>(col) * static_cast<float>(inv);
+                cos_t[t * half + f] = std::cos(a_h);
+                sin_t[t * half + f] = std::sin(a_h);
+                cos_t[t * half + quarter + f] = std::cos(a_w);
+                sin_t[t * half + quarter + f] = std::sin(a_w);
+            }
+        }
+    }
+
+    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size());
+    std::vector<float> g(static_cast<size_t>(N * F)), u(g.size());
+    for (int64_t il = 0; il < p_.n_layer; ++il) {
+        const Layer & L = layers_[static_cast<size_t>(il)];
+        rms_rows(L.ln1, x.data(), xn.data(), N, E);
+        attention(L, xn.data(), p_.full_attention[static_cast<size_t>(il)] ? whole : windows, cos_t.data(),
+                  sin_t.data(), att.data(), N);
+        linear(L.wo, L.bo, att.data(), tmp.data(), N);
+        for (size_t i = 0; i < x.size(); ++i) {
+            x[i] += tmp[i];
+        }
+        rms_rows(L.ln2, x.data(), xn.data(), N, E);
+        linear(L.w_gate, L.b_gate, xn.data(), g.data(), N);
+        linear(L.w_up, L.b_up, xn.data(), u.data(), N);
+        pool_.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(N, ith, nth, t0, t1);
+            activate(Activation::Silu, &g[static_cast<size_t>(t0 * F)], (t1 - t0) * F);
+            for (long long i = t0 * F; i < t1 * F; ++i) {
+                g[static_cast<size_t>(i)] *= u[static_cast<size_t>(i)];
+            }
+        });
+        linear(L.w_down, L.b_down, g.data(), tmp.data(), N);
+        for (size_t i = 0; i < x.size(); ++i) {
+            x[i] += tmp[i];
+        }
+    }
+
+    // Merger: each merge block's M rows side by side, then the MLP; output rows back in prompt order.
+    rms_rows(merger_ln_, x.data(), xn.data(), N, E);
+    std::vector<float> hidden(static_cast<size_t>(units * M * E));
+    linear(mm0_, mm0_b_, xn.data(), hidden.data(), units);
+    activate(Activation::GeluErf, hidden.data(), static_cast<int64_t>(hidden.size()));
+    std::vector<float> merged(static_cast<size_t>(units * p_.n_embd_out));
+    linear(mm2_, mm2_b_, hidden.data(), merged.data(), units);
+    std::vector<float> out(merged.size());
+    for (int64_t i = 0; i < units; ++i) {
+        std::memcpy(&out[static_cast<size_t>(order[i] * p_.n_embd_out)],
+                    &merged[static_cast<size_t>(i * p_.n_embd_out)],
+                    static_cast<size_t>(p_.n_embd_out) * sizeof(float));
+    }
+    return out;
+}
+
+}  // namespace kvcmas::vision
