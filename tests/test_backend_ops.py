@@ -110,7 +110,7 @@ def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
     exact product (the integer GEMM on AVX512-VNNI CPUs, the exact f32 path elsewhere), matmul_multi over a layer's
     Q/K/V-like matrices (one quantization, one job) gives the same bits as separate matmuls, and 1, 2 and 3 threads
     the same bits."""
-    from test_quant_q8 import min_part, quantize_q8
+    from helpers.quants import min_part, quantize_q8
 
     rng = np.random.default_rng(zlib.crc32(f"{type_name}/{n_tok}".encode()))
     n_in, outs = 1536, [256, 37, 100]

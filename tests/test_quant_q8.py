@@ -14,18 +14,25 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
 from helpers.native import require_testing, testing
-from helpers.quants import BLOCK32_TYPES, K_TYPES, block_size, exact_product, make_weight, max_scaled_err
+from helpers.quants import (
+    BLOCK32_TYPES,
+    K_TYPES,
+    block_size,
+    exact_product,
+    make_weight,
+    max_scaled_err,
+    min_part,
+    quantize_q8,
+)
 from kvcmas_cpp._native import core
 
 Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
-MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
 # The types whose prefill with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU: the same
 # quantized activations as the decode path, so the same error bound; the other types' prefill stays exact.
@@ -34,31 +41,6 @@ INT_PREFILL_TYPES = tuple(BLOCK32_TYPES + K_TYPES) if core.cpu_features().get("a
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
 )
-
-
-def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Activations as the engine quantizes them, per row and block of 32: d = max|x| / 127, q = round(x · (1/d)) in
-    f32, ties to even; then the residual x - d·q (rounded once) as qr = round(resid · (256/d)), saturated to ±127.
-    Returns (x̂ = d·q + (d/256)·qr in float64 [n_tok, n_in], the step s = d / 256 per block [n_tok, n_in / 32])."""
-    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
-    d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[..., None])
-    resid = (xb.astype(np.float64) - d[..., None].astype(np.float64) * q).astype(np.float32)  # exact, rounded once
-    qr = np.clip(np.rint(resid * (inv * np.float32(256))[..., None]), -127, 127)
-    step = d.astype(np.float64) / 256
-    xq = (256 * q + qr) * step[..., None]
-    return xq.reshape(x.shape), step
-
-
-def min_part(raw: bytes, qtype: QT, n_out: int, n_in: int) -> np.ndarray:
-    """The per-block min term of every weight (m for Q4_1/Q5_1, -dmin·m_j for Q4_K/Q5_K, 0 otherwise): the weights
-    dequantized with their scale d set to zero."""
-    if qtype not in MIN_TYPES:
-        return np.zeros((n_out, n_in))
-    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
-    blocks[:, 0:2] = 0  # d (f16 +0); the min (Q4_1/Q5_1 m, K-quant dmin) follows it
-    return gguf.quants.dequantize(blocks, qtype).astype(np.float64).reshape(n_out, n_in)
 
 
 def shapes_for(qtype: QT) -> list[tuple[int, int]]:

@@ -13,6 +13,7 @@ K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
 LOWBIT_TYPES = [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]
 RANDOM_BLOCK_TYPES = K_TYPES + LOWBIT_TYPES
 ALL_TYPES = FLOAT_TYPES + BLOCK32_TYPES + K_TYPES + LOWBIT_TYPES
+MIN_TYPES = (QT.Q4_1, QT.Q5_1, QT.Q4_K, QT.Q5_K)  # a per-block min: w = d·q + m
 
 
 def block_size(qtype: QT) -> int:
@@ -62,3 +63,28 @@ def exact_product(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 def max_scaled_err(y: np.ndarray, exact: np.ndarray, magnitude: np.ndarray) -> float:
     """Largest |y - exact| relative to the element's Σ|w||x| (1e-30 floor for all-zero rows)."""
     return float(np.max(np.abs(y.astype(np.float64) - exact) / np.maximum(magnitude, 1e-30), initial=0.0))
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Activations as the engine quantizes them, per row and block of 32: d = max|x| / 127, q = round(x · (1/d)) in
+    f32, ties to even; then the residual x - d·q (rounded once) as qr = round(resid · (256/d)), saturated to ±127.
+    Returns (x̂ = d·q + (d/256)·qr in float64 [n_tok, n_in], the step s = d / 256 per block [n_tok, n_in / 32])."""
+    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None])
+    resid = (xb.astype(np.float64) - d[..., None].astype(np.float64) * q).astype(np.float32)  # exact, rounded once
+    qr = np.clip(np.rint(resid * (inv * np.float32(256))[..., None]), -127, 127)
+    step = d.astype(np.float64) / 256
+    xq = (256 * q + qr) * step[..., None]
+    return xq.reshape(x.shape), step
+
+
+def min_part(raw: bytes, qtype: QT, n_out: int, n_in: int) -> np.ndarray:
+    """The per-block min term of every weight (m for Q4_1/Q5_1, -dmin·m_j for Q4_K/Q5_K, 0 otherwise): the weights
+    dequantized with their scale d set to zero."""
+    if qtype not in MIN_TYPES:
+        return np.zeros((n_out, n_in))
+    blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
+    blocks[:, 0:2] = 0  # d (f16 +0); the min (Q4_1/Q5_1 m, K-quant dmin) follows it
+    return gguf.quants.dequantize(blocks, qtype).astype(np.float64).reshape(n_out, n_in)
