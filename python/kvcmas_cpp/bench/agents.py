@@ -20,7 +20,7 @@ from typing import Any
 
 from ..arguments import non_negative_int, output_file, output_folder, positive_int, positive_int_list
 from ..model import Model, resolve_model_path
-from ..sharing._blas import single_threaded_blas
+from ..sharing.blas_threads import single_threaded_blas
 from ..sharing.methods import LEARNING_METHODS, METHODS, parse_label
 from ..sharing.runner import WorkflowRunner
 from .sharing_fidelity import correction_state, fidelity, fit_runners

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..model import Model
 from . import estimators as est
-from ._blas import single_threaded_blas
+from .blas_threads import single_threaded_blas
 from .methods import MethodConfig, default_config
 from .runner import HopReport, WorkflowRunner
 from .workflow import Workflow

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._blas import single_threaded_blas
+from .blas_threads import single_threaded_blas
 from .estimator_base import Edge, EdgeContext, Estimator
 from .factors import Factors, pad_rank
 

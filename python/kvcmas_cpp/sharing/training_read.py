@@ -14,8 +14,8 @@ import numpy as np
 
 from ..model import KVSequence, Model, SharedKV
 from ..plan import chunk_bounds, run_plan
-from ._blas import single_threaded_blas
 from .assemble import append_mixed
+from .blas_threads import single_threaded_blas
 from .estimator_base import Edge, Estimator, LearnsFromReads
 from .span import Span
 from .state import RequestState
