@@ -43,7 +43,7 @@ print(f"ci-cuda-build: backends {listing}")
 if not ok:
     assert "CUDA backend" in why, why  # built with it, and says why it cannot run here
     try:
-        kvcmas_cpp._native.core.BackendOps("cuda", 1)
+        kvcmas_cpp._native.testing_module().BackendOps("cuda", 1)
     except kvcmas_cpp.KvcmasError as exc:
         assert "no usable GPU" in str(exc) or "no CUDA device" in str(exc), exc
     else:
