@@ -11,7 +11,6 @@ shapes (GGUF lists them reversed: [n_in, r] and [r, n_out]). The Hugging Face ->
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -28,7 +27,7 @@ from .convert import check_output, encode_tensor, temporary_output
 from .errors import ConvertError
 from .gguf_tools import open_gguf
 from .models import MODEL_CLASSES, ModelClass, Transform
-from .source import CheckpointTensors
+from .source import CheckpointTensors, read_json
 
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_OUTTYPES = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16}
@@ -115,10 +114,7 @@ def _read_adapter_config(adapter_dir: Path) -> tuple[dict[str, Any], float]:
     path = adapter_dir / ADAPTER_CONFIG
     if not path.is_file():
         raise ConvertError(f"{adapter_dir}: no {ADAPTER_CONFIG} (is it a PEFT adapter folder?)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable: {e}") from e
+    cfg = read_json(path)
     if not isinstance(cfg, dict) or str(cfg.get("peft_type", "")).upper() != "LORA":
         raise ConvertError(f"{path}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else None!r} is not LORA")
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")

@@ -45,6 +45,14 @@ class TensorRef:
     end: int = 0
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's value; ConvertError naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{path}: unreadable: {e}") from e
+
+
 def load_config(model_dir: Path) -> dict[str, Any]:
     """config.json of a checkpoint folder, with a clear error when it is missing or not JSON."""
     path = model_dir / "config.json"
@@ -52,10 +60,7 @@ def load_config(model_dir: Path) -> dict[str, Any]:
         raise ConvertError(f"{model_dir}: not a directory (expected a Hugging Face checkpoint folder)")
     if not path.is_file():
         raise ConvertError(f"{path}: missing (every Hugging Face checkpoint folder has a config.json)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{path}: unreadable: {e}") from e
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ConvertError(f"{path}: expected a JSON object")
     return config
