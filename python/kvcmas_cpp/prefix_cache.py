@@ -12,6 +12,10 @@ Contracts:
   kernels, so a match is shortened until the rest is at least that long (or nothing is left to compute), and an
   entry remembers how many of its leading rows came from prefill kernels (`exact`); only those serve other prompts.
   An entry computed as one short piece serves only its own ids (the same rows its computation gives each time).
+- Per adapter: rows depend on the LoRA adapter (and scale) the sequence ran with (kvcmas_cpp.adapters). An entry
+  records the adapter of the sequence it stores (KVSequence.adapter, at adopt) and serves only a prompt asking for
+  the same one (reuse(..., adapter=)): a prefix computed with adapter a never serves adapter b nor the base. (An
+  adapter cannot be unloaded while an entry's sequence uses it, so an engine id never names two adapters here.)
 - Namespaced: one cache per Model object (so per model file, KV type and activations setting); within it, a prompt
   sees only entries of its own namespace (the server's tenant and cache_salt: one tenant never gets another's rows,
   nor a timing that says another tenant sent the same prompt). Sharing methods do not matter: rows are exact.
@@ -35,17 +39,30 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._native import KvcmasError
 from .kv_budget import KVBudget
 from .model import KVSequence, Model
 from .plan import MIN_CHUNK_ROWS, Append, Plan, run_plan
 
 BLOCK = 16  # tokens per hashed block of the index
+BASE: tuple[int, float] = (-1, 0.0)  # the adapter key of sequences that run the base model
+
+
+def adapter_key(adapter: tuple[int, float] | None) -> tuple[int, float]:
+    """The key of (engine adapter id, scale) as KVSequence.adapter reports it: the scale rounded to the engine's
+    float32, and every base-model pair (id -1, or scale 0: no update) the one key BASE."""
+    if adapter is None:
+        return BASE
+    aid, scale = int(adapter[0]), float(np.float32(adapter[1]))
+    return BASE if aid < 0 or scale == 0.0 else (aid, scale)
 
 
 @dataclass(eq=False)
 class _Entry:
     namespace: str
+    adapter: tuple[int, float]  # adapter_key of the rows' adapter
     ids: tuple[int, ...]
     seq: KVSequence
     exact: int  # leading rows computed by prefill kernels (equal to a one-piece prefill's)
@@ -90,8 +107,8 @@ class PrefixCache:
         self.max_bytes = max_bytes if max_bytes is not None else self.budget.budget // 4
         self._lock = threading.RLock()
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # least recently used first
-        self._by_key: dict[tuple[str, tuple[int, ...]], _Entry] = {}
-        self._index: dict[tuple[str, int], dict[_Entry, None]] = {}
+        self._by_key: dict[tuple[str, tuple[int, float], tuple[int, ...]], _Entry] = {}
+        self._index: dict[tuple[str, tuple[int, float], int], dict[_Entry, None]] = {}
         self.hits = 0  # prompts that reused rows
         self.hit_tokens = 0  # rows served
         self.evictions = 0
@@ -146,20 +163,21 @@ class PrefixCache:
 
         return sum(max(0, covered(n) - (n.shared if n.parent is not None else 0)) for n in nodes)
 
-    def cached_rows(self, namespace: str, ids: Sequence[int]) -> int:
-        """How many rows reuse(namespace, ids) would serve now (no side effects): what a prompt need not compute."""
+    def cached_rows(self, namespace: str, ids: Sequence[int], adapter: tuple[int, float] | None = None) -> int:
+        """How many rows reuse(namespace, ids, adapter=adapter) would serve now (no side effects): what a prompt
+        need not compute."""
         with self._lock:
-            return self._usable(namespace, [int(t) for t in ids], True)[1]
+            return self._usable(namespace, adapter_key(adapter), [int(t) for t in ids], True)[1]
 
-    def _match(self, namespace: str, ids: Sequence[int]) -> tuple[_Entry | None, int]:
-        """The entry of the namespace with the longest common prefix with ids, and its length (lock held)."""
-        key = (namespace, tuple(ids))
-        same = self._by_key.get(key)
+    def _match(self, namespace: str, adapter: tuple[int, float], ids: Sequence[int]) -> tuple[_Entry | None, int]:
+        """The entry of the namespace and adapter key with the longest common prefix with ids, and its length (lock
+        held)."""
+        same = self._by_key.get((namespace, adapter, tuple(ids)))
         if same is not None:
             return same, len(ids)
         candidates: dict[_Entry, None] | None = None
         for h in _block_hashes(ids):
-            found = self._index.get((namespace, h))
+            found = self._index.get((namespace, adapter, h))
             if not found:
                 break
             candidates = found
@@ -170,15 +188,22 @@ class PrefixCache:
                 best, best_m = e, m
         return best, best_m
 
-    def reuse(self, namespace: str, ids: Sequence[int], rest: bool = True) -> tuple[KVSequence, int]:
-        """A new sequence (the caller owns it) holding the first m rows of ids served from the cache, and m (0: an
-        empty sequence). rest: the caller appends ids[m:] and needs at least one row of it (for logits); m is
+    def reuse(
+        self, namespace: str, ids: Sequence[int], rest: bool = True, adapter: tuple[int, float] | None = None
+    ) -> tuple[KVSequence, int]:
+        """A new sequence (the caller owns it) running `adapter` ((engine id, scale) as KVSequence.adapter; None:
+        the base model) and holding the first m rows of ids served from the cache by entries of that adapter, and m
+        (0: an empty sequence). rest: the caller appends ids[m:] and needs at least one row of it (for logits); m is
         chosen so that the rest is empty (only when not `rest`) or at least MIN_CHUNK_ROWS long (exactness)."""
         ids = [int(t) for t in ids]
+        key = adapter_key(adapter)
         with self._lock:
-            entry, m = self._usable(namespace, ids, rest)
+            entry, m = self._usable(namespace, key, ids, rest)
             if entry is None:
-                return self.model.new_sequence(), 0
+                seq = self.model.new_sequence()
+                if key != BASE:
+                    seq.set_adapter(*key)
+                return seq, 0
             seq = entry.seq.fork()
             self._forks[seq] = (entry, m)
             self._lru.move_to_end(entry)
@@ -188,10 +213,12 @@ class PrefixCache:
             seq.truncate(m)
         return seq, m
 
-    def _usable(self, namespace: str, ids: list[int], rest: bool) -> tuple[_Entry | None, int]:
+    def _usable(
+        self, namespace: str, adapter: tuple[int, float], ids: list[int], rest: bool
+    ) -> tuple[_Entry | None, int]:
         """reuse()'s choice (lock held): the entry to fork and the rows to keep, or (None, 0)."""
         n = len(ids)
-        entry, m = self._match(namespace, ids) if ids and min(ids) >= 0 else (None, 0)
+        entry, m = self._match(namespace, adapter, ids) if ids and min(ids) >= 0 else (None, 0)
         if entry is not None and not (not rest and m == n == len(entry.ids)):  # else: the same short key
             m = min(m, entry.exact)
             if rest or m < n:
@@ -200,44 +227,49 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------------------------ storing
     def adopt(self, namespace: str, seq: KVSequence, exact: int) -> KVSequence:
-        """Stores seq (all its rows: token ids >= 0) as an entry and returns a fork of it for the caller to go on
-        with (its appends never touch the entry's rows); seq itself when it is not stored (another entry holds its
-        ids already, it does not fit max_bytes, or it holds input vectors). exact: its leading rows computed by
-        prefill kernels (see the module's docstring)."""
+        """Stores seq (all its rows: token ids >= 0) as an entry, keyed by the adapter it runs (KVSequence.adapter),
+        and returns a fork of it for the caller to go on with (its appends never touch the entry's rows); seq itself
+        when it is not stored (another entry holds its ids already, it does not fit max_bytes, or it holds input
+        vectors). exact: its leading rows computed by prefill kernels (see the module's docstring)."""
         ids = tuple(seq.tokens)
         if not ids or min(ids) < 0 or self.budget.rows_bytes(len(ids)) > self._owner_bytes():
             return seq
+        key = adapter_key(seq.adapter)
         with self._lock:
-            entry, m = self._match(namespace, ids)
+            entry, m = self._match(namespace, key, ids)
             if entry is not None and m == len(ids) and (entry.exact >= m or len(entry.ids) == m):
                 self._lru.move_to_end(entry)  # an entry serves these ids already
                 return seq
             if entry is not None and len(entry.ids) == m == len(ids):
                 self._drop(entry)  # the same ids, fewer exact rows: replaced
-            new = _Entry(namespace, ids, seq, min(exact, len(ids)), _block_hashes(ids))
+            new = _Entry(namespace, key, ids, seq, min(exact, len(ids)), _block_hashes(ids))
             origin = self._forks.pop(seq, None)
             if origin is not None:  # its first rows are the entry's it was forked from
                 new.parent, new.shared = origin[0], min(origin[1], len(ids))
             self.version += 1
             self._lru[new] = None
-            self._by_key[(namespace, ids)] = new
+            self._by_key[(namespace, key, ids)] = new
             for h in new.hashes:
-                self._index.setdefault((namespace, h), {})[new] = None
+                self._index.setdefault((namespace, key, h), {})[new] = None
             self._shrink(keep=new)
             return seq.fork()
 
-    def prefix(self, namespace: str, ids: Sequence[int]) -> tuple[KVSequence, int]:
+    def prefix(
+        self, namespace: str, ids: Sequence[int], adapter: tuple[int, float] | None = None
+    ) -> tuple[KVSequence, int]:
         """plan_prefix run to its end here."""
-        return run_plan(self.plan_prefix(namespace, ids))
+        return run_plan(self.plan_prefix(namespace, ids, adapter))
 
-    def plan_prefix(self, namespace: str, ids: Sequence[int]) -> Plan[tuple[KVSequence, int]]:
-        """The plan (kvcmas_cpp.plan) of a new sequence (the caller owns it) holding exactly ids; returns it and how
-        many of its rows came from the cache. The rest is computed (one append of at least MIN_CHUNK_ROWS rows, or
-        the whole of ids) and stored. What an agent's template prefix comes from. The engine refusing for lack of KV
-        memory evicts every entry and tries again once."""
+    def plan_prefix(
+        self, namespace: str, ids: Sequence[int], adapter: tuple[int, float] | None = None
+    ) -> Plan[tuple[KVSequence, int]]:
+        """The plan (kvcmas_cpp.plan) of a new sequence (the caller owns it) running `adapter` (None: the base)
+        and holding exactly ids; returns it and how many of its rows came from the cache. The rest is computed
+        (one append of at least MIN_CHUNK_ROWS rows, or the whole of ids) and stored. What an agent's template prefix
+        comes from. The engine refusing for lack of KV memory evicts every entry and tries again once."""
         ids = [int(t) for t in ids]
         for attempt in (0, 1):
-            seq, m = self.reuse(namespace, ids, rest=False)
+            seq, m = self.reuse(namespace, ids, rest=False, adapter=adapter)
             try:
                 if len(ids) > m:
                     yield Append(seq, ids[m:], "none")
@@ -272,14 +304,14 @@ class PrefixCache:
         self.version += 1
         e.live = False
         self._lru.pop(e, None)
-        if self._by_key.get((e.namespace, e.ids)) is e:
-            del self._by_key[(e.namespace, e.ids)]
+        if self._by_key.get((e.namespace, e.adapter, e.ids)) is e:
+            del self._by_key[(e.namespace, e.adapter, e.ids)]
         for h in e.hashes:
-            bucket = self._index.get((e.namespace, h))
+            bucket = self._index.get((e.namespace, e.adapter, h))
             if bucket is not None:
                 bucket.pop(e, None)
                 if not bucket:
-                    del self._index[(e.namespace, h)]
+                    del self._index[(e.namespace, e.adapter, h)]
         e.seq.close()  # its blocks go back once no fork reads them
         self._prune(e)
 

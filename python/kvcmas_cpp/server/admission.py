@@ -43,7 +43,7 @@ class Admission:
             job.cached_version = cache.version
             ns = job.space
             text = job.segments is None or all(isinstance(g, list) for g in job.segments)
-            job.cached = cache.cached_rows(ns.cache_namespace(), job.ids) if ns is not None and text else 0
+            job.cached = cache.cached_rows(ns.cache_namespace(), job.ids, job.adapter) if ns is not None and text else 0
         return job.n_prompt - job.cached
 
     def outstanding_bytes(self, active: list[Job]) -> int:

@@ -36,6 +36,7 @@ from .history import History
 from .http_guard import ALL_METRICS, ApiKeyAndAccounting, Tenants, error_response, internal_error_response
 from .images import ImagePrompts
 from .jobs import Job, QueueFull
+from .lora import Pick, ServedAdapters
 from .metrics import Metrics
 from .replies import Replies
 from .scheduler import GENERATION_RESERVE, Scheduler
@@ -68,6 +69,10 @@ class Server:
         self.metrics = Metrics()
         self.history = History(model.kv_row_bytes)  # what the responses reported, per tenant (dashboard.py)
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
+        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
+        self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
+        self.adapters = ServedAdapters(model, self.model_id, self.model_names, cfg.loras)  # loads --lora files
+        self.adapters.check_limits(self.tenants.adapters)
         text_chars = cfg.max_text_chars if cfg.max_text_chars is not None else TEXT_CHARS_PER_CTX * model.n_ctx
         self.limits = Limits(cfg.max_body_bytes, cfg.max_tokens, cfg.max_images, text_chars)
         self.vision: Any = None
@@ -99,8 +104,6 @@ class Server:
         )
         # each tenant's prefix-cache entries make room by evicting only its own (Namespace.cache_namespace)
         self.scheduler.prefix_cache.owners = max(1, len(self.tenants.keys))
-        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
-        self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
         self.created = int(time.time())
         self.replies = Replies(self.scheduler, model, self.model_id, self.history, cfg.replica)
         register_gauges(self)
@@ -177,6 +180,7 @@ class Server:
             self._route(app, f"{prefix}/models", self.list_models, ["GET"])
             self._route(app, f"{prefix}/models/{{model_name:path}}", self.get_model, ["GET"])
         self._route(app, "/v1/kvcmas/workflows/{workflow:path}", self.drop_workflow, ["DELETE"])
+        self._route(app, "/lora-adapters", self.lora_adapters, ["GET"])
         extra_routes = utility_routes(self)  # /v1/responses, /tokenize, /detokenize, /apply-template, /props
         for path, handler, methods in extra_routes:
             self._route(app, path, handler, methods)
@@ -187,6 +191,7 @@ class Server:
         self._route(app, "/metrics", self.prometheus, ["GET"])
         known = frozenset(
             {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/chat/completions"}
+            | {"/lora-adapters"}
             | {path for path, _, _ in extra_routes}
             | {path for path, _, _ in ui_routes if "{" not in path}
         )
@@ -254,13 +259,25 @@ class Server:
             },
         }
 
-    async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_card()]}
+    def _tenant_adapters(self, request: Request) -> list[Any]:
+        return self.adapters.allowed(request.state.tenant, self.tenants.adapters)
 
-    async def get_model(self, model_name: str) -> dict[str, Any]:
-        if model_name not in self.model_names:
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        """The base model, then the LoRA adapters the caller may use (each with its parent, as vLLM lists them)."""
+        cards = self.adapters.cards(self._tenant_adapters(request), self.created)
+        return {"object": "list", "data": [self._model_card(), *cards]}
+
+    async def get_model(self, model_name: str, request: Request) -> dict[str, Any]:
+        if model_name in self.model_names:
+            return self._model_card()
+        cards = self.adapters.cards([a for a in self._tenant_adapters(request) if a.name == model_name], self.created)
+        if not cards:
             raise ApiError(404, f"the model '{model_name}' does not exist", "model_not_found", "model")
-        return self._model_card()
+        return cards[0]
+
+    async def lora_adapters(self, request: Request) -> list[dict[str, Any]]:
+        """GET /lora-adapters (llama.cpp's): the adapters the caller may use, with their `lora` field ids."""
+        return self.adapters.lora_list(self._tenant_adapters(request))
 
     # ---------------------------------------------------------------------------------------- generation
     def _check_logit_bias(self, parsed: ParsedRequest) -> None:
@@ -270,11 +287,9 @@ class Server:
                 400, f"logit_bias: token id {bad} is outside [0, {self.model.n_vocab})", "invalid_value", "logit_bias"
             )
 
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(
-                400, f"unknown model '{name}': this server serves '{self.model_id}'", "model_not_found", "model"
-            )
+    def _pick_adapter(self, body: Any, request: Request) -> Pick:
+        """The adapter the request runs with (its `model` or `lora` field; server/lora.py), or the base model."""
+        return self.adapters.pick(body.model, body.lora, request.state.tenant, self.tenants.adapters)
 
     def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the rendered chat prompt (as Model.chat builds them)."""
@@ -358,7 +373,7 @@ class Server:
         """A validated chat request, answered as chat.completion (or its chunks); /v1/responses goes through here."""
         body = parsed.body
         assert isinstance(body, ChatCompletionRequest)
-        self._check_model(body.model)
+        pick = self._pick_adapter(body, request)
         self._check_logit_bias(parsed)
         namespace = Namespace(request.state.tenant, body.cache_salt or "")
         segments: list[Segment] | None = None
@@ -399,14 +414,18 @@ class Server:
             deadline=self._deadline(),
             messages=messages,
             agent=agent,
-            session_key=SessionKey(namespace, workflow, method),
+            # with an adapter: no sharing session (nonshared; the prefix cache keys its rows on the adapter)
+            session_key=SessionKey(namespace, workflow, method) if pick.adapter is None else None,
+            namespace=namespace if pick.adapter is not None else None,
+            adapter=pick.adapter,
+            model=pick.name,
             recompute=options.recompute if options and options.recompute is not None else self.cfg.recompute,
             segments=segments,
             n_prompt=n_prompt,
             constraint=plan.constraint,
         )
         self._submit(job)
-        extra: dict[str, Any] = {"workflow": workflow, "agent": agent}
+        extra: dict[str, Any] = {"workflow": workflow, "agent": agent} if pick.name is None else {"adapter": pick.name}
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -418,7 +437,7 @@ class Server:
         parsed = await self._parse("completion", request)
         body = parsed.body
         assert isinstance(body, CompletionRequest)
-        self._check_model(body.model)
+        pick = self._pick_adapter(body, request)
         self._check_logit_bias(parsed)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -447,8 +466,11 @@ class Server:
             sink=sink,
             deadline=self._deadline(),
             namespace=Namespace(request.state.tenant, body.cache_salt or ""),
+            adapter=pick.adapter,
+            model=pick.name,
         )
         self._submit(job)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         echo = prompt_text if body.echo else ""
-        return await self.replies.respond(job, queue, request, "completion", body.stream, include_usage, {}, echo)
+        extra = {} if pick.name is None else {"adapter": pick.name}
+        return await self.replies.respond(job, queue, request, "completion", body.stream, include_usage, extra, echo)

@@ -76,11 +76,16 @@ class PlainPrefilled:
 
 
 def plan_segments(
-    model: Model, segments: list[Segment], method: str = "nonshared", namespace: str | None = None
+    model: Model,
+    segments: list[Segment],
+    method: str = "nonshared",
+    namespace: str | None = None,
+    adapter: tuple[int, float] | None = None,
 ) -> Plan[PlainPrefilled]:
     """The plan (kvcmas_cpp.plan) of a prompt of text (token ids) and image (embeddings [n, n_embd]) segments in a
     new sequence: one append per segment. namespace: a text-only prompt starts from the longest match in the
-    model's prefix cache within this namespace and is stored there when done (None: neither). The sequence is
+    model's prefix cache within this namespace (and adapter) and is stored there when done (None: neither).
+    adapter: (engine id, scale) of the LoRA adapter the sequence runs with (None: the base model). The sequence is
     closed again if an append fails (e.g. the KV budget) or the plan is closed part-way. Raises ValueError (on its
     first step) for an empty prompt."""
     n_prompt = sum(len(seg) for seg in segments)
@@ -88,10 +93,12 @@ def plan_segments(
     t0 = time.perf_counter()
     if cache is not None and n_prompt:
         assert namespace is not None
-        seq, cached = cache.reuse(namespace, [t for seg in segments for t in seg])
+        seq, cached = cache.reuse(namespace, [t for seg in segments for t in seg], adapter=adapter)
         segments = [[t for seg in segments for t in seg][cached:]]
     else:
         seq, cached = model.new_sequence(), 0
+        if adapter is not None:
+            seq.set_adapter(*adapter)
     segments = [seg for seg in segments if len(seg)]
     if not segments:
         seq.close()
@@ -156,10 +163,12 @@ class PlainBackend:
         agent: str | None,
         recompute: float = 0.0,
         namespace: str | None = None,
+        adapter: tuple[int, float] | None = None,
     ) -> Plan[Prefilled]:
-        """namespace: the prefix cache namespace of this prompt instead of the backend's."""
+        """namespace: the prefix cache namespace of this prompt instead of the backend's. adapter: (engine id,
+        scale) of the LoRA adapter the prompt and its reply run with (None: the base model)."""
         ns = namespace if namespace is not None else self.namespace
-        plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns)
+        plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns, adapter=adapter)
         return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:

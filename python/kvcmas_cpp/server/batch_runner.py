@@ -94,7 +94,7 @@ class BatchRunner:
             job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute)
         else:
             ns = job.namespace.cache_namespace() if job.namespace is not None else None
-            job.plan = self.plain.prefill_plan([], segments, None, namespace=ns)
+            job.plan = self.plain.prefill_plan([], segments, None, namespace=ns, adapter=job.adapter)
         return self.advance(job, None, None)
 
     def advance(self, job: Job, sent: np.ndarray | None, error: Exception | None) -> PrefillEnd | None:

@@ -67,6 +67,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmproj", default=None, help="vision tower + projector GGUF: accept image_url parts (data URLs)")
     p.add_argument("--alias", default=None, help="model id the API reports (default: the file name without .gguf)")
     p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="GGUF LoRA adapter of the model (`kvcmas convert-lora` writes one), served under NAME (default: the "
+        'file stem): a request picks it by "model": NAME or llama.cpp\'s "lora": [{"id": 0, "scale": 1.0}] '
+        "(docs/adapters.md); repeat for more",
+    )
+    p.add_argument(
         "--chat-template-file",
         default=None,
         help="Jinja chat template used instead of the model file's (as llama.cpp's; its tool-call format and "
@@ -316,6 +325,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
         max_tenant_sessions=args.max_sessions_per_tenant,
         metrics_key=args.metrics_key,
         ui=not args.no_ui,
+        loras=tuple(getattr(args, "lora", None) or ()),
     )
     return Server(cfg, model)
 

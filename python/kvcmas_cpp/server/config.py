@@ -83,6 +83,7 @@ class ServerConfig:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     replica: str | None = None  # a cluster replica's name: answered in each response's kvcmas.replica
     max_text_chars: int | None = None  # text one request may have tokenized or rendered; None: TEXT_CHARS_PER_CTX
+    loras: tuple[str, ...] = ()  # --lora NAME=PATH or PATH: LoRA adapters loaded at start (server/lora.py)
     ui: bool = True  # GET /ui, the page of workflows, spans and savings (--no-ui: off; its JSON endpoints stay)
 
     def host_allow_list(self) -> frozenset[str] | None:

@@ -48,6 +48,8 @@ class Tenants:
 
     def __init__(self, api_key: str | None = None, key_file: str | None = None) -> None:
         self.keys: dict[bytes, str] = {}
+        # tenant -> the LoRA adapters it may use (server/lora.py); a tenant not here may use every one
+        self.adapters: dict[str, frozenset[str]] = {}
         if api_key is not None:
             self._add(api_key, "default", "--api-key")
         if key_file is not None:
@@ -68,7 +70,9 @@ class Tenants:
         self.keys[raw] = name
 
     def _load(self, path: str) -> None:
-        """One key per line, `NAME KEY` or just `KEY` (the tenant is then named by the key's hash); '#' comments."""
+        """One key per line, `NAME KEY` or just `KEY` (the tenant is then named by the key's hash); '#' comments.
+        `NAME KEY adapters=a,b` limits the tenant to those LoRA adapters (and the base model; `adapters=`: the base
+        only)."""
         try:
             lines = open(path, encoding="utf-8").read().splitlines()  # noqa: SIM115 (read at once)
         except (OSError, UnicodeDecodeError) as e:
@@ -77,11 +81,14 @@ class Tenants:
             words = line.split("#", 1)[0].split()
             if not words:
                 continue
-            if len(words) > 2:
-                raise ValueError(f"--api-key-file {path}, line {n}: expected `NAME KEY` or `KEY`")
+            limit = words.pop() if len(words) == 3 and words[2].startswith("adapters=") else None
+            if len(words) > 2 or (limit is None and len(words) == 2 and words[1].startswith("adapters=")):
+                raise ValueError(f"--api-key-file {path}, line {n}: expected `NAME KEY [adapters=a,b]` or `KEY`")
             key = words[-1]
             name = words[0] if len(words) == 2 else "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
             self._add(key, name, f"--api-key-file {path}, line {n}")
+            if limit is not None:
+                self.adapters[name] = frozenset(a for a in limit.removeprefix("adapters=").split(",") if a)
         if not self.keys:
             raise ValueError(f"--api-key-file {path}: no keys in the file")
 

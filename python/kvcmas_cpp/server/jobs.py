@@ -78,6 +78,9 @@ class Job:
     n: int = 1  # choices: n - 1 more continue forks of this job's prompt sequence (computed once)
     logprobs: int | None = None  # None: none; else report each token's logprob and this many alternatives
     constraint: Any = None  # constrained decoding (kvcmas_cpp.constrained.Constraint): the tokens allowed next
+    # (engine id, scale) of the LoRA adapter it runs with (None: the base model); a job with one has no session
+    adapter: tuple[int, float] | None = None
+    model: str | None = None  # the model id its reply reports (an adapter's name); None: the server's
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     cached: int = 0  # prompt rows the prefix cache serves (Scheduler.prompt_rows), as of its version cached_version
@@ -149,6 +152,8 @@ class Job:
             t_arrival=self.t_arrival,
             index=index,
             namespace=self.space,
+            adapter=self.adapter,
+            model=self.model,
         )
         fork.stream = self.stream.fork(params)
         fork.constraint = fork.stream.constraint

@@ -181,7 +181,13 @@ class Replies:
     # ------------------------------------------------------------------------------------------- bodies
     def _chunk(self, job: Job, kind: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        return {"id": job.id, "object": obj, "created": created, "model": self.model_id, "choices": choices}
+        return {
+            "id": job.id,
+            "object": obj,
+            "created": created,
+            "model": job.model or self.model_id,
+            "choices": choices,
+        }
 
     @staticmethod
     def _usage(dones: list[Done]) -> dict[str, Any]:
@@ -242,7 +248,7 @@ class Replies:
             "id": job.id,
             "object": obj,
             "created": int(time.time()),
-            "model": self.model_id,
+            "model": job.model or self.model_id,
             "choices": [c.final() for c in choices],
         }
         body.update(self._extras(job, dones, extra))

@@ -26,7 +26,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..tools import OPEN as TOOL_CALL_OPEN
-from .schemas import HARMLESS_FIELDS, KvcmasOptions, Number, _Body
+from .schemas import HARMLESS_FIELDS, KvcmasOptions, LoraChoice, Number, _Body
 from .validation import ApiError, parse_body, parse_request
 
 if TYPE_CHECKING:
@@ -148,6 +148,7 @@ class ResponsesRequest(_Body):
     reasoning: None = None
     kvcmas: KvcmasOptions | None = None
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=256)  # as on chat: its own namespace
+    lora: list[LoraChoice] | None = Field(default=None, max_length=64)  # as on chat (server/lora.py)
     # HARMLESS_FIELDS
     user: StrictStr | None = None
     metadata: dict[str, Any] | None = None
@@ -221,6 +222,7 @@ class ResponsesRequest(_Body):
             ("seed", self.seed),
             ("kvcmas", self.kvcmas.model_dump(exclude_none=True) if self.kvcmas else None),
             ("cache_salt", self.cache_salt),
+            ("lora", [c.model_dump() for c in self.lora] if self.lora is not None else None),
         ):
             if value is not None:
                 body[key] = value
@@ -460,7 +462,7 @@ async def create_response(server: Server, request: Request) -> Response:
         answer = await server.chat(parsed, request)
     except ApiError as e:
         raise _as_responses_error(e) from None
-    translator = _Translator(body, server.model_id)
+    translator = _Translator(body, server.adapters.reply_model(body.model) or server.model_id)
     if isinstance(answer, StreamingResponse):
         return StreamingResponse(
             translator.stream(answer.body_iterator),  # type: ignore[arg-type]

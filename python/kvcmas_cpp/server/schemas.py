@@ -177,8 +177,17 @@ class KvcmasOptions(_Body):
         return v
 
 
+class LoraChoice(_Body):
+    """llama.cpp's per-request adapter entry: the adapter's id (its place in GET /lora-adapters, load order) and
+    its scale (0: not applied)."""
+
+    id: StrictInt = Field(ge=0)
+    scale: Number = Field(default=1.0, ge=-100.0, le=100.0)
+
+
 class _Sampling(_Body):
-    model: StrictStr | None = None
+    model: StrictStr | None = None  # the served model's id or a loaded adapter's name (vLLM's way of picking one)
+    lora: list[LoraChoice] | None = Field(default=None, max_length=64)  # llama.cpp's way (server/lora.py)
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
