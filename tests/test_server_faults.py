@@ -310,6 +310,7 @@ EXPECTED_ROUTES = {
     ("POST", "/detokenize"),
     ("POST", "/apply-template"),
     ("GET", "/props"),
+    ("GET", "/lora-adapters"),  # llama.cpp's list of the loaded LoRA adapters (server/lora.py)
     # the live page (its files are a fixed set read from the package at start-up) and the JSON it draws from
     ("GET", "/ui"),
     ("GET", "/ui/"),
