@@ -10,6 +10,8 @@ transformers + peft in test_lora.py): greedy tokens equal, logprobs within float
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from helpers.lora import ALL_LINEAR, ATTENTION, make_lora_gguf
 from helpers.server import ServerProcess
 from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.server.app import Server, ServerConfig
+from kvcmas_cpp.server.http_guard import Tenants
 
 pytest.importorskip("gguf")
 pytest.importorskip("safetensors")
@@ -158,9 +161,6 @@ def test_model_field_runs_the_adapter_as_the_python_api_does(server: ServerProce
 @pytest.mark.slow
 def test_streamed_chat_and_responses_run_the_adapter(server: ServerProcess, engine: kc.Model) -> None:
     ref_text = _reference_chat(engine, "critic")[0]
-    import http.client
-    import json
-
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     body = {"messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "model": "critic"}
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json", **OPS})
@@ -173,6 +173,17 @@ def test_streamed_chat_and_responses_run_the_adapter(server: ServerProcess, engi
     status, _, out = server.request("POST", "/v1/responses", body, headers=OPS)
     assert status == 200, out
     assert out["model"] == "critic" and out["output"][0]["content"][0]["text"] == ref_text
+    body = {**body, "model": None, "lora": [{"id": 0, "scale": 1.0}]}  # llama.cpp's field on /v1/responses
+    status, _, out = server.request("POST", "/v1/responses", body, headers=OPS)
+    assert status == 200 and out["output"][0]["content"][0]["text"] == ref_text
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, "model": "coder"}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **OPS})
+    raw = conn.getresponse().read().decode()
+    conn.close()
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == _reference_completion(engine, "coder") and all(c["model"] == "coder" for c in chunks)
 
 
 @pytest.mark.slow
@@ -259,6 +270,16 @@ def test_unknown_adapters_conflicts_and_tenant_limits_are_clear_errors(server: S
     assert status == 403 and "coder" in out["error"]["message"]
     status, out = _completion(server, ALICE, model="critic", max_tokens=2)
     assert status == 200 and out["model"] == "critic"
+
+
+def test_tenant_adapter_limits_in_the_key_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("a ka adapters=x,y\nb kb\nc kc adapters=\n")
+    assert Tenants(key_file=str(keys)).adapters == {"a": frozenset({"x", "y"}), "c": frozenset()}
+    for bad in ("ka adapters=x\n", "a ka kb adapters=x\n", "a ka adapters=x more\n"):
+        keys.write_text(bad)
+        with pytest.raises(ValueError, match="line 1"):
+            Tenants(key_file=str(keys))
 
 
 def test_bad_lora_flags_refuse_to_start(f32_path: Path, lora_files: dict[str, Path], tmp_path: Path) -> None:
