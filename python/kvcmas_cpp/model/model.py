@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import adapters as lora
 from .._native import core
+from ..kv_budget import KVBudget
 from ..sampling import SamplingParams, max_tokens_count, stop_strings
 from ..token_stream import Completion, CompletionChunk
 from ..tokenizer import Tokenizer, TokenizerError
@@ -130,7 +131,7 @@ class Model:
     @property
     def kv_row_bytes(self) -> int:
         """Bytes one token's K and V rows take in the cache, every layer, in the cache's row type (kv_type)."""
-        return self.kv_block_bytes // self.kv_block_rows
+        return KVBudget(self).row_bytes  # the one byte accounting
 
     @property
     def kv_budget(self) -> int:
