@@ -137,7 +137,11 @@ class Method:
         return MethodConfig(self.name, **fields)
 
     def session_config(
-        self, config: MethodConfig | None = None, *, cold: str | None = None, recompute: float | None = None
+        self,
+        config: MethodConfig | None = None,
+        *,
+        cold: Literal["reuse", "dense"] | None = None,
+        recompute: float | None = None,
     ) -> MethodConfig:
         """An AgentSession's MethodConfig: `config` (default: the method's, for_session) with `cold` and `recompute`
         when given. Sessions share spans with exact tails only."""
