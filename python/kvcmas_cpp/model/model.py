@@ -110,6 +110,8 @@ class Model:
     rope_sections = property(
         lambda self: list(self._core.rope_sections), doc="M-RoPE pairs per t / h / w position (empty: one position)"
     )
+    n_ff = property(lambda self: self._core.n_ff, doc="feed-forward (MLP) width")
+    kv_type = property(lambda self: self._core.kv_type, doc="how K and V rows are stored: 'f32' or 'f16'")
     n_head = property(lambda self: self._core.n_head, doc="query heads")
     n_head_kv = property(lambda self: self._core.n_head_kv, doc="key/value heads")
     n_threads = property(lambda self: self._core.n_threads, doc="compute threads")
@@ -355,7 +357,7 @@ class Model:
         """Columns of one layer's K (or V) row: n_head_kv * head_dim (the sharing layer's "kd")."""
         return self.n_head_kv * self.head_dim
 
-    def rope_rotate(self, rows: np.ndarray, shift: int, layer: int) -> np.ndarray:
+    def rope_rotate(self, rows: np.ndarray, shift: int, layer: int = 0) -> np.ndarray:
         """Key rows [n, kv_width] rotated by `shift` positions with layer `layer`'s RoPE (a negative shift rotates
         back: a span's keys to its own positions 0..n-1)."""
         return np.asarray(self._core.rope_rotate(np.ascontiguousarray(rows, dtype=np.float32), int(shift), layer))
@@ -366,13 +368,45 @@ class Model:
         the correction `prev` (a KvCorrection or None) in front of it."""
         return core.ridge_correction(self._core, maps, view.id, pos, n, frame0, prev)
 
-    def materialize_last(self, seq: KVSequence) -> None:
-        """Turns the corrected shared rows seq appended last into a private corrected copy (plain attention)."""
-        core.seq_materialize_last(self._core, seq.id)
+    def materialize_last(self, seq: KVSequence) -> int:
+        """Turns the corrected shared rows seq appended last into a private corrected copy (plain attention);
+        returns the rows copied."""
+        return int(core.seq_materialize_last(self._core, seq.id))
 
     def correction_bytes(self, seq: KVSequence) -> int:
         """Bytes of the low-rank corrections seq's segments hold."""
-        return int(sum(s["corr_bytes"] for s in self._core.seq_segments(seq.id)))
+        return int(sum(s["corr_bytes"] for s in self.sequence_segments(seq.id)))
+
+    # ---------------------------------------------------------------- the engine's own view (checks and tests)
+    def sequence_rows(self, seq_id: int) -> int:
+        """Rows the engine holds for sequence `seq_id`, reserved ones included (len(KVSequence) is Python's
+        count: the two agree); KvcmasError when the engine holds no such sequence."""
+        return int(self._core.seq_length(seq_id))
+
+    def sequence_reserved(self, seq_id: int) -> int:
+        """Rows of sequence `seq_id` reserved and not yet computed, as the engine counts them."""
+        return int(self._core.seq_reserved(seq_id))
+
+    def sequence_segments(self, seq_id: int) -> list[dict[str, Any]]:
+        """The engine's segments of sequence `seq_id` in order: own rows or shared rows read by reference (pos, n,
+        shared, shift: the keys' RoPE shift, corr_bytes: the correction they carry)."""
+        return list(self._core.seq_segments(seq_id))
+
+    def forward(
+        self,
+        seqs: np.ndarray,
+        tokens: np.ndarray,
+        want: np.ndarray,
+        embd: np.ndarray | None = None,
+        embd_rows: np.ndarray | None = None,
+        bidirectional: np.ndarray | None = None,
+        rope_offsets: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """One forward pass of the engine as it takes one (int32 sequence ids and tokens, uint8 logit flags per
+        item; input vectors, bidirectional ranges and M-RoPE offsets as the binding documents them), without the
+        checks KVSequence makes first: the engine's own refusals (KvcmasError) are what a bad pass gets. Returns
+        the flagged items' logits. KVSequence's bookkeeping is not updated: use KVSequence.append to grow one."""
+        return self._core.decode(seqs, tokens, want, embd, embd_rows, bidirectional, rope_offsets)
 
     def continue_generation(
         self,
