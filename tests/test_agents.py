@@ -71,8 +71,15 @@ def test_a_prompt_without_shared_spans_counts_each_row_once(model: kc.Model, met
     assert first.ids == again.ids == model.generate(prompt, max_tokens=6, temperature=0.0).tokens
 
 
+def test_respond_refuses_an_unknown_option_by_name(model: kc.Model) -> None:
+    with AgentSession(model, "nonshared") as team:
+        agent = team.agent("Solver")
+        with pytest.raises(TypeError, match="'temprature'"):
+            agent.respond(4, temprature=0.5)  # type: ignore[call-overload]
+
+
 def test_every_method_answers_and_first_agent_is_exact(model: kc.Model) -> None:
-    row_bytes = model.n_layer * 2 * model.n_head_kv * model._core.head_dim * 4
+    row_bytes = model.n_layer * 2 * model.n_head_kv * model.head_dim * 4
     base = kv_without_prefix_cache(model)
     dense = run_team(model, "nonshared")
     for method in ("fullshared", "kvcmas", "kvcomm"):
@@ -298,12 +305,12 @@ def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model
         team.share(QUESTION)
         solver.respond(max_tokens=2)
         team.share(" word" * (model.n_ctx + 100))
-        before = model._core.n_seqs, model.kv_bytes_in_use
+        before = model.n_sequences, model.kv_bytes_in_use
         start = time.perf_counter()
         with pytest.raises(ValueError, match=rf"agent 'Checker': its prompt is \d+ tokens.*n_ctx = {model.n_ctx}"):
             checker.respond(max_tokens=2)
         assert time.perf_counter() - start < 1.0  # nothing computed
-        assert (model._core.n_seqs, model.kv_bytes_in_use) == before  # nothing left open
+        assert (model.n_sequences, model.kv_bytes_in_use) == before  # nothing left open
         team.reset()
         team.share(QUESTION)
         assert checker.respond(max_tokens=2).ids

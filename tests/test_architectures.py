@@ -231,7 +231,7 @@ def test_shifted_span_is_exact_under_the_architectures_rope(case: tuple[str, Pat
         kb, vb = b.kv(len(b_prefix), len(span))
         kf, vf = fresh.kv(len(b_prefix), len(span))
     for il in range(model.n_layer):
-        np.testing.assert_allclose(kb[il], model._core.rope_rotate(ka[il], shift, il), rtol=0, atol=KV_TOL)
+        np.testing.assert_allclose(kb[il], model.rope_rotate(ka[il], shift, il), rtol=0, atol=KV_TOL)
     np.testing.assert_array_equal(vb, va)
     np.testing.assert_allclose(kb[0], kf[0], rtol=0, atol=KV_TOL)
     np.testing.assert_allclose(vb[0], vf[0], rtol=0, atol=KV_TOL)

@@ -415,7 +415,7 @@ def test_cuda_shared_corrected_span_matches_cpu(tiny_f32) -> None:
     for dev in ("cpu", "cuda"):
         m = kc.Model(tiny_f32, n_ctx=256, device=dev)
         rng = np.random.default_rng(2)
-        kd = m.n_head_kv * m._core.head_dim
+        kd = m.n_head_kv * m.head_dim
         corr = core.KvCorrection(40, 4, kd, m.n_layer)
         for il in range(1, m.n_layer):
             corr.set_layer(il, *(rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((40, 4), (4, kd)) * 2))

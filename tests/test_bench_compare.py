@@ -35,7 +35,7 @@ def test_bench_agents_times_llama_cpp_on_nonshared_prompts(default_model_path: P
     import kvcmas_cpp as kc
 
     model = kc.Model(default_model_path, n_threads=1)
-    row_f16 = 2 * model.n_layer * 2 * model.n_head_kv * model._core.head_dim
+    row_f16 = 2 * model.n_layer * 2 * model.n_head_kv * model.head_dim
     assert llama["kv_bytes_per_hop"] == [(p + 1) * row_f16 for p in prompts]
     assert llama["later_ttft_ms"] > 0 and llama["later_ttft_speedup"] == pytest.approx(
         base["later_ttft_ms"] / llama["later_ttft_ms"]

@@ -399,3 +399,24 @@ def test_run_with_an_image_in_the_shared_context(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "image tokens per agent prompt" in out.stderr
     assert "| 0 | Mathematical Analyst | kvcmas | reuse |" in out.stdout
+
+
+def test_kvcmas_and_the_server_take_the_engine_options_alike() -> None:
+    """--kv-type, --device and --activations come from one helper in both command lines (kvcmas_cpp.arguments)."""
+    import argparse
+
+    from kvcmas_cpp.arguments import engine_options
+    from kvcmas_cpp.cli import build_parser
+    from kvcmas_cpp.server.cli import add_serve_arguments
+
+    server = argparse.ArgumentParser()
+    add_serve_arguments(server)
+    options = ["--kv-type", "f16", "--device", "cuda:1", "--activations", "f32"]
+    parsed = [build_parser().parse_args(["generate", "hi", *options]), server.parse_args(options)]
+    want = {"kv_type": "f16", "device": "cuda:1", "activations": "f32"}
+    assert [engine_options(a) for a in parsed] == [want, want]
+    defaults = [build_parser().parse_args(["generate", "hi"]), server.parse_args([])]
+    assert [engine_options(a) for a in defaults] == [{"kv_type": "f32", "device": "cpu", "activations": "q8"}] * 2
+    for parser, argv in ((build_parser(), ["generate", "hi"]), (server, [])):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--kv-type", "q4"])

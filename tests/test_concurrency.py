@@ -94,7 +94,7 @@ def test_concurrent_sessions_equal_serial_ones(model_path: Path) -> None:
             assert g.shape == e.shape, (key, i)
             assert np.array_equal(g, e), f"session {key}, result {i}: concurrent run differs from the serial one"
     assert model.kv_bytes_in_use == baseline, "sequences were closed but KV memory is still in use"
-    assert model._core.n_seqs == 0
+    assert model.n_sequences == 0
 
 
 def test_concurrent_errors_leave_other_sessions_intact(model_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_concurrent_errors_leave_other_sessions_intact(model_path: Path) -> None
             seq_id = seq.id
             seq.close()
             try:
-                model._core.seq_length(seq_id)  # removed: must raise, never read freed state
+                model.sequence_rows(seq_id)  # removed: must raise, never read freed state
                 failures.append("a removed sequence still answered")
             except Exception:  # noqa: BLE001 - any Python exception is the expected refusal
                 pass
@@ -139,4 +139,4 @@ def test_concurrent_errors_leave_other_sessions_intact(model_path: Path) -> None
             t.join(timeout=60)
     assert not failures, failures[:3]
     assert not bad_errors, bad_errors[:3]
-    assert model._core.n_seqs == 0
+    assert model.n_sequences == 0

@@ -87,7 +87,7 @@ def test_remove_frees_memory(model: kc.Model) -> None:
     fork.close()
     assert model.kv_bytes_in_use == base
     with pytest.raises(kc.KvcmasError, match="no sequence"):
-        model._core.seq_length(10**6)
+        model.sequence_rows(10**6)
 
 
 def test_batched_decode_equals_one_by_one(model: kc.Model) -> None:
@@ -138,7 +138,7 @@ def test_context_overflow_and_bad_ids_leave_state_unchanged(model: kc.Model) -> 
             seq.append([1, 2, model.n_vocab])
         with pytest.raises(kc.KvcmasError, match="out of range"):
             seq.append([-5])
-        assert model._core.seq_length(seq.id) == 500
+        assert model.sequence_rows(seq.id) == 500
         assert model.kv_bytes_in_use == used
         # still usable, and exact
         out = seq.append([5, 6], logits="last")
@@ -150,7 +150,7 @@ def test_kv_budget_exhaustion_is_an_error(default_model_path: str) -> None:
     with small.new_sequence() as seq:
         with pytest.raises(kc.KvcmasError, match="KV cache budget exhausted"):
             seq.append(_ids(small, 60, 200), logits="none")
-        assert len(seq) == 0 and small._core.seq_length(seq.id) == 0
+        assert len(seq) == 0 and small.sequence_rows(seq.id) == 0
         assert small.kv_bytes_in_use == 0
         seq.append(_ids(small, 61, 20), logits="none")  # fits
 

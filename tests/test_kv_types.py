@@ -132,7 +132,7 @@ def test_f16_logits_match_f32_within_rounding(models) -> None:
 
 
 def test_kv_bytes_halve(models) -> None:
-    assert models["f16"]._core.kv_budget * 2 == models["f32"]._core.kv_budget
+    assert models["f16"].kv_budget * 2 == models["f32"].kv_budget
     used = {}
     for kv, model in models.items():
         base = model.kv_bytes_in_use
@@ -141,7 +141,7 @@ def test_kv_bytes_halve(models) -> None:
             used[kv] = model.kv_bytes_in_use - base
         assert model.kv_bytes_in_use == base
     assert used["f32"] > 0 and used["f16"] * 2 == used["f32"]
-    assert models["f16"]._core.kv_type == "f16" and models["f32"]._core.kv_type == "f32"
+    assert models["f16"].kv_type == "f16" and models["f32"].kv_type == "f32"
 
 
 def _fresh(model: kc.Model, *chunks: list[int]) -> np.ndarray:
@@ -221,7 +221,7 @@ def test_f16_repositioned_span_reads_rerotated_halves(models) -> None:
         kb, vb = b.kv(len(b_prefix), len(span))
         shift = len(b_prefix) - len(a_prefix)
         for il in range(model.n_layer):
-            np.testing.assert_allclose(kb[il], model._core.rope_rotate(ka[il], shift), rtol=0, atol=1e-4)
+            np.testing.assert_allclose(kb[il], model.rope_rotate(ka[il], shift), rtol=0, atol=1e-4)
         np.testing.assert_array_equal(vb, va)
         np.testing.assert_array_equal(_rounded(va), va)  # halves, handed out as f32
 
@@ -231,7 +231,7 @@ def _delta_correction(model, reader, exact_seq, pos, n, rank):
     span's frame."""
     k_base, v_base = reader.kv(pos, n)
     k_exact, v_exact = exact_seq.kv(pos, n)
-    shift = [s for s in model._core.seq_segments(reader.id) if s["pos"] == pos][0]["shift"]
+    shift = [s for s in model.sequence_segments(reader.id) if s["pos"] == pos][0]["shift"]
     kd = k_base.shape[2]
     corr = core.KvCorrection(n, rank, kd, model.n_layer)
     for il in range(model.n_layer):
@@ -245,7 +245,7 @@ def _delta_correction(model, reader, exact_seq, pos, n, rank):
             b[:r] = vt[:r].astype(np.float32)
             factors.append((a, b))
         (ak, bk), (av, bv) = factors
-        corr.set_layer(il, ak, model._core.rope_rotate(bk, -shift), av, bv)
+        corr.set_layer(il, ak, model.rope_rotate(bk, -shift), av, bv)
     return corr
 
 

@@ -136,20 +136,20 @@ def test_adapter_info_and_scale_zero(loaded: kc.Model, adapters, ids: list[int])
 
 
 def _shapes(model: kc.Model) -> dict[str, tuple[int, int]]:
-    E, F = model.n_embd, model._core.n_ff
-    qd, kd = model.n_head * model._core.head_dim, model.n_head_kv * model._core.head_dim
+    E, F = model.n_embd, model.n_ff
+    qd, kd = model.n_head * model.head_dim, model.n_head_kv * model.head_dim
     return {"q": (E, qd), "k": (E, kd), "v": (E, kd), "o": (qd, E), "gate": (E, F), "up": (E, F), "down": (F, E)}
 
 
 def test_generate_and_chat_with_adapter(loaded: kc.Model, adapters, ids: list[int]) -> None:
     """generate(adapter=) continues greedily as transformers + peft does; chat passes it on; an unknown name is a
     clear error before anything runs; the sequence it used is gone afterwards."""
-    n_seqs = loaded._core.n_seqs
+    n_seqs = loaded.n_sequences
     out = loaded.generate(ids, max_tokens=8, temperature=0, adapter="all_r16")
     want = adapters["all_r16"].greedy
     eos = loaded.tokenizer.eog_ids
     assert out.tokens == [t for t in want[: len(out.tokens)]] and (len(out.tokens) == 8 or want[len(out.tokens)] in eos)
-    assert loaded._core.n_seqs == n_seqs
+    assert loaded.n_sequences == n_seqs
     messages = [{"role": "user", "content": "Name one prime number."}]
     plain = loaded.chat(messages, max_tokens=6, temperature=0)
     tuned = loaded.chat(messages, max_tokens=6, temperature=0, adapter="all_r16", adapter_scale=1.0)
@@ -197,7 +197,7 @@ def test_forks_inherit_the_adapter_and_unload_waits_for_its_sequences(loaded: kc
         loaded.set_sequence_adapter(seq, "attn_r4", 0.5)
         seq.append(ids[:-1], logits="none")
         with seq.fork() as child:
-            assert loaded._core.seq_adapter(child.id) == (loaded.adapters["attn_r4"].id, 0.5)
+            assert child.adapter == (loaded.adapters["attn_r4"].id, 0.5)
             np.testing.assert_array_equal(child.append(ids[-1:]), seq.append(ids[-1:]))
         with pytest.raises(kc.KvcmasError, match="in use by sequence"):
             loaded.unload_adapter("attn_r4")
@@ -229,7 +229,7 @@ def test_bad_adapters_are_clear_errors_and_load_nothing(
     loaded: kc.Model, f32_path: Path, tiny_models, adapters, tmp_path: Path
 ) -> None:
     model = loaded
-    E, qd = model.n_embd, model.n_head * model._core.head_dim
+    E, qd = model.n_embd, model.n_head * model.head_dim
     rng = np.random.default_rng(0)
     good = {
         "blk.0.attn_q.weight.lora_a": rng.standard_normal((4, E)),

@@ -29,6 +29,21 @@ def test_the_registry_holds_the_methods_and_their_defaults() -> None:
         methods.method("kvcomm", served=True)
 
 
+def test_the_benchmarks_take_their_method_configs_from_the_registry() -> None:
+    """`kvcmas bench accuracy` and the demo read a method's config from its entry (learns_online: it calibrates on
+    the benchmark's reads), not from its name."""
+    from kvcmas_cpp.bench.accuracy import session_spec
+
+    name, cfg = session_spec("kvcmas", 3)
+    assert name == "kvcmas" and cfg == methods.MethodConfig("kvcmas", head=4, rank=8, calibrate=3)
+    assert session_spec("fullshared", 3) == ("fullshared", None)  # its session config, nothing to calibrate
+    assert session_spec("kvcomm@0.5", 3)[1] == methods.MethodConfig("kvcomm", rank=0, recompute=0.5)
+    assert session_spec("recompute@0.25", 3)[1] == methods.MethodConfig(
+        "kvcmas", head=4, rank=8, calibrate=3, recompute=0.25, correct=False
+    )
+    assert [n for n, m in methods.REGISTRY.items() if m.learns_online] == ["kvcmas"]
+
+
 def test_the_server_schema_takes_the_served_methods() -> None:
     from kvcmas_cpp.server.schemas import KvcmasOptions
 

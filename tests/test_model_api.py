@@ -180,7 +180,7 @@ def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model
     and then stop with the core's 'context overflow: sequence 0 ... 512 more'); a prompt that leaves no room for one
     generated token is refused too. A sequence's append checks the whole call up front the same way."""
     prompt = model.tokenize(" word" * (model.n_ctx + 600))
-    before = model._core.n_seqs, model.kv_bytes_in_use
+    before = model.n_sequences, model.kv_bytes_in_use
     start = time.perf_counter()
     says = rf"generate: the prompt is {len(prompt)} tokens, and the context \(n_ctx\) is {model.n_ctx} tokens"
     with pytest.raises(ValueError, match=says):
@@ -193,9 +193,9 @@ def test_a_prompt_past_the_context_is_refused_before_any_compute(model: kc.Model
             model.generate(prompt[100 : model.n_ctx], max_tokens=1, sequence=seq)
         with pytest.raises(kc.KvcmasError, match=rf"context overflow: {model.n_ctx} tokens after the sequence's 100"):
             seq.append(prompt[: model.n_ctx])
-        assert len(seq) == 100 and model._core.seq_length(seq.id) == 100
+        assert len(seq) == 100 and model.sequence_rows(seq.id) == 100
     assert time.perf_counter() - start < 2.0  # nothing of the 8K-token prompts was computed
-    assert (model._core.n_seqs, model.kv_bytes_in_use) == before
+    assert (model.n_sequences, model.kv_bytes_in_use) == before
     assert model.generate(prompt[: model.n_ctx - 1], max_tokens=4).finish_reason == "length"  # one token fits
 
 

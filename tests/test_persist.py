@@ -14,7 +14,7 @@ from kvcmas_cpp.sharing import persist
 
 
 def _ctx(model: kc.Model, ph: str, reader: int, rng: np.random.Generator) -> est.EdgeContext:
-    kd = model.n_head_kv * model._core.head_dim
+    kd = model.n_head_kv * model.head_dim
     shape = (model.n_layer, 48, kd)
     base_k, base_v = rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
     return est.EdgeContext(ph, reader, "m", base_k, base_v, base_k * 1.1 + 0.2, base_v - 0.1)
@@ -138,7 +138,7 @@ def test_a_restart_keeps_the_learned_corrections(default_model_path: str, tiny_m
     damaged.write_bytes(b"not a zip at all")
     tiny = kc.Model(tiny_models[("llama", "F32")], n_threads=1)
     r = est.RidgeEstimator(rank=8)
-    kd = tiny.n_head_kv * tiny._core.head_dim
+    kd = tiny.n_head_kv * tiny.head_dim
     rng = np.random.default_rng(0)
     base = rng.standard_normal((tiny.n_layer, 8, kd), np.float32)
     r.add_example(est.EdgeContext("context:", "agent:x", "", base, base, base + 1, base - 1))

@@ -164,4 +164,4 @@ def test_a_reusing_hop_computes_all_its_rows_in_one_append(model: kc.Model, reco
             mine = [a for a in appends if a.seq is p.seq]  # the others computed the new agent's prefix (cached)
             assert len(mine) == 1 and len(mine[0].rows) == p.hop.computed_tokens
             assert p.seq.reserved == 0 and len(p.seq) == p.hop.prompt_tokens
-            assert any(s["shared"] for s in model._core.seq_segments(p.seq.id))
+            assert any(s["shared"] for s in model.sequence_segments(p.seq.id))

@@ -49,7 +49,7 @@ def _run(model, workflow, cfg, q, estimator=None):
 def _own_rows(model, seq, pos: int, n: int) -> np.ndarray:
     """Mask over positions [pos, pos + n) of seq: True where the sequence holds rows it computed itself."""
     own = np.zeros(len(seq), bool)
-    for s in model._core.seq_segments(seq.id):
+    for s in model.sequence_segments(seq.id):
         if not s["shared"]:
             own[s["pos"] : s["pos"] + s["n"]] = True
     return own[pos : pos + n]
@@ -183,7 +183,7 @@ def test_partial_budget_recomputes_the_chosen_rows_and_counts_them(model, workfl
     maps = fitted.core_maps(("user_question", 1))
     assert maps is not None
     view_pos = res.span_pos[0]["user_question"][0] + 4
-    corr = kc._native.core.ridge_correction(model._core, maps, res.seqs[0].id, view_pos, n, view_pos, None)
+    corr = model.ridge_correction(maps, res.seqs[0], view_pos, n, view_pos, None)
     (scores,) = rc.deviation_scores([(est.Correction(kv=corr), n)], model.n_layer)  # the hop's only shared span
     (want,) = rc.select_rows([scores], budget)
     assert 0 < want.sum() < n

@@ -135,7 +135,7 @@ def test_a_new_namespace_opens_only_its_own_calibration_files(default_model_path
     model = kc.Model(str(default_model_path), n_threads=1)
     proto = shared_estimator(model, "kvcmas", "hostile-proto")[0]
     assert isinstance(proto, est.RidgeEstimator)
-    kd = model.n_head_kv * model._core.head_dim
+    kd = model.n_head_kv * model.head_dim
     base = np.random.default_rng(0).standard_normal((model.n_layer, 8, kd), np.float32)
     fitted = est.RidgeEstimator(rank=proto.rank, alpha=proto.alpha)
     fitted.add_example(est.EdgeContext("context:", "agent:x", "", base, base, base + 1, base - 1))

@@ -78,9 +78,9 @@ def test_repositioned_span_keys_equal_rerotated_keys(model: kc.Model) -> None:
         kb, vb = b.kv(len(b_prefix), len(span))
         shift = len(b_prefix) - len(a_prefix)
         for il in range(model.n_layer):
-            np.testing.assert_allclose(kb[il], model._core.rope_rotate(ka[il], shift), rtol=0, atol=1e-4)
+            np.testing.assert_allclose(kb[il], model.rope_rotate(ka[il], shift), rtol=0, atol=1e-4)
         np.testing.assert_array_equal(vb, va)
-        seg = model._core.seq_segments(b.id)
+        seg = model.sequence_segments(b.id)
         assert [s["shift"] for s in seg] == [0, shift] and seg[1]["shared"]
 
 
@@ -89,7 +89,7 @@ def _exact_delta_correction(model, reader, exact_seq, pos, n, rank):
     expressed in the span's frame (rotated back by the segment's shift). Layer 0 stays uncorrected when asked."""
     k_base, v_base = reader.kv(pos, n)
     k_exact, v_exact = exact_seq.kv(pos, n)
-    shift = [s for s in model._core.seq_segments(reader.id) if s["pos"] == pos][0]["shift"]
+    shift = [s for s in model.sequence_segments(reader.id) if s["pos"] == pos][0]["shift"]
     kd = k_base.shape[2]
     corr = core.KvCorrection(n, rank, kd, model.n_layer)
     for il in range(model.n_layer):
@@ -103,7 +103,7 @@ def _exact_delta_correction(model, reader, exact_seq, pos, n, rank):
             b[:r] = vt[:r].astype(np.float32)
             factors.append((a, b))
         (ak, bk), (av, bv) = factors
-        bk = model._core.rope_rotate(bk, -shift)  # keys' delta into the span's frame
+        bk = model.rope_rotate(bk, -shift)  # keys' delta into the span's frame
         corr.set_layer(il, ak, bk, av, bv)
     return corr
 
@@ -148,7 +148,7 @@ def test_low_rank_correction_memory_is_factor_sized(model: kc.Model) -> None:
         a.append(_ids(model, 11, n), logits="none")
         b.append(_ids(model, 12, 5), logits="none")
         b.append_shared(a.share(0, n), corr)
-        assert model._core.seq_segments(b.id)[1]["corr_bytes"] == corr.bytes
+        assert model.sequence_segments(b.id)[1]["corr_bytes"] == corr.bytes
 
 
 def test_pieces_of_a_span_read_one_correction_at_their_offsets(model: kc.Model) -> None:
@@ -182,13 +182,13 @@ def test_pieces_of_a_span_read_one_correction_at_their_offsets(model: kc.Model) 
             kc_, vc = c.kv(len(other), n)
             np.testing.assert_array_equal(kb, kc_)
             np.testing.assert_array_equal(vb, vc)
-            assert sum(seg["corr_bytes"] for seg in model._core.seq_segments(b.id)) == corr.bytes
+            assert sum(seg["corr_bytes"] for seg in model.sequence_segments(b.id)) == corr.bytes
             np.testing.assert_array_equal(b.append(tail, logits="all"), a.append(tail, logits="all"))
         with model.new_sequence() as d:
             d.append(other, logits="none")
             d.append_shared(whole.slice(7, 16), corr, corr_row0=7)
             fused = d.kv(len(other), 16)
-            core.seq_materialize_last(model._core, d.id)  # the copy reads the same offset
+            model.materialize_last(d)  # the copy reads the same offset
             copied = d.kv(len(other), 16)
             np.testing.assert_allclose(copied[0], fused[0], rtol=0, atol=1e-5)
             np.testing.assert_allclose(copied[1], fused[1], rtol=0, atol=1e-5)
@@ -223,14 +223,14 @@ def test_rows_computed_between_shared_pieces_fill_the_sequences_own_span(model: 
                 b.append(span[start + 3 : start + 6], logits="none")
                 own += 3
             assert model.kv_bytes_in_use - before == -(-own // 32) * block_bytes  # 38 own rows: two blocks, not 11
-            segs = model._core.seq_segments(b.id)
+            segs = model.sequence_segments(b.id)
             assert all(s["shift"] == 0 for s in segs) and sum(not s["shared"] for s in segs) == 11
             np.testing.assert_allclose(b.append(tail, logits="all"), exact, rtol=0, atol=1e-3)
             b.truncate(len(prefix) + 3)  # the prefix and the first shared piece
             assert model.kv_bytes_in_use - before == block_bytes
             b.append(span[3:6], logits="none")
             assert model.kv_bytes_in_use - before == block_bytes
-            assert model._core.seq_segments(b.id)[-1]["shift"] == 0
+            assert model.sequence_segments(b.id)[-1]["shift"] == 0
 
 
 def test_bad_sharing_requests_raise(model: kc.Model) -> None:
@@ -252,7 +252,7 @@ def test_bad_sharing_requests_raise(model: kc.Model) -> None:
                 np.zeros((3, 4), np.float32),
                 np.zeros((4, 192), np.float32),
             )
-        assert len(b) == 0 and model._core.seq_length(b.id) == 0
+        assert len(b) == 0 and model.sequence_rows(b.id) == 0
 
 
 def test_reserved_rows_between_spans_compute_in_one_pass_like_appends_in_turn(model: kc.Model) -> None:
@@ -276,7 +276,7 @@ def test_reserved_rows_between_spans_compute_in_one_pass_like_appends_in_turn(mo
         one.append_shared(span)
         one.reserve(b)
         one.append_shared(span.slice(0, 20), corr)
-        assert one.reserved == len(a) + len(b) == model._core.seq_reserved(one.id)
+        assert one.reserved == len(a) + len(b) == model.sequence_reserved(one.id)
         assert len(one) == len(turns) - len(c) and one.tokens == turns.tokens[: len(one)]
         calls = []
         real = model._decode
@@ -289,7 +289,7 @@ def test_reserved_rows_between_spans_compute_in_one_pass_like_appends_in_turn(mo
         np.testing.assert_array_equal(got[-len(c) :], want)
         for x, y in zip(one.kv(), turns.kv(), strict=True):
             np.testing.assert_array_equal(x, y)
-        assert [s["n"] for s in model._core.seq_segments(one.id)] == [20, 40, 24, 20, 18]
+        assert [s["n"] for s in model.sequence_segments(one.id)] == [20, 40, 24, 20, 18]
 
 
 def test_reserved_rows_are_refused_to_readers_until_computed(model: kc.Model) -> None:
@@ -308,13 +308,13 @@ def test_reserved_rows_are_refused_to_readers_until_computed(model: kc.Model) ->
         with pytest.raises(ValueError, match="reserved for ids"):
             seq.append(a[:8], "none")
         with pytest.raises(core.KvcmasError, match="out of range"):
-            model._core.decode(np.full(8, seq.id, np.int32), np.full(8, -5, np.int32), np.zeros(8, np.uint8))
-        assert seq.reserved == 8 and model._core.seq_reserved(seq.id) == 8 and len(seq) == 32
+            model.forward(np.full(8, seq.id, np.int32), np.full(8, -5, np.int32), np.zeros(8, np.uint8))
+        assert seq.reserved == 8 and model.sequence_reserved(seq.id) == 8 and len(seq) == 32
         with pytest.raises(core.KvcmasError, match="context overflow"):
             seq.reserve([1] * model.n_ctx)
-        assert len(seq) == model._core.seq_length(seq.id) == 32
+        assert len(seq) == model.sequence_rows(seq.id) == 32
         seq.append(a[4:10], "none")  # fills 6 of the 8 rows
         assert seq.reserved == 2
         seq.truncate(9)  # drops the last reserved rows and the span
-        assert seq.reserved == 0 and model._core.seq_reserved(seq.id) == 0 and len(seq) == 9
+        assert seq.reserved == 0 and model.sequence_reserved(seq.id) == 0 and len(seq) == 9
         seq.fork().close()

@@ -118,7 +118,7 @@ def test_memory_accounting_matches_allocations(model, workflow) -> None:
     runner = WorkflowRunner(model, workflow, MethodConfig("oracle", rank=8))
     res = runner.run(question_ids(model, q), "msg", forced=[h.generated for h in exact.hops], exact=exact)
     assert runner.template_kv_bytes + sum(h.kv_bytes for h in res.hops) == model.kv_bytes_in_use - before
-    n_layer, kd = model.n_layer, model.n_head_kv * model._core.head_dim
+    n_layer, kd = model.n_layer, model.n_head_kv * model.head_dim
     for h in res.hops[1:]:
         assert h.corr_bytes == h.corr_factor_bytes > 0
     # the question span read by agent 1: one correction of rank 8 over the span's rows, layers 1..L-1
@@ -132,7 +132,7 @@ def test_memory_accounting_matches_allocations(model, workflow) -> None:
     block = 32 * n_layer * 2 * kd * 4
     assert all(h.kv_bytes % block == 0 and h.kv_bytes > 0 for h in res.hops)
     # the request's peak: what the engine holds for it once its last hop ran, rows plus every sequence's factors
-    held_corr = sum(s["corr_bytes"] for seq in res.seqs for s in model._core.seq_segments(seq.id))
+    held_corr = sum(s["corr_bytes"] for seq in res.seqs for s in model.sequence_segments(seq.id))
     peak = model.kv_bytes_in_use - before - runner.template_kv_bytes + held_corr
     assert res.hops[-1].peak_bytes == peak
     assert all(a.peak_bytes < b.peak_bytes for a, b in zip(res.hops[:-1], res.hops[1:], strict=True))

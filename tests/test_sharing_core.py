@@ -1,6 +1,6 @@
 """KVCMAS corrections built and applied in the core, on SmolLM2: the ridge estimator's factors computed in C++
-(`_core.ridge_correction`) against the numpy reference path, and a materialized (copied) corrected span
-(`_core.seq_materialize_last`) against the fused one, with the runner's per-shape choice between them."""
+(`Model.ridge_correction`) against the numpy reference path, and a materialized (copied) corrected span
+(`Model.materialize_last`) against the fused one, with the runner's per-shape choice between them."""
 
 from __future__ import annotations
 
@@ -104,11 +104,11 @@ def test_core_ridge_factors_equal_the_numpy_path(model, workflow, ridge) -> None
     reader2.append_shared(bucket.shared, kc2)
     k2, v2 = _canonical(model, reader2, pos2, n)
     k0, v0 = _canonical(model, src, p0 + h, n)
-    dk, dv = est.materialize(ref2.factors(model.n_layer), model.n_layer, n, model.n_head_kv * model._core.head_dim)
-    rot = np.stack([model._core.rope_rotate(np.ascontiguousarray(dk[il]), -(p0 + h)) for il in range(model.n_layer)])
+    dk, dv = est.materialize(ref2.factors(model.n_layer), model.n_layer, n, model.n_head_kv * model.head_dim)
+    rot = np.stack([model.rope_rotate(np.ascontiguousarray(dk[il]), -(p0 + h)) for il in range(model.n_layer)])
     assert _rel(k2, k0 + rot) < 1e-5 and _rel(v2, v0 + dv) < 1e-5
     with pytest.raises(core.KvcmasError, match="outside sequence"):
-        core.ridge_correction(model._core, ridge.core_maps(runner.edge_of(QUESTION, 1)), src.id, p0, len(src), p0, None)
+        model.ridge_correction(ridge.core_maps(runner.edge_of(QUESTION, 1)), src, p0, len(src), p0, None)
     for s in (src, reader, reader2):
         s.close()
     runner.close()
@@ -165,7 +165,7 @@ def test_auto_apply_is_fused_at_kvcmas_rank_and_a_copy_at_full_rank(model, workf
     r0, exact = _run(model, workflow, MethodConfig("nonshared"), None, q)
     # kvcmas' default: the question span (rank 9, ~100 rows) stays fused
     runner, res = _run(model, workflow, MethodConfig("kvcmas", head=4), ridge, q, exact)
-    kd, n_layer = model.n_head_kv * model._core.head_dim, model.n_layer
+    kd, n_layer = model.n_head_kv * model.head_dim, model.n_layer
     for a in range(1, 4):
         n_q = res.span_pos[a][QUESTION][1] - 4
         rank = res.hops[a].corr_rank
@@ -195,7 +195,7 @@ def test_materialized_segment_reads_like_the_fused_one(default_model_path, kv_ty
     ids = m.tokenize("Shared context: the quick brown fox jumps over the lazy dog, twice over.", add_special=False)
     src = m.new_sequence()
     src.append(ids, logits="none")
-    n, kd = len(ids) - 2, m.n_head_kv * m._core.head_dim
+    n, kd = len(ids) - 2, m.n_head_kv * m.head_dim
     rng = np.random.default_rng(0)
     corr = core.KvCorrection(n, 5, kd, m.n_layer)
     for il in range(1, m.n_layer):
@@ -206,8 +206,8 @@ def test_materialized_segment_reads_like_the_fused_one(default_model_path, kv_ty
         s.append(m.tokenize("Reader", add_special=False), logits="none")
         s.append_shared(src.share(2, n), corr)
     before = m.kv_bytes_in_use
-    assert core.seq_materialize_last(m._core, copied.id) == n
-    seg = m._core.seq_segments(copied.id)
+    assert m.materialize_last(copied) == n
+    seg = m.sequence_segments(copied.id)
     assert seg[-1]["corr_bytes"] == 0 and not seg[-1]["shared"] and seg[-1]["shift"] == 0
     block = 32 * m.n_layer * 2 * kd * (2 if kv_type == "f16" else 4)
     assert (m.kv_bytes_in_use - before) % block == 0  # whole blocks, counted by the pool
@@ -219,7 +219,7 @@ def test_materialized_segment_reads_like_the_fused_one(default_model_path, kv_ty
     assert np.max(np.abs(l2 - l1)) < (1e-3 if kv_type == "f32" else 5e-2) * np.max(np.abs(l1))
     empty = m.new_sequence()
     with pytest.raises(core.KvcmasError, match="holds no rows"):
-        core.seq_materialize_last(m._core, empty.id)
+        m.materialize_last(empty)
     for s in (src, fused, copied, empty):
         s.close()
 
@@ -230,7 +230,7 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
     read at another position than the span's stored frame: A = [(x - mu_x)·proj, 1] on the canonical view (numpy,
     from seq.kv), B_k = [vt; mu_y] rotated by frame0, the view's correction in front; f16 rows too."""
     m = kc.Model(default_model_path, n_threads=2, n_ctx=512, kv_budget=64 << 20, kv_type=kv_type, activations="f32")
-    kd, n_layer, r = m.n_head_kv * m._core.head_dim, m.n_layer, 6
+    kd, n_layer, r = m.n_head_kv * m.head_dim, m.n_layer, 6
     rng = np.random.default_rng(1)
     src = m.new_sequence()
     src.append(m.tokenize("Context: " + "numbers and words, " * 12, add_special=False), logits="none")
@@ -247,7 +247,7 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
     for il in range(1, n_layer, 2):  # even layers (and 0) have no map
         params[il] = [rng.standard_normal(s).astype(np.float32) for s in ((kd,), (kd, r), (r, kd), (kd,)) * 2]
         maps.set_layer(il, *params[il])
-    got = est.Correction(kv=core.ridge_correction(m._core, maps, view.id, pos, n, frame0, prev)).factors(n_layer)
+    got = est.Correction(kv=m.ridge_correction(maps, view, pos, n, frame0, prev)).factors(n_layer)
     base_k, base_v = _canonical(m, view, pos, n)
     prev_f = est.Correction(kv=prev).factors(n_layer)
     for il in range(n_layer):
@@ -258,7 +258,7 @@ def test_core_ridge_on_a_corrected_view_matches_the_formula(default_model_path, 
         if il in params:
             mu_k, proj_k, vt_k, muy_k, mu_v, proj_v, vt_v, muy_v = params[il]
             ones = np.ones((n, 1), np.float32)
-            bk = m._core.rope_rotate(np.concatenate([vt_k, muy_k[None]]), frame0)
+            bk = m.rope_rotate(np.concatenate([vt_k, muy_k[None]]), frame0)
             ref.append(
                 (
                     np.concatenate([(base_k[il] - mu_k) @ proj_k, ones], 1),

@@ -82,7 +82,7 @@ def test_the_middle_of_a_reply_reuses_exactly_its_rows(model: kc.Model, method: 
             s = p.stats
             assert s["mode"] == "reuse" and s["span_tokens"] == run - head, s
             assert s["computed_tokens"] + s["reused_tokens"] == s["prompt_tokens"]
-            shared = [g for g in model._core.seq_segments(p.seq.id) if g["shared"]]
+            shared = [g for g in model.sequence_segments(p.seq.id) if g["shared"]]
             assert [g["n"] for g in shared][-1] == run - head  # one stored segment of the run's rows
             kl_run = _kl(_dense_logits(model, msgs), p.logits)
         with team.prefill(whole) as p:  # the whole reply by reference: the existing path, the reference bound

@@ -168,7 +168,7 @@ def test_shared_span_beyond_the_window_is_not_attended(mistral: Path, corrected:
             reader.append_shared(shared, _garbage_correction(model, len(span), rank=4))
         else:
             reader.append_shared(shared)
-        segments = model._core.seq_segments(reader.id)
+        segments = model.sequence_segments(reader.id)
         assert segments[1]["shared"] and segments[1]["shift"] == len(prefix) - len(other_prefix)
         got = reader.append(tail, logits="all")
     late = slice(RECEPTIVE, None)

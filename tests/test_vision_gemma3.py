@@ -135,8 +135,8 @@ def test_mmproj_holds_the_gemma3_projector(gemma3: dict[str, Any]) -> None:
     from gguf import GGUFReader
 
     enc: VisionEncoder = gemma3["enc"]
-    assert enc.n_tokens == TOKENS and enc.n_embd == 64 and enc._core.projector_type == "gemma3"
-    assert enc._core.pool_kernel == 4 and enc.config.resample == "bilinear"
+    assert enc.n_tokens == TOKENS and enc.n_embd == 64 and enc.projector_type == "gemma3"
+    assert enc.pool_kernel == 4 and enc.config.resample == "bilinear"
     reader = GGUFReader(enc.path)
     assert reader.fields["clip.projector_type"].contents() == "gemma3"
     assert reader.fields["clip.vision.projector.scale_factor"].contents() == 4
@@ -359,9 +359,9 @@ def test_bad_bidirectional_spans_are_refused(gemma3: dict[str, Any]) -> None:
         cases = {"outside the batch": [0, 4], "several sequences": [1, 3], "pairs": [0, 1, 2]}
         for message, span in cases.items():
             with pytest.raises(core.KvcmasError, match=message):
-                lm._core.decode(seqs, tokens, want, np.zeros((1, n), np.float32), np.full(3, -1, np.int32),
+                lm.forward(seqs, tokens, want, np.zeros((1, n), np.float32), np.full(3, -1, np.int32),
                                 np.array(span, dtype=np.int32))  # fmt: skip
-        assert lm._core.seq_length(a.id) == 0 and lm._core.seq_length(b.id) == 0
+        assert lm.sequence_rows(a.id) == 0 and lm.sequence_rows(b.id) == 0
 
 
 def _edited(gemma3: dict[str, Any], tmp_path: Path, name: str, change: Any) -> str:
@@ -421,7 +421,7 @@ def test_real_gemma3_geometry(tmp_path: Path) -> None:
     (tmp_path / "real" / "preprocessor_config.json").write_text(json.dumps({**ip.to_dict(), "image_seq_length": 256}))
     convert_mmproj(tmp_path / "real", tmp_path / "real.gguf", outtype="f32")
     enc = VisionEncoder(tmp_path / "real.gguf", n_threads=2)
-    assert enc.n_tokens == 256 and enc._core.pool_kernel == 4
+    assert enc.n_tokens == 256 and enc.pool_kernel == 4
     names = ["landscape", "astronaut"]
     pixels = ip(images=[IMAGES[n] for n in names], return_tensors="pt")["pixel_values"]
     with torch.no_grad():

@@ -88,7 +88,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def test_text_only_logits_equal_transformers(qwen: dict[str, Any]) -> None:
     """A sequence of text only (t = h = w) gives transformers' logits at every position."""
     lm = qwen["lm"]
-    assert lm.arch == "qwen2vl" and list(lm._core.rope_sections) == [*SECTIONS, 0]
+    assert lm.arch == "qwen2vl" and lm.rope_sections == [*SECTIONS, 0]
     ids = np.random.default_rng(1).integers(0, 390, 37).tolist()
     with torch.no_grad():
         ref = qwen["model"](input_ids=torch.tensor([ids])).logits[0].numpy()
@@ -141,7 +141,7 @@ def test_windows_matter(qwen: dict[str, Any]) -> None:
     """The windowed blocks are windowed: transformers with every block attending fully gives features far from
     ours (so the equality above checks the windows, and not a tower that attends over the whole image)."""
     enc: QwenVisionEncoder = qwen["enc"]
-    assert enc._core.full_attention == [False, True, False, True] and enc._core.window_size == 112
+    assert enc.full_attention == [False, True, False, True] and enc.window_size == 112
     visual = qwen["model"].model.visual
     saved = visual.fullatt_block_indexes
     try:
@@ -384,7 +384,7 @@ def test_bad_inputs_are_refused_with_their_reason(qwen: dict[str, Any], tmp_path
         seq.append_embeddings(enc.encode(IMAGES["tiny"]), image_grid=(3, 3))
     plain = kvcmas_cpp.Model(kvcmas_cpp.model.default_model_path(), n_threads=1)
     with pytest.raises(kvcmas_cpp.KvcmasError, match="M-RoPE offsets"):
-        plain._core.decode(np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, np.uint8),
+        plain.forward(np.zeros(1, np.int32), np.ones(1, np.int32), np.ones(1, np.uint8),
                            rope_offsets=np.zeros((1, 3), np.int32))  # fmt: skip
     config = json.loads((qwen["folder"] / "config.json").read_text())
     config["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 2]  # 7 pairs of 8

@@ -4,11 +4,12 @@ in the estimator."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, overload
 
 from .agent_results import Prefilled, Response, ResponseChunk
 from .constrained import output_constraint
@@ -16,6 +17,9 @@ from .model import CompletionChunk, Model
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
 from .sharing.workflow import PLACEHOLDER_RE
 from .tools import parse_tool_calls, tool_format_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class AgentOwner(Protocol):
@@ -62,6 +66,32 @@ def agent_identity(system: str, template: str | None = None) -> str:
     return "agent:" + hashlib.sha256(f"{system}\0{template or ''}".encode()).hexdigest()[:16]
 
 
+class ReplyOptions(TypedDict, total=False):
+    """Agent.respond's keyword options besides max_tokens and stream (their defaults: REPLY_DEFAULTS): sampling as
+    SamplingParams takes it, stop strings, and OpenAI's output options as Model.chat takes them."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: int | None
+    stop: str | Sequence[str] | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool
+    response_format: Mapping[str, Any] | None
+    logprobs: bool
+    top_logprobs: int | None
+
+
+REPLY_DEFAULTS: ReplyOptions = {  # greedy by default: an agent's reply is what the others read
+    "temperature": 0.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0, "seed": None,
+    "stop": None, "tools": None, "tool_choice": None, "parallel_tool_calls": True, "response_format": None,
+    "logprobs": False, "top_logprobs": None,
+}  # fmt: skip
+
+
 class Agent:
     """A role in a session. Create with AgentSession.agent()."""
 
@@ -70,64 +100,16 @@ class Agent:
 
     @overload
     def respond(
-        self,
-        max_tokens: int = ...,
-        *,
-        stream: Literal[False] = ...,
-        temperature: float = ...,
-        top_k: int = ...,
-        top_p: float = ...,
-        min_p: float = ...,
-        repeat_penalty: float = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        tools: Sequence[Mapping[str, Any]] | None = ...,
-        tool_choice: str | Mapping[str, Any] | None = ...,
-        parallel_tool_calls: bool = ...,
-        response_format: Mapping[str, Any] | None = ...,
-        logprobs: bool = ...,
-        top_logprobs: int | None = ...,
+        self, max_tokens: int = ..., *, stream: Literal[False] = ..., **options: Unpack[ReplyOptions]
     ) -> Response: ...
 
     @overload
     def respond(
-        self,
-        max_tokens: int = ...,
-        *,
-        stream: Literal[True],
-        temperature: float = ...,
-        top_k: int = ...,
-        top_p: float = ...,
-        min_p: float = ...,
-        repeat_penalty: float = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        tools: Sequence[Mapping[str, Any]] | None = ...,
-        tool_choice: str | Mapping[str, Any] | None = ...,
-        parallel_tool_calls: bool = ...,
-        response_format: Mapping[str, Any] | None = ...,
-        logprobs: bool = ...,
-        top_logprobs: int | None = ...,
+        self, max_tokens: int = ..., *, stream: Literal[True], **options: Unpack[ReplyOptions]
     ) -> Iterator[ResponseChunk]: ...
 
     def respond(
-        self,
-        max_tokens: int = 256,
-        *,
-        stream: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        parallel_tool_calls: bool = True,
-        response_format: Mapping[str, Any] | None = None,
-        logprobs: bool = False,
-        top_logprobs: int | None = None,
+        self, max_tokens: int = 256, *, stream: bool = False, **options: Unpack[ReplyOptions]
     ) -> Response | Iterator[ResponseChunk]:
         """The agent's reply to the shared context so far (greedy by default). The reply joins the shared context
         as a span later agents read. stream=True returns an iterator of ResponseChunk.
@@ -137,20 +119,23 @@ class Agent:
         are enforced by constrained decoding; list the tools in the agent's system prompt, e.g. with
         kvcmas_cpp.tools.tools_system_text), response_format (json_object / json_schema), logprobs and top_logprobs
         (Response.logprobs). The reply's text, calls included, is what later agents read."""
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed
-        )
+        unknown = sorted(options.keys() - REPLY_DEFAULTS.keys())
+        if unknown:
+            raise TypeError(f"respond() got an unexpected keyword argument {unknown[0]!r}")
+        o: dict[str, Any] = {**REPLY_DEFAULTS, **options}
+        params = SamplingParams(**{f.name: o[f.name] for f in dataclasses.fields(SamplingParams) if f.name in o})
         params.validate()
         max_tokens_count(max_tokens, 1)
-        stops = stop_strings(stop)
+        stops = stop_strings(o["stop"])
         model = self.session.model
         fmt = tool_format_of(model.tokenizer.chat_template)
         constraint, names = (None, None)
-        if tools or response_format:
+        if o["tools"] or o["response_format"]:
             constraint, names = output_constraint(
-                model.tokenizer, model.n_vocab, tools, tool_choice, response_format, parallel_tool_calls, fmt
-            )
-        top = (top_logprobs or 0) if logprobs else None
+                model.tokenizer, model.n_vocab, o["tools"], o["tool_choice"], o["response_format"],
+                o["parallel_tool_calls"], fmt,
+            )  # fmt: skip
+        top = (o["top_logprobs"] or 0) if o["logprobs"] else None
         chunks = _reply(self.session, self, max_tokens, params, stops, constraint, top)
         if stream:
             return chunks
@@ -165,11 +150,11 @@ class Agent:
                 last.finish_reason = "tool_calls" if last.finish_reason == "stop" else last.finish_reason
         return last
 
-    async def arespond(self, max_tokens: int = 256, **kwargs: Any) -> Response:
+    async def arespond(self, max_tokens: int = 256, **options: Unpack[ReplyOptions]) -> Response:
         """respond() for asyncio: runs in a worker thread (compute releases the GIL), so other sessions' calls and
         the event loop go on meanwhile."""
-        kwargs.pop("stream", None)
-        return await asyncio.to_thread(lambda: self.respond(max_tokens, **kwargs))
+        options.pop("stream", None)  # type: ignore[typeddict-item]  # a caller's stream=... is ignored here
+        return await asyncio.to_thread(lambda: self.respond(max_tokens, **options))
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, index={self.index})"

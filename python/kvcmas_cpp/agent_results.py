@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from .kv_budget import KVBudget
 from .model import KVSequence
 from .sharing.estimators import Correction
 from .sharing.span import Span
@@ -125,9 +126,9 @@ class Prefilled:
 
 
 def response_stats(
-    p: Prefilled, names: list[str], method: str, row_bytes: int, spans: Mapping[str, Span], generation_ms: float = 0.0
+    p: Prefilled, names: list[str], method: str, kv: KVBudget, spans: Mapping[str, Span], generation_ms: float = 0.0
 ) -> ResponseStats:
-    """What p's call cost and reused: names, the session's agents; row_bytes, a KV row's; spans, the session's."""
+    """What p's call cost and reused: names, the session's agents; kv prices its rows; spans, the session's."""
     h = p.hop
     gen = len(h.generated)
     computed = h.computed_tokens + p.prefix_rows - p.prefix_cached  # prefix rows this very call computed count
@@ -142,7 +143,7 @@ def response_stats(
         h.prompt_tokens - computed,
         gen,
         round(generation_ms, 3),
-        (computed + gen) * row_bytes,
+        kv.rows_bytes(computed + gen),
         h.corr_bytes,
         h.corr_rank,
         h.recomputed_tokens,

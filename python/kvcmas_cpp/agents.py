@@ -41,6 +41,7 @@ from typing import Any, Literal
 from .agent import Agent, agent_identity, check_template
 from .agent_results import Prefilled, Response, ResponseChunk, ResponseStats, response_stats
 from .idle_reads import IdleReads
+from .kv_budget import KVBudget
 from .model import KVSequence, Model
 from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
@@ -142,16 +143,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         self.model, self.method, self.workflow, self.vision = model, method, workflow, vision
         if vision is not None:
             vision.check_text_model(model.n_embd, model.tokenizer)
-        if config is None:
-            config = entry.config(for_session=True)
-        if cold is not None:
-            if cold not in ("reuse", "dense"):
-                raise ValueError(f"cold must be 'reuse' or 'dense', got {cold!r}")
-            config = dataclasses.replace(config, cold=cold)
-        if config.tail != "exact":
-            raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
-        if recompute is not None:
-            config = dataclasses.replace(config, recompute=float(recompute))  # validated by MethodConfig
+        config = entry.session_config(config, cold=cold, recompute=recompute)
         root: str | os.PathLike[str] | None = None
         if calibration_dir is True:
             root = default_calibration_dir() if estimator is None else None
@@ -174,7 +166,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         self._identities: list[str] = []  # per agent: agent_identity()
         self.cache_namespace = cache_namespace
         self._prefix_cache = PrefixCache.of(model)
-        self._row_bytes = model.kv_row_bytes
+        self._kv = KVBudget(model)  # prices the rows the session holds
         self._serial = 0
         self._n_runs = 0  # sub-run placeholders made (not reset: a prompt closed after reset() drops only its own)
         self._reset_state()
@@ -269,7 +261,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         counted by rows (the pool allocates whole blocks). Template prefixes live in the model's prefix cache."""
         with self._lock:
             rows = sum(self._owned_rows.get(id(s), 0) for s in self._seqs)
-            return rows * self._row_bytes
+            return self._kv.rows_bytes(rows)
 
     def evict_lru(self) -> bool:
         """Drops the least recently used stored span (later readers compute it again). False when none is left."""
@@ -498,4 +490,4 @@ class AgentSession(SessionMessages, SessionTrainingReads):
     def stats_of(self, p: Prefilled, generation_ms: float = 0.0) -> ResponseStats:
         """What p's call cost and reused (generation_ms: its generation's time, when it generated)."""
         names = [a.name for a in self.agents]
-        return response_stats(p, names, self.method, self._row_bytes, self._state.spans, generation_ms)
+        return response_stats(p, names, self.method, self._kv, self._state.spans, generation_ms)

@@ -89,3 +89,22 @@ def documented(summary: str, page: str) -> dict[str, Any]:
     shown in the parent's command list and atop the subcommand's own --help (tests/test_docs.py checks the pages)."""
     text = f"{summary} (docs/{page})"
     return {"help": text, "description": text, "formatter_class": DocsFormatter}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--kv-type, --device and --activations: how every command that loads a model loads it (engine_options)."""
+    p.add_argument(
+        "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Model's keyword arguments from add_engine_arguments' options."""
+    return {"kv_type": args.kv_type, "device": args.device, "activations": args.activations}

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import __version__
-from .arguments import DocsFormatter, documented, positive_int
+from .arguments import DocsFormatter, add_engine_arguments, documented, engine_options, positive_int
 from .errors import CommandError
 
 
@@ -22,14 +22,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=positive_int, default=None, help="most tokens per sequence")
-    p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="KV cache rows (f16: half the memory)")
-    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
-    p.add_argument(
-        "--activations",
-        choices=("q8", "f32"),
-        default="q8",
-        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
-    )
+    add_engine_arguments(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -49,14 +42,7 @@ def _load(args: argparse.Namespace) -> Any:
     from .model import Model, resolve_model_path
 
     path = resolve_model_path(args.model)
-    return Model(
-        path,
-        n_threads=args.threads,
-        n_ctx=args.ctx_size,
-        kv_type=args.kv_type,
-        device=args.device,
-        activations=args.activations,
-    )
+    return Model(path, n_threads=args.threads, n_ctx=args.ctx_size, **engine_options(args))
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..agents import CALIBRATION_READS, AgentSession, Response
 from ..model import Model
+from ..sharing import methods as registry
 from ..sharing.methods import LEARNING_METHODS, SESSION_METHODS, MethodConfig, parse_label
 from .progress import progress_bar
 from .tasks import Example, Task, get_task
@@ -40,8 +41,10 @@ NUMERIC_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _config(method: str, calibrate: int) -> MethodConfig | None:
-    return MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate) if method == "kvcmas" else None
+def _config(name: str, calibrate: int) -> MethodConfig | None:
+    """A method that learns online calibrates on `calibrate` reads here; the others run their session config."""
+    entry = registry.method(name)
+    return entry.config(for_session=True, calibrate=calibrate) if entry.learns_online else None
 
 
 def session_spec(label: str, calibrate: int) -> tuple[str, MethodConfig | None]:
@@ -55,7 +58,7 @@ def session_spec(label: str, calibrate: int) -> tuple[str, MethodConfig | None]:
     cfg = _config(name, calibrate)
     if budget is None:
         return name, cfg
-    base = cfg or (MethodConfig(name, rank=0) if name == "kvcomm" else MethodConfig(name))
+    base = cfg or registry.method(name).config(for_session=True)
     return name, dataclasses.replace(base, recompute=budget, correct=correct)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 from ..agents import AgentSession, Response
 from ..arguments import output_file, positive_int
 from ..model import Model, resolve_model_path
+from ..sharing import methods as registry
 from ..sharing.estimators import RidgeEstimator
-from ..sharing.methods import MethodConfig
 from ..sharing.persist import load_ridge, save_ridge
 from .accuracy import compare
 from .tasks import Example, get_task
@@ -88,10 +88,9 @@ def run_team(
     """One request: every agent of the task's workflow answers in order over the shared question. kvcmas learns
     each edge's correction from its first `calibrate` dense reads (shared across calls on this model)."""
     workflow = task.workflow()
-    config = (
-        MethodConfig("kvcmas", head=4, rank=8, calibrate=calibrate, recompute=recompute) if method == "kvcmas" else None
-    )
-    learned = estimator if method == "kvcmas" else None
+    entry = registry.method(method)  # a method that learns online calibrates here, or starts from `estimator`
+    config = entry.config(for_session=True, calibrate=calibrate, recompute=recompute) if entry.learns_online else None
+    learned = estimator if entry.learns_online else None
     vision = image[0] if image else None
     with AgentSession(
         model, method, workflow=f"{task.name}-demo", config=config, estimator=learned, vision=vision

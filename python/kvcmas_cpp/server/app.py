@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..model import Model
-from ..model_chat import chat_prompt_ids
+from ..model.chat import chat_prompt_ids
 from ..sharing import persist
 from .backend import Segment
 from .config import TEXT_CHARS_PER_CTX, ServerConfig

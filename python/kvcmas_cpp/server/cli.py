@@ -12,9 +12,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..arguments import DocsFormatter, port, positive_float, positive_int
+from ..arguments import DocsFormatter, add_engine_arguments, engine_options, port, positive_float, positive_int
 
 if TYPE_CHECKING:
     from .app import Server
@@ -126,16 +126,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes all KV memory may take, e.g. 512M (default: the engine's, four full sequences)",
     )
-    p.add_argument(
-        "--kv-type", choices=("f32", "f16"), default="f32", help="KV row storage: f32 (exact) or f16 (half the memory)"
-    )
-    p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
-    p.add_argument(
-        "--activations",
-        choices=("q8", "f32"),
-        default="q8",
-        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
-    )
+    add_engine_arguments(p)
     p.add_argument(
         "--method", choices=SERVED_METHODS, default="kvcmas", help="KV sharing across agents (default kvcmas)"
     )
@@ -277,12 +268,7 @@ def build_server(args: argparse.Namespace, replica: str | None = None) -> Server
     if args.max_queue < 0 or args.max_images < 0 or args.idle_ttl < 0:
         raise ValueError("--max-queue, --max-images and --idle-ttl must be >= 0")
     path = resolve_model_path(args.model)
-    kv_type: dict[str, Any] = {"kv_type": args.kv_type} if args.kv_type != "f32" else {}  # cores without it: f32
-    if args.device != "cpu":
-        kv_type["device"] = args.device
-    if args.activations != "q8":
-        kv_type["activations"] = args.activations
-    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **kv_type)
+    model = Model(path, n_threads=args.threads, n_ctx=args.ctx_size, kv_budget=args.kv_budget, **engine_options(args))
     if args.chat_template_file is not None:
         try:
             model.tokenizer.chat_template = Path(args.chat_template_file).read_text(encoding="utf-8")

@@ -26,14 +26,14 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from pydantic_core import PydanticCustomError
 
 from ..tools import OPEN as TOOL_CALL_OPEN
-from .schemas import HARMLESS_FIELDS, KvcmasOptions, LoraChoice, Number, _Body
+from .schemas import HARMLESS_FIELDS, KvcmasOptions, LoraChoice, Number, RequestBody
 from .validation import ApiError, parse_body, parse_request
 
 if TYPE_CHECKING:
     from .app import Server
 
 
-class InputText(_Body):
+class InputText(RequestBody):
     type: Literal["input_text", "output_text"]
     text: StrictStr
     annotations: list[Any] | None = None  # on output_text parts a client sends back; not rendered
@@ -43,7 +43,7 @@ MessageRole = Literal["user", "assistant", "system", "developer"]
 MESSAGE_ROLES: tuple[str, ...] = get_args(MessageRole)
 
 
-class MessageItem(_Body):
+class MessageItem(RequestBody):
     type: Literal["message"] = "message"
     role: MessageRole
     content: StrictStr | list[InputText]
@@ -54,7 +54,7 @@ class MessageItem(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
@@ -63,7 +63,7 @@ class FunctionCallItem(_Body):
     status: StrictStr | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     call_id: StrictStr
     output: StrictStr | list[InputText]
@@ -104,7 +104,7 @@ def _unsupported_input(v: Any) -> str | None:
     return None
 
 
-class FunctionTool(_Body):
+class FunctionTool(RequestBody):
     type: Literal["function"]
     name: StrictStr
     description: StrictStr | None = None
@@ -112,12 +112,12 @@ class FunctionTool(_Body):
     strict: StrictBool | None = None
 
 
-class NamedFunctionChoice(_Body):
+class NamedFunctionChoice(RequestBody):
     type: Literal["function"]
     name: StrictStr
 
 
-class TextFormat(_Body):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     name: StrictStr | None = None
     description: StrictStr | None = None
@@ -125,12 +125,12 @@ class TextFormat(_Body):
     strict: StrictBool | None = None
 
 
-class TextOptions(_Body):
+class TextOptions(RequestBody):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the only level a local model has
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: StrictStr | None = None
     input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
@@ -302,7 +302,7 @@ class _Translator:
             "output": self.output,
             "instructions": b.instructions,
             "tools": tools,
-            "tool_choice": (b.tool_choice.model_dump() if isinstance(b.tool_choice, _Body) else b.tool_choice)
+            "tool_choice": (b.tool_choice.model_dump() if isinstance(b.tool_choice, RequestBody) else b.tool_choice)
             or "auto",
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "temperature": b.temperature if b.temperature is not None else 1.0,

@@ -39,7 +39,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (completions: 5)
 HARMLESS_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """The base of every request body schema: unknown fields refused, types strict, null read as left out."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
@@ -54,17 +56,17 @@ class _Body(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: StrictStr
 
 
-class ImageUrl(_Body):
+class ImageUrl(RequestBody):
     url: StrictStr
     detail: Literal["auto", "low", "high"] | None = None  # "low": an AnyRes model's single view (docs/vision.md)
 
 
-class ImagePart(_Body):
+class ImagePart(RequestBody):
     """Accepted by the schema so the error names the real problem (no vision model yet), not the shape."""
 
     type: Literal["image_url"]
@@ -74,12 +76,12 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: StrictStr
     arguments: StrictStr  # JSON text, as the model wrote it
 
 
-class ToolCall(_Body):
+class ToolCall(RequestBody):
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -88,35 +90,35 @@ class ToolCall(_Body):
 FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
 
 
-class FunctionDef(_Body):
+class FunctionDef(RequestBody):
     name: StrictStr = Field(pattern=FUNCTION_NAME)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
     strict: StrictBool | None = None  # arguments always follow the schema when the call is constrained
 
 
-class Tool(_Body):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: StrictStr
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(RequestBody):
     name: StrictStr = Field(max_length=64)
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None  # the output always follows the schema (constrained decoding)
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -127,7 +129,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
@@ -156,11 +158,11 @@ class ChatMessage(_Body):
         return "".join(pieces)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: StrictBool = False
 
 
-class KvcmasOptions(_Body):
+class KvcmasOptions(RequestBody):
     """Groups requests into one sharing workflow and names the agent; method and recompute (the share of each shared
     span recomputed in the agent's context) override the server's --method and --recompute."""
 
@@ -177,7 +179,7 @@ class KvcmasOptions(_Body):
         return v
 
 
-class LoraChoice(_Body):
+class LoraChoice(RequestBody):
     """llama.cpp's per-request adapter entry: the adapter's id (its place in GET /lora-adapters, load order) and
     its scale (0: not applied)."""
 
@@ -185,7 +187,7 @@ class LoraChoice(_Body):
     scale: Number = Field(default=1.0, ge=-100.0, le=100.0)
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     model: StrictStr | None = None  # the served model's id or a loaded adapter's name (vLLM's way of picking one)
     lora: list[LoraChoice] | None = Field(default=None, max_length=64)  # llama.cpp's way (server/lora.py)
     max_tokens: StrictInt | None = Field(default=None, ge=1)

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from .._native import core
 from .responses import create_response
-from .schemas import ChatCompletionRequest, _Body
+from .schemas import ChatCompletionRequest, RequestBody
 from .validation import ApiError, check_text_length, messages_text_chars, parse_body
 
 if TYPE_CHECKING:
@@ -35,14 +35,14 @@ def json_response(content: bytes) -> Response:
     return Response(content, media_type="application/json")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     content: StrictStr
     add_special: StrictBool = False  # BOS when the model wants it
     parse_special: StrictBool = True  # special-token text (<|im_start|>) becomes the special token
     with_pieces: StrictBool = False  # [{"id", "piece"}] instead of ids
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     tokens: list[StrictInt] = Field(max_length=1 << 20)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..kv_budget import KVBudget
 from ..model import BidirectionalRows, KVSequence, Model, SharedKV
 from ..plan import Append, Plan
 from . import recompute as recompute_mod
@@ -89,10 +90,11 @@ class SpanAssembly:
     def __init__(self, model: Model, config: MethodConfig) -> None:
         self.model, self.config = model, config
         self.kd = model.kv_width
+        self.kv = KVBudget(model)
 
     def copy_bytes(self, n: int) -> int:
         """KV bytes of a private copy of n span rows (every layer, K and V, in the cache's row type)."""
-        return n * self.model.kv_row_bytes
+        return self.kv.rows_bytes(n)
 
     def wants_copy(self, kc: Any, n: int) -> bool:
         """MethodConfig.apply for one corrected span of n rows: 'auto' copies when the correction's factors take at

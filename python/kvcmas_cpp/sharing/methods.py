@@ -136,6 +136,26 @@ class Method:
         fields = {**self.defaults, **(self.session if for_session else {}), **overrides}
         return MethodConfig(self.name, **fields)
 
+    def session_config(
+        self,
+        config: MethodConfig | None = None,
+        *,
+        cold: Literal["reuse", "dense"] | None = None,
+        recompute: float | None = None,
+    ) -> MethodConfig:
+        """An AgentSession's MethodConfig: `config` (default: the method's, for_session) with `cold` and `recompute`
+        when given. Sessions share spans with exact tails only."""
+        config = self.config(for_session=True) if config is None else config
+        if cold is not None:
+            if cold not in ("reuse", "dense"):
+                raise ValueError(f"cold must be 'reuse' or 'dense', got {cold!r}")
+            config = dataclasses.replace(config, cold=cold)
+        if config.tail != "exact":
+            raise ValueError("AgentSession shares spans with exact tails only (MethodConfig.tail='exact')")
+        if recompute is not None:
+            config = dataclasses.replace(config, recompute=float(recompute))  # validated by MethodConfig
+        return config
+
 
 def _no_estimator(model: Model, workflow: str, config: MethodConfig) -> est.Estimator:
     return est.Estimator()

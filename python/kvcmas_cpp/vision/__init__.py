@@ -19,8 +19,9 @@ from .image import (
     to_rgb,
 )
 from .preprocess import PreprocessConfig, preprocess
+from .qwen import QwenVisionEncoder  # registers itself: VisionEncoder(path) opens Qwen2.5-VL files as one
 
 __all__ = [
     "DEFAULT_MAX_BYTES", "DEFAULT_MAX_PIXELS", "SUPPORTED_FORMATS", "ImageError", "ImageSource", "PreprocessConfig",
-    "VisionEncoder", "image_hash", "load_image", "preprocess", "to_rgb",
+    "QwenVisionEncoder", "VisionEncoder", "image_hash", "load_image", "preprocess", "to_rgb",
 ]  # fmt: skip

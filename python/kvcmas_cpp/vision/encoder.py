@@ -33,6 +33,9 @@ TENSOR_IMAGE_NEWLINE = "model.image_newline"
 
 
 QWEN25VL_PROJECTOR = "qwen2.5vl_merger"  # clip.projector_type of a Qwen2.5-VL file (vision/qwen.py)
+# Encoders of the projector types with a tower of their own (clip.projector_type -> class), registered by their
+# modules (vision/qwen.py), which the package imports: VisionEncoder(path) opens any mmproj file as its class
+ENCODER_CLASSES: dict[str, type[VisionEncoder]] = {}
 
 
 def _projector_type(path: str) -> str | None:
@@ -103,10 +106,8 @@ class VisionEncoder:
 
     def __new__(cls, mmproj_path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> VisionEncoder:
         # A Qwen2.5-VL file opens as its own encoder (vision/qwen.py), so every caller takes any mmproj file.
-        if cls is VisionEncoder and _projector_type(os.fspath(mmproj_path)) == QWEN25VL_PROJECTOR:
-            from .qwen import QwenVisionEncoder
-
-            cls = QwenVisionEncoder
+        if cls is VisionEncoder:
+            cls = ENCODER_CLASSES.get(_projector_type(os.fspath(mmproj_path)) or "", cls)
         return super().__new__(cls)
 
     def __init__(
@@ -150,6 +151,9 @@ class VisionEncoder:
     model_type = property(lambda self: str(self._core.model_type), doc="'clip' or 'siglip'")
     projector_type = property(
         lambda self: str(self._core.projector_type), doc="'mlp' (LLaVA), 'gemma3', or '' (no projector)"
+    )
+    pool_kernel = property(
+        lambda self: int(self._core.pool_kernel), doc="side of the projector's average pooling of rows (Gemma 3: 4)"
     )
     bidirectional = property(
         lambda self: self.projector_type == "gemma3", doc="an image's rows attend to each other (Gemma 3)"

