@@ -158,7 +158,7 @@ def test_integer_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) 
     """The integer prefill GEMM on rows of 1,536 to 8,960 columns: it agrees with the integer reference on the same
     quantized activations to f32 rounding, stays within the activation rounding bound of the exact product, gives
     the same bits on 1, 2 and 3 threads, and a token's row does not depend on the tokens beside it (micro tiles of
-    6 tokens (4 with AVX2), 16-row panels: 37 rows and 17 / 23 tokens leave partial ones)."""
+    6 tokens (3 with AVX2), 16-row panels: 37 rows and 17 / 23 tokens leave partial ones)."""
     rng = np.random.default_rng(8000 + int(qtype) + n_in)
     n_out = 37
     raw, w = make_weight(qtype, n_out, n_in, rng)
