@@ -20,10 +20,6 @@ inline float h2f(uint16_t h) {
     return _cvtsh_ss(h);
 }
 
-inline __m256i load256(const void * p) {
-    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
-}
-
 inline __m128i load128(const void * p) {
     return _mm_loadu_si128(static_cast<const __m128i *>(p));
 }
@@ -64,18 +60,12 @@ void k4_factors(const void * row, int64_t n, float * scale, float * min, int64_t
     }
 }
 
-// The 4-bit nibbles of sub-block j of a K-quant super-block (32 bytes of qs hold sub-blocks 2p and 2p + 1).
-inline __m256i k_nibbles(const uint8_t * qs, int j) {
-    return _mm256_and_si256(_mm256_srl_epi16(load256(qs + 32 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))),
-                            _mm256_set1_epi8(0x0F));
-}
-
 struct Q4K {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = true;
     static Quants         quants(const void * row, int64_t b) {
         const auto & blk = static_cast<const BlockQ4_K *>(row)[b / 8];
-        return widen<false>(k_nibbles(blk.qs, static_cast<int>(b % 8)), 0);
+        return widen<false>(k4_nibbles(blk.qs, static_cast<int>(b % 8)), 0);
     }
     static void factors(const void * row, int64_t n, float * scale, float * min, int64_t stride) {
         k4_factors<BlockQ4_K>(row, n, scale, min, stride);
@@ -87,31 +77,20 @@ struct Q5K {
     static constexpr bool kHasMin = true;
     static Quants         quants(const void * row, int64_t b) {
         const auto & blk = static_cast<const BlockQ5_K *>(row)[b / 8];
-        const int    j   = static_cast<int>(b % 8);
-        // Bit j of qh[l] to 0x10 (a 16-bit shift: bit 0 of each byte comes from the same byte for j < 8).
-        const __m256i hi = _mm256_slli_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
-        return widen<false>(_mm256_or_si256(k_nibbles(blk.qs, j), hi), 0);
+        return widen<false>(q5k_bytes(blk, static_cast<int>(b % 8)), 0);
     }
     static void factors(const void * row, int64_t n, float * scale, float * min, int64_t stride) {
         k4_factors<BlockQ5_K>(row, n, scale, min, stride);
     }
 };
 
-// Q6_K block b = 8i + 4h + C (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e] and bits
-// 2C of qh[32h + e]; groups of 16 (d·scale_g).
+// Q6_K (qgemm-impl.h: q6k_bytes): groups of 16 (d·scale_g).
 struct Q6K {
     static constexpr int  kGroup  = 16;
     static constexpr bool kHasMin = false;
     static Quants         quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ6_K *>(row)[b / 8];
-        const int     h = static_cast<int>(b % 8) / 4, c = static_cast<int>(b % 4);
-        const __m256i lo =
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.ql + 64 * h + 32 * (c % 2)), _mm_cvtsi32_si128(4 * (c / 2))),
-                             _mm256_set1_epi8(0x0F));
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh + 32 * h), _mm_cvtsi32_si128(2 * c)),
-                                            _mm256_set1_epi8(0x03));
-        return widen<false>(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), 32);
+        const auto & blk = static_cast<const BlockQ6_K *>(row)[b / 8];
+        return widen<false>(q6k_bytes(blk, static_cast<int>(b % 8)), 32);
     }
     static void factors(const void * row, int64_t n, float * scale, float *, int64_t stride) {
         const auto * blk = static_cast<const BlockQ6_K *>(row);

@@ -51,20 +51,13 @@ inline void transpose16(__m512i r[16]) {
 // Each weight type gives the 32 integer quants of its 32-element block b of a row as int16 in element order, and the
 // f32 factors of a whole row (scale per group, min per 32-block).
 
-inline __m256i load256(const void * p) {
-    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
-}
-
 struct Q4K {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = true;
     static constexpr bool kSuper  = true;  // factors per 256-element super-block
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ4_K *>(row)[b / 8];
-        const int     j   = static_cast<int>(b % 8);
-        const __m256i v   = load256(blk.qs + 32 * (j / 2));
-        return _mm512_cvtepu8_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F)));
+        const auto & blk = static_cast<const BlockQ4_K *>(row)[b / 8];
+        return _mm512_cvtepu8_epi16(k4_nibbles(blk.qs, static_cast<int>(b % 8)));
     }
     // Super-block i's 16 factors of one row: d·sc_j (j < 8), then the mins dmin·m_j; stored at factor_at(.., i, j).
     template <typename Block>
@@ -86,35 +79,21 @@ struct Q5K {
     static constexpr bool kHasMin = true;
     static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ5_K *>(row)[b / 8];
-        const int     j   = static_cast<int>(b % 8);
-        const __m256i lo  = _mm256_and_si256(
-            _mm256_srl_epi16(load256(blk.qs + 32 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F));
-        // Bit j of qh[l] to 0x10 (a 16-bit shift: bit 0 of each byte comes from the same byte for j < 8).
-        const __m256i hi = _mm256_slli_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
-        return _mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi));
+        const auto & blk = static_cast<const BlockQ5_K *>(row)[b / 8];
+        return _mm512_cvtepu8_epi16(q5k_bytes(blk, static_cast<int>(b % 8)));
     }
     static __m512  factors(const void * row, int64_t i) { return Q4K::k4_factors<BlockQ5_K>(row, i); }
     static float * factor_at(float * scale, float * min, int64_t i, int j) { return Q4K::factor_at(scale, min, i, j); }
 };
 
-// Q6_K block b = 8i + 4h + C (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e] and bits
-// 2C of qh[32h + e]; groups of 16 (group 2b + e / 16 uses scales[(2b) % 16 + e / 16]).
+// Q6_K (qgemm-impl.h: q6k_bytes): groups of 16 (group 2b + e / 16 uses scales[(2b) % 16 + e / 16]).
 struct Q6K {
     static constexpr int  kGroup  = 16;
     static constexpr bool kHasMin = false;
     static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ6_K *>(row)[b / 8];
-        const int     h = static_cast<int>(b % 8) / 4, c = static_cast<int>(b % 4);
-        const __m256i lo =
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.ql + 64 * h + 32 * (c % 2)), _mm_cvtsi32_si128(4 * (c / 2))),
-                             _mm256_set1_epi8(0x0F));
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh + 32 * h), _mm_cvtsi32_si128(2 * c)),
-                                            _mm256_set1_epi8(0x03));
-        const __m256i q  = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(32));
+        const auto & blk = static_cast<const BlockQ6_K *>(row)[b / 8];
+        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q6k_bytes(blk, static_cast<int>(b % 8))), _mm512_set1_epi16(32));
     }
     // Super-block i's 16 factors of one row, d·scale_g.
     static __m512 factors(const void * row, int64_t i) {

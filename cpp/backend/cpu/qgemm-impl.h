@@ -5,6 +5,8 @@
 // Every output is one thread's, computed in a fixed order by K::tiles: the bits do not depend on the thread count.
 #pragma once
 
+#include <immintrin.h>
+
 #include <atomic>
 #include <cstdint>
 
@@ -53,6 +55,38 @@ using Q41 = Block32<BlockQ4_1, 0, false, true>;
 using Q50 = Block32<BlockQ5_0, 16, true, false>;
 using Q51 = Block32<BlockQ5_1, 0, true, true>;
 using Q80 = Block32<BlockQ8_0, 0, false, false>;
+
+// ---- K-quant blocks as bytes (AVX2; each file widens them to int16) ------------------------------------------------
+
+inline __m256i load256(const void * p) {
+    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
+}
+
+// Q4_K / Q5_K sub-block j's 4-bit quants (qs[32C + l] holds element l of sub-blocks 2C, low nibble, and 2C + 1).
+inline __m256i k4_nibbles(const uint8_t * qs, int j) {
+    return _mm256_and_si256(_mm256_srl_epi16(load256(qs + 32 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))),
+                            _mm256_set1_epi8(0x0F));
+}
+
+// Q5_K sub-block j's 5-bit quants: bit j of qh[l] is element l's 0x10 (a 16-bit shift: for j < 8 the bit that lands
+// on bit 0 of each byte comes from the same byte).
+inline __m256i q5k_bytes(const BlockQ5_K & blk, int j) {
+    const __m256i hi = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
+    return _mm256_or_si256(k4_nibbles(blk.qs, j), hi);
+}
+
+// Q6_K block k = 4h + C of a super-block (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e]
+// and bits 2C of qh[32h + e]: the unsigned 6-bit quants (w = d·scale·(q - 32); groups of 16).
+inline __m256i q6k_bytes(const BlockQ6_K & blk, int k) {
+    const int     h = k / 4, c = k % 4;
+    const __m256i lo =
+        _mm256_and_si256(_mm256_srl_epi16(load256(blk.ql + 64 * h + 32 * (c % 2)), _mm_cvtsi32_si128(4 * (c / 2))),
+                         _mm256_set1_epi8(0x0F));
+    const __m256i hi =
+        _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh + 32 * h), _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(0x03));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+}
 
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel (layout: Panels): quants at q, factors at scale / min
 // (missing rows: zero quants and factors). Defined by the including file.
