@@ -107,9 +107,9 @@ INT_PREFILL = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]  # the types of t
 @pytest.mark.parametrize("n_tok", [17, 40])
 def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
     """The CPU backend with 8-bit activations: prefill (17+ tokens) is within the activation rounding bound of the
-    exact product (the integer GEMM on AVX512-VNNI CPUs, the exact f32 path elsewhere), matmul_multi over a layer's
-    Q/K/V-like matrices (one quantization, one job) gives the same bits as separate matmuls, and 1, 2 and 3 threads
-    the same bits."""
+    exact product (the integer GEMM on AVX2 / AVX512-VNNI CPUs, the exact f32 path elsewhere), matmul_multi over a
+    layer's Q/K/V-like matrices (one quantization, one job) gives the same bits as separate matmuls, and 1, 2 and 3
+    threads the same bits."""
     from helpers.quants import min_part, quantize_q8
 
     rng = np.random.default_rng(zlib.crc32(f"{type_name}/{n_tok}".encode()))

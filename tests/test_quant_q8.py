@@ -34,9 +34,14 @@ from kvcmas_cpp._native import core
 
 Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
 Q8_DECODE_MAX = 16  # most tokens a call may have and still take the decode path with 8-bit activations
-# The types whose prefill with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU: the same
-# quantized activations as the decode path, so the same error bound; the other types' prefill stays exact.
-INT_PREFILL_TYPES = tuple(BLOCK32_TYPES + K_TYPES) if core.cpu_features().get("avx512_vnni") else ()
+# The types whose prefill with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU (with
+# AVX512-VNNI, or its AVX2 twin with the same bits): the same quantized activations as the decode path, so the same
+# error bound; the other types' prefill stays exact.
+INT_PREFILL_TYPES = (
+    tuple(BLOCK32_TYPES + K_TYPES)
+    if core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2")
+    else ()
+)
 
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
@@ -146,14 +151,14 @@ def test_q8_k_quants_on_real_model_widths(qtype: QT, n_in: int) -> None:
     np.testing.assert_array_equal(testing.matmul(int(qtype), raw, n_in, n_out, x[2:3], 2, "q8")[0], one[2])
 
 
-@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX512-VNNI")
+@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX2")
 @pytest.mark.parametrize(("n_in", "n_tok"), [(1536, 17), (2048, 64), (8960, 23)])
 @pytest.mark.parametrize("qtype", INT_PREFILL_TYPES or [QT.Q4_K], ids=lambda t: t.name)
 def test_integer_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) -> None:
     """The integer prefill GEMM on rows of 1,536 to 8,960 columns: it agrees with the integer reference on the same
     quantized activations to f32 rounding, stays within the activation rounding bound of the exact product, gives
     the same bits on 1, 2 and 3 threads, and a token's row does not depend on the tokens beside it (micro tiles of
-    6 tokens, 16-row panels: 37 rows and 17 / 23 tokens leave partial ones)."""
+    6 tokens (3 with AVX2), 16-row panels: 37 rows and 17 / 23 tokens leave partial ones)."""
     rng = np.random.default_rng(8000 + int(qtype) + n_in)
     n_out = 37
     raw, w = make_weight(qtype, n_out, n_in, rng)
@@ -175,10 +180,10 @@ def test_integer_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) 
     np.testing.assert_array_equal(testing.matmul(int(qtype), raw, n_in, n_out, x[1 : n_tok + 1], 3, "q8")[-2], one[-1])
 
 
-@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX512-VNNI")
+@pytest.mark.skipif(not INT_PREFILL_TYPES, reason="the integer prefill GEMM needs AVX2")
 def test_no_qgemm_turns_the_integer_prefill_off(tmp_path: Path) -> None:
     """KVCMAS_NO_QGEMM=1 (docs/install.md): q8 prefill is then the exact f32 prefill, bit for bit, and the CPU no
-    longer reports avx512_vnni; without it, q8 prefill differs from the exact path."""
+    longer reports avx512_vnni nor qgemm_avx2; without it, q8 prefill differs from the exact path."""
     require_testing()  # the child process loads it
     import subprocess
     import sys
@@ -193,7 +198,7 @@ def test_no_qgemm_turns_the_integer_prefill_off(tmp_path: Path) -> None:
         "testing = testing_module(); "
         f"d = Path({str(tmp_path)!r}); w = (d / 'w.bin').read_bytes(); x = np.load(d / 'x.npy'); "
         f"[np.save(d / f'{{a}}.npy', testing.matmul({int(QT.Q4_K)}, w, 512, 40, x, 2, a)) for a in ('q8', 'f32')]; "
-        "print(core.cpu_features()['avx512_vnni'])"
+        "f = core.cpu_features(); print(f['avx512_vnni'] or f['qgemm_avx2'])"
     )
     out = subprocess.run(
         [sys.executable, "-c", script], env={**os.environ, "KVCMAS_NO_QGEMM": "1"}, capture_output=True
@@ -357,6 +362,45 @@ def test_low_bit_files_match_llama_cpp(reference_models, type_name: str, tmp_pat
     print(f"{type_name} vs llama.cpp: top-1 {top1:.4f} rms {rms:.4f}; q8 vs exact: {top1_exact:.4f} {rms_exact:.5f}")
     assert top1 >= 0.88 and rms < 0.1, (top1, rms)
     assert top1_exact == 1.0 and rms_exact < 1e-3, (top1_exact, rms_exact)
+
+
+def test_integer_prefill_avx2_gives_the_bits_of_avx512_vnni(tmp_path: Path) -> None:
+    """The AVX2 integer prefill GEMM (vpmaddwd + vpaddd; KVCMAS_NO_AVX512=1 runs it here, as on CPUs without
+    AVX-512) forms the same exact integer sums as vpdpwssd and the same f32 steps per output, so every type gives the
+    bits of the AVX512-VNNI GEMM on rows of 1,536 to 8,960 columns, on 1 and 3 threads (and with them its error
+    bound, checked above)."""
+    require_testing()  # the child process loads it
+    if not core.cpu_features().get("avx512_vnni"):
+        pytest.skip("this CPU (or KVCMAS_NO_AVX512 / KVCMAS_NO_QGEMM) has no AVX512-VNNI GEMM to compare with")
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(6100)
+    cases = []
+    for i, qtype in enumerate(INT_PREFILL_TYPES):
+        n_in, n_tok = [(1536, 17), (8960, 23), (2048, 30)][i % 3]
+        raw, _ = make_weight(qtype, 37, n_in, rng)
+        (tmp_path / f"w{i}.bin").write_bytes(raw)
+        np.save(tmp_path / f"x{i}.npy", activations(rng, n_tok, n_in))
+        cases.append((int(qtype), n_in))
+    script = (
+        "import sys, numpy as np, json; from pathlib import Path; from kvcmas_cpp._native import core, testing_module; "
+        "testing = testing_module(); assert core.cpu_features()['qgemm_avx2']; "
+        f"d = Path({str(tmp_path)!r}); cases = json.loads(sys.argv[1]); "
+        "[np.save(d / f'y{i}_{th}.npy', testing.matmul(t, (d / f'w{i}.bin').read_bytes(), n, 37, "
+        "np.load(d / f'x{i}.npy'), th, 'q8')) for i, (t, n) in enumerate(cases) for th in (1, 3)]"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        env={**os.environ, "KVCMAS_NO_AVX512": "1"},
+        capture_output=True,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    for i, (t, n_in) in enumerate(cases):
+        raw, x = (tmp_path / f"w{i}.bin").read_bytes(), np.load(tmp_path / f"x{i}.npy")
+        vnni = testing.matmul(t, raw, n_in, 37, x, 2, "q8")
+        for th in (1, 3):
+            np.testing.assert_array_equal(np.load(tmp_path / f"y{i}_{th}.npy"), vnni, err_msg=f"{QT(t).name} {th}")
 
 
 def test_avx_vnni_and_avx2_kernels_give_identical_results(tmp_path: Path) -> None:

@@ -146,6 +146,7 @@ void bind_engine(nb::module_ & m) {
             d["avx_vnni"]      = cpu::cpu_features().avx_vnni;
             d["avx512"]        = cpu::cpu_features().avx512;
             d["avx512_vnni"]   = cpu::cpu_features().avx512_vnni;
+            d["qgemm_avx2"]    = cpu::cpu_features().qgemm_avx2;
             return d;
         },
         "Instruction sets the kernels use on this machine (after KVCMAS_FORCE_SCALAR).");

@@ -43,6 +43,7 @@ static CpuFeatures detect() {
                  __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && os_saves_zmm() &&
                  !env_on("KVCMAS_NO_AVX512");
     f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni") && !env_on("KVCMAS_NO_QGEMM");
+    f.qgemm_avx2  = f.avx2_fma_f16c && !f.avx512_vnni && !env_on("KVCMAS_NO_QGEMM");
 #endif
     return f;
 }

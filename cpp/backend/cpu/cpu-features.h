@@ -16,6 +16,9 @@ struct CpuFeatures {
     // instruction, used by the integer prefill GEMM of the 8-bit activation path (backend/cpu/qgemm.h).
     // KVCMAS_NO_AVX512=1 turns it off with avx512; KVCMAS_NO_QGEMM=1 alone (tests compare the prefill paths).
     bool avx512_vnni = false;
+    // The integer prefill GEMM with AVX2 (vpmaddwd; the same bits as with AVX512-VNNI), taken where avx512_vnni is
+    // not: on every AVX2 CPU unless KVCMAS_NO_QGEMM=1. KVCMAS_NO_AVX512=1 runs it here (tests compare the two).
+    bool qgemm_avx2 = false;
 };
 
 const CpuFeatures & cpu_features();

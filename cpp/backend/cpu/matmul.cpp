@@ -345,14 +345,23 @@ Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
     return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
 }
 
-// Whether the prefill of `type` with 8-bit activations runs the integer GEMM (backend/cpu/qgemm.h) on this CPU.
-bool integer_prefill(GgmlType type) {
+// The integer GEMM (backend/cpu/qgemm.h) that runs the prefill of `type` with 8-bit activations on this CPU, or
+// nullptr: the f32 prefill.
+QgemmFn integer_prefill(GgmlType type) {
+    if (!qgemm_type(type)) {
+        return nullptr;
+    }
 #if defined(KC_AVX512VNNI)
-    return cpu_features().avx512_vnni && qgemm_type_avx512vnni(type);
-#else
-    (void) type;
-    return false;
+    if (cpu_features().avx512_vnni) {
+        return qgemm_avx512vnni;
+    }
 #endif
+#if defined(KC_X86)
+    if (cpu_features().qgemm_avx2) {
+        return qgemm_avx2;
+    }
+#endif
+    return nullptr;
 }
 
 void check_weight(const WeightView & w, const char * what) {
@@ -560,10 +569,8 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     if (n_tok < decode_max_tokens(w.type, q8 != nullptr)) {
         const DecodeTarget m{ &w, k, y, q8 };
         matmul_decode(&m, 1, x, n_tok, pool);
-    } else if (q8 != nullptr && integer_prefill(w.type)) {
-#if defined(KC_AVX512VNNI)
-        qgemm_avx512vnni(&w, &y, 1, x, n_tok, pool);
-#endif
+    } else if (const QgemmFn qgemm = q8 != nullptr ? integer_prefill(w.type) : nullptr; qgemm != nullptr) {
+        qgemm(&w, &y, 1, x, n_tok, pool);
     } else {
         matmul_prefill(w, x, y, n_tok, pool, k);
     }
@@ -586,15 +593,17 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
                  ggml_type_name(static_cast<uint32_t>(w[i].type)));
         decode = decode && n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
     }
-    bool integer = n_tok > 0;  // prefill of them all by the integer GEMM: one quantization of x, one parallel job
+    // Prefill of them all by the integer GEMM: one quantization of x, one parallel job (every type takes the same
+    // GEMM: the CPU picks it).
+    QgemmFn integer = n_tok > 0 ? integer_prefill(w[0].type) : nullptr;
     for (int i = 0; i < n_mats; ++i) {
-        integer = integer && mats[i].q8 != nullptr && integer_prefill(w[i].type) && w[i].n_out > 0 &&
-                  n_tok >= decode_max_tokens(w[i].type, true);
+        if (mats[i].q8 == nullptr || integer_prefill(w[i].type) == nullptr || w[i].n_out == 0 ||
+            n_tok < decode_max_tokens(w[i].type, true)) {
+            integer = nullptr;
+        }
     }
-    if (integer) {
-#if defined(KC_AVX512VNNI)
-        qgemm_avx512vnni(w, y, n_mats, x, n_tok, pool);
-#endif
+    if (integer != nullptr) {
+        integer(w, y, n_mats, x, n_tok, pool);
         return;
     }
     if (!decode) {  // prefill (or an empty matrix): each product on its own, exactly as matmul() runs it

@@ -23,8 +23,8 @@ struct WeightView {
 // computes dequantize_row(w)·x to f32 rounding). Q8: the activations quantized per 32 elements in two 8-bit passes and
 // integer dot products with the stored blocks (like llama.cpp, which does one pass; faster, error bound in
 // backend/cpu/quants-dot.h). Q8 applies to the decode path (n_tok below the prefill threshold) of the quantized types
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on CPUs with AVX2, and to the prefill path of the same types on CPUs
-// with AVX512-VNNI (the same quantized activations in an integer GEMM, backend/cpu/qgemm.h: same error bound);
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on CPUs with AVX2, and to their prefill path too (the same quantized
+// activations in an integer GEMM, backend/cpu/qgemm.h: same error bound, the same bits with AVX512-VNNI or AVX2);
 // everything else runs as with F32.
 enum class Activations { F32, Q8 };
 

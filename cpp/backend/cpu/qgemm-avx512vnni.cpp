@@ -2,45 +2,24 @@
 // number formats and error: qgemm.h.
 #include <immintrin.h>
 
-#include <atomic>
 #include <cstring>
 
-#include "backend/cpu/matmul-impl.h"
-#include "backend/cpu/qgemm.h"
-#include "backend/cpu/quants-dot.h"
+#define KC_QGEMM_NS avx512vnni
+#include "backend/cpu/qgemm-impl.h"
 
 // GCC 12 flags the undefined pass-through operand inside _mm512_cvtepi32_ps (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace kvcmas::cpu::detail {
-namespace {
+namespace avx512vnni {
 
-constexpr int kPanelRows  = 16;  // weight rows per panel: the int32 lanes of a zmm
-constexpr int kUnitPanels = 2;   // panels per work unit and micro tile (32 rows)
-constexpr int kMicroT     = 6;   // tokens per micro tile: 12 int32 + 12 f32 accumulators of 32 zmm
+// A panel's 16 rows are the int32 lanes of a zmm; a micro tile is the unit's two panels (32 rows) and up to kMicroT
+// tokens.
+constexpr int kMicroT = 6;  // tokens per micro tile: 12 int32 + 12 f32 accumulators of 32 zmm
 
 inline float h2f(uint16_t h) {
     return _cvtsh_ss(h);
 }
-
-// The activations of one call: v[t·ldv + k] = 256·q + qr (x̂ = step·v), and per 32 elements (t·ld_blocks + b) the
-// step and the exact sum of x (for the min term of Q4_1, Q5_1, Q4_K and Q5_K).
-struct Acts16 {
-    const int16_t * v;
-    const float *   step;
-    const float *   sums;
-    int64_t         ldv;
-    int64_t         ld_blocks;
-};
-
-// One work unit's weights, unpacked: panel p's quants at q[p] (k-pair kp at q[p] + 32·kp: rows 0..15 × 2 elements),
-// its f32 factors per group g (G elements) at scale[p] + 16·g, and for types with a min, the min factor per 32-block b
-// at min[p] + 16·b (subtracted: w = factor·q - min).
-struct Panels {
-    const int16_t * q[kUnitPanels];
-    const float *   scale[kUnitPanels];
-    const float *   min[kUnitPanels];
-};
 
 // 16 vectors of 16 dwords: r[i] dword j -> out[j] dword i. In place.
 inline void transpose16(__m512i r[16]) {
@@ -72,20 +51,13 @@ inline void transpose16(__m512i r[16]) {
 // Each weight type gives the 32 integer quants of its 32-element block b of a row as int16 in element order, and the
 // f32 factors of a whole row (scale per group, min per 32-block).
 
-inline __m256i load256(const void * p) {
-    return _mm256_loadu_si256(static_cast<const __m256i *>(p));
-}
-
 struct Q4K {
     static constexpr int  kGroup  = 32;
     static constexpr bool kHasMin = true;
     static constexpr bool kSuper  = true;  // factors per 256-element super-block
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ4_K *>(row)[b / 8];
-        const int     j   = static_cast<int>(b % 8);
-        const __m256i v   = load256(blk.qs + 32 * (j / 2));
-        return _mm512_cvtepu8_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F)));
+        const auto & blk = static_cast<const BlockQ4_K *>(row)[b / 8];
+        return _mm512_cvtepu8_epi16(k4_nibbles(blk.qs, static_cast<int>(b % 8)));
     }
     // Super-block i's 16 factors of one row: d·sc_j (j < 8), then the mins dmin·m_j; stored at factor_at(.., i, j).
     template <typename Block>
@@ -107,35 +79,21 @@ struct Q5K {
     static constexpr bool kHasMin = true;
     static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ5_K *>(row)[b / 8];
-        const int     j   = static_cast<int>(b % 8);
-        const __m256i lo  = _mm256_and_si256(
-            _mm256_srl_epi16(load256(blk.qs + 32 * (j / 2)), _mm_cvtsi32_si128(4 * (j % 2))), _mm256_set1_epi8(0x0F));
-        // Bit j of qh[l] to 0x10 (a 16-bit shift: bit 0 of each byte comes from the same byte for j < 8).
-        const __m256i hi = _mm256_slli_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(0x01)), 4);
-        return _mm512_cvtepu8_epi16(_mm256_or_si256(lo, hi));
+        const auto & blk = static_cast<const BlockQ5_K *>(row)[b / 8];
+        return _mm512_cvtepu8_epi16(q5k_bytes(blk, static_cast<int>(b % 8)));
     }
     static __m512  factors(const void * row, int64_t i) { return Q4K::k4_factors<BlockQ5_K>(row, i); }
     static float * factor_at(float * scale, float * min, int64_t i, int j) { return Q4K::factor_at(scale, min, i, j); }
 };
 
-// Q6_K block b = 8i + 4h + C (half h, chunk C): element e takes nibble C / 2 of ql[64h + 32(C % 2) + e] and bits
-// 2C of qh[32h + e]; groups of 16 (group 2b + e / 16 uses scales[(2b) % 16 + e / 16]).
+// Q6_K (qgemm-impl.h: q6k_bytes): groups of 16 (group 2b + e / 16 uses scales[(2b) % 16 + e / 16]).
 struct Q6K {
     static constexpr int  kGroup  = 16;
     static constexpr bool kHasMin = false;
     static constexpr bool kSuper  = true;
     static __m512i        quants(const void * row, int64_t b) {
-        const auto &  blk = static_cast<const BlockQ6_K *>(row)[b / 8];
-        const int     h = static_cast<int>(b % 8) / 4, c = static_cast<int>(b % 4);
-        const __m256i lo =
-            _mm256_and_si256(_mm256_srl_epi16(load256(blk.ql + 64 * h + 32 * (c % 2)), _mm_cvtsi32_si128(4 * (c / 2))),
-                             _mm256_set1_epi8(0x0F));
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(load256(blk.qh + 32 * h), _mm_cvtsi32_si128(2 * c)),
-                                            _mm256_set1_epi8(0x03));
-        const __m256i q  = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q), _mm512_set1_epi16(32));
+        const auto & blk = static_cast<const BlockQ6_K *>(row)[b / 8];
+        return _mm512_sub_epi16(_mm512_cvtepu8_epi16(q6k_bytes(blk, static_cast<int>(b % 8))), _mm512_set1_epi16(32));
     }
     // Super-block i's 16 factors of one row, d·scale_g.
     static __m512 factors(const void * row, int64_t i) {
@@ -181,11 +139,6 @@ struct Block32 {
         }
     }
 };
-using Q40 = Block32<BlockQ4_0, 8, false, false>;
-using Q41 = Block32<BlockQ4_1, 0, false, true>;
-using Q50 = Block32<BlockQ5_0, 16, true, false>;
-using Q51 = Block32<BlockQ5_1, 0, true, true>;
-using Q80 = Block32<BlockQ8_0, 0, false, false>;
 
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q (n / 2 vectors), factors at scale / min
 // (missing rows: zero quants and factors).
@@ -307,153 +260,35 @@ struct MicroTable {
 };
 static_assert(kMicroT == 6, "micro tiles of up to 6 tokens");
 
-// ---- the driver -----------------------------------------------------------------------------------------------------
-
-thread_local ScratchBuffer tl_panels;  // a work unit's unpacked panels
-thread_local ScratchBuffer tl_quant;   // one activation row's two passes (quantize_q8_avx2's outputs)
-thread_local ScratchBuffer tl_acts;    // the call's activations (caller thread)
-
-// x [n_tok][n_in] -> the 16-bit activations, tokens shared out over the pool.
-Acts16 quantize_acts16(const float * x, int64_t n_in, int64_t n_tok, ThreadPool & pool) {
-    const int64_t nb     = n_in / 32;
-    const size_t  vbytes = (static_cast<size_t>(n_tok * n_in) * sizeof(int16_t) + 63) & ~size_t(63);
-    char *        buf  = static_cast<char *>(tl_acts.get(vbytes + 2 * static_cast<size_t>(n_tok * nb) * sizeof(float)));
-    auto *        v    = reinterpret_cast<int16_t *>(buf);
-    auto *        step = reinterpret_cast<float *>(buf + vbytes);
-    float *       sums = step + n_tok * nb;
-    pool.run([&](int ith, int nth) {
-        char * scratch = static_cast<char *>(tl_quant.get(2 * static_cast<size_t>(n_in) + 2 * sizeof(float) * nb));
-        auto * q       = reinterpret_cast<int8_t *>(scratch);
-        auto * qr      = q + n_in;
-        auto * groups  = reinterpret_cast<float *>(scratch + 2 * n_in);  // unused here: Q6_K's offset is in its quants
-        for (int64_t t = ith; t < n_tok; t += nth) {
-            quantize_q8_avx2(x + t * n_in, n_in, q, qr, step + t * nb, sums + t * nb, groups);
-            int16_t * vt = v + t * n_in;
-            for (int64_t k = 0; k < n_in; k += 32) {
-                const __m512i hi = _mm512_slli_epi16(_mm512_cvtepi8_epi16(load256(q + k)), 8);
-                _mm512_storeu_si512(vt + k, _mm512_add_epi16(hi, _mm512_cvtepi8_epi16(load256(qr + k))));
+// The kernel set of qgemm-impl.h.
+struct Kernels {
+    static void join(const int8_t * q, const int8_t * qr, int16_t * v, int64_t n) {
+        for (int64_t k = 0; k < n; k += 32) {
+            const __m512i hi = _mm512_slli_epi16(_mm512_cvtepi8_epi16(load256(q + k)), 8);
+            _mm512_storeu_si512(v + k, _mm512_add_epi16(hi, _mm512_cvtepi8_epi16(load256(qr + k))));
+        }
+    }
+    template <typename Q>
+    static void tiles(const Panels & p, int np, const Acts16 & a, int64_t n, float * y, int64_t ldy, int nr,
+                      int64_t n_tok) {
+        for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
+            const int    nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
+            const Acts16 at{ a.v + t0 * a.ldv, a.step + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.ldv,
+                             a.ld_blocks };
+            if (np == 2) {
+                MicroTable<Q, 2>::fn[nt](p, at, n, y + t0 * ldy, ldy, nr);
+            } else {
+                MicroTable<Q, 1>::fn[nt](p, at, n, y + t0 * ldy, ldy, nr);
             }
         }
-    });
-    return Acts16{ v, step, sums, n_in, nb };
-}
-
-// A work unit's panel bytes for rows of n elements: quants (16 int16 per element), factors (16 floats per group),
-// mins (16 floats per 32-block).
-template <typename Q>
-size_t panel_bytes(int64_t n) {
-    return static_cast<size_t>(16 * n) * sizeof(int16_t) +
-           static_cast<size_t>(16 * (n / Q::kGroup + n / 32)) * sizeof(float);
-}
-
-constexpr int64_t kUnitRows = kPanelRows * kUnitPanels;
-
-// Work unit `unit` of matrix w (rows 32·unit ..): its panels unpacked into buf, then every token against them.
-template <typename Q>
-void run_unit(const WeightView & w, const Acts16 & a, float * y, int64_t n_tok, int64_t unit, char * buf) {
-    const int64_t n = w.n_in, r0 = unit * kUnitRows;
-    const int     nr = static_cast<int>(w.n_out - r0 < kUnitRows ? w.n_out - r0 : kUnitRows);
-    const int     np = (nr + kPanelRows - 1) / kPanelRows;
-    Panels        p{};
-    for (int u = 0; u < np; ++u) {
-        char *    at    = buf + u * panel_bytes<Q>(n);
-        auto *    q     = reinterpret_cast<int16_t *>(at);
-        auto *    scale = reinterpret_cast<float *>(at + static_cast<size_t>(16 * n) * sizeof(int16_t));
-        float *   min   = scale + 16 * (n / Q::kGroup);
-        const int rn    = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
-        pack_panel<Q>(w, r0 + kPanelRows * u, rn, q, scale, min);
-        p.q[u]     = q;
-        p.scale[u] = scale;
-        p.min[u]   = min;
     }
-    for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
-        const int    nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
-        const Acts16 at{ a.v + t0 * a.ldv, a.step + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.ldv, a.ld_blocks };
-        float *      yt = y + t0 * w.n_out + r0;
-        if (np == 2) {
-            MicroTable<Q, 2>::fn[nt](p, at, n, yt, w.n_out, nr);
-        } else {
-            MicroTable<Q, 1>::fn[nt](p, at, n, yt, w.n_out, nr);
-        }
-    }
-}
-
-struct UnitKernel {
-    void (*run)(const WeightView &, const Acts16 &, float *, int64_t, int64_t, char *);
-    size_t panel_bytes;  // per panel, for this matrix's rows
 };
 
-template <typename Q>
-UnitKernel unit_kernel(int64_t n) {
-    return { run_unit<Q>, panel_bytes<Q>(n) };
-}
-
-UnitKernel select_unit(GgmlType type, int64_t n) {
-    switch (type) {
-        case GgmlType::Q4_0:
-            return unit_kernel<Q40>(n);
-        case GgmlType::Q4_1:
-            return unit_kernel<Q41>(n);
-        case GgmlType::Q5_0:
-            return unit_kernel<Q50>(n);
-        case GgmlType::Q5_1:
-            return unit_kernel<Q51>(n);
-        case GgmlType::Q8_0:
-            return unit_kernel<Q80>(n);
-        case GgmlType::Q4_K:
-            return unit_kernel<Q4K>(n);
-        case GgmlType::Q5_K:
-            return unit_kernel<Q5K>(n);
-        default:
-            return unit_kernel<Q6K>(n);
-    }
-}
-
-}  // namespace
-
-bool qgemm_type_avx512vnni(GgmlType type) {
-    switch (type) {
-        case GgmlType::Q4_0:
-        case GgmlType::Q4_1:
-        case GgmlType::Q5_0:
-        case GgmlType::Q5_1:
-        case GgmlType::Q8_0:
-        case GgmlType::Q4_K:
-        case GgmlType::Q5_K:
-        case GgmlType::Q6_K:
-            return true;
-        default:
-            return false;
-    }
-}
+}  // namespace avx512vnni
 
 void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                       ThreadPool & pool) {
-    const Acts16 a = quantize_acts16(x, w[0].n_in, n_tok, pool);
-    UnitKernel   k[kMaxMatmulMulti];
-    int64_t      first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
-    size_t       buf_bytes = 0;
-    first_unit[0]          = 0;
-    for (int i = 0; i < n_mats; ++i) {
-        k[i]              = select_unit(w[i].type, w[i].n_in);
-        buf_bytes         = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
-        first_unit[i + 1] = first_unit[i] + (w[i].n_out + kUnitRows - 1) / kUnitRows;
-    }
-    std::atomic<int64_t> next{ 0 };
-    pool.run([&](int, int) {
-        char * buf = static_cast<char *>(tl_panels.get(buf_bytes));
-        int    m   = 0;
-        for (;;) {
-            const int64_t unit = next.fetch_add(1, std::memory_order_relaxed);
-            if (unit >= first_unit[n_mats]) {
-                return;
-            }
-            while (unit >= first_unit[m + 1]) {
-                ++m;
-            }
-            k[m].run(w[m], a, y[m], n_tok, unit - first_unit[m], buf);
-        }
-    });
+    avx512vnni::qgemm<avx512vnni::Kernels>(w, y, n_mats, x, n_tok, pool);
 }
 
 }  // namespace kvcmas::cpu::detail
