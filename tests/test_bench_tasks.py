@@ -184,9 +184,23 @@ def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
     assert all(rows[(m, 2)]["later_kl"] > 0 for m in ("fullshared", "kvcmas", "kvcmas reads=eager"))
     assert all(r["first_identical"] for r in rows.values())  # the first agent computes its prompt: nonshared's
     assert all(0.0 <= r["later_top1"] <= 1.0 for r in rows.values())
+    # a 96-token context is under the default read's bound: it reads every row, as read_rows=0 does
+    assert rows[("kvcmas read_rows=0", 1)]["calibration_tokens"] == first["calibration_tokens"]
     totals = {t["method"]: t for t in cold_start.cold_start_totals(list(rows.values()))}
     assert totals["nonshared"]["engine_vs_nonshared"] == 1.0
     assert totals["kvcmas"]["training_read_ms"] == first["training_read_ms"]
+    k = totals["kvcmas"]
+    assert (k["ttft_speedup_1"], k["ttft_speedup_2"]) == (first["later_ttft_speedup"], second["later_ttft_speedup"])
+    assert (k["kl_1"], k["kl_after"]) == (first["later_kl"], second["later_kl"])
+    assert k["top1"] == (first["later_top1"] + second["later_top1"]) / 2
+
+
+def test_cold_start_rows_are_checked_and_nonshared_always_runs() -> None:
+    assert list(cold_start.cold_rows(["kvcmas"])) == ["nonshared", "kvcmas"]
+    assert list(cold_start.cold_rows(["kvcmas", "nonshared"])) == ["nonshared", "kvcmas"]
+    assert list(cold_start.cold_rows(None)) == list(cold_start.COLD_METHODS)
+    with pytest.raises(ValueError, match="unknown cold-start rows.*choose from"):
+        cold_start.cold_rows(["kvcmas", "kvcmas fast"])
 
 
 def test_bench_attention_compares_fused_with_materialized() -> None:
