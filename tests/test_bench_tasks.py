@@ -195,6 +195,20 @@ def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
     assert k["top1"] == (first["later_top1"] + second["later_top1"]) / 2
 
 
+def test_read_rows_fidelity_fits_maps_on_a_reads_first_rows_and_applies_them_to_the_next_context(
+    model: kc.Model,
+) -> None:
+    rows = cold_start.read_rows_fidelity(model, 96, (16, 4096, 0))
+    bounded, past, every = rows
+    assert bounded["rows_fitted"] == 16 and past["rows_fitted"] == every["rows_fitted"] >= 90
+    assert every["rows_applied"] >= 90
+    assert past["residual"] == every["residual"]  # a bound past the span's rows reads every row
+    for r in rows:
+        assert 0 < r["residual"] < 10 and np.isfinite(r["residual_first_512"])
+        # K and V together: between the two
+        assert min(r["residual_k"], r["residual_v"]) <= r["residual"] <= max(r["residual_k"], r["residual_v"])
+
+
 def test_cold_start_rows_are_checked_and_nonshared_always_runs() -> None:
     assert list(cold_start.cold_rows(["kvcmas"])) == ["nonshared", "kvcmas"]
     assert list(cold_start.cold_rows(["kvcmas", "nonshared"])) == ["nonshared", "kvcmas"]
