@@ -14,6 +14,7 @@ import kvcmas_cpp as kc
 from kvcmas_cpp.agents import CALIBRATION_READS, AgentSession
 from kvcmas_cpp.prefix_cache import PrefixCache
 from kvcmas_cpp.sharing import estimators as est
+from kvcmas_cpp.sharing.methods import READ_ROWS
 
 QUESTION = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -649,7 +650,9 @@ def test_four_agents_over_a_2k_token_context_reuse_from_the_first_workflow_and_c
     for r in first[1:]:  # the first workflow already reuses: a later agent computes its role and the exact head only
         assert r.stats.gate == "calibrating -> reuse" and r.stats.mode == "reuse", r.stats
         assert r.stats.span_tokens >= n_ctx_tokens - 8 and r.stats.computed_tokens < 100, r.stats
-        assert r.stats.calibration_tokens_scheduled >= n_ctx_tokens  # the exact rows, computed after the reply
+        # the exact rows, computed after the reply: the context's first READ_ROWS after its head (a bounded read)
+        scheduled = r.stats.calibration_tokens_scheduled
+        assert READ_ROWS < scheduled <= READ_ROWS + r.stats.computed_tokens < n_ctx_tokens, r.stats
     # the reply returns first, and the read it scheduled stays off the next agents' path (training_reads="idle":
     # back-to-back calls leave no idle spell, so close() runs them); a call used to run the last one's read first
     for r, wall in zip(first[1:], walls[0][1:], strict=True):

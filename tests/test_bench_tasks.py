@@ -184,9 +184,37 @@ def test_cold_start_mode_fits_each_edge_after_one_read(model: kc.Model) -> None:
     assert all(rows[(m, 2)]["later_kl"] > 0 for m in ("fullshared", "kvcmas", "kvcmas reads=eager"))
     assert all(r["first_identical"] for r in rows.values())  # the first agent computes its prompt: nonshared's
     assert all(0.0 <= r["later_top1"] <= 1.0 for r in rows.values())
+    # a 96-token context is under the default read's bound: it reads every row, as read_rows=0 does
+    assert rows[("kvcmas read_rows=0", 1)]["calibration_tokens"] == first["calibration_tokens"]
     totals = {t["method"]: t for t in cold_start.cold_start_totals(list(rows.values()))}
     assert totals["nonshared"]["engine_vs_nonshared"] == 1.0
     assert totals["kvcmas"]["training_read_ms"] == first["training_read_ms"]
+    k = totals["kvcmas"]
+    assert (k["ttft_speedup_1"], k["ttft_speedup_2"]) == (first["later_ttft_speedup"], second["later_ttft_speedup"])
+    assert (k["kl_1"], k["kl_after"]) == (first["later_kl"], second["later_kl"])
+    assert k["top1"] == (first["later_top1"] + second["later_top1"]) / 2
+
+
+def test_read_rows_fidelity_fits_maps_on_a_reads_first_rows_and_applies_them_to_the_next_context(
+    model: kc.Model,
+) -> None:
+    rows = cold_start.read_rows_fidelity(model, 96, (16, 4096, 0))
+    bounded, past, every = rows
+    assert bounded["rows_fitted"] == 16 and past["rows_fitted"] == every["rows_fitted"] >= 90
+    assert every["rows_applied"] >= 90
+    assert past["residual"] == every["residual"]  # a bound past the span's rows reads every row
+    for r in rows:
+        assert 0 < r["residual"] < 10 and np.isfinite(r["residual_first_512"])
+        # K and V together: between the two
+        assert min(r["residual_k"], r["residual_v"]) <= r["residual"] <= max(r["residual_k"], r["residual_v"])
+
+
+def test_cold_start_rows_are_checked_and_nonshared_always_runs() -> None:
+    assert list(cold_start.cold_rows(["kvcmas"])) == ["nonshared", "kvcmas"]
+    assert list(cold_start.cold_rows(["kvcmas", "nonshared"])) == ["nonshared", "kvcmas"]
+    assert list(cold_start.cold_rows(None)) == list(cold_start.COLD_METHODS)
+    with pytest.raises(ValueError, match="unknown cold-start rows.*choose from"):
+        cold_start.cold_rows(["kvcmas", "kvcmas fast"])
 
 
 def test_bench_attention_compares_fused_with_materialized() -> None:

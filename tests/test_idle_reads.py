@@ -174,3 +174,59 @@ def test_a_sampled_read_computes_the_exact_first_rows_of_a_long_span(model: kc.M
         planner.respond(max_tokens=6)
         again = solver.respond(max_tokens=6).stats
         assert again.gate == "reuse" and again.corr_rank > 0 and again.calibration_tokens_scheduled == 0
+
+
+def _computed_rows(monkeypatch: pytest.MonkeyPatch, read: object) -> list[int]:
+    """Counts the rows the engine is asked to compute in a read's own sequence (KVSequence.append, still run)."""
+    counted = [0]
+    append = kc.model.KVSequence.append
+
+    def counting(seq: kc.model.KVSequence, ids: object, *args: object, **kw: object) -> object:
+        if seq is read.source:  # type: ignore[attr-defined]
+            counted[0] += len(ids)  # type: ignore[arg-type]
+        return append(seq, ids, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kc.model.KVSequence, "append", counting)
+    return counted
+
+
+def _long_context(model: kc.Model, tokens: int) -> str:
+    picked: list[str] = []
+    for text in load_gsm8k(100, 1000):
+        picked.append(text)
+        if len(model.tokenize("\n".join(picked), add_special=False)) >= tokens:
+            return "\n".join(picked)
+    raise AssertionError("not enough GSM8K text")
+
+
+def test_the_default_read_of_a_2k_context_computes_its_bound_and_reports_its_time(
+    model: kc.Model, never_idle: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default settings (issue 48): a 2K-token context's training read computes the context's exact rows only up to
+    MethodConfig.read_rows after the head (counted as the engine is asked to compute them), appends the rest as the
+    reader read it, reports its rows in calibration_tokens_scheduled, fits the edge on the rows computed, and
+    training_read_ms_total is the time the read took."""
+    config = registry.method("kvcmas", session=True).config(for_session=True)
+    assert config.read_rows == registry.READ_ROWS > 0, "the default read is bounded"
+    ridge = est.RidgeEstimator(rank=8)
+    team = AgentSession(model, "kvcmas", estimator=ridge, calibration_dir=False)
+    planner, solver = (team.agent(n, system=r) for n, r in ROLES[:2])
+    team.share(_long_context(model, 2048), label="Context")
+    with team:
+        planner.respond(max_tokens=2)
+        solved = solver.respond(max_tokens=2)
+        (read,) = team._reads
+        (context,) = read.parts  # the planner's one-token reply is within the exact head: no span of its own
+        assert context.n == config.read_rows and context.chain is None
+        by_reference = sum(len(piece[0]) for piece in read.pieces if isinstance(piece, tuple))
+        assert by_reference > 1900 - config.read_rows  # the rest of the 2K span, as the solver read it
+        counted = _computed_rows(monkeypatch, read)
+        start = time.perf_counter()
+        assert team.run_training_reads() == 1
+        wall_ms = (time.perf_counter() - start) * 1000.0
+        # what ran: the span's first read_rows rows after its head, and before them the solver's own rows up to the
+        # span (its role's template after the prefix, the head), which its call computed too
+        assert counted[0] == read.rows == solved.stats.calibration_tokens_scheduled
+        assert config.read_rows < counted[0] <= config.read_rows + solved.stats.computed_tokens
+        assert read.done and context.edge in ridge.maps
+        assert 0.8 * wall_ms <= team.training_read_ms_total <= wall_ms

@@ -23,6 +23,7 @@ import pytest
 
 import kvcmas_cpp as kc
 from helpers.server import BLOCK_BYTES, ROLES, TASK, ServerProcess, chat, run_workflow
+from kvcmas_cpp.sharing.methods import READ_ROWS
 
 openai = pytest.importorskip("openai")
 
@@ -263,7 +264,9 @@ def test_training_reads_run_after_the_reply_between_other_work(server: ServerPro
             break
         assert k["gate"] == "calibrating -> reuse" and k["mode"] == "reuse", k
         if i == 0:
-            assert k["calibration_tokens_scheduled"] >= n_long and k["span_tokens"] >= n_long - 8, k
+            # a bounded read (READ_ROWS): the context's first rows after its head, and the reader's own rows before
+            scheduled = k["calibration_tokens_scheduled"]
+            assert READ_ROWS < scheduled <= READ_ROWS + k["computed_tokens"] and k["span_tokens"] >= n_long - 8, k
             after = server.metrics()  # the reply came back with its read not run yet
             assert after["kvcmas_training_reads_pending"] == 1 and after.get(read_key, 0) == done_before
             stream = {

@@ -115,6 +115,19 @@ def add_agents_arguments(p: argparse.ArgumentParser) -> None:
         default=5,
         help="workflows per method (kvcmas calibrates on the first; its calibrate=4 row on the first 4)",
     )
+    g.add_argument(
+        "--cold-rows",
+        type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
+        default=None,
+        help="comma-separated rows to run (default: all; nonshared always runs): nonshared, fullshared, kvcmas, "
+        "'kvcmas read_rows=0', 'kvcmas reads=eager', 'kvcmas cold=dense'",
+    )
+    g.add_argument(
+        "--read-rows-fidelity",
+        action="store_true",
+        help="instead of the rows: how close the maps fitted on a read's first 256, 512, 1024 or every row stay on "
+        "the next context (held-out residual)",
+    )
     g = p.add_argument_group("concurrent mode (--concurrent): N workflows at once")
     g.add_argument(
         "--concurrent", type=positive_int_list, default=None, help="comma-separated workflow counts, e.g. 1,2,4,8,16"
@@ -187,7 +200,7 @@ def _plots(args: argparse.Namespace, result: dict[str, Any]) -> None:
 def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     """Accuracy (--task) and concurrent (--concurrent) modes, through the agent-session API."""
     from .accuracy import accuracy, calibration_tokens, check_counts, report
-    from .cold_start import cold_start, print_cold_start
+    from .cold_start import cold_rows, cold_start, print_cold_start, print_read_rows_fidelity, read_rows_fidelity
     from .concurrency import concurrent
     from .report import print_accuracy, print_concurrent
 
@@ -205,6 +218,7 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
     # bad counts are refused before the model loads
     check_counts(args.limit, args.max_tokens, args.calibrate)
     calibration_tokens(args.calibrate_tokens, args.max_tokens)
+    cold = cold_rows(args.cold_rows)
     model = Model(resolve_model_path(args.model), n_threads=args.threads)
     result = {"model": model.path, "methods": methods}
     if args.task:
@@ -229,7 +243,12 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
         if args.cold_start < 1 or args.workflows < 1:
             raise ValueError("--cold-start and --workflows take positive numbers")
         with single_threaded_blas():
-            result["cold_start"] = cold_start(model, args.cold_start, args.workflows, args.gen_tokens, args.agents)
+            if args.read_rows_fidelity:
+                result["read_rows_fidelity"] = read_rows_fidelity(model, args.cold_start)
+            else:
+                result["cold_start"] = cold_start(
+                    model, args.cold_start, args.workflows, args.gen_tokens, args.agents, cold
+                )
     if args.json:
         print(json.dumps(result, indent=1, default=float))
     else:
@@ -239,6 +258,8 @@ def _run_session_modes(args: argparse.Namespace, methods: list[str]) -> int:
             print_concurrent(result["concurrent"])
         if "cold_start" in result:
             print_cold_start(result["cold_start"])
+        if "read_rows_fidelity" in result:
+            print_read_rows_fidelity(result["read_rows_fidelity"])
     _plots(args, result)
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,8 @@ import numpy as np
 from ..agents import AgentSession
 from ..model import Model
 from ..sharing import methods as registry
+from ..sharing.ridge import RowMoments
+from ..sharing.training_read import canonical
 from .progress import progress_bar
 
 # row name -> (session method, cold policy, when reads run, MethodConfig overrides; None: the defaults)
@@ -20,10 +23,128 @@ ColdMethod = tuple[str, str | None, str | None, dict[str, Any] | None]
 COLD_METHODS: dict[str, ColdMethod] = {
     "nonshared": ("nonshared", None, None, None),
     "fullshared": ("fullshared", None, None, None),
-    "kvcmas": ("kvcmas", "reuse", "idle", None),  # the defaults: reads off the agents' path (idle, close())
-    "kvcmas reads=eager": ("kvcmas", "reuse", "eager", None),  # reads on the next call's path (the old default)
+    # the defaults: reads off the agents' path (idle, close()), each computing a bounded part of its span (read_rows)
+    "kvcmas": ("kvcmas", "reuse", "idle", None),
+    "kvcmas read_rows=0": ("kvcmas", "reuse", "idle", {"read_rows": 0}),  # reads of every row (the earlier default)
+    "kvcmas reads=eager": ("kvcmas", "reuse", "eager", None),  # reads on the next call's path (the first default)
     "kvcmas cold=dense": ("kvcmas", "dense", "idle", None),
 }
+
+
+def cold_rows(names: list[str] | None) -> dict[str, ColdMethod]:
+    """The COLD_METHODS rows named (None: all of them), nonshared first whether named or not (the reference); a
+    ValueError naming the choices for a name that is not a row."""
+    if names is None:
+        return dict(COLD_METHODS)
+    unknown = [n for n in names if n not in COLD_METHODS]
+    if unknown:
+        raise ValueError(f"unknown cold-start rows {unknown}; choose from {', '.join(COLD_METHODS)}")
+    return {n: COLD_METHODS[n] for n in dict.fromkeys(["nonshared", *names])}
+
+
+def _contexts(model: Model, shared_tokens: int, workflows: int) -> list[str]:
+    """The cold-start contexts: GSM8K questions joined until each holds shared_tokens tokens."""
+    from ..sharing.workflow import load_gsm8k
+
+    contexts: list[str] = []
+    picked: list[str] = []
+    for t in load_gsm8k(100, 1000):
+        picked.append(t)
+        if len(model.tokenize("\n".join(picked), add_special=False)) >= shared_tokens:
+            contexts.append("\n".join(picked))
+            picked = []
+            if len(contexts) == workflows:
+                return contexts
+    raise ValueError(f"not enough GSM8K text for {workflows} contexts of {shared_tokens} tokens")
+
+
+def _read_rows_of(model: Model, context: str) -> tuple[np.ndarray, np.ndarray]:
+    """The solver's (second agent's) training read of a context, every row: its maps' inputs and targets as the
+    ridge estimator takes them (RidgeEstimator.add_rows): base rows x and deltas y, [2 * (n_layer - 1), n, kd]."""
+    from ..sharing import estimators as est
+    from ..sharing.workflow import gsm8k_workflow
+
+    config = registry.method("kvcmas", session=True).config(for_session=True, read_rows=0)
+    team = AgentSession(
+        model,
+        "kvcmas",
+        calibration_dir=False,
+        training_reads="manual",
+        config=config,
+        estimator=est.RidgeEstimator(rank=config.rank),
+    )
+    with team:
+        members = [team.agent(a.name, system=a.role, template=a.user_template) for a in gsm8k_workflow(4).agents[:2]]
+        team.share(context)
+        for member in members:
+            with team.prefill_agent(member) as p:
+                team.finish(p, [int(np.argmax(p.logits))])
+        (read,) = team.take_training_reads()
+        try:
+            part = max(read.parts, key=lambda q: q.n)  # the context
+            computing = sum(-(-len(x) // read.chunk) for x in read.pieces if isinstance(x, list))
+            while read.steps < computing:
+                read.step()
+            base_k, base_v = canonical(model, part.base_seq, part.base_pos, part.n)
+            exact_k, exact_v = canonical(model, read.source, part.pos, part.n)
+        finally:
+            read.close()
+    n_layer, n, kd = base_k.shape
+    x = np.stack([base_k[1:], base_v[1:]], axis=1).reshape(2 * (n_layer - 1), n, kd)
+    y = np.stack([exact_k[1:] - base_k[1:], exact_v[1:] - base_v[1:]], axis=1).reshape(x.shape)
+    return x, y
+
+
+def _residual_ratio(res: np.ndarray, y: np.ndarray) -> Callable[[Any], float]:
+    """sel -> ||res[sel]||^2 / ||y[sel]||^2."""
+    return lambda sel: float(np.sum(res[sel] ** 2) / max(float(np.sum(y[sel] ** 2)), 1e-30))
+
+
+def read_rows_fidelity(
+    model: Model, shared_tokens: int, read_rows: tuple[int, ...] = (256, 512, 1024, 0)
+) -> list[dict[str, Any]]:
+    """How close the maps a bounded read fits stay (MethodConfig.read_rows): the solver's edge of the GSM8K team,
+    maps fitted (as the estimator fits them, rank 8) on the first N rows of a full read of the first cold-start
+    context, applied to the second context's base rows. Per N (0: every row): the held-out residual
+    ||exact - base - predicted||^2 / ||exact - base||^2 over layers 1 on (1.0: no correction, fullshared), for K, V,
+    the first 512 rows and the rest."""
+    first, second = (_read_rows_of(model, c) for c in _contexts(model, shared_tokens, 2))
+    x1, y1 = first
+    x2, y2 = second
+    out: list[dict[str, Any]] = []
+    for rows in read_rows:
+        n = min(rows or x1.shape[1], x1.shape[1])
+        moments = RowMoments(x1.shape[0], x1.shape[2])
+        moments.add(x1[:, :n], y1[:, :n])
+        maps = moments.fit(8, 0.1)
+        res = np.stack([y2[i] - ((x2[i] - m.mu_x) @ m.proj @ m.vt + m.mu_y) for i, m in enumerate(maps)])
+        ratio = _residual_ratio(res, y2)
+        out.append(
+            {
+                "read_rows": rows,
+                "rows_fitted": n,
+                "rows_applied": x2.shape[1],
+                "residual": ratio(np.s_[:]),
+                "residual_k": ratio(np.s_[0::2]),
+                "residual_v": ratio(np.s_[1::2]),
+                "residual_first_512": ratio(np.s_[:, :512]),
+                "residual_after_512": ratio(np.s_[:, 512:]) if x2.shape[1] > 512 else float("nan"),
+            }
+        )
+    return out
+
+
+def print_read_rows_fidelity(rows: list[dict[str, Any]]) -> None:
+    print(f"## bounded reads: held-out residual of the maps fitted on a read's first N rows ({rows[0]['rows_applied']}")
+    print("rows applied; 1.0 = no correction)")
+    print("| read_rows | rows fitted | residual | K | V | rows 0-511 | rows 512 on |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['read_rows'] or 'every row (0)'} | {r['rows_fitted']} | {r['residual']:.3f} | "
+            f"{r['residual_k']:.3f} | {r['residual_v']:.3f} | {r['residual_first_512']:.3f} | "
+            f"{r['residual_after_512']:.3f} |"
+        )
 
 
 def cold_start(
@@ -44,21 +165,10 @@ def cold_start(
     decoding left out, the others' teacher-forced rows counted), close() (it runs what reads are left) and the
     training reads an idle worker ran between them (training_read_ms: the reads wherever they ran)."""
     from ..sharing import estimators as est
-    from ..sharing.workflow import gsm8k_workflow, load_gsm8k
+    from ..sharing.workflow import gsm8k_workflow
 
     wf = gsm8k_workflow(agents)
-    texts = load_gsm8k(100, 1000)
-    contexts: list[str] = []
-    picked: list[str] = []
-    for t in texts:
-        picked.append(t)
-        if len(model.tokenize("\n".join(picked), add_special=False)) >= shared_tokens:
-            contexts.append("\n".join(picked))
-            picked = []
-            if len(contexts) == workflows:
-                break
-    if len(contexts) < workflows:
-        raise ValueError(f"not enough GSM8K text for {workflows} contexts of {shared_tokens} tokens")
+    contexts = _contexts(model, shared_tokens, workflows)
     eog = model.tokenizer.eog_ids
     forced: list[list[list[int]]] = []  # per workflow, per agent: nonshared's reply
     reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits
@@ -154,10 +264,13 @@ def cold_start(
 
 
 def cold_start_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per method: engine time and training reads over all its workflows, against nonshared's engine time."""
+    """Per method: engine time and training reads over all its workflows, against nonshared's engine time; the later
+    agents' TTFT speedup on workflows 1 and 2 (nan without a second), their first-token KL on workflow 1 and its
+    mean over the workflows after, and their top-1 agreement over every workflow (issue 48's goals)."""
     out: list[dict[str, Any]] = []
     for m in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == m]
+        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["workflow"])
+        later = [r["later_kl"] for r in mine[1:]]
         out.append(
             {
                 "method": m,
@@ -165,6 +278,11 @@ def cold_start_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "engine_ms": sum(r["engine_ms"] for r in mine),
                 "training_read_ms": sum(r["training_read_ms"] for r in mine),
                 "workflow_ms": sum(r["workflow_ms"] for r in mine),
+                "ttft_speedup_1": mine[0]["later_ttft_speedup"],
+                "ttft_speedup_2": mine[1]["later_ttft_speedup"] if len(mine) > 1 else float("nan"),
+                "kl_1": mine[0]["later_kl"],
+                "kl_after": float(np.mean(later)) if later else float("nan"),
+                "top1": float(np.mean([r["later_top1"] for r in mine])),
             }
         )
     base = next((t["engine_ms"] for t in out if t["method"] == "nonshared"), None)
@@ -188,10 +306,14 @@ def print_cold_start(rows: list[dict[str, Any]]) -> None:
             f"{r['training_read_ms']:.0f} ({r['training_read_ms_on_calls']:.0f}) | {r['engine_ms']:.0f} | "
             f"{r['engine_vs_nonshared']:.2f}x | {r['calibration_tokens']} |"
         )
-    print("\n| method | workflows | engine s (calls, reads, close) | vs nonshared | training reads s |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| method | workflows | later-agent TTFT vs nonshared, workflow 1 / 2 | first-token KL, workflow 1 / mean "
+        "of the rest | top-1 | engine s (calls, reads, close) | vs nonshared | training reads s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for t in cold_start_totals(rows):
         print(
-            f"| {t['method']} | {t['workflows']} | {t['engine_ms'] / 1000:.1f} | {t['engine_vs_nonshared']:.2f}x | "
-            f"{t['training_read_ms'] / 1000:.1f} |"
+            f"| {t['method']} | {t['workflows']} | {t['ttft_speedup_1']:.2f}x / {t['ttft_speedup_2']:.2f}x | "
+            f"{t['kl_1']:.3e} / {t['kl_after']:.3e} | {100 * t['top1']:.0f}% | {t['engine_ms'] / 1000:.1f} | "
+            f"{t['engine_vs_nonshared']:.2f}x | {t['training_read_ms'] / 1000:.1f} |"
         )

@@ -6,7 +6,7 @@ benchmarks read this table.
 |---|---|---|
 | nonshared | none (every agent prefills its whole prompt) | |
 | fullshared | none (spans shared uncorrected) | |
-| kvcmas | RidgeEstimator (rank 8): learned per edge | head 4; sessions fit online (calibrate=CALIBRATION_READS) |
+| kvcmas | RidgeEstimator (rank 8): learned per edge | head 4; sessions fit online, bounded reads (READ_ROWS) |
 | kvcmas-ref | the reference code's anchor pool, from the model file's kvcmas.* settings | rank 32 |
 | kvcomm | anchor pool with full-rank deltas | rank 0 |
 | oracle | the exact delta, rank 32 (needs the exact run: benchmarks only) | rank 32 |
@@ -99,6 +99,12 @@ class MethodConfig:
             raise ValueError(f"recompute_block must be >= 1, got {self.recompute_block}")
 
 
+# A session's training read (cold reuse) computes a span's exact rows up to this many after its head, and the edge is
+# fitted on those (MethodConfig.read_rows; 0: every row). On a 2K-token context it cuts a workflow's reads to about a
+# quarter of the rows, which brings the first five workflows' engine time under half of nonshared's, with maps as
+# close on average over the workflows after (docs/calibration.md, "Bounded reads").
+READ_ROWS = 512
+
 # Online ridge: training reads per edge before kvcmas applies a learned map. One: a read holds every row of its span
 # (a 2K-token context: 2K examples per layer for a 128-192-dim map), and maps fitted on one workflow's reads reuse as
 # well on later workflows as maps fitted on four, while three fewer workflows pay for the reads and share cold
@@ -170,7 +176,7 @@ REGISTRY: dict[str, Method] = {
             "kvcmas",
             lambda model, workflow, config: est.RidgeEstimator(rank=config.rank),
             defaults={"head": 4, "rank": 8},
-            session={"calibrate": CALIBRATION_READS},
+            session={"calibrate": CALIBRATION_READS, "read_rows": READ_ROWS},
             served=True,
             learns=True,
         ),
