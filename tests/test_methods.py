@@ -35,11 +35,13 @@ def test_the_benchmarks_take_their_method_configs_from_the_registry() -> None:
     from kvcmas_cpp.bench.accuracy import session_spec
 
     name, cfg = session_spec("kvcmas", 3)
-    assert name == "kvcmas" and cfg == methods.MethodConfig("kvcmas", head=4, rank=8, calibrate=3)
+    assert name == "kvcmas" and cfg == methods.MethodConfig(
+        "kvcmas", head=4, rank=8, calibrate=3, read_rows=methods.READ_ROWS
+    )  # the session default: bounded training reads
     assert session_spec("fullshared", 3) == ("fullshared", None)  # its session config, nothing to calibrate
     assert session_spec("kvcomm@0.5", 3)[1] == methods.MethodConfig("kvcomm", rank=0, recompute=0.5)
     assert session_spec("recompute@0.25", 3)[1] == methods.MethodConfig(
-        "kvcmas", head=4, rank=8, calibrate=3, recompute=0.25, correct=False
+        "kvcmas", head=4, rank=8, calibrate=3, recompute=0.25, correct=False, read_rows=methods.READ_ROWS
     )
     assert [n for n, m in methods.REGISTRY.items() if m.learns_online] == ["kvcmas"]
 
