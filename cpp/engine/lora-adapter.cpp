@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 
+#include "backend/cpu/quants.h"
 #include "common/error.h"
 #include "engine/gguf-names.h"
 #include "engine/tensor-loader.h"
@@ -90,6 +91,20 @@ void target_shape(const ModelParams & p, LoraTarget t, int64_t & n_in, int64_t &
     }
 }
 
+// A factor in backend memory as `type` (F32 or F16).
+backend::Buffer upload_factor(backend::Backend & be, const std::vector<float> & host, GgmlType type) {
+    if (type == GgmlType::F32) {
+        return backend::upload_floats(be, host);
+    }
+    std::vector<uint16_t> half(host.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+        half[i] = cpu::fp32_to_fp16(host[i]);
+    }
+    backend::Buffer buf(be, sizeof(uint16_t) * half.size());
+    be.upload(buf.data(), half.data(), buf.bytes());
+    return buf;
+}
+
 }  // namespace
 
 LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, const ModelParams & p,
@@ -173,7 +188,8 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         pair->rank  = static_cast<int>(a[1]);
         pair->n_in  = n_in;
         pair->n_out = n_out;
-        pair->a     = backend::upload_floats(be, loader.vector_f32(e.a->name, n_in * pair->rank, true));
+        pair->type  = w->type == GgmlType::F32 ? GgmlType::F32 : GgmlType::F16;
+        pair->a     = upload_factor(be, loader.vector_f32(e.a->name, n_in * pair->rank, true), pair->type);
         const std::vector<float> b_rows = loader.vector_f32(e.b->name, n_out * pair->rank, true);  // [n_out][rank]
         std::vector<float>       b_t(b_rows.size());
         for (int64_t o = 0; o < n_out; ++o) {
@@ -181,7 +197,7 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
                 b_t[static_cast<size_t>(c * n_out + o)] = b_rows[static_cast<size_t>(o * pair->rank + c)];
             }
         }
-        pair->b_t = backend::upload_floats(be, b_t);
+        pair->b_t = upload_factor(be, b_t, pair->type);
         bytes_ += pair->a.bytes() + pair->b_t.bytes();
         max_rank_ = std::max(max_rank_, pair->rank);
         ++n_pairs_;
@@ -193,28 +209,34 @@ const LoraPair * LoraAdapter::pair(int il, LoraTarget t) const {
     return layers_[static_cast<size_t>(il)][static_cast<size_t>(t)].get();
 }
 
-void apply_lora(ForwardState & st, LoraTarget t, const float * in, int64_t n_in, float * y, int64_t n_out) {
+void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initializer_list<LoraOutput> outputs) {
     if (st.lora.empty()) {
         return;
     }
-    std::vector<backend::LoraGroup> groups;
-    std::vector<std::vector<float>> scales;
-    scales.reserve(st.lora.size());
-    for (const ForwardState::LoraRows & lr : st.lora) {
-        const LoraPair * pr = lr.adapter->pair(st.layer, t);
-        if (pr == nullptr) {
-            continue;
+    // Reused between calls (a decode step makes hundreds): the groups of every output, then the products over them.
+    thread_local std::vector<backend::LoraGroup>   groups;
+    thread_local std::vector<backend::LoraProduct> products;
+    groups.clear();
+    products.clear();
+    groups.reserve(outputs.size() * st.lora.size());  // no reallocation below: products point into it
+    for (const LoraOutput & out : outputs) {
+        const size_t first = groups.size();
+        for (const ForwardState::LoraRows & lr : st.lora) {
+            const LoraPair * pr = lr.adapter->pair(st.layer, out.target);
+            if (pr == nullptr) {
+                continue;
+            }
+            groups.push_back(backend::LoraGroup{ pr->a.data(), pr->b_t.data(), pr->type, pr->rank,
+                                                 lr.adapter->alpha() / static_cast<float>(pr->rank), lr.rows.data(),
+                                                 lr.scales.data(), static_cast<int64_t>(lr.rows.size()) });
         }
-        const float f = lr.adapter->alpha() / static_cast<float>(pr->rank);
-        scales.emplace_back(lr.scales.size());
-        for (size_t i = 0; i < lr.scales.size(); ++i) {
-            scales.back()[i] = lr.scales[i] * f;
+        if (groups.size() > first) {
+            products.push_back(
+                backend::LoraProduct{ out.y, out.n_out, &groups[first], static_cast<int>(groups.size() - first) });
         }
-        groups.push_back(backend::LoraGroup{ pr->a.f32(), pr->b_t.f32(), pr->rank, lr.rows.data(), scales.back().data(),
-                                             static_cast<int64_t>(lr.rows.size()) });
     }
-    if (!groups.empty()) {
-        st.be.lora_add(in, n_in, y, n_out, groups.data(), static_cast<int>(groups.size()));
+    if (!products.empty()) {
+        st.be.lora_add(in, n_in, products.data(), static_cast<int>(products.size()));
     }
 }
 
