@@ -117,14 +117,20 @@ struct RidgeJob {
     int64_t         out_stride = 0;
 };
 
+// How a LoRA factor's rows are stored: f32, f16, or i8, int8 values with one f32 scale per row (value = scale · q).
+enum class LoraFactorType : uint8_t { F32, F16, I8 };
+
 // One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
-// B transposed, b_t [rank][n_out], both of `type` (F32 or F16) in backend memory; host_rows [n_rows] distinct rows of
-// the batch, host_scales [n_rows] each row's scale (the sequence's adapter scale), `factor` the adapter's alpha / rank:
-// row r gets y[r] += (host_scales[i] · factor) · B (A x[r]).
+// B transposed, b_t [rank][n_out], both of `type` in backend memory, with for I8 their row scales a_scale, b_scale
+// [rank] (backend memory); host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each row's scale (the
+// sequence's adapter scale), `factor` the adapter's alpha / rank: row r gets y[r] += (host_scales[i] · factor) ·
+// B (A x[r]).
 struct LoraGroup {
     const void *    a           = nullptr;
     const void *    b_t         = nullptr;
-    GgmlType        type        = GgmlType::F32;
+    LoraFactorType  type        = LoraFactorType::F32;
+    const float *   a_scale     = nullptr;
+    const float *   b_scale     = nullptr;
     int             rank        = 0;
     float           factor      = 1.0f;
     const int32_t * host_rows   = nullptr;
@@ -273,6 +279,10 @@ class Buffer {
 
 // A host vector copied into a new buffer.
 Buffer upload_floats(Backend & b, const std::vector<float> & host);
+// A LoRA factor's rows [n_rows][width] (host f32) in new buffers as `type` stores them: data, and for I8 the row
+// scales [n_rows] (scales left empty otherwise).
+void upload_lora_factor(Backend & b, const float * rows, int64_t n_rows, int64_t width, LoraFactorType type,
+                        Buffer & data, Buffer & scales);
 
 // Backends compiled into this build, by name ("cpu", and "cuda" with KVCMAS_CUDA=ON).
 std::vector<std::string> compiled_backends();

@@ -4,7 +4,6 @@
 #include <cstring>
 #include <map>
 
-#include "backend/cpu/quants.h"
 #include "common/error.h"
 #include "engine/gguf-names.h"
 #include "engine/tensor-loader.h"
@@ -91,18 +90,17 @@ void target_shape(const ModelParams & p, LoraTarget t, int64_t & n_in, int64_t &
     }
 }
 
-// A factor in backend memory as `type` (F32 or F16).
-backend::Buffer upload_factor(backend::Backend & be, const std::vector<float> & host, GgmlType type) {
-    if (type == GgmlType::F32) {
-        return backend::upload_floats(be, host);
+// How the factors of a target whose base matrix is of type `base` are stored (LoraPair).
+backend::LoraFactorType factor_type_over(GgmlType base) {
+    switch (base) {
+        case GgmlType::F32:
+            return backend::LoraFactorType::F32;
+        case GgmlType::F16:
+        case GgmlType::BF16:
+            return backend::LoraFactorType::F16;
+        default:
+            return backend::LoraFactorType::I8;
     }
-    std::vector<uint16_t> half(host.size());
-    for (size_t i = 0; i < host.size(); ++i) {
-        half[i] = cpu::fp32_to_fp16(host[i]);
-    }
-    backend::Buffer buf(be, sizeof(uint16_t) * half.size());
-    be.upload(buf.data(), half.data(), buf.bytes());
-    return buf;
 }
 
 }  // namespace
@@ -188,8 +186,9 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         pair->rank  = static_cast<int>(a[1]);
         pair->n_in  = n_in;
         pair->n_out = n_out;
-        pair->type  = w->type == GgmlType::F32 ? GgmlType::F32 : GgmlType::F16;
-        pair->a     = upload_factor(be, loader.vector_f32(e.a->name, n_in * pair->rank, true), pair->type);
+        pair->type  = factor_type_over(w->type);
+        backend::upload_lora_factor(be, loader.vector_f32(e.a->name, n_in * pair->rank, true).data(), pair->rank, n_in,
+                                    pair->type, pair->a, pair->a_scale);
         const std::vector<float> b_rows = loader.vector_f32(e.b->name, n_out * pair->rank, true);  // [n_out][rank]
         std::vector<float>       b_t(b_rows.size());
         for (int64_t o = 0; o < n_out; ++o) {
@@ -197,8 +196,8 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
                 b_t[static_cast<size_t>(c * n_out + o)] = b_rows[static_cast<size_t>(o * pair->rank + c)];
             }
         }
-        pair->b_t = upload_factor(be, b_t, pair->type);
-        bytes_ += pair->a.bytes() + pair->b_t.bytes();
+        backend::upload_lora_factor(be, b_t.data(), pair->rank, n_out, pair->type, pair->b_t, pair->b_scale);
+        bytes_ += pair->a.bytes() + pair->b_t.bytes() + pair->a_scale.bytes() + pair->b_scale.bytes();
         max_rank_ = std::max(max_rank_, pair->rank);
         ++n_pairs_;
         layers_[static_cast<size_t>(e.il)][static_cast<size_t>(e.target)] = std::move(pair);
@@ -226,7 +225,8 @@ void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initiali
             if (pr == nullptr) {
                 continue;
             }
-            groups.push_back(backend::LoraGroup{ pr->a.data(), pr->b_t.data(), pr->type, pr->rank,
+            groups.push_back(backend::LoraGroup{ pr->a.data(), pr->b_t.data(), pr->type, pr->a_scale.f32(),
+                                                 pr->b_scale.f32(), pr->rank,
                                                  lr.adapter->alpha() / static_cast<float>(pr->rank), lr.rows.data(),
                                                  lr.scales.data(), static_cast<int64_t>(lr.rows.size()) });
         }

@@ -21,15 +21,16 @@ namespace kvcmas {
 enum class LoraTarget : uint8_t { Q, K, V, Output, Gate, Up, Down };
 constexpr int kLoraTargets = 7;
 
-// A target's low-rank factors in backend memory: a [rank][n_in], and B transposed, b_t [rank][n_out], of `type`:
-// F32 where the base matrix is F32 (an f32 model computes its update exactly), F16 otherwise (half the bytes a
-// decode step reads; the rounding is far below a quantized base's own).
+// A target's low-rank factors in backend memory: a [rank][n_in], and B transposed, b_t [rank][n_out], stored as the
+// base matrix's precision allows: F32 over an F32 matrix (an f32 model computes its update exactly), F16 over F16 /
+// BF16, I8 (per-row scales a_scale, b_scale [rank]) over a quantized one, whose own rounding is far coarser (a decode
+// step reads a quarter of the f32 bytes: docs/engine-speed.md, "LoRA adapters").
 struct LoraPair {
-    backend::Buffer a, b_t;
-    GgmlType        type  = GgmlType::F32;
-    int             rank  = 0;
-    int64_t         n_in  = 0;
-    int64_t         n_out = 0;
+    backend::Buffer         a, b_t, a_scale, b_scale;
+    backend::LoraFactorType type  = backend::LoraFactorType::F32;
+    int                     rank  = 0;
+    int64_t                 n_in  = 0;
+    int64_t                 n_out = 0;
 };
 
 class LoraAdapter {

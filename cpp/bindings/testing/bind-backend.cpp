@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/cpu/quants.h"
 #include "bindings/bindings.h"
 #include "bindings/testing/testing.h"
 #include "common/error.h"
@@ -71,22 +70,12 @@ using LoraProductSpec = std::pair<F2, std::vector<LoraGroupSpec>>;
 // Backend::lora_add on copies of x and each product's y, the factors stored as factor_type; the ys after.
 std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec> & specs,
                                 const std::string & factor_type) {
-    KC_CHECK(factor_type == "f32" || factor_type == "f16", "lora_add: factor_type must be 'f32' or 'f16', got '%s'",
-             factor_type.c_str());
-    const GgmlType type = factor_type == "f16" ? GgmlType::F16 : GgmlType::F32;
-    const size_t   n = x.shape(0), n_in = x.shape(1);
-    const auto     upload = [&](const std::vector<float> & v) {
-        if (type == GgmlType::F32) {
-            return o.put(v.data(), v.size());
-        }
-        std::vector<uint16_t> h(v.size());
-        for (size_t i = 0; i < v.size(); ++i) {
-            h[i] = cpu::fp32_to_fp16(v[i]);
-        }
-        backend::Buffer b(*o.be, h.size() * sizeof(uint16_t));
-        o.be->upload(b.data(), h.data(), b.bytes());
-        return b;
-    };
+    KC_CHECK(factor_type == "f32" || factor_type == "f16" || factor_type == "i8",
+             "lora_add: factor_type must be 'f32', 'f16' or 'i8', got '%s'", factor_type.c_str());
+    const backend::LoraFactorType                type = factor_type == "f16"  ? backend::LoraFactorType::F16
+                                                        : factor_type == "i8" ? backend::LoraFactorType::I8
+                                                                              : backend::LoraFactorType::F32;
+    const size_t                                 n = x.shape(0), n_in = x.shape(1);
     std::vector<backend::Buffer>                 bufs, ys;
     std::vector<std::vector<backend::LoraGroup>> gs(specs.size());
     for (size_t p = 0; p < specs.size(); ++p) {
@@ -104,17 +93,24 @@ std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec
                          "lora_add: rows must be distinct rows of x");
                 used[rows(i)] = true;
             }
-            bufs.push_back(upload(std::vector<float>(a.data(), a.data() + r * n_in)));
+            bufs.emplace_back();
+            bufs.emplace_back();
+            backend::upload_lora_factor(*o.be, a.data(), static_cast<int64_t>(r), static_cast<int64_t>(n_in), type,
+                                        bufs[bufs.size() - 2], bufs.back());
             std::vector<float> b_t(n_out * r);  // the op takes B transposed
             for (size_t i = 0; i < n_out; ++i) {
                 for (size_t c = 0; c < r; ++c) {
                     b_t[c * n_out + i] = b.data()[i * r + c];
                 }
             }
-            bufs.push_back(upload(b_t));
-            gs[p].push_back(backend::LoraGroup{ bufs[bufs.size() - 2].data(), bufs.back().data(), type,
-                                                static_cast<int>(r), 1.0f, rows.data(), scales.data(),
-                                                static_cast<int64_t>(rows.shape(0)) });
+            bufs.emplace_back();
+            bufs.emplace_back();
+            backend::upload_lora_factor(*o.be, b_t.data(), static_cast<int64_t>(r), static_cast<int64_t>(n_out), type,
+                                        bufs[bufs.size() - 2], bufs.back());
+            const size_t k = bufs.size();  // a, a's scales, b_t, b_t's scales
+            gs[p].push_back(backend::LoraGroup{ bufs[k - 4].data(), bufs[k - 2].data(), type, bufs[k - 3].f32(),
+                                                bufs[k - 1].f32(), static_cast<int>(r), 1.0f, rows.data(),
+                                                scales.data(), static_cast<int64_t>(rows.shape(0)) });
         }
         ys.push_back(o.put(y.data(), n * n_out));
     }
@@ -423,7 +419,7 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("x"), nb::arg("y"), nb::arg("groups"), nb::arg("factor_type") = "f32",
             "y after y[r] += s · B (A x[r]) for each group (a, b, rows, scales) and each of its rows r (scale s), the "
-            "factors stored as factor_type ('f32' or 'f16').")
+            "factors stored as factor_type ('f32', 'f16' or 'i8').")
         .def("lora_add_products", &lora_products, nb::arg("x"), nb::arg("products"), nb::arg("factor_type") = "f32",
              "lora_add of several products (y, groups) of one x in one call: the list of the ys after.")
         .def(
