@@ -441,26 +441,47 @@ def test_cuda_out_of_memory_is_a_clear_error_and_frees_what_it_took() -> None:
 # ---------------------------------------------------------------------------------------------------------- LoRA
 
 
+def _stored(m: np.ndarray, factor_type: str) -> np.ndarray:
+    """A factor's rows [rows][width] as lora_add stores them (f32, f16, or i8 with one absmax/127 scale per row),
+    in f64."""
+    if factor_type == "f16":
+        return m.astype(np.float16).astype(np.float64)
+    if factor_type == "i8":
+        d = (np.abs(m).max(axis=1) / np.float32(127)).astype(np.float32)
+        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+        q = np.clip(np.rint(m * inv[:, None]), -127, 127)
+        return q.astype(np.float64) * d[:, None].astype(np.float64)
+    return m.astype(np.float64)
+
+
+def _lora_groups(rng, n_tok: int, n_in: int, n_out: int) -> list:
+    """Adapter groups of ranks 8, 1, 16 over a batch of n_tok rows, every 4th row in no group."""
+    order = rng.permutation(n_tok).astype(np.int32)
+    groups = []
+    for g, rank in enumerate([8, 1, 16]):
+        rows = np.sort(order[g::4])
+        a = rng.standard_normal((rank, n_in)).astype(np.float32) * 0.1
+        b = rng.standard_normal((n_out, rank)).astype(np.float32) * 0.1
+        groups.append((a, b, rows, rng.uniform(-2, 2, len(rows)).astype(np.float32)))
+    return groups
+
+
+@pytest.mark.parametrize("factor_type", ["f32", "f16", "i8"])
 @pytest.mark.parametrize("n_tok", [1, 5, 40])
-def test_lora_add_groups_of_adapters(ops, n_tok: int) -> None:
-    """y[r] += s·B(A x[r]) per adapter group (ranks 1, 8, 16; some rows in no group), against numpy in f64; each
-    row's result is the one it gets alone (a mixed batch changes nothing for a row)."""
+def test_lora_add_groups_of_adapters(ops, n_tok: int, factor_type: str) -> None:
+    """y[r] += s·B(A x[r]) per adapter group (ranks 1, 8, 16; some rows in no group), against numpy in f64 over the
+    factors as stored (f32, f16, i8 with row scales); each row's result is the one it gets alone (a mixed batch
+    changes nothing for a row)."""
     rng = np.random.default_rng(n_tok)
     n_in, n_out = 320, 200
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     y = rng.standard_normal((n_tok, n_out)).astype(np.float32)
-    order = rng.permutation(n_tok).astype(np.int32)
-    groups = []
-    for g, rank in enumerate([8, 1, 16]):
-        rows = np.sort(order[g::4])  # every 4th row in no group
-        a = rng.standard_normal((rank, n_in)).astype(np.float32) * 0.1
-        b = rng.standard_normal((n_out, rank)).astype(np.float32) * 0.1
-        groups.append((a, b, rows, rng.uniform(-2, 2, len(rows)).astype(np.float32)))
-    got = ops.lora_add(x, y, groups)
+    groups = _lora_groups(rng, n_tok, n_in, n_out)
+    got = ops.lora_add(x, y, groups, factor_type)
     ref = y.astype(np.float64)
     bound = np.zeros_like(ref)
     for a, b, rows, scales in groups:
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        a64, b64 = _stored(a, factor_type), _stored(b.T.copy(), factor_type).T  # b_t's rows are B's columns
         for r, s in zip(rows, scales, strict=True):
             t = a64 @ x[r]
             ref[r] += s * (b64 @ t)
@@ -470,8 +491,34 @@ def test_lora_add_groups_of_adapters(ops, n_tok: int) -> None:
     np.testing.assert_array_equal(got[untouched], y[untouched])
     for a, b, rows, scales in groups:
         for r, s in zip(rows[:2], scales[:2], strict=True):  # the row alone, in a batch of one
-            alone = ops.lora_add(x[r : r + 1], y[r : r + 1], [(a, b, np.zeros(1, np.int32), np.array([s], np.float32))])
+            one = [(a, b, np.zeros(1, np.int32), np.array([s], np.float32))]
+            alone = ops.lora_add(x[r : r + 1], y[r : r + 1], one, factor_type)
             np.testing.assert_array_equal(alone[0], got[r])
+
+
+@pytest.mark.parametrize("factor_type", ["f32", "f16", "i8"])
+def test_lora_add_products_of_one_input_and_thread_counts(ops, factor_type: str) -> None:
+    """Several products of one x in one call (Q/K/V, gate/up) give each what it gets in a call of its own, and the
+    CPU gives the same bits at 1 and 2 threads (the work is split, each value computed the same way). 128 rows: enough
+    work that the CPU splits it over its threads (whole groups, or one group's products)."""
+    rng = np.random.default_rng(7)
+    n_tok, n_in, n_outs = 128, 576, (576, 192, 1536)
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    products = []
+    for n_out in n_outs:
+        y = rng.standard_normal((n_tok, n_out)).astype(np.float32)
+        products.append((y, _lora_groups(rng, n_tok, n_in, n_out)))
+    together = ops.lora_add_products(x, products, factor_type)
+    for (y, groups), got in zip(products, together, strict=True):
+        np.testing.assert_array_equal(got, ops.lora_add(x, y, groups, factor_type))
+    if ops.name == "cpu":
+        one_thread = testing.BackendOps("cpu", 1)
+        for got, alone in zip(together, one_thread.lora_add_products(x, products, factor_type), strict=True):
+            np.testing.assert_array_equal(got, alone)
+        y, groups = products[2][0], products[2][1][2:]  # one group: its A and B products split over the threads
+        np.testing.assert_array_equal(
+            ops.lora_add(x, y, groups, factor_type), one_thread.lora_add(x, y, groups, factor_type)
+        )
 
 
 def test_lora_add_refuses_bad_groups(ops) -> None:
@@ -484,3 +531,5 @@ def test_lora_add_refuses_bad_groups(ops) -> None:
         ops.lora_add(x, y, [(a, b, np.array([3], np.int32), one)])
     with pytest.raises(kc.KvcmasError, match="distinct rows"):
         ops.lora_add(x, y, [(a, b, np.zeros(1, np.int32), one), (a, b, np.zeros(1, np.int32), one)])
+    with pytest.raises(kc.KvcmasError, match="factor_type must be"):
+        ops.lora_add(x, y, [(a, b, np.zeros(1, np.int32), one)], "q4")

@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "backend/cpu/cpu-backend.h"
+#include "backend/cpu/lora.h"
 #include "common/error.h"
 
 #ifdef KVCMAS_CUDA
@@ -17,6 +18,18 @@ Buffer upload_floats(Backend & b, const std::vector<float> & host) {
         b.upload(buf.data(), host.data(), host.size() * sizeof(float));
     }
     return buf;
+}
+
+void upload_lora_factor(Backend & b, const float * rows, int64_t n_rows, int64_t width, LoraFactorType type,
+                        Buffer & data, Buffer & scales) {
+    std::vector<uint8_t> bytes;
+    std::vector<float>   row_scales;
+    cpu::encode_lora_rows(rows, n_rows, width, type, bytes, row_scales);
+    data = Buffer(b, bytes.size());
+    if (!bytes.empty()) {
+        b.upload(data.data(), bytes.data(), bytes.size());
+    }
+    scales = row_scales.empty() ? Buffer() : upload_floats(b, row_scales);
 }
 
 std::vector<std::string> compiled_backends() {

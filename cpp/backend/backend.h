@@ -117,16 +117,33 @@ struct RidgeJob {
     int64_t         out_stride = 0;
 };
 
+// How a LoRA factor's rows are stored: f32, f16, or i8, int8 values with one f32 scale per row (value = scale · q).
+enum class LoraFactorType : uint8_t { F32, F16, I8 };
+
 // One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
-// B transposed, b_t [rank][n_out], f32 in backend memory; host_rows [n_rows] distinct rows of the batch, host_scales
-// [n_rows] each row's factor (the sequence's adapter scale times alpha / rank).
+// B transposed, b_t [rank][n_out], both of `type` in backend memory, with for I8 their row scales a_scale, b_scale
+// [rank] (backend memory); host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each row's scale (the
+// sequence's adapter scale), `factor` the adapter's alpha / rank: row r gets y[r] += (host_scales[i] · factor) ·
+// B (A x[r]).
 struct LoraGroup {
-    const float *   a           = nullptr;
-    const float *   b_t         = nullptr;
+    const void *    a           = nullptr;
+    const void *    b_t         = nullptr;
+    LoraFactorType  type        = LoraFactorType::F32;
+    const float *   a_scale     = nullptr;
+    const float *   b_scale     = nullptr;
     int             rank        = 0;
+    float           factor      = 1.0f;
     const int32_t * host_rows   = nullptr;
     const float *   host_scales = nullptr;
     int64_t         n_rows      = 0;
+};
+
+// One adapted matmul of a lora_add call: its output y [n][n_out] and the adapters' groups that update it.
+struct LoraProduct {
+    float *           y        = nullptr;
+    int64_t           n_out    = 0;
+    const LoraGroup * groups   = nullptr;
+    int               n_groups = 0;
 };
 
 class Backend {
@@ -193,11 +210,12 @@ class Backend {
     // x [n] += y [n].
     virtual void add(float * x, const float * y, int64_t n) = 0;
 
-    // ---- adapters. y[r] += s · B (A x[r]) for each row r of each group (scale s), x [n][n_in], y [n][n_out]: the
-    // gathered low-rank products of several adapters beside one base matmul. A row's result does not depend on the
-    // other rows or groups of the call (a batch mixing adapters gives each row what it gets alone).
-    virtual void lora_add(const float * x, int64_t n_in, float * y, int64_t n_out, const LoraGroup * groups,
-                          int n_groups) = 0;
+    // ---- adapters. For each product (matmuls of the same input x [n][n_in], as Q/K/V or gate/up) and each row r
+    // of each of its groups: y[r] += s · B (A x[r]) (y [n][n_out] the product's output). The gathered low-rank
+    // products of several adapters beside the base matmuls, in one pass over x. A row's result does not depend on
+    // the other rows, groups or products of the call, nor on the thread count (a batch mixing adapters gives each
+    // row what it gets alone).
+    virtual void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) = 0;
 
     // ---- mixture of experts (the expert matmuls themselves are matmul / matmul_multi over gathered rows).
     // Per row i of logits [n][n_expert]: softmax over the experts, its k most probable (ties: lower index first)
@@ -261,6 +279,10 @@ class Buffer {
 
 // A host vector copied into a new buffer.
 Buffer upload_floats(Backend & b, const std::vector<float> & host);
+// A LoRA factor's rows [n_rows][width] (host f32) in new buffers as `type` stores them: data, and for I8 the row
+// scales [n_rows] (scales left empty otherwise).
+void upload_lora_factor(Backend & b, const float * rows, int64_t n_rows, int64_t width, LoraFactorType type,
+                        Buffer & data, Buffer & scales);
 
 // Backends compiled into this build, by name ("cpu", and "cuda" with KVCMAS_CUDA=ON).
 std::vector<std::string> compiled_backends();

@@ -90,6 +90,19 @@ void target_shape(const ModelParams & p, LoraTarget t, int64_t & n_in, int64_t &
     }
 }
 
+// How the factors of a target whose base matrix is of type `base` are stored (LoraPair).
+backend::LoraFactorType factor_type_over(GgmlType base) {
+    switch (base) {
+        case GgmlType::F32:
+            return backend::LoraFactorType::F32;
+        case GgmlType::F16:
+        case GgmlType::BF16:
+            return backend::LoraFactorType::F16;
+        default:
+            return backend::LoraFactorType::I8;
+    }
+}
+
 }  // namespace
 
 LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, const ModelParams & p,
@@ -173,7 +186,9 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
         pair->rank  = static_cast<int>(a[1]);
         pair->n_in  = n_in;
         pair->n_out = n_out;
-        pair->a     = backend::upload_floats(be, loader.vector_f32(e.a->name, n_in * pair->rank, true));
+        pair->type  = factor_type_over(w->type);
+        backend::upload_lora_factor(be, loader.vector_f32(e.a->name, n_in * pair->rank, true).data(), pair->rank, n_in,
+                                    pair->type, pair->a, pair->a_scale);
         const std::vector<float> b_rows = loader.vector_f32(e.b->name, n_out * pair->rank, true);  // [n_out][rank]
         std::vector<float>       b_t(b_rows.size());
         for (int64_t o = 0; o < n_out; ++o) {
@@ -181,8 +196,8 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
                 b_t[static_cast<size_t>(c * n_out + o)] = b_rows[static_cast<size_t>(o * pair->rank + c)];
             }
         }
-        pair->b_t = backend::upload_floats(be, b_t);
-        bytes_ += pair->a.bytes() + pair->b_t.bytes();
+        backend::upload_lora_factor(be, b_t.data(), pair->rank, n_out, pair->type, pair->b_t, pair->b_scale);
+        bytes_ += pair->a.bytes() + pair->b_t.bytes() + pair->a_scale.bytes() + pair->b_scale.bytes();
         max_rank_ = std::max(max_rank_, pair->rank);
         ++n_pairs_;
         layers_[static_cast<size_t>(e.il)][static_cast<size_t>(e.target)] = std::move(pair);
@@ -193,28 +208,35 @@ const LoraPair * LoraAdapter::pair(int il, LoraTarget t) const {
     return layers_[static_cast<size_t>(il)][static_cast<size_t>(t)].get();
 }
 
-void apply_lora(ForwardState & st, LoraTarget t, const float * in, int64_t n_in, float * y, int64_t n_out) {
+void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initializer_list<LoraOutput> outputs) {
     if (st.lora.empty()) {
         return;
     }
-    std::vector<backend::LoraGroup> groups;
-    std::vector<std::vector<float>> scales;
-    scales.reserve(st.lora.size());
-    for (const ForwardState::LoraRows & lr : st.lora) {
-        const LoraPair * pr = lr.adapter->pair(st.layer, t);
-        if (pr == nullptr) {
-            continue;
+    // Reused between calls (a decode step makes hundreds): the groups of every output, then the products over them.
+    thread_local std::vector<backend::LoraGroup>   groups;
+    thread_local std::vector<backend::LoraProduct> products;
+    groups.clear();
+    products.clear();
+    groups.reserve(outputs.size() * st.lora.size());  // no reallocation below: products point into it
+    for (const LoraOutput & out : outputs) {
+        const size_t first = groups.size();
+        for (const ForwardState::LoraRows & lr : st.lora) {
+            const LoraPair * pr = lr.adapter->pair(st.layer, out.target);
+            if (pr == nullptr) {
+                continue;
+            }
+            groups.push_back(backend::LoraGroup{ pr->a.data(), pr->b_t.data(), pr->type, pr->a_scale.f32(),
+                                                 pr->b_scale.f32(), pr->rank,
+                                                 lr.adapter->alpha() / static_cast<float>(pr->rank), lr.rows.data(),
+                                                 lr.scales.data(), static_cast<int64_t>(lr.rows.size()) });
         }
-        const float f = lr.adapter->alpha() / static_cast<float>(pr->rank);
-        scales.emplace_back(lr.scales.size());
-        for (size_t i = 0; i < lr.scales.size(); ++i) {
-            scales.back()[i] = lr.scales[i] * f;
+        if (groups.size() > first) {
+            products.push_back(
+                backend::LoraProduct{ out.y, out.n_out, &groups[first], static_cast<int>(groups.size() - first) });
         }
-        groups.push_back(backend::LoraGroup{ pr->a.f32(), pr->b_t.f32(), pr->rank, lr.rows.data(), scales.back().data(),
-                                             static_cast<int64_t>(lr.rows.size()) });
     }
-    if (!groups.empty()) {
-        st.be.lora_add(in, n_in, y, n_out, groups.data(), static_cast<int>(groups.size()));
+    if (!products.empty()) {
+        st.be.lora_add(in, n_in, products.data(), static_cast<int>(products.size()));
     }
 }
 

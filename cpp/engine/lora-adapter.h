@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,12 +21,16 @@ namespace kvcmas {
 enum class LoraTarget : uint8_t { Q, K, V, Output, Gate, Up, Down };
 constexpr int kLoraTargets = 7;
 
-// A target's low-rank factors in backend memory (f32): a [rank][n_in], and B transposed, b_t [rank][n_out].
+// A target's low-rank factors in backend memory: a [rank][n_in], and B transposed, b_t [rank][n_out], stored as the
+// base matrix's precision allows: F32 over an F32 matrix (an f32 model computes its update exactly), F16 over F16 /
+// BF16, I8 (per-row scales a_scale, b_scale [rank]) over a quantized one, whose own rounding is far coarser (a decode
+// step reads a quarter of the f32 bytes: docs/engine-speed.md, "LoRA adapters").
 struct LoraPair {
-    backend::Buffer a, b_t;
-    int             rank  = 0;
-    int64_t         n_in  = 0;
-    int64_t         n_out = 0;
+    backend::Buffer         a, b_t, a_scale, b_scale;
+    backend::LoraFactorType type  = backend::LoraFactorType::F32;
+    int                     rank  = 0;
+    int64_t                 n_in  = 0;
+    int64_t                 n_out = 0;
 };
 
 class LoraAdapter {
@@ -52,8 +57,15 @@ class LoraAdapter {
     std::vector<std::array<std::unique_ptr<LoraPair>, kLoraTargets>> layers_;
 };
 
-// Adds, to y [st.n][n_out] = in [st.n][n_in] · Wᵀ of target t in the current layer (st.layer), the updates of the
-// adapters the batch's sequences use (st.lora); nothing when none of them targets it.
-void apply_lora(ForwardState & st, LoraTarget t, const float * in, int64_t n_in, float * y, int64_t n_out);
+// One adapted matmul of the current layer: y [st.n][n_out] = in · Wᵀ of target `target`.
+struct LoraOutput {
+    LoraTarget target;
+    float *    y;
+    int64_t    n_out;
+};
+
+// Adds, to each output (matmuls of the same input in [st.n][n_in] in the current layer, st.layer), the updates of
+// the adapters the batch's sequences use (st.lora), in one backend call; nothing for targets none of them adapts.
+void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initializer_list<LoraOutput> outputs);
 
 }  // namespace kvcmas

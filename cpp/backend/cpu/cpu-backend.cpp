@@ -13,6 +13,7 @@
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/cpu-features.h"
+#include "backend/cpu/lora.h"
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quants.h"
@@ -255,70 +256,8 @@ class CpuBackend final : public Backend {
         });
     }
 
-    void lora_add(const float * x, int64_t n_in, float * y, int64_t n_out, const LoraGroup * groups,
-                  int n_groups) override {
-        // Work items flattened over the groups' rows: first t = A x (one dot product of n_in per rank row), then
-        // y += s · B t (per output, the rank terms t[c]·b_t[c][o] added in order c = 0, 1, ...: contiguous rows of
-        // b_t, so the outputs vectorize). Each value is computed the same way however the work is split, so a row's
-        // result does not depend on the batch.
-        std::vector<int64_t> row0(static_cast<size_t>(n_groups) + 1, 0), t0(static_cast<size_t>(n_groups) + 1, 0);
-        for (int g = 0; g < n_groups; ++g) {
-            row0[g + 1] = row0[g] + groups[g].n_rows;
-            t0[g + 1]   = t0[g] + groups[g].n_rows * groups[g].rank;
-        }
-        if (t0[n_groups] == 0) {
-            return;
-        }
-        std::vector<float> t(static_cast<size_t>(t0[n_groups]));
-        const auto         group_of = [&](const std::vector<int64_t> & start, long long i) {
-            return static_cast<int>(std::upper_bound(start.begin(), start.end(), i) - start.begin()) - 1;
-        };
-        const auto down = [&](long long b, long long e) {  // items: (group, row, rank row)
-            for (long long j = b; j < e; ++j) {
-                const int         g  = group_of(t0, j);
-                const LoraGroup & gr = groups[g];
-                const int64_t     i = (j - t0[g]) / gr.rank, c = (j - t0[g]) % gr.rank;
-                t[static_cast<size_t>(j)] =
-                    cpu::dot_f32(gr.a + c * n_in, x + static_cast<int64_t>(gr.host_rows[i]) * n_in, n_in);
-            }
-        };
-        const long long n_up = row0[n_groups] * n_out;
-        const auto      up   = [&](long long b, long long e) {  // items: (group, row, output), a row's outputs in turn
-            for (long long r = b / n_out; r * n_out < e; ++r) {
-                const int          g  = group_of(row0, r);
-                const LoraGroup &  gr = groups[g];
-                const int64_t      i  = r - row0[g];
-                const float *      ti = &t[static_cast<size_t>(t0[g] + i * gr.rank)];
-                float *            yr = y + static_cast<int64_t>(gr.host_rows[i]) * n_out;
-                const int64_t      o0 = std::max<long long>(0, b - r * n_out);
-                const int64_t      o1 = std::min<long long>(n_out, e - r * n_out);
-                std::vector<float> u(static_cast<size_t>(o1 - o0), 0.0f);
-                for (int c = 0; c < gr.rank; ++c) {
-                    const float   tc = ti[c];
-                    const float * bc = gr.b_t + c * n_out + o0;
-                    for (int64_t o = 0; o < o1 - o0; ++o) {
-                        u[o] += tc * bc[o];
-                    }
-                }
-                const float s = gr.host_scales[i];
-                for (int64_t o = 0; o < o1 - o0; ++o) {
-                    yr[o0 + o] += s * u[o];
-                }
-            }
-        };
-        const auto run = [&](long long n, long long cost, const std::function<void(long long, long long)> & fn) {
-            if (cost < (1 << 16)) {  // a decode step's few products are not worth a pool round
-                fn(0, n);
-                return;
-            }
-            pool_.run([&](int ith, int nth) {
-                long long b, e;
-                cpu::split_range(n, ith, nth, b, e);
-                fn(b, e);
-            });
-        };
-        run(t0[n_groups], t0[n_groups] * n_in, down);
-        run(n_up, n_up * 16, up);
+    void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) override {
+        cpu::lora_add(x, n_in, products, n_products, pool_, lora_);
     }
 
     void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,
@@ -603,6 +542,7 @@ class CpuBackend final : public Backend {
     std::vector<float>                   copy_;  // corrected rows of the call's busy runs (copy_busy_corrections)
     std::vector<float>                   b_t_;   // a correction's Bᵀ, the copy's GEMM weight
     std::vector<int64_t>                 table_queries_;  // per run table, the call's queries (copy_busy_corrections)
+    cpu::LoraScratch                     lora_;           // lora_add's plan and A products, kept between calls
 };
 
 }  // namespace

@@ -260,33 +260,44 @@ __global__ void add_scaled_rows_kernel(float * dst, const float * src, const int
     }
 }
 
-// LoRA, one group: t [n][rank] = A x[rows[i]] (one thread per (i, c)), then y[rows[i]] += scales[i] · B t[i] (one
-// thread per (i, o)); each value summed in order, so a row's result does not depend on the batch.
-__global__ void lora_down_kernel(const float * x, int64_t n_in, const float * a, int rank, const int32_t * rows,
+// LoRA, one group: t [n][rank] = A x[rows[i]] (one thread per (i, c)), then y[rows[i]] += scales[i] · factor · B t[i]
+// (one thread per (i, o)); A and b_t f32 or f16 (`f16`); each value summed in order, so a row's result does not
+// depend on the batch.
+__device__ __forceinline__ float lora_factor(const void * p, int64_t i, LoraFactorType type) {
+    return type == LoraFactorType::F16  ? __half2float(static_cast<const __half *>(p)[i])
+           : type == LoraFactorType::I8 ? static_cast<float>(static_cast<const int8_t *>(p)[i])
+                                        : static_cast<const float *>(p)[i];
+}
+
+// I8: t carries both rows' scales (a_scale[c] · b_scale[c]), so the up kernel reads b_t's stored values as they are.
+__global__ void lora_down_kernel(const float * x, int64_t n_in, const void * a, LoraFactorType type,
+                                 const float * a_scale, const float * b_scale, int rank, const int32_t * rows,
                                  int64_t n, float * t) {
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n * rank;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const float * xr  = x + static_cast<int64_t>(rows[j / rank]) * n_in;
-        const float * ar  = a + (j % rank) * n_in;
+        const int64_t ar  = (j % rank) * n_in;
         float         acc = 0.0f;
         for (int64_t k = 0; k < n_in; ++k) {
-            acc = fmaf(ar[k], xr[k], acc);
+            acc = fmaf(lora_factor(a, ar + k, type), xr[k], acc);
         }
-        t[j] = acc;
+        const int c = static_cast<int>(j % rank);
+        t[j]        = type == LoraFactorType::I8 ? a_scale[c] * b_scale[c] * acc : acc;
     }
 }
 
-__global__ void lora_up_kernel(const float * t, const float * b_t, int rank, const int32_t * rows, const float * scales,
-                               int64_t n, int64_t n_out, float * y) {
+__global__ void lora_up_kernel(const float * t, const void * b_t, LoraFactorType type, int rank, const int32_t * rows,
+                               const float * scales, float factor, int64_t n, int64_t n_out, float * y) {
     for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n * n_out;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t i = j / n_out, o = j % n_out;
         const float * ti  = t + i * rank;
         float         acc = 0.0f;
         for (int c = 0; c < rank; ++c) {
-            acc = fmaf(ti[c], b_t[c * n_out + o], acc);
+            acc = fmaf(ti[c], lora_factor(b_t, c * n_out + o, type), acc);
         }
-        y[static_cast<int64_t>(rows[i]) * n_out + o] += scales[i] * acc;
+        float & yo = y[static_cast<int64_t>(rows[i]) * n_out + o];
+        yo         = fmaf(scales[i] * factor, acc, yo);
     }
 }
 
@@ -829,22 +840,24 @@ class CudaBackend final : public Backend {
         check_launch("add_scaled_rows");
     }
 
-    void lora_add(const float * x, int64_t n_in, float * y, int64_t n_out, const LoraGroup * groups,
-                  int n_groups) override {
-        for (int g = 0; g < n_groups; ++g) {
-            const LoraGroup & gr = groups[g];
-            if (gr.n_rows == 0 || gr.rank == 0) {
-                continue;
+    void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) override {
+        for (int p = 0; p < n_products; ++p) {
+            const LoraProduct & pr = products[p];
+            for (int g = 0; g < pr.n_groups; ++g) {
+                const LoraGroup & gr = pr.groups[g];
+                if (gr.n_rows == 0 || gr.rank == 0) {
+                    continue;
+                }
+                Buffer          rows = put(gr.host_rows, gr.n_rows), scales = put(gr.host_scales, gr.n_rows);
+                Buffer          t(*this, sizeof(float) * static_cast<size_t>(gr.n_rows * gr.rank));
+                const int32_t * d_rows = static_cast<const int32_t *>(rows.data());
+                lora_down_kernel<<<blocks_for(gr.n_rows * gr.rank, 128), 128>>>(
+                    x, n_in, gr.a, gr.type, gr.a_scale, gr.b_scale, gr.rank, d_rows, gr.n_rows, t.f32());
+                check_launch("lora_add (A)");
+                lora_up_kernel<<<blocks_for(gr.n_rows * pr.n_out, 256), 256>>>(
+                    t.f32(), gr.b_t, gr.type, gr.rank, d_rows, scales.f32(), gr.factor, gr.n_rows, pr.n_out, pr.y);
+                check_launch("lora_add (B)");
             }
-            Buffer          rows = put(gr.host_rows, gr.n_rows), scales = put(gr.host_scales, gr.n_rows);
-            Buffer          t(*this, sizeof(float) * static_cast<size_t>(gr.n_rows * gr.rank));
-            const int32_t * d_rows = static_cast<const int32_t *>(rows.data());
-            lora_down_kernel<<<blocks_for(gr.n_rows * gr.rank, 128), 128>>>(x, n_in, gr.a, gr.rank, d_rows, gr.n_rows,
-                                                                            t.f32());
-            check_launch("lora_add (A)");
-            lora_up_kernel<<<blocks_for(gr.n_rows * n_out, 256), 256>>>(t.f32(), gr.b_t, gr.rank, d_rows, scales.f32(),
-                                                                        gr.n_rows, n_out, y);
-            check_launch("lora_add (B)");
         }
     }
 

@@ -63,6 +63,72 @@ struct Ops {
     }
 };
 
+// lora_add's group (a [rank][n_in], b [n_out][rank], rows, scales) and a product (y, its groups).
+using LoraGroupSpec   = std::tuple<F2, F2, I1, F1>;
+using LoraProductSpec = std::pair<F2, std::vector<LoraGroupSpec>>;
+
+// Backend::lora_add on copies of x and each product's y, the factors stored as factor_type; the ys after.
+std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec> & specs,
+                                const std::string & factor_type) {
+    KC_CHECK(factor_type == "f32" || factor_type == "f16" || factor_type == "i8",
+             "lora_add: factor_type must be 'f32', 'f16' or 'i8', got '%s'", factor_type.c_str());
+    const backend::LoraFactorType                type = factor_type == "f16"  ? backend::LoraFactorType::F16
+                                                        : factor_type == "i8" ? backend::LoraFactorType::I8
+                                                                              : backend::LoraFactorType::F32;
+    const size_t                                 n = x.shape(0), n_in = x.shape(1);
+    std::vector<backend::Buffer>                 bufs, ys;
+    std::vector<std::vector<backend::LoraGroup>> gs(specs.size());
+    for (size_t p = 0; p < specs.size(); ++p) {
+        const auto & [y, groups] = specs[p];
+        const size_t n_out       = y.shape(1);
+        KC_CHECK(y.shape(0) == n, "lora_add: x and y must have the same rows");
+        std::vector<bool> used(n, false);
+        for (const auto & [a, b, rows, scales] : groups) {
+            const size_t r = a.shape(0);
+            KC_CHECK(r > 0 && a.shape(1) == n_in && b.shape(0) == n_out && b.shape(1) == r,
+                     "lora_add: a [rank, n_in] and b [n_out, rank]");
+            KC_CHECK(rows.shape(0) == scales.shape(0), "lora_add: one scale per row");
+            for (size_t i = 0; i < rows.shape(0); ++i) {
+                KC_CHECK(rows(i) >= 0 && static_cast<size_t>(rows(i)) < n && !used[rows(i)],
+                         "lora_add: rows must be distinct rows of x");
+                used[rows(i)] = true;
+            }
+            bufs.emplace_back();
+            bufs.emplace_back();
+            backend::upload_lora_factor(*o.be, a.data(), static_cast<int64_t>(r), static_cast<int64_t>(n_in), type,
+                                        bufs[bufs.size() - 2], bufs.back());
+            std::vector<float> b_t(n_out * r);  // the op takes B transposed
+            for (size_t i = 0; i < n_out; ++i) {
+                for (size_t c = 0; c < r; ++c) {
+                    b_t[c * n_out + i] = b.data()[i * r + c];
+                }
+            }
+            bufs.emplace_back();
+            bufs.emplace_back();
+            backend::upload_lora_factor(*o.be, b_t.data(), static_cast<int64_t>(r), static_cast<int64_t>(n_out), type,
+                                        bufs[bufs.size() - 2], bufs.back());
+            const size_t k = bufs.size();  // a, a's scales, b_t, b_t's scales
+            gs[p].push_back(backend::LoraGroup{ bufs[k - 4].data(), bufs[k - 2].data(), type, bufs[k - 3].f32(),
+                                                bufs[k - 1].f32(), static_cast<int>(r), 1.0f, rows.data(),
+                                                scales.data(), static_cast<int64_t>(rows.shape(0)) });
+        }
+        ys.push_back(o.put(y.data(), n * n_out));
+    }
+    std::vector<backend::LoraProduct> products;
+    for (size_t p = 0; p < specs.size(); ++p) {
+        products.push_back(backend::LoraProduct{ ys[p].f32(), static_cast<int64_t>(specs[p].first.shape(1)),
+                                                 gs[p].data(), static_cast<int>(gs[p].size()) });
+    }
+    backend::Buffer bx = o.put(x.data(), n * n_in);
+    o.be->lora_add(bx.f32(), static_cast<int64_t>(n_in), products.data(), static_cast<int>(products.size()));
+    std::vector<Out2> out;
+    for (size_t p = 0; p < specs.size(); ++p) {
+        const size_t n_out = specs[p].first.shape(1);
+        out.push_back(out2(o.get(ys[p], n * n_out), n, n_out));
+    }
+    return out;
+}
+
 // A gated activation op (swiglu, geglu_tanh: g = act(g) * u, [rows][n] in place) on copies of g and u.
 Out2 gated(Ops & o, void (backend::Backend::*op)(float *, const float *, int64_t, int64_t), F2 g, F2 u) {
     const size_t r = g.shape(0), n = g.shape(1);
@@ -348,41 +414,14 @@ void bind_backend(nb::module_ & m) {
             "gather_rows of src, then add_scaled_rows of those rows into dst: (gathered, dst after).")
         .def(
             "lora_add",
-            [](Ops & o, F2 x, F2 y, const std::vector<std::tuple<F2, F2, I1, F1>> & groups) {
-                const size_t n = x.shape(0), n_in = x.shape(1), n_out = y.shape(1);
-                KC_CHECK(y.shape(0) == n, "lora_add: x and y must have the same rows");
-                std::vector<backend::Buffer>    bufs;
-                std::vector<backend::LoraGroup> gs;
-                std::vector<bool>               used(n, false);
-                for (const auto & [a, b, rows, scales] : groups) {
-                    const size_t r = a.shape(0);
-                    KC_CHECK(r > 0 && a.shape(1) == n_in && b.shape(0) == n_out && b.shape(1) == r,
-                             "lora_add: a [rank, n_in] and b [n_out, rank]");
-                    KC_CHECK(rows.shape(0) == scales.shape(0), "lora_add: one scale per row");
-                    for (size_t i = 0; i < rows.shape(0); ++i) {
-                        KC_CHECK(rows(i) >= 0 && static_cast<size_t>(rows(i)) < n && !used[rows(i)],
-                                 "lora_add: rows must be distinct rows of x");
-                        used[rows(i)] = true;
-                    }
-                    bufs.push_back(o.put(a.data(), r * n_in));
-                    std::vector<float> b_t(n_out * r);  // the op takes B transposed
-                    for (size_t i = 0; i < n_out; ++i) {
-                        for (size_t c = 0; c < r; ++c) {
-                            b_t[c * n_out + i] = b.data()[i * r + c];
-                        }
-                    }
-                    bufs.push_back(o.put(b_t.data(), n_out * r));
-                    gs.push_back(backend::LoraGroup{ bufs[bufs.size() - 2].f32(), bufs.back().f32(),
-                                                     static_cast<int>(r), rows.data(), scales.data(),
-                                                     static_cast<int64_t>(rows.shape(0)) });
-                }
-                backend::Buffer bx = o.put(x.data(), n * n_in), by = o.put(y.data(), n * n_out);
-                o.be->lora_add(bx.f32(), static_cast<int64_t>(n_in), by.f32(), static_cast<int64_t>(n_out), gs.data(),
-                               static_cast<int>(gs.size()));
-                return out2(o.get(by, n * n_out), n, n_out);
+            [](Ops & o, F2 x, F2 y, const std::vector<LoraGroupSpec> & groups, const std::string & factor_type) {
+                return lora_products(o, x, { { y, groups } }, factor_type)[0];
             },
-            nb::arg("x"), nb::arg("y"), nb::arg("groups"),
-            "y after y[r] += s · B (A x[r]) for each group (a, b, rows, scales) and each of its rows r (scale s).")
+            nb::arg("x"), nb::arg("y"), nb::arg("groups"), nb::arg("factor_type") = "f32",
+            "y after y[r] += s · B (A x[r]) for each group (a, b, rows, scales) and each of its rows r (scale s), the "
+            "factors stored as factor_type ('f32', 'f16' or 'i8').")
+        .def("lora_add_products", &lora_products, nb::arg("x"), nb::arg("products"), nb::arg("factor_type") = "f32",
+             "lora_add of several products (y, groups) of one x in one call: the list of the ys after.")
         .def(
             "rope_kv_write",
             [](Ops & o, int n_head, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox,

@@ -131,9 +131,9 @@ void qkv_projections(ForwardState & st, const LayerWeights & L, const float * in
         st.be.add_bias(st.k.f32(), L.bk.f32(), n, kd);
         st.be.add_bias(st.v.f32(), L.bv.f32(), n, kd);
     }
-    apply_lora(st, LoraTarget::Q, in, p.n_embd, st.q.f32(), qd);
-    apply_lora(st, LoraTarget::K, in, p.n_embd, st.k.f32(), kd);
-    apply_lora(st, LoraTarget::V, in, p.n_embd, st.v.f32(), kd);
+    apply_lora(
+        st, in, p.n_embd,
+        { { LoraTarget::Q, st.q.f32(), qd }, { LoraTarget::K, st.k.f32(), kd }, { LoraTarget::V, st.v.f32(), kd } });
 }
 
 void qk_norm(ForwardState & st, const LayerWeights & L) {
@@ -176,7 +176,7 @@ static void add_residual(ForwardState & st, const backend::Buffer & post_norm, f
 
 void attention_output(ForwardState & st, const LayerWeights & L) {
     st.be.matmul(L.wo, st.att.f32(), st.tmp.f32(), st.n);
-    apply_lora(st, LoraTarget::Output, st.att.f32(), st.p.n_head * st.p.head_dim, st.tmp.f32(), st.p.n_embd);
+    apply_lora(st, st.att.f32(), st.p.n_head * st.p.head_dim, { { LoraTarget::Output, st.tmp.f32(), st.p.n_embd } });
     add_residual(st, L.attn_post_norm, st.tmp.f32());
 }
 
@@ -202,15 +202,14 @@ void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
         float * const         out[2]     = { st.g.f32(), st.u.f32() };
         be.matmul_multi(gate_up, out, 2, in, n);
     }
-    apply_lora(st, LoraTarget::Gate, in, E, st.g.f32(), p.n_ff);
-    apply_lora(st, LoraTarget::Up, in, E, st.u.f32(), p.n_ff);
+    apply_lora(st, in, E, { { LoraTarget::Gate, st.g.f32(), p.n_ff }, { LoraTarget::Up, st.u.f32(), p.n_ff } });
     if (gate == Gate::Silu) {
         be.swiglu(st.g.f32(), st.u.f32(), n, p.n_ff);
     } else {
         be.geglu_tanh(st.g.f32(), st.u.f32(), n, p.n_ff);
     }
     be.matmul(L.w_down, st.g.f32(), st.tmp.f32(), n);
-    apply_lora(st, LoraTarget::Down, st.g.f32(), p.n_ff, st.tmp.f32(), E);
+    apply_lora(st, st.g.f32(), p.n_ff, { { LoraTarget::Down, st.tmp.f32(), E } });
     add_residual(st, L.ffn_post_norm, st.tmp.f32());
 }
 

@@ -3,7 +3,8 @@
 Random adapters of rank r on every linear layer (attention Q/K/V/O, feed-forward gate/up/down) are written as GGUF
 LoRA files for the model (llama.cpp's layout), loaded beside it, and timed on the same greedy decode steps: one
 sequence with no adapter, one with an adapter, then a batch of n sequences without adapters and the same batch with
-n different adapters (one forward pass per step holding every sequence).
+n different adapters (one forward pass per step holding every sequence). The cases take turns step by step, so that
+a loaded machine slows them alike; several models (`-m` repeated) are printed side by side.
 """
 
 from __future__ import annotations
@@ -50,31 +51,31 @@ def write_random_adapter(model_path: str, rank: int, out: Path, seed: int, alpha
     writer.close()
 
 
-def _decode_ms_per_token(model: Any, adapters: list[str | None], prompt: list[int], gen: int) -> float:
-    """Prefills one sequence per entry (its adapter or none), then times `gen` greedy decode steps of all of them
-    in one batch per step (after one untimed step); the median step's ms (steady against other load)."""
-    seqs = [model.new_sequence() for _ in adapters]
-    try:
-        for seq, name in zip(seqs, adapters, strict=True):
+class _Decoder:
+    """One sequence per entry (its adapter or none), prefilled with the prompt; `step` runs one greedy decode step of
+    all of them in one batch and returns its seconds."""
+
+    def __init__(self, model: Any, adapters: list[str | None], prompt: list[int]) -> None:
+        self.model = model
+        self.seqs = [model.new_sequence() for _ in adapters]
+        for seq, name in zip(self.seqs, adapters, strict=True):
             model.set_sequence_adapter(seq, name)
-        logits = model.decode_batch([(s, prompt) for s in seqs])
+        self.logits = model.decode_batch([(s, prompt) for s in self.seqs])
 
-        def step() -> list[Any]:
-            return model.decode_batch([(s, [int(np.argmax(lg))]) for s, lg in zip(seqs, logits, strict=True)])
+    def step(self) -> float:
+        feed = [(s, [int(np.argmax(lg))]) for s, lg in zip(self.seqs, self.logits, strict=True)]
+        t0 = time.perf_counter()
+        self.logits = self.model.decode_batch(feed)
+        return time.perf_counter() - t0
 
-        logits = step()  # untimed: the first step after a prompt warms the decode path
-        times = []
-        for _ in range(gen):
-            t0 = time.perf_counter()
-            logits = step()
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)) * 1000.0
-    finally:
-        for s in seqs:
+    def close(self) -> None:
+        for s in self.seqs:
             s.close()
 
 
 def bench_lora(model_path: str, rank: int, threads: int, prompt: int, gen: int, batch: int) -> list[dict[str, Any]]:
+    """The four cases' median ms per decode step. The cases take turns step by step (after one untimed step each),
+    so that load from other processes falls on all of them alike."""
     from ..model import Model
 
     model = Model(model_path, n_threads=threads)
@@ -88,21 +89,42 @@ def bench_lora(model_path: str, rank: int, threads: int, prompt: int, gen: int, 
     cases: list[tuple[str, list[str | None]]] = [
         ("base, 1 sequence", [None]),
         (f"rank-{rank} adapter, 1 sequence", names[:1]),
-        (f"base, batch of {batch}", [None] * batch),
-        (f"{batch} rank-{rank} adapters, batch of {batch}", names[:batch]),
     ]
-    rows: list[dict[str, Any]] = []
-    for label, adapters in cases:
-        if batch <= 1 and "batch" in label:
-            continue
-        rows.append({"case": label, "ms_per_step": _decode_ms_per_token(model, adapters, ids, gen)})
+    if batch > 1:
+        cases += [
+            (f"base, batch of {batch}", [None] * batch),
+            (f"{batch} rank-{rank} adapters, batch of {batch}", names),
+        ]
+    decoders = [_Decoder(model, adapters, ids) for _, adapters in cases]
+    try:
+        times: list[list[float]] = [[] for _ in cases]
+        for d in decoders:
+            d.step()  # untimed: the first step after a prompt warms the decode path
+        for _ in range(gen):
+            for d, t in zip(decoders, times, strict=True):
+                t.append(d.step())
+    finally:
+        for d in decoders:
+            d.close()
+    rows: list[dict[str, Any]] = [
+        {"case": label, "ms_per_step": float(np.median(t)) * 1000.0, "min_ms_per_step": float(np.min(t)) * 1000.0}
+        for (label, _), t in zip(cases, times, strict=True)
+    ]
     for i in range(1, len(rows), 2):
         rows[i]["vs_base"] = rows[i]["ms_per_step"] / rows[i - 1]["ms_per_step"]
+        rows[i]["min_vs_base"] = rows[i]["min_ms_per_step"] / rows[i - 1]["min_ms_per_step"]
     return rows
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF file (default: the default model)")
+    p.add_argument(
+        "-m",
+        "--model",
+        action="append",
+        default=None,
+        help="GGUF file or model name, repeatable: the models side by side ('default': the default model; "
+        "none given: the default model)",
+    )
     p.add_argument("--rank", type=positive_int, default=16, help="adapter rank (default 16)")
     p.add_argument("-t", "--threads", type=positive_int, default=min(4, os.cpu_count() or 1))
     p.add_argument("--prompt", type=positive_int, default=64, help="prompt tokens before the timed steps")
@@ -114,14 +136,32 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
 def run_lora(args: argparse.Namespace) -> int:
     from ..model import resolve_model_path
 
-    path = resolve_model_path(args.model)
-    rows = bench_lora(path, args.rank, args.threads, args.prompt, args.gen, args.batch)
+    paths = [resolve_model_path(None if m == "default" else m) for m in (args.model or ["default"])]
+    results = []
+    for path in paths:
+        rows = bench_lora(path, args.rank, args.threads, args.prompt, args.gen, args.batch)
+        results.append({"model": path, "rows": rows, "load_average": os.getloadavg()})
     if args.json:
-        print(json.dumps({"model": path, "threads": args.threads, "rows": rows}))
+        print(json.dumps({"threads": args.threads, "models": results}))
         return 0
-    print(f"{os.path.basename(path)}, {args.threads} threads, {args.prompt}-token prompts, {args.gen} decode steps")
-    print(f"{'case':<40} {'ms / decode step (median)':>25} {'vs base':>8}")
-    for r in rows:
-        ratio = f"{r['vs_base']:.2f}x" if "vs_base" in r else ""
-        print(f"{r['case']:<40} {r['ms_per_step']:>25.2f} {ratio:>8}")
+    print(
+        f"{args.threads} threads, {args.prompt}-token prompts, {args.gen} decode steps: ms per step, median and "
+        "fastest (the fastest is the least disturbed by other load)"
+    )
+    head = f"{'case':<32}"
+    for r in results:
+        head += f" | {os.path.basename(r['model'])[:27]:<27} {'vs base':>7} {'fastest':>7} {'vs base':>7}"
+    print(head)
+    for i, row in enumerate(results[0]["rows"]):
+        line = f"{row['case']:<32}"
+        for r in results:
+            c = r["rows"][i]
+            ratio = f"{c['vs_base']:.2f}x" if "vs_base" in c else ""
+            ratio_min = f"{c['min_vs_base']:.2f}x" if "min_vs_base" in c else ""
+            line += f" | {c['ms_per_step']:>27.2f} {ratio:>7} {c['min_ms_per_step']:>7.2f} {ratio_min:>7}"
+        print(line)
+    loads = "; ".join(
+        f"{os.path.basename(r['model'])}: " + " ".join(f"{x:.2f}" for x in r["load_average"]) for r in results
+    )
+    print(f"load average (1, 5, 15 min) after each model: {loads}")
     return 0
