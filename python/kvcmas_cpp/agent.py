@@ -65,8 +65,22 @@ def agent_identity(system: str, template: str | None = None) -> str:
 class Agent:
     """A role in a session. Create with AgentSession.agent()."""
 
-    def __init__(self, session: AgentOwner, index: int, name: str, system: str, template: str | None) -> None:
+    def __init__(
+        self, session: AgentOwner, index: int, name: str, system: str, template: str | None, adapter: Any = None
+    ) -> None:
+        """adapter: the sharing.adapter_views.AgentAdapter the agent runs with (None: the base model)."""
         self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
+        self.lora = adapter
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of the LoRA adapter the agent runs with (None: the base model)."""
+        return None if self.lora is None else self.lora.name
+
+    @property
+    def adapter_scale(self) -> float:
+        """The scale of its adapter (1.0 without one)."""
+        return 1.0 if self.lora is None else self.lora.scale
 
     @overload
     def respond(
@@ -172,7 +186,8 @@ class Agent:
         return await asyncio.to_thread(lambda: self.respond(max_tokens, **kwargs))
 
     def __repr__(self) -> str:
-        return f"Agent({self.name!r}, index={self.index})"
+        lora = "" if self.lora is None else f", adapter={self.lora.name!r}"
+        return f"Agent({self.name!r}, index={self.index}{lora})"
 
 
 def _reply(
