@@ -10,6 +10,10 @@ must beat.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -271,3 +275,46 @@ def test_bad_adapter_arguments_are_clear_errors(model: kc.Model) -> None:
         assert team.agents == []  # nothing declared
         a = team.agent("A", system="x", adapter="critic", adapter_scale=0.5)
         assert (a.adapter, a.adapter_scale) == ("critic", 0.5) and "critic" in repr(a)
+
+
+# ------------------------------------------------------------------------------------------- bench and example
+
+
+def test_bench_lora_team_reports_every_method(default_model_path: Path) -> None:
+    """`kvcmas bench lora --team` at a small size: one row per method, the speed-ups are nonshared's TTFT over each
+    row's, kvcmas reads calibrated spans with corrections, and its KL share is its KL over fullshared's."""
+    from kvcmas_cpp.bench.lora_team import bench_lora_team
+
+    result = bench_lora_team(str(default_model_path), 8, 2, 192, 1, 1, 2)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["nonshared", "fullshared", "kvcmas"]
+    base = rows["nonshared"]["later_ttft_ms"]
+    for r in rows.values():
+        assert r["speedup"] == pytest.approx(base / r["later_ttft_ms"])
+    assert rows["nonshared"]["span_tokens"] == 0 and rows["nonshared"]["gates"] == ["n/a"]
+    assert rows["fullshared"]["span_tokens"] >= 192 and rows["kvcmas"]["span_tokens"] >= 192 - HEAD
+    assert rows["kvcmas"]["gates"] == ["reuse"] and rows["fullshared"]["kl"] > 0
+    assert rows["kvcmas"]["kl_vs_fullshared"] == pytest.approx(rows["kvcmas"]["kl"] / rows["fullshared"]["kl"])
+    assert len(result["load_average"]) == 3
+
+
+@pytest.mark.slow
+def test_the_lora_team_example_runs_offline_and_reuses() -> None:
+    """examples/lora_team.py with its random adapters: it says they are random; in the second round the later agents
+    read the task by reference with learned corrections."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "python"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "lora_team.py"), "--max-tokens", "4", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "RANDOM LoRA adapters" in run.stdout
+    calls = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [c["round"] for c in calls] == [1, 1, 1, 2, 2, 2]
+    assert calls[0]["mode"] == "source" and calls[0]["adapter"] == "planner-random"
+    for c in calls[4:]:
+        assert c["mode"] == "reuse" and c["gate"] == "reuse" and c["corr_rank"] > 0 and c["span_tokens"] > 300, c
