@@ -22,6 +22,7 @@ import pytest
 import kvcmas_cpp as kc
 from kvcmas_cpp.adapters import UnknownAdapterError
 from kvcmas_cpp.agents import AgentSession, shared_estimator
+from kvcmas_cpp.bench.lora_team import team_calls
 from kvcmas_cpp.sharing.adapter_views import file_digest
 from kvcmas_cpp.sharing.methods import MethodConfig
 from kvcmas_cpp.sharing.training_read import canonical
@@ -95,24 +96,10 @@ def run_team(
     teacher-forced (so every method's later prompts hold the same ids). adapters=False: the team on the base
     model."""
     kw.setdefault("calibration_dir", False)
-    out = []
     with AgentSession(model, method, **kw) as team:  # type: ignore[arg-type]
         agents = declare(team, adapters)
         team.share(context, label="Context")
-        for i, a in enumerate(agents):
-            if replies is None:
-                r = a.respond(max_tokens=GEN)
-                assert r.first_logits is not None
-                out.append((r.first_logits, r.stats, r.ids))
-                continue
-            p = team.prefill_agent(a)
-            try:
-                logits = p.logits.copy()
-                team.finish(p, replies[i])
-                out.append((logits, team.stats_of(p), replies[i]))
-            finally:
-                team.release(p)
-    return out
+        return team_calls(team, agents, replies, GEN)
 
 
 def test_first_agent_is_exact_and_later_agents_read_by_reference(model: kc.Model) -> None:

@@ -53,33 +53,42 @@ def _kl(ref: np.ndarray, got: np.ndarray) -> float:
     return float(np.sum(np.exp(p) * (p - q)))
 
 
+def team_calls(
+    team: Any, agents: list[Any], replies: list[list[int]] | None, gen: int
+) -> list[tuple[np.ndarray, Any, list[int]]]:
+    """Each agent of an AgentSession called in turn: (first-token logits, its ResponseStats, reply ids), the reply
+    generated greedily (at most gen tokens) or, given `replies`, teacher-forced (every method's later prompts then
+    hold the same ids)."""
+    out = []
+    for i, a in enumerate(agents):
+        if replies is None:
+            r = a.respond(max_tokens=gen)
+            assert r.first_logits is not None
+            out.append((r.first_logits, r.stats, r.ids))
+            continue
+        p = team.prefill_agent(a)
+        try:
+            logits = p.logits.copy()
+            team.finish(p, replies[i])
+            out.append((logits, team.stats_of(p), replies[i]))
+        finally:
+            team.release(p)
+    return out
+
+
 def _run(
     model: Any, method: str, context: list[int], replies: list[list[int]] | None, gen: int, **kw: Any
 ) -> list[tuple[np.ndarray, Any, list[int]]]:
-    """Per agent: (first-token logits, its stats, reply ids), replies generated greedily or teacher-forced."""
+    """team_calls of the bench's team over `context` in a fresh session."""
     from ..agents import AgentSession
 
-    out = []
     with AgentSession(model, method, calibration_dir=False, **kw) as team:
         agents = [
             team.agent(name, system=role, adapter=adapter)
             for (name, role), adapter in zip(ROLES, ADAPTERS, strict=True)
         ]
         team.share(context, label="Context")
-        for i, a in enumerate(agents):
-            if replies is None:
-                r = a.respond(max_tokens=gen)
-                assert r.first_logits is not None
-                out.append((r.first_logits, r.stats, r.ids))
-                continue
-            p = team.prefill_agent(a)
-            try:
-                logits = p.logits.copy()
-                team.finish(p, replies[i])
-                out.append((logits, team.stats_of(p), replies[i]))
-            finally:
-                team.release(p)
-    return out
+        return team_calls(team, agents, replies, gen)
 
 
 def bench_lora_team(
