@@ -250,7 +250,7 @@ def test_a_training_read_computes_the_readers_own_rows(model: kc.Model) -> None:
         assert err_read < 0.05 * err_writer, (i, err_read, err_writer)
 
 
-def test_bad_adapter_arguments_are_clear_errors(model: kc.Model) -> None:
+def test_bad_adapter_arguments_are_clear_errors(model: kc.Model, adapter_files, tmp_path: Path) -> None:
     with AgentSession(model, "kvcmas", calibration_dir=False) as team:
         with pytest.raises(UnknownAdapterError, match="'reviewer'.*loaded: 'planner'"):
             team.agent("A", system="x", adapter="reviewer")
@@ -259,6 +259,16 @@ def test_bad_adapter_arguments_are_clear_errors(model: kc.Model) -> None:
                 team.agent("A", system="x", adapter="planner", adapter_scale=scale)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="adapter must be the name"):
             team.agent("A", system="x", adapter=3)  # type: ignore[arg-type]
+        assert team.agents == []  # nothing declared
+        copy = tmp_path / "gone.gguf"
+        copy.write_bytes(adapter_files["critic"].read_bytes())
+        model.load_adapter(copy, name="gone")
+        copy.unlink()  # its maps are keyed by the file's content, which can no longer be read
+        try:
+            with pytest.raises(ValueError, match="'gone': its file .*gone.gguf cannot be read"):
+                team.agent("A", system="x", adapter="gone")
+        finally:
+            model.unload_adapter("gone")
         assert team.agents == []  # nothing declared
         a = team.agent("A", system="x", adapter="critic", adapter_scale=0.5)
         assert (a.adapter, a.adapter_scale) == ("critic", 0.5) and "critic" in repr(a)
