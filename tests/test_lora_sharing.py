@@ -272,6 +272,9 @@ def test_bad_adapter_arguments_are_clear_errors(model: kc.Model, adapter_files, 
         assert team.agents == []  # nothing declared
         a = team.agent("A", system="x", adapter="critic", adapter_scale=0.5)
         assert (a.adapter, a.adapter_scale) == ("critic", 0.5) and "critic" in repr(a)
+        with team.fork() as other:  # a fork's agents keep their adapters (and so their edges)
+            assert [(b.adapter, b.adapter_scale) for b in other.agents] == [("critic", 0.5)]
+            assert other._identities == team._identities
 
 
 # ------------------------------------------------------------------------------------------- bench and example

@@ -8,7 +8,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from .agent_results import Prefilled, Response, ResponseChunk
 from .constrained import output_constraint
@@ -16,6 +16,9 @@ from .model import CompletionChunk, Model
 from .sampling import SamplingParams, TokenLogprob, chat_logprobs, max_tokens_count, stop_strings
 from .sharing.workflow import PLACEHOLDER_RE
 from .tools import parse_tool_calls, tool_format_of
+
+if TYPE_CHECKING:
+    from .sharing.adapter_views import AgentAdapter
 
 
 class AgentOwner(Protocol):
@@ -66,7 +69,13 @@ class Agent:
     """A role in a session. Create with AgentSession.agent()."""
 
     def __init__(
-        self, session: AgentOwner, index: int, name: str, system: str, template: str | None, adapter: Any = None
+        self,
+        session: AgentOwner,
+        index: int,
+        name: str,
+        system: str,
+        template: str | None,
+        adapter: AgentAdapter | None = None,
     ) -> None:
         """adapter: the sharing.adapter_views.AgentAdapter the agent runs with (None: the base model)."""
         self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
