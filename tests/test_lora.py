@@ -8,7 +8,6 @@ none; each sequence must get exactly what it gets alone.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
@@ -24,12 +23,11 @@ import kvcmas_cpp as kc
 
 pytest.importorskip("peft")
 gguf = pytest.importorskip("gguf")
+from helpers.lora import ALL_LINEAR, ATTENTION, random_peft_adapter  # noqa: E402
 from kvcmas_convert.errors import ConvertError  # noqa: E402
 from kvcmas_convert.lora import convert_lora  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 # name: (target modules, rank, alpha, seed)
 CASES = {"attn_r4": (ATTENTION, 4, 8, 1), "all_r16": (ALL_LINEAR, 16, 24, 2)}
 SCALES = (1.0, 0.5)
@@ -77,17 +75,13 @@ def adapters(reference, f32_path: Path, ids: list[int], tmp_path_factory) -> dic
     """Each case as a PEFT folder (random A and B: init_lora_weights=False, else B starts at zero and the update
     vanishes), its transformers + peft references, and the converted GGUF file."""
     import torch
-    from peft import LoraConfig, get_peft_model
 
     base = reference.model(str(f32_path))
     root = tmp_path_factory.mktemp("lora")
     out = {}
     for name, (targets, rank, alpha, seed) in CASES.items():
-        torch.manual_seed(seed)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
-        pm = get_peft_model(copy.deepcopy(base), config).eval()
         folder = root / name
-        pm.save_pretrained(folder)
+        pm = random_peft_adapter(base, folder, targets, rank, alpha, seed)
         logits = {s: _peft_logits(pm, ids, s) for s in SCALES}
         _peft_logits(pm, ids, 1.0)
         with torch.no_grad():

@@ -21,6 +21,8 @@ from .tools import parse_tool_calls, tool_format_of
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from .sharing.adapter_views import AgentAdapter
+
 
 class AgentOwner(Protocol):
     """The session an agent belongs to (agents.AgentSession), as its replies use it."""
@@ -95,8 +97,28 @@ REPLY_DEFAULTS: ReplyOptions = {  # greedy by default: an agent's reply is what 
 class Agent:
     """A role in a session. Create with AgentSession.agent()."""
 
-    def __init__(self, session: AgentOwner, index: int, name: str, system: str, template: str | None) -> None:
+    def __init__(
+        self,
+        session: AgentOwner,
+        index: int,
+        name: str,
+        system: str,
+        template: str | None,
+        adapter: AgentAdapter | None = None,
+    ) -> None:
+        """adapter: the sharing.adapter_views.AgentAdapter the agent runs with (None: the base model)."""
         self.session, self.index, self.name, self.system, self.template = session, index, name, system, template
+        self.lora = adapter
+
+    @property
+    def adapter(self) -> str | None:
+        """The name of the LoRA adapter the agent runs with (None: the base model)."""
+        return None if self.lora is None else self.lora.name
+
+    @property
+    def adapter_scale(self) -> float:
+        """The scale of its adapter (1.0 without one)."""
+        return 1.0 if self.lora is None else self.lora.scale
 
     @overload
     def respond(
@@ -157,7 +179,8 @@ class Agent:
         return await asyncio.to_thread(lambda: self.respond(max_tokens, **options))
 
     def __repr__(self) -> str:
-        return f"Agent({self.name!r}, index={self.index})"
+        lora = "" if self.lora is None else f", adapter={self.lora.name!r}"
+        return f"Agent({self.name!r}, index={self.index}{lora})"
 
 
 def _reply(

@@ -47,6 +47,7 @@ from .plan import ChunkExecutor, Plan, run_plan
 from .prefix_cache import PrefixCache
 from .session_messages import SessionMessages
 from .session_reads import TRAINING_READ_POLICIES, SessionTrainingReads, TrainingReadPolicy
+from .sharing import adapter_views
 from .sharing import estimators as est
 from .sharing import methods as registry
 from .sharing.methods import CALIBRATION_READS, MethodConfig
@@ -172,10 +173,21 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         self._reset_state()
 
     # ------------------------------------------------------------------------------------------------ agents
-    def agent(self, name: str, system: str = "", *, template: str | None = None) -> Agent:
+    def agent(
+        self,
+        name: str,
+        system: str = "",
+        *,
+        template: str | None = None,
+        adapter: str | None = None,
+        adapter_scale: float = 1.0,
+    ) -> Agent:
         """Declares an agent. system: its role prompt. template: its user message with placeholders
         ({user_question}, {agent_<i>_current}, {condition_<k>_current}, {context}); default: every shared item. A
-        template reads at least one of them, and every {word} in it is one (ValueError otherwise)."""
+        template reads at least one of them, and every {word} in it is one (ValueError otherwise). adapter: the name
+        of a LoRA adapter the model has loaded (Model.load_adapter) the agent runs with, at adapter_scale; spans
+        other agents computed with other adapters (or none) are read through the method, their edges keyed on both
+        adapters (sharing/adapter_views.py)."""
         if not isinstance(name, str) or not name:
             raise ValueError("agent: name must be a non-empty string")
         system = "" if system is None else system
@@ -183,12 +195,13 @@ class AgentSession(SessionMessages, SessionTrainingReads):
             raise ValueError(f"agent {name!r}: system must be a string, got {type(system).__name__}")
         if template is not None:
             check_template(name, template)
+        lora = adapter_views.agent_adapter(self.model, adapter, adapter_scale)
         with self._lock:
             if any(a.name == name for a in self.agents):
                 raise ValueError(f"agent: an agent named {name!r} exists already in this session")
-            ag = Agent(self, len(self.agents), name, system, template)
+            ag = Agent(self, len(self.agents), name, system, template, lora)
             self.agents.append(ag)
-            self._identities.append(agent_identity(system, template))
+            self._identities.append(adapter_views.identity_with(agent_identity(system, template), lora))
             self._runner.agent_names.append(name)
             return ag
 
@@ -244,7 +257,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
             other._runner.estimator, other._estimator_lock = self._runner.estimator, self._estimator_lock
             other._store = self._store
             for a in self.agents:
-                other.agent(a.name, a.system, template=a.template)
+                other.agent(a.name, a.system, template=a.template, adapter=a.adapter, adapter_scale=a.adapter_scale)
             other.vision = self.vision
             other._state.vectors = None if self._state.vectors is None else self._state.vectors.copy()
             other._state.bidirectional = list(self._state.bidirectional)
@@ -388,7 +401,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         of its rows an earlier call computed (the model's prefix cache, within the session's cache_namespace). A
         template without spans is all prefix: its last token is left to the hop, which computes it for the logits."""
         ids = t.texts[0] if t.placeholders else t.texts[0][:-1]
-        return self._prefix_cache.plan_prefix(self.cache_namespace, ids)
+        return adapter_views.agent_prefix(self._prefix_cache, self.cache_namespace, ids, self.model, ag.lora)
 
     def _edge_of(self, ph: str, reader: int) -> est.Edge:
         """The estimator's edge for a span read by an agent: the span's role, and the reader's identity with that of

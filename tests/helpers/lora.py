@@ -1,12 +1,14 @@
-"""Random LoRA adapters of a GGUF model without torch: a PEFT folder (adapter_config.json and
-adapter_model.safetensors, PEFT's names and shapes) written from numpy, and its GGUF LoRA file (convert-lora).
-test_lora.py makes its adapters with peft itself (it compares against transformers + peft); tests whose reference is
-the engine's own adapter path (Model.chat(adapter=)) use these, which need no torch."""
+"""Random LoRA adapters for the tests. From numpy, without torch: a PEFT folder (adapter_config.json and
+adapter_model.safetensors, PEFT's names and shapes) and its GGUF LoRA file (convert-lora), for tests whose reference
+is the engine's own adapter path (Model.chat(adapter=)). With peft: a PEFT model over a transformers model, for
+tests whose reference is transformers + peft (tests/test_lora.py, tests/test_lora_sharing.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,3 +75,17 @@ def make_lora_gguf(
     folder = write_peft_adapter(out.with_suffix(".peft"), base_gguf, targets, rank, alpha, seed, std)
     convert_lora(folder, base_gguf, out)
     return out
+
+
+def random_peft_adapter(base: Any, folder: Path, targets: list[str], rank: int, alpha: float, seed: int) -> Any:
+    """A PEFT model over a copy of `base` with a random adapter (init_lora_weights=False: A and B both random, else
+    B starts at zero and the update vanishes), saved as a PEFT folder (adapter_config.json +
+    adapter_model.safetensors) in `folder`; returns the PEFT model (eval mode)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    pm = get_peft_model(copy.deepcopy(base), config).eval()
+    pm.save_pretrained(folder)
+    return pm

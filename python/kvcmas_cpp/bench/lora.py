@@ -1,4 +1,5 @@
-"""`kvcmas bench lora`: decode time per token with LoRA adapters against the base model, one run each.
+"""`kvcmas bench lora`: decode time per token with LoRA adapters against the base model, one run each (`--team`:
+agents with different adapters sharing a context, bench/lora_team.py).
 
 Random adapters of rank r on every linear layer (attention Q/K/V/O, feed-forward gate/up/down) are written as GGUF
 LoRA files for the model (llama.cpp's layout), loaded beside it, and timed on the same greedy decode steps: one
@@ -131,12 +132,31 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen", type=positive_int, default=32, help="timed decode steps")
     p.add_argument("--batch", type=int, default=4, help="sequences of the batched rows (0 or 1: none)")
     p.add_argument("--json", action="store_true")
+    team = p.add_argument_group("--team: four agents with three adapters sharing a context (bench/lora_team.py)")
+    team.add_argument(
+        "--team",
+        action="store_true",
+        help="later-agent TTFT and first-token KL of nonshared, fullshared and kvcmas across adapters",
+    )
+    team.add_argument("--shared-tokens", type=positive_int, default=2048, help="shared context tokens (default 2048)")
+    team.add_argument("--contexts", type=positive_int, default=2, help="evaluation contexts (default 2)")
+    team.add_argument("--calibrate", type=positive_int, default=2, help="contexts kvcmas calibrates on first")
+    team.add_argument("--reply-tokens", type=positive_int, default=8, help="tokens per agent reply (default 8)")
 
 
 def run_lora(args: argparse.Namespace) -> int:
     from ..model import resolve_model_path
 
     paths = [resolve_model_path(None if m == "default" else m) for m in (args.model or ["default"])]
+    if args.team:
+        from .lora_team import bench_lora_team, print_team
+
+        for path in paths:
+            result = bench_lora_team(
+                path, args.rank, args.threads, args.shared_tokens, args.contexts, args.calibrate, args.reply_tokens
+            )
+            print(json.dumps(result)) if args.json else print_team(result)
+        return 0
     results = []
     for path in paths:
         rows = bench_lora(path, args.rank, args.threads, args.prompt, args.gen, args.batch)
