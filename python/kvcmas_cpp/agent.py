@@ -43,6 +43,18 @@ _WORD_IN_BRACES = re.compile(r"\{(\w+)\}")
 CONTEXT_PLACEHOLDER = "{context}"  # in a template: every shared item
 
 
+def check_declaration(name: object, system: object, template: object) -> str:
+    """An agent's declaration checked (ValueError naming what is wrong); returns its role prompt ("" for None)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("agent: name must be a non-empty string")
+    system = "" if system is None else system
+    if not isinstance(system, str):
+        raise ValueError(f"agent {name!r}: system must be a string, got {type(system).__name__}")
+    if template is not None:
+        check_template(name, template)
+    return system
+
+
 def check_template(name: str, template: object) -> None:
     """A session agent's template must read the shared context, and a {word} in it must be a placeholder: a typo
     ({contex}) or a template without any would otherwise leave the agent blind to what it is meant to read."""

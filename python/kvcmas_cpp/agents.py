@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from .agent import Agent, agent_identity, check_template
+from .agent import Agent, agent_identity, check_declaration
 from .agent_results import Prefilled, Response, ResponseChunk, ResponseStats, response_stats
 from .idle_reads import IdleReads
 from .kv_budget import KVBudget
@@ -188,13 +188,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
         of a LoRA adapter the model has loaded (Model.load_adapter) the agent runs with, at adapter_scale; spans
         other agents computed with other adapters (or none) are read through the method, their edges keyed on both
         adapters (sharing/adapter_views.py)."""
-        if not isinstance(name, str) or not name:
-            raise ValueError("agent: name must be a non-empty string")
-        system = "" if system is None else system
-        if not isinstance(system, str):
-            raise ValueError(f"agent {name!r}: system must be a string, got {type(system).__name__}")
-        if template is not None:
-            check_template(name, template)
+        system = check_declaration(name, system, template)
         lora = adapter_views.agent_adapter(self.model, adapter, adapter_scale)
         with self._lock:
             if any(a.name == name for a in self.agents):

