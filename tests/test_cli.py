@@ -102,6 +102,27 @@ def test_bench_core_times_by_cpu_time_on_request() -> None:
     assert CLOCKS["cpu"]() - t_cpu < 0.1 <= 0.3 <= CLOCKS["wall"]() - t_wall
 
 
+def test_bench_core_counts_only_the_chosen_experts_per_decode_token(tmp_path: Path) -> None:
+    """A mixture of experts' decode step reads expert_used_count of expert_count stacked expert matrices; the other
+    matrices whole, the untied embedding one row (not counted)."""
+    from kvcmas_cpp.bench.core import weight_bytes_per_token
+
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_uint32("qwen3moe.expert_count", 8)
+    w.add_uint32("qwen3moe.expert_used_count", 2)
+    shapes = {"token_embd.weight": (50, 16), "output.weight": (50, 16), "blk.0.attn_q.weight": (16, 16),
+              "blk.0.ffn_gate_inp.weight": (8, 16), "blk.0.ffn_up_exps.weight": (8, 32, 16)}  # fmt: skip
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    dense = 4 * (50 * 16 + 16 * 16 + 8 * 16)
+    assert weight_bytes_per_token(str(path)) == dense + 4 * 8 * 32 * 16 * 2 // 8
+
+
 @pytest.fixture(scope="module")
 def cut_model(default_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model cut off after 3 MB (a download interrupted in its tensor data)."""

@@ -218,12 +218,22 @@ def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model_path: str) -> int:
     """Bytes of weights a decode step reads: every matrix once; of the token embedding only one row, unless the
-    output projection is tied to it."""
+    output projection is tied to it; of a mixture of experts' stacked matrices (`*_exps`) the chosen experts' share
+    (expert_used_count of expert_count)."""
     from ..model import Model
 
     tensors = Model.file_tensors(model_path)
+    meta = Model.file_metadata(model_path)
+    arch = meta.get("general.architecture", "")
+    n_expert, n_used = meta.get(f"{arch}.expert_count") or 0, meta.get(f"{arch}.expert_used_count") or 0
     names = {t["name"] for t in tensors}
-    return sum(int(t["n_bytes"]) for t in tensors if t["name"] != "token_embd.weight" or "output.weight" not in names)
+    total = 0
+    for t in tensors:
+        if t["name"] == "token_embd.weight" and "output.weight" in names:
+            continue
+        n_bytes = int(t["n_bytes"])
+        total += n_bytes * n_used // n_expert if n_expert and "_exps." in t["name"] else n_bytes
+    return total
 
 
 def weight_type_mix(model_path: str) -> list[tuple[str, int]]:
