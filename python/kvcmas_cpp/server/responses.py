@@ -322,17 +322,18 @@ def _call_item(call: dict[str, Any], status: str, arguments: str | None = None) 
 
 
 class _TextKind:
-    """An output item made of one text part, streamed delta by delta: the answer or the reasoning."""
+    """An output item made of one text part, streamed delta by delta: the answer or the reasoning. `part` is the
+    part's type and the stream events' name (response.<part>.delta / .done)."""
 
-    def __init__(self, item: Any, prefix: str, part: str, event: str) -> None:
-        self.item, self.prefix, self.part, self.event = item, prefix, part, event
+    def __init__(self, item: Callable[[str, str, str], dict[str, Any]], prefix: str, part: str) -> None:
+        self.item, self.prefix, self.part = item, prefix, part
 
     def part_of(self, text: str) -> dict[str, Any]:
         return {"type": self.part, "text": text, **({"annotations": []} if self.part == "output_text" else {})}
 
 
-_MESSAGE = _TextKind(_message_item, "msg", "output_text", "output_text")
-_REASONING = _TextKind(_reasoning_item, "rs", "reasoning_text", "reasoning_text")
+_MESSAGE = _TextKind(_message_item, "msg", "output_text")
+_REASONING = _TextKind(_reasoning_item, "rs", "reasoning_text")
 
 
 class _Translator:
@@ -459,7 +460,7 @@ class _Translator:
             logprobs: dict[str, Any] = {"logprobs": []} if kind is _MESSAGE else {}
             out = [
                 self.event(
-                    f"response.{kind.event}.done",
+                    f"response.{kind.part}.done",
                     item_id=item_id,
                     output_index=index,
                     content_index=0,
@@ -506,7 +507,7 @@ class _Translator:
                     text.append(piece)
                     logprobs: dict[str, Any] = {"logprobs": []} if text_kind is _MESSAGE else {}
                     yield self.event(
-                        f"response.{text_kind.event}.delta",
+                        f"response.{text_kind.part}.delta",
                         item_id=item_id,
                         output_index=index,
                         content_index=0,
