@@ -3,7 +3,14 @@ machine: the files are too large to travel). The weights are N(0, 0.02) F16 valu
 tensors are views of (distinct tensors may repeat values; speed does not depend on them); norms are 1.
 
     python3 models/make_bench_models.py OUT_DIR [--quantize Q4_K_M,Q6_K] [--keep-f16] [SHAPE ...]
-    (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b)
+    (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b qwen3-30b-a3b-4l)
+
+A shape with a vocabulary carries one of the real size, so llama.cpp loads the file (`kvcmas bench core --compare
+llama-cpp`): llama.cpp's own vocabulary file of the family (ggml-vocab-qwen2 for Qwen2.5 and Qwen3, llama-bpe for
+Llama 3.2; models/fetch_vocab.py fetches them), or for Gemma 3, whose 262,144-piece SentencePiece vocabulary has no
+such file, a synthetic SentencePiece vocabulary of that size (byte pieces, the Gemma special tokens at their ids,
+"▁"-prefixed filler pieces). qwen3-30b-a3b-4l is Qwen3-30B-A3B cut to 4 of its 48 layers (every layer full: 128
+experts of 768 rows, 8 routed) so that it fits in memory; its speed per layer is the full model's.
 
 --quantize also writes each file in the named llama.cpp file types, made by llama.cpp's own quantizer
 (llama_model_quantize through llama-cpp-python, the `bench` extra), so the type mix of a "Q4_K_M" file is the one
@@ -15,6 +22,7 @@ are not (Qwen2-0.5B's 896) make llama.cpp fall back to other types. The F16 sour
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -42,20 +50,26 @@ class Shape:
     post_norms: bool = False  # gemma3: norms after attention and feed-forward
     sliding_window: int = 0  # gemma3: every 6th layer global, the others slide
     vocab: str = ""  # llama.cpp's ggml-vocab-<vocab>.gguf with n_vocab tokens, copied in (llama.cpp needs a vocabulary)
+    # or SYNTHETIC_SPM: a generated SentencePiece vocabulary of n_vocab pieces
+    n_expert: int = 0  # qwen3moe: routed experts per layer, of which n_expert_used run per token
+    n_expert_used: int = 0
+    n_ff_exp: int = 0  # each expert's feed-forward width
 
     @property
     def head_dim(self) -> int:
         return self.head_size or self.n_embd // self.n_head
 
 
+SYNTHETIC_SPM = "synthetic-spm"
+# Qwen3's attention (128-wide heads with per-head Q/K norms) and its vocabulary, dense or MoE.
+_qwen3 = functools.partial(Shape, rms_eps=1e-6, head_size=128, qk_norm=True, vocab="qwen2")
+
 # The published configurations of these models (config.json on the Hugging Face hub).
 SHAPES: dict[str, Shape] = {
     "smollm2-135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 100000.0, tied=True),
     "qwen2-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6),
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, 500000.0, tied=False),
-    "qwen3-0.6b": Shape(
-        "qwen3", 1024, 28, 16, 8, 3072, 151936, 1000000.0, tied=True, rms_eps=1e-6, head_size=128, qk_norm=True
-    ),
+    "qwen3-0.6b": _qwen3("qwen3", 1024, 28, 16, 8, 3072, 151936, 1000000.0, tied=True),
     "gemma3-270m": Shape(
         "gemma3",
         640,
@@ -71,11 +85,15 @@ SHAPES: dict[str, Shape] = {
         qk_norm=True,
         post_norms=True,
         sliding_window=512,
+        vocab=SYNTHETIC_SPM,
     ),
     "qwen2.5-1.5b": Shape(
         "qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6, vocab="qwen2"
     ),
     "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True, vocab="llama-bpe"),
+    "qwen3-30b-a3b-4l": _qwen3(
+        "qwen3moe", 2048, 4, 32, 4, 6144, 151936, 1000000.0, tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768
+    ),
 }
 
 # llama.cpp file types (enum llama_ftype) that --quantize accepts.
@@ -98,11 +116,25 @@ def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
                 b + "attn_k.weight": (kd, s.n_embd),
                 b + "attn_v.weight": (kd, s.n_embd),
                 b + "attn_output.weight": (s.n_embd, s.n_head * hd),
-                b + "ffn_gate.weight": (s.n_ff, s.n_embd),
-                b + "ffn_up.weight": (s.n_ff, s.n_embd),
-                b + "ffn_down.weight": (s.n_embd, s.n_ff),
             }
         )
+        if s.n_expert:  # one [rows, cols] matrix per expert, stacked
+            out.update(
+                {
+                    b + "ffn_gate_inp.weight": (s.n_expert, s.n_embd),
+                    b + "ffn_gate_exps.weight": (s.n_expert, s.n_ff_exp, s.n_embd),
+                    b + "ffn_up_exps.weight": (s.n_expert, s.n_ff_exp, s.n_embd),
+                    b + "ffn_down_exps.weight": (s.n_expert, s.n_embd, s.n_ff_exp),
+                }
+            )
+        else:
+            out.update(
+                {
+                    b + "ffn_gate.weight": (s.n_ff, s.n_embd),
+                    b + "ffn_up.weight": (s.n_ff, s.n_embd),
+                    b + "ffn_down.weight": (s.n_embd, s.n_ff),
+                }
+            )
         if s.qkv_bias:
             out.update({b + "attn_q.bias": (s.n_head * hd,), b + "attn_k.bias": (kd,), b + "attn_v.bias": (kd,)})
         if s.qk_norm:
@@ -115,8 +147,31 @@ def tensors(s: Shape) -> dict[str, tuple[int, ...]]:
 VOCAB_DIR = Path(__file__).parent / "generated" / "vocab"  # models/fetch_vocab.py fills it
 
 
+def add_synthetic_spm_vocab(writer: gguf.GGUFWriter, n_vocab: int) -> None:
+    """A SentencePiece vocabulary of n_vocab pieces as Gemma's files lay it out: <pad> <eos> <bos> <unk> at ids 0-3,
+    the 256 byte pieces, then distinct "▁"-prefixed filler pieces with falling scores (no text of a model)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581p{i}" for i in range(n_vocab - len(tokens))]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * (n_vocab - 260)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(n_vocab - 260)])
+    writer.add_token_types(types)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
 def add_vocab(writer: gguf.GGUFWriter, s: Shape) -> None:
     """Copies the tokenizer.* keys of llama.cpp's vocabulary file for s.vocab (same token count as s.n_vocab)."""
+    if s.vocab == SYNTHETIC_SPM:
+        add_synthetic_spm_vocab(writer, s.n_vocab)
+        return
     path = VOCAB_DIR / f"ggml-vocab-{s.vocab}.gguf"
     if not path.exists():
         sys.exit(f"{path} is missing: run models/fetch_vocab.py (llama.cpp refuses a file without a vocabulary)")
@@ -154,6 +209,10 @@ def write(name: str, path: Path) -> Path:
     if s.head_size:
         writer.add_key_value(f"{a}.attention.key_length", s.head_dim, gguf.GGUFValueType.UINT32)
         writer.add_key_value(f"{a}.attention.value_length", s.head_dim, gguf.GGUFValueType.UINT32)
+    if s.n_expert:
+        writer.add_key_value(f"{a}.expert_count", s.n_expert, gguf.GGUFValueType.UINT32)
+        writer.add_key_value(f"{a}.expert_used_count", s.n_expert_used, gguf.GGUFValueType.UINT32)
+        writer.add_key_value(f"{a}.expert_feed_forward_length", s.n_ff_exp, gguf.GGUFValueType.UINT32)
     if s.sliding_window:  # llama.cpp's gemma3 files: the window only (every 6th layer global)
         writer.add_key_value(f"{a}.attention.sliding_window", s.sliding_window, gguf.GGUFValueType.UINT32)
     if s.vocab:

@@ -581,3 +581,53 @@ def test_chat_template_kwargs_may_not_replace_what_the_server_sets(family_server
     body = {"messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"messages": []}}
     status, _, out = srv.request("POST", "/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == "chat_template_kwargs", out
+
+
+def test_responses_return_reasoning_items(family_server: tuple[str, ServerProcess]) -> None:
+    """/v1/responses through the openai client: a thinking model's reasoning is a `reasoning` item (one
+    `reasoning_text` part) before the answer, streamed as response.reasoning_text.delta events, equal to the chat
+    path's reasoning_content; sent back as input it is the assistant turn's reasoning_content again."""
+    openai = pytest.importorskip("openai")
+    name, srv = family_server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model_id = client.models.list().data[0].id
+    request: dict[str, Any] = {"model": model_id, "input": ASK[0]["content"], "max_output_tokens": 10, "temperature": 0}
+    chat = _chat(srv, messages=ASK, max_tokens=10)["choices"][0]["message"]
+    out = client.responses.create(**request)
+    reasoning = [item for item in out.output if item.type == "reasoning"]
+    assert bool(chat.get("reasoning_content")) == (name == "deepseek-r1-distill-qwen")  # its prompt opens the block
+    if chat.get("reasoning_content"):
+        (item,) = reasoning
+        assert out.output[0] is item and item.id.startswith("rs_") and item.summary == []
+        assert [(p.type, p.text) for p in item.content or []] == [("reasoning_text", chat["reasoning_content"])]
+        assert 0 < out.usage.output_tokens_details.reasoning_tokens <= out.usage.output_tokens
+    else:
+        assert not reasoning and out.usage.output_tokens_details.reasoning_tokens == 0
+    assert out.output_text == (chat["content"] or "")
+
+    events = list(client.responses.create(**request, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == (chat.get("reasoning_content") or "")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump(exclude={"id"}) for i in done] == [i.model_dump(exclude={"id"}) for i in out.output]
+    if reasoning:
+        kinds = [e.type for e in events if e.type.startswith(("response.reasoning_text", "response.content_part"))]
+        assert kinds[0] == "response.content_part.added" and kinds[-2:] == [
+            "response.reasoning_text.done",
+            "response.content_part.done",
+        ]
+        assert events[-1].response.output[0].content[0].text == chat["reasoning_content"]
+
+    # the round trip: the output items go back as input; the reply equals chat's with reasoning_content
+    follow_up = {"role": "user", "content": "And in Paris?"}
+    turn = [i.model_dump(exclude_none=True) for i in out.output]
+    again = client.responses.create(**{**request, "input": [ASK[0], *turn, follow_up]})
+    assistant = {"role": "assistant", "content": chat["content"] or ""}
+    if chat.get("reasoning_content"):
+        assistant["reasoning_content"] = chat["reasoning_content"]
+    want = _chat(srv, messages=[*ASK, assistant, follow_up], max_tokens=10)["choices"][0]["message"]
+    assert again.output_text == (want["content"] or "")
+    assert [p.text for i in again.output if i.type == "reasoning" for p in i.content or []] == (
+        [want["reasoning_content"]] if want.get("reasoning_content") else []
+    )

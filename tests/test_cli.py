@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -81,6 +82,45 @@ def test_bench_core_json_has_the_measured_fields(default_model_path: str) -> Non
             mix[t.tensor_type.name] = mix.get(t.tensor_type.name, 0) + int(t.n_bytes)
     assert rows[0]["weight_bytes_per_type"] == mix
     assert rows[0]["file_type"] == gguf.LlamaFileType(reader.fields["general.file_type"].contents()).name[7:]
+
+
+def test_bench_core_times_by_cpu_time_on_request() -> None:
+    """--clock cpu: the rates divide by the engine process's CPU time (time a wait does not count), and the table
+    says so."""
+    from kvcmas_cpp.bench.core import CLOCKS, CoreResult, format_table
+
+    out = kvcmas("bench", "core", "--threads", "1", "--prompt", "16", "--gen", "4", "--rounds", "1", "--clock", "cpu",
+                 "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["clock"] == "cpu" and row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    fields = {k: v for k, v in row.items() if k in CoreResult.__dataclass_fields__}
+    assert "tokens per second of CPU time" in format_table([CoreResult(**fields)])
+    assert "CPU time" not in format_table([CoreResult(**{**fields, "clock": "wall"})])
+    t_cpu, t_wall = CLOCKS["cpu"](), CLOCKS["wall"]()
+    time.sleep(0.3)
+    assert CLOCKS["cpu"]() - t_cpu < 0.1 <= 0.3 <= CLOCKS["wall"]() - t_wall
+
+
+def test_bench_core_counts_only_the_chosen_experts_per_decode_token(tmp_path: Path) -> None:
+    """A mixture of experts' decode step reads expert_used_count of expert_count stacked expert matrices; the other
+    matrices whole, the untied embedding one row (not counted)."""
+    from kvcmas_cpp.bench.core import weight_bytes_per_token
+
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_uint32("qwen3moe.expert_count", 8)
+    w.add_uint32("qwen3moe.expert_used_count", 2)
+    shapes = {"token_embd.weight": (50, 16), "output.weight": (50, 16), "blk.0.attn_q.weight": (16, 16),
+              "blk.0.ffn_gate_inp.weight": (8, 16), "blk.0.ffn_up_exps.weight": (8, 32, 16)}  # fmt: skip
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    dense = 4 * (50 * 16 + 16 * 16 + 8 * 16)
+    assert weight_bytes_per_token(str(path)) == dense + 4 * 8 * 32 * 16 * 2 // 8
 
 
 @pytest.fixture(scope="module")

@@ -114,21 +114,30 @@ def _train_corpus() -> list[str]:
     return [s for s in varied_strings(3000, seed=7) if s.strip()] + _CODE + _WORDS
 
 
+def _split_byte_level_bpe(regex: str, ignore_merges: bool) -> tokenizers.Tokenizer:
+    """An untrained byte-level BPE whose pre-tokenizer is a regex split, as Llama 3 / Qwen / Phi-4 files spell it."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 def _build_bpe(kind: str, folder: Path) -> None:
     """Trains a byte-level BPE (vocab 400) and saves it as a PreTrainedTokenizerFast with a chat template."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     specials = SPECIALS[kind]
-    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=kind == "llama3"))
     if kind == "gpt2":
+        tok = tokenizers.Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
     else:
-        regex = LLAMA3_REGEX if kind == "llama3" else QWEN2_REGEX
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
+        tok = _split_byte_level_bpe(LLAMA3_REGEX if kind == "llama3" else QWEN2_REGEX, kind == "llama3")
     trainer = trainers.BpeTrainer(
         vocab_size=400,
         special_tokens=specials,
@@ -397,6 +406,96 @@ def test_bpe_tokenizer_round_trip(checkpoints: dict[str, Path], tmp_path: Path, 
     assert model.apply_chat_template(messages) == hf.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+
+
+# The split of each family's tokenizer.json as Hugging Face spells it, and the name llama.cpp gives the files.
+GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# name -> (regex, ignore_merges, --vocab-pre override): Phi-4-mini ("gpt-4o"), OLMo 2 (the cl100k split under
+# llama.cpp's "dbrx" name, given by fingerprint for the real file), Mistral Small 3.x ("tekken").
+PRE_FAMILIES = {
+    "gpt-4o": (GPT4O_REGEX, False, None),
+    "dbrx": (LLAMA3_REGEX, False, "dbrx"),
+    "tekken": (TEKKEN_REGEX, True, None),
+}
+_MULTILINGUAL = [
+    "HelloWorld iPhone XMLHttpRequest camelCaseName ALLCAPS's DON'T He'S we'VE", "path/to/file\n/usr/bin\r\n",
+    "12345678901 3.14159 1,000,000 ٣٤٥ १२३", "नमस्ते दुनिया हिन्दी", "สวัสดีครับ", "Việt Nam tiếng Việt",
+    "中文字符和标点。你好，世界！", "日本語のテキスト、カタカナ", "한국어 텍스트입니다", "العربية النص", "עברית",
+    "emoji 🙂👨‍👩‍👧🚀🚀 flags 🇫🇷🇯🇵", "tabs\t\tand   spaces    \n\n\n  end  ", "e\u0301 n\u0303 combining",
+    "Ωmega θέμα русский ТЕКСТ Straße ÜBER", "x=1e-5;y=0x1F;z=1_000_000 // comment\n",
+]  # fmt: skip
+
+
+def _build_pre_family(name: str, folder: Path) -> tokenizers.Tokenizer:
+    from tokenizers import pre_tokenizers, trainers
+
+    regex, ignore_merges, _ = PRE_FAMILIES[name]
+    tok = _split_byte_level_bpe(regex, ignore_merges)
+    trainer = trainers.BpeTrainer(
+        vocab_size=900, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(_train_corpus() + _MULTILINGUAL * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+@pytest.mark.parametrize("name", sorted(PRE_FAMILIES))
+def test_pre_tokenizer_families_match_hf_tokenizers(tmp_path: Path, name: str) -> None:
+    """A byte-level BPE on each family's split, exported by the converter: the kvcmas tokenizer built from the
+    exported metadata gives HF tokenizers' ids on multilingual text (digits, contractions, CJK, combining marks,
+    emoji, whitespace runs, slashes before line breaks)."""
+    hf = _build_pre_family(name, tmp_path)
+    override = PRE_FAMILIES[name][2]
+    meta = export_vocab(tmp_path, hf.get_vocab_size(), {}, override).values
+    assert meta[C.KEY_TOKENIZER_PRE] == name
+    ours = Tokenizer.from_gguf_metadata(meta)
+    assert ours.pre == name and ours.add_bos is False
+    strings = _MULTILINGUAL + varied_strings(N_STRINGS, seed=13)
+    mismatches = []
+    for s in strings:
+        expected = hf.encode(s, add_special_tokens=False).ids
+        got = ours.encode(s, add_special=False, parse_special=False)
+        if got != expected:
+            mismatches.append((s, expected, got))
+    assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]!r}"
+    n_ids = sum(len(ours.encode(s, add_special=False)) for s in _MULTILINGUAL)
+    assert n_ids < 0.75 * sum(len(s.encode()) for s in _MULTILINGUAL)  # merges ran
+    for s in _MULTILINGUAL:
+        assert ours.decode(ours.encode(s, add_special=False)) == s
+    # The texts tell the splits apart: the same vocabulary under another family's split gives other ids.
+    other = Tokenizer.from_gguf_metadata({**meta, C.KEY_TOKENIZER_PRE: "qwen2" if name == "dbrx" else "llama-bpe"})
+    assert any(other.encode(s, add_special=False) != ours.encode(s, add_special=False) for s in _MULTILINGUAL)
+
+
+def test_pre_tokenizer_names_the_converter_writes_are_supported() -> None:
+    """Every name the converter can write (by fingerprint or by description) is one the kvcmas tokenizer splits;
+    an unknown name is refused naming itself and the supported list."""
+    from kvcmas_convert.vocab import _FINGERPRINT_NAMES, _REGEX_PRE_NAMES
+    from kvcmas_cpp.tokenizer import SUPPORTED_PRE_TOKENIZERS, TokenizerError
+
+    written = {"gpt-2", "starcoder", *_FINGERPRINT_NAMES.values(), *_REGEX_PRE_NAMES.values()}
+    assert written <= set(SUPPORTED_PRE_TOKENIZERS), written - set(SUPPORTED_PRE_TOKENIZERS)
+    assert {"gpt-4o", "dbrx", "qwen2", "llama-bpe", "smollm", "deepseek-r1-qwen", "tekken"} <= written
+    for regex, name in ((GPT4O_REGEX, "gpt-4o"), (TEKKEN_REGEX, "tekken"), (LLAMA3_REGEX, "llama-bpe")):
+        description = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}  # fmt: skip
+        assert _pre_name(description, Path("tokenizer.json")) == name
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "kimi-k2", "tokenizer.ggml.tokens": ["a", "b"],
+            "tokenizer.ggml.merges": []}  # fmt: skip
+    with pytest.raises(TokenizerError, match=r"'kimi-k2'.*supported: .*gpt-4o"):
+        Tokenizer.from_gguf_metadata(meta)
 
 
 def test_real_vocabulary_matches_llama_cpp_converter(default_model_path: Path, tmp_path: Path) -> None:

@@ -691,10 +691,10 @@ LONG_NAME = "n" * 65
         ),
         (
             "responses",
-            {"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]},
+            {"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]},
             "input",
-            "'input': item 0 (type 'reasoning') is not supported: input takes message, function_call, "
-            "function_call_output items",
+            "'input': item 0 (type 'web_search_call') is not supported: input takes message, function_call, "
+            "function_call_output, reasoning items",
         ),
     ],
 )
@@ -765,21 +765,48 @@ def test_responses_items_come_in_the_order_they_were_generated() -> None:
     """A forced call, then a second block cut off by max_output_tokens: the stream gives the call first and then the
     cut text; the whole response must list them in that order too (it put the text first), the text item marked
     incomplete with the response."""
-    from kvcmas_cpp.server.responses import ResponsesRequest, _Translator
+    from kvcmas_cpp.server.responses import _Translator
+    from kvcmas_cpp.server.responses_request import ResponsesRequest
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     chat = {
         "choices": [{"message": {"content": '<tool_call>\n{"name":', "tool_calls": [call]}, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 9, "completion_tokens": 40, "total_tokens": 49},
     }
-    out = _Translator(ResponsesRequest(input="hi"), "m").from_completion(chat)
+    out = _Translator(ResponsesRequest(input="hi"), "m", len).from_completion(chat)
     assert [(i["type"], i["status"]) for i in out["output"]] == [
         ("function_call", "completed"),
         ("message", "incomplete"),
     ]
     chat["choices"][0]["message"]["content"] = "Let me check."  # text the model wrote before its call
-    out = _Translator(ResponsesRequest(input="hi"), "m").from_completion(chat)
+    out = _Translator(ResponsesRequest(input="hi"), "m", len).from_completion(chat)
     assert [i["type"] for i in out["output"]] == ["message", "function_call"]
+    # a thinking model's reasoning comes first; cut off inside it, the reasoning item is the incomplete one
+    chat["choices"][0]["message"] = {"content": "", "reasoning_content": "The user wants Paris."}
+    out = _Translator(ResponsesRequest(input="hi"), "m", len).from_completion(chat)
+    assert [(i["type"], i["status"]) for i in out["output"]] == [("reasoning", "incomplete")]
+    assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "The user wants Paris."}]
+    assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == len("The user wants Paris.")
+
+
+def test_responses_reasoning_items_sent_back_are_the_turns_reasoning() -> None:
+    """A reasoning item in input is the reasoning_content of the assistant turn after it (a message or calls); one
+    with no assistant turn after it (a user item follows) is dropped; summary text stands in for absent content."""
+    from kvcmas_cpp.server.responses_request import ResponsesRequest
+
+    think = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}
+    body = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "Weather?"}, think, call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Say it."}]},
+        {"role": "assistant", "content": "Sunny."},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "orphan"}]},
+        {"role": "user", "content": "Thanks."},
+    ]}).chat_body()  # fmt: skip
+    assert [(m["role"], m.get("reasoning_content")) for m in body["messages"]] == [
+        ("user", None), ("assistant", "Hm."), ("tool", None), ("assistant", "Say it."), ("user", None),
+    ]  # fmt: skip
 
 
 def test_responses_take_a_cache_salt_as_chat_does(client: Any, model: str) -> None:

@@ -39,7 +39,24 @@ _HF_LLAMA3_REGEX = (
 _HF_QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_REGEX_PRE_NAMES = {_HF_LLAMA3_REGEX: "llama-bpe", _HF_QWEN2_REGEX: "qwen2"}
+_HF_WORD_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_HF_WORD_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_HF_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_HF_GPT4O_REGEX = (  # o200k: Phi-4-mini, Llama 4
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_HF_WORD_UPPER}*{_HF_WORD_LOWER}+{_HF_CONTRACTION}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_HF_WORD_UPPER}+{_HF_WORD_LOWER}*{_HF_CONTRACTION}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_HF_TEKKEN_REGEX = (  # Mistral Nemo / Small 3.x
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_HF_WORD_UPPER}*{_HF_WORD_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_HF_WORD_UPPER}+{_HF_WORD_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_REGEX_PRE_NAMES = {
+    _HF_LLAMA3_REGEX: "llama-bpe",
+    _HF_QWEN2_REGEX: "qwen2",
+    _HF_GPT4O_REGEX: "gpt-4o",
+    _HF_TEKKEN_REGEX: "tekken",
+}
 
 # The reference text llama.cpp's converter tokenizes to fingerprint a BPE tokenizer (whitespace runs, emoji with
 # joiners, digit runs, Khmer, CJK, Cyrillic, punctuation runs, contractions in mixed case). Byte-identical to
@@ -69,6 +86,11 @@ _FINGERPRINT_NAMES = {
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5 / Qwen2
     "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM / SmolLM2
     "b3f499bb4255f8ca19fccd664443283318f2fd2414d5e0b040fbdd0cc195d6c5": "deepseek-r1-qwen",
+    "ccc2ef013c104be7bae2965776d611e1d7a8a2a9c547dd93a682c9a9fc80352e": "gpt-4o",  # o200k (Phi-4-mini)
+    "d353350c764d8c3b39c763113960e4fb4919bea5fbf208a0e3b22e8469dc7406": "llama4",
+    "a8594e3edff7c29c003940395316294b2c623e09894deebbc65f33f1515df79e": "dbrx",  # cl100k (OLMo 2's vocabulary)
+    "c136ed14d01c2745d4f60a9596ae66800e2b61fa45643e72436041855ad4089d": "smaug-bpe",
+    "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",  # Mistral Nemo
 }
 
 
@@ -153,7 +175,7 @@ def _pre_name(pre_tokenizer: Any, path: Path) -> str:
             return _REGEX_PRE_NAMES[regex]
     raise ConvertError(
         f"{path}: pre-tokenizer {json.dumps(pre_tokenizer)[:200]} is not recognised; pass "
-        f"--vocab-pre NAME (a llama.cpp pre-tokenizer name such as gpt-2, llama-bpe, qwen2, starcoder)"
+        f"--vocab-pre NAME (a llama.cpp pre-tokenizer name such as gpt-2, llama-bpe, qwen2, gpt-4o, starcoder)"
     )
 
 

@@ -44,19 +44,42 @@ _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r
 _QWEN35 = (
     _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's o200k split (Phi-4-mini, Llama 4): a word is an optional leading non-letter, a cased run (upper then
+# lower, or lower only) and an optional contraction; digits in threes; "/" joins a punctuation run's line breaks.
+_UPPER_RUN = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER_RUN = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER_RUN}*{_LOWER_RUN}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER_RUN}+{_LOWER_RUN}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's Tekken (Mistral Nemo / Small 3.x): GPT-4o's word classes without contractions, single digits.
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER_RUN}*{_LOWER_RUN}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER_RUN}+{_LOWER_RUN}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _FALCON_PUNCT = r"[\p{P}\$\+<=>\^~\|`]+"
 _DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"]
 
 # Pre-tokenizer name -> regexes applied in sequence. Every split is checked against llama.cpp's test vectors
-# (tests/test_tokenizer.py) or, for "smollm", against transformers on SmolLM2; "llama3", "llama-v3", "falcon3" and
-# "deepseek-r1-qwen" are names llama.cpp treats exactly like "llama-bpe" / "qwen2".
+# (tests/test_tokenizer.py) or, for "smollm", against transformers on SmolLM2, and for "gpt-4o", "tekken" and the
+# cl100k split ("dbrx") against HF tokenizers on the regex the models' tokenizer.json carry; "llama3", "llama-v3",
+# "falcon3" and "deepseek-r1-qwen" are names llama.cpp treats exactly like "llama-bpe" / "qwen2", "llama4" like
+# "gpt-4o", "olmo" (OLMo 1) like "gpt-2". "dbrx" (the cl100k vocabulary OLMo 2 files carry) and "smaug-bpe" split as
+# "llama-bpe" but merge every piece (no whole-piece lookup) and add no BOS by default.
 PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "gpt-2": [_GPT2],
     "mpt": [_GPT2],
+    "olmo": [_GPT2],
     "llama-bpe": [_LLAMA3],
     "llama3": [_LLAMA3],
     "llama-v3": [_LLAMA3],
     "falcon3": [_LLAMA3],
+    "dbrx": [_LLAMA3],
+    "smaug-bpe": [_LLAMA3],
+    "gpt-4o": [_GPT4O],
+    "llama4": [_GPT4O],
+    "tekken": [_TEKKEN],
     "qwen2": [_QWEN2],
     "deepseek-r1-qwen": [_QWEN2],
     "qwen35": [_QWEN35],
@@ -68,9 +91,9 @@ PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
     "deepseek-coder": _DEEPSEEK_CODER,
 }
 # llama.cpp matches whole pre-tokenizer pieces against the vocabulary before merging for these.
-_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "tekken"}
 # llama.cpp's default add_bos for BPE vocabularies without tokenizer.ggml.add_bos_token.
-DEFAULT_ADD_BOS = {"llama-bpe", "llama3", "llama-v3", "falcon3"}
+DEFAULT_ADD_BOS = {"llama-bpe", "llama3", "llama-v3", "falcon3", "tekken"}
 
 SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(PRE_TOKENIZER_REGEXES))
 

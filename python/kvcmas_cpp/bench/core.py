@@ -9,6 +9,10 @@ llama.cpp does.
 Decode is bounded by memory bandwidth: every token reads all weights once. The table gives each decode rate as a
 fraction of this machine's bandwidth (weights read per token × tokens/s ÷ the bandwidth of a large numpy copy,
 measured in the same run), so the remaining headroom is visible.
+
+`--clock cpu` divides by the CPU time of the engine's process (time.process_time: every thread of it) instead of
+the wall-clock time: on a machine other work loads, a run's CPU time is what it would take alone at that thread
+count, while its wall time also counts the moments it waited for a core.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ class CoreResult:
     peak_rss_mb: float
     kv_type: str = "-"  # KV cache storage of the run ("-": the engine's own default, or no KV cache)
     activations: str = "-"  # kvcmas: activations of the decode matmuls ("q8" | "f32")
+    clock: str = "wall"  # what tok/s divides by: "wall" (perf_counter) or "cpu" (the process's CPU time)
+
+
+# The clocks a run can be timed with (--clock).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def prompt_ids(n_vocab: int, n: int) -> list[int]:
@@ -55,7 +64,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
+def _run_kvcmas(
+    model_path: str, threads: int, prompt: int, gen: int, kv_type: str, clock: str = "wall"
+) -> tuple[float, float]:
     from ..model import Model
 
     kv, _, act = kv_type.partition(":")  # "<kv type>:<activations>"
@@ -64,17 +75,19 @@ def _run_kvcmas(model_path: str, threads: int, prompt: int, gen: int, kv_type: s
     with model.new_sequence() as warm:  # first touch of the mapped weights
         warm.append(ids[:32])
     with model.new_sequence() as seq:
-        t0 = time.perf_counter()
+        t0 = CLOCKS[clock]()
         logits = seq.append(ids, logits="last")
-        t1 = time.perf_counter()
+        t1 = CLOCKS[clock]()
         for _ in range(gen):
             assert logits is not None
             logits = seq.append([int(np.argmax(logits))], logits="last")
-        t2 = time.perf_counter()
+        t2 = CLOCKS[clock]()
     return prompt / (t1 - t0), gen / (t2 - t1) if gen else 0.0
 
 
-def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
+def _run_llama_cpp(
+    model_path: str, threads: int, prompt: int, gen: int, kv_type: str, clock: str = "wall"
+) -> tuple[float, float]:
     from llama_cpp import Llama  # optional extra: pip install 'kvcmas_cpp[bench]'
 
     del kv_type  # llama.cpp keeps its default KV type (f16)
@@ -90,19 +103,21 @@ def _run_llama_cpp(model_path: str, threads: int, prompt: int, gen: int, kv_type
     ids = prompt_ids(llm.n_vocab(), prompt)
     llm.eval(ids[:32])
     llm.reset()
-    t0 = time.perf_counter()
+    t0 = CLOCKS[clock]()
     llm.eval(ids)
-    t1 = time.perf_counter()
+    t1 = CLOCKS[clock]()
     n_vocab = llm.n_vocab()
     for _ in range(gen):
         # eval() keeps no logits unless logits_all: read the last row from the context, as a sampler would.
         last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
         llm.eval([int(np.argmax(last))])
-    t2 = time.perf_counter()
+    t2 = CLOCKS[clock]()
     return prompt / (t1 - t0), gen / (t2 - t1) if gen else 0.0
 
 
-def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> tuple[float, float]:
+def _run_torch_bf16(
+    model_path: str, threads: int, prompt: int, gen: int, kv_type: str, clock: str = "wall"
+) -> tuple[float, float]:
     del kv_type  # prefill only: no KV cache is kept
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -115,9 +130,9 @@ def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int, kv_typ
     ids = torch.tensor([prompt_ids(model.config.vocab_size, prompt)])
     with torch.no_grad():
         model(ids[:, :32])
-        t0 = time.perf_counter()
+        t0 = CLOCKS[clock]()
         model(ids)
-        t1 = time.perf_counter()
+        t1 = CLOCKS[clock]()
     return prompt / (t1 - t0), 0.0
 
 
@@ -125,17 +140,21 @@ def _run_torch_bf16(model_path: str, threads: int, prompt: int, gen: int, kv_typ
 _ENGINE_KV = {"llama-cpp": "f16", "torch-bf16": "-"}
 
 
-def _worker(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
+def _worker(
+    engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str, clock: str = "wall"
+) -> CoreResult:
     runner = {"kvcmas": _run_kvcmas, "llama-cpp": _run_llama_cpp, "torch-bf16": _run_torch_bf16}[engine]
-    prefill, decode = runner(model_path, threads, prompt, gen, kv_type)
+    prefill, decode = runner(model_path, threads, prompt, gen, kv_type, clock)
     kv = kv_type.partition(":")[0] if engine == "kvcmas" else _ENGINE_KV[engine]
     act = (kv_type.partition(":")[2] or "q8") if engine == "kvcmas" else "-"
-    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb(), kv, act)
+    return CoreResult(engine, model_path, threads, prompt, gen, prefill, decode, _peak_rss_mb(), kv, act, clock)
 
 
-def _measure(engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str) -> CoreResult:
+def _measure(
+    engine: str, model_path: str, threads: int, prompt: int, gen: int, kv_type: str, clock: str = "wall"
+) -> CoreResult:
     cmd = [sys.executable, "-m", "kvcmas_cpp.bench.core", "--worker", engine, model_path]
-    cmd += [str(threads), str(prompt), str(gen), kv_type]
+    cmd += [str(threads), str(prompt), str(gen), kv_type, clock]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -155,6 +174,7 @@ def bench_core(
     rounds: int,
     kv_type: str = "f16",
     activations: str = "q8",
+    clock: str = "wall",
 ) -> list[CoreResult]:
     """Medians of `rounds` interleaved rounds for kvcmas (KV stored as `kv_type`, decode matmuls with `activations`)
     and each engine in `compare`, per model (peak RSS: the largest)."""
@@ -166,7 +186,7 @@ def bench_core(
     for model_path, engine in tqdm(jobs, desc="bench core", unit="run", file=sys.stderr):
         if engine == "torch-bf16" and (model_path, engine) in runs:
             continue  # slow to load; one round tells the anchor
-        r = _measure(engine, model_path, threads, prompt, gen, f"{kv_type}:{activations}")
+        r = _measure(engine, model_path, threads, prompt, gen, f"{kv_type}:{activations}", clock)
         runs.setdefault((model_path, engine), []).append(r)
     results = []
     for rs in runs.values():
@@ -198,12 +218,22 @@ def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(model_path: str) -> int:
     """Bytes of weights a decode step reads: every matrix once; of the token embedding only one row, unless the
-    output projection is tied to it."""
+    output projection is tied to it; of a mixture of experts' stacked matrices (`*_exps`) the chosen experts' share
+    (expert_used_count of expert_count)."""
     from ..model import Model
 
     tensors = Model.file_tensors(model_path)
+    meta = Model.file_metadata(model_path)
+    arch = meta.get("general.architecture", "")
+    n_expert, n_used = meta.get(f"{arch}.expert_count") or 0, meta.get(f"{arch}.expert_used_count") or 0
     names = {t["name"] for t in tensors}
-    return sum(int(t["n_bytes"]) for t in tensors if t["name"] != "token_embd.weight" or "output.weight" not in names)
+    total = 0
+    for t in tensors:
+        if t["name"] == "token_embd.weight" and "output.weight" in names:
+            continue
+        n_bytes = int(t["n_bytes"])
+        total += n_bytes * n_used // n_expert if n_expert and "_exps." in t["name"] else n_bytes
+    return total
 
 
 def weight_type_mix(model_path: str) -> list[tuple[str, int]]:
@@ -274,6 +304,8 @@ def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None)
         )
     lines.append("")
     lines.append("ratio = kvcmas / that engine (above 1: kvcmas is faster); figures are medians of the rounds")
+    if any(r.clock == "cpu" for r in results):
+        lines.append("tok/s = tokens per second of CPU time of the engine's process (--clock cpu), not of wall time")
     if bandwidth_gb_s:
         lines.append(
             "decode GB/s = weights read per token x decode tok/s; "
@@ -300,6 +332,12 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
         default="f16",
         choices=["f16", "f32"],
         help="kvcmas KV cache storage (default f16, llama.cpp's default, for a like-for-like comparison)",
+    )
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=sorted(CLOCKS),
+        help="time runs by the wall clock (default) or by each engine process's CPU time (a loaded machine)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -329,7 +367,15 @@ def run_core(args: argparse.Namespace) -> int:
     _check_core_arguments(args, models)
     bandwidth = memory_bandwidth_gb_s()
     results = bench_core(
-        models, args.threads, args.prompt, args.gen, args.compare, args.rounds, args.kv_type, args.activations
+        models,
+        args.threads,
+        args.prompt,
+        args.gen,
+        args.compare,
+        args.rounds,
+        args.kv_type,
+        args.activations,
+        args.clock,
     )
     bandwidth = max(bandwidth, memory_bandwidth_gb_s())  # before and after: the better of the two
     if args.json:
@@ -352,9 +398,9 @@ def run_core(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--bandwidth"]:
         print(_copy_bandwidth_gb_s())
-    elif len(sys.argv) == 8 and sys.argv[1] == "--worker":
-        _, _, eng, path, th, pr, ge, kv = sys.argv
-        print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv))))
+    elif len(sys.argv) == 9 and sys.argv[1] == "--worker":
+        _, _, eng, path, th, pr, ge, kv, clk = sys.argv
+        print(json.dumps(asdict(_worker(eng, path, int(th), int(pr), int(ge), kv, clk))))
     else:
         parser = argparse.ArgumentParser(prog="python -m kvcmas_cpp.bench.core")
         add_core_arguments(parser)
