@@ -209,6 +209,41 @@ def test_base_and_two_adapters_at_once_each_get_their_alone_answer(server: Serve
         _assert_same(_chat_answer(out), refs[p])
 
 
+def test_agents_with_different_adapters_share_a_workflows_context(server: ServerProcess, engine: kc.Model) -> None:
+    """Issue 49 item 4 on the server: agents told apart by role and adapter in one kvcmas workflow. The first agent
+    (critic) computes the shared context exactly, so its answer is Model.chat's with its adapter; the coder agent
+    and a base-model agent then read the context's rows by reference (sharing/adapter_views.py keys their edges on
+    both adapters)."""
+    context = " ".join(
+        f"Step {i}: the coder writes function f{i} and the critic checks its loop bounds." for i in range(24)
+    )
+    options = {"kvcmas": {"workflow": "lora-team", "method": "kvcmas"}}
+    replies = {}
+    for role, model in (("critic", "critic"), ("coder", "coder"), ("reviewer", None)):
+        messages = [{"role": "system", "content": f"You are the {role}."}, {"role": "user", "content": context}]
+        status, _, out = server.request(
+            "POST",
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True, **options}
+            | ({} if model is None else {"model": model}),
+            headers=OPS,
+        )
+        assert status == 200, out
+        assert out["kvcmas"]["method"] == "kvcmas" and out["kvcmas"].get("adapter") == model
+        replies[role] = (messages, out)
+    messages, first = replies["critic"]
+    assert first["kvcmas"]["reused_tokens"] == 0
+    ref = engine.chat(messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, adapter="critic")
+    _assert_same(
+        _chat_answer(first),
+        (ref.text, [e["token"] for e in ref.logprobs or []], np.array([e["logprob"] for e in ref.logprobs or []])),
+    )
+    n_context = len(engine.tokenize(context, add_special=False))
+    for role in ("coder", "reviewer"):  # the context's rows, less the method's exact head, by reference
+        reused = replies[role][1]["kvcmas"]["reused_tokens"]
+        assert n_context // 2 < reused <= n_context, (role, reused, n_context)
+
+
 @pytest.mark.slow
 def test_the_prefix_cache_never_serves_one_adapters_rows_to_another(server: ServerProcess, engine: kc.Model) -> None:
     salt = {"cache_salt": "prefix-cache-test"}

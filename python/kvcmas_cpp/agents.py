@@ -43,7 +43,7 @@ from .agent_results import Prefilled, Response, ResponseChunk, ResponseStats, re
 from .idle_reads import IdleReads
 from .kv_budget import KVBudget
 from .model import KVSequence, Model
-from .plan import ChunkExecutor, Plan, run_plan
+from .plan import Plan, run_plan
 from .prefix_cache import PrefixCache
 from .session_messages import SessionMessages
 from .session_reads import TRAINING_READ_POLICIES, SessionTrainingReads, TrainingReadPolicy
@@ -282,33 +282,19 @@ class AgentSession(SessionMessages, SessionTrainingReads):
             return False
 
     # ------------------------------------------------------------------------------------------------ calls
-    def prefill(
+    def prefill_plan(
         self,
         messages: list[dict[str, Any]],
         agent: str | None = None,
         *,
-        chunks: ChunkExecutor | None = None,
-        chunk_tokens: int = 256,
         recompute: float | None = None,
-    ) -> Prefilled:
-        """Puts a chat (OpenAI-style messages) in the engine under the method. A content is a string, or a list of
-        strings and input vectors [n, n_embd] (e.g. an image's embeddings from the session's vision encoder). The
-        agent is `agent` or the system prompt's text; each other message's content is a span keyed by its token ids
-        (vectors by their rows), reused if the session computed it before. chunks: appends of the prompt run in
-        chunks of about chunk_tokens rows (chunk_bounds) through this executor (the same rows and logits as in one
-        piece). recompute: this call's recompute budget instead of the session's. Call finish() after
-        generating, then close(). It runs prefill_plan to its end."""
-        if chunk_tokens < 1:
-            raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
-        return run_plan(self.prefill_plan(messages, agent, recompute=recompute), chunks, chunk_tokens)
-
-    def prefill_plan(
-        self, messages: list[dict[str, Any]], agent: str | None = None, *, recompute: float | None = None
+        adapter: tuple[str, float] | None = None,
     ) -> Plan[Prefilled]:
         """prefill() as a plan (kvcmas_cpp.plan): it yields the appends that compute rows and returns the Prefilled;
         its errors (e.g. ValueError for messages it cannot read) are raised from its steps. It holds the session's
         lock (and, while the method reads its spans, the estimator's) from its first step to its last, so its driver
-        runs it to its end on one thread, or closes it (which frees what it holds)."""
+        runs it to its end on one thread, or closes it (which frees what it holds). adapter: (name, scale) of the
+        LoRA adapter the agent runs with (a loaded one; the same role prompt with another adapter is another agent)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("prefill: messages must be a non-empty list")
         with self._lock, self._recompute_budget(recompute):
@@ -316,7 +302,7 @@ class AgentSession(SessionMessages, SessionTrainingReads):
             runs: list[str] = []  # sub-runs of stored spans this prompt reads: dropped when it is done
             try:
                 read_ms = self._run_pending_reads()  # eager: the last call's, before this prompt reads
-                p = yield from self._prefill_messages(messages, agent, runs)
+                p = yield from self._prefill_messages(messages, agent, runs, adapter)
             except BaseException:
                 self._drop_runs(runs)
                 self._idle.end()

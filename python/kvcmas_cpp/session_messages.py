@@ -19,7 +19,7 @@ import numpy as np
 from .agent import CONTEXT_PLACEHOLDER, Agent
 from .agent_results import Prefilled
 from .model import BidirectionalRows, Model, is_bidirectional, token_ids
-from .plan import Plan
+from .plan import ChunkExecutor, Plan, run_plan
 from .sharing.methods import Method
 from .sharing.runner import WorkflowRunner
 from .sharing.segments import segment
@@ -44,8 +44,48 @@ class SessionMessages:
     _n_runs: int
     vision: Any
 
-    def agent(self, name: str, system: str = "", *, template: str | None = None) -> Agent:
+    def agent(
+        self,
+        name: str,
+        system: str = "",
+        *,
+        template: str | None = None,
+        adapter: str | None = None,
+        adapter_scale: float = 1.0,
+    ) -> Agent:
         raise NotImplementedError
+
+    def prefill_plan(
+        self,
+        messages: list[dict[str, Any]],
+        agent: str | None = None,
+        *,
+        recompute: float | None = None,
+        adapter: tuple[str, float] | None = None,
+    ) -> Plan[Prefilled]:
+        raise NotImplementedError
+
+    def prefill(
+        self,
+        messages: list[dict[str, Any]],
+        agent: str | None = None,
+        *,
+        chunks: ChunkExecutor | None = None,
+        chunk_tokens: int = 256,
+        recompute: float | None = None,
+        adapter: tuple[str, float] | None = None,
+    ) -> Prefilled:
+        """Puts a chat (OpenAI-style messages) in the engine under the method. A content is a string, or a list of
+        strings and input vectors [n, n_embd] (e.g. an image's embeddings from the session's vision encoder). The
+        agent is `agent` or the system prompt's text; each other message's content is a span keyed by its token ids
+        (vectors by their rows), reused if the session computed it before. chunks: appends of the prompt run in
+        chunks of about chunk_tokens rows (chunk_bounds) through this executor (the same rows and logits as in one
+        piece). recompute: this call's recompute budget instead of the session's. adapter: (name, scale) of the
+        LoRA adapter the agent runs with. Call finish() after generating, then close(). It runs prefill_plan to its
+        end."""
+        if chunk_tokens < 1:
+            raise ValueError(f"prefill: chunk_tokens must be >= 1, got {chunk_tokens}")
+        return run_plan(self.prefill_plan(messages, agent, recompute=recompute, adapter=adapter), chunks, chunk_tokens)
 
     def _prefill_template(self, ag: Agent, t: Template) -> Plan[Prefilled]:
         raise NotImplementedError
@@ -93,7 +133,13 @@ class SessionMessages:
                 ids += self._ids(part)
         return ids
 
-    def _prefill_messages(self, messages: list[dict[str, Any]], agent: str | None, runs: list[str]) -> Plan[Prefilled]:
+    def _prefill_messages(
+        self,
+        messages: list[dict[str, Any]],
+        agent: str | None,
+        runs: list[str],
+        adapter: tuple[str, float] | None = None,
+    ) -> Plan[Prefilled]:
         # Spans are marked with a marker no client can write (a fresh nonce per call): the messages' own text,
         # braces and all, is data and never expanded as a placeholder.
         nonce = secrets.token_hex(8)
@@ -138,9 +184,12 @@ class SessionMessages:
             if agent is None:
                 digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
                 key = f"{key} [tools {digest}]"
+        if adapter is not None:  # the same role with another adapter computes other rows: another agent
+            key = f"{key} [adapter {adapter[0]}*{adapter[1]:g}]"
         ag = next((a for a in self.agents if a.name == key), None)
         if ag is None:
-            ag = self.agent(key, system)
+            name, scale = adapter if adapter is not None else (None, 1.0)
+            ag = self.agent(key, system, adapter=name, adapter_scale=scale)
         template = template_from_messages(self.model, rendered, ag.name, marker_re)
         return (yield from self._prefill_template(ag, template))
 

@@ -414,9 +414,7 @@ class Server:
             deadline=self._deadline(),
             messages=messages,
             agent=agent,
-            # with an adapter: no sharing session (nonshared; the prefix cache keys its rows on the adapter)
-            session_key=SessionKey(namespace, workflow, method) if pick.adapter is None else None,
-            namespace=namespace if pick.adapter is not None else None,
+            session_key=SessionKey(namespace, workflow, method),  # an agent with an adapter shares spans too
             adapter=pick.adapter,
             model=pick.name,
             recompute=options.recompute if options and options.recompute is not None else self.cfg.recompute,
@@ -425,7 +423,9 @@ class Server:
             constraint=plan.constraint,
         )
         self._submit(job)
-        extra: dict[str, Any] = {"workflow": workflow, "agent": agent} if pick.name is None else {"adapter": pick.name}
+        extra: dict[str, Any] = {"workflow": workflow, "agent": agent}
+        if pick.name is not None:
+            extra["adapter"] = pick.name
         if segments is not None:
             extra["images"] = sum(isinstance(seg, np.ndarray) for seg in segments)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .. import adapters
 from ..model import KVSequence, Model, image_pos_of
 from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, run_plan
 from ..prefix_cache import PrefixCache
@@ -38,12 +39,19 @@ class MethodBackend(Protocol):
     method: str
 
     def prefill_plan(
-        self, messages: list[dict[str, Any]], segments: list[Segment], agent: str | None, recompute: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        segments: list[Segment],
+        agent: str | None,
+        recompute: float = 0.0,
+        *,
+        lora: tuple[str, float] | None = None,
     ) -> Plan[Prefilled]:
         """The plan (kvcmas_cpp.plan) of the chat's prompt in the engine: messages (contents: strings, or lists of
         strings and input vectors) for sessions, segments (the rendered prompt) for a plain prefill. recompute: a
         session's recompute budget for this prompt (sharing/recompute.py); a plain prefill computes every row
-        anyway. Closing the plan part-way frees what it holds."""
+        anyway. lora: (name, scale) of the LoRA adapter the agent runs with (None: the base model). Closing the
+        plan part-way frees what it holds."""
         ...
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -162,12 +170,14 @@ class PlainBackend:
         segments: list[Segment],
         agent: str | None,
         recompute: float = 0.0,
+        *,
+        lora: tuple[str, float] | None = None,
         namespace: str | None = None,
-        adapter: tuple[int, float] | None = None,
     ) -> Plan[Prefilled]:
-        """namespace: the prefix cache namespace of this prompt instead of the backend's. adapter: (engine id,
-        scale) of the LoRA adapter the prompt and its reply run with (None: the base model)."""
+        """namespace: the prefix cache namespace of this prompt instead of the backend's. lora: (name, scale) of the
+        LoRA adapter the prompt and its reply run with (None: the base model)."""
         ns = namespace if namespace is not None else self.namespace
+        adapter = None if lora is None else (adapters.lookup(self.model, lora[0]).id, lora[1])
         plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns, adapter=adapter)
         return plan
 
@@ -232,9 +242,15 @@ class SessionBackend:
                     estimator.max_pending_bytes = calibration_bytes
 
     def prefill_plan(
-        self, messages: list[dict[str, Any]], segments: list[Segment], agent: str | None, recompute: float = 0.0
+        self,
+        messages: list[dict[str, Any]],
+        segments: list[Segment],
+        agent: str | None,
+        recompute: float = 0.0,
+        *,
+        lora: tuple[str, float] | None = None,
     ) -> Plan[Prefilled]:
-        plan: Plan[Prefilled] = self.session.prefill_plan(messages, agent, recompute=recompute)
+        plan: Plan[Prefilled] = self.session.prefill_plan(messages, agent, recompute=recompute, adapter=lora)
         return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:

@@ -90,11 +90,12 @@ class BatchRunner:
         job.prefilling = True
         job.t_prefill = time.perf_counter()
         segments: list[Segment] = job.segments if job.segments is not None else [job.ids]
+        lora = (job.model, job.adapter[1]) if job.adapter is not None and job.model is not None else None
         if job.session is not None and job.messages is not None:
-            job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute)
+            job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute, lora=lora)
         else:
             ns = job.namespace.cache_namespace() if job.namespace is not None else None
-            job.plan = self.plain.prefill_plan([], segments, None, namespace=ns, adapter=job.adapter)
+            job.plan = self.plain.prefill_plan([], segments, None, lora=lora, namespace=ns)
         return self.advance(job, None, None)
 
     def advance(self, job: Job, sent: np.ndarray | None, error: Exception | None) -> PrefillEnd | None:

@@ -78,7 +78,7 @@ class Job:
     n: int = 1  # choices: n - 1 more continue forks of this job's prompt sequence (computed once)
     logprobs: int | None = None  # None: none; else report each token's logprob and this many alternatives
     constraint: Any = None  # constrained decoding (kvcmas_cpp.constrained.Constraint): the tokens allowed next
-    # (engine id, scale) of the LoRA adapter it runs with (None: the base model); a job with one has no session
+    # (engine id, scale) of the LoRA adapter it runs with (None: the base model); `model` names it
     adapter: tuple[int, float] | None = None
     model: str | None = None  # the model id its reply reports (an adapter's name); None: the server's
     t_arrival: float = field(default_factory=time.perf_counter)
