@@ -351,7 +351,7 @@ def test_the_page_in_a_browser_draws_the_team(ui_server: ServerProcess) -> None:
 def test_the_history_is_bounded_per_tenant() -> None:
     from kvcmas_cpp.server import history as hist
 
-    h = hist.History(row_bytes=100)
+    h = hist.History(rows_bytes=lambda rows: 100 * rows)
     kvcmas = {
         "method": "kvcmas",
         "reused_tokens": 3,

@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..kv_budget import KVBudget
 from ..model import Model
 from ..model.chat import chat_prompt_ids
 from ..sharing import persist
@@ -67,7 +68,7 @@ class Server:
         with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
         self.metrics = Metrics()
-        self.history = History(model.kv_row_bytes)  # what the responses reported, per tenant (dashboard.py)
+        self.history = History(KVBudget(model).rows_bytes)  # what the responses reported, per tenant (dashboard.py)
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
         self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,8 @@ class _Tenant:
 class History:
     """The per-tenant records behind the UI's endpoints. Thread-safe."""
 
-    def __init__(self, row_bytes: int) -> None:
-        self.row_bytes = row_bytes  # KV bytes of one row: what a nonshared hop would hold per prompt/generated token
+    def __init__(self, rows_bytes: Callable[[int], int]) -> None:
+        self.rows_bytes = rows_bytes  # KV bytes of n rows (KVBudget.rows_bytes): what a nonshared hop would hold
         self._lock = threading.Lock()
         self._tenants: dict[str, _Tenant] = {}
         self._rates: deque[float] = deque(maxlen=RATE_SAMPLES)  # prompt rows/s of hops that computed their prompt
@@ -210,7 +211,7 @@ class History:
         estimate: dict[str, Any] = {
             "estimate": True,
             "computed_tokens": prompt,
-            "kv_bytes": (prompt + completion) * self.row_bytes,
+            "kv_bytes": self.rows_bytes(prompt + completion),
             "prefill_rate_tokens_per_s": None if rate is None else round(rate, 2),
             "rate_from": None if rate is None else basis,
             "prompt_ms": None,
