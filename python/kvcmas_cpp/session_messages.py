@@ -11,7 +11,7 @@ import json
 import re
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,27 +43,8 @@ class SessionMessages:
     _vector_ids: dict[tuple[str, str], list[int]]
     _n_runs: int
     vision: Any
-
-    def agent(
-        self,
-        name: str,
-        system: str = "",
-        *,
-        template: str | None = None,
-        adapter: str | None = None,
-        adapter_scale: float = 1.0,
-    ) -> Agent:
-        raise NotImplementedError
-
-    def prefill_plan(
-        self,
-        messages: list[dict[str, Any]],
-        agent: str | None = None,
-        *,
-        recompute: float | None = None,
-        adapter: tuple[str, float] | None = None,
-    ) -> Plan[Prefilled]:
-        raise NotImplementedError
+    agent: Callable[..., Agent]  # AgentSession.agent
+    prefill_plan: Callable[..., Plan[Prefilled]]  # AgentSession.prefill_plan
 
     def prefill(
         self,
