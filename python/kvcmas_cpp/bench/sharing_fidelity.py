@@ -15,7 +15,7 @@ import numpy as np
 from ..model import Model
 from ..sharing import estimators as est
 from ..sharing.evaluate import build_runners, evaluate
-from ..sharing.methods import MethodConfig, labelled_config, parse_label
+from ..sharing.methods import LEARNING_METHODS, MethodConfig, labelled_config, parse_label
 from ..sharing.runner import WorkflowRunner
 from ..sharing.workflow import gsm8k_workflow, load_gsm8k
 from .progress import progress_bar
@@ -98,7 +98,7 @@ def fit_runners(
         fit.append("kvcmas")
     configs.update({m: labelled_config(m) for m in fit if "@" in m})
     train = load_gsm8k(40, n_train)
-    learned = [m for m in fit if parse_label(m)[0] in ("kvcmas", "kvcmas-ref", "kvcomm")]
+    learned = [m for m in fit if parse_label(m)[0] in LEARNING_METHODS]
     bar = progress_bar(n_train * len(learned), "fit")
     built = build_runners(
         model, wf, fit, train, gen_tokens=gen_tokens, progress=lambda _n: bar.update(), configs=configs
