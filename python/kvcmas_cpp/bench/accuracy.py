@@ -27,6 +27,7 @@ import numpy as np
 from ..agents import CALIBRATION_READS, AgentSession, Response
 from ..model import Model
 from ..sharing import methods as registry
+from ..sharing.fidelity import kl_divergence
 from ..sharing.methods import LEARNING_METHODS, SESSION_METHODS, MethodConfig, parse_label
 from .progress import progress_bar
 from .tasks import Example, Task, get_task
@@ -147,12 +148,6 @@ def calibration_examples(task: Task, n: int, limit: int) -> list[Example]:
     return task.load(offset, n)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())
-
-
 def compare(exact: Sequence[Response], other: Sequence[Response]) -> list[dict[str, Any]]:
     """Per hop: identical reply, and while every upstream reply is identical (same prompt), first-token top-1
     agreement and KL(exact || other)."""
@@ -161,8 +156,7 @@ def compare(exact: Sequence[Response], other: Sequence[Response]) -> list[dict[s
     for e, o in zip(exact, other, strict=True):
         row: dict[str, Any] = {"agent": o.agent, "identical": e.ids == o.ids, "aligned": aligned}
         if aligned and e.first_logits is not None and o.first_logits is not None:
-            p, q = _log_softmax(e.first_logits), _log_softmax(o.first_logits)
-            row["kl"] = float(np.sum(np.exp(p) * (p - q)))
+            row["kl"] = kl_divergence(e.first_logits, o.first_logits)
             row["top1"] = bool(np.argmax(e.first_logits) == np.argmax(o.first_logits))
         aligned = aligned and e.ids == o.ids
         rows.append(row)

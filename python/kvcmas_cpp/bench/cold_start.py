@@ -14,6 +14,7 @@ import numpy as np
 from ..agents import AgentSession
 from ..model import Model
 from ..sharing import methods as registry
+from ..sharing.fidelity import kl_divergence
 from ..sharing.ridge import RowMoments
 from ..sharing.training_read import canonical
 from .progress import progress_bar
@@ -211,10 +212,8 @@ def cold_start(
                     forced[w].append(ids)
                     reference[w].append(p.logits.astype(np.float64))
                 else:
-                    ref = reference[w][i] - np.logaddexp.reduce(reference[w][i])
-                    q = p.logits.astype(np.float64)
-                    kl.append(float(np.sum(np.exp(ref) * (ref - (q - np.logaddexp.reduce(q))))))
-                    top1.append(bool(np.argmax(q) == np.argmax(ref)))
+                    kl.append(kl_divergence(reference[w][i], p.logits))
+                    top1.append(bool(np.argmax(p.logits) == np.argmax(reference[w][i])))
                 t1 = time.perf_counter()
                 team.finish(p, forced[w][i])
                 p.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from ..arguments import positive_int
 from .lora import bench_lora
@@ -51,7 +52,7 @@ def run_lora(args: argparse.Namespace) -> int:
             )
             print(json.dumps(result)) if args.json else print_team(result)
         return 0
-    results = []
+    results: list[dict[str, Any]] = []
     for path in paths:
         rows = bench_lora(path, args.rank, args.threads, args.prompt, args.gen, args.batch)
         results.append({"model": path, "rows": rows, "load_average": os.getloadavg()})

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..sharing.fidelity import kl_divergence
 from .lora import write_random_adapter
 
 ROLES = (
@@ -45,12 +46,6 @@ def _contexts(model: Any, n_tokens: int, count: int, start: int) -> list[list[in
             line += 1
         out.append(ids[:n_tokens])
     return out
-
-
-def _kl(ref: np.ndarray, got: np.ndarray) -> float:
-    p = ref.astype(np.float64) - np.logaddexp.reduce(ref.astype(np.float64))
-    q = got.astype(np.float64) - np.logaddexp.reduce(got.astype(np.float64))
-    return float(np.sum(np.exp(p) * (p - q)))
 
 
 def team_calls(
@@ -126,7 +121,7 @@ def _bench(
                 reused[method].append(stats.span_tokens)
                 gates[method].add(stats.gate)
                 if method in kl:
-                    kl[method].append(_kl(ref, logits))
+                    kl[method].append(kl_divergence(ref, logits))
     base = float(np.median(ttft["nonshared"]))
     rows = []
     for method in METHODS:

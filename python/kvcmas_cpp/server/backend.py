@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import adapters
 from ..model import KVSequence, Model, image_pos_of
 from ..plan import MIN_CHUNK_ROWS, Append, ChunkExecutor, Plan, run_plan
 from ..prefix_cache import PrefixCache
 from ..sharing.runner import TrainingRead
+from .lora import BASE, Pick
 
 Segment = list[int] | np.ndarray  # text token ids, or input vectors [n, n_embd] (an image's embeddings)
 
@@ -45,13 +45,13 @@ class MethodBackend(Protocol):
         agent: str | None,
         recompute: float = 0.0,
         *,
-        lora: tuple[str, float] | None = None,
+        lora: Pick = BASE,
     ) -> Plan[Prefilled]:
         """The plan (kvcmas_cpp.plan) of the chat's prompt in the engine: messages (contents: strings, or lists of
         strings and input vectors) for sessions, segments (the rendered prompt) for a plain prefill. recompute: a
         session's recompute budget for this prompt (sharing/recompute.py); a plain prefill computes every row
-        anyway. lora: (name, scale) of the LoRA adapter the agent runs with (None: the base model). Closing the
-        plan part-way frees what it holds."""
+        anyway. lora: the LoRA adapter the prompt runs with (server/lora.py; BASE: none). Closing the plan
+        part-way frees what it holds."""
         ...
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -171,14 +171,13 @@ class PlainBackend:
         agent: str | None,
         recompute: float = 0.0,
         *,
-        lora: tuple[str, float] | None = None,
+        lora: Pick = BASE,
         namespace: str | None = None,
     ) -> Plan[Prefilled]:
-        """namespace: the prefix cache namespace of this prompt instead of the backend's. lora: (name, scale) of the
-        LoRA adapter the prompt and its reply run with (None: the base model)."""
+        """namespace: the prefix cache namespace of this prompt instead of the backend's. lora: the LoRA adapter the
+        prompt and its reply run with (BASE: none)."""
         ns = namespace if namespace is not None else self.namespace
-        adapter = None if lora is None else (adapters.lookup(self.model, lora[0]).id, lora[1])
-        plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns, adapter=adapter)
+        plan: Plan[Prefilled] = plan_segments(self.model, segments, namespace=ns, adapter=lora.adapter)
         return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:
@@ -248,9 +247,9 @@ class SessionBackend:
         agent: str | None,
         recompute: float = 0.0,
         *,
-        lora: tuple[str, float] | None = None,
+        lora: Pick = BASE,
     ) -> Plan[Prefilled]:
-        plan: Plan[Prefilled] = self.session.prefill_plan(messages, agent, recompute=recompute, adapter=lora)
+        plan: Plan[Prefilled] = self.session.prefill_plan(messages, agent, recompute=recompute, adapter=lora.named)
         return plan
 
     def reusable_tokens(self, messages: list[dict[str, Any]]) -> int:

@@ -29,6 +29,7 @@ from ..model import PROMPT_CHUNK, Model
 from ..plan import MIN_CHUNK_ROWS, ChunkExecutor, append_chunk, chunk_bounds
 from .backend import PlainBackend, Prefilled, Segment
 from .jobs import Job
+from .lora import Pick
 from .metrics import Metrics
 
 log = logging.getLogger("kvcmas.server")
@@ -90,7 +91,7 @@ class BatchRunner:
         job.prefilling = True
         job.t_prefill = time.perf_counter()
         segments: list[Segment] = job.segments if job.segments is not None else [job.ids]
-        lora = (job.model, job.adapter[1]) if job.adapter is not None and job.model is not None else None
+        lora = Pick(job.model, job.adapter)
         if job.session is not None and job.messages is not None:
             job.plan = job.backend.prefill_plan(job.messages, segments, job.agent, job.recompute, lora=lora)
         else:

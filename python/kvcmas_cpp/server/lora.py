@@ -4,9 +4,9 @@ A request picks an adapter as vLLM does, by naming it in `"model"`, or as llama.
 `"lora": [{"id": 0, "scale": 0.5}]` (ids: the adapters' places in load order, as GET /lora-adapters lists them).
 Unlike llama.cpp, no adapter applies to a request that asks for none, and a request runs with one adapter at most
 (the engine gives each sequence one). A tenant limited to some adapters (`adapters=` in --api-key-file) is refused the
-others (403). Jobs with an adapter run nonshared: their prompts are computed in their own sequence, the prefix cache
-serving only rows computed with the same adapter and scale (kvcmas_cpp.prefix_cache); spans are never shared across
-adapters on the server.
+others (403). A chat request with an adapter joins its workflow's sharing session as an agent of its role and adapter
+(spans other agents computed with other adapters are read through the method: sharing/adapter_views.py); the prefix
+cache serves only rows computed with the same adapter and scale (kvcmas_cpp.prefix_cache).
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ class Pick:
 
     name: str | None = None
     adapter: tuple[int, float] | None = None
+
+    @property
+    def named(self) -> tuple[str, float] | None:
+        """(name, scale), as a session's agent takes it (AgentSession.prefill_plan); None for the base model."""
+        return None if self.name is None or self.adapter is None else (self.name, self.adapter[1])
+
+
+BASE = Pick()  # the base model, no adapter
 
 
 class ServedAdapters:
@@ -137,7 +145,7 @@ class ServedAdapters:
                     )
                 name = named
         if name is None:
-            return Pick()
+            return BASE
         only = limits.get(tenant) if tenant is not None else None
         if only is not None and name not in only:
             allowed = ", ".join(repr(a) for a in sorted(only)) or "none"

@@ -16,9 +16,7 @@ def evaluate_hops(
     """Sets the fidelity fields of res's hop reports against exact's (the same prompts, agent by agent)."""
     for a, (hop, ehop) in enumerate(zip(res.hops, exact.hops, strict=True)):
         assert hop.first_logits is not None and ehop.first_logits is not None
-        p = log_softmax(ehop.first_logits)
-        q = log_softmax(hop.first_logits)
-        hop.kl = float(np.sum(np.exp(p) * (p - q)))
+        hop.kl = kl_divergence(ehop.first_logits, hop.first_logits)
         hop.top1 = bool(np.argmax(hop.first_logits) == np.argmax(ehop.first_logits))
         preds = [int(np.argmax(hop.first_logits))]
         if hop.tf_logits is not None:
@@ -46,3 +44,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max()
     return x - np.log(np.exp(x).sum())
+
+
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> float:
+    """KL(ref || got) of the next-token distributions two logit vectors give (float64): how far a shared method's
+    first token is from the exact one's."""
+    p, q = log_softmax(ref_logits), log_softmax(logits)
+    return float(np.sum(np.exp(p) * (p - q)))
