@@ -3,7 +3,8 @@ machine: the files are too large to travel). The weights are N(0, 0.02) F16 valu
 tensors are views of (distinct tensors may repeat values; speed does not depend on them); norms are 1.
 
     python3 models/make_bench_models.py OUT_DIR [--quantize Q4_K_M,Q6_K] [--keep-f16] [SHAPE ...]
-    (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b qwen3-30b-a3b-4l)
+    (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b llama3.2-3b qwen3-4b
+    qwen3-30b-a3b-4l)
 
 A shape with a vocabulary carries one of the real size, so llama.cpp loads the file (`kvcmas bench core --compare
 llama-cpp`): llama.cpp's own vocabulary file of the family (ggml-vocab-qwen2 for Qwen2.5 and Qwen3, llama-bpe for
@@ -14,9 +15,9 @@ experts of 768 rows, 8 routed) so that it fits in memory; its speed per layer is
 
 --quantize also writes each file in the named llama.cpp file types, made by llama.cpp's own quantizer
 (llama_model_quantize through llama-cpp-python, the `bench` extra), so the type mix of a "Q4_K_M" file is the one
-people download: its widths are multiples of 256 for the K-quant shapes here (Qwen2.5-1.5B, Llama-3.2-1B); rows that
-are not (Qwen2-0.5B's 896) make llama.cpp fall back to other types. The F16 source is deleted afterwards unless
---keep-f16 (it is 2-3 GB at these sizes).
+people download: its widths are multiples of 256 for the K-quant shapes here (Qwen2.5-1.5B, Llama-3.2-1B/3B,
+Qwen3-4B); rows that are not (Qwen2-0.5B's 896) make llama.cpp fall back to other types. The F16 source is deleted
+afterwards unless --keep-f16 (it is 2-8 GB at these sizes).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ SHAPES: dict[str, Shape] = {
         "qwen2", 1536, 28, 12, 2, 8960, 151936, 1000000.0, tied=True, qkv_bias=True, rms_eps=1e-6, vocab="qwen2"
     ),
     "llama3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, 500000.0, tied=True, vocab="llama-bpe"),
+    "llama3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 128256, 500000.0, tied=True, vocab="llama-bpe"),
+    "qwen3-4b": _qwen3("qwen3", 2560, 36, 32, 8, 9728, 151936, 1000000.0, tied=True),
     "qwen3-30b-a3b-4l": _qwen3(
         "qwen3moe", 2048, 4, 32, 4, 6144, 151936, 1000000.0, tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768
     ),
