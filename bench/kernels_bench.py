@@ -8,6 +8,10 @@ With --threads 1 the figures use the thread's CPU time, so they hold on a busy m
 wall-clock and need a quiet one.
 
 Run: PYTHONPATH=python [KVCMAS_CORE_PATH=...] python bench/kernels_bench.py [--threads 2] [--types f16,q8_0,q4_1]
+
+--qwen-1.5b instead times the matrices of a Qwen2.5-1.5B Q4_K_M file one by one with 8-bit activations (the engine's
+default): decode GB/s per matrix over enough distinct copies to stream ~160 MB (the output matrix alone is 191 MB),
+and prefill GMAC/s of 128 tokens through the integer GEMM.
 """
 
 from __future__ import annotations
@@ -79,15 +83,47 @@ def bench_decode(
     return len(weights[0]) * copies / sec / 1e9
 
 
+# (name, type, n_in, n_out) of one layer of a Qwen2.5-1.5B Q4_K_M file, and its tied output matrix.
+QWEN_1_5B_MATRICES = [
+    ("attn_q / attn_output", "q4_k", 1536, 1536),
+    ("attn_k", "q4_k", 1536, 256),
+    ("attn_v", "q6_k", 1536, 256),
+    ("ffn_gate / ffn_up", "q4_k", 1536, 8960),
+    ("ffn_down", "q6_k", 8960, 1536),
+    ("output (tied token_embd)", "q6_k", 1536, 151936),
+]
+
+
+def bench_qwen_matrices(threads: int, rng: np.random.Generator) -> None:
+    """Per-matrix decode GB/s and 128-token prefill GMAC/s, 8-bit activations."""
+    print("| matrix | type | n_in x n_out | decode GB/s | prefill GMAC/s (128 tokens) |")
+    print("|---|---|---|---|---|")
+    for what, name, n_in, n_out in QWEN_1_5B_MATRICES:
+        qtype = TYPES[name]
+        w = make_weight(qtype, n_out, n_in, rng)
+        copies = max(1, int(160e6 // len(w)))
+        weights = [w] + [make_weight(qtype, n_out, n_in, rng) for _ in range(copies - 1)]
+        x1 = rng.standard_normal((1, n_in)).astype(np.float32)
+        sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x1, threads, 6, "q8"), threads)
+        dec = len(w) * copies / sec / 1e9
+        x = rng.standard_normal((128, n_in)).astype(np.float32)
+        sec = pick(testing.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, 2, "q8"), threads)
+        print(f"| {what} | {name.upper()} | {n_in} x {n_out} | {dec:.1f} | {128 * n_in * n_out / sec / 1e9:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--types", default="f16,q8_0,q4_1,q4_k,q6_k")
     parser.add_argument("--n-tok", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=1, help="rows per decode-shaped product")
+    parser.add_argument("--qwen-1.5b", dest="qwen", action="store_true", help="per-matrix figures of Qwen2.5-1.5B")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"cpu features: {core.cpu_features()}, threads: {args.threads}")
+    if args.qwen:
+        bench_qwen_matrices(args.threads, rng)
+        return
     for name in args.types.split(","):
         qtype = TYPES[name]
         # K-quant rows must be whole 256-blocks (SmolLM2's 576 is not; its K-quant files fall back to other types)
