@@ -63,6 +63,8 @@ def test_twin_ratio_is_bytes_times_rate_over_the_twins() -> None:
     table = format_twin_table(rows, {"a.gguf": "t.gguf"}, per_token)
     assert "| a.gguf | t.gguf | kvcmas | 0.1 | 0.1 | 1.00x | 1.12x |" in table
     assert format_twin_table(rows, {}, per_token) == ""
+    prefill_only = [row("kvcmas", "a.gguf", 300.0, 0.0), row("kvcmas", "t.gguf", 400.0, 0.0)]  # --gen 0
+    assert "| kvcmas | - | - | - | 1.12x |" in format_twin_table(prefill_only, {"a.gguf": "t.gguf"}, per_token)
 
 
 def test_bench_core_twin_column_from_a_real_run() -> None:

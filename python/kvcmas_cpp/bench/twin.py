@@ -60,10 +60,10 @@ def format_twin_table(results: list[_Rates], twins: dict[str, str], per_token: d
         "|---|---|---|---|---|---|---|",
     ]
     for r, t, pre, dec in rows:
-        gb, tgb = r.decode_tok_s * per_token[r.model] / 1e9, t.decode_tok_s * per_token[t.model] / 1e9
+        gb, tgb = (f"{x.decode_tok_s * per_token[x.model] / 1e9:.1f}" if x.decode_tok_s else "-" for x in (r, t))
         lines.append(
-            f"| {Path(r.model).name} | {Path(t.model).name} | {r.engine} | {gb:.1f} | {tgb:.1f} "
-            f"| {dec:.2f}x | {pre:.2f}x |"
+            f"| {Path(r.model).name} | {Path(t.model).name} | {r.engine} | {gb} | {tgb} "
+            f"| {f'{dec:.2f}x' if dec else '-'} | {f'{pre:.2f}x' if pre else '-'} |"
         )
     lines += [
         "",
