@@ -4,7 +4,7 @@ tensors are views of (distinct tensors may repeat values; speed does not depend 
 
     python3 models/make_bench_models.py OUT_DIR [--quantize Q4_K_M,Q6_K] [--keep-f16] [SHAPE ...]
     (shapes: smollm2-135m qwen2-0.5b llama3-8b qwen3-0.6b gemma3-270m qwen2.5-1.5b llama3.2-1b llama3.2-3b qwen3-4b
-    qwen3-30b-a3b-4l)
+    qwen3-30b-a3b-4l, and llama-twin-qwen3-0.6b llama-twin-gemma3-270m llama-twin-qwen3-30b-a3b-4l: see llama_twin)
 
 A shape with a vocabulary carries one of the real size, so llama.cpp loads the file (`kvcmas bench core --compare
 llama-cpp`): llama.cpp's own vocabulary file of the family (ggml-vocab-qwen2 for Qwen2.5 and Qwen3, llama-bpe for
@@ -98,6 +98,21 @@ SHAPES: dict[str, Shape] = {
         "qwen3moe", 2048, 4, 32, 4, 6144, 151936, 1000000.0, tied=False, n_expert=128, n_expert_used=8, n_ff_exp=768
     ),
 }
+
+
+def llama_twin(s: Shape) -> Shape:
+    """A plain llama of s's size: the same widths, layers, heads, head size, vocabulary and tying, none of the
+    architecture's extras (Q/K norms, post-norms, window, experts), so each extra's cost per weight byte shows against
+    it. A mixture of experts' twin is the dense llama that reads what one of its tokens reads: its feed-forward is
+    n_expert_used x n_ff_exp wide (the chosen experts side by side; only the router's small matrix is left out)."""
+    n_ff = s.n_expert_used * s.n_ff_exp if s.n_expert else s.n_ff
+    return Shape("llama", s.n_embd, s.n_layer, s.n_head, s.n_head_kv, n_ff, s.n_vocab, s.rope_theta, s.tied,
+                 rms_eps=s.rms_eps, head_size=s.head_size, vocab=s.vocab)  # fmt: skip
+
+
+# "llama-twin-<shape>": the llama twin of each new-architecture shape (`kvcmas bench core --twin`).
+TWIN_PREFIX = "llama-twin-"
+SHAPES.update({TWIN_PREFIX + n: llama_twin(SHAPES[n]) for n in ("qwen3-0.6b", "gemma3-270m", "qwen3-30b-a3b-4l")})
 
 # llama.cpp file types (enum llama_ftype) that --quantize accepts.
 FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q4_K_S": 14, "Q8_0": 7, "IQ4_XS": 30}

@@ -42,6 +42,7 @@ float dot_f32(const float * a, const float * b, int64_t n) {
 
 #ifdef KC_X86
 void silu_mul_avx2(const float * gate, const float * up, float * y, int64_t n);
+void gelu_tanh_mul_avx2(const float * gate, const float * up, float * y, int64_t n);
 #endif
 
 void silu_mul(const float * gate, const float * up, float * y, int64_t n) {
@@ -58,6 +59,12 @@ void silu_mul(const float * gate, const float * up, float * y, int64_t n) {
 }
 
 void gelu_tanh_mul(const float * gate, const float * up, float * y, int64_t n) {
+#ifdef KC_X86
+    if (cpu_features().avx2_fma_f16c) {
+        gelu_tanh_mul_avx2(gate, up, y, n);
+        return;
+    }
+#endif
     const float k = 0.7978845608028654f;  // sqrt(2 / pi)
     for (int64_t i = 0; i < n; ++i) {
         const float g = gate[i];

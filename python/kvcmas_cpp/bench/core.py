@@ -31,6 +31,7 @@ import numpy as np
 
 from ..arguments import non_negative_int, positive_int
 from ..errors import CommandError
+from .twin import format_twin_table, parse_twin
 
 ENGINES = ("kvcmas", "llama-cpp", "torch-bf16")
 
@@ -339,6 +340,14 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(CLOCKS),
         help="time runs by the wall clock (default) or by each engine process's CPU time (a loaded machine)",
     )
+    p.add_argument(
+        "--twin",
+        action="append",
+        default=[],
+        type=parse_twin,
+        metavar="FILE=TWIN",
+        help="also run TWIN (FILE's llama twin) and compare their speed per weight byte (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -363,7 +372,10 @@ def _check_core_arguments(args: argparse.Namespace, models: list[str]) -> None:
 def run_core(args: argparse.Namespace) -> int:
     from ..model import resolve_model_path
 
-    models = [resolve_model_path(m) for m in args.model] if args.model else [resolve_model_path(None)]
+    models = [resolve_model_path(m) for m in args.model or []]
+    twins = {resolve_model_path(f): resolve_model_path(t) for f, t in args.twin}
+    models += [m for m in dict.fromkeys(m for pair in twins.items() for m in pair) if m not in models]
+    models = models or [resolve_model_path(None)]
     _check_core_arguments(args, models)
     bandwidth = memory_bandwidth_gb_s()
     results = bench_core(
@@ -386,12 +398,16 @@ def run_core(args: argparse.Namespace) -> int:
                 "weight_bytes_per_token": weight_bytes_per_token(r.model),
                 "file_type": file_type_label(r.model),
                 "weight_bytes_per_type": dict(weight_type_mix(r.model)),
+                "llama_twin": twins.get(r.model),
             }
             for r in results
         ]
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(results, bandwidth))
+        if twins:
+            per_token = {r.model: weight_bytes_per_token(r.model) for r in results}
+            print("\n" + format_twin_table(results, twins, per_token))
     return 0
 
 

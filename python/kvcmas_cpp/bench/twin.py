@@ -1,0 +1,73 @@
+"""`kvcmas bench core --twin FILE=TWIN`: a file's speed per weight byte against its llama twin, measured in the same
+run.
+
+A twin is a plain llama file of the same size and type mix (models/make_bench_models.py `llama-twin-<shape>`): the
+same widths, layers, heads and vocabulary without the architecture's extras. Decode reads every weight once per
+token, so decode GB/s (weights read per token x tokens/s) divided by the twin's says what the extras cost per byte
+read; prefill tokens/s x weight bytes per token divided by the twin's is the same measure for the compute-bound phase
+(equal to the ratio of tokens/s when the two read equal bytes). 1.00x: the architecture costs nothing beyond its
+weights; below 0.90x it is more than 10 % behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Protocol
+
+
+class _Rates(Protocol):
+    engine: str
+    model: str
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def parse_twin(text: str) -> tuple[str, str]:
+    """'FILE=TWIN' -> (FILE, TWIN) (argparse type)."""
+    file, sep, twin = text.partition("=")
+    if not sep or not file or not twin:
+        raise argparse.ArgumentTypeError(f"--twin takes FILE=TWIN (a GGUF file and its llama twin), not {text!r}")
+    return file, twin
+
+
+def twin_ratios(
+    results: list[_Rates], twins: dict[str, str], per_token: dict[str, int]
+) -> list[tuple[_Rates, _Rates, float, float]]:
+    """(row, its twin's row of the same engine, prefill ratio, decode ratio) per row whose model has a twin; ratios are
+    bytes x tokens/s of the row over the twin's (0 where either rate is missing)."""
+    by_key = {(r.model, r.engine): r for r in results}
+    out = []
+    for r in results:
+        t = by_key.get((twins.get(r.model, ""), r.engine))
+        if t is None:
+            continue
+        w, tw = per_token[r.model], per_token[t.model]
+        pre = r.prefill_tok_s * w / (t.prefill_tok_s * tw) if t.prefill_tok_s else 0.0
+        dec = r.decode_tok_s * w / (t.decode_tok_s * tw) if t.decode_tok_s and r.decode_tok_s else 0.0
+        out.append((r, t, pre, dec))
+    return out
+
+
+def format_twin_table(results: list[_Rates], twins: dict[str, str], per_token: dict[str, int]) -> str:
+    """A markdown table of each file against its llama twin, per engine ('' when no file has a twin)."""
+    rows = twin_ratios(results, twins, per_token)
+    if not rows:
+        return ""
+    lines = [
+        "| file | llama twin | engine | decode GB/s | twin decode GB/s | decode per weight byte vs twin "
+        "| prefill per weight byte vs twin |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, t, pre, dec in rows:
+        gb, tgb = (f"{x.decode_tok_s * per_token[x.model] / 1e9:.1f}" if x.decode_tok_s else "-" for x in (r, t))
+        lines.append(
+            f"| {Path(r.model).name} | {Path(t.model).name} | {r.engine} | {gb} | {tgb} "
+            f"| {f'{dec:.2f}x' if dec else '-'} | {f'{pre:.2f}x' if pre else '-'} |"
+        )
+    lines += [
+        "",
+        "vs twin = (weights read per token x tok/s) / the same of the llama twin, same engine, same run "
+        "(1.00x: the architecture's extras cost nothing beyond their weights)",
+    ]
+    return "\n".join(lines)
