@@ -46,7 +46,7 @@ def tensor_type(plan: TensorPlan, outtype: str) -> GGMLQuantizationType:
     the embedding and output matrices are kept at Q8_0 (they are the most sensitive to quantisation).
     """
     target = OUTTYPES[outtype][0]
-    if len(plan.shape) not in (2, 3):
+    if len(plan.shape) not in (2, 3) or plan.name.endswith(".bias"):  # experts' stacked biases too
         return GGMLQuantizationType.F32
     if target in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0):
         if plan.shape[-1] % _BLOCK != 0:
