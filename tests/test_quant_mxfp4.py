@@ -1,0 +1,102 @@
+"""MXFP4 weights (GGML type 39, gpt-oss's experts): the backend's matmul over raw MXFP4 rows equals the product with
+gguf-py's dequantization (decode row dots and prefill tiles, CPU and CUDA where usable), and a gpt-oss checkpoint
+converted with its experts as MXFP4 computes transformers' logits with the expert weights rounded the same way
+(gguf-py's MXFP4), at the f32 tolerance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcmas_cpp as kc
+from helpers.native import testing
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import kvcmas_convert as kconv  # noqa: E402
+import test_arch_gptoss as gpt  # noqa: E402  (the tiny gpt-oss checkpoint)
+import test_architectures as arch  # noqa: E402
+from test_arch_gptoss import folder  # noqa: E402, F401  (fixture)
+
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
+MATMUL_TOL = {"cpu": 2e-6, "cuda": 2e-3}  # as test_backend_ops: CUDA's prefill GEMM runs TF32
+
+
+@pytest.fixture(params=["cpu", "cuda"], scope="module")
+def ops(request):
+    listing = kc.backends()
+    if request.param not in listing or not listing[request.param][0]:
+        pytest.skip(f"{request.param}: not compiled in or not usable here")
+    return testing.BackendOps(request.param, 2)
+
+
+def _random_blocks(rng: np.random.Generator, n_out: int, n_in: int) -> np.ndarray:
+    """Raw MXFP4 rows: every code, exponents around 2^0 plus the subnormal scales 2^-128 and 2^-127."""
+    blocks = rng.integers(0, 256, size=(n_out, n_in // 32, 17), dtype=np.uint8)
+    blocks[..., 0] = rng.integers(120, 132, size=blocks.shape[:2])
+    blocks[0, :2, 0] = [0, 1]
+    return blocks.reshape(n_out, -1)
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 17, 40])
+def test_matmul_equals_gguf_py_dequantization(ops, n_tok: int) -> None:
+    rng = np.random.default_rng(n_tok)
+    n_in, n_out = 512, 96
+    raw = _random_blocks(rng, n_out, n_in)
+    w = gguf.quants.dequantize(raw, MXFP4).reshape(n_out, n_in).astype(np.float64)
+    assert np.unique(w).size > 16  # codes and scales both vary
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    got = ops.matmul(int(MXFP4), raw.ravel(), n_in, n_out, x)
+    ref = x.astype(np.float64) @ w.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T
+    assert np.all(np.abs(got - ref) <= MATMUL_TOL[ops.name] * scale + 1e-30)
+
+
+def _rounded_experts_reference(model_dir: Path, ids: list[int]) -> np.ndarray:
+    """transformers' logits with each expert matrix rounded to MXFP4 along the GGUF rows (the input dimension)."""
+
+    def rounded(w: np.ndarray) -> np.ndarray:  # [X, in, out] -> rows of `in` elements rounded
+        rows = np.ascontiguousarray(w.transpose(0, 2, 1))
+        back = gguf.quants.dequantize(gguf.quants.quantize(rows.reshape(-1, rows.shape[-1]), MXFP4), MXFP4)
+        return back.reshape(rows.shape).transpose(0, 2, 1)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p.copy_(torch.from_numpy(rounded(p.numpy())))
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    out = tmp_path / "mxfp4.gguf"
+    kconv.convert(folder, out, outtype="f32", expert_type="mxfp4", vocab=False, progress=False)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == MXFP4 and types["blk.3.ffn_down_exps.weight"] == MXFP4
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ffn_gate_exps.bias"] == gguf.GGMLQuantizationType.F32
+    ids = arch._ids(1, arch.PROMPT)
+    ref = _rounded_experts_reference(folder, ids)
+    model = kc.Model(out, n_threads=2, activations="f32")
+    got = model.logits(ids)
+    assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    with model.new_sequence() as seq:  # decode: each expert's rows through the row dot
+        seq.append(ids[:40], logits="none")
+        steps = np.stack([seq.append([t], logits="last") for t in ids[40:]])
+    assert np.abs(steps - ref[40:]).max() <= arch.LOGIT_TOL
+    assert np.abs(got - arch._reference(folder, ids)).max() > arch.LOGIT_TOL  # the rounding shows: not run at f32
+    # the default (8-bit activation) setting runs MXFP4 at f32 activations: the same logits
+    np.testing.assert_allclose(kc.Model(out, n_threads=2).logits(ids)[:, :8], got[:, :8], rtol=0, atol=0.05)
+
+
+def test_expert_type_is_checked(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(kconv.ConvertError, match="--expert-type 'q2' is not one of mxfp4"):
+        kconv.convert(folder, tmp_path / "x.gguf", expert_type="q2", progress=False)
+    assert gpt.CONFIG["num_local_experts"] == 6
