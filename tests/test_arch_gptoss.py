@@ -42,7 +42,7 @@ CONFIG: dict[str, Any] = dict(
 EXPERT_GAIN = 6.0  # experts' weights scaled so that some gate / up values pass the clamp at 7
 
 
-def _model(**changes: Any) -> Any:
+def _model(gain: float = EXPERT_GAIN, **changes: Any) -> Any:
     torch.manual_seed(7)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **changes}))
     with torch.no_grad():  # random norms, biases and sinks, so a wrong mapping shows
@@ -52,12 +52,12 @@ def _model(**changes: Any) -> Any:
             elif p.ndim == 1 or "bias" in name:
                 p.copy_(0.5 * torch.randn_like(p))
             if "experts.gate_up_proj" in name and not name.endswith("bias"):
-                p.mul_(EXPERT_GAIN)
+                p.mul_(gain)
     return model
 
 
-def _converted(out: Path, **changes: Any) -> Path:
-    _model(**changes).save_pretrained(out)
+def _converted(out: Path, gain: float = EXPERT_GAIN, **changes: Any) -> Path:
+    _model(gain, **changes).save_pretrained(out)
     arch._tokenizer().save_pretrained(out)
     kconv.convert(out, out / "model.gguf", outtype="f32", progress=False)
     return out

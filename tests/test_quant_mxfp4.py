@@ -100,3 +100,27 @@ def test_expert_type_is_checked(folder: Path, tmp_path: Path) -> None:  # noqa: 
     with pytest.raises(kconv.ConvertError, match="--expert-type 'q2' is not one of mxfp4"):
         kconv.convert(folder, tmp_path / "x.gguf", expert_type="q2", progress=False)
     assert gpt.CONFIG["num_local_experts"] == 6
+
+
+def test_llama_cpp_agrees_on_mxfp4_experts(tmp_path: Path) -> None:
+    """The plain-RoPE gpt-oss checkpoint (llama.cpp's YaRN differs: test_arch_gptoss), experts at their usual scale,
+    stored as MXFP4, in llama.cpp and in kvcmas. llama.cpp multiplies MXFP4 rows with activations rounded to 8 bits
+    (its MXFP4 dot's vec_dot_type is Q8_0), kvcmas with f32 activations: they differ by that rounding (~0.4% of the
+    logits' scale here); a misread block layout (nibble order, exponent bias) moves them by their whole scale."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install -e .[bench]): cannot compare with llama.cpp")
+    import llama_cpp
+
+    plain = gpt._converted(tmp_path, 1.0, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    out = tmp_path / "mxfp4.gguf"
+    kconv.convert(plain, out, outtype="f32", expert_type="mxfp4", progress=False)
+    ids = arch._ids(5, arch.PROMPT)
+    llm = llama_cpp.Llama(str(out), n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)])
+    llm.close()
+    ours = kc.Model(out, n_threads=2, activations="f32").logits(ids)
+    rel = float(np.abs(theirs - ours).max() / np.abs(ours).max())
+    assert rel < 1e-2, f"llama.cpp vs kvcmas relative error {rel}"
