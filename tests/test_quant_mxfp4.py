@@ -124,3 +124,67 @@ def test_llama_cpp_agrees_on_mxfp4_experts(tmp_path: Path) -> None:
     ours = kc.Model(out, n_threads=2, activations="f32").logits(ids)
     rel = float(np.abs(theirs - ours).max() / np.abs(ours).max())
     assert rel < 1e-2, f"llama.cpp vs kvcmas relative error {rel}"
+
+
+def _openai_release(folder: Path, out: Path) -> dict[str, np.ndarray]:  # noqa: F811
+    """The tiny checkpoint as OpenAI publishes gpt-oss: each expert matrix as random MXFP4 *_blocks / *_scales
+    (uint8), the rest as is. Returns the packed tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    rng = np.random.default_rng(5)
+    X, E, F = gpt.CONFIG["num_local_experts"], gpt.CONFIG["hidden_size"], gpt.CONFIG["intermediate_size"]
+    packed = {}
+    for il in range(gpt.CONFIG["num_hidden_layers"]):
+        for proj, rows, n_in in (("gate_up_proj", 2 * F, E), ("down_proj", E, F)):
+            name = f"model.layers.{il}.mlp.experts.{proj}"
+            del tensors[name]
+            packed[name + "_blocks"] = rng.integers(0, 256, (X, rows, n_in // 32, 16), dtype=np.uint8)
+            packed[name + "_scales"] = rng.integers(121, 125, (X, rows, n_in // 32), dtype=np.uint8)
+    out.mkdir()
+    save_file({**tensors, **packed}, out / "model.safetensors")
+    for f in folder.iterdir():
+        if f.suffix != ".gguf" and f.name != "model.safetensors":
+            (out / f.name).symlink_to(f)
+    return packed
+
+
+def test_openai_mxfp4_release_converts(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A checkpoint with the experts in OpenAI's packed MXFP4: kvcmas' logits equal transformers' with the experts
+    dequantized by transformers' own MXFP4 integration, and --expert-type mxfp4 keeps their values exactly."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    packed = _openai_release(folder, tmp_path / "release")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    dense = {}
+    with torch.no_grad():
+        for il, layer in enumerate(model.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                name = f"model.layers.{il}.mlp.experts.{proj}"
+                w = convert_moe_packed_tensors(
+                    torch.from_numpy(packed[name + "_blocks"]), torch.from_numpy(packed[name + "_scales"]),
+                    dtype=torch.float32,
+                )  # fmt: skip
+                getattr(layer.mlp.experts, proj).copy_(w)
+                dense[name] = w.numpy()
+        ids = arch._ids(1, arch.PROMPT)
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    f32 = tmp_path / "f32.gguf"
+    kconv.convert(tmp_path / "release", f32, outtype="f32", progress=False)
+    got = kc.Model(f32, n_threads=2, activations="f32").logits(ids)
+    assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
+    assert np.abs(got - arch._reference(folder, ids)).max() > 100 * arch.LOGIT_TOL  # the packed experts are used
+    mx = tmp_path / "mxfp4.gguf"
+    kconv.convert(tmp_path / "release", mx, outtype="f32", expert_type="mxfp4", vocab=False, progress=False)
+    stored = {t.name: t for t in gguf.GGUFReader(mx).tensors}
+    for il in range(gpt.CONFIG["num_hidden_layers"]):
+        gate_up = dense[f"model.layers.{il}.mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [X, 2F, E]
+        down = dense[f"model.layers.{il}.mlp.experts.down_proj"].transpose(0, 2, 1)  # [X, E, F]
+        for name, want in (
+            ("ffn_gate_exps", gate_up[:, 0::2]),
+            ("ffn_up_exps", gate_up[:, 1::2]),
+            ("ffn_down_exps", down),
+        ):
+            t = stored[f"blk.{il}.{name}.weight"]
+            assert t.tensor_type == MXFP4
+            np.testing.assert_array_equal(gguf.quants.dequantize(t.data, MXFP4).reshape(want.shape), want)

@@ -20,8 +20,23 @@ from .errors import ConvertError
 from .models import ModelClass, TensorPlan, _int, register
 from .source import CheckpointTensors
 
+# OpenAI's MXFP4 release stores each expert matrix as *_blocks [expert, out, in / 32, 16] (byte i of a block: element
+# 2i in the low nibble, 2i + 1 in the high one) and *_scales [expert, out, in / 32] (E8M0, bias 127), values from:
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
 SWIGLU_ALPHA = 1.702  # llama.cpp and the engine apply gpt-oss's clamped SwiGLU with these constants
 SWIGLU_LIMIT = 7.0
+
+
+def unpack_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float32 matrices [expert, out, in] of OpenAI's packed MXFP4 (codes and exponents as stored, any dtype)."""
+    codes = blocks.astype(np.uint8)
+    values = np.empty((*codes.shape[:-1], 2 * codes.shape[-1]), np.float32)
+    values[..., 0::2] = FP4_VALUES[codes & 0x0F]
+    values[..., 1::2] = FP4_VALUES[codes >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*codes.shape[:-2], -1)
 
 
 @register
@@ -86,14 +101,22 @@ class GptOssModel(ModelClass):
         add(C.block_tensor(il, C.BLK_ATTN_POST_NORM), f"model.layers.{il}.post_attention_layernorm.weight", (E,))
         add(C.block_tensor(il, C.BLK_FFN_GATE_INP), hf + "router.weight", (X, E))
         add(C.block_tensor(il, C.BLK_FFN_GATE_INP_BIAS), hf + "router.bias", (X,))
-        gate_up = self.checked_source(self._tensors, hf + "experts.gate_up_proj", (X, E, 2 * F))
         gate_up_bias = self.checked_source(self._tensors, hf + "experts.gate_up_proj_bias", (X, 2 * F))
-        down = self.checked_source(self._tensors, hf + "experts.down_proj", (X, F, E))
         down_bias = self.checked_source(self._tensors, hf + "experts.down_proj_bias", (X, E))
         load = self._tensors.load
+        if hf + "experts.gate_up_proj_blocks" in self._tensors:  # OpenAI's MXFP4 release: already [X, out, in]
+            gate_up = self._packed(hf + "experts.gate_up_proj", (X, 2 * F, E))
+            down = self._packed(hf + "experts.down_proj", (X, E, F))
 
-        def matrices(src: str, cols: slice) -> Callable[[], np.ndarray]:  # [X, in, out] -> rows = outputs
-            return lambda: np.ascontiguousarray(load(src)[:, :, cols].transpose(0, 2, 1))
+            def matrices(src: str, rows: slice) -> Callable[[], np.ndarray]:
+                return lambda: np.ascontiguousarray(unpack_mxfp4(load(src + "_blocks"), load(src + "_scales"))[:, rows])
+
+        else:  # as transformers holds them: [X, in, out]
+            gate_up = self.checked_source(self._tensors, hf + "experts.gate_up_proj", (X, E, 2 * F))
+            down = self.checked_source(self._tensors, hf + "experts.down_proj", (X, F, E))
+
+            def matrices(src: str, cols: slice) -> Callable[[], np.ndarray]:  # rows = outputs
+                return lambda: np.ascontiguousarray(load(src)[:, :, cols].transpose(0, 2, 1))
 
         def rows(src: str, cols: slice) -> Callable[[], np.ndarray]:
             return lambda: np.ascontiguousarray(load(src)[:, cols])
@@ -106,8 +129,18 @@ class GptOssModel(ModelClass):
         self._computed(C.block_tensor(il, C.BLK_FFN_UP_EXPS_BIAS), (X, F), rows(gate_up_bias, slice(1, None, 2)))
         self._computed(C.block_tensor(il, C.BLK_FFN_DOWN_EXPS_BIAS), (X, E), rows(down_bias, every))
 
+    def _packed(self, name: str, shape: tuple[int, int, int]) -> str:
+        """name, after checking its *_blocks and *_scales hold the matrices [expert, out, in] of this shape."""
+        x, out, n_in = shape
+        if n_in % 32 != 0:
+            raise ConvertError(f"{self.where}: {name}_blocks: rows of {n_in} are not whole MXFP4 blocks of 32")
+        self.checked_source(self._tensors, name + "_blocks", (x, out, n_in // 32, 16))
+        self.checked_source(self._tensors, name + "_scales", (x, out, n_in // 32))
+        return name
+
     def ignored_tensors(self) -> set[str]:
         names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        names += tuple(f"{p}_{part}" for p in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
         return super().ignored_tensors() | {
             f"model.layers.{il}.mlp.experts.{n}" for il in range(self.n_layer) for n in names
         }
