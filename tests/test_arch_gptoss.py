@@ -92,6 +92,45 @@ def test_logits_match_transformers(case: tuple[str, Path]) -> None:
     assert np.abs(steps - ref[40:]).max() <= arch.LOGIT_TOL
 
 
+def rounded_reference(folder: Path, ids: list[int], qtype: Any, experts_only: bool = False) -> np.ndarray:
+    """transformers' logits with the weight matrices (or only the experts') rounded to qtype by gguf-py along the
+    rows the GGUF file stores: a matrix's input dimension (the experts' [X, in, out] transposed)."""
+    import gguf
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim < 2 or name.endswith("bias") or (experts_only and p.ndim != 3):
+                continue  # norms, biases (the experts' stacked ones too) and sinks stay f32 in the file
+            w = p.numpy().transpose(0, 2, 1) if p.ndim == 3 else p.numpy()
+            back = gguf.quants.dequantize(
+                gguf.quants.quantize(np.ascontiguousarray(w).reshape(-1, w.shape[-1]), qtype), qtype
+            )
+            back = back.reshape(w.shape)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back.transpose(0, 2, 1) if p.ndim == 3 else back)))
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", pytest.param("f16", marks=pytest.mark.slow)])
+def test_weight_types(folder: Path, tmp_path: Path, outtype: str) -> None:
+    """Stored as q8_0 / f16 (experts included), the file computes transformers' logits with the same rounding at
+    the f32 tolerance, and the rounding shows."""
+    import gguf
+
+    out = tmp_path / f"{outtype}.gguf"
+    kconv.convert(folder, out, outtype=outtype, vocab=False, progress=False)
+    ids = arch._ids(1, arch.PROMPT)
+    ref = rounded_reference(folder, ids, gguf.GGMLQuantizationType[outtype.upper()])
+    got = kc.Model(out, n_threads=2, activations="f32").logits(ids)
+    assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(got - arch._reference(folder, ids)).max() > arch.LOGIT_TOL
+
+
+def test_ridge_corrections_core_equal_numpy(case: tuple[str, Path]) -> None:
+    arch.test_ridge_corrections_core_equal_numpy(case)
+
+
 def _reference_changed(folder: Path, ids: list[int], change: str) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():

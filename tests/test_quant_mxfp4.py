@@ -56,24 +56,6 @@ def test_matmul_equals_gguf_py_dequantization(ops, n_tok: int) -> None:
     assert np.all(np.abs(got - ref) <= MATMUL_TOL[ops.name] * scale + 1e-30)
 
 
-def _rounded_experts_reference(model_dir: Path, ids: list[int]) -> np.ndarray:
-    """transformers' logits with each expert matrix rounded to MXFP4 along the GGUF rows (the input dimension)."""
-
-    def rounded(w: np.ndarray) -> np.ndarray:  # [X, in, out] -> rows of `in` elements rounded
-        rows = np.ascontiguousarray(w.transpose(0, 2, 1))
-        back = gguf.quants.dequantize(gguf.quants.quantize(rows.reshape(-1, rows.shape[-1]), MXFP4), MXFP4)
-        return back.reshape(rows.shape).transpose(0, 2, 1)
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                p.copy_(torch.from_numpy(rounded(p.numpy())))
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
 def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "mxfp4.gguf"
     kconv.convert(folder, out, outtype="f32", expert_type="mxfp4", vocab=False, progress=False)
@@ -82,7 +64,7 @@ def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:  # no
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
     assert types["blk.0.ffn_gate_exps.bias"] == gguf.GGMLQuantizationType.F32
     ids = arch._ids(1, arch.PROMPT)
-    ref = _rounded_experts_reference(folder, ids)
+    ref = gpt.rounded_reference(folder, ids, MXFP4, experts_only=True)
     model = kc.Model(out, n_threads=2, activations="f32")
     got = model.logits(ids)
     assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
