@@ -104,19 +104,21 @@ class GptOssModel(ModelClass):
         gate_up_bias = self.checked_source(self._tensors, hf + "experts.gate_up_proj_bias", (X, 2 * F))
         down_bias = self.checked_source(self._tensors, hf + "experts.down_proj_bias", (X, E))
         load = self._tensors.load
-        if hf + "experts.gate_up_proj_blocks" in self._tensors:  # OpenAI's MXFP4 release: already [X, out, in]
+        packed = hf + "experts.gate_up_proj_blocks" in self._tensors  # OpenAI's MXFP4 release
+        if packed:  # already [X, out, in]
             gate_up = self._packed(hf + "experts.gate_up_proj", (X, 2 * F, E))
             down = self._packed(hf + "experts.down_proj", (X, E, F))
-
-            def matrices(src: str, rows: slice) -> Callable[[], np.ndarray]:
-                return lambda: np.ascontiguousarray(unpack_mxfp4(load(src + "_blocks"), load(src + "_scales"))[:, rows])
-
         else:  # as transformers holds them: [X, in, out]
             gate_up = self.checked_source(self._tensors, hf + "experts.gate_up_proj", (X, E, 2 * F))
             down = self.checked_source(self._tensors, hf + "experts.down_proj", (X, F, E))
 
-            def matrices(src: str, cols: slice) -> Callable[[], np.ndarray]:  # rows = outputs
-                return lambda: np.ascontiguousarray(load(src)[:, :, cols].transpose(0, 2, 1))
+        def out_major(src: str) -> np.ndarray:  # the expert matrices [X, out, in]
+            if packed:
+                return unpack_mxfp4(load(src + "_blocks"), load(src + "_scales"))
+            return load(src).transpose(0, 2, 1)
+
+        def matrices(src: str, out_rows: slice) -> Callable[[], np.ndarray]:
+            return lambda: np.ascontiguousarray(out_major(src)[:, out_rows])
 
         def rows(src: str, cols: slice) -> Callable[[], np.ndarray]:
             return lambda: np.ascontiguousarray(load(src)[:, cols])
@@ -139,7 +141,7 @@ class GptOssModel(ModelClass):
         return name
 
     def ignored_tensors(self) -> set[str]:
-        names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        names: tuple[str, ...] = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
         names += tuple(f"{p}_{part}" for p in ("gate_up_proj", "down_proj") for part in ("blocks", "scales"))
         return super().ignored_tensors() | {
             f"model.layers.{il}.mlp.experts.{n}" for il in range(self.n_layer) for n in names
