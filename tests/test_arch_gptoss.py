@@ -201,3 +201,20 @@ def test_converter_refuses_what_the_engine_reads_differently(
 ) -> None:
     with pytest.raises(kconv.ConvertError, match=message):
         kconv.convert(_config_with(folder, tmp_path, **changes), tmp_path / "x.gguf", outtype="f32", progress=False)
+
+
+def test_a_file_without_the_window_pattern_alternates(folder: Path, tmp_path: Path) -> None:
+    """llama.cpp's gpt-oss files carry the window only (its loader alternates the layers): the same file with the
+    pattern key renamed away reads as even layers sliding, with the same logits."""
+    data = (folder / "model.gguf").read_bytes()
+    key = b"gpt-oss.attention.sliding_window_pattern"
+    assert data.count(key) == 1
+    path = tmp_path / "no-pattern.gguf"
+    path.write_bytes(data.replace(key, key[:-1] + b"X"))  # same length: the file stays valid
+    assert "gpt-oss.attention.sliding_window_pattern" not in kconv.read_metadata(path)
+    plain = kc.Model(path, n_threads=2, activations="f32")
+    assert plain.layer_window == [WINDOW, 0, WINDOW, 0]
+    ids = arch._ids(1, arch.PROMPT)
+    np.testing.assert_array_equal(
+        plain.logits(ids), kc.Model(folder / "model.gguf", n_threads=2, activations="f32").logits(ids)
+    )
