@@ -533,3 +533,53 @@ def test_lora_add_refuses_bad_groups(ops) -> None:
         ops.lora_add(x, y, [(a, b, np.zeros(1, np.int32), one), (a, b, np.zeros(1, np.int32), one)])
     with pytest.raises(kc.KvcmasError, match="factor_type must be"):
         ops.lora_add(x, y, [(a, b, np.zeros(1, np.int32), one)], "q4")
+
+
+def test_swiglu_oai(ops) -> None:
+    """gpt-oss's clamped SwiGLU: values on both sides of the clamp (gate above 7, up beyond ±7)."""
+    rng = np.random.default_rng(31)
+    g = (rng.standard_normal((5, 67)) * 6).astype(np.float32)
+    u = (rng.standard_normal((5, 67)) * 6).astype(np.float32)
+    x = np.minimum(g.astype(np.float64), 7.0)
+    want = x / (1 + np.exp(-1.702 * x)) * (np.clip(u.astype(np.float64), -7.0, 7.0) + 1)
+    assert (g > 7).any() and (np.abs(u) > 7).any()
+    tol = 4 * OP_TOL[ops.name]
+    np.testing.assert_allclose(ops.swiglu_oai(g, u, 1.702, 7.0), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("nq", [1, 20])
+def test_attention_with_sinks(ops, kv_type, nq) -> None:
+    """Per-head sink logits join the softmax's denominator (gpt-oss): out = Σ_j p_j v_j with p = exp(s_j) /
+    (Σ exp(s) + exp(sink_h)); over shifted and corrected runs, GQA."""
+    n_head, n_head_kv, hd, n_rot = 8, 2, 64, 64
+    rng = np.random.default_rng(32)
+    runs = make_runs(rng, [13, 30], [0, 9], [0, 4], n_head_kv, hd)
+    k, v, specs, corrs = _stack(runs, kv_type)
+    stored = [dict(r, k=k[s[0] : s[0] + s[1]], v=v[s[0] : s[0] + s[1]]) for r, s in zip(runs, specs, strict=True)]
+    q = rng.standard_normal((nq, n_head * hd)).astype(np.float32)
+    sinks = rng.uniform(-2, 4, n_head).astype(np.float32)
+    n_visible0 = 43 - nq + 1
+    got = ops.attention(
+        n_head, n_head_kv, hd, kv_type, n_rot, True, _inv_freq(n_rot), q, k, v, specs, corrs, n_visible0, sinks
+    )
+    plain = ops.attention(
+        n_head, n_head_kv, hd, kv_type, n_rot, True, _inv_freq(n_rot), q, k, v, specs, corrs, n_visible0
+    )
+    for i in range(nq):
+        qi = q[i].reshape(n_head, hd)
+        ref = reference(qi, stored, n_head_kv, n_rot, True, BASE, n_visible0 + i)
+        # the same attention with the sink: each head's output scaled by Z / (Z + exp(sink)), Z = Σ exp(s_j)
+        keys = []
+        for r in stored:
+            kk = r["k"].astype(np.float64) + (r["a_k"].astype(np.float64) @ r["b_k"] if "a_k" in r else 0.0)
+            keys.append(rotate(kk, r["shift"], hd, n_rot, True, BASE))
+        keys = np.concatenate(keys)[: n_visible0 + i]
+        group = n_head // n_head_kv
+        for h in range(n_head):
+            s = keys[:, (h // group) * hd : (h // group + 1) * hd] @ qi[h].astype(np.float64) / np.sqrt(hd)
+            z = np.exp(s - s.max()).sum()
+            ref[h] *= z / (z + np.exp(sinks[h] - s.max()))
+        err = np.abs(got[i] - ref.ravel()).max() / np.abs(ref).max()
+        assert err <= ATTN_TOL[ops.name], (kv_type, i, err)
+        assert np.abs(got[i] - plain[i]).max() > 100 * ATTN_TOL[ops.name] * np.abs(ref).max()

@@ -162,11 +162,12 @@ def _rename_arch(keys: dict, tensors: dict) -> None:
         (
             _stored_as(gguf.GGMLQuantizationType.IQ2_XXS),
             "tensor 'blk.0.ffn_down.weight' has type iq2_xxs, which kvcmas does not run (its weight types: f32, f16, "
-            "q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, bf16); a Q4_K_M, Q5_K_M, "
+            "q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, bf16, mxfp4); a Q4_K_M, "
+            "Q5_K_M, "
             "Q6_K or Q8_0 file",
         ),
         (_stored_as(gguf.GGMLQuantizationType.TQ1_0), "'blk.0.ffn_down.weight' has type tq1_0, which kvcmas does"),
-        (_stored_as(gguf.GGMLQuantizationType.MXFP4), "'blk.0.ffn_down.weight' has type mxfp4, which kvcmas does"),
+        (_stored_as(gguf.GGMLQuantizationType.TQ2_0), "'blk.0.ffn_down.weight' has type tq2_0, which kvcmas does"),
     ],
 )
 def test_unusable_model_files_raise(tmp_path: Path, edit: Callable[[dict, dict], None], message: str) -> None:

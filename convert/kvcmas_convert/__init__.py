@@ -9,6 +9,7 @@ from .constants import KVCMAS_SETTINGS
 from .convert import OUTTYPES, ConvertResult, convert
 from .errors import ConvertError
 from .gguf_tools import read_metadata, set_values
+from .gptoss import GptOssModel  # noqa: F401  (registers GptOssForCausalLM)
 from .models import MODEL_CLASSES
 from .settings import default_settings, kvcmas_settings
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .constants import KVCMAS_SETTINGS
-from .convert import OUTTYPES, convert
+from .convert import EXPERT_TYPES, OUTTYPES, convert
 from .errors import ConvertError
 from .gguf_tools import parse_assignments, set_values, show
 from .lora import add_lora_subcommand
@@ -28,6 +28,9 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", metavar="HF_DIR", help="Hugging Face checkpoint folder")
     p.add_argument("-o", "--outfile", required=True, metavar="OUT.gguf", help="GGUF file to write")
     p.add_argument("--outtype", default="f16", choices=list(OUTTYPES), help="weight type of the matrices (f16)")
+    p.add_argument(
+        "--expert-type", choices=list(EXPERT_TYPES), help="store the routed experts' matrices as this (gpt-oss: mxfp4)"
+    )
     p.add_argument("--name", help="general.name (default: the folder name)")
     p.add_argument("--vocab-pre", help="override the detected tokenizer.ggml.pre (a llama.cpp pre-tokenizer name)")
     p.add_argument("--no-vocab", action="store_true", help="write no tokenizer")
@@ -59,7 +62,7 @@ def run_convert(args: argparse.Namespace) -> int:
     result = convert(
         args.model_dir, args.outfile, outtype=args.outtype, kvcmas=_kvcmas_overrides(args),
         vocab=not args.no_vocab, vocab_pre=args.vocab_pre, name=args.name, dry_run=args.dry_run,
-        progress=not args.no_progress, overwrite=args.force,
+        progress=not args.no_progress, overwrite=args.force, expert_type=args.expert_type,
     )  # fmt: skip
     if result.dry_run:
         print(f"dry run: would write {result.output} ({result.architecture}, {len(result.tensors)} tensors)")

@@ -78,6 +78,7 @@ ARCH_OLMO2: Final = "olmo2"
 ARCH_SMOLLM3: Final = "smollm3"
 ARCH_PHI3: Final = "phi3"
 ARCH_QWEN2_VL: Final = "qwen2vl"
+ARCH_GPT_OSS: Final = "gpt-oss"
 ENGINE_ARCHITECTURES: Final = (
     ARCH_LLAMA,
     ARCH_QWEN2,
@@ -88,6 +89,7 @@ ENGINE_ARCHITECTURES: Final = (
     ARCH_SMOLLM3,
     ARCH_PHI3,
     ARCH_QWEN2_VL,
+    ARCH_GPT_OSS,
 )
 
 # --- tokenizer.* ----------------------------------------------------------------------------------------------------
@@ -151,6 +153,12 @@ BLK_FFN_GATE_INP: Final = "ffn_gate_inp.weight"  # MoE router
 BLK_FFN_GATE_EXPS: Final = "ffn_gate_exps.weight"
 BLK_FFN_UP_EXPS: Final = "ffn_up_exps.weight"
 BLK_FFN_DOWN_EXPS: Final = "ffn_down_exps.weight"
+BLK_ATTN_OUTPUT_BIAS: Final = "attn_output.bias"  # gpt-oss
+BLK_ATTN_SINKS: Final = "attn_sinks.weight"  # gpt-oss: a sink logit per query head
+BLK_FFN_GATE_INP_BIAS: Final = "ffn_gate_inp.bias"
+BLK_FFN_GATE_EXPS_BIAS: Final = "ffn_gate_exps.bias"
+BLK_FFN_UP_EXPS_BIAS: Final = "ffn_up_exps.bias"
+BLK_FFN_DOWN_EXPS_BIAS: Final = "ffn_down_exps.bias"
 
 GLOBAL_TENSORS: Final = (
     TENSOR_TOKEN_EMBD, TENSOR_OUTPUT_NORM, TENSOR_OUTPUT, TENSOR_ROPE_FREQS, TENSOR_ROPE_FACTORS_LONG,
@@ -160,7 +168,8 @@ BLOCK_TENSORS: Final = (
     BLK_ATTN_NORM, BLK_ATTN_Q, BLK_ATTN_K, BLK_ATTN_V, BLK_ATTN_OUTPUT, BLK_ATTN_Q_BIAS, BLK_ATTN_K_BIAS,
     BLK_ATTN_V_BIAS, BLK_ATTN_QKV, BLK_ATTN_Q_NORM, BLK_ATTN_K_NORM, BLK_ATTN_POST_NORM, BLK_FFN_NORM, BLK_FFN_GATE,
     BLK_FFN_UP, BLK_FFN_DOWN, BLK_FFN_POST_NORM, BLK_FFN_GATE_INP, BLK_FFN_GATE_EXPS, BLK_FFN_UP_EXPS,
-    BLK_FFN_DOWN_EXPS,
+    BLK_FFN_DOWN_EXPS, BLK_ATTN_OUTPUT_BIAS, BLK_ATTN_SINKS, BLK_FFN_GATE_INP_BIAS, BLK_FFN_GATE_EXPS_BIAS,
+    BLK_FFN_UP_EXPS_BIAS, BLK_FFN_DOWN_EXPS_BIAS,
 )  # fmt: skip
 
 

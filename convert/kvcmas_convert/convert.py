@@ -36,17 +36,23 @@ OUTTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
 }
 _BLOCK = 32  # elements per Q8_0 / Q4_0 block
+# What the routed experts' matrices may be stored as apart from the outtype (llama.cpp's gpt-oss files: MXFP4).
+EXPERT_TYPES: dict[str, GGMLQuantizationType] = {"mxfp4": GGMLQuantizationType.MXFP4}
+EXPERT_TENSORS = (C.BLK_FFN_GATE_EXPS, C.BLK_FFN_UP_EXPS, C.BLK_FFN_DOWN_EXPS)
 
 
-def tensor_type(plan: TensorPlan, outtype: str) -> GGMLQuantizationType:
+def tensor_type(plan: TensorPlan, outtype: str, expert_type: str | None = None) -> GGMLQuantizationType:
     """The GGUF type of one tensor: vectors stay F32; matrices (and a MoE layer's stack of expert matrices) take
     the outtype.
 
     Matrices whose rows do not split into 32-element blocks fall back to F16 for the block types, and with q4_0
-    the embedding and output matrices are kept at Q8_0 (they are the most sensitive to quantisation).
+    the embedding and output matrices are kept at Q8_0 (they are the most sensitive to quantisation). With an
+    expert_type (EXPERT_TYPES) the experts' stacked matrices take it instead, where their rows are whole blocks.
     """
+    if expert_type is not None and plan.name.endswith(EXPERT_TENSORS) and plan.shape[-1] % _BLOCK == 0:
+        return EXPERT_TYPES[expert_type]
     target = OUTTYPES[outtype][0]
-    if len(plan.shape) not in (2, 3):
+    if len(plan.shape) not in (2, 3) or plan.name.endswith(".bias"):  # experts' stacked biases too
         return GGMLQuantizationType.F32
     if target in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0):
         if plan.shape[-1] % _BLOCK != 0:
@@ -213,6 +219,7 @@ def convert(
     progress: bool = True,
     overwrite: bool = False,
     log: TextIO | None = None,
+    expert_type: str | None = None,
 ) -> ConvertResult:
     """Converts a Hugging Face checkpoint folder to a GGUF file.
 
@@ -229,6 +236,8 @@ def convert(
         dry_run: plan and validate everything and report what would be written, writing nothing.
         progress: show a tqdm progress bar on stderr.
         overwrite: replace an existing output file (the CLI's ``--force``); without it an existing file is an error.
+        expert_type: "mxfp4" stores the routed experts' matrices as MXFP4 (the rest as outtype), as llama.cpp's
+            gpt-oss files hold them; None: the outtype.
 
     Raises:
         ConvertError: a message naming the file or tensor at fault.
@@ -238,6 +247,8 @@ def convert(
     log = log if log is not None else sys.stderr
     if outtype not in OUTTYPES:
         raise ConvertError(f"--outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    if expert_type is not None and expert_type not in EXPERT_TYPES:
+        raise ConvertError(f"--expert-type {expert_type!r} is not one of {', '.join(EXPERT_TYPES)}")
     config = load_config(model_dir)
     model: ModelClass = model_class_for(config, str(model_dir / "config.json"))
     tensors = CheckpointTensors(model_dir)
@@ -255,7 +266,7 @@ def convert(
         if vocab_export is not None:
             metadata.update(vocab_export.values)
         metadata.update(settings)
-        types = [tensor_type(p, outtype) for p in plans]
+        types = [tensor_type(p, outtype, expert_type) for p in plans]
         listing = [(p.name, t.name, p.shape) for p, t in zip(plans, types, strict=True)]
         result = ConvertResult(out, model.gguf_architecture, listing, metadata, dry_run)
         if dry_run:

@@ -140,6 +140,7 @@ class ModelClass:
     activations: ClassVar[tuple[str, ...]] = ("silu", "swish")
     rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "llama3", "yarn")
     partial_rotary: ClassVar[bool] = False
+    yarn_truncate: ClassVar[bool] = True  # the engine rounds YaRN's ramp to whole dims (gpt-oss does not)
 
     def global_rope_parameters(self) -> Any:
         """The RoPE parameters of the global (full-attention) layers."""
@@ -216,8 +217,12 @@ class ModelClass:
             raise ConvertError(f"{where}: yarn rope scaling needs 'original_max_position_embeddings'")
         if factor is None:
             factor = self.n_ctx / float(orig)
-        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("truncate") is False:
-            raise ConvertError(f"{where}: yarn with mscale / mscale_all_dim / truncate=false is not supported")
+        if rope.get("mscale") or rope.get("mscale_all_dim"):
+            raise ConvertError(f"{where}: yarn with mscale / mscale_all_dim is not supported")
+        if bool(rope.get("truncate", True)) != self.yarn_truncate:
+            raise ConvertError(
+                f"{where}: yarn truncate={rope.get('truncate', True)} is not supported for {self.hf_architecture}"
+            )
         writer.add_string(a + C.ARCH_KEY_ROPE_SCALING_TYPE, "yarn")
         writer.add_float32(a + C.ARCH_KEY_ROPE_SCALING_FACTOR, float(factor))
         writer.add_uint32(a + C.ARCH_KEY_ROPE_SCALING_ORIG_CTX, int(orig))
@@ -282,6 +287,17 @@ class ModelClass:
         add(C.block_tensor(il, C.BLK_FFN_GATE), hf + "mlp.gate_proj.weight", (F, E))
         add(C.block_tensor(il, C.BLK_FFN_UP), hf + "mlp.up_proj.weight", (F, E))
         add(C.block_tensor(il, C.BLK_FFN_DOWN), hf + "mlp.down_proj.weight", (E, F))
+
+    def checked_source(self, tensors: CheckpointTensors, name: str, shape: tuple[int, ...]) -> str:
+        """``name`` itself, after checking that the checkpoint holds it with this shape (for computed tensors)."""
+        if name not in tensors:
+            raise ConvertError(f"{self.where}: tensor {name!r} is missing from the checkpoint")
+        if tensors.shape(name) != shape:
+            raise ConvertError(
+                f"{self.where}: tensor {name!r} has shape {list(tensors.shape(name))}, "
+                f"config.json implies {list(shape)}"
+            )
+        return name
 
     def ignored_tensors(self) -> set[str]:
         """Source tensors that may be present and are not written (buffers, tied copies)."""
@@ -507,15 +523,7 @@ class Qwen3MoeModel(Qwen3Model):
             (C.BLK_FFN_UP_EXPS, "up_proj", (F, E)),
             (C.BLK_FFN_DOWN_EXPS, "down_proj", (E, F)),
         ):
-            sources = self._experts(il, proj)
-            for src in sources:
-                if src not in self._tensors:
-                    raise ConvertError(f"{self.where}: tensor {src!r} is missing from the checkpoint")
-                if self._tensors.shape(src) != shape:
-                    raise ConvertError(
-                        f"{self.where}: tensor {src!r} has shape {list(self._tensors.shape(src))}, "
-                        f"config.json implies {list(shape)}"
-                    )
+            sources = [self.checked_source(self._tensors, src, shape) for src in self._experts(il, proj)]
 
             def stack(sources: list[str] = sources) -> np.ndarray:
                 return np.stack([self._tensors.load(s) for s in sources])

@@ -29,6 +29,7 @@ _ST_DTYPES: dict[str, np.dtype[Any]] = {
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),
     "F64": np.dtype("<f8"),
+    "U8": np.dtype("u1"),  # packed codes (gpt-oss's MXFP4 release: *_blocks, *_scales)
 }
 _MAX_HEADER_BYTES = 100 << 20
 
@@ -95,7 +96,7 @@ def _read_safetensors_header(path: Path) -> dict[str, TensorRef]:
         except (KeyError, TypeError, ValueError) as e:
             raise ConvertError(f"{path}: tensor {name!r} has a malformed header entry") from e
         if dtype not in _ST_DTYPES:
-            raise ConvertError(f"{path}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16, F64")
+            raise ConvertError(f"{path}: tensor {name!r} has dtype {dtype}; supported: F32, F16, BF16, F64, U8")
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if end - begin != n * _ST_DTYPES[dtype].itemsize or begin < 0 or data_start + end > size:
             raise ConvertError(

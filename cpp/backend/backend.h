@@ -205,6 +205,9 @@ class Backend {
     virtual void swiglu(float * g, const float * u, int64_t n_rows, int64_t n) = 0;
     // g [n_rows][n] = gelu_tanh(g) * u, gelu_tanh(x) = x/2 · (1 + tanh(sqrt(2/pi) · (x + 0.044715 x³))) (GeGLU).
     virtual void geglu_tanh(float * g, const float * u, int64_t n_rows, int64_t n) = 0;
+    // g [n_rows][n] = min(g, limit) · sigmoid(alpha · min(g, limit)) · (clamp(u, -limit, limit) + 1): gpt-oss's
+    // clamped SwiGLU (backend/cpu/swiglu-oai.h).
+    virtual void swiglu_oai(float * g, const float * u, int64_t n_rows, int64_t n, float alpha, float limit) = 0;
     // x [n] *= s.
     virtual void scale(float * x, float s, int64_t n) = 0;
     // x [n] += y [n].

@@ -41,7 +41,7 @@ const GgmlTypeTraits * ggml_type_traits(uint32_t type_id) {
     static const GgmlTypeTraits iq1_m{ "iq1_m", 256, 56, false };
     static const GgmlTypeTraits tq1_0{ "tq1_0", 256, 54, false };
     static const GgmlTypeTraits tq2_0{ "tq2_0", 256, 66, false };
-    static const GgmlTypeTraits mxfp4{ "mxfp4", 32, 17, false };
+    static const GgmlTypeTraits mxfp4{ "mxfp4", 32, 17, true };  // backend/cpu/quants-mxfp4.h
     switch (type_id) {
         case 0: return &f32;
         case 1: return &f16;

@@ -60,6 +60,7 @@ inline constexpr char kArchOlmo2[] = "olmo2";
 inline constexpr char kArchSmollm3[] = "smollm3";
 inline constexpr char kArchPhi3[] = "phi3";
 inline constexpr char kArchQwen2Vl[] = "qwen2vl";
+inline constexpr char kArchGptOss[] = "gpt-oss";
 
 // tokenizer.* keys
 inline constexpr char kKeyTokenizerModel[] = "tokenizer.ggml.model";
@@ -109,6 +110,12 @@ inline constexpr char kBlkFfnGateInp[] = "ffn_gate_inp.weight";
 inline constexpr char kBlkFfnGateExps[] = "ffn_gate_exps.weight";
 inline constexpr char kBlkFfnUpExps[] = "ffn_up_exps.weight";
 inline constexpr char kBlkFfnDownExps[] = "ffn_down_exps.weight";
+inline constexpr char kBlkAttnOutputBias[] = "attn_output.bias";
+inline constexpr char kBlkAttnSinks[] = "attn_sinks.weight";
+inline constexpr char kBlkFfnGateInpBias[] = "ffn_gate_inp.bias";
+inline constexpr char kBlkFfnGateExpsBias[] = "ffn_gate_exps.bias";
+inline constexpr char kBlkFfnUpExpsBias[] = "ffn_up_exps.bias";
+inline constexpr char kBlkFfnDownExpsBias[] = "ffn_down_exps.bias";
 
 // kvcmas.* settings of the KV correction (types and defaults: constants.py KVCMAS_SETTINGS)
 inline constexpr char kKvcmasPrefix[] = "kvcmas.";

@@ -182,8 +182,14 @@ void Model::make_ropes() {
                 return dim * std::log(static_cast<double>(p_.rope_orig_ctx) / (rotations * 2.0 * M_PI)) /
                        (2.0 * std::log(base));
             };
-            low  = std::max(0.0, std::floor(corr(p_.yarn_beta_fast)));
-            high = std::min(dim - 1.0, std::ceil(corr(p_.yarn_beta_slow)));
+            low  = corr(p_.yarn_beta_fast);
+            high = corr(p_.yarn_beta_slow);
+            if (p_.yarn_truncate) {
+                low  = std::floor(low);
+                high = std::ceil(high);
+            }
+            low  = std::max(0.0, low);
+            high = std::min(dim - 1.0, high);
             if (low == high) {
                 high += 0.001;
             }

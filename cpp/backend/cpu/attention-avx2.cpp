@@ -231,6 +231,8 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
             for (int64_t j = 0; j < nv; ++j) {
                 mx = std::max(mx, row[j]);
             }
+            const float sink  = shape.sinks != nullptr ? shape.sinks[h0 + r % n_h] : -INFINITY;
+            mx                = std::max(mx, sink);
             const __m256 vmax = _mm256_set1_ps(mx);
             __m256       vsum = _mm256_setzero_ps();
             int64_t      j    = 0;
@@ -251,7 +253,7 @@ void attend_block_t(const AttentionShape & shape, const Rope & rope, const float
                 std::memcpy(row + j, tmp, sizeof(float) * static_cast<size_t>(nv - j));
                 vsum = _mm256_add_ps(vsum, e);
             }
-            inv[r] = 1.0f / hsum(vsum);
+            inv[r] = 1.0f / (hsum(vsum) + (shape.sinks != nullptr ? std::exp(sink - mx) : 0.0f));
         }
         // Values: 8 chunks (64 floats) of each row's output at a time, accumulated run by run in out. f32 rows are
         // read in place for a whole run; f16 rows are converted 8 at a time into vbuf, once for all rows of the pass

@@ -157,7 +157,10 @@ static void attend_t(const AttentionShape & shape, const Rope & rope, const floa
         for (int64_t j = first; j < seen; ++j) {
             mx = std::max(mx, score[j]);
         }
-        float sum = 0.0f;
+        if (shape.sinks != nullptr) {
+            mx = std::max(mx, shape.sinks[h]);
+        }
+        float sum = shape.sinks != nullptr ? std::exp(shape.sinks[h] - mx) : 0.0f;
         for (int64_t j = first; j < seen; ++j) {
             score[j] = std::exp(score[j] - mx);
             sum += score[j];

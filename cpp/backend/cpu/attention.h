@@ -51,6 +51,9 @@ struct AttentionShape {
     // (rows [n_visible - window, n_visible), as a sequence position p attends to keys in (p - window, p]); rows
     // before are skipped, whatever run (shared span, corrected segment) holds them. 0: all n_visible rows.
     int64_t window = 0;
+    // Attention sinks (gpt-oss): per query head a logit [n_head] (backend address) that joins the softmax's
+    // denominator and no value, so a head may attend to nothing; null: none.
+    const float * sinks = nullptr;
 };
 
 constexpr int kMaxCorrectionRank = 256;

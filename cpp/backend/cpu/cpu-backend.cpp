@@ -17,6 +17,7 @@
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quants.h"
+#include "backend/cpu/swiglu-oai.h"
 #include "backend/cpu/threadpool.h"
 #include "backend/moe-route.h"
 #include "common/error.h"
@@ -253,6 +254,14 @@ class CpuBackend final : public Backend {
             long long b, e;
             cpu::split_range(n_rows, ith, nth, b, e);
             cpu::gelu_tanh_mul(g + b * n, u + b * n, g + b * n, (e - b) * n);
+        });
+    }
+
+    void swiglu_oai(float * g, const float * u, int64_t n_rows, int64_t n, float alpha, float limit) override {
+        pool_.run([&](int ith, int nth) {
+            long long b, e;
+            cpu::split_range(n_rows, ith, nth, b, e);
+            cpu::swiglu_oai(g + b * n, u + b * n, (e - b) * n, alpha, limit);
         });
     }
 

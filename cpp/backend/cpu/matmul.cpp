@@ -374,8 +374,8 @@ void check_weight(const WeightView & w, const char * what) {
              static_cast<long long>(w.n_in), t->name, static_cast<long long>(t->block));
     KC_CHECK(w.row_bytes >= ggml_row_bytes(w.type, w.n_in), "%s: row_bytes %zu is smaller than a %s row of %lld", what,
              w.row_bytes, t->name, static_cast<long long>(w.n_in));
-    // Blocks are read through their structs: f32 needs 4-byte alignment, everything else 2.
-    const size_t align = w.type == GgmlType::F32 ? 4 : 2;
+    // Blocks are read through their structs: f32 needs 4-byte alignment, MXFP4 (bytes only) none, everything else 2.
+    const size_t align = w.type == GgmlType::F32 ? 4 : w.type == GgmlType::MXFP4 ? 1 : 2;
     KC_CHECK(w.n_out == 0 ||
                  (w.data != nullptr && reinterpret_cast<uintptr_t>(w.data) % align == 0 && w.row_bytes % align == 0),
              "%s: %s weight data must be %zu-byte aligned", what, t->name, align);

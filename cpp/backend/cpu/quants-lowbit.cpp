@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend/cpu/matmul-impl.h"
+#include "backend/cpu/quants-mxfp4.h"
 #include "backend/cpu/quants.h"
 
 namespace kvcmas::cpu::detail {
@@ -106,7 +107,7 @@ DequantFn dequant_fn_lowbit(GgmlType type) {
         case GgmlType::Q3_K: return dequant_q3_k;
         case GgmlType::IQ4_NL: return dequant_iq4_nl;
         case GgmlType::IQ4_XS: return dequant_iq4_xs;
-        default: return nullptr;
+        default: return dequant_fn_mxfp4(type);  // quants-mxfp4.cpp
     }
 }
 
@@ -116,7 +117,7 @@ RowDotFn row_dot_fn_lowbit(GgmlType type) {
         case GgmlType::Q3_K: return dot_dequantized_rows<BlockQ3_K, kQK, dequant_q3_k>;
         case GgmlType::IQ4_NL: return dot_dequantized_rows<BlockIQ4_NL, 32, dequant_iq4_nl>;
         case GgmlType::IQ4_XS: return dot_dequantized_rows<BlockIQ4_XS, kQK, dequant_iq4_xs>;
-        default: return nullptr;
+        default: return row_dot_fn_mxfp4(type);  // quants-mxfp4.cpp
     }
 }
 

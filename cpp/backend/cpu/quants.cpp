@@ -224,7 +224,7 @@ void dequantize_row(GgmlType type, const void * src, float * dst, int64_t n) {
              ggml_type_name(static_cast<uint32_t>(type)));
     KC_CHECK(n >= 0 && n % t->block == 0, "dequantize_row: %lld elements of %s is not a whole number of blocks",
              static_cast<long long>(n), t->name);
-    KC_CHECK(type == GgmlType::F32 || reinterpret_cast<uintptr_t>(src) % 2 == 0,
+    KC_CHECK(type == GgmlType::F32 || type == GgmlType::MXFP4 || reinterpret_cast<uintptr_t>(src) % 2 == 0,
              "dequantize_row: %s data must be 2-byte aligned", t->name);
     detail::DequantFn fn = detail::dequant_fn_scalar(type);
 #if defined(KC_X86)

@@ -17,6 +17,7 @@
 
 #include "backend/cuda/cuda-backend.h"
 #include "backend/cuda/quants.cuh"
+#include "backend/cuda/swiglu-oai.cuh"
 #include "backend/moe-route.h"
 #include "common/error.h"
 
@@ -371,7 +372,7 @@ constexpr int kMaxHeadDim  = 256;
 __global__ void attention_kernel(const float * q, float * out, const int32_t * tab, const int64_t * n_visible,
                                  const DevRun * runs, const int32_t * table_first, int n_head, int n_head_kv, int hd,
                                  float scale, int64_t v_offset, int64_t row_bytes, bool f16, int n_rot, bool neox,
-                                 const float * inv_freq, int max_rank) {
+                                 const float * inv_freq, int max_rank, const float * sinks) {
     extern __shared__ float smem[];
     float *                 q_rot  = smem;                 // [hd]
     float *                 qb     = q_rot + kMaxHeadDim;  // [max_rank]
@@ -494,6 +495,13 @@ __global__ void attention_kernel(const float * q, float * out, const int32_t * t
             }
             __syncthreads();
         }
+    }
+    if (sinks != nullptr) {  // the head's sink logit joins the denominator (gpt-oss)
+        const float m_new = fmaxf(m, sinks[h]);
+        const float corr  = expf(m - m_new);
+        acc0 *= corr;
+        acc1 *= corr;
+        l = l * corr + expf(sinks[h] - m_new);
     }
     float * o = out + (i * n_head + h) * hd;
     if (d0 < hd) {
@@ -798,6 +806,9 @@ class CudaBackend final : public Backend {
         }
     }
 
+    void swiglu_oai(float * g, const float * u, int64_t n_rows, int64_t n, float alpha, float limit) override {
+        cuda::swiglu_oai(g, u, n_rows * n, alpha, limit);
+    }
     void geglu_tanh(float * g, const float * u, int64_t n_rows, int64_t n) override {
         if (n_rows * n > 0) {
             geglu_tanh_kernel<<<blocks_for(n_rows * n, 256), 256>>>(g, u, n_rows * n);
@@ -925,7 +936,7 @@ class CudaBackend final : public Backend {
             q, out, static_cast<const int32_t *>(d_tab.data()), static_cast<const int64_t *>(d_vis.data()),
             static_cast<const DevRun *>(d_runs.data()), static_cast<const int32_t *>(d_first.data()), shape.n_head,
             shape.n_head_kv, shape.head_dim, shape.scale, store.v_offset, store.row_bytes, store.kv_type == KvType::F16,
-            rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()), max_rank);
+            rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()), max_rank, shape.sinks);
         check_launch("attention");
     }
 

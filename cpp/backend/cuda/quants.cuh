@@ -172,6 +172,12 @@ template <> __device__ __forceinline__ void load8<kQ6_K>(const uint8_t * row, in
     }
 }
 
+}  // namespace kvcmas::cuda
+
+#include "backend/cuda/mxfp4.cuh"  // load8<kMXFP4>
+
+namespace kvcmas::cuda {
+
 // Calls f.template operator()<T>() for the runtime type id; false for a type the kernels do not read.
 template <typename F> inline bool dispatch_type(int type, F && f) {
     switch (type) {
@@ -186,6 +192,7 @@ template <typename F> inline bool dispatch_type(int type, F && f) {
         case kQ4_K: f.template operator()<kQ4_K>(); return true;
         case kQ5_K: f.template operator()<kQ5_K>(); return true;
         case kQ6_K: f.template operator()<kQ6_K>(); return true;
+        case kMXFP4: f.template operator()<kMXFP4>(); return true;
         default: return false;
     }
 }

@@ -1,6 +1,7 @@
 // The backends' ops one by one on host arrays, for tests/test_backend_ops.py: each call uploads its inputs, runs
 // one op on the chosen backend and downloads the result. KV rows live in a one-layer block store of the backend.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -367,6 +369,16 @@ void bind_backend(nb::module_ & m) {
             "geglu_tanh", [](Ops & o, F2 g, F2 u) { return gated(o, &backend::Backend::geglu_tanh, g, u); },
             nb::arg("g"), nb::arg("u"))
         .def(
+            "swiglu_oai",
+            [](Ops & o, F2 g, F2 u, float alpha, float limit) {
+                const size_t r = g.shape(0), n = g.shape(1);
+                KC_CHECK(u.shape(0) == r && u.shape(1) == n, "g and u must have one shape");
+                backend::Buffer bg = o.put(g.data(), r * n), bu = o.put(u.data(), r * n);
+                o.be->swiglu_oai(bg.f32(), bu.f32(), static_cast<int64_t>(r), static_cast<int64_t>(n), alpha, limit);
+                return out2(o.get(bg, r * n), r, n);
+            },
+            nb::arg("g"), nb::arg("u"), nb::arg("alpha"), nb::arg("limit"))
+        .def(
             "scale",
             [](Ops & o, F2 x, float s) {
                 const size_t    r = x.shape(0), n = x.shape(1);
@@ -462,12 +474,18 @@ void bind_backend(nb::module_ & m) {
             "attention",
             [](Ops & o, int n_head, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox,
                F1 inv_freq, F2 q, F2 k, F2 v, std::vector<RunSpec> runs, std::vector<CorrSpec> corrs,
-               int64_t n_visible0) {
-                const cpu::KvType         type  = kv_type_of(kv_type);
-                const cpu::AttentionShape shape = make_shape(n_head, n_head_kv, head_dim, type);
-                const cpu::Rope           rope  = make_rope(n_rot, neox, inv_freq);
-                const int64_t nq = static_cast<int64_t>(q.shape(0)), qd = static_cast<int64_t>(n_head) * head_dim,
-                              kd = shape.row_stride;
+               int64_t n_visible0, std::optional<F1> sinks) {
+                const cpu::KvType   type  = kv_type_of(kv_type);
+                cpu::AttentionShape shape = make_shape(n_head, n_head_kv, head_dim, type);
+                backend::Buffer     bsinks;
+                if (sinks) {
+                    KC_CHECK(sinks->shape(0) == static_cast<size_t>(n_head), "sinks: one logit per query head");
+                    bsinks      = o.put(sinks->data(), n_head);
+                    shape.sinks = bsinks.f32();
+                }
+                const cpu::Rope rope = make_rope(n_rot, neox, inv_freq);
+                const int64_t   nq = static_cast<int64_t>(q.shape(0)), qd = static_cast<int64_t>(n_head) * head_dim,
+                                kd = shape.row_stride;
                 KC_CHECK(q.shape(1) == static_cast<size_t>(qd) && k.shape(1) == static_cast<size_t>(kd) &&
                              v.shape(0) == k.shape(0) && v.shape(1) == k.shape(1) && nq >= 1,
                          "attention: q [nq, n_head·hd], k, v [rows, kd]");
@@ -493,9 +511,10 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("n_head"), nb::arg("n_head_kv"), nb::arg("head_dim"), nb::arg("kv_type"), nb::arg("n_rot"),
             nb::arg("neox"), nb::arg("inv_freq"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("runs"),
-            nb::arg("corrs"), nb::arg("n_visible0"),
+            nb::arg("corrs"), nb::arg("n_visible0"), nb::arg("sinks") = nb::none(),
             "Attention of nq consecutive queries (query i sees n_visible0 + i rows) over runs (row0, n, shift, corr) "
-            "of rows k, v stored as kv_type, corrections corrs[i] = (a_k, b_k, a_v, b_v).")
+            "of rows k, v stored as kv_type, corrections corrs[i] = (a_k, b_k, a_v, b_v); sinks [n_head]: a sink "
+            "logit per query head in the softmax's denominator.")
         .def(
             "kv_read",
             [](Ops & o, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox, F1 inv_freq,

@@ -53,7 +53,9 @@ struct ModelParams {
     double      yarn_beta_slow = 1.0;
     // The rotated dims of queries and keys are scaled by this (yarn / longrope "attention factor"), through the
     // cos/sin tables of the global layers; stored keys carry it, and shifting them (a pure rotation) stays exact.
-    double                 rope_attn_factor = 1.0;
+    double rope_attn_factor = 1.0;
+    // yarn: the ramp's ends rounded out to whole dims (llama.cpp, transformers' default); gpt-oss does not round.
+    bool                   yarn_truncate = true;
     bool                   rope_neox = false;  // set by the architecture: rotate (i, i + n_rot/2), else (2i, 2i + 1)
     std::vector<LayerRope> layer_rope;         // [n_layer]
 
@@ -97,6 +99,10 @@ struct LayerWeights {
     // n_embd], one Weight per expert (views of the file's 3-D tensors).
     backend::Weight              router;
     std::vector<backend::Weight> exp_gate, exp_up, exp_down;
+
+    // gpt-oss: the output projection's bias [n_embd]; per query head an attention sink logit [n_head]; the router's
+    // bias [n_expert]; the experts' biases, gate/up [n_expert][n_ff_exp] and down [n_expert][n_embd].
+    backend::Buffer bo, attn_sinks, router_bias, exp_gate_bias, exp_up_bias, exp_down_bias;
 };
 
 // The state of one forward pass: the batch's activations in backend memory and what attention reads.

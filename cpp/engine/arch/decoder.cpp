@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "common/error.h"
 #include "engine/gguf-names.h"
 #include "engine/kv-cache.h"
 #include "engine/lora-adapter.h"
@@ -17,6 +18,18 @@ void configure_neox_rope(ModelParams & p, const gguf::GgufFile &) {
 
 void configure_paired_rope(ModelParams & p, const gguf::GgufFile &) {
     p.rope_neox = false;
+}
+
+void configure_experts(ModelParams & p, const gguf::GgufFile & f) {
+    const std::string a = p.arch + ".";
+    p.n_expert          = f.get_int(a + names::kArchKeyExpertCount);
+    p.n_expert_used     = f.get_int(a + names::kArchKeyExpertUsedCount);
+    p.n_ff_exp          = f.get_int(a + names::kArchKeyExpertFeedForwardLength);
+    KC_CHECK(p.n_expert > 0 && p.n_expert <= 1024 && p.n_expert_used > 0 && p.n_expert_used <= p.n_expert,
+             "%s: expert_count %lld / expert_used_count %lld out of range", f.path().c_str(),
+             static_cast<long long>(p.n_expert), static_cast<long long>(p.n_expert_used));
+    KC_CHECK(p.n_ff_exp > 0 && p.n_ff_exp <= (1 << 20), "%s: expert_feed_forward_length %lld out of range",
+             f.path().c_str(), static_cast<long long>(p.n_ff_exp));
 }
 
 std::string block_name(int il, const char * suffix) {
@@ -90,10 +103,18 @@ void load_ffn(const TensorLoader & loader, backend::Backend & be, const ModelPar
     }
 }
 
-void load_experts(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L) {
+void load_experts(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L,
+                  const MoeLayout & layout) {
     const int64_t E = p.n_embd, F = p.n_ff_exp, X = p.n_expert;
-    L.ffn_norm                 = load_norm(loader, be, block_name(il, names::kBlkFfnNorm), E, true);
-    L.router                   = upload(be, loader.matrix(block_name(il, names::kBlkFfnGateInp), E, X));
+    L.ffn_norm = load_norm(
+        loader, be, block_name(il, layout.norm_post_attention ? names::kBlkAttnPostNorm : names::kBlkFfnNorm), E, true);
+    L.router = upload(be, loader.matrix(block_name(il, names::kBlkFfnGateInp), E, X));
+    if (layout.biases) {
+        L.router_bias   = load_norm(loader, be, block_name(il, names::kBlkFfnGateInpBias), X, true);
+        L.exp_gate_bias = load_norm(loader, be, block_name(il, names::kBlkFfnGateExpsBias), X * F, true);
+        L.exp_up_bias   = load_norm(loader, be, block_name(il, names::kBlkFfnUpExpsBias), X * F, true);
+        L.exp_down_bias = load_norm(loader, be, block_name(il, names::kBlkFfnDownExpsBias), X * E, true);
+    }
     const cpu::WeightView gate = loader.matrices(block_name(il, names::kBlkFfnGateExps), E, F, X);
     const cpu::WeightView up   = loader.matrices(block_name(il, names::kBlkFfnUpExps), E, F, X);
     const cpu::WeightView down = loader.matrices(block_name(il, names::kBlkFfnDownExps), F, E, X);
@@ -155,12 +176,13 @@ void rope_and_store(ForwardState & st, int il) {
                         t.cos_k.f32(), t.sin_k.f32(), st.store, il, st.slots.data());
 }
 
-void attend(ForwardState & st, int il) {
+void attend(ForwardState & st, int il, const LayerWeights & L) {
     for (size_t s = 0; s < st.seq_ids.size(); ++s) {
         st.kv.runs(st.seq_ids[s], il, st.tables[s]);
     }
     backend::AttentionShape shape = st.shape;
     shape.window                  = st.p.layer_window[static_cast<size_t>(il)];  // sliding-window layers: > 0
+    shape.sinks                   = L.attn_sinks.f32();                          // null where L has none
     st.be.attention(shape, st.rope(il), st.store, il, st.q.f32(), st.att.f32(), st.n, st.blocks.data(),
                     static_cast<int>(st.blocks.size()), st.tables.data(), st.max_visible);
 }
@@ -176,6 +198,9 @@ static void add_residual(ForwardState & st, const backend::Buffer & post_norm, f
 
 void attention_output(ForwardState & st, const LayerWeights & L) {
     st.be.matmul(L.wo, st.att.f32(), st.tmp.f32(), st.n);
+    if (L.bo.data() != nullptr) {
+        st.be.add_bias(st.tmp.f32(), L.bo.f32(), st.n, st.p.n_embd);
+    }
     apply_lora(st, st.att.f32(), st.p.n_head * st.p.head_dim, { { LoraTarget::Output, st.tmp.f32(), st.p.n_embd } });
     add_residual(st, L.attn_post_norm, st.tmp.f32());
 }
@@ -184,7 +209,7 @@ void attention_block(ForwardState & st, int il, const LayerWeights & L) {
     qkv_projections(st, L, attention_input(st, L));
     qk_norm(st, L);
     rope_and_store(st, il);
-    attend(st, il);
+    attend(st, il, L);
     attention_output(st, L);
 }
 
@@ -205,6 +230,8 @@ void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
     apply_lora(st, in, E, { { LoraTarget::Gate, st.g.f32(), p.n_ff }, { LoraTarget::Up, st.u.f32(), p.n_ff } });
     if (gate == Gate::Silu) {
         be.swiglu(st.g.f32(), st.u.f32(), n, p.n_ff);
+    } else if (gate == Gate::SwigluOai) {
+        be.swiglu_oai(st.g.f32(), st.u.f32(), n, p.n_ff, kOaiAlpha, kOaiLimit);
     } else {
         be.geglu_tanh(st.g.f32(), st.u.f32(), n, p.n_ff);
     }
@@ -217,7 +244,7 @@ void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
 
 namespace kvcmas::decoder {
 
-void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm) {
+void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm, Gate gate) {
     backend::Backend &  be = st.be;
     const ModelParams & p  = st.p;
     const int64_t       n = st.n, E = p.n_embd, F = p.n_ff_exp, X = p.n_expert;
@@ -229,6 +256,9 @@ void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm) {
     {
         backend::Buffer logits = floats(n * X);
         be.matmul(L.router, st.xn.f32(), logits.f32(), n);
+        if (L.router_bias.data() != nullptr) {
+            be.add_bias(logits.f32(), L.router_bias.f32(), n, X);
+        }
         be.moe_route(logits.f32(), n, static_cast<int>(X), k, norm, ids.data(), weights.data());
     }
     // Per expert, the tokens routed to it (in token order) and their weights; experts in index order.
@@ -254,8 +284,19 @@ void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm) {
         const backend::Weight gate_up[2] = { L.exp_gate[static_cast<size_t>(e)], L.exp_up[static_cast<size_t>(e)] };
         float * const         gu[2]      = { g.f32(), u.f32() };
         be.matmul_multi(gate_up, gu, 2, xg.f32(), m);
-        be.swiglu(g.f32(), u.f32(), m, F);
+        if (L.exp_gate_bias.data() != nullptr) {  // expert e's rows of the stacked biases
+            be.add_bias(g.f32(), L.exp_gate_bias.f32() + e * F, m, F);
+            be.add_bias(u.f32(), L.exp_up_bias.f32() + e * F, m, F);
+        }
+        if (gate == Gate::SwigluOai) {
+            be.swiglu_oai(g.f32(), u.f32(), m, F, kOaiAlpha, kOaiLimit);
+        } else {
+            be.swiglu(g.f32(), u.f32(), m, F);
+        }
         be.matmul(L.exp_down[static_cast<size_t>(e)], g.f32(), out.f32(), m);
+        if (L.exp_down_bias.data() != nullptr) {
+            be.add_bias(out.f32(), L.exp_down_bias.f32() + e * E, m, E);
+        }
         be.add_scaled_rows(st.tmp.f32(), out.f32(), r.data(), scales[static_cast<size_t>(e)].data(), m, E);
     }
     be.add(st.x.f32(), st.tmp.f32(), n * E);

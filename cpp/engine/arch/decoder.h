@@ -14,6 +14,8 @@ namespace kvcmas::decoder {
 
 void configure_neox_rope(ModelParams & p, const gguf::GgufFile & f);    // (i, i + n_rot/2), HF's rotate-half
 void configure_paired_rope(ModelParams & p, const gguf::GgufFile & f);  // (2i, 2i + 1), llama.cpp's llama
+// n_expert, n_expert_used, n_ff_exp from the file's expert_* keys (required), checked.
+void configure_experts(ModelParams & p, const gguf::GgufFile & f);
 
 // ---- loading
 
@@ -59,9 +61,10 @@ void qkv_projections(ForwardState & st, const LayerWeights & L, const float * in
 void qk_norm(ForwardState & st, const LayerWeights & L);
 // q and k rotated with layer il's RoPE; k and v stored in layer il's KV rows.
 void rope_and_store(ForwardState & st, int il);
-// st.att = attention of q over each sequence's run table in layer il (shifts, corrections and window fused).
-void attend(ForwardState & st, int il);
-// x += post_norm(att · Wo) (the norm when L has attn_post_norm).
+// st.att = attention of q over each sequence's run table in layer il (shifts, corrections and window fused), with
+// L's attention sinks when it has them.
+void attend(ForwardState & st, int il, const LayerWeights & L);
+// x += post_norm(att · Wo + bo) (the bias when L has bo, the norm when L has attn_post_norm).
 void attention_output(ForwardState & st, const LayerWeights & L);
 
 // All of the above in order.
@@ -70,18 +73,27 @@ void attention_block(ForwardState & st, int il, const LayerWeights & L);
 // ---- feed-forward
 
 enum class Gate {
-    Silu,      // SwiGLU
-    GeluTanh,  // GeGLU with the tanh approximation of GELU (gemma)
+    Silu,       // SwiGLU
+    GeluTanh,   // GeGLU with the tanh approximation of GELU (gemma)
+    SwigluOai,  // gpt-oss's clamped SwiGLU: alpha kOaiAlpha, limit kOaiLimit, (up + 1) (Backend::swiglu_oai)
 };
+inline constexpr float kOaiAlpha = 1.702f;
+inline constexpr float kOaiLimit = 7.0f;
 
 // x += post_norm(w_down · (act(w_gate · h) * (w_up · h))), h = rms_norm(x) when L has ffn_norm, else x.
 void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate);
 
 // Routed experts (qwen3moe): the router's top-k experts of each token (softmax, normalized when norm), each chosen
 // expert's SwiGLU over the tokens routed to it (only those experts' weights are read), summed with the routing
-// weights: x += Σ_j w_j · down_e(silu(gate_e · h) * (up_e · h)), h = rms_norm(x).
-void load_experts(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L);
-void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm);
+// weights: x += Σ_j w_j · down_e(silu(gate_e · h) * (up_e · h)), h = rms_norm(x). With biases (gpt-oss) the router
+// and every expert projection add theirs; gate picks the activation (Silu or SwigluOai).
+struct MoeLayout {
+    bool norm_post_attention = false;  // the pre-norm is named post_attention_norm.weight (gpt-oss), not ffn_norm
+    bool biases              = false;  // ffn_gate_inp.bias and ffn_{gate,up,down}_exps.bias, required
+};
+void load_experts(const TensorLoader & loader, backend::Backend & be, const ModelParams & p, int il, LayerWeights & L,
+                  const MoeLayout & layout = MoeLayout{});
+void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm, Gate gate = Gate::Silu);
 
 // Norms, Q/K/V/O projections and the SwiGLU feed-forward of a llama-style layer; with_qkv_bias: Q/K/V biases are
 // required.

@@ -12,10 +12,11 @@ extern const Architecture kArchOlmo2;     // arch/olmo2.cpp
 extern const Architecture kArchSmollm3;   // arch/smollm3.cpp
 extern const Architecture kArchPhi3;      // arch/phi3.cpp
 extern const Architecture kArchQwen2Vl;   // arch/qwen2vl.cpp
+extern const Architecture kArchGptOss;    // arch/gpt-oss.cpp
 
 static const Architecture * const kArchitectures[] = {
     &kArchLlama, &kArchQwen2,   &kArchQwen3, &kArchQwen3Moe, &kArchGemma3,
-    &kArchOlmo2, &kArchSmollm3, &kArchPhi3,  &kArchQwen2Vl,
+    &kArchOlmo2, &kArchSmollm3, &kArchPhi3,  &kArchQwen2Vl,  &kArchGptOss,
 };
 
 const Architecture * find_architecture(const std::string & name) {
