@@ -23,9 +23,9 @@ namespace {
 
 // Outputs per B work item: a few cache lines of each of the rank rows of b_t.
 constexpr int64_t kUpBlock = 64;
-// Fewer multiply-adds than this in a call run on the calling thread: a decode step's calls (a batch of a few adapters:
-// 40k-200k) read a few MB at most, which one thread streams about as fast as two, and a pool round costs more than
-// that on a busy machine (measured: docs/engine-speed.md, "LoRA adapters"); prefill chunks go to the pool.
+// Fewer multiply-adds than this in a lora_add call run on the calling thread (a pool round costs more than a few
+// MB of factors take one thread to stream on a busy machine); decode steps do not come here, their products run in
+// the base matmul's job (matmul_multi_lora).
 constexpr int64_t kParallelMacs = 1 << 20;
 
 using backend::LoraFactorType;

@@ -1,7 +1,9 @@
 // The CPU backend's LoRA op (Backend::lora_add, backend.h): every product's low-rank updates in one pool round of
 // whole (product, group) pairs per thread where they split evenly, else in two: the A products (t = A x) split over
-// the threads by rank row, then the B products by blocks of outputs. Each value is computed by one thread in a fixed
-// order, so a row's result does not depend on the batch, the other products of the call or the thread count.
+// the threads by rank row, then the B products by blocks of outputs. On the decode path the adapted matmuls run
+// them inside the base matmul's own parallel job instead (matmul_multi_lora). Each value is computed by one thread in
+// a fixed order, so a row's result does not depend on the batch, the other products of the call, the thread count or
+// the path.
 #pragma once
 
 #include <cstddef>
