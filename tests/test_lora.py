@@ -408,3 +408,74 @@ def test_bench_lora_reports_each_case(tiny_models, tmp_path: Path) -> None:
     ]
     for base, tuned_row in (rows[0:2], rows[2:4]):
         assert tuned_row["vs_base"] == pytest.approx(tuned_row["ms_per_step"] / base["ms_per_step"])
+
+
+@pytest.mark.parametrize("weight_type", ["Q4_1", "Q8_0", "F32"])
+@pytest.mark.parametrize("n_tok", [1, 4, 40])
+def test_adapted_matmul_in_one_job_equals_matmul_then_lora_add(weight_type: str, n_tok: int) -> None:
+    """Backend::matmul_multi_lora (the CPU decode path runs the base rows and the adapters' products in one parallel
+    job) gives the bits of matmul_multi followed by lora_add, at 1 and 2 threads, for decode (1 and 4 rows, several
+    adapters in the batch, one matrix with no adapter) and prefill (40 rows, the two calls)."""
+    from helpers.native import testing
+
+    mtm = pytest.importorskip("make_test_models")
+    rng = np.random.default_rng(n_tok)
+    n_in, outs = 576, (576, 192, 1536)
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    datas, type_id = [], 0
+    for n_out in outs:
+        data, qtype = mtm.encode((rng.standard_normal((n_out, n_in)) * 0.05).astype(np.float32), weight_type)
+        datas.append(np.ascontiguousarray(data).view(np.uint8).ravel())
+        type_id = int(qtype)
+    products = []
+    for p, n_out in enumerate(outs):
+        groups = []
+        for g, rank in enumerate([16, 8, 16] if p != 1 else []):  # K-like: no adapter adapts it
+            rows = np.arange(g, n_tok, 3, dtype=np.int32)
+            a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            b = (rng.standard_normal((n_out, rank)) * 0.05).astype(np.float32)
+            groups.append((a, b, rows, rng.uniform(0.5, 2, len(rows)).astype(np.float32)))
+        products.append((np.zeros((n_tok, n_out), np.float32), groups))
+    for threads in (1, 2):
+        ops = testing.BackendOps("cpu", threads)
+        ops.set_activations("q8")
+        fused = ops.matmul_lora_products(type_id, datas, x, products, "i8")
+        base = ops.matmul_multi(type_id, datas, n_in, list(outs), x)
+        for (_, groups), got, y in zip(products, fused, base, strict=True):
+            want = ops.lora_add(x, y, groups, "i8") if groups else y
+            np.testing.assert_array_equal(got, want)
+        if threads == 1:
+            one_thread = fused
+        else:
+            for got, alone in zip(fused, one_thread, strict=True):
+                np.testing.assert_array_equal(got, alone)
+
+
+def test_mixed_batch_over_a_quantized_base_in_one_matmul_path(quantized: kc.Model, ids: list[int]) -> None:
+    """Over the Q8_0 base (8-bit activations, i8 factors, 2 threads: the adapters' products in the base matmul's job)
+    base, attn_r4 and all_r16 sequences in one batch each get their alone bits, prompts included, as long as the batch
+    and each sequence alone take the same matmul path: here prompts of 5 tokens, 15 rows together, under the 17 of
+    the decode path. (A prompt alone under 17 rows but over it in a batch goes from the decode kernels to the integer
+    prefill GEMM, whose activations are quantized differently: docs/adapters.md.)"""
+    plan = [(None, ids[:5]), ("attn_r4", ids[5:10]), ("all_r16", ids[10:15])]
+
+    def run(members: list[int]) -> dict[int, list[np.ndarray]]:
+        seqs = {i: quantized.new_sequence() for i in members}
+        out: dict[int, list[np.ndarray]] = {i: [] for i in members}
+        try:
+            for i in members:
+                quantized.set_sequence_adapter(seqs[i], plan[i][0])
+            batch = [(seqs[i], plan[i][1]) for i in members]
+            for step in range(3):
+                for i, logits in zip(members, quantized.decode_batch(batch), strict=True):
+                    out[i].append(logits)
+                batch = [(seqs[i], [100 + 7 * step + i]) for i in members]
+        finally:
+            for s in seqs.values():
+                s.close()
+        return out
+
+    mixed = run([0, 1, 2])
+    for i in range(3):
+        for step, (a, m) in enumerate(zip(run([i])[i], mixed[i], strict=True)):
+            np.testing.assert_array_equal(m, a, err_msg=f"sequence {i} ({plan[i][0]}), step {step}")

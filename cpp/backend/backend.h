@@ -219,6 +219,14 @@ class Backend {
     // the other rows, groups or products of the call, nor on the thread count (a batch mixing adapters gives each
     // row what it gets alone).
     virtual void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) = 0;
+    // matmul_multi(w, y, n_mats, x, n_tok), then lora_add(x, w[0].n_in, products, n_products), each product's y one
+    // of y[i]: one call, so that a backend can run both in one pass (the CPU backend's decode path does, with the
+    // same bits).
+    virtual void matmul_multi_lora(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                                   const LoraProduct * products, int n_products) {
+        matmul_multi(w, y, n_mats, x, n_tok);
+        lora_add(x, w[0].n_in, products, n_products);
+    }
 
     // ---- mixture of experts (the expert matmuls themselves are matmul / matmul_multi over gathered rows).
     // Per row i of logits [n][n_expert]: softmax over the experts, its k most probable (ties: lower index first)

@@ -208,8 +208,21 @@ const LoraPair * LoraAdapter::pair(int il, LoraTarget t) const {
     return layers_[static_cast<size_t>(il)][static_cast<size_t>(t)].get();
 }
 
-void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initializer_list<LoraOutput> outputs) {
-    if (st.lora.empty()) {
+void adapted_matmul(ForwardState & st, const float * in, std::initializer_list<LoraOutput> outputs) {
+    const int       n_mats = static_cast<int>(outputs.size());
+    backend::Weight w[kLoraTargets];
+    float *         y[kLoraTargets];
+    int             m = 0;
+    for (const LoraOutput & out : outputs) {
+        w[m]   = *out.w;
+        y[m++] = out.y;
+    }
+    if (st.lora.empty()) {  // the base alone, as the decoder runs it without adapters
+        if (n_mats == 1) {
+            st.be.matmul(w[0], in, y[0], st.n);
+        } else {
+            st.be.matmul_multi(w, y, n_mats, in, st.n);
+        }
         return;
     }
     // Reused between calls (a decode step makes hundreds): the groups of every output, then the products over them.
@@ -232,12 +245,10 @@ void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initiali
         }
         if (groups.size() > first) {
             products.push_back(
-                backend::LoraProduct{ out.y, out.n_out, &groups[first], static_cast<int>(groups.size() - first) });
+                backend::LoraProduct{ out.y, out.w->n_out, &groups[first], static_cast<int>(groups.size() - first) });
         }
     }
-    if (!products.empty()) {
-        st.be.lora_add(in, n_in, products.data(), static_cast<int>(products.size()));
-    }
+    st.be.matmul_multi_lora(w, y, n_mats, in, st.n, products.data(), static_cast<int>(products.size()));
 }
 
 }  // namespace kvcmas

@@ -57,15 +57,16 @@ class LoraAdapter {
     std::vector<std::array<std::unique_ptr<LoraPair>, kLoraTargets>> layers_;
 };
 
-// One adapted matmul of the current layer: y [st.n][n_out] = in · Wᵀ of target `target`.
+// One matmul of the current layer, y [st.n][w.n_out] = in · wᵀ, the weight of target `target`.
 struct LoraOutput {
-    LoraTarget target;
-    float *    y;
-    int64_t    n_out;
+    LoraTarget              target;
+    const backend::Weight * w;
+    float *                 y;
 };
 
-// Adds, to each output (matmuls of the same input in [st.n][n_in] in the current layer, st.layer), the updates of
-// the adapters the batch's sequences use (st.lora), in one backend call; nothing for targets none of them adapts.
-void apply_lora(ForwardState & st, const float * in, int64_t n_in, std::initializer_list<LoraOutput> outputs);
+// The outputs' matmuls of the same input in [st.n][n_in] (one matmul_multi: Q/K/V, gate/up; a single one: matmul)
+// plus, where the batch's sequences use adapters (st.lora), each adapter's update of the targets it adapts, in one
+// backend call (Backend::matmul_multi_lora); without adapters exactly the base's matmuls.
+void adapted_matmul(ForwardState & st, const float * in, std::initializer_list<LoraOutput> outputs);
 
 }  // namespace kvcmas

@@ -164,6 +164,16 @@ class CpuBackend final : public Backend {
         cpu::matmul_multi(v, y, n_mats, x, n_tok, pool_, act_);
     }
 
+    void matmul_multi_lora(const Weight * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                           const LoraProduct * products, int n_products) override {
+        KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti, "matmul_multi_lora: %d matrices", n_mats);
+        cpu::WeightView v[cpu::kMaxMatmulMulti];
+        for (int i = 0; i < n_mats; ++i) {
+            v[i] = view(w[i]);
+        }
+        cpu::matmul_multi_lora(v, y, n_mats, x, n_tok, products, n_products, pool_, act_, lora_);
+    }
+
     void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
         for (int64_t i = 0; i < n_rows; ++i) {
             add(y + i * n, b, n);

@@ -1,4 +1,5 @@
 // The LoRA row kernels (lora.h) with AVX2/FMA/F16C; called only when the CPU has them (see lora.cpp).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -59,33 +60,33 @@ float dot_rows(const void * a_row, const float * x, int64_t n) {
     return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
-// 32 outputs at a time (four accumulators, the rank rows of b_t in order), then 8, then one by one: every element
-// gets the same fused multiply-adds, whichever way it is reached.
+// Sweeps of up to kSweep outputs: each rank row of b_t read in one sequential run over the sweep (a decode call's
+// B product is a stream from memory: 16 rows a few bytes at a time each stall the loads), the sweep's sums kept in
+// a buffer; then 8 outputs, then one by one. Every element gets the same fused multiply-adds (over c in order from
+// zero, then into y), whichever way it is reached.
+constexpr int64_t kSweep = 512;
+
 template <LoraFactorType T>
 void up_rows(const float * t, int rank, const void * b_t, int64_t n_out, int64_t o0, int64_t o1, float s, float * y) {
     const __m256 vs = _mm256_set1_ps(s);
     int64_t      o  = o0;
-    for (; o + 32 <= o1; o += 32) {
-        __m256 u0 = _mm256_setzero_ps(), u1 = _mm256_setzero_ps(), u2 = _mm256_setzero_ps(), u3 = _mm256_setzero_ps();
+    while (o + 8 <= o1) {
+        const int64_t     n = std::min(kSweep, (o1 - o) / 8 * 8);
+        alignas(32) float u[kSweep];
+        for (int64_t k = 0; k < n; k += 8) {
+            _mm256_store_ps(u + k, _mm256_setzero_ps());
+        }
         for (int c = 0; c < rank; ++c) {
             const __m256  tc  = _mm256_set1_ps(t[c]);
             const int64_t row = c * n_out + o;
-            u0                = _mm256_fmadd_ps(tc, load8<T>(b_t, row), u0);
-            u1                = _mm256_fmadd_ps(tc, load8<T>(b_t, row + 8), u1);
-            u2                = _mm256_fmadd_ps(tc, load8<T>(b_t, row + 16), u2);
-            u3                = _mm256_fmadd_ps(tc, load8<T>(b_t, row + 24), u3);
+            for (int64_t k = 0; k < n; k += 8) {
+                _mm256_store_ps(u + k, _mm256_fmadd_ps(tc, load8<T>(b_t, row + k), _mm256_load_ps(u + k)));
+            }
         }
-        _mm256_storeu_ps(y + o, _mm256_fmadd_ps(vs, u0, _mm256_loadu_ps(y + o)));
-        _mm256_storeu_ps(y + o + 8, _mm256_fmadd_ps(vs, u1, _mm256_loadu_ps(y + o + 8)));
-        _mm256_storeu_ps(y + o + 16, _mm256_fmadd_ps(vs, u2, _mm256_loadu_ps(y + o + 16)));
-        _mm256_storeu_ps(y + o + 24, _mm256_fmadd_ps(vs, u3, _mm256_loadu_ps(y + o + 24)));
-    }
-    for (; o + 8 <= o1; o += 8) {
-        __m256 u = _mm256_setzero_ps();
-        for (int c = 0; c < rank; ++c) {
-            u = _mm256_fmadd_ps(_mm256_set1_ps(t[c]), load8<T>(b_t, c * n_out + o), u);
+        for (int64_t k = 0; k < n; k += 8) {
+            _mm256_storeu_ps(y + o + k, _mm256_fmadd_ps(vs, _mm256_load_ps(u + k), _mm256_loadu_ps(y + o + k)));
         }
-        _mm256_storeu_ps(y + o, _mm256_fmadd_ps(vs, u, _mm256_loadu_ps(y + o)));
+        o += n;
     }
     for (; o < o1; ++o) {
         float u = 0.0f;

@@ -6,8 +6,10 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul.h"
 #include "backend/cpu/quants.h"
 #include "backend/cpu/threadpool.h"
+#include "common/error.h"
 
 namespace kvcmas::cpu {
 
@@ -21,9 +23,9 @@ namespace {
 
 // Outputs per B work item: a few cache lines of each of the rank rows of b_t.
 constexpr int64_t kUpBlock = 64;
-// Fewer multiply-adds than this in a call run on the calling thread: a decode step's calls (a batch of a few adapters:
-// 40k-200k) read a few MB at most, which one thread streams about as fast as two, and a pool round costs more than
-// that on a busy machine (measured: docs/engine-speed.md, "LoRA adapters"); prefill chunks go to the pool.
+// Fewer multiply-adds than this in a lora_add call run on the calling thread (a pool round costs more than a few
+// MB of factors take one thread to stream on a busy machine); decode steps do not come here, their products run in
+// the base matmul's job (matmul_multi_lora).
 constexpr int64_t kParallelMacs = 1 << 20;
 
 using backend::LoraFactorType;
@@ -117,8 +119,10 @@ void lora_up(const float * t, int rank, const void * b_t, backend::LoraFactorTyp
     }
 }
 
-void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * products, int n_products, ThreadPool & pool,
-              LoraScratch & sc) {
+namespace {
+
+// Plans a call's work items into sc (allocating only to grow) and returns whether there is any.
+bool plan(int64_t n_in, const backend::LoraProduct * products, int n_products, LoraScratch & sc) {
     size_t n_t = 0;
     for (int p = 0; p < n_products; ++p) {
         for (int g = 0; g < products[p].n_groups; ++g) {
@@ -126,7 +130,7 @@ void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * produc
         }
     }
     if (n_t == 0) {
-        return;
+        return false;
     }
     if (sc.t.size() < n_t) {
         sc.t.resize(n_t);
@@ -134,6 +138,7 @@ void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * produc
     sc.down.clear();
     sc.up.clear();
     sc.whole.clear();
+    sc.product_wholes.assign(1, 0);
     sc.down_cost.assign(1, 0);
     sc.up_cost.assign(1, 0);
     sc.whole_cost.assign(1, 0);
@@ -145,7 +150,7 @@ void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * produc
             if (g.n_rows == 0 || g.rank == 0) {
                 continue;
             }
-            sc.whole.push_back(LoraScratch::Whole{ sc.down.size(), 0, sc.up.size(), 0 });
+            sc.whole.push_back(LoraScratch::Whole{ sc.down.size(), 0, sc.up.size(), 0, &g, t });
             for (int c = 0; c < g.rank; ++c) {
                 sc.down.push_back(LoraScratch::Down{ &g, c, t });
                 sc.down_cost.push_back(sc.down_cost.back() + g.n_rows * n_in);
@@ -161,28 +166,45 @@ void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * produc
             sc.whole_cost.push_back(sc.whole_cost.back() + (sc.down_cost.back() - sc.down_cost[sc.whole.back().d0]) +
                                     (sc.up_cost.back() - sc.up_cost[sc.whole.back().u0]));
         }
+        sc.product_wholes.push_back(sc.whole.size());
     }
-    const auto down = [&](size_t b, size_t e) {
-        for (size_t j = b; j < e; ++j) {
-            const LoraScratch::Down &  d = sc.down[j];
-            const backend::LoraGroup & g = *d.g;
-            const void * a = static_cast<const char *>(g.a) + factor_bytes(g.type) * static_cast<size_t>(d.c * n_in);
-            // I8: both rows' scales go into t, so the B products read the stored values as they are.
-            const float scale = g.type == LoraFactorType::I8 ? g.a_scale[d.c] * g.b_scale[d.c] : 1.0f;
-            for (int64_t i = 0; i < g.n_rows; ++i) {
-                d.t[i * g.rank + d.c] =
-                    scale * lora_dot(a, g.type, x + static_cast<int64_t>(g.host_rows[i]) * n_in, n_in);
-            }
+    return true;
+}
+
+// The A products of items [b, e) of sc.down: t = A x for each rank row, of each of the group's rows.
+void run_down(const float * x, int64_t n_in, const LoraScratch & sc, size_t b, size_t e) {
+    for (size_t j = b; j < e; ++j) {
+        const LoraScratch::Down &  d = sc.down[j];
+        const backend::LoraGroup & g = *d.g;
+        const void * a = static_cast<const char *>(g.a) + factor_bytes(g.type) * static_cast<size_t>(d.c * n_in);
+        // I8: both rows' scales go into t, so the B products read the stored values as they are.
+        const float scale = g.type == LoraFactorType::I8 ? g.a_scale[d.c] * g.b_scale[d.c] : 1.0f;
+        for (int64_t i = 0; i < g.n_rows; ++i) {
+            d.t[i * g.rank + d.c] = scale * lora_dot(a, g.type, x + static_cast<int64_t>(g.host_rows[i]) * n_in, n_in);
         }
-    };
-    const auto up = [&](size_t b, size_t e) {
+    }
+}
+
+// y[rows of g] [o0, o1) += s · B t (t the group's A products, y [n][n_out]).
+void run_up(const backend::LoraGroup & g, const float * t, float * y, int64_t n_out, int64_t o0, int64_t o1) {
+    for (int64_t i = 0; i < g.n_rows; ++i) {
+        lora_up(t + i * g.rank, g.rank, g.b_t, g.type, n_out, o0, o1, g.host_scales[i] * g.factor,
+                y + static_cast<int64_t>(g.host_rows[i]) * n_out);
+    }
+}
+
+}  // namespace
+
+void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * products, int n_products, ThreadPool & pool,
+              LoraScratch & sc) {
+    if (!plan(n_in, products, n_products, sc)) {
+        return;
+    }
+    const auto down = [&](size_t b, size_t e) { run_down(x, n_in, sc, b, e); };
+    const auto up   = [&](size_t b, size_t e) {
         for (size_t j = b; j < e; ++j) {
-            const LoraScratch::Up &    u = sc.up[j];
-            const backend::LoraGroup & g = *u.g;
-            for (int64_t i = 0; i < g.n_rows; ++i) {
-                lora_up(u.t + i * g.rank, g.rank, g.b_t, g.type, u.n_out, u.o0, u.o1, g.host_scales[i] * g.factor,
-                        u.y + static_cast<int64_t>(g.host_rows[i]) * u.n_out);
-            }
+            const LoraScratch::Up & u = sc.up[j];
+            run_up(*u.g, u.t, u.y, u.n_out, u.o0, u.o1);
         }
     };
     if (pool.size() == 1 || sc.down_cost.back() + sc.up_cost.back() < kParallelMacs) {
@@ -222,6 +244,46 @@ void lora_add(const float * x, int64_t n_in, const backend::LoraProduct * produc
         share(sc.up_cost, ith, nth, b, e);
         up(b, e);
     });
+}
+
+void matmul_multi_lora(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                       const backend::LoraProduct * products, int n_products, ThreadPool & pool, Activations act,
+                       LoraScratch & sc) {
+    const int64_t n_in = w[0].n_in;
+    if (!plan(n_in, products, n_products, sc)) {
+        matmul_multi(w, y, n_mats, x, n_tok, pool, act);
+        return;
+    }
+    KC_CHECK(n_mats >= 1 && n_mats <= kMaxMatmulMulti, "matmul_multi_lora: %d matrices", n_mats);
+    int product_of[kMaxMatmulMulti];  // the product that updates y[m], or -1
+    int matched = 0;
+    for (int m = 0; m < n_mats; ++m) {
+        product_of[m] = -1;
+        for (int p = 0; p < n_products; ++p) {
+            product_of[m] = products[p].y == y[m] ? p : product_of[m];
+        }
+        matched += product_of[m] >= 0 ? 1 : 0;
+    }
+    KC_CHECK(matched == n_products, "matmul_multi_lora: %d of %d products update none of the %d outputs",
+             n_products - matched, n_products, n_mats);
+    DecodeHook hook;
+    hook.n_pre = static_cast<int64_t>(sc.whole.size());
+    hook.pre   = [&](int64_t j) {
+        run_down(x, n_in, sc, sc.whole[static_cast<size_t>(j)].d0, sc.whole[static_cast<size_t>(j)].d1);
+    };
+    hook.post = [&](int m, int64_t r0, int64_t r1) {
+        const int p = product_of[m];
+        if (p < 0) {
+            return;
+        }
+        for (size_t j = sc.product_wholes[static_cast<size_t>(p)]; j < sc.product_wholes[static_cast<size_t>(p) + 1];
+             ++j) {
+            run_up(*sc.whole[j].g, sc.whole[j].t, y[m], products[p].n_out, r0, r1);
+        }
+    };
+    if (!matmul_multi_hooked(w, y, n_mats, x, n_tok, pool, act, hook)) {
+        lora_add(x, n_in, products, n_products, pool, sc);
+    }
 }
 
 }  // namespace kvcmas::cpu

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "common/error.h"
@@ -463,7 +464,10 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
 
 // The decode path for several matrices with the same activations, as one parallel job (the pool synchronizes once
 // for all of them): their rows, numbered one matrix after the other, are handed out in guided portions (above).
-void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
+void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool,
+                   const DecodeHook * hook = nullptr) {
+    const int64_t n_pre = hook != nullptr ? hook->n_pre : 0;
+
     bool need_sums = false, need_q8 = false;
     for (int i = 0; i < n_mats; ++i) {
         need_sums = need_sums || (mats[i].q8 == nullptr && has_block_min(mats[i].w->type));
@@ -473,13 +477,20 @@ void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64
     const Q8Acts     q8  = need_q8 ? quantize_acts(mats[0].w->n_in, x, n_tok) : Q8Acts{};
     const int        nth = pool.size();
     if (nth == 1) {
+        for (int64_t j = 0; j < n_pre; ++j) {
+            hook->pre(j);
+        }
         for (int i = 0; i < n_mats; ++i) {
             decode_rows(mats[i], act, q8, n_tok, 0, mats[i].w->n_out);
+            if (hook != nullptr) {
+                hook->post(i, 0, mats[i].w->n_out);
+            }
         }
         return;
     }
-    int64_t first_row[kMaxMatmulMulti + 1];  // row number of each matrix's first row; [n_mats] = total
-    first_row[0] = 0;
+    // The counter numbers the hook's pre items [0, n_pre) first, then the rows.
+    int64_t first_row[kMaxMatmulMulti + 1];  // number of each matrix's first row; [n_mats] = total
+    first_row[0] = n_pre;
     for (int i = 0; i < n_mats; ++i) {
         first_row[i + 1] = first_row[i] + mats[i].w->n_out;
     }
@@ -488,12 +499,21 @@ void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64
     struct alignas(64) Counter {
         std::atomic<int64_t> next{ 0 };
     } counter;
+    std::atomic<int64_t> pre_done{ 0 };  // pre items finished
     pool.run([&](int, int) {
         int     m = 0;
         int64_t c = counter.next.load(std::memory_order_relaxed);
         for (;;) {
             if (c >= total) {
                 return;
+            }
+            if (c < n_pre) {
+                if (counter.next.compare_exchange_weak(c, c + 1, std::memory_order_relaxed)) {
+                    hook->pre(c);
+                    pre_done.fetch_add(1, std::memory_order_release);
+                    c = counter.next.load(std::memory_order_relaxed);
+                }
+                continue;
             }
             while (c >= first_row[m + 1]) {
                 ++m;
@@ -506,6 +526,13 @@ void matmul_decode(const DecodeTarget * mats, int n_mats, const float * x, int64
                 continue;  // c now holds the current value
             }
             decode_rows(mats[m], act, q8, n_tok, c - first_row[m], c + take - first_row[m]);
+            if (hook != nullptr) {
+                // Every pre item was handed out before this row; the last ones may still be running elsewhere.
+                while (pre_done.load(std::memory_order_acquire) < n_pre) {
+                    std::this_thread::yield();
+                }
+                hook->post(m, c - first_row[m], c + take - first_row[m]);
+            }
             c = counter.next.load(std::memory_order_relaxed);
         }
     });
@@ -613,6 +640,26 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
         return;
     }
     matmul_decode(mats, n_mats, x, n_tok, pool);
+}
+
+bool matmul_multi_hooked(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                         ThreadPool & pool, Activations act, const DecodeHook & hook) {
+    KC_CHECK(n_mats >= 1 && n_mats <= kMaxMatmulMulti, "matmul_multi: %d matrices, at most %d", n_mats,
+             kMaxMatmulMulti);
+    DecodeTarget mats[kMaxMatmulMulti];
+    bool         decode = n_tok > 0;
+    for (int i = 0; i < n_mats; ++i) {
+        check_weight(w[i], "matmul_multi");
+        mats[i] = DecodeTarget{ &w[i], select_kernels(w[i].type), y[i], select_q8_kernel(w[i].type, act) };
+        decode  = decode && w[i].n_in == w[0].n_in && mats[i].k.dequant != nullptr && mats[i].k.row_dot != nullptr &&
+                  n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
+    }
+    if (!decode) {
+        matmul_multi(w, y, n_mats, x, n_tok, pool, act);
+        return false;
+    }
+    matmul_decode(mats, n_mats, x, n_tok, pool, &hook);
+    return true;
 }
 
 void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok) {

@@ -3,9 +3,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
-#include "common/ggml-types.h"
 #include "backend/cpu/threadpool.h"
+#include "common/ggml-types.h"
 
 namespace kvcmas::cpu {
 
@@ -46,6 +47,20 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
 constexpr int kMaxMatmulMulti = 7;
 void          matmul_multi(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                            ThreadPool & pool, Activations act = Activations::F32);
+
+// Work fused into matmul_multi's decode job (the LoRA op, lora.h), so that it costs no pool round of its own:
+// pre(item) for item in [0, n_pre) first (work that needs only x), then post(m, r0, r1) right after rows [r0, r1) of
+// y[m] have their values, on the same thread, once every pre item is done. Each call is made exactly once, on
+// whichever thread: what it computes must not depend on which.
+struct DecodeHook {
+    int64_t                                            n_pre = 0;
+    std::function<void(int64_t item)>                  pre;
+    std::function<void(int m, int64_t r0, int64_t r1)> post;
+};
+// matmul_multi with the hook in its decode job; returns false, having run nothing of the hook, where the product
+// does not take the decode path (prefill, an empty matrix).
+bool matmul_multi_hooked(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                         ThreadPool & pool, Activations act, const DecodeHook & hook);
 
 // Same contract, plain reference implementation (dequantize each row, f64 accumulation); for tests.
 void matmul_reference(const WeightView & w, const float * x, float * y, int64_t n_tok);

@@ -65,13 +65,27 @@ struct Ops {
     }
 };
 
+// A weight of GGUF type type_id from its raw row bytes.
+backend::Weight weight_of(Ops & o, uint32_t type_id, U8 data, int64_t n_in, int64_t n_out) {
+    const GgmlTypeTraits * tr = ggml_type_traits(type_id);
+    KC_CHECK(tr != nullptr && tr->weight, "type %u is not a weight type", type_id);
+    const GgmlType type = static_cast<GgmlType>(type_id);
+    const size_t   rb   = ggml_row_bytes(type, n_in);
+    KC_CHECK(data.shape(0) == rb * static_cast<size_t>(n_out), "weight data: %zu bytes, expected %zu",
+             static_cast<size_t>(data.shape(0)), rb * static_cast<size_t>(n_out));
+    return o.be->upload_weight(type, data.data(), n_in, n_out, rb);
+}
+
 // lora_add's group (a [rank][n_in], b [n_out][rank], rows, scales) and a product (y, its groups).
 using LoraGroupSpec   = std::tuple<F2, F2, I1, F1>;
 using LoraProductSpec = std::pair<F2, std::vector<LoraGroupSpec>>;
 
 // Backend::lora_add on copies of x and each product's y, the factors stored as factor_type; the ys after.
+// With weights (type_id, one matrix's row bytes per product): Backend::matmul_multi_lora instead, each product's y
+// the output of its matrix (its initial values unused), products without groups left out of the call.
 std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec> & specs,
-                                const std::string & factor_type) {
+                                const std::string & factor_type, uint32_t type_id = 0,
+                                const std::vector<U8> * weights = nullptr) {
     KC_CHECK(factor_type == "f32" || factor_type == "f16" || factor_type == "i8",
              "lora_add: factor_type must be 'f32', 'f16' or 'i8', got '%s'", factor_type.c_str());
     const backend::LoraFactorType                type = factor_type == "f16"  ? backend::LoraFactorType::F16
@@ -118,11 +132,30 @@ std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec
     }
     std::vector<backend::LoraProduct> products;
     for (size_t p = 0; p < specs.size(); ++p) {
-        products.push_back(backend::LoraProduct{ ys[p].f32(), static_cast<int64_t>(specs[p].first.shape(1)),
-                                                 gs[p].data(), static_cast<int>(gs[p].size()) });
+        if (weights == nullptr || !gs[p].empty()) {
+            products.push_back(backend::LoraProduct{ ys[p].f32(), static_cast<int64_t>(specs[p].first.shape(1)),
+                                                     gs[p].data(), static_cast<int>(gs[p].size()) });
+        }
     }
     backend::Buffer bx = o.put(x.data(), n * n_in);
-    o.be->lora_add(bx.f32(), static_cast<int64_t>(n_in), products.data(), static_cast<int>(products.size()));
+    if (weights == nullptr) {
+        o.be->lora_add(bx.f32(), static_cast<int64_t>(n_in), products.data(), static_cast<int>(products.size()));
+    } else {
+        KC_CHECK(weights->size() == specs.size() && !specs.empty() && specs.size() <= 7,
+                 "matmul_lora: one weight per product, 1-7 of them");
+        std::vector<backend::Weight> w;
+        std::vector<float *>         yp;
+        for (size_t p = 0; p < specs.size(); ++p) {
+            w.push_back(weight_of(o, type_id, (*weights)[p], static_cast<int64_t>(n_in),
+                                  static_cast<int64_t>(specs[p].first.shape(1))));
+            yp.push_back(ys[p].f32());
+        }
+        o.be->matmul_multi_lora(w.data(), yp.data(), static_cast<int>(w.size()), bx.f32(), static_cast<int64_t>(n),
+                                products.data(), static_cast<int>(products.size()));
+        for (const backend::Weight & wi : w) {
+            o.be->free_weight(wi);
+        }
+    }
     std::vector<Out2> out;
     for (size_t p = 0; p < specs.size(); ++p) {
         const size_t n_out = specs[p].first.shape(1);
@@ -249,16 +282,6 @@ cpu::AttentionShape make_shape(int n_head, int n_head_kv, int head_dim, cpu::KvT
                                 static_cast<int64_t>(n_head_kv) * head_dim,
                                 static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))),
                                 type };
-}
-
-backend::Weight weight_of(Ops & o, uint32_t type_id, U8 data, int64_t n_in, int64_t n_out) {
-    const GgmlTypeTraits * tr = ggml_type_traits(type_id);
-    KC_CHECK(tr != nullptr && tr->weight, "type %u is not a weight type", type_id);
-    const GgmlType type = static_cast<GgmlType>(type_id);
-    const size_t   rb   = ggml_row_bytes(type, n_in);
-    KC_CHECK(data.shape(0) == rb * static_cast<size_t>(n_out), "weight data: %zu bytes, expected %zu",
-             static_cast<size_t>(data.shape(0)), rb * static_cast<size_t>(n_out));
-    return o.be->upload_weight(type, data.data(), n_in, n_out, rb);
 }
 
 }  // namespace
@@ -432,8 +455,21 @@ void bind_backend(nb::module_ & m) {
             nb::arg("x"), nb::arg("y"), nb::arg("groups"), nb::arg("factor_type") = "f32",
             "y after y[r] += s · B (A x[r]) for each group (a, b, rows, scales) and each of its rows r (scale s), the "
             "factors stored as factor_type ('f32', 'f16' or 'i8').")
-        .def("lora_add_products", &lora_products, nb::arg("x"), nb::arg("products"), nb::arg("factor_type") = "f32",
-             "lora_add of several products (y, groups) of one x in one call: the list of the ys after.")
+        .def(
+            "lora_add_products",
+            [](Ops & o, F2 x, const std::vector<LoraProductSpec> & products, const std::string & factor_type) {
+                return lora_products(o, x, products, factor_type);
+            },
+            nb::arg("x"), nb::arg("products"), nb::arg("factor_type") = "f32",
+            "lora_add of several products (y, groups) of one x in one call: the list of the ys after.")
+        .def(
+            "matmul_lora_products",
+            [](Ops & o, uint32_t type_id, const std::vector<U8> & datas, F2 x,
+               const std::vector<LoraProductSpec> & products,
+               const std::string & factor_type) { return lora_products(o, x, products, factor_type, type_id, &datas); },
+            nb::arg("type_id"), nb::arg("datas"), nb::arg("x"), nb::arg("products"), nb::arg("factor_type") = "f32",
+            "matmul_multi_lora: y_p = x · W_pᵀ (W_p of GGUF type type_id, raw row bytes datas[p]) plus product p's "
+            "groups' updates (y_p's shape from products[p]): the list of the ys.")
         .def(
             "rope_kv_write",
             [](Ops & o, int n_head, int n_head_kv, int head_dim, const std::string & kv_type, int n_rot, bool neox,

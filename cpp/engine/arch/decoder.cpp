@@ -142,19 +142,17 @@ const float * attention_input(ForwardState & st, const LayerWeights & L) {
 }
 
 void qkv_projections(ForwardState & st, const LayerWeights & L, const float * in) {
-    const ModelParams &   p = st.p;
-    const int64_t         n = st.n, qd = p.n_head * p.head_dim, kd = p.n_head_kv * p.head_dim;
-    const backend::Weight qkv[3] = { L.wq, L.wk, L.wv };
-    float * const         out[3] = { st.q.f32(), st.k.f32(), st.v.f32() };
-    st.be.matmul_multi(qkv, out, 3, in, n);
+    const ModelParams & p = st.p;
+    const int64_t       n = st.n, qd = p.n_head * p.head_dim, kd = p.n_head_kv * p.head_dim;
+    adapted_matmul(st, in,
+                   { { LoraTarget::Q, &L.wq, st.q.f32() },
+                     { LoraTarget::K, &L.wk, st.k.f32() },
+                     { LoraTarget::V, &L.wv, st.v.f32() } });
     if (L.bq.data() != nullptr) {
         st.be.add_bias(st.q.f32(), L.bq.f32(), n, qd);
         st.be.add_bias(st.k.f32(), L.bk.f32(), n, kd);
         st.be.add_bias(st.v.f32(), L.bv.f32(), n, kd);
     }
-    apply_lora(
-        st, in, p.n_embd,
-        { { LoraTarget::Q, st.q.f32(), qd }, { LoraTarget::K, st.k.f32(), kd }, { LoraTarget::V, st.v.f32(), kd } });
 }
 
 void qk_norm(ForwardState & st, const LayerWeights & L) {
@@ -197,11 +195,10 @@ static void add_residual(ForwardState & st, const backend::Buffer & post_norm, f
 }
 
 void attention_output(ForwardState & st, const LayerWeights & L) {
-    st.be.matmul(L.wo, st.att.f32(), st.tmp.f32(), st.n);
+    adapted_matmul(st, st.att.f32(), { { LoraTarget::Output, &L.wo, st.tmp.f32() } });
     if (L.bo.data() != nullptr) {
         st.be.add_bias(st.tmp.f32(), L.bo.f32(), st.n, st.p.n_embd);
     }
-    apply_lora(st, st.att.f32(), st.p.n_head * st.p.head_dim, { { LoraTarget::Output, st.tmp.f32(), st.p.n_embd } });
     add_residual(st, L.attn_post_norm, st.tmp.f32());
 }
 
@@ -222,12 +219,7 @@ void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
         be.rms_norm(st.x.f32(), L.ffn_norm.f32(), st.xn.f32(), n, E, p.rms_eps);
         in = st.xn.f32();
     }
-    {
-        const backend::Weight gate_up[2] = { L.w_gate, L.w_up };
-        float * const         out[2]     = { st.g.f32(), st.u.f32() };
-        be.matmul_multi(gate_up, out, 2, in, n);
-    }
-    apply_lora(st, in, E, { { LoraTarget::Gate, st.g.f32(), p.n_ff }, { LoraTarget::Up, st.u.f32(), p.n_ff } });
+    adapted_matmul(st, in, { { LoraTarget::Gate, &L.w_gate, st.g.f32() }, { LoraTarget::Up, &L.w_up, st.u.f32() } });
     if (gate == Gate::Silu) {
         be.swiglu(st.g.f32(), st.u.f32(), n, p.n_ff);
     } else if (gate == Gate::SwigluOai) {
@@ -235,8 +227,7 @@ void ffn_block(ForwardState & st, const LayerWeights & L, Gate gate) {
     } else {
         be.geglu_tanh(st.g.f32(), st.u.f32(), n, p.n_ff);
     }
-    be.matmul(L.w_down, st.g.f32(), st.tmp.f32(), n);
-    apply_lora(st, st.g.f32(), p.n_ff, { { LoraTarget::Down, st.tmp.f32(), E } });
+    adapted_matmul(st, st.g.f32(), { { LoraTarget::Down, &L.w_down, st.tmp.f32() } });
     add_residual(st, L.ffn_post_norm, st.tmp.f32());
 }
 
