@@ -653,3 +653,70 @@ def test_pan_and_scan_prompt_and_logprobs_equal_transformers(gemma3_pas: dict[st
         assert float(np.abs(_log_softmax(plain.logits) - got).max()) > 1e-2
     finally:
         plain.seq.close()
+
+
+def test_server_pan_and_scan_and_detail_low(gemma3_pas: dict[str, Any]) -> None:
+    """kvcmas-server with a pan-and-scan mmproj: an image part gets its crops as Gemma3Processor writes them (usage
+    counts its input_ids with pan-and-scan; the greedy answer is transformers'), and detail "low" turns them off."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    lm = gemma3_pas["lm"]
+    buf = io.BytesIO()
+    PAS_IMAGES["wide"].save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    rendered = lm.apply_chat_template([{"role": "user", "content": "Look: <start_of_image> What is it?"}])
+    processor = transformers.Gemma3Processor(image_processor=_pas_image_processor(), tokenizer=_tokenizer(),
+                                             image_seq_length=TOKENS)  # fmt: skip
+    server = Server(ServerConfig(str(gemma3_pas["text"]), mmproj=str(gemma3_pas["mmproj"]), threads=2), lm)
+    try:
+        with TestClient(server.app, base_url="http://127.0.0.1") as c:
+            for detail, pas in ((None, True), ("low", False)):
+                image_url = {"url": url} if detail is None else {"url": url, "detail": detail}
+                parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": image_url},
+                         {"type": "text", "text": " What is it?"}]  # fmt: skip
+                body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 3, "temperature": 0}
+                r = c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                ref = processor(text=[rendered], images=[[PAS_IMAGES["wide"]]], return_tensors="pt",
+                                **{**PAS, "do_pan_and_scan": pas})  # fmt: skip
+                assert r.json()["usage"]["prompt_tokens"] == ref["input_ids"].shape[1], detail
+                with torch.no_grad():
+                    out = gemma3_pas["model"].generate(**ref, max_new_tokens=3, do_sample=False)
+                want = _tokenizer().decode(out[0, ref["input_ids"].shape[1] :], skip_special_tokens=True)
+                assert want and r.json()["choices"][0]["message"]["content"] == want, detail
+    finally:
+        server.scheduler.stop()
+
+
+def test_agent_session_shares_an_image_with_crops(gemma3_pas: dict[str, Any]) -> None:
+    """AgentSession.share(image=...) with a pan-and-scan mmproj: the span holds the processor's text for the image
+    and its crops, and the first agent's first-token logprobs equal transformers' on the prompt the session built."""
+    from kvcmas_cpp.agents import AgentSession
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    lm, enc = gemma3_pas["lm"], gemma3_pas["enc"]
+    with AgentSession(lm, "nonshared", vision=enc) as team:
+        agent = team.agent("a cat", system="You are a cat.")
+        team.share(image=PAS_IMAGES["wide"], text="What is it?", label="Question")
+        p = team.prefill_agent(agent)
+        try:
+            tokens, logits = list(p.seq.tokens), np.asarray(p.logits)
+        finally:
+            p.close()
+    ids = [IMAGE_TOKEN if t < 0 else t for t in tokens]
+    want_span = lm.tokenizer.encode(g3.crops_text(TOKENS, 3), False, True)
+    assert any(ids[i : i + len(want_span)] == want_span for i in range(len(ids)))
+    assert ids.count(IMAGE_TOKEN) == 4 * TOKENS
+    pixels = _pas_image_processor()(images=[PAS_IMAGES["wide"]], return_tensors="pt")["pixel_values"]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        ref = gemma3_pas["model"](input_ids=input_ids, pixel_values=pixels,
+                                  token_type_ids=(input_ids == IMAGE_TOKEN).long()).logits  # fmt: skip
+    want = torch.log_softmax(ref[0, -1].double(), -1).numpy()
+    got = _log_softmax(logits)
+    assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3

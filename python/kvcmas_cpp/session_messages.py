@@ -300,7 +300,12 @@ class SessionMessages:
             if image is not None:
                 if self.vision is None:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
-                parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
+                if self.vision.bidirectional:  # Gemma 3: the base image then its pan-and-scan crops, if any
+                    from .vision import gemma3
+
+                    parts += gemma3.image_parts(gemma3.encode_views(self.vision, image))
+                else:
+                    parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
             if embeddings is not None:
                 parts.append(embeddings)
             if body is not None:

@@ -219,3 +219,25 @@ def expand(text: str, n_tokens: int, n_crops: Sequence[int]) -> str:
     for n, piece in zip(n_crops, pieces[1:], strict=True):
         out += [crops_text(n_tokens, n), piece]
     return "".join(out)
+
+
+def image_parts(views: Sequence[np.ndarray]) -> list[np.ndarray | str]:
+    """Content parts of an image's views (encode_views) as the processor writes them, for with_image_text to add
+    the newlines: [base] without crops, else [BEFORE_BASE, base, BEFORE_CROPS, crop, " ", crop, ...]."""
+    if len(views) == 1:
+        return [views[0]]
+    out: list[np.ndarray | str] = [BEFORE_BASE, views[0], BEFORE_CROPS]
+    for i, crop in enumerate(views[1:]):
+        out += [" ", crop] if i else [crop]
+    return out
+
+
+def join_text(parts: Sequence[T]) -> list[T | str]:
+    """Parts with neighbouring strings joined (the processor tokenizes the text between two images at once)."""
+    out: list[T | str] = []
+    for part in parts:
+        if isinstance(part, str) and out and isinstance(out[-1], str):
+            out[-1] += part
+        else:
+            out.append(part)
+    return out
