@@ -26,7 +26,7 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
-from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
+from helpers.vision import randomize_weights, shared_image_prompt  # noqa: E402  (weights far from transformers' near-zero init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 
@@ -696,19 +696,10 @@ def test_server_pan_and_scan_and_detail_low(gemma3_pas: dict[str, Any]) -> None:
 def test_agent_session_shares_an_image_with_crops(gemma3_pas: dict[str, Any]) -> None:
     """AgentSession.share(image=...) with a pan-and-scan mmproj: the span holds the processor's text for the image
     and its crops, and the first agent's first-token logprobs equal transformers' on the prompt the session built."""
-    from kvcmas_cpp.agents import AgentSession
     from kvcmas_cpp.vision import gemma3 as g3
 
     lm, enc = gemma3_pas["lm"], gemma3_pas["enc"]
-    with AgentSession(lm, "nonshared", vision=enc) as team:
-        agent = team.agent("a cat", system="You are a cat.")
-        team.share(image=PAS_IMAGES["wide"], text="What is it?", label="Question")
-        p = team.prefill_agent(agent)
-        try:
-            tokens, logits = list(p.seq.tokens), np.asarray(p.logits)
-        finally:
-            p.close()
-    ids = [IMAGE_TOKEN if t < 0 else t for t in tokens]
+    ids, logits = shared_image_prompt(lm, enc, PAS_IMAGES["wide"], "What is it?", IMAGE_TOKEN)
     want_span = lm.tokenizer.encode(g3.crops_text(TOKENS, 3), False, True)
     assert any(ids[i : i + len(want_span)] == want_span for i in range(len(ids)))
     assert ids.count(IMAGE_TOKEN) == 4 * TOKENS
