@@ -88,10 +88,10 @@ class ImagePrompts:
             if any(crops):
                 from ..vision import gemma3
 
-                parts = gemma3.join_text(
-                    [q for i, p in enumerate(pieces) for q in
-                     (gemma3.image_parts([images[int(p)], *crops[int(p)]]) if i % 2 else [p])]
-                )  # fmt: skip
+                spliced: list[str | np.ndarray] = []
+                for i, p in enumerate(pieces):
+                    spliced += gemma3.image_parts([images[int(p)], *crops[int(p)]]) if i % 2 else [p]
+                parts = gemma3.join_text(spliced)
             messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         # the model's own tokens around an image (Qwen2.5-VL: <|vision_start|> ... <|vision_end|>), as its template

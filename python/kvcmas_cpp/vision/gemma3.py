@@ -232,7 +232,7 @@ def image_parts(views: Sequence[np.ndarray]) -> list[np.ndarray | str]:
     return out
 
 
-def join_text(parts: Sequence[T]) -> list[T | str]:
+def join_text(parts: Sequence[T | str]) -> list[T | str]:
     """Parts with neighbouring strings joined (the processor tokenizes the text between two images at once)."""
     out: list[T | str] = []
     for part in parts:
