@@ -26,7 +26,7 @@ PIL_Image = pytest.importorskip("PIL.Image")
 skimage_data = pytest.importorskip("skimage.data")
 
 import kvcmas_cpp  # noqa: E402
-from helpers.vision import randomize_weights  # noqa: E402  (weights far from transformers' near-zero init)
+from helpers.vision import randomize_weights, shared_image_prompt  # noqa: E402  (weights far from transformers' near-zero init)
 from kvcmas_convert.vision import convert_llava_text  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 
@@ -386,7 +386,7 @@ def _edited(gemma3: dict[str, Any], tmp_path: Path, name: str, change: Any) -> s
     [
         ("config.json", lambda d: d.update(mm_tokens_per_image=15), "'mm_tokens_per_image'"),
         ("config.json", lambda d: d.update(mm_tokens_per_image=9), "'mm_tokens_per_image'"),  # 3 does not divide 16
-        ("processor_config.json", lambda d: d["image_processor"].update(do_pan_and_scan=True), "'do_pan_and_scan'"),
+        ("processor_config.json", lambda d: d["image_processor"].update(do_pan_and_scan="yes"), "'do_pan_and_scan'"),
         ("processor_config.json", lambda d: d["image_processor"].update(resample=0), "'resample'"),
         ("processor_config.json", lambda d: d.update(image_seq_length=64), "'image_seq_length'"),
     ],
@@ -548,3 +548,166 @@ def test_text_model_without_the_image_tokens_is_refused(default_model_path: Path
         g3.image_token_id(lm.tokenizer)
     with pytest.raises(ValueError, match="no <start_of_image> token"):
         g3.marker_ids(lm.tokenizer)
+
+
+# Pan-and-scan: settings unlike the processor's defaults (256, 4, 1.2), so the test shows they are read from the file
+PAS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 200, "pan_and_scan_max_num_crops": 3,
+       "pan_and_scan_min_ratio_to_activate": 1.5}  # fmt: skip
+PAS_IMAGES = {
+    "wide": IMAGES["astronaut"].resize((1200, 300)),  # 3 crops of 400 x 300
+    "tall": IMAGES["landscape"].resize((301, 1000)),  # 3 crops of 301 x 334 (the last one 301 x 332)
+    "below-ratio": IMAGES["astronaut"].resize((600, 450)),  # 1.33 < 1.5: none (the defaults would give 2)
+}
+PAS_CROPS = {"wide": 3, "tall": 3, "below-ratio": 0}
+
+
+def _pas_image_processor() -> Any:
+    return transformers.Gemma3ImageProcessorPil(
+        size={"height": S, "width": S}, image_mean=[0.5] * 3, image_std=[0.5] * 3, resample=2, **PAS
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma3_pas(gemma3: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The Gemma 3 checkpoint with pan-and-scan on in its processor_config.json, converted to an mmproj."""
+    import shutil
+
+    from kvcmas_convert.vision import convert_mmproj
+
+    folder = tmp_path_factory.mktemp("gemma3-pas") / "gemma3"
+    shutil.copytree(gemma3["folder"], folder)
+    data = json.loads((folder / "processor_config.json").read_text())
+    data["image_processor"].update(PAS)
+    (folder / "processor_config.json").write_text(json.dumps(data))
+    mmproj = folder.parent / "pas-mmproj.gguf"
+    convert_mmproj(folder, mmproj, outtype="f32")
+    return {**gemma3, "enc": VisionEncoder(mmproj, n_threads=2), "mmproj": mmproj}
+
+
+def test_mmproj_records_pan_and_scan(gemma3: dict[str, Any], gemma3_pas: dict[str, Any]) -> None:
+    """The converter writes the processor's settings under kvcmas.vision.pan_and_scan.*, and only when it is on."""
+    from gguf import GGUFReader
+
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    fields = GGUFReader(gemma3_pas["mmproj"]).fields
+    assert fields[g3.KEY_PAN_AND_SCAN].contents() is True
+    assert fields[g3.KEY_PAS_MIN_CROP_SIZE].contents() == 200 and fields[g3.KEY_PAS_MAX_NUM_CROPS].contents() == 3
+    assert g3.read_pan_and_scan(str(gemma3_pas["mmproj"])) == g3.PanAndScan(200, 3, 1.5)
+    assert g3.read_pan_and_scan(str(gemma3["mmproj"])) is None
+    assert g3.KEY_PAN_AND_SCAN not in GGUFReader(gemma3["mmproj"]).fields
+
+
+@pytest.mark.parametrize("name", list(PAS_IMAGES))
+def test_pan_and_scan_pixels_equal_the_processor(gemma3_pas: dict[str, Any], name: str) -> None:
+    """Base image then crops: the processor's pixel_values with do_pan_and_scan, bit for bit; pan_and_scan=False
+    gives its pixel_values with pan-and-scan off."""
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    enc, image = gemma3_pas["enc"], PAS_IMAGES[name]
+    ref = _pas_image_processor()(images=[image], return_tensors="np")
+    assert list(ref["num_crops"]) == [PAS_CROPS[name]]
+    ours = g3.pixel_values(enc, image)
+    assert ours.shape == ref["pixel_values"].shape == (1 + PAS_CROPS[name], 3, S, S)
+    assert np.array_equal(ours, ref["pixel_values"]), f"{name}: max |d| {np.abs(ours - ref['pixel_values']).max()}"
+    off = _image_processor()(images=[image], return_tensors="np")["pixel_values"]
+    assert np.array_equal(g3.pixel_values(enc, image, pan_and_scan=False), off)
+
+
+def test_pan_and_scan_prompt_and_logprobs_equal_transformers(gemma3_pas: dict[str, Any]) -> None:
+    """The processor's text for an image with crops ("Here is the original image ... crops to help you see better
+    ..."), tokenized once, equals Gemma3Processor's input_ids; the base image and crop rows where its
+    token_type_ids are 1 give Gemma3ForConditionalGeneration's first-token logprobs at f32."""
+    from kvcmas_cpp.model import is_bidirectional
+    from kvcmas_cpp.server.backend import prefill_segments
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    names = ["wide", "below-ratio", "tall"]
+    text = "<bos>User: a <start_of_image> then<start_of_image> and <start_of_image>\nWhich is it?"
+    processor = transformers.Gemma3Processor(image_processor=_pas_image_processor(), tokenizer=_tokenizer(),
+                                             image_seq_length=TOKENS)  # fmt: skip
+    # Gemma3Processor's own defaults (off; 256, 4, 1.2) override its image processor's settings: pass them per call
+    ref = processor(text=[text], images=[[PAS_IMAGES[n] for n in names]], return_tensors="pt", **PAS)
+    lm, enc = gemma3_pas["lm"], gemma3_pas["enc"]
+    views = [g3.encode_views(enc, PAS_IMAGES[n]) for n in names]
+    assert [len(v) - 1 for v in views] == [PAS_CROPS[n] for n in names]
+    ids = lm.tokenizer.encode(g3.expand(text, enc.n_tokens, [len(v) - 1 for v in views]), False, True)
+    assert ids == [int(t) for t in ref["input_ids"][0]]
+    segments = g3.segments(ids, IMAGE_TOKEN, [rows for v in views for rows in v])
+    kinds = np.concatenate([np.full(len(seg), is_bidirectional(seg)) for seg in segments])
+    assert np.array_equal(kinds, ref["token_type_ids"][0].numpy() == 1)
+    done = prefill_segments(lm, segments, chunk_tokens=40)
+    try:
+        got = _log_softmax(done.logits)
+    finally:
+        done.seq.close()
+    with torch.no_grad():
+        logits = gemma3_pas["model"](**ref).logits
+    want = torch.log_softmax(logits[0, -1].double(), -1).numpy()
+    assert int(got.argmax()) == int(want.argmax())
+    assert float(np.abs(got - want).max()) <= 2e-3
+    # without the crops the answer differs: the crops' rows matter
+    plain_ids = lm.tokenizer.encode(g3.expand(text, enc.n_tokens, [0, 0, 0]), False, True)
+    plain = prefill_segments(lm, g3.segments(plain_ids, IMAGE_TOKEN, [v[0] for v in views]), chunk_tokens=40)
+    try:
+        assert float(np.abs(_log_softmax(plain.logits) - got).max()) > 1e-2
+    finally:
+        plain.seq.close()
+
+
+def test_server_pan_and_scan_and_detail_low(gemma3_pas: dict[str, Any]) -> None:
+    """kvcmas-server with a pan-and-scan mmproj: an image part gets its crops as Gemma3Processor writes them (usage
+    counts its input_ids with pan-and-scan; the greedy answer is transformers'), and detail "low" turns them off."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from kvcmas_cpp.server.app import Server, ServerConfig
+
+    lm = gemma3_pas["lm"]
+    buf = io.BytesIO()
+    PAS_IMAGES["wide"].save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    rendered = lm.apply_chat_template([{"role": "user", "content": "Look: <start_of_image> What is it?"}])
+    processor = transformers.Gemma3Processor(image_processor=_pas_image_processor(), tokenizer=_tokenizer(),
+                                             image_seq_length=TOKENS)  # fmt: skip
+    server = Server(ServerConfig(str(gemma3_pas["text"]), mmproj=str(gemma3_pas["mmproj"]), threads=2), lm)
+    try:
+        with TestClient(server.app, base_url="http://127.0.0.1") as c:
+            for detail, pas in ((None, True), ("low", False)):
+                image_url = {"url": url} if detail is None else {"url": url, "detail": detail}
+                parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": image_url},
+                         {"type": "text", "text": " What is it?"}]  # fmt: skip
+                body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 3, "temperature": 0}
+                r = c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                ref = processor(text=[rendered], images=[[PAS_IMAGES["wide"]]], return_tensors="pt",
+                                **{**PAS, "do_pan_and_scan": pas})  # fmt: skip
+                assert r.json()["usage"]["prompt_tokens"] == ref["input_ids"].shape[1], detail
+                with torch.no_grad():
+                    out = gemma3_pas["model"].generate(**ref, max_new_tokens=3, do_sample=False)
+                want = _tokenizer().decode(out[0, ref["input_ids"].shape[1] :], skip_special_tokens=True)
+                assert want and r.json()["choices"][0]["message"]["content"] == want, detail
+    finally:
+        server.scheduler.stop()
+
+
+def test_agent_session_shares_an_image_with_crops(gemma3_pas: dict[str, Any]) -> None:
+    """AgentSession.share(image=...) with a pan-and-scan mmproj: the span holds the processor's text for the image
+    and its crops, and the first agent's first-token logprobs equal transformers' on the prompt the session built."""
+    from kvcmas_cpp.vision import gemma3 as g3
+
+    lm, enc = gemma3_pas["lm"], gemma3_pas["enc"]
+    ids, logits = shared_image_prompt(lm, enc, PAS_IMAGES["wide"], "What is it?", IMAGE_TOKEN)
+    want_span = lm.tokenizer.encode(g3.crops_text(TOKENS, 3), False, True)
+    assert any(ids[i : i + len(want_span)] == want_span for i in range(len(ids)))
+    assert ids.count(IMAGE_TOKEN) == 4 * TOKENS
+    pixels = _pas_image_processor()(images=[PAS_IMAGES["wide"]], return_tensors="pt")["pixel_values"]
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        ref = gemma3_pas["model"](input_ids=input_ids, pixel_values=pixels,
+                                  token_type_ids=(input_ids == IMAGE_TOKEN).long()).logits  # fmt: skip
+    want = torch.log_softmax(ref[0, -1].double(), -1).numpy()
+    got = _log_softmax(logits)
+    assert int(got.argmax()) == int(want.argmax()) and float(np.abs(got - want).max()) <= 2e-3

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import kvcmas_cpp  # noqa: E402
-from helpers.vision import randomize_weights, sample_images  # noqa: E402  (weights far from transformers' init)
+from helpers.vision import byte_bpe, randomize_weights, sample_images, shared_image_prompt  # noqa: E402  (weights far from transformers' init)
 from kvcmas_cpp.model import image_pos_of  # noqa: E402
 from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 from kvcmas_cpp.vision.qwen import QwenVisionEncoder  # noqa: E402
@@ -390,3 +390,55 @@ def test_bad_inputs_are_refused_with_their_reason(qwen: dict[str, Any], tmp_path
     config["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 2]  # 7 pairs of 8
     with pytest.raises(ConvertError, match="mrope_section"):
         model_class_for(config, "config.json")
+
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen_tokenizer() -> Any:
+    """A byte-level BPE tokenizer holding Qwen2.5-VL's image tokens at the fixture config's ids (395, 396, 397)."""
+    corpus = ["User: what is in this picture? A cup of coffee, a rocket, a cat.\nAssistant: it is a cup.\n"] * 20
+    marked = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = byte_bpe(corpus, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], VISION_START, marked)
+    ids = [tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")]
+    assert ids == [VISION_START, VISION_END, IMAGE_TOKEN] and tok.get_vocab_size() <= VOCAB
+    extra = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
+             "vision_end_token": "<|vision_end|>"}  # fmt: skip
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra,
+        chat_template=QWEN_TEMPLATE,
+    )  # fmt: skip
+
+
+def test_agent_session_puts_the_vision_tokens_around_a_shared_image(qwen: dict[str, Any], tmp_path: Path) -> None:
+    """AgentSession.share(image=...) on Qwen2.5-VL: the span is what Qwen2_5_VLProcessor writes for
+    "<|vision_start|><|image_pad|><|vision_end|>" + text (the boundary tokens as token ids, the image's rows where
+    its <|image_pad|> run is), and the agent's first-token logprobs equal transformers' on that prompt."""
+    import shutil
+
+    folder = tmp_path / "ck"
+    shutil.copytree(qwen["folder"], folder)
+    tok = _qwen_tokenizer()
+    tok.save_pretrained(folder)
+    text_gguf = tmp_path / "text.gguf"
+    _run("convert", str(folder), "-o", str(text_gguf), "--outtype", "f32")
+    lm, enc, photo = kvcmas_cpp.Model(text_gguf, n_threads=2), qwen["enc"], IMAGES["coffee"]
+    ids, logits = shared_image_prompt(lm, enc, photo, "What is in this picture?", IMAGE_TOKEN)
+    # Qwen2_5_VLProcessor's text (it needs torchvision's video processor, missing here): each <|image_pad|> repeated
+    # image_grid_thw.prod() / merge^2 times, tokenized by the transformers tokenizer
+    ref = _image_processor()(images=[photo], return_tensors="pt")
+    n = int(ref["image_grid_thw"].prod()) // 4
+    span = "<|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>What is in this picture?"
+    want = tok(span)["input_ids"]
+    at = ids.index(VISION_START)
+    assert ids[at : at + len(want)] == want and ids.count(IMAGE_TOKEN) == want.count(IMAGE_TOKEN)
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        out = qwen["model"](input_ids=input_ids, pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"],
+                            mm_token_type_ids=(input_ids == IMAGE_TOKEN).int()).logits  # fmt: skip
+    hf = torch.log_softmax(out[0, -1].double(), -1).numpy()
+    got = _log_softmax(logits)
+    assert int(got.argmax()) == int(hf.argmax()) and float(np.abs(got - hf).max()) <= 2e-3

@@ -64,6 +64,15 @@ KEY_RESIZE_MODE: Final = "kvcmas.vision.resize_mode"
 KEY_RESIZE_SIZE: Final = "kvcmas.vision.resize_size"
 KEY_RESCALE_FACTOR: Final = "kvcmas.vision.rescale_factor"
 KEY_RESAMPLE: Final = "kvcmas.vision.resample"  # "bicubic" | "bilinear" (Gemma 3)
+# Gemma 3's pan-and-scan (Gemma3ImageProcessor's do_pan_and_scan settings; llama.cpp has no keys for them): written
+# only when the checkpoint turns it on
+KEY_PAN_AND_SCAN: Final = "kvcmas.vision.pan_and_scan"  # bool
+KEY_PAS_MIN_CROP_SIZE: Final = "kvcmas.vision.pan_and_scan.min_crop_size"  # uint32, pixels
+KEY_PAS_MAX_NUM_CROPS: Final = "kvcmas.vision.pan_and_scan.max_num_crops"  # uint32
+KEY_PAS_MIN_RATIO: Final = "kvcmas.vision.pan_and_scan.min_ratio_to_activate"  # float32
+# Gemma3Processor's defaults for the settings a checkpoint leaves null
+_PAS_DEFAULTS: Final = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                        "pan_and_scan_min_ratio_to_activate": 1.2}  # fmt: skip
 # AnyRes (LLaVA-NeXT, LLaVA-OneVision): llama.cpp's keys and newline tensor, then kvcmas's
 KEY_GRID_PINPOINTS: Final = "clip.vision.image_grid_pinpoints"  # int32 [h0, w0, h1, w1, ...] (HF order)
 KEY_PATCH_MERGE_TYPE: Final = "clip.vision.mm_patch_merge_type"  # "spatial_unpad"
@@ -165,8 +174,6 @@ def _preprocessing(
         for key in _ALWAYS_ON:  # None: the processor class's default (on)
             if pp.get(key) not in (True, None):
                 raise ConvertError(f"{where}: '{key}' = {pp[key]!r} cannot be represented (always applied)")
-        if pp.get("do_pan_and_scan"):
-            raise ConvertError(f"{where}: 'do_pan_and_scan' = {pp['do_pan_and_scan']!r} cannot be represented")
         resample = pp.get("resample", resample)
         if resample not in _RESAMPLE:
             raise ConvertError(f"{where}: 'resample' = {resample!r} cannot be represented (bicubic = 3, bilinear = 2)")
@@ -198,6 +205,26 @@ def _preprocessing(
         KEY_RESIZE_SIZE: resize,
         KEY_RESCALE_FACTOR: rescale,
         KEY_RESAMPLE: _RESAMPLE[resample],
+    }
+
+
+def _pan_and_scan(pp: dict[str, Any], where: str) -> dict[str, Any]:
+    """The pan-and-scan keys of a Gemma 3 image processor with do_pan_and_scan on (null settings: the processor's
+    defaults)."""
+    if pp["do_pan_and_scan"] is not True:
+        raise ConvertError(f"{where}: 'do_pan_and_scan' = {pp['do_pan_and_scan']!r} must be true or false")
+    got = {k: d if pp.get(k) is None else pp[k] for k, d in _PAS_DEFAULTS.items()}
+    for key in ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops"):
+        if isinstance(got[key], bool) or not isinstance(got[key], int) or got[key] < 1:
+            raise ConvertError(f"{where}: '{key}' = {got[key]!r} must be a positive integer")
+    ratio = got["pan_and_scan_min_ratio_to_activate"]
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+        raise ConvertError(f"{where}: 'pan_and_scan_min_ratio_to_activate' = {ratio!r} must be a positive number")
+    return {
+        KEY_PAN_AND_SCAN: True,
+        KEY_PAS_MIN_CROP_SIZE: got["pan_and_scan_min_crop_size"],
+        KEY_PAS_MAX_NUM_CROPS: got["pan_and_scan_max_num_crops"],
+        KEY_PAS_MIN_RATIO: float(ratio),
     }
 
 
@@ -387,6 +414,10 @@ def plan_mmproj(
         metadata[KEY_FEATURE_LAYER] = int(feature_layer)
     image_proc, processor = _processor_settings(model_dir)
     metadata.update(_preprocessing(model_dir, model_type, S, image_proc, 2 if is_gemma3 else 3))
+    if image_proc.get("do_pan_and_scan") not in (None, False):
+        if not is_gemma3:
+            raise ConvertError(f"{where}: 'do_pan_and_scan' = {image_proc['do_pan_and_scan']!r} is Gemma 3's only")
+        metadata.update(_pan_and_scan(image_proc, where))
     anyres_arch = next((a for a in archs if a in _ANYRES_ARCHS), None)
     if anyres_arch is not None:
         # pack_image_features lays out G x G rows per tile: no class token may reach the projector, none be lost

@@ -109,10 +109,24 @@ class SessionMessages:
                 vector_ids = self._embedding_ids(part, where, register)
                 if vector_ids is None:
                     return None
-                ids += [boi, *vector_ids, eoi] if is_bidirectional(part) else vector_ids
+                if is_bidirectional(part):
+                    ids += [boi, *vector_ids, eoi]
+                else:
+                    before, after = self._image_token_ids(part)
+                    ids += [*before, *vector_ids, *after]
             else:
                 ids += self._ids(part)
         return ids
+
+    def _image_token_ids(self, part: np.ndarray) -> tuple[list[int], list[int]]:
+        """The ids the model's template writes around an image's rows (Qwen2.5-VL: <|vision_start|> and
+        <|vision_end|>, as special tokens) for rows that know their grid; none for other vectors, or when the
+        vocabulary lacks the tokens."""
+        tokens = getattr(self.vision, "image_tokens", ("", ""))
+        if getattr(part, "grid", None) is None or not any(tokens):
+            return [], []
+        ids = [self.model.tokenizer.encode(t, False, True) if t else [] for t in tokens]
+        return (ids[0], ids[1]) if all(len(i) <= 1 for i in ids) else ([], [])
 
     def _prefill_messages(
         self,
@@ -300,7 +314,12 @@ class SessionMessages:
             if image is not None:
                 if self.vision is None:
                     raise ValueError("share(image=...): this session has no vision encoder (AgentSession(vision=...))")
-                parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
+                if self.vision.bidirectional:  # Gemma 3: the base image then its pan-and-scan crops, if any
+                    from .vision import gemma3
+
+                    parts += gemma3.image_parts(gemma3.encode_views(self.vision, image))
+                else:
+                    parts.append(self.vision.encode(image))  # the encoder's cache: one encode per picture
             if embeddings is not None:
                 parts.append(embeddings)
             if body is not None:

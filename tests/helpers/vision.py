@@ -38,3 +38,39 @@ def sample_images() -> dict[str, Any]:
         "tiny": Image.fromarray(rng.integers(0, 256, (7, 10, 3), dtype=np.uint8)),
         "tall": Image.fromarray(rng.integers(0, 256, (700, 90, 3), dtype=np.uint8)),
     }
+
+
+def byte_bpe(corpus: list[str], specials: list[str], n_before: int, marked: list[str]) -> Any:
+    """A byte-level BPE tokenizers.Tokenizer trained on corpus with the special tokens `specials`, padded with
+    <unusedN> tokens to n_before ids, then the `marked` special tokens at ids n_before, n_before + 1, ... (a model's
+    image tokens at its config's ids)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=n_before, special_tokens=specials,
+                                                        initial_alphabet=alphabet))  # fmt: skip
+    tok.add_tokens([AddedToken(f"<unused{i}>", special=True) for i in range(n_before - tok.get_vocab_size())])
+    tok.add_special_tokens(marked)
+    assert [tok.token_to_id(t) for t in marked] == list(range(n_before, n_before + len(marked)))
+    return tok
+
+
+def shared_image_prompt(lm: Any, enc: Any, image: Any, text: str, image_token: int) -> tuple[list[int], Any]:
+    """(prompt ids, last logits) of the first agent of a nonshared AgentSession after share(image=, text=): the
+    image's rows stand as image_token ids, as the processor writes them."""
+    import numpy as np
+
+    from kvcmas_cpp.agents import AgentSession
+
+    with AgentSession(lm, "nonshared", vision=enc) as team:
+        agent = team.agent("a", system="You describe pictures.")
+        team.share(image=image, text=text, label="Question")
+        p = team.prefill_agent(agent)
+        try:
+            tokens, logits = list(p.seq.tokens), np.asarray(p.logits)
+        finally:
+            p.close()
+    return [image_token if t < 0 else t for t in tokens], logits

@@ -67,6 +67,8 @@ class ImagePrompts:
                    if isinstance(p, ImagePart)]  # fmt: skip
         views = [self.vision.view_for(len(image_data), detail) for detail in details]
         images = [await self.encode(data, namespace, view) for data, view in zip(image_data, views, strict=True)]
+        # Gemma 3: each image's pan-and-scan crops after it (none with detail "low")
+        crops = [await self._crops(data, d) for data, d in zip(image_data, details, strict=True)]
         marker = f"<kvcmas-image-{uuid.uuid4().hex}>"
         n_images = 0
 
@@ -83,6 +85,13 @@ class ImagePrompts:
                 messages.append(msg)
                 continue
             parts: list[str | np.ndarray] = [images[int(p)] if i % 2 else p for i, p in enumerate(pieces)]
+            if any(crops):
+                from ..vision import gemma3
+
+                spliced: list[str | np.ndarray] = []
+                for i, p in enumerate(pieces):
+                    spliced += gemma3.image_parts([images[int(p)], *crops[int(p)]]) if i % 2 else [p]
+                parts = gemma3.join_text(spliced)
             messages.append({**msg, "content": [p for p in parts if not isinstance(p, str) or p]})
         text = await run_in_threadpool(self.model.apply_chat_template, marked, True)
         # the model's own tokens around an image (Qwen2.5-VL: <|vision_start|> ... <|vision_end|>), as its template
@@ -92,7 +101,7 @@ class ImagePrompts:
             text = text.replace(f"{marker}{i}{marker}", f"{before}{marker}{i}{marker}{after}")
         tok = self.model.tokenizer
         if self.vision.bidirectional:  # Gemma 3: its processor's image text, the prompt tokenized once
-            return messages, await run_in_threadpool(self._gemma3_segments, text, marker, images)
+            return messages, await run_in_threadpool(self._gemma3_segments, text, marker, images, crops)
         segments: list[Segment] = []
         for i, piece in enumerate(text.split(marker)):
             if i % 2:
@@ -104,13 +113,31 @@ class ImagePrompts:
             segments.append(ids)
         return messages, segments
 
-    def _gemma3_segments(self, text: str, marker: str, images: list[np.ndarray]) -> list[Segment]:
-        """The rendered prompt with each image marker replaced by Gemma 3's image text (vision.gemma3), tokenized
-        once; the soft-token runs replaced by the images' rows."""
+    async def _crops(self, data: bytes, detail: str | None) -> list[np.ndarray]:
+        """A Gemma 3 image's pan-and-scan crops' rows (none when the mmproj has no pan-and-scan or detail is "low")."""
+        from ..vision import gemma3
+
+        if gemma3.pan_and_scan_of(self.vision, detail != "low") is None:
+            return []
+        try:
+            async with self._decodes:
+                views = await run_in_threadpool(gemma3.encode_views, self.vision, data)
+        except ValueError as e:
+            raise ApiError(400, f"image_url: {e}", "invalid_image", "messages") from None
+        return views[1:]
+
+    def _gemma3_segments(
+        self, text: str, marker: str, images: list[np.ndarray], crops: list[list[np.ndarray]]
+    ) -> list[Segment]:
+        """The rendered prompt with each image marker replaced by Gemma 3's image text (vision.gemma3; with its
+        crops' after it), tokenized once; the soft-token runs replaced by the images' and crops' rows."""
         from ..vision import gemma3
 
         pieces = text.split(marker)
-        expanded = "".join(gemma3.image_text(len(images[int(p)])) if i % 2 else p for i, p in enumerate(pieces))
+        expanded = "".join(
+            gemma3.crops_text(len(images[int(p)]), len(crops[int(p)])) if i % 2 else p for i, p in enumerate(pieces)
+        )
+        images = [rows for image, extra in zip(images, crops, strict=True) for rows in (image, *extra)]
         tok = self.model.tokenizer
         ids = tok.encode(expanded, False, True)
         if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
