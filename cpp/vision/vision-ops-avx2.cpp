@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "backend/cpu/simd-avx2.h"
+#include "vision/vision-ops.h"
 
 namespace kvcmas::vision {
 
@@ -48,6 +49,36 @@ void softmax_avx2(float * x, int64_t n) {
     for (int64_t j = i; j < n; ++j) {
         x[j] *= static_cast<float>(1.0 / sum);
     }
+}
+
+// activate() of vision-ops.h for the activations made of one exp (GeluTanh, QuickGelu, Silu: x / (1 + e^(-g(x)))),
+// with the vectorized exp; false (nothing done) for the others.
+bool activate_avx2(Activation act, float * x, int64_t n) {
+    if (act != Activation::GeluTanh && act != Activation::QuickGelu && act != Activation::Silu) {
+        return false;
+    }
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t      i   = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        __m256       g;  // e^(-g) is the exp each activation takes
+        if (act == Activation::GeluTanh) {
+            const __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+            const __m256 u =
+                _mm256_mul_ps(_mm256_set1_ps(0.79788456080286536f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
+            g = _mm256_mul_ps(_mm256_set1_ps(2.0f), u);
+        } else if (act == Activation::QuickGelu) {
+            g = _mm256_mul_ps(_mm256_set1_ps(1.702f), v);
+        } else {
+            g = v;
+        }
+        const __m256 e = cpu::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+    }
+    if (i < n) {
+        activate_portable(act, x + i, n - i);
+    }
+    return true;
 }
 
 }  // namespace kvcmas::vision

@@ -49,7 +49,20 @@ void layer_norm(const float * x, const float * w, const float * b, float * y, in
     }
 }
 
+#ifdef KC_X86
+bool activate_avx2(Activation act, float * x, int64_t n);  // vision-ops-avx2.cpp
+#endif
+
 void activate(Activation act, float * x, int64_t n) {
+#ifdef KC_X86
+    if (cpu::cpu_features().avx2_fma_f16c && activate_avx2(act, x, n)) {
+        return;
+    }
+#endif
+    activate_portable(act, x, n);
+}
+
+void activate_portable(Activation act, float * x, int64_t n) {
     switch (act) {
         case Activation::GeluErf:
             for (int64_t i = 0; i < n; ++i) {

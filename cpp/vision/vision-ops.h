@@ -26,8 +26,11 @@ bool parse_activation(const char * name, Activation & out);
 // y may alias x.
 void layer_norm(const float * x, const float * w, const float * b, float * y, int64_t n, float eps);
 
-// x[i] = act(x[i]) in place, for n values.
+// x[i] = act(x[i]) in place, for n values (GeluTanh, QuickGelu and Silu with a vectorized exp on AVX2 CPUs:
+// about 1e-7 relative error).
 void activate(Activation act, float * x, int64_t n);
+// The same with the C library's exp and erf (every CPU).
+void activate_portable(Activation act, float * x, int64_t n);
 
 // x[i] = exp(x[i] - max) / Σ exp(x[j] - max): a numerically safe softmax of one row, in place.
 void softmax(float * x, int64_t n);
