@@ -103,15 +103,19 @@ BUILDERS: dict[str, Callable[[int], tuple[Any, Any, dict[str, Any]]]] = {"qwen2.
 PROCESSOR_FILES = {"qwen2.5vl": "processor_config.json", "gemma3": "preprocessor_config.json"}
 
 
-def _median_time(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
-    """(median seconds of `runs` calls after one warm-up call, the last result)."""
-    out = fn()
-    times = []
+def _time_round_robin(engines: dict[str, Callable[[], np.ndarray]], runs: int) -> dict[str, Any]:
+    """{name: (median wall seconds, median CPU seconds of the process, last output)}: each engine warmed up once, then
+    `runs` rounds of one call each, in turn, so a change of the machine's load reaches every engine alike."""
+    out = {name: fn() for name, fn in engines.items()}
+    wall: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        for name, fn in engines.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            out[name] = fn()
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+    return {n: (statistics.median(wall[n]), statistics.median(cpu[n]), out[n]) for n in engines}
 
 
 def _kvcmas_features(mmproj: Path, image: Any, threads: int) -> Callable[[], np.ndarray]:
@@ -225,30 +229,31 @@ def bench_family(fam: Family, args: argparse.Namespace, image: Any, tmp: Path) -
             inner.layers = torch.nn.ModuleList()
     row: dict[str, Any] = {"family": fam.name, "layers": layers, "threads": args.threads, "outtype": args.outtype}
 
-    print(f"timing kvcmas ({args.threads} threads) ...", file=sys.stderr)
-    row["kvcmas_s"], ours = _median_time(_kvcmas_features(mmproj, image, args.threads), args.runs)
-    row["tokens"] = int(ours.shape[0])
-
     torch.set_num_threads(args.threads)
-    print(f"timing transformers (torch {torch.__version__}, {torch.get_num_threads()} threads) ...", file=sys.stderr)
-    row["torch_s"], ref = _median_time(_torch_features(model, ip, image), args.runs)
-    row["delta_torch"], row["delta_torch_text"] = _max_delta(ours, ref)
-    row["ref_max"] = float(np.abs(ref).max())
-    del model
-
+    engines = {"kvcmas": _kvcmas_features(mmproj, image, args.threads), "torch": _torch_features(model, ip, image)}
+    close: Callable[[], None] = lambda: None  # noqa: E731
     row["llama_cpp_s"], row["llama_cpp_note"] = None, "skipped"
     if not args.no_llama_cpp:
         try:
-            run, close = _llama_cpp_features(mmproj, image, args.threads)
-            print("timing llama.cpp (mtmd) ...", file=sys.stderr)
-            try:
-                row["llama_cpp_s"], lc = _median_time(run, args.runs)
-                delta = _max_delta(lc, ref)[1]
-                row["llama_cpp_note"] = f"{lc.shape[0]} tokens (its own resize), max abs diff vs transformers {delta}"
-            finally:
-                close()
+            engines["llama_cpp"], close = _llama_cpp_features(mmproj, image, args.threads)
         except RuntimeError as e:
             row["llama_cpp_note"] = str(e)
+    print(f"timing {', '.join(engines)} ({args.threads} threads, torch {torch.__version__}) ...", file=sys.stderr)
+    try:
+        timed = _time_round_robin(engines, args.runs)
+    finally:
+        close()
+    (row["kvcmas_s"], row["kvcmas_cpu_s"], ours), (row["torch_s"], row["torch_cpu_s"], ref) = (
+        timed["kvcmas"],
+        timed["torch"],
+    )
+    row["tokens"] = int(ours.shape[0])
+    row["delta_torch"], row["delta_torch_text"] = _max_delta(ours, ref)
+    row["ref_max"] = float(np.abs(ref).max())
+    if "llama_cpp" in timed:
+        row["llama_cpp_s"], row["llama_cpp_cpu_s"], lc = timed["llama_cpp"]
+        delta = _max_delta(lc, ref)[1]
+        row["llama_cpp_note"] = f"{lc.shape[0]} tokens (its own resize), max abs diff vs transformers {delta}"
     return row
 
 
@@ -273,17 +278,18 @@ def run_vision_towers(args: argparse.Namespace) -> int:
 
                 image = Image.open(args.image).convert("RGB")
             rows.append(bench_family(fam, args, image, Path(tmp)))
-    print(f"load average {os.getloadavg()[0]:.1f} at the end; median of {args.runs} runs after a warm-up\n")
+    print(f"load average {os.getloadavg()[0]:.1f} at the end; median of {args.runs} rounds after a warm-up; "
+          "wall seconds (CPU seconds of the process)\n")  # fmt: skip
     print("| tower | blocks | tokens | mmproj | kvcmas s | transformers s | kvcmas / transformers | llama.cpp s | "
           "kvcmas / llama.cpp | max abs diff vs transformers | llama.cpp |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         lc = r["llama_cpp_s"]
-        lc_cells = f"{lc:.2f} | {r['kvcmas_s'] / lc:.2f}x" if lc else "- | -"
+        lc_cells = f"{lc:.1f} ({r['llama_cpp_cpu_s']:.1f}) | {r['kvcmas_s'] / lc:.2f}x" if lc else "- | -"
         print(
-            f"| {r['family']} | {r['layers']} | {r['tokens']} | {r['outtype']} | {r['kvcmas_s']:.2f} | "
-            f"{r['torch_s']:.2f} | {r['kvcmas_s'] / r['torch_s']:.2f}x | {lc_cells} | {r['delta_torch_text']} | "
-            f"{r['llama_cpp_note']} |"
+            f"| {r['family']} | {r['layers']} | {r['tokens']} | {r['outtype']} | {r['kvcmas_s']:.1f} "
+            f"({r['kvcmas_cpu_s']:.1f}) | {r['torch_s']:.1f} ({r['torch_cpu_s']:.1f}) | "
+            f"{r['kvcmas_s'] / r['torch_s']:.2f}x | {lc_cells} | {r['delta_torch_text']} | {r['llama_cpp_note']} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
