@@ -76,7 +76,9 @@ def _qwen(layers: int) -> tuple[Any, Any, dict[str, Any]]:
     vision = dict(depth=layers, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=TEXT_WIDTH,
                   fullatt_block_indexes=full, window_size=112, patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2)  # fmt: skip
-    ids = dict(image_token_id=251, video_token_id=252, vision_start_token_id=253, vision_end_token_id=254)
+    ids: dict[str, Any] = dict(
+        image_token_id=251, video_token_id=252, vision_start_token_id=253, vision_end_token_id=254
+    )
     config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     ip = transformers.Qwen2VLImageProcessorPil()
