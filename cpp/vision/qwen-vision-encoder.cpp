@@ -211,40 +211,7 @@ void QwenVisionEncoder::attention(const Layer & L, const float * xn, const std::
     linear(L.wv, L.bv, xn, v.data(), N);
     rotate_rows(q.data(), cos_t, sin_t, N, H, hd, pool_);
     rotate_rows(k.data(), cos_t, sin_t, N, H, hd, pool_);
-    int64_t most = 0;
-    for (size_t s = 0; s + 1 < seg.size(); ++s) {
-        most = std::max(most, seg[s + 1] - seg[s]);
-    }
-    std::vector<float> qh(static_cast<size_t>(most * hd)), vt(qh.size()), oh(qh.size());
-    std::vector<float> scores(static_cast<size_t>(most * most));
-    const float        scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    for (size_t s = 0; s + 1 < seg.size(); ++s) {
-        const int64_t a = seg[s], n = seg[s + 1] - seg[s];
-        for (int64_t h = 0; h < H; ++h) {
-            for (int64_t t = 0; t < n; ++t) {
-                for (int64_t d = 0; d < hd; ++d) {
-                    qh[t * hd + d] = q[(a + t) * E + h * hd + d] * scale;
-                    vt[d * n + t]  = v[(a + t) * E + h * hd + d];
-                }
-            }
-            // scores = qh Kᵀ and out = softmax(scores) V through the GEMM, K and Vᵀ as f32 weight views
-            const cpu::WeightView kview{ GgmlType::F32, k.data() + a * E + h * hd, hd, n,
-                                         static_cast<size_t>(E) * sizeof(float) };
-            cpu::matmul(kview, qh.data(), scores.data(), n, pool_);
-            pool_.run([&](int ith, int nth) {
-                long long t0, t1;
-                cpu::split_range(n, ith, nth, t0, t1);
-                for (long long t = t0; t < t1; ++t) {
-                    softmax(&scores[static_cast<size_t>(t * n)], n);
-                }
-            });
-            const cpu::WeightView vview{ GgmlType::F32, vt.data(), n, hd, static_cast<size_t>(n) * sizeof(float) };
-            cpu::matmul(vview, scores.data(), oh.data(), n, pool_);
-            for (int64_t t = 0; t < n; ++t) {
-                std::memcpy(&out[(a + t) * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
-            }
-        }
-    }
+    segment_attention(q.data(), k.data(), v.data(), out, E, H, seg, scratch_, pool_);
 }
 
 std::vector<float> QwenVisionEncoder::encode(const float * patches, int64_t n_patches, int64_t dim, int64_t grid_h,

@@ -87,6 +87,7 @@ class QwenVisionEncoder {
     cpu::WeightView                 mm0_{}, mm2_{};
     std::vector<float>              mm0_b_, mm2_b_;
     cpu::ThreadPool                 pool_;
+    std::vector<float>              scratch_;  // attention's, kept across layers and calls (serialised)
     std::mutex                      mutex_;
 };
 

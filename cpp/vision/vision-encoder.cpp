@@ -280,50 +280,18 @@ void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> &
     vision::linear(w, b, x, y, n_tok, pool_);
 }
 
-// Multi-head attention without a mask. Each head runs as two matmuls against f32 views of K and Vᵀ, which
-// reuses the tuned GEMM instead of a dedicated attention kernel: scores = (q·s) Kᵀ, out = softmax(scores) V.
+// Multi-head attention without a mask over all T rows (vision-ops.h's segment_attention, one segment).
 void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T) {
-    const int64_t E = p_.n_embd, H = p_.n_head, hd = E / H;
+    const int64_t E = p_.n_embd, H = p_.n_head;
     // Buffers live in the encoder (calls are serialised): fresh ones per layer cost page faults on every encode.
     AttentionScratch & sc = scratch_;
     for (std::vector<float> * buf : { &sc.q, &sc.k, &sc.v }) {
         buf->resize(static_cast<size_t>(T * E));
     }
-    for (std::vector<float> * buf : { &sc.qh, &sc.vt, &sc.oh }) {
-        buf->resize(static_cast<size_t>(T * hd));
-    }
-    sc.scores.resize(static_cast<size_t>(T * T));
-    std::vector<float> &q = sc.q, &k = sc.k, &v = sc.v, &qh = sc.qh, &vt = sc.vt, &oh = sc.oh, &scores = sc.scores;
-    linear(L.wq, L.bq, xn, q.data(), T);
-    linear(L.wk, L.bk, xn, k.data(), T);
-    linear(L.wv, L.bv, xn, v.data(), T);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-    for (int64_t h = 0; h < H; ++h) {
-        pool_.run([&](int ith, int nth) {
-            long long t0, t1;
-            cpu::split_range(T, ith, nth, t0, t1);
-            for (long long t = t0; t < t1; ++t) {
-                for (int64_t d = 0; d < hd; ++d) {
-                    qh[t * hd + d] = q[t * E + h * hd + d] * scale;
-                    vt[d * T + t]  = v[t * E + h * hd + d];
-                }
-            }
-        });
-        const cpu::WeightView kview{ GgmlType::F32, k.data() + h * hd, hd, T, static_cast<size_t>(E) * sizeof(float) };
-        cpu::matmul(kview, qh.data(), scores.data(), T, pool_);
-        pool_.run([&](int ith, int nth) {
-            long long t0, t1;
-            cpu::split_range(T, ith, nth, t0, t1);
-            for (long long t = t0; t < t1; ++t) {
-                softmax(&scores[t * T], T);
-            }
-        });
-        const cpu::WeightView vview{ GgmlType::F32, vt.data(), T, hd, static_cast<size_t>(T) * sizeof(float) };
-        cpu::matmul(vview, scores.data(), oh.data(), T, pool_);
-        for (int64_t t = 0; t < T; ++t) {
-            std::memcpy(&out[t * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
-        }
-    }
+    linear(L.wq, L.bq, xn, sc.q.data(), T);
+    linear(L.wk, L.bk, xn, sc.k.data(), T);
+    linear(L.wv, L.bv, xn, sc.v.data(), T);
+    segment_attention(sc.q.data(), sc.k.data(), sc.v.data(), out, E, H, { 0, T }, sc.rest, pool_);
 }
 
 std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels, int64_t height, int64_t width) {

@@ -113,7 +113,7 @@ class VisionEncoder {
     cpu::WeightView                 input_proj_{};   // a view of input_proj_t_
     cpu::ThreadPool                 pool_;
     struct AttentionScratch {
-        std::vector<float> q, k, v, qh, vt, oh, scores;  // [T, E] x3, [T, hd] x3, [T, T]
+        std::vector<float> q, k, v, rest;  // [T, E] x3, segment_attention's scratch
     };
     AttentionScratch scratch_;
     std::mutex       mutex_;  // one encode at a time (the pool and the scratch are shared)

@@ -1,9 +1,12 @@
 #include "vision/vision-ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <thread>
+
+#include "backend/cpu/cpu-features.h"
 
 namespace kvcmas::vision {
 
@@ -46,7 +49,20 @@ void layer_norm(const float * x, const float * w, const float * b, float * y, in
     }
 }
 
+#ifdef KC_X86
+bool activate_avx2(Activation act, float * x, int64_t n);  // vision-ops-avx2.cpp
+#endif
+
 void activate(Activation act, float * x, int64_t n) {
+#ifdef KC_X86
+    if (cpu::cpu_features().avx2_fma_f16c && activate_avx2(act, x, n)) {
+        return;
+    }
+#endif
+    activate_portable(act, x, n);
+}
+
+void activate_portable(Activation act, float * x, int64_t n) {
     switch (act) {
         case Activation::GeluErf:
             for (int64_t i = 0; i < n; ++i) {
@@ -106,6 +122,109 @@ void linear(const cpu::WeightView & w, const std::vector<float> & b, const float
             for (int64_t i = 0; i < n; ++i) {
                 row[i] += b[static_cast<size_t>(i)];
             }
+        }
+    });
+}
+
+// Segments up to this length run the fused kernel: their keys and values stay in cache across a query block.
+constexpr int64_t kFusedSegmentMax = 512;
+
+#ifdef KC_X86
+void softmax_avx2(float * x, int64_t n);  // vision-ops-avx2.cpp
+#endif
+
+static void softmax_rows(float * x, int64_t n_rows, int64_t n, cpu::ThreadPool & pool) {
+#ifdef KC_X86
+    const bool avx2 = cpu::cpu_features().avx2_fma_f16c;
+#else
+    const bool avx2 = false;
+#endif
+    pool.run([&](int ith, int nth) {
+        long long t0, t1;
+        cpu::split_range(n_rows, ith, nth, t0, t1);
+        for (long long t = t0; t < t1; ++t) {
+#ifdef KC_X86
+            if (avx2) {
+                softmax_avx2(x + t * n, n);
+                continue;
+            }
+#endif
+            softmax(x + t * n, n);
+        }
+    });
+}
+
+// One segment of n rows from row a, head by head through the GEMM (K and Vᵀ as f32 weight views).
+static void gemm_attention(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
+                           int64_t a, int64_t n, std::vector<float> & scratch, cpu::ThreadPool & pool) {
+    const int64_t hd = E / H;
+    scratch.resize(static_cast<size_t>(n * n + 3 * n * hd));
+    float *     scores = scratch.data();
+    float *     qh = scores + n * n, *vt = qh + n * hd, *oh = vt + n * hd;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (int64_t h = 0; h < H; ++h) {
+        pool.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(n, ith, nth, t0, t1);
+            for (long long t = t0; t < t1; ++t) {
+                for (int64_t d = 0; d < hd; ++d) {
+                    qh[t * hd + d] = q[(a + t) * E + h * hd + d] * scale;
+                    vt[d * n + t]  = v[(a + t) * E + h * hd + d];
+                }
+            }
+        });
+        const cpu::WeightView kview{ GgmlType::F32, k + a * E + h * hd, hd, n, static_cast<size_t>(E) * sizeof(float) };
+        cpu::matmul(kview, qh, scores, n, pool);
+        softmax_rows(scores, n, n, pool);
+        const cpu::WeightView vview{ GgmlType::F32, vt, n, hd, static_cast<size_t>(n) * sizeof(float) };
+        cpu::matmul(vview, scores, oh, n, pool);
+        pool.run([&](int ith, int nth) {
+            long long t0, t1;
+            cpu::split_range(n, ith, nth, t0, t1);
+            for (long long t = t0; t < t1; ++t) {
+                std::memcpy(&out[(a + t) * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
+            }
+        });
+    }
+}
+
+void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
+                       const std::vector<int64_t> & seg, std::vector<float> & scratch, cpu::ThreadPool & pool) {
+    const int64_t             hd = E / H;
+    const cpu::AttentionShape shape{ static_cast<int>(H), static_cast<int>(H), static_cast<int>(hd), E,
+                                     1.0f / std::sqrt(static_cast<float>(hd)) };
+    const cpu::Rope           no_rope;  // rows come rotated; every run has shift 0
+    constexpr int             kBlock = cpu::kMaxAttentionBlock;
+    struct Task {
+        int64_t a, n, q0;  // segment start and length, first query of the block (in the segment)
+    };
+    std::vector<Task> tasks;
+    int64_t           most = 0;
+    for (size_t s = 0; s + 1 < seg.size(); ++s) {
+        const int64_t a = seg[s], n = seg[s + 1] - seg[s];
+        if (n > kFusedSegmentMax) {
+            gemm_attention(q, k, v, out, E, H, a, n, scratch, pool);
+            continue;
+        }
+        most = std::max(most, n);
+        for (int64_t q0 = 0; q0 < n; q0 += kBlock) {
+            tasks.push_back({ a, n, q0 });
+        }
+    }
+    if (tasks.empty()) {
+        return;
+    }
+    const int64_t        scratch_floats = cpu::attention_block_scratch_floats(shape, kBlock, most);
+    std::atomic<int64_t> next{ 0 };  // blocks handed out one by one: threads of a loaded machine finish unevenly
+    pool.run([&](int, int) {
+        std::vector<float> local(static_cast<size_t>(scratch_floats));
+        for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+            const Task &     t  = tasks[static_cast<size_t>(i)];
+            const int        nq = static_cast<int>(std::min<int64_t>(kBlock, t.n - t.q0));
+            const cpu::KvRun run{ k + t.a * E, v + t.a * E, static_cast<int32_t>(t.n), 0 };
+            // Query j of the block sees max(n_visible0 + j, n_visible_min) = all n rows of its segment.
+            cpu::attend_block(shape, no_rope, q + (t.a + t.q0) * E, E, nq, &run, 1, t.n - nq + 1, 0,
+                              static_cast<int>(H), out + (t.a + t.q0) * E, E, local.data(), t.n);
         }
     });
 }

@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_vision_arguments(pv)
     pv.set_defaults(func=run_vision)
 
+    from .bench.vision_towers import add_tower_arguments, run_vision_towers
+
+    pvt = bench_sub.add_parser(
+        "vision-towers", **documented("each family's vision tower: kvcmas vs transformers and llama.cpp", "vision.md")
+    )
+    add_tower_arguments(pvt)
+    pvt.set_defaults(func=run_vision_towers)
+
     p = sub.add_parser("models", **documented("models installable by name: list, pull", "models.md"))
     models_sub = p.add_subparsers(dest="models", required=True)
     models_sub.add_parser(
