@@ -100,8 +100,8 @@ class TeamRun:
     first_ttft_ms: float
     later_ttft_ms: float
     computed: list[int]
-    kv_bytes: int  # KV rows the four agents hold
-    corr_bytes: int  # their low-rank corrections
+    kv_bytes: int  # KV rows the four agents hold (the team KV of the goal)
+    corr_bytes: int  # their low-rank corrections, held beside the rows
     encodes: int  # tower runs the encoder counted for this team (its feature cache cleared first)
     modes: list[str]
 
@@ -175,25 +175,28 @@ def goal_lines(runs: list[TeamRun], n_images: int, n_rows: list[int], single_vie
     if "nonshared" in by and "kvcmas" in by:
         speedup = by["nonshared"].later_ttft_ms / by["kvcmas"].later_ttft_ms
         line(speedup >= GOAL_TTFT_SPEEDUP, f"kvcmas later-agent TTFT {speedup:.2f}x nonshared (goal >= 10x)")
-        ratio = by["kvcmas"].team_bytes / by["nonshared"].team_bytes
-        line(ratio <= GOAL_KV_RATIO, f"kvcmas team KV {ratio:.3f}x nonshared (goal <= 0.35x)")
+        kv = by["kvcmas"].kv_bytes / by["nonshared"].kv_bytes
+        held = by["kvcmas"].team_bytes / by["nonshared"].team_bytes
+        line(kv <= GOAL_KV_RATIO, f"kvcmas team KV {kv:.3f}x nonshared (goal <= 0.35x; {held:.3f}x with corrections)")
     for r in runs:
         line(r.encodes == n_images, f"{r.method}: {r.encodes} encodes for {n_images} distinct images (goal: one each)")
     return lines
 
 
 def print_report(runs: list[TeamRun]) -> None:
+    """The per-method table; ratios against the first method (nonshared by default)."""
     base = runs[0]
     print(
         f"| method | first-agent TTFT ms | later-agent TTFT ms | later vs {base.method} | computed tokens per agent | "
-        f"team KV MiB (rows + corrections) | vs {base.method} | correction MiB | encodes | modes |"
+        f"team KV MiB | vs {base.method} | correction MiB | KV + corrections vs {base.method} | encodes | modes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         print(
             f"| {r.method} | {r.first_ttft_ms:.0f} | {r.later_ttft_ms:.0f} | "
-            f"{base.later_ttft_ms / r.later_ttft_ms:.2f}x | {r.computed} | {r.team_bytes / 2**20:.1f} | "
-            f"{r.team_bytes / base.team_bytes:.3f} | {r.corr_bytes / 2**20:.2f} | {r.encodes} | {','.join(r.modes)} |"
+            f"{base.later_ttft_ms / r.later_ttft_ms:.2f}x | {r.computed} | {r.kv_bytes / 2**20:.1f} | "
+            f"{r.kv_bytes / base.kv_bytes:.3f} | {r.corr_bytes / 2**20:.2f} | {r.team_bytes / base.team_bytes:.3f} | "
+            f"{r.encodes} | {','.join(r.modes)} |"
         )
 
 
