@@ -112,3 +112,23 @@ def test_bench_vision_small_configuration(
         team.share(embeddings=np.concatenate([enc.encode(i, view=view) for i in images]), text="?")
         assert team.context[0][1].startswith(f"[{sum(predicted)} input vectors]")
     assert enc.encode_count == n_images  # the second session's encodes came from the feature cache
+
+
+def test_bench_vision_no_chain_keeps_one_correction_per_reader(default_model_path: Path, tmp_path: Path) -> None:
+    """--no-chain: each later agent holds its own rank-9 correction of the shared image (with the chain, the ranks
+    grow 9, 18, 27 hop by hop), so the team's correction bytes fall by half."""
+    model = Model(str(default_model_path), n_threads=2)
+    mmproj = tmp_path / "onevision.gguf"
+    bench_vision._write_tower(_args(tile=TILE, layers=1), str(mmproj), model.n_embd)
+    enc = VisionEncoder(mmproj, n_threads=2)
+    corr = {}
+    for no_chain in (False, True):
+        config = bench_vision._kvcmas_config(_args(no_chain=no_chain))
+        assert config.chain is not no_chain
+        runs = [
+            bench_vision.run_team(model, enc, "kvcmas", config, [bench_vision._photo(p)], 2, fresh_cache=False)
+            for p in ("motorcycle_left.png", "astronaut.png")  # the first team calibrates the edges (if not yet)
+        ]
+        assert runs[1].corr_bytes > 0
+        corr[no_chain] = runs[1].corr_bytes
+    assert corr[False] == 2 * corr[True]  # ranks 9 + 18 + 27 against 3 x 9, on the same rows

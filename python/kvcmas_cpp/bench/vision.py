@@ -12,6 +12,7 @@ not depend on the weights' values. ``--tower siglip`` is the earlier benchmark: 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -71,6 +72,11 @@ def add_vision_arguments(p: argparse.ArgumentParser) -> None:
         help=f"teams on other photos kvcmas calibrates on first (at most {len(CALIBRATION_PHOTOS)})",
     )
     p.add_argument("--recompute", type=float, default=None, help="kvcmas' recompute share (default: the method's)")
+    p.add_argument(
+        "--no-chain",
+        action="store_true",
+        help="kvcmas: each reader's own correction of the shared message instead of the chain's (MethodConfig.chain)",
+    )
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -148,8 +154,9 @@ def run_team(
 
 
 def _kvcmas_config(args: argparse.Namespace) -> MethodConfig:
-    """kvcmas as sessions run it (online calibration, bounded training reads), with --recompute when given."""
-    return REGISTRY["kvcmas"].session_config(recompute=args.recompute)
+    """kvcmas as sessions run it (online calibration, bounded training reads), with --recompute and --no-chain."""
+    config = REGISTRY["kvcmas"].session_config(recompute=args.recompute)
+    return dataclasses.replace(config, chain=False) if args.no_chain else config
 
 
 def _calibrate(model: Model, vision: Any, config: MethodConfig, args: argparse.Namespace, n_images: int) -> None:
