@@ -32,6 +32,24 @@ static FloatOut encode(vision::VisionEncoder & enc, PixelArray pixels) {
     return FloatOut(out->data(), { rows, cols }, owner);
 }
 
+using PixelBatch = nb::ndarray<const float, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+
+static FloatOut encode_batch(vision::VisionEncoder & enc, PixelBatch pixels) {
+    auto * out = new std::vector<float>();
+    try {
+        nb::gil_scoped_release release;
+        *out = enc.encode_batch(pixels.data(), static_cast<int64_t>(pixels.shape(0)),
+                                static_cast<int64_t>(pixels.shape(1)), static_cast<int64_t>(pixels.shape(2)),
+                                static_cast<int64_t>(pixels.shape(3)));
+    } catch (...) {
+        delete out;
+        throw;
+    }
+    const size_t cols = static_cast<size_t>(enc.n_output_embd());
+    nb::capsule  owner(out, [](void * p) noexcept { delete static_cast<std::vector<float> *>(p); });
+    return FloatOut(out->data(), { out->size() / cols, cols }, owner);
+}
+
 using PatchArray = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 static FloatOut encode_patches(vision::QwenVisionEncoder & enc, PatchArray patches, int64_t grid_h, int64_t grid_w) {
@@ -99,6 +117,10 @@ void bind_vision(nb::module_ & m) {
              nb::call_guard<nb::gil_scoped_release>())
         .def("encode", &encode, nb::arg("pixels"),
              "pixels: float32 [3, image_size, image_size] (preprocessed) -> float32 [n_tokens, n_embd_out]")
+        .def("encode_batch", &encode_batch, nb::arg("pixels"),
+             "pixels: float32 [n, 3, image_size, image_size] -> float32 [n * n_tokens, n_embd_out], the n images' "
+             "rows in order (one batched tower pass; the same values as n encode calls)")
+        .def_prop_ro("max_batch", [](const VisionEncoder &) { return VisionEncoder::kMaxBatch; })
         .def_prop_ro("path", [](const VisionEncoder & e) { return e.file().path(); })
         .def_prop_ro("n_threads", &VisionEncoder::n_threads)
         .def_prop_ro("image_size", [](const VisionEncoder & e) { return e.params().image_size; })

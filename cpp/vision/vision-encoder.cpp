@@ -280,62 +280,97 @@ void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> &
     vision::linear(w, b, x, y, n_tok, pool_);
 }
 
-// Multi-head attention without a mask over all T rows (vision-ops.h's segment_attention, one segment).
-void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T) {
-    const int64_t E = p_.n_embd, H = p_.n_head;
+// Multi-head attention without a mask, within each of n_img images of T rows (rows of different images never see
+// each other): vision-ops.h's segment_attention with one segment per image.
+void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T, int64_t n_img) {
+    const int64_t E = p_.n_embd, H = p_.n_head, R = T * n_img;
     // Buffers live in the encoder (calls are serialised): fresh ones per layer cost page faults on every encode.
     AttentionScratch & sc = scratch_;
     for (std::vector<float> * buf : { &sc.q, &sc.k, &sc.v }) {
-        buf->resize(static_cast<size_t>(T * E));
+        buf->resize(static_cast<size_t>(R * E));
     }
-    linear(L.wq, L.bq, xn, sc.q.data(), T);
-    linear(L.wk, L.bk, xn, sc.k.data(), T);
-    linear(L.wv, L.bv, xn, sc.v.data(), T);
-    segment_attention(sc.q.data(), sc.k.data(), sc.v.data(), out, E, H, { 0, T }, sc.rest, pool_);
+    linear(L.wq, L.bq, xn, sc.q.data(), R);
+    linear(L.wk, L.bk, xn, sc.k.data(), R);
+    linear(L.wv, L.bv, xn, sc.v.data(), R);
+    std::vector<int64_t> segments(static_cast<size_t>(n_img + 1));
+    for (int64_t img = 0; img <= n_img; ++img) {
+        segments[static_cast<size_t>(img)] = img * T;
+    }
+    segment_attention(sc.q.data(), sc.k.data(), sc.v.data(), out, E, H, segments, sc.rest, pool_);
 }
 
 std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels, int64_t height, int64_t width) {
-    const int64_t S = p_.image_size, P = p_.patch_size, G = S / P, N = p_.n_patches(), T = p_.n_positions();
-    const int64_t E = p_.n_embd, F = p_.n_ff, C = 3 * P * P;
-    KC_CHECK(pixels != nullptr && channels == 3 && height == S && width == S,
-             "%s: the encoder takes a preprocessed image of shape [3, %lld, %lld], got [%lld, %lld, %lld]",
+    return encode_batch(pixels, 1, channels, height, width);
+}
+
+std::vector<float> VisionEncoder::encode_batch(const float * pixels, int64_t n_images, int64_t channels, int64_t height,
+                                               int64_t width) {
+    const int64_t S = p_.image_size;
+    KC_CHECK(pixels != nullptr && n_images >= 1 && channels == 3 && height == S && width == S,
+             "%s: the encoder takes preprocessed images of shape [n >= 1, 3, %lld, %lld], got [%lld, %lld, %lld, %lld]",
              file_->path().c_str(), static_cast<long long>(S), static_cast<long long>(S),
-             static_cast<long long>(channels), static_cast<long long>(height), static_cast<long long>(width));
-    for (int64_t i = 0; i < 3 * S * S; ++i) {
-        KC_CHECK(std::isfinite(pixels[i]), "encode: pixel value %lld is not finite", static_cast<long long>(i));
+             static_cast<long long>(n_images), static_cast<long long>(channels), static_cast<long long>(height),
+             static_cast<long long>(width));
+    const int64_t per_image = 3 * S * S;
+    for (int64_t i = 0; i < n_images * per_image; ++i) {
+        KC_CHECK(std::isfinite(pixels[i]), "encode: pixel value %lld of image %lld is not finite",
+                 static_cast<long long>(i % per_image), static_cast<long long>(i / per_image));
     }
     std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t               n_out_rows = p_.n_output_tokens() * n_output_embd();
+    std::vector<float>          out(static_cast<size_t>(n_images * n_out_rows));
+    for (int64_t i0 = 0; i0 < n_images; i0 += kMaxBatch) {
+        const int64_t            n    = std::min(kMaxBatch, n_images - i0);
+        const std::vector<float> rows = encode_locked(pixels + i0 * per_image, n);
+        std::copy(rows.begin(), rows.end(), out.begin() + i0 * n_out_rows);
+    }
+    return out;
+}
 
-    // Patches as rows [N][3·P·P] in the convolution weight's (channel, y, x) order.
-    std::vector<float> patches(static_cast<size_t>(N * C));
+std::vector<float> VisionEncoder::encode_locked(const float * pixels, int64_t n_img) {
+    const int64_t S = p_.image_size, P = p_.patch_size, G = S / P, N = p_.n_patches(), T = p_.n_positions();
+    const int64_t E = p_.n_embd, F = p_.n_ff, C = 3 * P * P, R = n_img * T;
+
+    // Patches as rows [n_img·N][3·P·P] in the convolution weight's (channel, y, x) order.
+    std::vector<float> patches(static_cast<size_t>(n_img * N * C));
     pool_.run([&](int ith, int nth) {
         long long n0, n1;
-        cpu::split_range(N, ith, nth, n0, n1);
+        cpu::split_range(n_img * N, ith, nth, n0, n1);
         for (long long n = n0; n < n1; ++n) {
-            const int64_t gy = n / G, gx = n % G;
+            const int64_t img = n / N, gy = (n % N) / G, gx = (n % N) % G;
             float *       row = &patches[static_cast<size_t>(n * C)];
             for (int64_t c = 0; c < 3; ++c) {
                 for (int64_t ky = 0; ky < P; ++ky) {
-                    const float * src = pixels + (c * S + gy * P + ky) * S + gx * P;
+                    const float * src = pixels + img * 3 * S * S + (c * S + gy * P + ky) * S + gx * P;
                     std::memcpy(row + (c * P + ky) * P, src, static_cast<size_t>(P) * sizeof(float));
                 }
             }
         }
     });
     const int64_t      first = p_.class_token ? 1 : 0;
-    std::vector<float> x(static_cast<size_t>(T * E));
-    linear(patch_w_, patch_b_, patches.data(), &x[static_cast<size_t>(first * E)], N);
-    if (p_.class_token) {
-        std::copy(class_embd_.begin(), class_embd_.end(), x.begin());
+    std::vector<float> x(static_cast<size_t>(R * E));
+    if (first == 0) {
+        linear(patch_w_, patch_b_, patches.data(), x.data(), n_img * N);
+    } else {
+        std::vector<float> embedded(static_cast<size_t>(n_img * N * E));
+        linear(patch_w_, patch_b_, patches.data(), embedded.data(), n_img * N);
+        for (int64_t img = 0; img < n_img; ++img) {
+            float * dst = &x[static_cast<size_t>(img * T * E)];
+            std::copy(class_embd_.begin(), class_embd_.end(), dst);
+            std::copy(embedded.begin() + img * N * E, embedded.begin() + (img + 1) * N * E, dst + E);
+        }
     }
-    for (size_t i = 0; i < x.size(); ++i) {
-        x[i] += pos_embd_[i];
+    for (int64_t img = 0; img < n_img; ++img) {
+        float * dst = &x[static_cast<size_t>(img * T * E)];
+        for (size_t i = 0; i < pos_embd_.size(); ++i) {
+            dst[i] += pos_embd_[i];
+        }
     }
 
     auto norm_rows = [&](const std::vector<float> & w, const std::vector<float> & b, const float * src, float * dst) {
         pool_.run([&](int ith, int nth) {
             long long t0, t1;
-            cpu::split_range(T, ith, nth, t0, t1);
+            cpu::split_range(R, ith, nth, t0, t1);
             for (long long t = t0; t < t1; ++t) {
                 layer_norm(src + t * E, w.data(), b.data(), dst + t * E, E, p_.eps);
             }
@@ -349,44 +384,54 @@ std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels,
     if (p_.pre_ln) {
         norm_rows(pre_ln_w_, pre_ln_b_, x.data(), x.data());
     }
-    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size()), ff(static_cast<size_t>(T * F));
+    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size()), ff(static_cast<size_t>(R * F));
     for (const Layer & L : layers_) {
         norm_rows(L.ln1_w, L.ln1_b, x.data(), xn.data());
-        attention(L, xn.data(), att.data(), T);
-        linear(L.wo, L.bo, att.data(), tmp.data(), T);
-        add_into(x.data(), tmp.data(), T * E);
+        attention(L, xn.data(), att.data(), T, n_img);
+        linear(L.wo, L.bo, att.data(), tmp.data(), R);
+        add_into(x.data(), tmp.data(), R * E);
         norm_rows(L.ln2_w, L.ln2_b, x.data(), xn.data());
-        linear(L.w_up, L.b_up, xn.data(), ff.data(), T);
+        linear(L.w_up, L.b_up, xn.data(), ff.data(), R);
         pool_.run([&](int ith, int nth) {
             long long t0, t1;
-            cpu::split_range(T, ith, nth, t0, t1);
+            cpu::split_range(R, ith, nth, t0, t1);
             activate(p_.act, &ff[static_cast<size_t>(t0 * F)], (t1 - t0) * F);
         });
-        linear(L.w_down, L.b_down, ff.data(), tmp.data(), T);
-        add_into(x.data(), tmp.data(), T * E);
+        linear(L.w_down, L.b_down, ff.data(), tmp.data(), R);
+        add_into(x.data(), tmp.data(), R * E);
     }
     if (p_.post_ln) {
         norm_rows(post_ln_w_, post_ln_b_, x.data(), x.data());
     }
 
     if (p_.gemma3_projector) {
-        return gemma3_project(x.data());
+        std::vector<float> out;
+        for (int64_t img = 0; img < n_img; ++img) {
+            const std::vector<float> rows = gemma3_project(&x[static_cast<size_t>(img * T * E)]);
+            out.insert(out.end(), rows.begin(), rows.end());
+        }
+        return out;
     }
-    const int64_t skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
-    const int64_t n_out = T - skip;
-    const float * feats = &x[static_cast<size_t>(skip * E)];
+    // The rows each image feeds the projector (its class token row dropped for select strategy "default").
+    const int64_t      skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
+    const int64_t      n_out = T - skip, M = n_img * n_out;
+    std::vector<float> feats(static_cast<size_t>(M * E));
+    for (int64_t img = 0; img < n_img; ++img) {
+        const auto src = x.begin() + (img * T + skip) * E;
+        std::copy(src, src + n_out * E, feats.begin() + img * n_out * E);
+    }
     if (!p_.projector) {
-        return std::vector<float>(feats, feats + n_out * E);
+        return feats;
     }
-    std::vector<float> hidden(static_cast<size_t>(n_out * p_.n_embd_proj));
-    linear(mm0_, mm0_b_, feats, hidden.data(), n_out);
+    std::vector<float> hidden(static_cast<size_t>(M * p_.n_embd_proj));
+    linear(mm0_, mm0_b_, feats.data(), hidden.data(), M);
     pool_.run([&](int ith, int nth) {
         long long t0, t1;
-        cpu::split_range(n_out, ith, nth, t0, t1);
+        cpu::split_range(M, ith, nth, t0, t1);
         activate(p_.projector_act, &hidden[static_cast<size_t>(t0 * p_.n_embd_proj)], (t1 - t0) * p_.n_embd_proj);
     });
-    std::vector<float> out(static_cast<size_t>(n_out * mm2_.n_out));
-    linear(mm2_, mm2_b_, hidden.data(), out.data(), n_out);
+    std::vector<float> out(static_cast<size_t>(M * mm2_.n_out));
+    linear(mm2_, mm2_b_, hidden.data(), out.data(), M);
     return out;
 }
 

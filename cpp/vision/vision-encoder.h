@@ -84,6 +84,13 @@ class VisionEncoder {
     // Hugging Face processor's pixel_values). Returns [n_output_tokens()][n_output_embd()] row-major. Thread-safe
     // (calls are serialised on the encoder's pool).
     std::vector<float> encode(const float * pixels, int64_t channels, int64_t height, int64_t width);
+    // Encodes n_images preprocessed images at once: pixels [n_images][3][image_size][image_size] f32 (AnyRes's
+    // base view and tiles). Returns [n_images·n_output_tokens()][n_output_embd()], image after image: the same
+    // values as n_images encode() calls (every row's products and sums are computed as there), from one pass that
+    // runs each linear layer over all images' rows (up to kMaxBatch images per pass, bounding the scratch memory).
+    std::vector<float>       encode_batch(const float * pixels, int64_t n_images, int64_t channels, int64_t height,
+                                          int64_t width);
+    static constexpr int64_t kMaxBatch = 8;
 
   private:
     struct Layer {
@@ -96,8 +103,11 @@ class VisionEncoder {
     void load_weights();
     // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty).
     void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
-    void attention(const Layer & L, const float * xn, float * out, int64_t n_tok);
-    void load_gemma3_projector();
+    // Attention within each of n_img images of T rows: xn, out [n_img·T, E].
+    void attention(const Layer & L, const float * xn, float * out, int64_t T, int64_t n_img);
+    // The tower (and projector) on n_img validated images, the mutex held.
+    std::vector<float> encode_locked(const float * pixels, int64_t n_img);
+    void               load_gemma3_projector();
     // Gemma 3's projector on the tower's output x [G·G, E] -> [n_output_tokens()][n_output_embd()].
     std::vector<float> gemma3_project(const float * x);
 
@@ -113,7 +123,7 @@ class VisionEncoder {
     cpu::WeightView                 input_proj_{};   // a view of input_proj_t_
     cpu::ThreadPool                 pool_;
     struct AttentionScratch {
-        std::vector<float> q, k, v, rest;  // [T, E] x3, segment_attention's scratch
+        std::vector<float> q, k, v, rest;  // [n_img·T, E] x3, segment_attention's scratch
     };
     AttentionScratch scratch_;
     std::mutex       mutex_;  // one encode at a time (the pool and the scratch are shared)

@@ -145,6 +145,9 @@ class VisionEncoder:
             raise ValueError(f"{self.path}: AnyRes needs a projector and a resize size equal to the tile size")
 
     n_tokens = property(lambda self: int(self._core.n_tokens), doc="tower rows per tower input (the base view's)")
+    max_batch = property(
+        lambda self: int(self._core.max_batch), doc="most tower inputs one batched pass runs (encode_pixels splits)"
+    )
     n_embd = property(lambda self: int(self._core.n_embd_out), doc="width of the output rows (text model's n_embd)")
     image_size = property(lambda self: int(self._core.image_size), doc="input side in pixels")
     has_projector = property(lambda self: bool(self._core.has_projector), doc="whether the file has a projector")
@@ -213,10 +216,11 @@ class VisionEncoder:
 
     def encode_pixels(self, pixels: np.ndarray) -> np.ndarray:
         """Runs the tower (and projector) on preprocessed pixels [3, S, S] (-> [n_tokens, n_embd]) or [n, 3, S, S]
-        (-> [n, n_tokens, n_embd], one tower pass per input); no cache, no AnyRes packing."""
+        (-> [n, n_tokens, n_embd]: AnyRes's crops in one batched pass, the same values as one pass per input); no
+        cache, no AnyRes packing."""
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         if pixels.ndim == 4:
-            return np.stack([self._core.encode(p) for p in pixels])
+            return self._core.encode_batch(pixels).reshape(len(pixels), self.n_tokens, self.n_embd)
         return self._core.encode(pixels)
 
     def _features(self, rgb: Image.Image, view: str | None) -> np.ndarray:
