@@ -66,6 +66,8 @@ void bind_correction(nb::module_ & m) {
              nb::arg("mu_y_k"), nb::arg("mu_x_v"), nb::arg("proj_v"), nb::arg("vt_v"), nb::arg("mu_y_v"),
              "Layer il's maps: mu_x [kd], proj [kd, rank], vt [rank, kd], mu_y [kd], for K then V (float32).")
         .def_prop_ro("rank", &RidgeMaps::rank)
+        .def_prop_rw("rows", &RidgeMaps::rows, &RidgeMaps::set_rows,
+                     "span rows [0, rows) the maps apply to (their fitted range); 0: every row")
         .def_prop_ro("n_layer", &RidgeMaps::n_layer)
         .def_prop_ro("bytes", &RidgeMaps::bytes, "memory held by the maps");
 

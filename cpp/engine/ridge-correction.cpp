@@ -17,6 +17,11 @@ RidgeMaps::RidgeMaps(int n_layer, int n_kv_dim, int rank) : n_kv_dim_(n_kv_dim),
     v_.resize(static_cast<size_t>(n_layer));
 }
 
+void RidgeMaps::set_rows(int32_t rows) {
+    KC_CHECK(rows >= 0, "RidgeMaps: rows %d must be >= 0 (0: every row)", rows);
+    rows_ = rows;
+}
+
 static RidgeMaps::Map make_map(int kd, int rank, const float * mu_x, const float * proj, const float * vt,
                                const float * mu_y) {
     const size_t   w = static_cast<size_t>(kd), r = static_cast<size_t>(rank);
@@ -178,7 +183,9 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
         prev_rank = prev->rank;
     }
     const int map_rank = maps.rank() + 1;  // the map's rank plus the offset column
-    const int rank     = prev_rank + map_rank;
+    // the rows the maps apply to (fitted range); the A rows after them stay zero
+    const int32_t n_map = maps.rows() > 0 ? std::min(n, maps.rows()) : n;
+    const int     rank  = prev_rank + map_rank;
     KC_CHECK(rank <= cpu::kMaxCorrectionRank,
              "ridge_correction: total rank %d (previous %d + %d) is over the kernel's limit %d: fold the previous "
              "correction first",
@@ -223,7 +230,7 @@ std::shared_ptr<KvCorrection> ridge_correction(Model & model, const RidgeMaps & 
         if (has_map) {
             kv.runs(seq, il, table);
             const cpu::Rope & rope = model.rope(il);
-            ridge_layer_jobs(maps, il, rope, n_kv, hd, table, pos, n, &l.a_k[static_cast<size_t>(col)],
+            ridge_layer_jobs(maps, il, rope, n_kv, hd, table, pos, n_map, &l.a_k[static_cast<size_t>(col)],
                              &l.a_v[static_cast<size_t>(col)], rank, cache_k, cache_v, jobs);
             model.backend().ridge_rows(store, il, jobs.data(), static_cast<int>(jobs.size()), maps.rank());
             const RidgeMaps::Map & mk = maps.k(il);

@@ -15,7 +15,7 @@ from ..agents import AgentSession
 from ..model import Model
 from ..sharing import methods as registry
 from ..sharing.fidelity import kl_divergence
-from ..sharing.ridge import RowMoments
+from ..sharing.ridge import RidgeEstimator, RowMoments
 from ..sharing.training_read import canonical
 from .progress import progress_bar
 
@@ -106,45 +106,58 @@ def read_rows_fidelity(
 ) -> list[dict[str, Any]]:
     """How close the maps a bounded read fits stay (MethodConfig.read_rows): the solver's edge of the GSM8K team,
     maps fitted (as the estimator fits them, rank 8) on the first N rows of a full read of the first cold-start
-    context, applied to the second context's base rows. Per N (0: every row): the held-out residual
+    context, applied to the second context's base rows. Per N (0: every row), the maps as the estimator makes them
+    (`bounded`: fitted with RidgeEstimator.bounded_alpha, applied to rows < N only, RidgeMap.rows) and, for N > 0, as
+    they were before the bound (`every row`: alpha 0.1, applied to every row): the held-out residual
     ||exact - base - predicted||^2 / ||exact - base||^2 over layers 1 on (1.0: no correction, fullshared), for K, V,
     the first 512 rows and the rest."""
     first, second = (_read_rows_of(model, c) for c in _contexts(model, shared_tokens, 2))
     x1, y1 = first
     x2, y2 = second
+    ridge = RidgeEstimator(rank=8)
     out: list[dict[str, Any]] = []
     for rows in read_rows:
         n = min(rows or x1.shape[1], x1.shape[1])
+        bounded = n < x1.shape[1]
         moments = RowMoments(x1.shape[0], x1.shape[2])
         moments.add(x1[:, :n], y1[:, :n])
-        maps = moments.fit(8, 0.1)
-        res = np.stack([y2[i] - ((x2[i] - m.mu_x) @ m.proj @ m.vt + m.mu_y) for i, m in enumerate(maps)])
-        ratio = _residual_ratio(res, y2)
-        out.append(
-            {
-                "read_rows": rows,
-                "rows_fitted": n,
-                "rows_applied": x2.shape[1],
-                "residual": ratio(np.s_[:]),
-                "residual_k": ratio(np.s_[0::2]),
-                "residual_v": ratio(np.s_[1::2]),
-                "residual_first_512": ratio(np.s_[:, :512]),
-                "residual_after_512": ratio(np.s_[:, 512:]) if x2.shape[1] > 512 else float("nan"),
-            }
-        )
+        variants = [("bounded", ridge.bounded_alpha, n), ("every row", ridge.alpha, 0)] if bounded else []
+        for label, alpha, applied in variants or [("every row", ridge.alpha, 0)]:
+            maps = moments.fit(8, alpha)
+            res = []
+            for i, m in enumerate(maps):
+                m.rows = applied
+                a, b = m.factors(x2[i])
+                res.append(y2[i] - a @ b)
+            ratio = _residual_ratio(np.stack(res), y2)
+            out.append(
+                {
+                    "read_rows": rows,
+                    "rows_fitted": n,
+                    "maps": f"{label} (alpha {alpha:g})",
+                    "rows_applied": x2.shape[1],
+                    "residual": ratio(np.s_[:]),
+                    "residual_k": ratio(np.s_[0::2]),
+                    "residual_v": ratio(np.s_[1::2]),
+                    "residual_first_512": ratio(np.s_[:, :512]),
+                    "residual_after_512": ratio(np.s_[:, 512:]) if x2.shape[1] > 512 else float("nan"),
+                    # the rows past those fitted (1.0: the map leaves them as the chain does)
+                    "residual_past": ratio(np.s_[:, n:]) if x2.shape[1] > n else float("nan"),
+                }
+            )
     return out
 
 
 def print_read_rows_fidelity(rows: list[dict[str, Any]]) -> None:
     print(f"## bounded reads: held-out residual of the maps fitted on a read's first N rows ({rows[0]['rows_applied']}")
-    print("rows applied; 1.0 = no correction)")
-    print("| read_rows | rows fitted | residual | K | V | rows 0-511 | rows 512 on |")
-    print("|---|---|---|---|---|---|---|")
+    print("rows applied; 1.0 = no correction; bounded: the maps as the estimator makes them, applied to rows < N)")
+    print("| read_rows | rows fitted | maps | residual | K | V | rows 0-511 | rows 512 on | rows past those fitted |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['read_rows'] or 'every row (0)'} | {r['rows_fitted']} | {r['residual']:.3f} | "
+            f"| {r['read_rows'] or 'every row (0)'} | {r['rows_fitted']} | {r['maps']} | {r['residual']:.3f} | "
             f"{r['residual_k']:.3f} | {r['residual_v']:.3f} | {r['residual_first_512']:.3f} | "
-            f"{r['residual_after_512']:.3f} |"
+            f"{r['residual_after_512']:.3f} | {r['residual_past']:.3f} |"
         )
 
 
@@ -305,6 +318,7 @@ def print_cold_start(rows: list[dict[str, Any]]) -> None:
             f"{r['training_read_ms']:.0f} ({r['training_read_ms_on_calls']:.0f}) | {r['engine_ms']:.0f} | "
             f"{r['engine_vs_nonshared']:.2f}x | {r['calibration_tokens']} |"
         )
+    print_kl_side_by_side(rows)
     print(
         "\n| method | workflows | later-agent TTFT vs nonshared, workflow 1 / 2 | first-token KL, workflow 1 / mean "
         "of the rest | top-1 | engine s (calls, reads, close) | vs nonshared | training reads s |"
@@ -316,3 +330,17 @@ def print_cold_start(rows: list[dict[str, Any]]) -> None:
             f"{t['kl_1']:.3e} / {t['kl_after']:.3e} | {100 * t['top1']:.0f}% | {t['engine_ms'] / 1000:.1f} | "
             f"{t['engine_vs_nonshared']:.2f}x | {t['training_read_ms'] / 1000:.1f} |"
         )
+
+
+def print_kl_side_by_side(rows: list[dict[str, Any]], a: str = "kvcmas", b: str = "kvcmas read_rows=0") -> None:
+    """Per workflow, the later agents' first-token KL of two rows (the default's bounded reads against reads of every
+    row, on the same contexts) and their ratio; nothing when either row was not run."""
+    kl = {(r["method"], r["workflow"]): r["later_kl"] for r in rows}
+    workflows = sorted({w for m, w in kl if m == a} & {w for m, w in kl if m == b})
+    if not workflows:
+        return
+    print(f"\n| workflow | first-token KL, {a} | {b} | ratio |")
+    print("|---|---|---|---|")
+    for w in workflows:
+        ka, kb = kl[(a, w)], kl[(b, w)]
+        print(f"| {w} | {ka:.3e} | {kb:.3e} | {ka / kb if kb else float('nan'):.2f} |")

@@ -1,10 +1,11 @@
 """Saving and loading what kvcmas learns (the ridge maps), safely.
 
 A file is a NumPy .npz archive (no pickled objects) holding a JSON header (format, the model's fingerprint, rank,
-alpha, the edges) and the maps' arrays. It is written atomically: a temporary file in the same directory, flushed
-and fsynced, then renamed over the target, so a crash or a full disk never leaves a half-written file under the
-name. Loading checks the format, the fingerprint (maps are only valid for the model they were fitted on), every
-array's shape, and that every value is finite; anything else is a ValueError naming the file.
+alpha, the edges, the span rows each edge's maps apply to) and the maps' arrays. It is written atomically: a
+temporary file in the same directory, flushed and fsynced, then renamed over the target, so a crash or a full disk
+never leaves a half-written file under the name. Loading checks the format, the fingerprint (maps are only valid
+for the model they were fitted on), every array's shape, and that every value is finite; anything else is a
+ValueError naming the file.
 
 CalibrationStore keeps what agent sessions and the server learn across restarts: a directory with one such file per
 fitted edge, keyed by the model's fingerprint, the method, the workflow and the edge's (content) key.
@@ -77,6 +78,8 @@ def save_ridge(
         "rank": estimator.rank,
         "alpha": estimator.alpha,
         "edges": [[ph, reader] for ph, reader in edges],
+        # per edge, the span rows its maps apply to (RidgeMap.rows, 0: every row); files without it: every row
+        "rows": [_fitted_rows(estimator.maps[edge]) for edge in edges],
         "n_layer": model.n_layer,
     }
     arrays: dict[str, np.ndarray] = {"header": np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)}
@@ -121,6 +124,13 @@ def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstima
         if not 1 <= rank <= kd:
             raise ValueError(f"rank {rank} out of range")
         est = RidgeEstimator(rank=rank, alpha=alpha)
+        fitted_rows = header.get("rows", [0] * len(header["edges"]))
+        if not (
+            isinstance(fitted_rows, list)
+            and len(fitted_rows) == len(header["edges"])
+            and all(type(r) is int and r >= 0 for r in fitted_rows)
+        ):
+            raise ValueError("header field rows must hold one row count >= 0 per edge")
         for i, (ph, reader) in enumerate(header["edges"]):
             maps: list[tuple[RidgeMap, RidgeMap] | None] = [None]
             for il in range(1, model.n_layer):
@@ -132,12 +142,17 @@ def _load_ridge(path: str | os.PathLike[str], model: Model) -> tuple[RidgeEstima
                     for name, arr in a.items():
                         if arr.shape != want[name] or arr.dtype != np.float32 or not np.isfinite(arr).all():
                             raise ValueError(f"array {name} of edge {ph!r}/{reader} layer {il} is malformed")
-                    pair.append(RidgeMap(**a))
+                    pair.append(RidgeMap(**a, rows=fitted_rows[i]))
                 maps.append((pair[0], pair[1]))
             if not isinstance(reader, (int, str)):
                 raise ValueError(f"edge {ph!r}: reader key {reader!r} is neither a number nor a string")
             est.maps[(str(ph), reader)] = maps
         return est, header
+
+
+def _fitted_rows(maps: list[tuple[RidgeMap, RidgeMap] | None]) -> int:
+    """The span rows an edge's maps apply to (one bound for all of its layers; 0: every row)."""
+    return next((pair[0].rows for pair in maps if pair is not None), 0)
 
 
 def _read_header(path: str | os.PathLike[str], model: Model) -> dict[str, Any]:

@@ -17,13 +17,21 @@ from .factors import Factors, pad_rank
 
 @dataclass
 class RidgeMap:
+    """One fitted map. rows (0: every row): it was fitted on span rows [0, rows) only (training reads of a span's
+    first MethodConfig.read_rows rows), and rows after those get no delta from it (A's rows are zero there): a map
+    fitted on a span's first rows over-corrects the rows after them (held-out residual above 1.0, worse than no
+    correction; docs/cold-start.md)."""
+
     mu_x: np.ndarray  # [kd]
     proj: np.ndarray  # [kd, r]  = W V_r
     vt: np.ndarray  # [r, kd]
     mu_y: np.ndarray  # [kd]
+    rows: int = 0
 
     def factors(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         a = np.concatenate([(x - self.mu_x) @ self.proj, np.ones((x.shape[0], 1), np.float32)], axis=1)
+        if self.rows:
+            a[self.rows :] = 0.0
         return a.astype(np.float32), np.concatenate([self.vt, self.mu_y[None]], axis=0).astype(np.float32)
 
     @property
@@ -108,6 +116,12 @@ class RowMoments:
         ]
 
 
+# The ridge strength of maps fitted on a span's first rows only (bounded reads): held out on the next 2K context,
+# their residual on the rows they cover is 0.88-0.93 at 10 against 0.94-0.99 at the default 0.1 on SmolLM2-135M, and
+# 0.80-0.94 against 0.86-1.21 on Qwen2.5-0.5B (docs/calibration.md); maps of whole spans keep alpha.
+BOUNDED_ALPHA = 10.0
+
+
 @dataclass
 class _EdgeMoments:
     """An edge still calibrating: the moments of its reads (maps 2 * (layer - 1) + {0: K, 1: V} for layers >= 1) and
@@ -115,6 +129,8 @@ class _EdgeMoments:
 
     moments: RowMoments
     reads: int = 0
+    rows: int = 0  # the most span rows a read covered, when no read covered its whole span
+    whole: bool = False  # some read covered every row of its span: the maps apply to every row
     added: int = 0  # when rows last came in (_ADDED: one clock for every estimator, so stalest compares across them)
 
 
@@ -133,13 +149,20 @@ class RidgeEstimator(Estimator):
     persists = True
 
     def __init__(
-        self, rank: int = 8, alpha: float = 0.1, max_pending_bytes: int = 256 << 20, max_edges: int = 64
+        self,
+        rank: int = 8,
+        alpha: float = 0.1,
+        max_pending_bytes: int = 256 << 20,
+        max_edges: int = 64,
+        bounded_alpha: float = BOUNDED_ALPHA,
     ) -> None:
         """max_pending_bytes: memory of the training statistics of edges still calibrating (a fixed size per edge,
         RowMoments, however long the span and however many reads); past it the statistics of the edge that went
         longest without a read are dropped (a server meets edges that never reach their calibration count). The
-        edge being read is always kept. max_edges: fitted edges kept, least recently used dropped beyond it."""
-        self.rank, self.alpha = rank, alpha
+        edge being read is always kept. max_edges: fitted edges kept, least recently used dropped beyond it.
+        bounded_alpha: the ridge strength of maps fitted on bounded reads only (a span's first rows), at least
+        alpha."""
+        self.rank, self.alpha, self.bounded_alpha = rank, alpha, max(alpha, bounded_alpha)
         self.max_pending_bytes, self.max_edges = max_pending_bytes, max_edges
         # insertion order = least recently added to first
         self._pending: dict[Edge, _EdgeMoments] = {}
@@ -163,11 +186,17 @@ class RidgeEstimator(Estimator):
         y = np.stack([exact_k[1:] - base_k[1:], exact_v[1:] - base_v[1:]], axis=1).reshape(x.shape)
         em.moments.add(x, y)
 
-    def end_read(self, edge: Edge) -> None:
-        """Counts one complete training read of the edge (its rows went in through add_rows)."""
+    def end_read(self, edge: Edge, rows: int | None = None) -> None:
+        """Counts one complete training read of the edge (its rows went in through add_rows). rows: the read covered
+        only span rows [0, rows) of a longer span (a bounded read); None: it covered every row of its span. The
+        maps apply to the rows the reads covered (RidgeMap.rows); one read of a whole span lifts the bound."""
         em = self._pending.get(edge)
         if em is not None:
             em.reads += 1
+            if rows is None:
+                em.whole = True
+            else:
+                em.rows = max(em.rows, rows)
 
     def add_example(self, ctx: EdgeContext) -> None:
         """Adds one whole training read (base and exact KV of the same span at the reader)."""
@@ -235,7 +264,10 @@ class RidgeEstimator(Estimator):
             if em is None or em.moments.count == 0:
                 continue
             with single_threaded_blas():  # a loaded machine makes OpenBLAS' thread pool many times slower
-                fitted = em.moments.fit(self.rank, self.alpha)
+                bounded = bool(em.rows) and not em.whole
+                fitted = em.moments.fit(self.rank, self.bounded_alpha if bounded else self.alpha)
+            for m in fitted:
+                m.rows = 0 if em.whole else em.rows
             maps: list[tuple[RidgeMap, RidgeMap] | None] = [None]
             maps += [(fitted[j], fitted[j + 1]) for j in range(0, len(fitted), 2)]
             self.set_maps(edge, maps)
@@ -276,6 +308,7 @@ class RidgeEstimator(Estimator):
 
             kd = fitted[0][0].mu_x.shape[0]
             core_maps = core.RidgeMaps(len(maps), kd, ranks.pop())
+            core_maps.rows = fitted[0][0].rows
             for il, m in enumerate(maps):
                 if m is not None:
                     parts = [

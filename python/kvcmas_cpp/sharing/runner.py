@@ -458,7 +458,8 @@ class WorkflowRunner:
                 assert prev is not None
                 # the exact rows' delta against the base the reader would have read (the first rows of a sampled one)
                 rows = (sampled or {}).get(ph, n - h)
-                parts.append(ReadPart(ph, self.edge_of(ph, a), prev.view, prev.view_pos, p + h, rows))
+                edge = self.edge_of(ph, a)
+                parts.append(ReadPart(ph, edge, prev.view, prev.view_pos, p + h, rows, whole=rows == n - h))
             elif prev is not None and mode != "reuse" and e.observes_dense and self.shares:
                 base_k, base_v = canonical(m, prev.view, prev.view_pos, n - h)
                 ex_k, ex_v = canonical(m, seq, p + h, n - h)

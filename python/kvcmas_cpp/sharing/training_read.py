@@ -47,6 +47,7 @@ class ReadPart:
     pos: int  # the exact rows' position in the read's source
     n: int
     chain: Span | None = None  # the span the exact rows replace if it is still current (cold reuse, chained)
+    whole: bool = True  # the n rows are all of the span's rows after the head (False: its first n, a bounded read)
 
 
 class TrainingRead:
@@ -193,7 +194,7 @@ class TrainingRead:
                     e.add_rows(part.edge, base_k, base_v, ex_k, ex_v)
                 yield
             else:
-                e.end_read(part.edge)
+                e.end_read(part.edge, None if part.whole else part.n)  # the maps apply to the rows read
         if self.fit:  # an edge per step: a step is what a call arriving meanwhile may wait for
             for edge in dict.fromkeys(part.edge for part in self.parts):
                 if e.examples(edge) >= self.calibrate:
