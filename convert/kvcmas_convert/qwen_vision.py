@@ -104,7 +104,8 @@ def plan_qwen25vl(model_dir: Path, tensors: CheckpointTensors, config: dict[str,
     if vcfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConvertError(f"{where}: hidden_act {vcfg.get('hidden_act')!r} cannot be represented (silu)")
     rope = vcfg.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", vcfg.get("rope_theta", 10000.0)))
+    theta_value = rope.get("rope_theta", vcfg.get("rope_theta"))
+    theta = float(theta_value) if theta_value is not None else 10000.0
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise ConvertError(f"{where}: rope type {rope.get('rope_type')!r} cannot be represented (axial)")
     full = vcfg.get("fullatt_block_indexes", [])

@@ -12,6 +12,7 @@ weights; below 0.90x it is more than 10 % behind.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -32,7 +33,7 @@ def parse_twin(text: str) -> tuple[str, str]:
 
 
 def twin_ratios(
-    results: list[_Rates], twins: dict[str, str], per_token: dict[str, int]
+    results: Sequence[_Rates], twins: dict[str, str], per_token: dict[str, int]
 ) -> list[tuple[_Rates, _Rates, float, float]]:
     """(row, its twin's row of the same engine, prefill ratio, decode ratio) per row whose model has a twin; ratios are
     bytes x tokens/s of the row over the twin's (0 where either rate is missing)."""
@@ -49,7 +50,7 @@ def twin_ratios(
     return out
 
 
-def format_twin_table(results: list[_Rates], twins: dict[str, str], per_token: dict[str, int]) -> str:
+def format_twin_table(results: Sequence[_Rates], twins: dict[str, str], per_token: dict[str, int]) -> str:
     """A markdown table of each file against its llama twin, per engine ('' when no file has a twin)."""
     rows = twin_ratios(results, twins, per_token)
     if not rows:
