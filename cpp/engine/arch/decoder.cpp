@@ -280,46 +280,69 @@ void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm, Gate ga
             scales[static_cast<size_t>(slot)] = weights[static_cast<size_t>(i)];
         }
     }
-    const int64_t   nk = n * k;
-    backend::Buffer xg = floats(nk * E), g = floats(nk * F), u = floats(nk * F), out = floats(nk * E);
-    be.gather_rows(st.xn.f32(), rows.data(), nk, E, xg.f32());
-    // Every expert's products in one grouped call per step (one parallel job, not one per expert and matrix).
+    // Experts in chunks of about kChunkRows routed rows (whole experts, in index order): each chunk's activations stay
+    // in cache between its steps, and each step is one grouped call (one parallel job for all the chunk's experts,
+    // not one per expert and matrix). Chunks in index order keep each token's experts summed in index order.
+    constexpr int64_t            kChunkRows = 256;
+    std::vector<int64_t>         chunk_end;  // expert after each chunk's last
+    int64_t                      most = 0;   // rows of the largest chunk
     std::vector<backend::Weight> w(static_cast<size_t>(2 * X));
-    for (int64_t e = 0; e < X; ++e) {
+    for (int64_t e = 0, e0 = 0; e < X; ++e) {
         w[static_cast<size_t>(2 * e)]     = L.exp_gate[static_cast<size_t>(e)];
         w[static_cast<size_t>(2 * e + 1)] = L.exp_up[static_cast<size_t>(e)];
-    }
-    {
-        float * const gu[2] = { g.f32(), u.f32() };
-        be.matmul_experts(w.data(), 2, static_cast<int>(X), first.data(), xg.f32(), gu);
-    }
-    const auto expert_bias = [&](const backend::Buffer & bias, float * y, int64_t width) {
-        for (int64_t e = 0; e < X; ++e) {  // expert e's rows of the stacked biases
-            const int64_t b = first[static_cast<size_t>(e)], m = first[static_cast<size_t>(e + 1)] - b;
-            if (m > 0) {
-                be.add_bias(y + b * width, bias.f32() + e * width, m, width);
-            }
+        const int64_t m                   = first[static_cast<size_t>(e + 1)] - first[static_cast<size_t>(e0)];
+        if (m >= kChunkRows || e + 1 == X) {
+            chunk_end.push_back(e + 1);
+            most = std::max(most, m);
+            e0   = e + 1;
         }
-    };
-    if (L.exp_gate_bias.data() != nullptr) {
-        expert_bias(L.exp_gate_bias, g.f32(), F);
-        expert_bias(L.exp_up_bias, u.f32(), F);
     }
-    if (gate == Gate::SwigluOai) {
-        be.swiglu_oai(g.f32(), u.f32(), nk, F, kOaiAlpha, kOaiLimit);
-    } else {
-        be.swiglu(g.f32(), u.f32(), nk, F);
-    }
-    {
-        float * const down[1] = { out.f32() };
-        be.matmul_experts(L.exp_down.data(), 1, static_cast<int>(X), first.data(), g.f32(), down);
-    }
-    if (L.exp_down_bias.data() != nullptr) {
-        expert_bias(L.exp_down_bias, out.f32(), E);
-    }
-    // Each token's experts added in index order, as the rows come.
+    backend::Buffer xg = floats(most * E), g = floats(most * F), u = floats(most * F), out = floats(most * E);
     be.upload(st.tmp.data(), std::vector<float>(static_cast<size_t>(n * E), 0.0f).data(), sizeof(float) * n * E);
-    be.add_scaled_rows(st.tmp.f32(), out.f32(), rows.data(), scales.data(), nk, E);
+    int64_t e0 = 0;
+    for (const int64_t e1 : chunk_end) {
+        const int64_t r0 = first[static_cast<size_t>(e0)], m = first[static_cast<size_t>(e1)] - r0;
+        if (m == 0) {
+            e0 = e1;
+            continue;
+        }
+        std::vector<int64_t> at(static_cast<size_t>(e1 - e0 + 1));  // the chunk's experts' first rows, from 0
+        for (int64_t e = e0; e <= e1; ++e) {
+            at[static_cast<size_t>(e - e0)] = first[static_cast<size_t>(e)] - r0;
+        }
+        const int n_groups = static_cast<int>(e1 - e0);
+        be.gather_rows(st.xn.f32(), rows.data() + r0, m, E, xg.f32());
+        {
+            float * const gu[2] = { g.f32(), u.f32() };
+            be.matmul_experts(w.data() + 2 * e0, 2, n_groups, at.data(), xg.f32(), gu);
+        }
+        const auto expert_bias = [&](const backend::Buffer & bias, float * y, int64_t width) {
+            for (int64_t e = e0; e < e1; ++e) {  // expert e's rows of the stacked biases
+                const int64_t b = at[static_cast<size_t>(e - e0)], me = at[static_cast<size_t>(e - e0 + 1)] - b;
+                if (me > 0) {
+                    be.add_bias(y + b * width, bias.f32() + e * width, me, width);
+                }
+            }
+        };
+        if (L.exp_gate_bias.data() != nullptr) {
+            expert_bias(L.exp_gate_bias, g.f32(), F);
+            expert_bias(L.exp_up_bias, u.f32(), F);
+        }
+        if (gate == Gate::SwigluOai) {
+            be.swiglu_oai(g.f32(), u.f32(), m, F, kOaiAlpha, kOaiLimit);
+        } else {
+            be.swiglu(g.f32(), u.f32(), m, F);
+        }
+        {
+            float * const down[1] = { out.f32() };
+            be.matmul_experts(L.exp_down.data() + e0, 1, n_groups, at.data(), g.f32(), down);
+        }
+        if (L.exp_down_bias.data() != nullptr) {
+            expert_bias(L.exp_down_bias, out.f32(), E);
+        }
+        be.add_scaled_rows(st.tmp.f32(), out.f32(), rows.data() + r0, scales.data() + r0, m, E);
+        e0 = e1;
+    }
     be.add(st.x.f32(), st.tmp.f32(), n * E);
 }
 
