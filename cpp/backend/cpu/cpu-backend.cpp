@@ -166,17 +166,6 @@ class CpuBackend final : public Backend {
         cpu::matmul_multi(v, y, n_mats, x, n_tok, pool_, act_);
     }
 
-    void matmul_experts(const Weight * w, int n_mats, int n_groups, const int64_t * host_first, const float * x,
-                        float * const * y) override {
-        KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti && n_groups >= 0, "matmul_experts: %d x %d matrices",
-                 n_groups, n_mats);
-        std::vector<cpu::WeightView> v(static_cast<size_t>(n_groups) * static_cast<size_t>(n_mats));
-        for (size_t i = 0; i < v.size(); ++i) {
-            v[i] = view(w[i]);
-        }
-        cpu::matmul_experts(v.data(), n_mats, n_groups, host_first, x, y, pool_, act_);
-    }
-
     void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
         for (int64_t i = 0; i < n_rows; ++i) {
             add(y + i * n, b, n);
@@ -280,6 +269,17 @@ class CpuBackend final : public Backend {
 
     void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) override {
         cpu::lora_add(x, n_in, products, n_products, pool_, lora_);
+    }
+
+    void matmul_experts(const Weight * w, int n_mats, int n_groups, const int64_t * host_first, const float * x,
+                        float * const * y) override {
+        KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti && n_groups >= 0, "matmul_experts: %d x %d matrices",
+                 n_groups, n_mats);
+        std::vector<cpu::WeightView> v(static_cast<size_t>(n_groups) * static_cast<size_t>(n_mats));
+        for (size_t i = 0; i < v.size(); ++i) {
+            v[i] = view(w[i]);
+        }
+        cpu::matmul_experts(v.data(), n_mats, n_groups, host_first, x, y, pool_, act_);
     }
 
     void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,
