@@ -100,6 +100,64 @@ def test_matmul_multi_equals_separate_products(ops, n_tok: int) -> None:
         np.testing.assert_array_equal(y, ops.matmul(type_id, raw, n_in, n_out, x))
 
 
+# Rows per expert of a grouped call: empty experts, decode-sized groups and prefill-sized ones (17+ rows).
+EXPERT_ROWS = [0, 3, 17, 1, 0, 24, 5, 9, 2, 6]
+
+
+def _experts_case(rng, type_name: str, n_in: int, outs: list[int]):
+    """(weights per expert and matrix, first rows, x) of a grouped expert product over EXPERT_ROWS."""
+    parts = [_weight(rng, type_name, n_in, n_out) for _ in EXPERT_ROWS for n_out in outs]
+    first = np.concatenate([[0], np.cumsum(EXPERT_ROWS)]).astype(np.int64)
+    x = rng.standard_normal((int(first[-1]), n_in)).astype(np.float32)
+    return parts, [int(f) for f in first], x
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "F16"])
+def test_matmul_experts_equals_per_expert_products(ops, type_name: str) -> None:
+    """Every expert's rows of the grouped call are bit for bit what matmul_multi over those rows alone gives (the
+    MoE layer's old per-expert loop), and within the matmul bound of numpy's product."""
+    rng = np.random.default_rng(zlib.crc32(type_name.encode()))
+    n_in, outs = 256, [96, 40]
+    parts, first, x = _experts_case(rng, type_name, n_in, outs)
+    type_id = parts[0][2]
+    got = ops.matmul_experts(type_id, [p[0] for p in parts], n_in, outs, first, x)
+    for g in range(len(EXPERT_ROWS)):
+        a, b = first[g], first[g + 1]
+        mine = parts[g * len(outs) : (g + 1) * len(outs)]
+        alone = ops.matmul_multi(type_id, [p[0] for p in mine], n_in, outs, x[a:b]) if b > a else None
+        for i, (_, w, _) in enumerate(mine):
+            if b == a:
+                continue
+            np.testing.assert_array_equal(got[i][a:b], alone[i])
+            ref = x[a:b].astype(np.float64) @ w.astype(np.float64).T
+            scale = np.abs(x[a:b]).astype(np.float64) @ np.abs(w).astype(np.float64).T
+            assert np.all(np.abs(got[i][a:b] - ref) <= MATMUL_TOL[ops.name] * scale + 1e-30)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_matmul_experts_q8_same_bits_any_thread_count(type_name: str) -> None:
+    """The CPU with 8-bit activations: the grouped call gives each expert's per-expert bits (decode kernels for its
+    small groups, the integer GEMM for 17+ rows) at 1, 2 and 3 threads, one expert per thread or the whole pool."""
+    rng = np.random.default_rng(zlib.crc32(f"q8/{type_name}".encode()))
+    n_in, outs = 256, [64]
+    parts, first, x = _experts_case(rng, type_name, n_in, outs)
+    type_id, datas = parts[0][2], [p[0] for p in parts]
+    want = None
+    for n_threads in (1, 2, 3):
+        ops = testing.BackendOps("cpu", n_threads)
+        ops.set_activations("q8")
+        got = ops.matmul_experts(type_id, datas, n_in, outs, first, x)[0]
+        if want is None:
+            want = np.zeros_like(got)
+            for g in range(len(EXPERT_ROWS)):
+                a, b = first[g], first[g + 1]
+                if b > a:
+                    want[a:b] = ops.matmul(type_id, datas[g], n_in, outs[0], x[a:b])
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match="matmul_experts"):
+        ops.matmul_experts(type_id, datas[:-1], n_in, outs, first, x)
+
+
 INT_PREFILL = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]  # the types of the integer prefill GEMM (qgemm.h)
 
 

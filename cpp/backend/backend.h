@@ -228,7 +228,13 @@ class Backend {
         lora_add(x, w[0].n_in, products, n_products);
     }
 
-    // ---- mixture of experts (the expert matmuls themselves are matmul / matmul_multi over gathered rows).
+    // ---- mixture of experts.
+    // Grouped expert products: for each expert g in [0, n_groups), rows [host_first[g], host_first[g+1]) of x
+    // [host_first[n_groups]][n_in] (its gathered rows, expert after expert) times each of its n_mats (<= 7) weights
+    // w[g·n_mats + i] into the same rows of y[i]; each expert's rows get exactly what matmul_multi over them alone
+    // gives. An expert without rows is skipped (its weights are not read).
+    virtual void matmul_experts(const Weight * w, int n_mats, int n_groups, const int64_t * host_first, const float * x,
+                                float * const * y) = 0;
     // Per row i of logits [n][n_expert]: softmax over the experts, its k most probable (ties: lower index first)
     // into host_ids [n][k] (most probable first) and their probabilities into host_weights [n][k], divided by
     // their sum when norm.

@@ -6,6 +6,7 @@
 #include <functional>
 #include <new>
 #include <thread>
+#include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
@@ -15,6 +16,7 @@
 #include "backend/cpu/cpu-features.h"
 #include "backend/cpu/lora.h"
 #include "backend/cpu/matmul.h"
+#include "backend/cpu/moe-experts.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quants.h"
 #include "backend/cpu/swiglu-oai.h"
@@ -277,6 +279,17 @@ class CpuBackend final : public Backend {
 
     void lora_add(const float * x, int64_t n_in, const LoraProduct * products, int n_products) override {
         cpu::lora_add(x, n_in, products, n_products, pool_, lora_);
+    }
+
+    void matmul_experts(const Weight * w, int n_mats, int n_groups, const int64_t * host_first, const float * x,
+                        float * const * y) override {
+        KC_CHECK(n_mats > 0 && n_mats <= cpu::kMaxMatmulMulti && n_groups >= 0, "matmul_experts: %d x %d matrices",
+                 n_groups, n_mats);
+        std::vector<cpu::WeightView> v(static_cast<size_t>(n_groups) * static_cast<size_t>(n_mats));
+        for (size_t i = 0; i < v.size(); ++i) {
+            v[i] = view(w[i]);
+        }
+        cpu::matmul_experts(v.data(), n_mats, n_groups, host_first, x, y, pool_, act_);
     }
 
     void moe_route(const float * logits, int64_t n, int n_expert, int k, bool norm, int32_t * host_ids,

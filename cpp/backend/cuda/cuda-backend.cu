@@ -787,6 +787,19 @@ class CudaBackend final : public Backend {
         }
     }
 
+    void matmul_experts(const Weight * w, int n_mats, int n_groups, const int64_t * host_first, const float * x,
+                        float * const * y) override {
+        for (int g = 0; g < n_groups; ++g) {  // expert by expert: each launch already fills the device
+            const int64_t m = host_first[g + 1] - host_first[g];
+            if (m <= 0) {
+                continue;
+            }
+            for (int i = 0; i < n_mats; ++i) {
+                matmul(w[g * n_mats + i], x + host_first[g] * w[0].n_in, y[i] + host_first[g] * w[i].n_out, m);
+            }
+        }
+    }
+
     void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
         if (n_rows * n > 0) {
             add_bias_kernel<<<blocks_for(n_rows * n, 256), 256>>>(y, b, n_rows, n);

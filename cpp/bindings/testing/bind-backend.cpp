@@ -341,6 +341,42 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("type_id"), nb::arg("datas"), nb::arg("n_in"), nb::arg("n_outs"), nb::arg("x"))
         .def(
+            "matmul_experts",
+            [](Ops & o, uint32_t type_id, std::vector<U8> datas, int64_t n_in, std::vector<int64_t> n_outs,
+               std::vector<int64_t> first, F2 x) {
+                const size_t n_mats = n_outs.size();
+                KC_CHECK(n_mats >= 1 && n_mats <= 7 && !first.empty() && datas.size() == (first.size() - 1) * n_mats,
+                         "matmul_experts: n_groups x (1-7) matrices, first of n_groups + 1 entries");
+                const int64_t n = static_cast<int64_t>(x.shape(0));
+                KC_CHECK(first.front() == 0 && first.back() == n, "matmul_experts: first must run from 0 to %lld",
+                         static_cast<long long>(n));
+                std::vector<backend::Weight> w;
+                for (size_t i = 0; i < datas.size(); ++i) {
+                    w.push_back(weight_of(o, type_id, datas[i], n_in, n_outs[i % n_mats]));
+                }
+                std::vector<backend::Buffer> ys;
+                std::vector<float *>         yp;
+                for (size_t i = 0; i < n_mats; ++i) {
+                    ys.emplace_back(*o.be, static_cast<size_t>(n * n_outs[i]) * sizeof(float));
+                    yp.push_back(ys.back().f32());
+                }
+                backend::Buffer bx = o.put(x.data(), static_cast<size_t>(n * n_in));
+                o.be->matmul_experts(w.data(), static_cast<int>(n_mats), static_cast<int>(first.size() - 1),
+                                     first.data(), bx.f32(), yp.data());
+                nb::list out;
+                for (size_t i = 0; i < n_mats; ++i) {
+                    out.append(out2(o.get(ys[i], static_cast<size_t>(n * n_outs[i])), static_cast<size_t>(n),
+                                    static_cast<size_t>(n_outs[i])));
+                }
+                for (const backend::Weight & wi : w) {
+                    o.be->free_weight(wi);
+                }
+                return out;
+            },
+            nb::arg("type_id"), nb::arg("datas"), nb::arg("n_in"), nb::arg("n_outs"), nb::arg("first"), nb::arg("x"),
+            "Grouped expert products: group g's rows [first[g], first[g+1]) of x times its n_mats matrices "
+            "datas[g * n_mats + i] into the same rows of output i.")
+        .def(
             "embed_rows",
             [](Ops & o, uint32_t type_id, U8 data, int64_t n_in, int64_t n_out, I1 tokens) {
                 const int64_t n = static_cast<int64_t>(tokens.shape(0));

@@ -252,43 +252,87 @@ void moe_ffn_block(ForwardState & st, const LayerWeights & L, bool norm, Gate ga
         }
         be.moe_route(logits.f32(), n, static_cast<int>(X), k, norm, ids.data(), weights.data());
     }
-    // Per expert, the tokens routed to it (in token order) and their weights; experts in index order.
-    std::vector<std::vector<int32_t>> rows(static_cast<size_t>(X));
-    std::vector<std::vector<float>>   scales(static_cast<size_t>(X));
+    // The routed (token, expert) pairs grouped by expert (experts in index order, each one's tokens in token order):
+    // rows[first[e]..first[e+1]) are the tokens of expert e, scales their weights.
+    std::vector<int64_t> first(static_cast<size_t>(X + 1), 0);
     for (int64_t i = 0; i < n * k; ++i) {
-        rows[static_cast<size_t>(ids[static_cast<size_t>(i)])].push_back(static_cast<int32_t>(i / k));
-        scales[static_cast<size_t>(ids[static_cast<size_t>(i)])].push_back(weights[static_cast<size_t>(i)]);
+        ++first[static_cast<size_t>(ids[static_cast<size_t>(i)]) + 1];
     }
-    be.upload(st.tmp.data(), std::vector<float>(static_cast<size_t>(n * E), 0.0f).data(), sizeof(float) * n * E);
-    int64_t most = 0;
-    for (const auto & r : rows) {
-        most = std::max<int64_t>(most, static_cast<int64_t>(r.size()));
+    for (int64_t e = 0; e < X; ++e) {
+        first[static_cast<size_t>(e + 1)] += first[static_cast<size_t>(e)];
+    }
+    std::vector<int32_t> rows(static_cast<size_t>(n * k));
+    std::vector<float>   scales(static_cast<size_t>(n * k));
+    {
+        std::vector<int64_t> at(first.begin(), first.end() - 1);
+        for (int64_t i = 0; i < n * k; ++i) {
+            const int64_t slot                = at[static_cast<size_t>(ids[static_cast<size_t>(i)])]++;
+            rows[static_cast<size_t>(slot)]   = static_cast<int32_t>(i / k);
+            scales[static_cast<size_t>(slot)] = weights[static_cast<size_t>(i)];
+        }
+    }
+    // Experts in chunks of about kChunkRows routed rows (whole experts, in index order): each chunk's activations stay
+    // in cache between its steps, and each step is one grouped call (one parallel job for all the chunk's experts,
+    // not one per expert and matrix). Chunks in index order keep each token's experts summed in index order.
+    constexpr int64_t            kChunkRows = 256;
+    std::vector<int64_t>         chunk_end;  // expert after each chunk's last
+    int64_t                      most = 0;   // rows of the largest chunk
+    std::vector<backend::Weight> w(static_cast<size_t>(2 * X));
+    for (int64_t e = 0, e0 = 0; e < X; ++e) {
+        w[static_cast<size_t>(2 * e)]     = L.exp_gate[static_cast<size_t>(e)];
+        w[static_cast<size_t>(2 * e + 1)] = L.exp_up[static_cast<size_t>(e)];
+        const int64_t m                   = first[static_cast<size_t>(e + 1)] - first[static_cast<size_t>(e0)];
+        if (m >= kChunkRows || e + 1 == X) {
+            chunk_end.push_back(e + 1);
+            most = std::max(most, m);
+            e0   = e + 1;
+        }
     }
     backend::Buffer xg = floats(most * E), g = floats(most * F), u = floats(most * F), out = floats(most * E);
-    for (int64_t e = 0; e < X; ++e) {
-        const std::vector<int32_t> & r = rows[static_cast<size_t>(e)];
-        const int64_t                m = static_cast<int64_t>(r.size());
+    be.upload(st.tmp.data(), std::vector<float>(static_cast<size_t>(n * E), 0.0f).data(), sizeof(float) * n * E);
+    int64_t e0 = 0;
+    for (const int64_t e1 : chunk_end) {
+        const int64_t r0 = first[static_cast<size_t>(e0)], m = first[static_cast<size_t>(e1)] - r0;
         if (m == 0) {
-            continue;  // an expert no token chose: its weights are not read
+            e0 = e1;
+            continue;
         }
-        be.gather_rows(st.xn.f32(), r.data(), m, E, xg.f32());
-        const backend::Weight gate_up[2] = { L.exp_gate[static_cast<size_t>(e)], L.exp_up[static_cast<size_t>(e)] };
-        float * const         gu[2]      = { g.f32(), u.f32() };
-        be.matmul_multi(gate_up, gu, 2, xg.f32(), m);
-        if (L.exp_gate_bias.data() != nullptr) {  // expert e's rows of the stacked biases
-            be.add_bias(g.f32(), L.exp_gate_bias.f32() + e * F, m, F);
-            be.add_bias(u.f32(), L.exp_up_bias.f32() + e * F, m, F);
+        std::vector<int64_t> at(static_cast<size_t>(e1 - e0 + 1));  // the chunk's experts' first rows, from 0
+        for (int64_t e = e0; e <= e1; ++e) {
+            at[static_cast<size_t>(e - e0)] = first[static_cast<size_t>(e)] - r0;
+        }
+        const int n_groups = static_cast<int>(e1 - e0);
+        be.gather_rows(st.xn.f32(), rows.data() + r0, m, E, xg.f32());
+        {
+            float * const gu[2] = { g.f32(), u.f32() };
+            be.matmul_experts(w.data() + 2 * e0, 2, n_groups, at.data(), xg.f32(), gu);
+        }
+        const auto expert_bias = [&](const backend::Buffer & bias, float * y, int64_t width) {
+            for (int64_t e = e0; e < e1; ++e) {  // expert e's rows of the stacked biases
+                const int64_t b = at[static_cast<size_t>(e - e0)], me = at[static_cast<size_t>(e - e0 + 1)] - b;
+                if (me > 0) {
+                    be.add_bias(y + b * width, bias.f32() + e * width, me, width);
+                }
+            }
+        };
+        if (L.exp_gate_bias.data() != nullptr) {
+            expert_bias(L.exp_gate_bias, g.f32(), F);
+            expert_bias(L.exp_up_bias, u.f32(), F);
         }
         if (gate == Gate::SwigluOai) {
             be.swiglu_oai(g.f32(), u.f32(), m, F, kOaiAlpha, kOaiLimit);
         } else {
             be.swiglu(g.f32(), u.f32(), m, F);
         }
-        be.matmul(L.exp_down[static_cast<size_t>(e)], g.f32(), out.f32(), m);
-        if (L.exp_down_bias.data() != nullptr) {
-            be.add_bias(out.f32(), L.exp_down_bias.f32() + e * E, m, E);
+        {
+            float * const down[1] = { out.f32() };
+            be.matmul_experts(L.exp_down.data() + e0, 1, n_groups, at.data(), g.f32(), down);
         }
-        be.add_scaled_rows(st.tmp.f32(), out.f32(), r.data(), scales[static_cast<size_t>(e)].data(), m, E);
+        if (L.exp_down_bias.data() != nullptr) {
+            expert_bias(L.exp_down_bias, out.f32(), E);
+        }
+        be.add_scaled_rows(st.tmp.f32(), out.f32(), rows.data() + r0, scales.data() + r0, m, E);
+        e0 = e1;
     }
     be.add(st.x.f32(), st.tmp.f32(), n * E);
 }
