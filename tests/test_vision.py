@@ -385,7 +385,7 @@ def test_bad_mmproj_files_and_inputs(towers: dict[str, tuple[Path, Any]], tmp_pa
     good = tmp_path / "c.gguf"
     kv.convert_mmproj(folder, good, outtype="f32")
     enc = VisionEncoder(good, n_threads=1)
-    with pytest.raises(ValueError, match=r"\[3, 56, 56\]"):
+    with pytest.raises(ValueError, match=r"3, 56, 56\], got \[1, 3, 32, 32\]"):
         enc.encode_pixels(np.zeros((3, 32, 32), np.float32))
     with pytest.raises(ValueError, match="not finite"):
         enc.encode_pixels(np.full((3, 56, 56), np.nan, np.float32))

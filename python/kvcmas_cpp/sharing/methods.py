@@ -73,7 +73,7 @@ class MethodConfig:
     nonshared); correct=False reads the other rows uncorrected (the selective-recompute-only baseline; the
     estimator still scores the rows). read_rows (cold reuse): a training read computes a long span's exact rows up to
     its first read_rows rows after the head and fits the edge on those, the rest of the span appended as the reader
-    read it (0: every row; docs/calibration.md)."""
+    read it (0: every row; docs/cold-start.md)."""
 
     name: str
     head: int = 0
@@ -102,13 +102,13 @@ class MethodConfig:
 # A session's training read (cold reuse) computes a span's exact rows up to this many after its head, and the edge is
 # fitted on those (MethodConfig.read_rows; 0: every row). On a 2K-token context it cuts a workflow's reads to about a
 # quarter of the rows, which brings the first five workflows' engine time under half of nonshared's, with maps as
-# close on average over the workflows after (docs/calibration.md, "Bounded reads").
+# close on average over the workflows after (docs/cold-start.md, "Bounded reads").
 READ_ROWS = 512
 
 # Online ridge: training reads per edge before kvcmas applies a learned map. One: a read holds every row of its span
 # (a 2K-token context: 2K examples per layer for a 128-192-dim map), and maps fitted on one workflow's reads reuse as
 # well on later workflows as maps fitted on four, while three fewer workflows pay for the reads and share cold
-# (docs/calibration.md, "How many reads").
+# (docs/cold-start.md, "How many reads").
 CALIBRATION_READS = 1
 
 

@@ -118,7 +118,7 @@ class RowMoments:
 
 # The ridge strength of maps fitted on a span's first rows only (bounded reads): held out on the next 2K context,
 # their residual on the rows they cover is 0.88-0.93 at 10 against 0.94-0.99 at the default 0.1 on SmolLM2-135M, and
-# 0.80-0.94 against 0.86-1.21 on Qwen2.5-0.5B (docs/calibration.md); maps of whole spans keep alpha.
+# 0.80-0.94 against 0.86-1.21 on Qwen2.5-0.5B (docs/cold-start.md); maps of whole spans keep alpha.
 BOUNDED_ALPHA = 10.0
 
 
