@@ -145,8 +145,19 @@ class CpuBackend final : public Backend {
     }
 
     void rms_norm(const float * x, const float * w, float * y, int64_t n_rows, int64_t n, float eps) override {
-        for (int64_t i = 0; i < n_rows; ++i) {
-            cpu::rms_norm(x + i * n, w, y + i * n, n, eps);
+        const auto rows = [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) {
+                cpu::rms_norm(x + i * n, w, y + i * n, n, eps);
+            }
+        };
+        if (n_rows < pool_.size() * 4) {  // a decode step's few rows are not worth a pool round
+            rows(0, n_rows);
+        } else {  // rows are independent: the same bits at any thread count
+            pool_.run([&](int ith, int nth) {
+                long long b, e;
+                cpu::split_range(n_rows, ith, nth, b, e);
+                rows(b, e);
+            });
         }
     }
 
