@@ -157,33 +157,44 @@ def test_generate_and_chat_with_adapter(loaded: kc.Model, adapters, ids: list[in
 # ------------------------------------------------------------------------------------------------ mixed batches
 
 
+# one sequence of a batch: (adapter or None, scale, prompt ids, decode token ids)
+BatchPlan = list[tuple[str | None, float, list[int], list[int]]]
+
+
+def batch_logits(model: kc.Model, plan: BatchPlan, members: list[int]) -> dict[int, list[np.ndarray]]:
+    """The logits of plan's members run as one batch: plan[i] = (adapter, scale, prompt, decode tokens); each
+    member's prompt, then one decode step per token, {member: [logits per step]}."""
+    seqs = {i: model.new_sequence() for i in members}
+    out: dict[int, list[np.ndarray]] = {i: [] for i in members}
+    try:
+        for i in members:
+            model.set_sequence_adapter(seqs[i], plan[i][0], plan[i][1])
+        for k in range(1 + len(plan[members[0]][3])):  # the prompts, then the decode steps
+            batch = [(seqs[i], plan[i][2] if k == 0 else [plan[i][3][k - 1]]) for i in members]
+            for i, logits in zip(members, model.decode_batch(batch), strict=True):
+                out[i].append(logits)
+    finally:
+        for s in seqs.values():
+            s.close()
+    return out
+
+
+def assert_batch_gives_each_its_alone_logits(model: kc.Model, plan: BatchPlan) -> dict[int, list[np.ndarray]]:
+    """Every sequence of plan gets, bit for bit, the logits in the mixed batch that it gets alone."""
+    mixed = batch_logits(model, plan, list(range(len(plan))))
+    for i in range(len(plan)):
+        alone = batch_logits(model, plan, [i])[i]
+        for step, (a, m) in enumerate(zip(alone, mixed[i], strict=True)):
+            np.testing.assert_array_equal(m, a, err_msg=f"sequence {i} ({plan[i][0]}), step {step}")
+    return mixed
+
+
 def test_mixed_batch_gives_each_sequence_its_own_logits(loaded: kc.Model, ids: list[int]) -> None:
     """Base, adapter a and adapter b sequences (different prompts and scales) in one batch, a prompt each and then
     decode steps: each sequence's logits are bit-identical to the ones it gets alone (CPU)."""
-    plan = [(None, 1.0, ids), ("attn_r4", 1.0, ids[3:]), ("all_r16", 0.5, ids[::-1])]
-    steps = [[11, 22], [33, 44], [55, 66]]
-
-    def run(members: list[int]) -> dict[int, list[np.ndarray]]:
-        seqs = {i: loaded.new_sequence() for i in members}
-        for i in members:
-            loaded.set_sequence_adapter(seqs[i], plan[i][0], plan[i][1])
-        out: dict[int, list[np.ndarray]] = {i: [] for i in members}
-        try:
-            for k in range(3):  # the prompts, then two decode steps
-                batch = [(seqs[i], plan[i][2] if k == 0 else [steps[i][k - 1]]) for i in members]
-                for i, logits in zip(members, loaded.decode_batch(batch), strict=True):
-                    out[i].append(logits)
-        finally:
-            for s in seqs.values():
-                s.close()
-        return out
-
-    mixed = run([0, 1, 2])
-    for i in range(3):
-        alone = run([i])[i]
-        for step, (a, m) in enumerate(zip(alone, mixed[i], strict=True)):
-            np.testing.assert_array_equal(m, a, err_msg=f"sequence {i} ({plan[i][0]}), step {step}")
-    assert not np.array_equal(mixed[0][0], run([1])[1][0])
+    plan = [(None, 1.0, ids, [11, 22]), ("attn_r4", 1.0, ids[3:], [33, 44]), ("all_r16", 0.5, ids[::-1], [55, 66])]
+    mixed = assert_batch_gives_each_its_alone_logits(loaded, plan)
+    assert not np.array_equal(mixed[0][0], batch_logits(loaded, plan, [1])[1][0])
 
 
 # ------------------------------------------------------------------------------------ over a quantized base, threads
@@ -457,25 +468,7 @@ def test_mixed_batch_over_a_quantized_base_in_one_matmul_path(quantized: kc.Mode
     and each sequence alone take the same matmul path: here prompts of 5 tokens, 15 rows together, under the 17 of
     the decode path. (A prompt alone under 17 rows but over it in a batch goes from the decode kernels to the integer
     prefill GEMM, whose activations are quantized differently: docs/adapters.md.)"""
-    plan = [(None, ids[:5]), ("attn_r4", ids[5:10]), ("all_r16", ids[10:15])]
-
-    def run(members: list[int]) -> dict[int, list[np.ndarray]]:
-        seqs = {i: quantized.new_sequence() for i in members}
-        out: dict[int, list[np.ndarray]] = {i: [] for i in members}
-        try:
-            for i in members:
-                quantized.set_sequence_adapter(seqs[i], plan[i][0])
-            batch = [(seqs[i], plan[i][1]) for i in members]
-            for step in range(3):
-                for i, logits in zip(members, quantized.decode_batch(batch), strict=True):
-                    out[i].append(logits)
-                batch = [(seqs[i], [100 + 7 * step + i]) for i in members]
-        finally:
-            for s in seqs.values():
-                s.close()
-        return out
-
-    mixed = run([0, 1, 2])
-    for i in range(3):
-        for step, (a, m) in enumerate(zip(run([i])[i], mixed[i], strict=True)):
-            np.testing.assert_array_equal(m, a, err_msg=f"sequence {i} ({plan[i][0]}), step {step}")
+    plan = [
+        (name, 1.0, ids[5 * i : 5 * i + 5], [100 + i, 107 + i]) for i, name in enumerate((None, "attn_r4", "all_r16"))
+    ]
+    assert_batch_gives_each_its_alone_logits(quantized, plan)
