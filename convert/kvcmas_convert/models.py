@@ -290,13 +290,7 @@ class ModelClass:
 
     def checked_source(self, tensors: CheckpointTensors, name: str, shape: tuple[int, ...]) -> str:
         """``name`` itself, after checking that the checkpoint holds it with this shape (for computed tensors)."""
-        if name not in tensors:
-            raise ConvertError(f"{self.where}: tensor {name!r} is missing from the checkpoint")
-        if tensors.shape(name) != shape:
-            raise ConvertError(
-                f"{self.where}: tensor {name!r} has shape {list(tensors.shape(name))}, "
-                f"config.json implies {list(shape)}"
-            )
+        tensors.require(name, shape, self.where)
         return name
 
     def ignored_tensors(self) -> set[str]:

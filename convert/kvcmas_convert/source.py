@@ -195,6 +195,16 @@ class CheckpointTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.refs[name].shape
 
+    def require(self, name: str, shape: tuple[int, ...], where: str | Path, purpose: str = "") -> None:
+        """ConvertError unless the checkpoint holds ``name`` with ``shape`` (the shape config.json implies);
+        ``where`` names the checkpoint in the missing-tensor message, ``purpose`` what the tensor is for."""
+        what = f"tensor {name!r}" + (f" (for {purpose!r})" if purpose else "")
+        if name not in self.refs:
+            raise ConvertError(f"{where}: {what} is missing from the checkpoint")
+        if self.refs[name].shape != shape:
+            got = list(self.refs[name].shape)
+            raise ConvertError(f"{self.refs[name].path}: {what} has shape {got}, config.json implies {list(shape)}")
+
     def load(self, name: str) -> np.ndarray:
         """The tensor as a float32 array in its Hugging Face shape."""
         ref = self.refs[name]

@@ -483,13 +483,7 @@ def plan_mmproj(
 def check_shapes(model_dir: Path, tensors: CheckpointTensors, expected: list[tuple[str, str, tuple[int, ...]]]) -> None:
     """ConvertError unless each (HF name, what it is for, shape) is in the checkpoint with that shape."""
     for hf_name, purpose, shape in expected:
-        if hf_name not in tensors:
-            raise ConvertError(f"{model_dir}: tensor {hf_name!r} (for {purpose!r}) is missing from the checkpoint")
-        if tensors.shape(hf_name) != shape:
-            raise ConvertError(
-                f"{tensors.refs[hf_name].path}: tensor {hf_name!r} has shape {list(tensors.shape(hf_name))}, "
-                f"config.json implies {list(shape)}"
-            )
+        tensors.require(hf_name, shape, model_dir, purpose)
 
 
 @dataclass
