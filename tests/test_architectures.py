@@ -355,3 +355,25 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"unsupported architecture 'mamba' \(kvcmas runs llama, qwen2, qwen3"):
         kc.Model(path, n_threads=1)
     assert kc.supported_architectures() == list(C.ENGINE_ARCHITECTURES)
+
+
+def test_bench_counts_chosen_experts_per_token_and_every_expert_per_pass(case: tuple[str, Path]) -> None:
+    """`kvcmas bench core`'s weight bytes (its GB/s and its twin ratios): a decode token of the MoE reads the chosen
+    experts' share of the stacked expert matrices, a prefill pass up to all of them; a dense file reads the same in
+    both. Reference: the tensor sizes as gguf-py reads the file."""
+    from gguf import GGUFReader
+
+    from kvcmas_cpp.bench.core import weight_bytes_per_token
+
+    name, folder = case
+    path = folder / "model.gguf"
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    if "output.weight" in tensors:  # an untied file reads one row of the token embedding per token
+        del tensors["token_embd.weight"]
+    experts = sum(n for t, n in tensors.items() if "_exps." in t)
+    dense = sum(tensors.values()) - experts
+    used, total = (CASES[name][2].get(k) for k in ("num_experts_per_tok", "num_experts"))
+    per_token = dense + (experts * used // total if experts else 0)
+    assert weight_bytes_per_token(str(path)) == per_token
+    assert weight_bytes_per_token(str(path), all_experts=True) == dense + experts
+    assert (experts > 0) == (name == "qwen3moe")

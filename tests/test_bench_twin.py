@@ -63,6 +63,9 @@ def test_twin_ratio_is_bytes_times_rate_over_the_twins() -> None:
     table = format_twin_table(rows, {"a.gguf": "t.gguf"}, per_token)
     assert "| a.gguf | t.gguf | kvcmas | 0.1 | 0.1 | 1.00x | 1.12x |" in table
     assert format_twin_table(rows, {}, per_token) == ""
+    per_pass = {"a.gguf": 8_000_000, "t.gguf": 2_000_000}  # a's prefill pass reads every expert
+    ((_, _, pre, dec),) = twin_ratios(rows[:2], {"a.gguf": "t.gguf"}, per_token, per_pass)
+    assert (pre, dec) == pytest.approx((300 * 8 / (400 * 2), 20 * 3 / (30 * 2)))
     prefill_only = [row("kvcmas", "a.gguf", 300.0, 0.0), row("kvcmas", "t.gguf", 400.0, 0.0)]  # --gen 0
     assert "| kvcmas | - | - | - | 1.12x |" in format_twin_table(prefill_only, {"a.gguf": "t.gguf"}, per_token)
 

@@ -217,10 +217,11 @@ def _copy_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def weight_bytes_per_token(model_path: str) -> int:
+def weight_bytes_per_token(model_path: str, all_experts: bool = False) -> int:
     """Bytes of weights a decode step reads: every matrix once; of the token embedding only one row, unless the
     output projection is tied to it; of a mixture of experts' stacked matrices (`*_exps`) the chosen experts' share
-    (expert_used_count of expert_count)."""
+    (expert_used_count of expert_count), or every expert with all_experts (what a prefill pass of many tokens reads
+    at most)."""
     from ..model import Model
 
     tensors = Model.file_tensors(model_path)
@@ -233,7 +234,8 @@ def weight_bytes_per_token(model_path: str) -> int:
         if t["name"] == "token_embd.weight" and "output.weight" in names:
             continue
         n_bytes = int(t["n_bytes"])
-        total += n_bytes * n_used // n_expert if n_expert and "_exps." in t["name"] else n_bytes
+        chosen_share = n_expert and not all_experts and "_exps." in t["name"]
+        total += n_bytes * n_used // n_expert if chosen_share else n_bytes
     return total
 
 
@@ -407,7 +409,8 @@ def run_core(args: argparse.Namespace) -> int:
         print(format_table(results, bandwidth))
         if twins:
             per_token = {r.model: weight_bytes_per_token(r.model) for r in results}
-            print("\n" + format_twin_table(results, twins, per_token))
+            per_pass = {r.model: weight_bytes_per_token(r.model, all_experts=True) for r in results}
+            print("\n" + format_twin_table(results, twins, per_token, per_pass))
     return 0
 
 
