@@ -16,7 +16,7 @@ from kvcmas_cpp.sharing import estimators as est
 from kvcmas_cpp.sharing import methods as registry
 from kvcmas_cpp.sharing import persist
 from kvcmas_cpp.sharing.training_read import canonical
-from kvcmas_cpp.sharing.workflow import load_gsm8k
+from kvcmas_cpp.sharing.workflow import gsm8k_contexts
 
 EDGE: est.Edge = ("Context", "Solver")
 
@@ -77,19 +77,6 @@ def test_a_bounded_read_fits_maps_that_apply_to_its_rows_only(model: kc.Model, t
     assert {m.rows for pair in again.maps[EDGE] if pair for m in pair} == {0}
 
 
-def _contexts(model: kc.Model, tokens: int, count: int) -> list[str]:
-    out: list[str] = []
-    picked: list[str] = []
-    for text in load_gsm8k(100, 1000):
-        picked.append(text)
-        if len(model.tokenize("\n".join(picked), add_special=False)) >= tokens:
-            out.append("\n".join(picked))
-            picked = []
-            if len(out) == count:
-                return out
-    raise AssertionError("not enough GSM8K text")
-
-
 ROLES = (
     ("Planner", "You are a careful planner. Break the problem into steps."),
     ("Solver", "You are a math expert. Solve the problem step by step."),
@@ -110,7 +97,7 @@ def test_maps_of_a_bounded_read_never_do_worse_than_no_correction_past_their_row
     config = registry.method("kvcmas", session=True).config(for_session=True)
     cap = config.read_rows
     assert cap == registry.READ_ROWS > 0
-    first, second = _contexts(model, 2048, 2)
+    first, second = gsm8k_contexts(model, 2048, 2)
     ridge = est.RidgeEstimator(rank=config.rank)
     team = AgentSession(model, "kvcmas", estimator=ridge, calibration_dir=False, training_reads="manual")
     with team:

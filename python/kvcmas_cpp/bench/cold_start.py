@@ -17,6 +17,7 @@ from ..sharing import methods as registry
 from ..sharing.fidelity import kl_divergence
 from ..sharing.ridge import RidgeEstimator, RowMoments
 from ..sharing.training_read import canonical
+from ..sharing.workflow import gsm8k_contexts
 from .progress import progress_bar
 
 # row name -> (session method, cold policy, when reads run, MethodConfig overrides; None: the defaults)
@@ -41,22 +42,6 @@ def cold_rows(names: list[str] | None) -> dict[str, ColdMethod]:
     if unknown:
         raise ValueError(f"unknown cold-start rows {unknown}; choose from {', '.join(COLD_METHODS)}")
     return {n: COLD_METHODS[n] for n in dict.fromkeys(["nonshared", *names])}
-
-
-def _contexts(model: Model, shared_tokens: int, workflows: int) -> list[str]:
-    """The cold-start contexts: GSM8K questions joined until each holds shared_tokens tokens."""
-    from ..sharing.workflow import load_gsm8k
-
-    contexts: list[str] = []
-    picked: list[str] = []
-    for t in load_gsm8k(100, 1000):
-        picked.append(t)
-        if len(model.tokenize("\n".join(picked), add_special=False)) >= shared_tokens:
-            contexts.append("\n".join(picked))
-            picked = []
-            if len(contexts) == workflows:
-                return contexts
-    raise ValueError(f"not enough GSM8K text for {workflows} contexts of {shared_tokens} tokens")
 
 
 def _read_rows_of(model: Model, context: str) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +96,7 @@ def read_rows_fidelity(
     they were before the bound (`every row`: alpha 0.1, applied to every row): the held-out residual
     ||exact - base - predicted||^2 / ||exact - base||^2 over layers 1 on (1.0: no correction, fullshared), for K, V,
     the first 512 rows and the rest."""
-    first, second = (_read_rows_of(model, c) for c in _contexts(model, shared_tokens, 2))
+    first, second = (_read_rows_of(model, c) for c in gsm8k_contexts(model, shared_tokens, 2))
     x1, y1 = first
     x2, y2 = second
     ridge = RidgeEstimator(rank=8)
@@ -182,7 +167,7 @@ def cold_start(
     from ..sharing.workflow import gsm8k_workflow
 
     wf = gsm8k_workflow(agents)
-    contexts = _contexts(model, shared_tokens, workflows)
+    contexts = gsm8k_contexts(model, shared_tokens, workflows)
     eog = model.tokenizer.eog_ids
     forced: list[list[list[int]]] = []  # per workflow, per agent: nonshared's reply
     reference: list[list[np.ndarray]] = []  # per workflow, per agent: nonshared's first-token logits

@@ -197,3 +197,18 @@ def load_gsm8k(start: int, count: int, path: str | Path | None = None) -> list[s
     if len(out) < count:
         raise ValueError(f"{p} has only {start + len(out)} lines, asked for [{start}, {start + count})")
     return out
+
+
+def gsm8k_contexts(model: Model, tokens: int, count: int) -> list[str]:
+    """count shared contexts of at least `tokens` tokens each: GSM8K questions (lines 100-1099) joined by newlines,
+    each context its own questions. ValueError when the split runs out."""
+    contexts: list[str] = []
+    picked: list[str] = []
+    for question in load_gsm8k(100, 1000):
+        picked.append(question)
+        if len(model.tokenize("\n".join(picked), add_special=False)) >= tokens:
+            contexts.append("\n".join(picked))
+            picked = []
+            if len(contexts) == count:
+                return contexts
+    raise ValueError(f"not enough GSM8K text for {count} contexts of {tokens} tokens")
