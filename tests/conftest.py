@@ -135,6 +135,15 @@ def mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random gpt-oss checkpoint (helpers/gpt_oss.py), saved by transformers and converted to f32."""
+    pytest.importorskip("transformers")
+    from helpers.gpt_oss import converted
+
+    return converted(tmp_path_factory.mktemp("gpt-oss"))
+
+
 @pytest.fixture(scope="module")
 def model_path(default_model_path: Path) -> str:
     """The default model's file as a string (what kvcmas-server's --model takes)."""

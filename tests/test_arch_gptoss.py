@@ -27,45 +27,15 @@ pytest.importorskip("tokenizers")
 
 import kvcmas_convert as kconv  # noqa: E402
 import kvcmas_cpp as kc  # noqa: E402
-import test_architectures as arch  # noqa: E402  (the shared tokenizer, ids, reference and per-architecture checks)
+from helpers import arch_checks as arch  # noqa: E402  (the shared tokenizer, ids, reference and per-architecture checks)
+from helpers.arch_checks import WINDOW  # noqa: E402
+from helpers.gpt_oss import CONFIG, converted, rounded_reference  # noqa: E402
 from kvcmas_convert import constants as C  # noqa: E402
-
-WINDOW = arch.WINDOW
-CONFIG: dict[str, Any] = dict(
-    arch.COMMON, intermediate_size=32, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
-    sliding_window=WINDOW,
-    rope_parameters={
-        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 32, "rope_theta": 150000.0,
-    },
-)  # fmt: skip
-EXPERT_GAIN = 6.0  # experts' weights scaled so that some gate / up values pass the clamp at 7
-
-
-def _model(gain: float = EXPERT_GAIN, **changes: Any) -> Any:
-    torch.manual_seed(7)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **changes}))
-    with torch.no_grad():  # random norms, biases and sinks, so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.ndim == 1 or "bias" in name:
-                p.copy_(0.5 * torch.randn_like(p))
-            if "experts.gate_up_proj" in name and not name.endswith("bias"):
-                p.mul_(gain)
-    return model
-
-
-def _converted(out: Path, gain: float = EXPERT_GAIN, **changes: Any) -> Path:
-    _model(gain, **changes).save_pretrained(out)
-    arch._tokenizer().save_pretrained(out)
-    kconv.convert(out, out / "model.gguf", outtype="f32", progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _converted(tmp_path_factory.mktemp("gpt-oss"))
+def folder(gpt_oss_folder: Path) -> Path:
+    return gpt_oss_folder
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +51,8 @@ def test_logits_match_transformers(case: tuple[str, Path]) -> None:
     assert meta["gpt-oss.rope.scaling.type"] == "yarn"
     model = kc.Model(folder / "model.gguf", n_threads=2, activations="f32")
     assert model.layer_window == [WINDOW, 0, WINDOW, 0]
-    ids = arch._ids(1, arch.PROMPT)
-    ref = arch._reference(folder, ids)
+    ids = arch.prompt_ids(1, arch.PROMPT)
+    ref = arch.reference(folder, ids)
     got = model.logits(ids)
     assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
     assert (got.argmax(-1) == ref.argmax(-1)).all()
@@ -90,25 +60,6 @@ def test_logits_match_transformers(case: tuple[str, Path]) -> None:
         seq.append(ids[:40], logits="none")
         steps = np.stack([seq.append([t], logits="last") for t in ids[40:]])
     assert np.abs(steps - ref[40:]).max() <= arch.LOGIT_TOL
-
-
-def rounded_reference(folder: Path, ids: list[int], qtype: Any, experts_only: bool = False) -> np.ndarray:
-    """transformers' logits with the weight matrices (or only the experts') rounded to qtype by gguf-py along the
-    rows the GGUF file stores: a matrix's input dimension (the experts' [X, in, out] transposed)."""
-    import gguf
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim < 2 or name.endswith("bias") or (experts_only and p.ndim != 3):
-                continue  # norms, biases (the experts' stacked ones too) and sinks stay f32 in the file
-            w = p.numpy().transpose(0, 2, 1) if p.ndim == 3 else p.numpy()
-            back = gguf.quants.dequantize(
-                gguf.quants.quantize(np.ascontiguousarray(w).reshape(-1, w.shape[-1]), qtype), qtype
-            )
-            back = back.reshape(w.shape)
-            p.copy_(torch.from_numpy(np.ascontiguousarray(back.transpose(0, 2, 1) if p.ndim == 3 else back)))
-        return model(torch.tensor([ids])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", pytest.param("f16", marks=pytest.mark.slow)])
@@ -119,16 +70,16 @@ def test_weight_types(folder: Path, tmp_path: Path, outtype: str) -> None:
 
     out = tmp_path / f"{outtype}.gguf"
     kconv.convert(folder, out, outtype=outtype, vocab=False, progress=False)
-    ids = arch._ids(1, arch.PROMPT)
+    ids = arch.prompt_ids(1, arch.PROMPT)
     ref = rounded_reference(folder, ids, gguf.GGMLQuantizationType[outtype.upper()])
     got = kc.Model(out, n_threads=2, activations="f32").logits(ids)
     assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
     assert (got.argmax(-1) == ref.argmax(-1)).all()
-    assert np.abs(got - arch._reference(folder, ids)).max() > arch.LOGIT_TOL
+    assert np.abs(got - arch.reference(folder, ids)).max() > arch.LOGIT_TOL
 
 
 def test_ridge_corrections_core_equal_numpy(case: tuple[str, Path]) -> None:
-    arch.test_ridge_corrections_core_equal_numpy(case)
+    arch.check_ridge_corrections_core_equal_numpy(*case)
 
 
 def _reference_changed(folder: Path, ids: list[int], change: str) -> np.ndarray:
@@ -147,32 +98,32 @@ def test_the_checks_have_teeth(case: tuple[str, Path], change: str) -> None:
     """The sinks and the SwiGLU clamp change the logits by far more than the tolerance, so matching transformers
     proves they are applied."""
     _, folder = case
-    ids = arch._ids(1, arch.PROMPT)
-    assert np.abs(_reference_changed(folder, ids, change) - arch._reference(folder, ids)).max() > 100 * arch.LOGIT_TOL
+    ids = arch.prompt_ids(1, arch.PROMPT)
+    assert np.abs(_reference_changed(folder, ids, change) - arch.reference(folder, ids)).max() > 100 * arch.LOGIT_TOL
 
 
 def test_shifted_span_is_exact(case: tuple[str, Path]) -> None:
-    arch.test_shifted_span_is_exact_under_the_architectures_rope(case)
+    arch.check_shifted_span_is_exact(*case)
 
 
 def test_span_by_reference_equals_dense_prefill(case: tuple[str, Path]) -> None:
-    arch.test_span_by_reference_equals_dense_prefill(case)
+    arch.check_span_by_reference_equals_dense_prefill(*case)
 
 
 def test_four_agent_workflow(case: tuple[str, Path]) -> None:
-    arch.test_four_agent_workflow(case)
+    arch.check_four_agent_workflow(*case)
 
 
 def test_llama_cpp_agrees(tmp_path: Path) -> None:
     """On the checkpoint with plain RoPE. With YaRN llama.cpp rounds the ramp's ends to whole dims (transformers'
     truncate=True) where gpt-oss does not (truncate=False, which transformers and kvcmas apply): on this tiny head
     size that moves llama.cpp's logits by up to 0.4 of their scale, so its YaRN is not compared here."""
-    plain = _converted(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    plain = converted(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
     np.testing.assert_allclose(
-        kc.Model(plain / "model.gguf", n_threads=2, activations="f32").logits(arch._ids(1, arch.PROMPT)),
-        arch._reference(plain, arch._ids(1, arch.PROMPT)), rtol=0, atol=arch.LOGIT_TOL,
+        kc.Model(plain / "model.gguf", n_threads=2, activations="f32").logits(arch.prompt_ids(1, arch.PROMPT)),
+        arch.reference(plain, arch.prompt_ids(1, arch.PROMPT)), rtol=0, atol=arch.LOGIT_TOL,
     )  # fmt: skip
-    arch.test_llama_cpp_agrees(("gpt-oss", plain))
+    arch.check_llama_cpp_agrees("gpt-oss", plain)
 
 
 def _config_with(folder: Path, tmp_path: Path, **changes: Any) -> Path:
@@ -214,7 +165,7 @@ def test_a_file_without_the_window_pattern_alternates(folder: Path, tmp_path: Pa
     assert "gpt-oss.attention.sliding_window_pattern" not in kconv.read_metadata(path)
     plain = kc.Model(path, n_threads=2, activations="f32")
     assert plain.layer_window == [WINDOW, 0, WINDOW, 0]
-    ids = arch._ids(1, arch.PROMPT)
+    ids = arch.prompt_ids(1, arch.PROMPT)
     np.testing.assert_array_equal(
         plain.logits(ids), kc.Model(folder / "model.gguf", n_threads=2, activations="f32").logits(ids)
     )

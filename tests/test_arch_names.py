@@ -21,9 +21,9 @@ if importlib.util.find_spec("llama_cpp") is None:
 
 import gguf  # noqa: E402
 
+from helpers.tokenizer_corpus import MULTILINGUAL, PRE_FAMILIES, build_pre_family, varied_strings  # noqa: E402
 from kvcmas_convert.vocab import export_vocab  # noqa: E402
 from kvcmas_cpp.tokenizer import Tokenizer  # noqa: E402
-from test_convert import _MULTILINGUAL, PRE_FAMILIES, _build_pre_family, varied_strings  # noqa: E402
 
 
 def _vocab_only_gguf(meta: dict, path: Path) -> Path:
@@ -55,12 +55,12 @@ def _vocab_only_gguf(meta: dict, path: Path) -> Path:
 def test_dbrx_pre_tokenizer_splits_as_llama_cpp(tmp_path: Path) -> None:
     import llama_cpp
 
-    hf = _build_pre_family("dbrx", tmp_path)
+    hf = build_pre_family("dbrx", tmp_path)
     meta = export_vocab(tmp_path, hf.get_vocab_size(), {}, PRE_FAMILIES["dbrx"][2]).values
     assert meta["tokenizer.ggml.pre"] == "dbrx"
     ours = Tokenizer.from_gguf_metadata(meta)
     llm = llama_cpp.Llama(str(_vocab_only_gguf(meta, tmp_path / "vocab.gguf")), vocab_only=True, verbose=False)
-    strings = _MULTILINGUAL + varied_strings(500, seed=5)
+    strings = MULTILINGUAL + varied_strings(500, seed=5)
     differ = [
         s
         for s in strings

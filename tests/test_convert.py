@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import random
 import re
 import shutil
 import subprocess
@@ -43,6 +42,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 kvcmas_cpp = pytest.importorskip("kvcmas_cpp")
+from helpers.tokenizer_corpus import (  # noqa: E402
+    GPT4O_REGEX,
+    LLAMA3_REGEX,
+    MULTILINGUAL,
+    PRE_FAMILIES,
+    QWEN2_REGEX,
+    TEKKEN_REGEX,
+    build_pre_family,
+    split_byte_level_bpe,
+    train_corpus,
+    varied_strings,
+)
 from kvcmas_cpp._native import core  # noqa: E402
 from kvcmas_cpp.tokenizer import Tokenizer  # noqa: E402
 
@@ -58,73 +69,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
-QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
-    r"|\s+"
-)
-
-
-# --------------------------------------------------------------------------------------------------- test inputs
-_WORDS = [
-    "the", "model", "reads", "a", "shared", "context", "and", "every", "agent", "reuses", "its", "cache", "while",
-    "corrections", "keep", "outputs", "close", "to", "dense", "prefill", "so", "latency", "drops", "and", "memory",
-    "stays", "small", "don't", "I'M", "you'll", "we've", "THEY'RE", "it's", "naïve", "café", "façade", "über",
-    "straße", "ñandú", "Ωmega", "θέμα", "русский", "текст", "中文字符", "日本語のテキスト", "한국어", "العربية", "हिन्दी"
-]  # fmt: skip
-_CODE = [
-    "def f(x):\n    return x * 2\n", "for (int i = 0; i < n; ++i) { s += a[i]; }", "if x != None and y >= 3:",
-    "#include <vector>\n", "    \t  indent\t\ttabs", "lambda: {'k': [1, 2, 3]}", "SELECT * FROM t WHERE id=42;",
-    "x=1e-5;y=0x1F;z=1_000_000", "```python\nprint('hi')\n```", "a->b::c<<d>>e", "<div class=\"x\">&amp;</div>",
-]  # fmt: skip
-_ODD = ["  ", "   ", "\n", "\n\n", " \n ", "\t", "\r\n", "🙂", "👨‍👩‍👧", "🚀🚀", "1234567", "3.14159", "$100", "...",
-        "—", "«»", "½", "\u00a0", "\u200b", "ﬁ", "K", "é", "ǅ", "𝔘𝔫𝔦", "ÅΩ"]  # fmt: skip
-
-
-def varied_strings(n: int, seed: int, specials: list[str] | None = None) -> list[str]:
-    """n strings mixing words, unicode, code, numbers, whitespace runs and (optionally) special tokens."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    for _ in range(n):
-        parts = []
-        for _ in range(rng.randint(1, 8)):
-            r = rng.random()
-            if r < 0.45:
-                parts.append(rng.choice(_WORDS))
-            elif r < 0.6:
-                parts.append(rng.choice(_CODE))
-            elif r < 0.8:
-                parts.append(rng.choice(_ODD))
-            elif r < 0.9:
-                parts.append(str(rng.randint(0, 10 ** rng.randint(1, 9))))
-            elif specials:
-                parts.append(rng.choice(specials))
-            else:
-                parts.append(rng.choice(_WORDS).upper())
-            parts.append(rng.choice([" ", " ", "", "  ", "\n", ", ", ". "]))
-        text = "".join(parts)
-        out.append(text[: rng.randint(1, len(text))] if rng.random() < 0.2 else text)
-    return out
-
-
-def _train_corpus() -> list[str]:
-    return [s for s in varied_strings(3000, seed=7) if s.strip()] + _CODE + _WORDS
-
-
-def _split_byte_level_bpe(regex: str, ignore_merges: bool) -> tokenizers.Tokenizer:
-    """An untrained byte-level BPE whose pre-tokenizer is a regex split, as Llama 3 / Qwen / Phi-4 files spell it."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-
-    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=ignore_merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    return tok
 
 
 def _build_bpe(kind: str, folder: Path) -> None:
@@ -137,14 +81,14 @@ def _build_bpe(kind: str, folder: Path) -> None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
     else:
-        tok = _split_byte_level_bpe(LLAMA3_REGEX if kind == "llama3" else QWEN2_REGEX, kind == "llama3")
+        tok = split_byte_level_bpe(LLAMA3_REGEX if kind == "llama3" else QWEN2_REGEX, kind == "llama3")
     trainer = trainers.BpeTrainer(
         vocab_size=400,
         special_tokens=specials,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_train_corpus(), trainer)
+    tok.train_from_iterator(train_corpus(), trainer)
     if kind == "llama3":
         bos = specials[0]
         tok.post_processor = processors.TemplateProcessing(
@@ -164,7 +108,7 @@ def _build_spm(folder: Path) -> None:
     import sentencepiece as spm
 
     model = io.BytesIO()
-    lines = [s.replace("\n", " ") for s in _train_corpus()]
+    lines = [s.replace("\n", " ") for s in train_corpus()]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=600, model_type="bpe", byte_fallback=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
@@ -409,59 +353,18 @@ def test_bpe_tokenizer_round_trip(checkpoints: dict[str, Path], tmp_path: Path, 
 
 
 # The split of each family's tokenizer.json as Hugging Face spells it, and the name llama.cpp gives the files.
-GPT4O_REGEX = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-TEKKEN_REGEX = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# name -> (regex, ignore_merges, --vocab-pre override): Phi-4-mini ("gpt-4o"), OLMo 2 (the cl100k split under
-# llama.cpp's "dbrx" name, given by fingerprint for the real file), Mistral Small 3.x ("tekken").
-PRE_FAMILIES = {
-    "gpt-4o": (GPT4O_REGEX, False, None),
-    "dbrx": (LLAMA3_REGEX, False, "dbrx"),
-    "tekken": (TEKKEN_REGEX, True, None),
-}
-_MULTILINGUAL = [
-    "HelloWorld iPhone XMLHttpRequest camelCaseName ALLCAPS's DON'T He'S we'VE", "path/to/file\n/usr/bin\r\n",
-    "12345678901 3.14159 1,000,000 ٣٤٥ १२३", "नमस्ते दुनिया हिन्दी", "สวัสดีครับ", "Việt Nam tiếng Việt",
-    "中文字符和标点。你好，世界！", "日本語のテキスト、カタカナ", "한국어 텍스트입니다", "العربية النص", "עברית",
-    "emoji 🙂👨‍👩‍👧🚀🚀 flags 🇫🇷🇯🇵", "tabs\t\tand   spaces    \n\n\n  end  ", "e\u0301 n\u0303 combining",
-    "Ωmega θέμα русский ТЕКСТ Straße ÜBER", "x=1e-5;y=0x1F;z=1_000_000 // comment\n",
-]  # fmt: skip
-
-
-def _build_pre_family(name: str, folder: Path) -> tokenizers.Tokenizer:
-    from tokenizers import pre_tokenizers, trainers
-
-    regex, ignore_merges, _ = PRE_FAMILIES[name]
-    tok = _split_byte_level_bpe(regex, ignore_merges)
-    trainer = trainers.BpeTrainer(
-        vocab_size=900, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(_train_corpus() + _MULTILINGUAL * 20, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return tok
-
-
 @pytest.mark.parametrize("name", sorted(PRE_FAMILIES))
 def test_pre_tokenizer_families_match_hf_tokenizers(tmp_path: Path, name: str) -> None:
     """A byte-level BPE on each family's split, exported by the converter: the kvcmas tokenizer built from the
     exported metadata gives HF tokenizers' ids on multilingual text (digits, contractions, CJK, combining marks,
     emoji, whitespace runs, slashes before line breaks)."""
-    hf = _build_pre_family(name, tmp_path)
+    hf = build_pre_family(name, tmp_path)
     override = PRE_FAMILIES[name][2]
     meta = export_vocab(tmp_path, hf.get_vocab_size(), {}, override).values
     assert meta[C.KEY_TOKENIZER_PRE] == name
     ours = Tokenizer.from_gguf_metadata(meta)
     assert ours.pre == name and ours.add_bos is False
-    strings = _MULTILINGUAL + varied_strings(N_STRINGS, seed=13)
+    strings = MULTILINGUAL + varied_strings(N_STRINGS, seed=13)
     mismatches = []
     for s in strings:
         expected = hf.encode(s, add_special_tokens=False).ids
@@ -469,13 +372,13 @@ def test_pre_tokenizer_families_match_hf_tokenizers(tmp_path: Path, name: str) -
         if got != expected:
             mismatches.append((s, expected, got))
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[0]!r}"
-    n_ids = sum(len(ours.encode(s, add_special=False)) for s in _MULTILINGUAL)
-    assert n_ids < 0.75 * sum(len(s.encode()) for s in _MULTILINGUAL)  # merges ran
-    for s in _MULTILINGUAL:
+    n_ids = sum(len(ours.encode(s, add_special=False)) for s in MULTILINGUAL)
+    assert n_ids < 0.75 * sum(len(s.encode()) for s in MULTILINGUAL)  # merges ran
+    for s in MULTILINGUAL:
         assert ours.decode(ours.encode(s, add_special=False)) == s
     # The texts tell the splits apart: the same vocabulary under another family's split gives other ids.
     other = Tokenizer.from_gguf_metadata({**meta, C.KEY_TOKENIZER_PRE: "qwen2" if name == "dbrx" else "llama-bpe"})
-    assert any(other.encode(s, add_special=False) != ours.encode(s, add_special=False) for s in _MULTILINGUAL)
+    assert any(other.encode(s, add_special=False) != ours.encode(s, add_special=False) for s in MULTILINGUAL)
 
 
 def test_pre_tokenizer_names_the_converter_writes_are_supported() -> None:

@@ -18,12 +18,16 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import kvcmas_convert as kconv  # noqa: E402
-import test_arch_gptoss as gpt  # noqa: E402  (the tiny gpt-oss checkpoint)
-import test_architectures as arch  # noqa: E402
-from test_arch_gptoss import folder  # noqa: E402, F401  (fixture)
+from helpers import arch_checks as arch  # noqa: E402
+from helpers import gpt_oss as gpt  # noqa: E402  (the tiny gpt-oss checkpoint)
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 MATMUL_TOL = {"cpu": 2e-6, "cuda": 2e-3}  # as test_backend_ops: CUDA's prefill GEMM runs TF32
+
+
+@pytest.fixture(scope="module")
+def folder(gpt_oss_folder: Path) -> Path:
+    return gpt_oss_folder
 
 
 @pytest.fixture(params=["cpu", "cuda"], scope="module")
@@ -56,14 +60,14 @@ def test_matmul_equals_gguf_py_dequantization(ops, n_tok: int) -> None:
     assert np.all(np.abs(got - ref) <= MATMUL_TOL[ops.name] * scale + 1e-30)
 
 
-def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "mxfp4.gguf"
     kconv.convert(folder, out, outtype="f32", expert_type="mxfp4", vocab=False, progress=False)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
     assert types["blk.0.ffn_gate_exps.weight"] == MXFP4 and types["blk.3.ffn_down_exps.weight"] == MXFP4
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F32
     assert types["blk.0.ffn_gate_exps.bias"] == gguf.GGMLQuantizationType.F32
-    ids = arch._ids(1, arch.PROMPT)
+    ids = arch.prompt_ids(1, arch.PROMPT)
     ref = gpt.rounded_reference(folder, ids, MXFP4, experts_only=True)
     model = kc.Model(out, n_threads=2, activations="f32")
     got = model.logits(ids)
@@ -73,12 +77,12 @@ def test_gpt_oss_with_mxfp4_experts(folder: Path, tmp_path: Path) -> None:  # no
         seq.append(ids[:40], logits="none")
         steps = np.stack([seq.append([t], logits="last") for t in ids[40:]])
     assert np.abs(steps - ref[40:]).max() <= arch.LOGIT_TOL
-    assert np.abs(got - arch._reference(folder, ids)).max() > arch.LOGIT_TOL  # the rounding shows: not run at f32
+    assert np.abs(got - arch.reference(folder, ids)).max() > arch.LOGIT_TOL  # the rounding shows: not run at f32
     # the default (8-bit activation) setting runs MXFP4 at f32 activations: the same logits
     np.testing.assert_allclose(kc.Model(out, n_threads=2).logits(ids)[:, :8], got[:, :8], rtol=0, atol=0.05)
 
 
-def test_expert_type_is_checked(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_expert_type_is_checked(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(kconv.ConvertError, match="--expert-type 'q2' is not one of mxfp4"):
         kconv.convert(folder, tmp_path / "x.gguf", expert_type="q2", progress=False)
     assert gpt.CONFIG["num_local_experts"] == 6
@@ -95,10 +99,10 @@ def test_llama_cpp_agrees_on_mxfp4_experts(tmp_path: Path) -> None:
         pytest.skip("llama-cpp-python is not installed (pip install -e .[bench]): cannot compare with llama.cpp")
     import llama_cpp
 
-    plain = gpt._converted(tmp_path, 1.0, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    plain = gpt.converted(tmp_path, 1.0, rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
     out = tmp_path / "mxfp4.gguf"
     kconv.convert(plain, out, outtype="f32", expert_type="mxfp4", progress=False)
-    ids = arch._ids(5, arch.PROMPT)
+    ids = arch.prompt_ids(5, arch.PROMPT)
     llm = llama_cpp.Llama(str(out), n_ctx=256, n_threads=2, logits_all=True, verbose=False, type_k=0, type_v=0)
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)])
@@ -108,7 +112,7 @@ def test_llama_cpp_agrees_on_mxfp4_experts(tmp_path: Path) -> None:
     assert rel < 1e-2, f"llama.cpp vs kvcmas relative error {rel}"
 
 
-def _openai_release(folder: Path, out: Path) -> dict[str, np.ndarray]:  # noqa: F811
+def _openai_release(folder: Path, out: Path) -> dict[str, np.ndarray]:
     """The tiny checkpoint as OpenAI publishes gpt-oss: each expert matrix as random MXFP4 *_blocks / *_scales
     (uint8), the rest as is. Returns the packed tensors."""
     from safetensors.numpy import load_file, save_file
@@ -131,7 +135,7 @@ def _openai_release(folder: Path, out: Path) -> dict[str, np.ndarray]:  # noqa: 
     return packed
 
 
-def test_openai_mxfp4_release_converts(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_openai_mxfp4_release_converts(folder: Path, tmp_path: Path) -> None:
     """A checkpoint with the experts in OpenAI's packed MXFP4: kvcmas' logits equal transformers' with the experts
     dequantized by transformers' own MXFP4 integration, and --expert-type mxfp4 keeps their values exactly."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -149,13 +153,13 @@ def test_openai_mxfp4_release_converts(folder: Path, tmp_path: Path) -> None:  #
                 )  # fmt: skip
                 getattr(layer.mlp.experts, proj).copy_(w)
                 dense[name] = w.numpy()
-        ids = arch._ids(1, arch.PROMPT)
+        ids = arch.prompt_ids(1, arch.PROMPT)
         ref = model(torch.tensor([ids])).logits[0].numpy()
     f32 = tmp_path / "f32.gguf"
     kconv.convert(tmp_path / "release", f32, outtype="f32", progress=False)
     got = kc.Model(f32, n_threads=2, activations="f32").logits(ids)
     assert np.abs(got - ref).max() <= arch.LOGIT_TOL, float(np.abs(got - ref).max())
-    assert np.abs(got - arch._reference(folder, ids)).max() > 100 * arch.LOGIT_TOL  # the packed experts are used
+    assert np.abs(got - arch.reference(folder, ids)).max() > 100 * arch.LOGIT_TOL  # the packed experts are used
     mx = tmp_path / "mxfp4.gguf"
     kconv.convert(tmp_path / "release", mx, outtype="f32", expert_type="mxfp4", vocab=False, progress=False)
     stored = {t.name: t for t in gguf.GGUFReader(mx).tensors}
