@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,40 @@ def test_base_and_two_adapters_at_once_each_get_their_alone_answer(server: Serve
     for p, (status, out) in zip(picks, results, strict=True):
         assert status == 200, out
         _assert_same(_chat_answer(out), refs[p])
+
+
+def _model_counts(server: ServerProcess, headers: dict[str, str] = OPS) -> dict[tuple[str, str], float]:
+    """/metrics' per-model counters as a tenant sees its own: (metric, model) -> value."""
+    status, _, text = server.request("GET", "/metrics", headers=headers)
+    assert status == 200
+    found = re.findall(r'^(kvcmas_model_\w+)\{model="([^"]+)"\} (\S+)$', text, re.M)
+    return {(name, model): float(v) for name, model, v in found}
+
+
+def test_metrics_count_each_adapters_generations_and_tokens(server: ServerProcess) -> None:
+    """Per-adapter metrics: a chat with the critic adapter and a completion with the base model add their usage to
+    their own model's counters (the base under the server's model id) and to no other; another tenant's view of
+    itself does not move."""
+    before, alice_before = _model_counts(server), _model_counts(server, ALICE)
+    status, chat = _chat(server, model="critic")
+    assert status == 200, chat
+    status, plain = _completion(server)
+    assert status == 200, plain
+    after = _model_counts(server)
+    base = plain["model"]
+
+    def added(metric: str, model: str) -> float:
+        key = (f"kvcmas_model_{metric}_total", model)
+        return after.get(key, 0) - before.get(key, 0)
+
+    for model, usage in (("critic", chat["usage"]), (base, plain["usage"])):
+        assert added("generations", model) == 1, model
+        assert added("prompt_tokens", model) == usage["prompt_tokens"], model
+        assert added("generated_tokens", model) == usage["completion_tokens"], model
+        assert 0 <= added("reused_tokens", model) <= usage["prompt_tokens"], model
+    assert added("generations", "coder") == 0
+    assert chat["model"] == "critic" and base != "critic"
+    assert _model_counts(server, ALICE) == alice_before
 
 
 def test_agents_with_different_adapters_share_a_workflows_context(server: ServerProcess, engine: kc.Model) -> None:

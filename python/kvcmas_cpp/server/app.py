@@ -67,10 +67,10 @@ class Server:
         model_fingerprint(model)  # read from the file once, now (calibration files are keyed by it)
         with contextlib.suppress(ValueError):  # a template that refuses this message refuses it per request too
             model.apply_chat_template([{"role": "user", "content": "warm-up"}], add_generation_prompt=True)
-        self.metrics = Metrics()
+        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
+        self.metrics = Metrics(self.model_id)
         self.history = History(KVBudget(model).rows_bytes)  # what the responses reported, per tenant (dashboard.py)
         self.tenants = Tenants(cfg.api_key, cfg.api_key_file)
-        self.model_id = cfg.alias or os.path.basename(cfg.model_path).removesuffix(".gguf")
         self.model_names = {self.model_id, os.path.basename(cfg.model_path)}
         self.adapters = ServedAdapters(model, self.model_id, self.model_names, cfg.loras)  # loads --lora files
         self.adapters.check_limits(self.tenants.adapters)

@@ -119,7 +119,7 @@ class JobOutput:
         stats = job_stats(job, t_end)
         self.release(job)
         self.service_s = 0.8 * self.service_s + 0.2 * (t_end - job.t_admit)
-        self.metrics.count_done(stats, job.index, job.tenant)
+        self.metrics.count_done(stats, job.index, job.tenant, job.model)
         job.sink(Done(reason, stats, job.index))
 
     def release(self, job: Job) -> None:

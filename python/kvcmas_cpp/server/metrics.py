@@ -42,6 +42,8 @@ class Usage:
     generated_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     dense_hops: dict[str, int] = field(default_factory=dict)  # why a later hop computed its shared spans -> hops
+    # per model a generation ran (the base model's id or a LoRA adapter's name) -> MODEL_COUNTERS' keys -> count
+    by_model: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 # The counters kept per tenant too (Usage's fields): (metric, attribute, help).
@@ -71,13 +73,27 @@ def _fmt(v: float) -> str:
     return repr(float(v)) if isinstance(v, float) else str(v)
 
 
+# Per served model (the base model's id or a LoRA adapter's name, as replies report it): (metric, key, help).
+MODEL_COUNTERS = (
+    ("kvcmas_model_generations_total", "generations", "Finished generations (choices), by the model they ran."),
+    ("kvcmas_model_prompt_tokens_total", "prompt_tokens", "Prompt tokens of finished generations, by model."),
+    (
+        "kvcmas_model_reused_tokens_total",
+        "reused_tokens",
+        "Prompt tokens whose KV was served from earlier work, by the model the generation ran.",
+    ),
+    ("kvcmas_model_generated_tokens_total", "generated_tokens", "Tokens generated, by model."),
+)
+
+
 class Metrics(Usage):
     """Thread-safe counters of the server: the whole server's Usage (what a tenant also sees of itself) and the rest.
     Gauges that live elsewhere (KV bytes, queue length) are read through callbacks at exposition time, so they are
-    never stale."""
+    never stale. base_model: the id the base model's generations are counted under (MODEL_COUNTERS)."""
 
-    def __init__(self) -> None:
+    def __init__(self, base_model: str = "base") -> None:
         super().__init__()
+        self.base_model = base_model
         self._lock = threading.Lock()
         self.cancelled = 0
         self.rejected_queue_full = 0
@@ -144,10 +160,19 @@ class Metrics(Usage):
                 if dense_reason is not None:
                     u.dense_hops[dense_reason] = u.dense_hops.get(dense_reason, 0) + 1
 
-    def count_done(self, stats: dict[str, Any], choice: int, tenant: str | None) -> None:
+    def count_done(self, stats: dict[str, Any], choice: int, tenant: str | None, model: str | None = None) -> None:
         """A finished job's usage (jobs.job_stats): choice 0 counts the prompt and where its reused rows came from;
-        another choice of an n > 1 request (a fork of that prompt) only its tokens."""
-        if choice == 0:
+        another choice of an n > 1 request (a fork of that prompt) only its tokens. model: the LoRA adapter it ran
+        with (None: the base model)."""
+        first = choice == 0
+        with self._lock:
+            for u in self._usages(tenant):
+                counts = u.by_model.setdefault(model or self.base_model, {key: 0 for _, key, _ in MODEL_COUNTERS})
+                counts["generations"] += 1
+                counts["prompt_tokens"] += stats["prompt_tokens"] if first else 0
+                counts["reused_tokens"] += stats["reused_tokens"] if first else 0
+                counts["generated_tokens"] += stats["completion_tokens"]
+        if first:
             ttft_s = stats["ttft_ms"] / 1000.0
             self.count_generation(
                 stats["prompt_tokens"], stats["reused_tokens"], stats["completion_tokens"], ttft_s, tenant
@@ -211,6 +236,11 @@ class Metrics(Usage):
                 "Generations whose shared spans were computed, by reason (calibrating, gate, no match, forced).",
                 [(f'{{reason="{r}"}}', n) for r, n in sorted(usage.dense_hops.items())],
             )
+            for name, key, help_text in MODEL_COUNTERS:
+                samples: list[tuple[str, float]] = [
+                    (f'{{model="{m}"}}', c[key]) for m, c in sorted(usage.by_model.items())
+                ]
+                metric(name, "counter", help_text, samples)
             if tenant is not None:  # the rest is the whole server's: other tenants' volume shows in it
                 return "\n".join(lines) + "\n"
             for name, help_text, value in (
