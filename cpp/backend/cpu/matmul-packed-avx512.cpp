@@ -175,15 +175,18 @@ void gemm_packed_avx512(const WeightView & w, const float * x, float * y, int64_
     const PackFn  pack = pack_fn(w.type);
     const int64_t N = w.n_out, K = w.n_in;
     const int     nth = pool.size();
-    // Units: weight-row blocks of nb rows (halved down to one panel while there are fewer than 2 per thread), token
-    // blocks of mb rows (a multiple of the micro tile; more of them while there are fewer than 4 units per thread).
-    int64_t nb = kBlockN;
-    while (nb > kPanelN && (N + nb - 1) / nb < 2 * nth) {
+    // Units: weight-row blocks of nb rows (all rows up to kBlockN, so that a micro tile's activations serve every
+    // panel; halved down to one panel only while the tokens cannot give 4 units per thread), token blocks of mb
+    // rows (a multiple of the micro tile; more of them while there are fewer than 4 units per thread).
+    const int64_t n_tiles = (n_tok + kMicroM - 1) / kMicroM;
+    int64_t       nb      = std::min(kBlockN, (N + kPanelN - 1) / kPanelN * kPanelN);
+    while (nb > kPanelN && (N + nb - 1) / nb * n_tiles < 4 * nth) {
         nb /= 2;
     }
     const int64_t n_nb           = (N + nb - 1) / nb;
     int64_t       n_mb           = std::max<int64_t>((n_tok + kMaxM - 1) / kMaxM, (4 * nth + n_nb - 1) / n_nb);
-    int64_t       mb             = (n_tok + n_mb - 1) / n_mb;
+    n_mb                         = std::min(n_mb, n_tiles);
+    int64_t mb                   = (n_tok + n_mb - 1) / n_mb;
     mb                           = (mb + kMicroM - 1) / kMicroM * kMicroM;
     n_mb                         = (n_tok + mb - 1) / mb;
     const int64_t        n_units = n_nb * n_mb;
