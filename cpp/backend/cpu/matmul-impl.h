@@ -10,6 +10,7 @@
 #include <cstring>
 #include <new>
 
+#include "backend/cpu/matmul.h"
 #include "common/ggml-types.h"
 
 namespace kvcmas::cpu::detail {
@@ -160,6 +161,11 @@ const float * pack_panels_avx2(const float * w, int64_t ldw, int nr, int64_t n);
 // AVX-512 F/BW/DQ/VL (matmul-avx512.cpp): same contract as gemm_tile_avx2; only once cpu_features().avx512.
 void gemm_tile_avx512(const float * w, int64_t ldw, int nr, const float * x, int64_t ldx, int nt, int64_t n, float * y,
                       int64_t ldy);
+// The packed-panel GEMM of float weights (matmul-packed-avx512.cpp): y = x · wᵀ as matmul() computes it (x
+// [n_tok][w.n_in], y [n_tok][w.n_out]), for the types gemm_packed_avx512_supports (F32, F16, BF16); the same bits
+// at any thread count and n_tok; only once cpu_features().avx512.
+bool gemm_packed_avx512_supports(GgmlType type);
+void gemm_packed_avx512(const WeightView & w, const float * x, float * y, int64_t n_tok, ThreadPool & pool);
 #endif
 
 }  // namespace kvcmas::cpu::detail

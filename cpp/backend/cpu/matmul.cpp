@@ -599,6 +599,12 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     } else if (const QgemmFn qgemm = q8 != nullptr ? integer_prefill(w.type) : nullptr; qgemm != nullptr) {
         qgemm(&w, &y, 1, x, n_tok, pool);
     } else {
+#if defined(KC_AVX512)
+        if (cpu_features().avx512 && gemm_packed_avx512_supports(w.type)) {
+            gemm_packed_avx512(w, x, y, n_tok, pool);
+            return;
+        }
+#endif
         matmul_prefill(w, x, y, n_tok, pool, k);
     }
 }
