@@ -526,12 +526,13 @@ def _lora_groups(rng, n_tok: int, n_in: int, n_out: int) -> list:
 
 @pytest.mark.parametrize("factor_type", ["f32", "f16", "i8"])
 @pytest.mark.parametrize("n_tok", [1, 5, 40])
-def test_lora_add_groups_of_adapters(ops, n_tok: int, factor_type: str) -> None:
+@pytest.mark.parametrize("n_out", [200, 203])
+def test_lora_add_groups_of_adapters(ops, n_tok: int, factor_type: str, n_out: int) -> None:
     """y[r] += s·B(A x[r]) per adapter group (ranks 1, 8, 16; some rows in no group), against numpy in f64 over the
     factors as stored (f32, f16, i8 with row scales); each row's result is the one it gets alone (a mixed batch
-    changes nothing for a row)."""
+    changes nothing for a row). 203 outputs: B's last tile of 8 outputs part padding (backend.h, lora_b_index)."""
     rng = np.random.default_rng(n_tok)
-    n_in, n_out = 320, 200
+    n_in = 320
     x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
     y = rng.standard_normal((n_tok, n_out)).astype(np.float32)
     groups = _lora_groups(rng, n_tok, n_in, n_out)

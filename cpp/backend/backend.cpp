@@ -1,6 +1,7 @@
 #include "backend/backend.h"
 
 #include <cstdlib>
+#include <cstring>
 
 #include "backend/cpu/cpu-backend.h"
 #include "backend/cpu/lora.h"
@@ -29,6 +30,25 @@ void upload_lora_factor(Backend & b, const float * rows, int64_t n_rows, int64_t
     if (!bytes.empty()) {
         b.upload(data.data(), bytes.data(), bytes.size());
     }
+    scales = row_scales.empty() ? Buffer() : upload_floats(b, row_scales);
+}
+
+void upload_lora_b(Backend & b, const float * b_t, int rank, int64_t n_out, LoraFactorType type, Buffer & data,
+                   Buffer & scales) {
+    std::vector<uint8_t> rows;
+    std::vector<float>   row_scales;
+    cpu::encode_lora_rows(b_t, rank, n_out, type, rows, row_scales);
+    const size_t         es      = rows.size() / static_cast<size_t>(rank * n_out);
+    const int64_t        n_tiles = (n_out + kLoraTile - 1) / kLoraTile;
+    std::vector<uint8_t> tiled(static_cast<size_t>(n_tiles * rank * kLoraTile) * es, 0);
+    for (int c = 0; c < rank; ++c) {
+        for (int64_t o = 0; o < n_out; ++o) {
+            std::memcpy(&tiled[static_cast<size_t>(lora_b_index(c, o, rank)) * es],
+                        &rows[static_cast<size_t>(c * n_out + o) * es], es);
+        }
+    }
+    data = Buffer(b, tiled.size());
+    b.upload(data.data(), tiled.data(), tiled.size());
     scales = row_scales.empty() ? Buffer() : upload_floats(b, row_scales);
 }
 

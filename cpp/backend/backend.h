@@ -121,10 +121,10 @@ struct RidgeJob {
 enum class LoraFactorType : uint8_t { F32, F16, I8 };
 
 // One adapter's low-rank update of a matmul (LoRA) and the rows of the batch it applies to: A [rank][n_in] and
-// B transposed, b_t [rank][n_out], both of `type` in backend memory, with for I8 their row scales a_scale, b_scale
-// [rank] (backend memory); host_rows [n_rows] distinct rows of the batch, host_scales [n_rows] each row's scale (the
-// sequence's adapter scale), `factor` the adapter's alpha / rank: row r gets y[r] += (host_scales[i] · factor) ·
-// B (A x[r]).
+// B transposed, b_t [rank][n_out] stored in tiles of outputs (lora_b_index: a run of outputs is one run of bytes),
+// both of `type` in backend memory, with for I8 their row scales a_scale, b_scale [rank] (backend memory); host_rows
+// [n_rows] distinct rows of the batch, host_scales [n_rows] each row's scale (the sequence's adapter scale), `factor`
+// the adapter's alpha / rank: row r gets y[r] += (host_scales[i] · factor) · B (A x[r]).
 struct LoraGroup {
     const void *    a           = nullptr;
     const void *    b_t         = nullptr;
@@ -300,6 +300,18 @@ Buffer upload_floats(Backend & b, const std::vector<float> & host);
 // scales [n_rows] (scales left empty otherwise).
 void upload_lora_factor(Backend & b, const float * rows, int64_t n_rows, int64_t width, LoraFactorType type,
                         Buffer & data, Buffer & scales);
+
+// Where B's element (rank row c, output o) lies in a LoRA group's b_t: outputs in tiles of kLoraTile, each tile
+// [rank][kLoraTile] (outputs past n_out zero), so that the outputs of a block of rows are read in one sequential run
+// (upload_lora_b writes this layout).
+constexpr int64_t kLoraTile = 8;
+constexpr int64_t lora_b_index(int64_t c, int64_t o, int rank) {
+    return (o / kLoraTile) * rank * kLoraTile + c * kLoraTile + o % kLoraTile;
+}
+// B transposed, b_t [rank][n_out] (host f32), in new buffers as `type` stores it, laid out by lora_b_index: data, and
+// for I8 the scales [rank] of its rank rows.
+void upload_lora_b(Backend & b, const float * b_t, int rank, int64_t n_out, LoraFactorType type, Buffer & data,
+                   Buffer & scales);
 
 // Backends compiled into this build, by name ("cpu", and "cuda" with KVCMAS_CUDA=ON).
 std::vector<std::string> compiled_backends();

@@ -196,7 +196,7 @@ LoraAdapter::LoraAdapter(const std::string & path, const gguf::GgufFile & base, 
                 b_t[static_cast<size_t>(c * n_out + o)] = b_rows[static_cast<size_t>(o * pair->rank + c)];
             }
         }
-        backend::upload_lora_factor(be, b_t.data(), pair->rank, n_out, pair->type, pair->b_t, pair->b_scale);
+        backend::upload_lora_b(be, b_t.data(), pair->rank, n_out, pair->type, pair->b_t, pair->b_scale);
         bytes_ += pair->a.bytes() + pair->b_t.bytes() + pair->a_scale.bytes() + pair->b_scale.bytes();
         max_rank_ = std::max(max_rank_, pair->rank);
         ++n_pairs_;

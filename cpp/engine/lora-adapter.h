@@ -21,7 +21,8 @@ namespace kvcmas {
 enum class LoraTarget : uint8_t { Q, K, V, Output, Gate, Up, Down };
 constexpr int kLoraTargets = 7;
 
-// A target's low-rank factors in backend memory: a [rank][n_in], and B transposed, b_t [rank][n_out], stored as the
+// A target's low-rank factors in backend memory: a [rank][n_in], and B transposed, b_t [rank][n_out] in tiles of
+// outputs (backend::lora_b_index), stored as the
 // base matrix's precision allows: F32 over an F32 matrix (an f32 model computes its update exactly), F16 over F16 /
 // BF16, I8 (per-row scales a_scale, b_scale [rank]) over a quantized one, whose own rounding is far coarser (a decode
 // step reads a quarter of the f32 bytes: docs/engine-speed.md, "LoRA adapters").

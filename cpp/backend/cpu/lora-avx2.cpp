@@ -60,40 +60,57 @@ float dot_rows(const void * a_row, const float * x, int64_t n) {
     return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
 
-// Sweeps of up to kSweep outputs: each rank row of b_t read in one sequential run over the sweep (a decode call's
-// B product is a stream from memory: 16 rows a few bytes at a time each stall the loads), the sweep's sums kept in
-// a buffer; then 8 outputs, then one by one. Every element gets the same fused multiply-adds (over c in order from
-// zero, then into y), whichever way it is reached.
-constexpr int64_t kSweep = 512;
+// One output: y + s · Σ_c t[c] · B[c][o], the fused multiply-adds of the tiles' lanes.
+template <LoraFactorType T>
+inline float up_one(const float * t, int rank, const void * b_t, int64_t o, float s, float y) {
+    float u = 0.0f;
+    for (int c = 0; c < rank; ++c) {
+        u = std::fma(t[c], load1<T>(b_t, backend::lora_b_index(c, o, rank)), u);
+    }
+    return std::fma(s, u, y);
+}
+
+// NV tiles of b_t (backend.h: lora_b_index), outputs [o, o + 8 NV) of y, o a tile's first output: their sums in
+// registers over every rank row c (NV independent chains: 8 keep the multiply-add units busy where one would wait on
+// each result), the tiles read in order. Every element gets the same fused multiply-adds (over c in order from zero,
+// then into y), whichever tile reaches it, so how [o0, o1) is cut does not change any element.
+template <LoraFactorType T, int NV>
+inline void up_tiles(const float * t, int rank, const void * b_t, int64_t o, __m256 vs, float * y) {
+    static_assert(backend::kLoraTile == 8, "one __m256 per tile row");
+    __m256 u[NV];
+    for (int k = 0; k < NV; ++k) {
+        u[k] = _mm256_setzero_ps();
+    }
+    const int64_t first = backend::lora_b_index(0, o, rank);
+    for (int c = 0; c < rank; ++c) {
+        const __m256 tc = _mm256_set1_ps(t[c]);
+        for (int k = 0; k < NV; ++k) {
+            u[k] = _mm256_fmadd_ps(tc, load8<T>(b_t, first + (k * rank + c) * 8), u[k]);
+        }
+    }
+    for (int k = 0; k < NV; ++k) {
+        _mm256_storeu_ps(y + o + 8 * k, _mm256_fmadd_ps(vs, u[k], _mm256_loadu_ps(y + o + 8 * k)));
+    }
+}
 
 template <LoraFactorType T>
-void up_rows(const float * t, int rank, const void * b_t, int64_t n_out, int64_t o0, int64_t o1, float s, float * y) {
+void up_rows(const float * t, int rank, const void * b_t, int64_t o0, int64_t o1, float s, float * y) {
     const __m256 vs = _mm256_set1_ps(s);
     int64_t      o  = o0;
-    while (o + 8 <= o1) {
-        const int64_t     n = std::min(kSweep, (o1 - o) / 8 * 8);
-        alignas(32) float u[kSweep];
-        for (int64_t k = 0; k < n; k += 8) {
-            _mm256_store_ps(u + k, _mm256_setzero_ps());
-        }
-        for (int c = 0; c < rank; ++c) {
-            const __m256  tc  = _mm256_set1_ps(t[c]);
-            const int64_t row = c * n_out + o;
-            for (int64_t k = 0; k < n; k += 8) {
-                _mm256_store_ps(u + k, _mm256_fmadd_ps(tc, load8<T>(b_t, row + k), _mm256_load_ps(u + k)));
-            }
-        }
-        for (int64_t k = 0; k < n; k += 8) {
-            _mm256_storeu_ps(y + o + k, _mm256_fmadd_ps(vs, _mm256_load_ps(u + k), _mm256_loadu_ps(y + o + k)));
-        }
-        o += n;
+    for (; o % 8 != 0 && o < o1; ++o) {  // to a tile's start (blocks of rows start there; lora.h allows any o0)
+        y[o] = up_one<T>(t, rank, b_t, o, s, y[o]);
+    }
+    for (; o + 64 <= o1; o += 64) {
+        up_tiles<T, 8>(t, rank, b_t, o, vs, y);
+    }
+    for (; o + 16 <= o1; o += 16) {
+        up_tiles<T, 2>(t, rank, b_t, o, vs, y);
+    }
+    for (; o + 8 <= o1; o += 8) {
+        up_tiles<T, 1>(t, rank, b_t, o, vs, y);
     }
     for (; o < o1; ++o) {
-        float u = 0.0f;
-        for (int c = 0; c < rank; ++c) {
-            u = std::fma(t[c], load1<T>(b_t, c * n_out + o), u);
-        }
-        y[o] = std::fma(s, u, y[o]);
+        y[o] = up_one<T>(t, rank, b_t, o, s, y[o]);
     }
 }
 
@@ -110,15 +127,15 @@ float lora_dot_avx2(const void * a_row, LoraFactorType type, const float * x, in
     }
 }
 
-void lora_up_avx2(const float * t, int rank, const void * b_t, LoraFactorType type, int64_t n_out, int64_t o0,
-                  int64_t o1, float s, float * y) {
+void lora_up_avx2(const float * t, int rank, const void * b_t, LoraFactorType type, int64_t o0, int64_t o1, float s,
+                  float * y) {
     switch (type) {
         case LoraFactorType::F16:
-            return up_rows<LoraFactorType::F16>(t, rank, b_t, n_out, o0, o1, s, y);
+            return up_rows<LoraFactorType::F16>(t, rank, b_t, o0, o1, s, y);
         case LoraFactorType::I8:
-            return up_rows<LoraFactorType::I8>(t, rank, b_t, n_out, o0, o1, s, y);
+            return up_rows<LoraFactorType::I8>(t, rank, b_t, o0, o1, s, y);
         default:
-            return up_rows<LoraFactorType::F32>(t, rank, b_t, n_out, o0, o1, s, y);
+            return up_rows<LoraFactorType::F32>(t, rank, b_t, o0, o1, s, y);
     }
 }
 

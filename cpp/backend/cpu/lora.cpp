@@ -15,8 +15,8 @@ namespace kvcmas::cpu {
 
 #ifdef KC_X86
 float lora_dot_avx2(const void * a_row, backend::LoraFactorType type, const float * x, int64_t n);
-void  lora_up_avx2(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t n_out, int64_t o0,
-                   int64_t o1, float s, float * y);
+void  lora_up_avx2(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t o0, int64_t o1,
+                   float s, float * y);
 #endif
 
 namespace {
@@ -102,18 +102,18 @@ float lora_dot(const void * a_row, backend::LoraFactorType type, const float * x
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-void lora_up(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t n_out, int64_t o0,
-             int64_t o1, float s, float * y) {
+void lora_up(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t o0, int64_t o1, float s,
+             float * y) {
 #ifdef KC_X86
     if (cpu_features().avx2_fma_f16c) {
-        lora_up_avx2(t, rank, b_t, type, n_out, o0, o1, s, y);
+        lora_up_avx2(t, rank, b_t, type, o0, o1, s, y);
         return;
     }
 #endif
     for (int64_t o = o0; o < o1; ++o) {
         float u = 0.0f;
         for (int c = 0; c < rank; ++c) {
-            u = std::fma(t[c], factor_at(b_t, type, c * n_out + o), u);
+            u = std::fma(t[c], factor_at(b_t, type, backend::lora_b_index(c, o, rank)), u);
         }
         y[o] = std::fma(s, u, y[o]);
     }
@@ -188,7 +188,7 @@ void run_down(const float * x, int64_t n_in, const LoraScratch & sc, size_t b, s
 // y[rows of g] [o0, o1) += s · B t (t the group's A products, y [n][n_out]).
 void run_up(const backend::LoraGroup & g, const float * t, float * y, int64_t n_out, int64_t o0, int64_t o1) {
     for (int64_t i = 0; i < g.n_rows; ++i) {
-        lora_up(t + i * g.rank, g.rank, g.b_t, g.type, n_out, o0, o1, g.host_scales[i] * g.factor,
+        lora_up(t + i * g.rank, g.rank, g.b_t, g.type, o0, o1, g.host_scales[i] * g.factor,
                 y + static_cast<int64_t>(g.host_rows[i]) * n_out);
     }
 }

@@ -64,10 +64,11 @@ void encode_lora_rows(const float * rows, int64_t n_rows, int64_t width, backend
                       std::vector<uint8_t> & bytes, std::vector<float> & scales);
 
 // The row kernels (exposed for the AVX2 file): dot of a factor row's stored values (F32, F16, I8 unscaled) with x
-// [n], and y[o] += s · Σ_c t[c] · b_t[c · n_out + o] (stored values) for o in [o0, o1), each element with fused
-// multiply-adds over c in order, then fused into y, so that how [o0, o1) is cut does not change any element.
+// [n], and y[o] += s · Σ_c t[c] · B[c][o] (b_t's stored values, at backend::lora_b_index) for o in [o0, o1), each
+// element with fused multiply-adds over c in order, then fused into y, so that how [o0, o1) is cut does not change
+// any element.
 float lora_dot(const void * a_row, backend::LoraFactorType type, const float * x, int64_t n);
-void  lora_up(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t n_out, int64_t o0,
-              int64_t o1, float s, float * y);
+void lora_up(const float * t, int rank, const void * b_t, backend::LoraFactorType type, int64_t o0, int64_t o1, float s,
+             float * y);
 
 }  // namespace kvcmas::cpu

@@ -295,7 +295,7 @@ __global__ void lora_up_kernel(const float * t, const void * b_t, LoraFactorType
         const float * ti  = t + i * rank;
         float         acc = 0.0f;
         for (int c = 0; c < rank; ++c) {
-            acc = fmaf(ti[c], lora_factor(b_t, c * n_out + o, type), acc);
+            acc = fmaf(ti[c], lora_factor(b_t, lora_b_index(c, o, rank), type), acc);
         }
         float & yo = y[static_cast<int64_t>(rows[i]) * n_out + o];
         yo         = fmaf(scales[i] * factor, acc, yo);

@@ -121,8 +121,8 @@ std::vector<Out2> lora_products(Ops & o, F2 x, const std::vector<LoraProductSpec
             }
             bufs.emplace_back();
             bufs.emplace_back();
-            backend::upload_lora_factor(*o.be, b_t.data(), static_cast<int64_t>(r), static_cast<int64_t>(n_out), type,
-                                        bufs[bufs.size() - 2], bufs.back());
+            backend::upload_lora_b(*o.be, b_t.data(), static_cast<int>(r), static_cast<int64_t>(n_out), type,
+                                   bufs[bufs.size() - 2], bufs.back());
             const size_t k = bufs.size();  // a, a's scales, b_t, b_t's scales
             gs[p].push_back(backend::LoraGroup{ bufs[k - 4].data(), bufs[k - 2].data(), type, bufs[k - 3].f32(),
                                                 bufs[k - 1].f32(), static_cast<int>(r), 1.0f, rows.data(),
