@@ -360,7 +360,8 @@ def run_vision(args: argparse.Namespace) -> int:
             vision.encode(image, view=view)
         cold = time.perf_counter() - t0
         n_inputs = sum(len(vision.preprocess(i, view)) if view is not None else 1 for i in images)
-        print(f"## {model.path}: {len(images)} image(s), {vision.model_type} {vision.image_size} px, view {view}")
+        side = f" {vision.image_size} px" if vision.image_size else " (dynamic resolution)"
+        print(f"## {model.path}: {len(images)} image(s), {vision.model_type}{side}, view {view}")
         print(tower_line)
         for image, (w, h), n in zip(images, sizes, n_rows, strict=True):
             print(f"- {Path(image).name} {w}x{h}: {n} image rows")
