@@ -104,5 +104,7 @@ def test_bad_arguments_name_the_problem() -> None:
         build_family("llava", Path("/nonexistent"))
     with pytest.raises(ValueError, match="no --mmproj"):
         run_vision(_args("--family", "gemma3", "--mmproj", "x.gguf"))
+    with pytest.raises(ValueError, match="shape the OneVision tower"):
+        run_vision(_args("--family", "qwen2.5vl", "--tile", "56"))
     with pytest.raises(ValueError, match="choose from"):
         run_vision(_args("--method", "nonshared,bogus"))

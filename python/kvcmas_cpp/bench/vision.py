@@ -327,6 +327,8 @@ def _load(args: argparse.Namespace, tmp: Path) -> tuple[Model, Any, str]:
     if args.family != "onevision":
         if args.mmproj or args.model:
             raise ValueError(f"--family {args.family} builds its own checkpoint: no --mmproj / --model")
+        if args.tile != 384 or args.tower != "onevision" or args.layers is not None:
+            raise ValueError(f"--tile, --tower and --layers shape the OneVision tower, not --family {args.family}'s")
         built = build_family(args.family, tmp, args.family_size, args.tower_layers)
         cut = f"CUT to {built.tower_layers} of {built.real_tower_layers} blocks" if built.cut else "full depth"
         model = Model(built.text, n_threads=args.threads)
