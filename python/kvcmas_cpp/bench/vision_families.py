@@ -55,13 +55,16 @@ def _tokenizer(added: tuple[str, ...]) -> tuple[Any, list[int]]:
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok.add_special_tokens({"additional_special_tokens": list(added)})
-    return tok, [tok.convert_tokens_to_ids(t) for t in added]
+    return tok, [int(tok.convert_tokens_to_ids(t)) for t in added]  # type: ignore[arg-type]  # one token each
 
 
 def _qwen(size: str, tower_layers: int, vocab: int, ids: list[int]) -> tuple[Any, dict[str, Any], str]:
     import transformers
 
     start, end, image, video = ids
+    text: dict[str, Any]
+    tower: dict[str, Any]
+    pixels: dict[str, int] | None
     if size == "tiny":
         text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, sections=[2, 3, 3])  # fmt: skip
@@ -96,6 +99,8 @@ def _gemma3(size: str, tower_layers: int, vocab: int, ids: list[int]) -> tuple[A
     import transformers
 
     boi, eoi, image = ids
+    text: dict[str, Any]
+    tower: dict[str, Any]
     if size == "tiny":
         text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
