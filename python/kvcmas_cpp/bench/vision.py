@@ -7,6 +7,12 @@ rows) and a question shared by the team; ``--images 3`` puts three photos in the
 single view of 730 rows. Per method: the first and later agents' TTFT, the team's KV, the encodes the encoder
 counted, and the issue's goals as pass / fail lines. No vision-language weights exist offline; speed and memory do
 not depend on the weights' values. ``--tower siglip`` is the earlier benchmark: one 729-row squashed SigLIP view.
+
+``--family qwen2.5vl`` / ``--family gemma3`` run the same team on a random-weight checkpoint of that family
+(bench.vision_families: made with transformers, converted by kvcmas' converters; ``--tower-layers N`` cuts the tower,
+and the report says so), each image shared with ``share(image=...)`` as the family's prompts hold it. Every method's
+first-token distributions are compared with nonshared's (KL(nonshared || method), per agent): the method
+``kvcmas-nochain`` is kvcmas with each reader's own correction of the shared message (MethodConfig.chain off).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 from ..agents import AgentSession
 from ..model import Model, resolve_model_path
 from ..sharing.methods import REGISTRY, MethodConfig
+from .vision_families import FAMILIES, build_family
 
 ROLES = (
     ("Describer", "You describe images precisely."),
@@ -37,11 +44,27 @@ QUESTION = "What is shown in {this}, and what is unusual about it?"
 BENCH_PHOTOS = ("astronaut.png", "coffee.png", "chelsea.png")
 CALIBRATION_PHOTOS = ("motorcycle_left.png", "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg", "horse.png")
 ONEVISION_TEXT_MODEL = "qwen2.5-coder-0.5b"  # the issue's "0.5B text model" (Qwen2 architecture, as OneVision's)
+NO_CHAIN = "kvcmas-nochain"  # kvcmas with MethodConfig.chain off, beside the chained default
+ONEVISION_LAYERS = 26  # SigLIP-so400m's blocks OneVision uses
 # The issue's goals for kvcmas against nonshared.
 GOAL_TTFT_SPEEDUP, GOAL_KV_RATIO, GOAL_MIN_ROWS = 10.0, 0.35, 3000
 
 
 def add_vision_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="onevision",
+        help="onevision (the issue's benchmark, see --tower), or a random-weight qwen2.5vl / gemma3 checkpoint of real "
+        "size built with transformers and converted (bench.vision_families)",
+    )
+    p.add_argument(
+        "--tower-layers",
+        type=int,
+        default=None,
+        help="cut the random tower to N blocks (the report says it is cut); default: the family's real depth",
+    )
+    p.add_argument("--family-size", choices=("real", "tiny"), default="real", help=argparse.SUPPRESS)  # tests
     p.add_argument(
         "--tower",
         choices=("onevision", "siglip"),
@@ -62,8 +85,13 @@ def add_vision_arguments(p: argparse.ArgumentParser) -> None:
         "--images", type=int, default=1, help="images in the shared message (OneVision: single view when > 1)"
     )
     p.add_argument("--tile", type=int, default=384, help="the random tower's tile side in px (pinpoints scale)")
-    p.add_argument("--layers", type=int, default=26, help="layers of the random tower (so400m: 26 used of 27)")
-    p.add_argument("--method", default="nonshared,fullshared,kvcmas", help="comma-separated methods")
+    p.add_argument("--layers", type=int, default=None, help="--tower-layers for --family onevision (so400m: 26 of 27)")
+    p.add_argument(
+        "--method",
+        default=f"nonshared,fullshared,kvcmas,{NO_CHAIN}",
+        help=f"comma-separated methods ({NO_CHAIN}: kvcmas without the chain's correction); the first is the "
+        "reference of the ratios and of the KL",
+    )
     p.add_argument("-n", "--max-tokens", type=int, default=8, help="tokens each agent generates")
     p.add_argument(
         "--calibrate",
@@ -86,10 +114,18 @@ def _photo(name: str) -> str:
     return str(Path(skimage.__file__).parent / "data" / name)
 
 
+def _onevision_layers(args: argparse.Namespace) -> int:
+    """The random OneVision tower's blocks: --tower-layers, or its alias --layers, or so400m's 26."""
+    layers = args.tower_layers or args.layers or ONEVISION_LAYERS
+    if not 1 <= layers <= ONEVISION_LAYERS:
+        raise ValueError(f"--tower-layers must be in [1, {ONEVISION_LAYERS}], got {layers}")
+    return int(layers)
+
+
 def _write_tower(args: argparse.Namespace, path: str, n_embd: int) -> None:
     from ..vision.random_mmproj import ONEVISION_PINPOINTS, SIGLIP_SO400M_ONEVISION, write_random_mmproj
 
-    shape = {**SIGLIP_SO400M_ONEVISION, "n_layer": args.layers, "image_size": args.tile}
+    shape = {**SIGLIP_SO400M_ONEVISION, "n_layer": _onevision_layers(args), "image_size": args.tile}
     if args.tower == "siglip":
         write_random_mmproj(path, **shape, n_embd_out=n_embd)
         return
@@ -110,10 +146,27 @@ class TeamRun:
     corr_bytes: int  # their low-rank corrections, held beside the rows
     encodes: int  # tower runs the encoder counted for this team (its feature cache cleared first)
     modes: list[str]
+    first_logits: list[np.ndarray] = dataclasses.field(default_factory=list, repr=False)  # per agent
+    replies: list[list[int]] = dataclasses.field(default_factory=list)  # per agent, the generated ids
 
     @property
     def team_bytes(self) -> int:
         return self.kv_bytes + self.corr_bytes
+
+
+def _share(team: AgentSession, vision: Any, images: list[str], by_image: bool) -> None:
+    """The images and the question as one message of the team. by_image: each image through share(image=...), as
+    the model's prompts hold it (Qwen2.5-VL's grid positions, Gemma 3's markers and bidirectional rows); otherwise
+    the rows of the view a message of len(images) images gives each (OneVision), as one span of vectors."""
+    this = "this picture" if len(images) == 1 else "these pictures"
+    question = QUESTION.format(this=this)
+    if by_image:
+        for i, image in enumerate(images):
+            team.share(image=image, text=question if i == len(images) - 1 else None)
+        return
+    view = vision.view_for(len(images))
+    features = [vision.encode(image, view=view) for image in images]
+    team.share(embeddings=np.concatenate(features), text=question)
 
 
 def run_team(
@@ -124,10 +177,10 @@ def run_team(
     images: list[str],
     max_tokens: int,
     fresh_cache: bool = True,
+    by_image: bool = False,
 ) -> TeamRun:
-    """A 4-agent team shares the images (each in the view a message of len(images) images gives it) and the
-    question, then every agent answers. fresh_cache: the team starts from an empty feature cache, so `encodes`
-    counts what this team encoded."""
+    """A 4-agent team shares the images and the question (_share), then every agent answers. fresh_cache: the team
+    starts from an empty feature cache, so `encodes` counts what this team encoded."""
     if fresh_cache:
         vision.clear_cache()
     encodes0 = vision.encode_count
@@ -135,10 +188,7 @@ def run_team(
         model, method, vision=vision, workflow="bench-vision", config=config, calibration_dir=False
     ) as team:
         agents = [team.agent(n, system=r) for n, r in ROLES]
-        view = vision.view_for(len(images))
-        features = [vision.encode(image, view=view) for image in images]
-        this = "this picture" if len(images) == 1 else "these pictures"
-        team.share(embeddings=np.concatenate(features), text=QUESTION.format(this=this))
+        _share(team, vision, images, by_image)
         resp = [a.respond(max_tokens=max_tokens) for a in agents]
     later = [r.stats for r in resp[1:]]
     return TeamRun(
@@ -150,21 +200,54 @@ def run_team(
         corr_bytes=sum(r.stats.corr_bytes for r in resp),
         encodes=vision.encode_count - encodes0,
         modes=[r.stats.mode for r in resp],
+        first_logits=[np.asarray(r.first_logits, dtype=np.float64) for r in resp],
+        replies=[list(r.ids) for r in resp],
     )
 
 
-def _kvcmas_config(args: argparse.Namespace) -> MethodConfig:
-    """kvcmas as sessions run it (online calibration, bounded training reads), with --recompute and --no-chain."""
+def first_token_kl(ref: TeamRun, run: TeamRun) -> list[float]:
+    """KL(ref || run) of each agent's first-token distribution (nats). Agent k's prompt holds the replies of agents
+    before it, so it is the same prompt as ref's only while those replies are (same_prompts)."""
+    out = []
+    for a, b in zip(ref.first_logits, run.first_logits, strict=True):
+        la, lb = a - np.logaddexp.reduce(a), b - np.logaddexp.reduce(b)
+        out.append(float(np.sum(np.exp(la) * (la - lb))))
+    return out
+
+
+def same_prompts(ref: TeamRun, run: TeamRun) -> int:
+    """How many agents of `run` read the same prompt as ref's: all earlier agents replied alike."""
+    n = 1
+    while n < len(ref.replies) and ref.replies[n - 1] == run.replies[n - 1]:
+        n += 1
+    return n
+
+
+def _config_of(method: str, args: argparse.Namespace) -> MethodConfig | None:
+    """kvcmas as sessions run it (online calibration, bounded training reads), with --recompute; chained unless
+    --no-chain or the method is kvcmas-nochain. None (the method's default) for the others."""
+    if method not in ("kvcmas", NO_CHAIN):
+        return None
     config = REGISTRY["kvcmas"].session_config(recompute=args.recompute)
-    return dataclasses.replace(config, chain=False) if args.no_chain else config
+    chain = method == "kvcmas" and not args.no_chain
+    return config if chain else dataclasses.replace(config, chain=False)
 
 
-def _calibrate(model: Model, vision: Any, config: MethodConfig, args: argparse.Namespace, n_images: int) -> None:
+def _kvcmas_config(args: argparse.Namespace) -> MethodConfig:
+    """The config of the method `kvcmas` under these arguments (--recompute, --no-chain)."""
+    config = _config_of("kvcmas", args)
+    assert config is not None
+    return config
+
+
+def _calibrate(
+    model: Model, vision: Any, config: MethodConfig, args: argparse.Namespace, n_images: int, by_image: bool
+) -> None:
     """Teams of the same shape on other photos, so kvcmas' edges have learned maps before the measured team."""
     photos = [_photo(f) for f in CALIBRATION_PHOTOS]
     for i in range(args.calibrate):
         images = [photos[(i * n_images + j) % len(photos)] for j in range(n_images)]
-        run_team(model, vision, "kvcmas", config, images, args.max_tokens)
+        run_team(model, vision, "kvcmas", config, images, args.max_tokens, by_image=by_image)
         print(f"kvcmas calibrated on {', '.join(Path(p).name for p in images)}", file=sys.stderr)
 
 
@@ -191,7 +274,7 @@ def goal_lines(runs: list[TeamRun], n_images: int, n_rows: list[int], single_vie
 
 
 def print_report(runs: list[TeamRun]) -> None:
-    """The per-method table; ratios against the first method (nonshared by default)."""
+    """The per-method table; ratios and KL against the first method (nonshared by default)."""
     base = runs[0]
     print(
         f"| method | first-agent TTFT ms | later-agent TTFT ms | later vs {base.method} | computed tokens per agent | "
@@ -205,6 +288,15 @@ def print_report(runs: list[TeamRun]) -> None:
             f"{r.kv_bytes / base.kv_bytes:.3f} | {r.corr_bytes / 2**20:.2f} | {r.team_bytes / base.team_bytes:.3f} | "
             f"{r.encodes} | {','.join(r.modes)} |"
         )
+    print(f"\nfirst-token KL({base.method} || method), nats, per agent (agents 2-4 read the agents before them):\n")
+    print("| method | KL per agent | mean KL, later agents | top-1 as " + base.method + " | same prompts |")
+    print("|---|---|---|---|---|")
+    for r in runs[1:]:
+        kl = first_token_kl(base, r)
+        top1 = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(base.first_logits, r.first_logits, strict=True))
+        cells = ", ".join(f"{k:.2e}" for k in kl)
+        same = same_prompts(base, r)
+        print(f"| {r.method} | {cells} | {np.mean(kl[1:]):.2e} | {top1}/{len(kl)} | {same}/{len(kl)} |")
 
 
 def _image_files(args: argparse.Namespace) -> list[str]:
@@ -220,26 +312,49 @@ def _image_files(args: argparse.Namespace) -> list[str]:
     return [_photo(f) for f in BENCH_PHOTOS[: args.images]]
 
 
-def run_vision(args: argparse.Namespace) -> int:
+def _methods(args: argparse.Namespace) -> list[str]:
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in REGISTRY and m != NO_CHAIN]
+    if unknown or not methods:
+        raise ValueError(f"--method {args.method!r}: choose from {', '.join([*REGISTRY, NO_CHAIN])}")
+    return methods
+
+
+def _load(args: argparse.Namespace, tmp: Path) -> tuple[Model, Any, str]:
+    """The text model, the vision encoder and a line saying what the tower is (cut or not)."""
     from ..vision import VisionEncoder
 
+    if args.family != "onevision":
+        if args.mmproj or args.model:
+            raise ValueError(f"--family {args.family} builds its own checkpoint: no --mmproj / --model")
+        if args.tile != 384 or args.tower != "onevision" or args.layers is not None:
+            raise ValueError(f"--tile, --tower and --layers shape the OneVision tower, not --family {args.family}'s")
+        built = build_family(args.family, tmp, args.family_size, args.tower_layers)
+        cut = f"CUT to {built.tower_layers} of {built.real_tower_layers} blocks" if built.cut else "full depth"
+        model = Model(built.text, n_threads=args.threads)
+        return model, VisionEncoder(built.mmproj, n_threads=args.threads), f"tower: {built.label}; {cut}"
+    default_model = ONEVISION_TEXT_MODEL if args.tower == "onevision" and args.mmproj is None else None
+    model = Model(resolve_model_path(args.model or default_model), n_threads=args.threads)
+    if args.mmproj is not None:
+        return model, VisionEncoder(args.mmproj, n_threads=args.threads), f"tower: {args.mmproj}"
+    mmproj = str(tmp / f"{args.tower}-random.gguf")
+    layers = _onevision_layers(args)
+    print(f"writing a random {args.tower} tower ({args.tile} px tiles, {layers} layers) ...", file=sys.stderr)
+    _write_tower(args, mmproj, model.n_embd)
+    cut = f"CUT to {layers} of {ONEVISION_LAYERS} blocks" if layers < ONEVISION_LAYERS else "full depth"
+    return model, VisionEncoder(mmproj, n_threads=args.threads), f"tower: random {args.tower}, {cut}"
+
+
+def run_vision(args: argparse.Namespace) -> int:
     if not 0 <= args.calibrate <= len(CALIBRATION_PHOTOS):
         raise ValueError(f"--calibrate must be in [0, {len(CALIBRATION_PHOTOS)}], got {args.calibrate}")
     images = _image_files(args)
-    default_model = ONEVISION_TEXT_MODEL if args.tower == "onevision" and args.mmproj is None else None
-    model = Model(resolve_model_path(args.model or default_model), n_threads=args.threads)
-    methods = [m.strip() for m in args.method.split(",") if m.strip()]
+    methods = _methods(args)
+    by_image = args.family != "onevision"
     with tempfile.TemporaryDirectory() as tmp:
-        mmproj = args.mmproj
-        if mmproj is None:
-            mmproj = str(Path(tmp) / f"{args.tower}-random.gguf")
-            print(
-                f"writing a random {args.tower} tower ({args.tile} px tiles, {args.layers} layers) ...", file=sys.stderr
-            )
-            _write_tower(args, mmproj, model.n_embd)
-        vision = VisionEncoder(mmproj, n_threads=args.threads)
+        model, vision, tower_line = _load(args, Path(tmp))
         vision.check_text_model(model.n_embd)
-        view = vision.view_for(len(images))
+        view = None if by_image else vision.view_for(len(images))
         sizes = [vision.load(i).size for i in images]
         n_rows = [vision.n_image_tokens(w, h, view) for w, h in sizes]
         t0 = time.perf_counter()
@@ -247,17 +362,24 @@ def run_vision(args: argparse.Namespace) -> int:
             vision.encode(image, view=view)
         cold = time.perf_counter() - t0
         n_inputs = sum(len(vision.preprocess(i, view)) if view is not None else 1 for i in images)
-        print(f"## {model.path}: {len(images)} image(s), {vision.model_type} {vision.image_size} px, view {view}")
+        side = f" {vision.image_size} px" if vision.image_size else " (dynamic resolution)"
+        print(f"## {model.path}: {len(images)} image(s), {vision.model_type}{side}, view {view}")
+        print(tower_line)
         for image, (w, h), n in zip(images, sizes, n_rows, strict=True):
             print(f"- {Path(image).name} {w}x{h}: {n} image rows")
         print(f"image rows in the message: {sum(n_rows)}")
         print(f"encode: {cold * 1000:.0f} ms cold ({n_inputs} tower inputs, batched per image)\n")
-        config = _kvcmas_config(args)
-        if "kvcmas" in methods and args.calibrate:
-            _calibrate(model, vision, config, args, len(images))
-        runs = [run_team(model, vision, m, config if m == "kvcmas" else None, images, args.max_tokens) for m in methods]
+        runs = []
+        for m in methods:
+            config = _config_of(m, args)
+            if config is not None and args.calibrate:
+                _calibrate(model, vision, config, args, len(images), by_image)
+            method = "kvcmas" if m == NO_CHAIN else m
+            print(f"team: {m} ...", file=sys.stderr)
+            run = run_team(model, vision, method, config, images, args.max_tokens, by_image=by_image)
+            runs.append(dataclasses.replace(run, method=m))
     print_report(runs)
     print()
-    for line in goal_lines(runs, len(images), n_rows, view == "single"):
+    for line in goal_lines(runs, len(images), n_rows, view == "single" or by_image):  # the rows goal: OneVision's
         print(line)
     return 0
