@@ -140,6 +140,9 @@ struct Block32 {
     }
 };
 
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min);
+
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q (n / 2 vectors), factors at scale / min
 // (missing rows: zero quants and factors).
 template <typename Q>
@@ -156,6 +159,14 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
             _mm512_store_si512(q + 32 * (16 * b + i), r[i]);
         }
     }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+// A panel's f32 factors (layout: Panels) of rows [r0, r0 + nr) of w.
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min) {
+    const auto *  base      = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    const int64_t nb        = w.n_in / 32;
     const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
     if constexpr (Q::kSuper) {  // the 16 factors of each row's super-block, transposed like the quants
         for (int64_t i = 0; i < w.n_in / 256; ++i) {
@@ -180,6 +191,29 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
 }
 
 // ---- the micro tile -------------------------------------------------------------------------------------------------
+
+// acc[t][u] -= min_u(block b)·sums[t·ld] (the min term of one 32-block, from the exact sums of x).
+template <int T, int NP>
+inline void subtract_mins(__m512 (&acc)[T][NP], const float * const * min, const float * sums, int64_t ld, int64_t b) {
+    for (int t = 0; t < T; ++t) {
+        const __m512 sum = _mm512_set1_ps(sums[t * ld]);
+        for (int u = 0; u < NP; ++u) {
+            acc[t][u] = _mm512_fnmadd_ps(_mm512_load_ps(min[u] + 16 * b), sum, acc[t][u]);
+        }
+    }
+}
+
+// A micro tile's results: token t, panel u's rows r < nr at y[t·ldy + 16u + r].
+template <int T, int NP>
+inline void store_tile(const __m512 (&acc)[T][NP], float * y, int64_t ldy, int nr) {
+    for (int u = 0; u < NP; ++u) {
+        const int       rn   = nr - kPanelRows * u;
+        const __mmask16 mask = rn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rn) - 1);
+        for (int t = 0; t < T; ++t) {
+            _mm512_mask_storeu_ps(y + t * ldy + kPanelRows * u, mask, acc[t][u]);
+        }
+    }
+}
 
 inline __m512i bcast_pair(const int16_t * v) {
     int32_t pair;
@@ -232,21 +266,10 @@ void micro(const Panels & p, const Acts16 & a, int64_t n, float * y, int64_t ldy
             }
         }
         if constexpr (Q::kHasMin) {
-            for (int t = 0; t < T; ++t) {
-                const __m512 sum = _mm512_set1_ps(a.sums[t * a.ld_blocks + b]);
-                for (int u = 0; u < NP; ++u) {
-                    acc[t][u] = _mm512_fnmadd_ps(_mm512_load_ps(p.min[u] + 16 * b), sum, acc[t][u]);
-                }
-            }
+            subtract_mins<T, NP>(acc, p.min, a.sums + b, a.ld_blocks, b);
         }
     }
-    for (int u = 0; u < NP; ++u) {
-        const int       rn   = nr - kPanelRows * u;
-        const __mmask16 mask = rn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rn) - 1);
-        for (int t = 0; t < T; ++t) {
-            _mm512_mask_storeu_ps(y + t * ldy + kPanelRows * u, mask, acc[t][u]);
-        }
-    }
+    store_tile<T, NP>(acc, y, ldy, nr);
 }
 
 template <typename Q, int NP>
@@ -284,11 +307,233 @@ struct Kernels {
     }
 };
 
+// ---- the one-pass prefill (qgemm.h: qgemm_onepass_avx512vnni) ----------------------------------------------------
+// Activations in one 8-bit pass, x̂ = d·q (d = max|x| / 127 per 32, decode's first pass), weights as unsigned bytes,
+// vpdpbusd (4 byte products summed into an int32 lane). A panel's quad kq holds elements 4kq .. 4kq + 3 of its 16
+// rows (row r at bytes 4r ..); Q6_K's -32 is taken out with the activations' sums per 16 (the int32 sums start at
+// -32·Σq), Q4_K / Q5_K's min as on the 16-bit path, from the exact sums of x.
+
+struct Acts8 {
+    const int8_t *  v;      // v[t·ldv + k] = q
+    const float *   d;      // per 32 elements (t·ld_blocks + b): x̂ = d·q
+    const float *   sums;   // per 32 elements: the exact Σx (min term)
+    const int32_t * start;  // per 16 elements (t·2·ld_blocks + g): -Offset·Σq, the group's int32 sums' start
+    int64_t         ldv;
+    int64_t         ld_blocks;
+};
+
+// The K-quant types' unsigned quants of 32-element block b (as bytes), and their offset (w = factor·(q - Offset)).
+template <typename Q>
+struct Bytes;
+template <>
+struct Bytes<Q4K> {
+    static constexpr int kOffset = 0;
+    static __m256i       get(const void * row, int64_t b) {
+        return k4_nibbles(static_cast<const BlockQ4_K *>(row)[b / 8].qs, static_cast<int>(b % 8));
+    }
+};
+template <>
+struct Bytes<Q5K> {
+    static constexpr int kOffset = 0;
+    static __m256i       get(const void * row, int64_t b) {
+        return q5k_bytes(static_cast<const BlockQ5_K *>(row)[b / 8], static_cast<int>(b % 8));
+    }
+};
+template <>
+struct Bytes<Q6K> {
+    static constexpr int kOffset = 32;
+    static __m256i       get(const void * row, int64_t b) {
+        return q6k_bytes(static_cast<const BlockQ6_K *>(row)[b / 8], static_cast<int>(b % 8));
+    }
+};
+
+inline thread_local ScratchBuffer tl_acts8;
+
+Acts8 quantize_acts8(const float * x, int64_t n_in, int64_t n_tok, ThreadPool & pool) {
+    const int64_t nb     = n_in / 32;
+    const size_t  vbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
+    char *        buf    = static_cast<char *>(tl_acts8.get(vbytes + 4 * static_cast<size_t>(n_tok * nb) * 4));
+    auto *        v      = reinterpret_cast<int8_t *>(buf);
+    auto *        d      = reinterpret_cast<float *>(buf + vbytes);
+    float *       sums   = d + n_tok * nb;
+    auto *        start  = reinterpret_cast<int32_t *>(sums + n_tok * nb);
+    pool.run([&](int ith, int nth) {
+        char * scratch = static_cast<char *>(tl_quant.get(static_cast<size_t>(n_in) + 2 * sizeof(float) * nb));
+        auto * qr      = reinterpret_cast<int8_t *>(scratch);
+        auto * groups  = reinterpret_cast<float *>(scratch + n_in);  // unused: the sums per 16 of x̂ of two passes
+        for (int64_t t = ith; t < n_tok; t += nth) {
+            int8_t * q = v + t * n_in;
+            quantize_q8_avx2(x + t * n_in, n_in, q, qr, d + t * nb, sums + t * nb, groups);
+            for (int64_t b = 0; b < nb; ++b) {
+                d[t * nb + b] *= 256;  // the step of 256·q + qr -> of q (exact: a power of two)
+            }
+            for (int64_t g = 0; g < 2 * nb; ++g) {
+                int32_t s = 0;
+                for (int e = 0; e < 16; ++e) {
+                    s += q[16 * g + e];
+                }
+                start[2 * nb * t + g] = -s;  // times the offset in the tile
+            }
+        }
+    });
+    return Acts8{ v, d, sums, start, n_in, nb };
+}
+
+// A one-pass panel: quants (16 bytes per element), factors and mins as on the 16-bit path.
+template <typename Q>
+size_t panel8_bytes(int64_t n) {
+    return static_cast<size_t>(16 * n) + static_cast<size_t>(16 * (n / Q::kGroup + n / 32)) * sizeof(float);
+}
+
+// Rows [r0, r0 + nr) (nr <= 16) of w as one one-pass panel (two 32-element blocks per transpose).
+template <typename Q>
+void pack_panel8(const WeightView & w, int64_t r0, int nr, uint8_t * q, float * scale, float * min) {
+    const auto * base = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    for (int64_t b = 0; b < w.n_in / 32; b += 2) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+            const char * row = base + i * static_cast<int64_t>(w.row_bytes);
+            r[i] = i < nr
+                       ? _mm512_inserti64x4(_mm512_castsi256_si512(Bytes<Q>::get(row, b)), Bytes<Q>::get(row, b + 1), 1)
+                       : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) {
+            _mm512_store_si512(q + 64 * (8 * b + j), r[j]);
+        }
+    }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+struct Panels8 {
+    const uint8_t * q[kUnitPanels];
+    const float *   scale[kUnitPanels];
+    const float *   min[kUnitPanels];
+};
+
+inline __m512i bcast_quad(const int8_t * v) {
+    int32_t quad;
+    std::memcpy(&quad, v, 4);
+    return _mm512_set1_epi32(quad);
+}
+
+// As micro() for the one-pass panels and activations.
+template <typename Q, int T, int NP>
+void micro8(const Panels8 & p, const Acts8 & a, int64_t n, float * y, int64_t ldy, int nr) {
+    constexpr int G = Q::kGroup, kOffset = Bytes<Q>::kOffset;
+    __m512        acc[T][NP];
+    for (int t = 0; t < T; ++t) {
+        for (int u = 0; u < NP; ++u) {
+            acc[t][u] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t gi = 0; gi < n / G; ++gi) {
+        const int64_t b = gi * G / 32;
+        __m512i       s[T][NP];
+        for (int t = 0; t < T; ++t) {
+            for (int u = 0; u < NP; ++u) {
+                s[t][u] = kOffset == 0 ? _mm512_setzero_si512()
+                                       : _mm512_set1_epi32(kOffset * a.start[2 * a.ld_blocks * t + gi]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int kq = 0; kq < G / 4; ++kq) {
+            const int64_t k = gi * G + 4 * kq;
+            __m512i       wq[NP];
+            for (int u = 0; u < NP; ++u) {
+                wq[u] = _mm512_load_si512(p.q[u] + 16 * k);
+            }
+#pragma GCC unroll 6
+            for (int t = 0; t < T; ++t) {
+                const __m512i x = bcast_quad(a.v + t * a.ldv + k);
+                for (int u = 0; u < NP; ++u) {
+                    s[t][u] = _mm512_dpbusd_epi32(s[t][u], wq[u], x);
+                }
+            }
+        }
+        for (int t = 0; t < T; ++t) {
+            const __m512 d = _mm512_set1_ps(a.d[t * a.ld_blocks + b]);
+            for (int u = 0; u < NP; ++u) {
+                const __m512 f = _mm512_mul_ps(_mm512_load_ps(p.scale[u] + 16 * gi), d);
+                acc[t][u]      = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t][u]), f, acc[t][u]);
+            }
+        }
+        if constexpr (Q::kHasMin) {  // G == 32: one min per group
+            subtract_mins<T, NP>(acc, p.min, a.sums + b, a.ld_blocks, b);
+        }
+    }
+    store_tile<T, NP>(acc, y, ldy, nr);
+}
+
+template <typename Q, int NP>
+using Micro8Fn = void (*)(const Panels8 &, const Acts8 &, int64_t, float *, int64_t, int);
+
+template <typename Q, int NP>
+struct Micro8Table {
+    static constexpr Micro8Fn<Q, NP> fn[kMicroT + 1] = { nullptr,          micro8<Q, 1, NP>, micro8<Q, 2, NP>,
+                                                         micro8<Q, 3, NP>, micro8<Q, 4, NP>, micro8<Q, 5, NP>,
+                                                         micro8<Q, 6, NP> };
+};
+
+// Unit `unit` of w (rows 32·unit ..): its panels unpacked into buf, then every token against them.
+template <typename Q>
+void run_unit8(const WeightView & w, const Acts8 & a, float * y, int64_t n_tok, int64_t unit, char * buf) {
+    const int64_t n = w.n_in, r0 = unit * kUnitRows;
+    const int     nr = static_cast<int>(w.n_out - r0 < kUnitRows ? w.n_out - r0 : kUnitRows);
+    const int     np = (nr + kPanelRows - 1) / kPanelRows;
+    Panels8       p{};
+    for (int u = 0; u < np; ++u) {
+        char *    at    = buf + u * panel8_bytes<Q>(n);
+        auto *    q     = reinterpret_cast<uint8_t *>(at);
+        auto *    scale = reinterpret_cast<float *>(at + 16 * n);
+        float *   min   = scale + 16 * (n / Q::kGroup);
+        const int rn    = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
+        pack_panel8<Q>(w, r0 + kPanelRows * u, rn, q, scale, min);
+        p.q[u]     = q;
+        p.scale[u] = scale;
+        p.min[u]   = min;
+    }
+    for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
+        const int   nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
+        const Acts8 at{
+            a.v + t0 * a.ldv, a.d + t0 * a.ld_blocks, a.sums + t0 * a.ld_blocks, a.start + 2 * t0 * a.ld_blocks, a.ldv,
+            a.ld_blocks
+        };
+        float * yt = y + r0 + t0 * w.n_out;
+        if (np == 2) {
+            Micro8Table<Q, 2>::fn[nt](p, at, n, yt, w.n_out, nr);
+        } else {
+            Micro8Table<Q, 1>::fn[nt](p, at, n, yt, w.n_out, nr);
+        }
+    }
+}
+
+using Unit8Fn = void (*)(const WeightView &, const Acts8 &, float *, int64_t, int64_t, char *);
+
+void qgemm_onepass(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                   ThreadPool & pool) {
+    const Acts8 a = quantize_acts8(x, w[0].n_in, n_tok, pool);
+    Unit8Fn     run[kMaxMatmulMulti];
+    for (int i = 0; i < n_mats; ++i) {
+        run[i] = w[i].type == GgmlType::Q6_K   ? run_unit8<Q6K>
+                 : w[i].type == GgmlType::Q5_K ? run_unit8<Q5K>
+                                               : run_unit8<Q4K>;
+    }
+    const size_t buf_bytes = kUnitPanels * panel8_bytes<Q6K>(w[0].n_in);  // the largest of the three types'
+    run_units(w, n_mats, pool, buf_bytes,
+              [&](int m, int64_t unit, char * buf) { run[m](w[m], a, y[m], n_tok, unit, buf); });
+}
+
 }  // namespace avx512vnni
 
 void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                       ThreadPool & pool) {
     avx512vnni::qgemm<avx512vnni::Kernels>(w, y, n_mats, x, n_tok, pool);
+}
+
+void qgemm_onepass_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                              ThreadPool & pool) {
+    avx512vnni::qgemm_onepass(w, y, n_mats, x, n_tok, pool);
 }
 
 }  // namespace kvcmas::cpu::detail

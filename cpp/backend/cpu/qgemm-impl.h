@@ -185,17 +185,13 @@ UnitKernel select_unit(GgmlType type, int64_t n) {
     }
 }
 
-// The contract of qgemm_avx512vnni / qgemm_avx2 (qgemm.h) with kernel set K.
-template <typename K>
-void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
-    const Acts16 a = quantize_acts16<K>(x, w[0].n_in, n_tok, pool);
-    UnitKernel   k[kMaxMatmulMulti];
-    int64_t      first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
-    size_t       buf_bytes = 0;
-    first_unit[0]          = 0;
+// The 32-row work units of n_mats matrices handed out to the pool's threads from a counter: run(m, unit, buf) for
+// each unit of matrix m, buf a thread's buf_bytes of scratch for the unit's unpacked panels.
+template <typename Run>
+void run_units(const WeightView * w, int n_mats, ThreadPool & pool, size_t buf_bytes, const Run & run) {
+    int64_t first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
+    first_unit[0] = 0;
     for (int i = 0; i < n_mats; ++i) {
-        k[i]              = select_unit<K>(w[i].type, w[i].n_in);
-        buf_bytes         = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
         first_unit[i + 1] = first_unit[i] + (w[i].n_out + kUnitRows - 1) / kUnitRows;
     }
     std::atomic<int64_t> next{ 0 };
@@ -210,9 +206,23 @@ void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x,
             while (unit >= first_unit[m + 1]) {
                 ++m;
             }
-            k[m].run(w[m], a, y[m], n_tok, unit - first_unit[m], buf);
+            run(m, unit - first_unit[m], buf);
         }
     });
+}
+
+// The contract of qgemm_avx512vnni / qgemm_avx2 (qgemm.h) with kernel set K.
+template <typename K>
+void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
+    const Acts16 a = quantize_acts16<K>(x, w[0].n_in, n_tok, pool);
+    UnitKernel   k[kMaxMatmulMulti];
+    size_t       buf_bytes = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        k[i]      = select_unit<K>(w[i].type, w[i].n_in);
+        buf_bytes = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
+    }
+    run_units(w, n_mats, pool, buf_bytes,
+              [&](int m, int64_t unit, char * buf) { k[m].run(w[m], a, y[m], n_tok, unit, buf); });
 }
 
 }  // namespace KC_QGEMM_NS
