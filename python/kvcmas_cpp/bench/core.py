@@ -344,7 +344,8 @@ def format_table(results: list[CoreResult], bandwidth_gb_s: float | None = None,
         )
     if read_gb_s:
         lines.append(
-            f"read bandwidth ({results[0].threads} threads reading a 1 GiB buffer) {read_gb_s:.1f} GB/s; "
+            f"read bandwidth ({results[0].threads} thread{'s' if results[0].threads != 1 else ''} reading a 1 GiB "
+            f"buffer) {read_gb_s:.1f} GB/s; "
             "issue 45's goal (decode >= 80%) is against the copy bandwidth"
         )
     return "\n".join(lines)
