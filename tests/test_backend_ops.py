@@ -198,12 +198,12 @@ def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
 @pytest.mark.parametrize("n_tok", [17, 40])
 def test_matmul_q8_fast_prefill_one_pass_path(n_tok: int) -> None:
     """activations="q8-fast" on the CPU backend: a Qwen2.5 layer's Q/K/V mix (Q4_K, Q4_K, Q6_K) and a Q5_K matrix
-    through matmul_multi and matmul equal numpy's dequantize(w)·x̂ for the one-pass x̂ = d·q (AVX512-VNNI; elsewhere
-    q8's two passes, within their bound) to f32 rounding, matmul_multi gives the bits of separate matmuls, and 1, 2
+    through matmul_multi and matmul equal numpy's dequantize(w)·x̂ for the one-pass x̂ = d·q (AVX512-VNNI or AVX2;
+    elsewhere q8's) to f32 rounding, matmul_multi gives the bits of separate matmuls, and 1, 2
     and 3 threads the same bits."""
     from helpers.quants import min_part, quantize_q8, quantize_q8_one_pass
 
-    one_pass = bool(core.cpu_features().get("avx512_vnni"))
+    one_pass = bool(core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2"))
     rng = np.random.default_rng(zlib.crc32(f"q8-fast/{n_tok}".encode()))
     n_in, outs, types = 1536, [256, 37, 100, 64], ["Q4_K", "Q4_K", "Q6_K", "Q5_K"]
     parts = [_weight(rng, t, n_in, n) for t, n in zip(types, outs, strict=True)]

@@ -1,6 +1,6 @@
 """activations="q8-fast": the K-quant prefill (Q4_K, Q5_K, Q6_K; 17 tokens or more) in one 8-bit activation pass
-with vpdpbusd on AVX512-VNNI CPUs (backend/cpu/qgemm.h: qgemm_onepass_avx512vnni), against numpy on the same
-quantized activations, the exact product's bound, thread counts, and whole models against the exact path."""
+with vpdpbusd on AVX512-VNNI CPUs, vpmaddubsw on AVX2 ones (backend/cpu/qgemm.h: qgemm_onepass_*), against numpy on
+the same quantized activations, the exact product's bound, thread counts, and whole models against the exact path."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
-from helpers.native import testing
+from helpers.native import require_testing, testing
 from helpers.quants import K_TYPES, exact_product, make_weight, max_scaled_err, min_part, quantize_q8_one_pass
 from kvcmas_cpp._native import core
 from test_quant_q8 import chunked_logits, real_text_ids
 
-ONE_PASS = bool(core.cpu_features().get("avx512_vnni"))  # else q8-fast runs q8's two passes everywhere
+# With AVX512-VNNI or AVX2 the one-pass GEMM runs (the same bits); else q8-fast is q8 everywhere.
+ONE_PASS = bool(core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2"))
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
 )
@@ -36,8 +37,8 @@ def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
 def test_one_pass_prefill_on_real_model_widths(qtype: QT, n_in: int, n_tok: int) -> None:
     """Rows of 1,536 to 8,960 columns, 37 rows (a partial panel), 17 / 23 tokens (partial micro tiles): the result is
     numpy's dequantize(w)·x̂ for x̂ = d·q (one pass) to f32 rounding, within |Δy| <= Σ_blocks (d/2)·Σ|w - m| of the
-    exact product, the same bits on 1, 2 and 3 threads and whatever tokens are beside a row. Without AVX512-VNNI
-    it is q8's two-pass prefill, bit for bit."""
+    exact product, the same bits on 1, 2 and 3 threads and whatever tokens are beside a row. Without the integer
+    GEMM it is q8's prefill, bit for bit."""
     rng = np.random.default_rng(11000 + int(qtype) + n_in)
     n_out = 37
     raw, w = make_weight(qtype, n_out, n_in, rng)
@@ -96,7 +97,7 @@ def test_option_is_checked_and_reported(tiny_models) -> None:
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_tiny_model_one_pass_prefill_close_to_exact(tiny_models, type_name: str) -> None:
     """A tiny random model of each K-quant type, 64 tokens prefilled in 32-token calls: q8-fast's logits stay close
-    to the exact path's and, with AVX512-VNNI, differ from q8's (the one-pass GEMM ran through Model, matmul_multi
+    to the exact path's and, where the one-pass GEMM runs, differ from q8's (it ran through Model, matmul_multi
     included). Measured: rms 0.020-0.044 of the logit std, top-1 88-98% (random logits: many near ties), against
     q8's 0.0001-0.0002 and 100%."""
     path = tiny_models[("qwen2", type_name)]
@@ -125,3 +126,40 @@ def test_real_model_one_pass_prefill_agrees_with_exact_path() -> None:
     top1 = float(np.mean(fast.argmax(-1) == ref.argmax(-1)))
     rms = float(np.sqrt(np.mean((fast - ref) ** 2)) / ref.std())
     assert top1 >= 0.97 and rms < 0.02, (top1, rms)
+
+
+@pytest.mark.skipif(not core.cpu_features().get("avx512_vnni"), reason="compares the AVX2 kernel with AVX512-VNNI's")
+def test_one_pass_avx2_gives_the_bits_of_avx512_vnni(tmp_path: Path) -> None:
+    """KVCMAS_NO_AVX512=1 runs the AVX2 one-pass GEMM (vpmaddubsw + vpmaddwd: the same exact int32 sums, the same f32
+    steps): Q4_K, Q5_K and Q6_K, 1,536 / 8,960 columns, 1 and 3 threads, bit for bit with the AVX512-VNNI one."""
+    import json
+    import subprocess
+    import sys
+
+    require_testing()  # the child process loads it
+    rng = np.random.default_rng(13000)
+    cases = []
+    for qtype in K_TYPES:
+        for n_in in (1536, 8960):
+            raw, _ = make_weight(qtype, 37, n_in, rng)
+            (tmp_path / f"{qtype.name}-{n_in}.bin").write_bytes(raw)
+            np.save(tmp_path / f"x-{n_in}.npy", activations(np.random.default_rng(n_in), 23, n_in))
+            cases.append((int(qtype), qtype.name, n_in))
+    script = (
+        "import sys, json, numpy as np; from pathlib import Path; from kvcmas_cpp._native import core, testing_module; "
+        f"t = testing_module(); d = Path({str(tmp_path)!r}); "
+        "assert not core.cpu_features()['avx512_vnni'] and core.cpu_features()['qgemm_avx2']; "
+        f"[np.save(d / f'avx2-{{n}}-{{k}}-{{th}}.npy', t.matmul(q, (d / f'{{n}}-{{k}}.bin').read_bytes(), k, 37, "
+        f"np.load(d / f'x-{{k}}.npy'), th, 'q8-fast')) for q, n, k in json.loads(sys.argv[1]) for th in (1, 3)]"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        env={**os.environ, "KVCMAS_NO_AVX512": "1"},
+        capture_output=True,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    for q, name, n_in in cases:
+        raw = (tmp_path / f"{name}-{n_in}.bin").read_bytes()
+        want = testing.matmul(q, raw, n_in, 37, np.load(tmp_path / f"x-{n_in}.npy"), 2, "q8-fast")
+        for th in (1, 3):
+            np.testing.assert_array_equal(np.load(tmp_path / f"avx2-{name}-{n_in}-{th}.npy"), want)

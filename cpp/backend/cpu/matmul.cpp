@@ -359,7 +359,7 @@ QgemmFn integer_prefill(GgmlType type, Activations act) {
 #endif
 #if defined(KC_X86)
     if (cpu_features().qgemm_avx2) {
-        return qgemm_avx2;
+        return act == Activations::Q8Fast && qgemm_onepass_type(type) ? qgemm_onepass_avx2 : qgemm_avx2;
     }
 #endif
     return nullptr;

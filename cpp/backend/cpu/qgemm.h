@@ -45,7 +45,7 @@ inline bool qgemm_type(GgmlType type) {
 using QgemmFn = void (*)(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                          ThreadPool & pool);
 
-// Whether the one-pass GEMM (Activations::Q8Fast) handles weights of `type`.
+// Whether the one-pass GEMM (Activations::Q8Fast: qgemm_onepass_avx512vnni, qgemm_onepass_avx2) handles `type`.
 inline bool qgemm_onepass_type(GgmlType type) {
     return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
 }
@@ -65,6 +65,9 @@ void qgemm_onepass_avx512vnni(const WeightView * w, float * const * y, int n_mat
 #if defined(KC_X86)
 // With AVX2 (vpmaddwd): only once cpu_features().qgemm_avx2. The same bits as qgemm_avx512vnni.
 void qgemm_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool);
+// qgemm_onepass_avx512vnni's AVX2 twin (vpmaddubsw + vpmaddwd): the same bits. Only once cpu_features().qgemm_avx2.
+void qgemm_onepass_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                        ThreadPool & pool);
 #endif
 
 }  // namespace kvcmas::cpu::detail

@@ -363,7 +363,7 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
         default="q8",
         choices=["q8", "q8-fast", "f32"],
         help="kvcmas matmul activations (default q8: two 8-bit passes; q8-fast: K-quant prefill in one 8-bit pass, "
-        "as llama.cpp, on AVX512-VNNI; f32: the exact path)",
+        "as llama.cpp; f32: the exact path)",
     )
     p.add_argument(
         "--kv-type",
