@@ -11,7 +11,8 @@ Run: PYTHONPATH=python [KVCMAS_CORE_PATH=...] python bench/kernels_bench.py [--t
 
 --qwen-1.5b instead times the matrices of a Qwen2.5-1.5B Q4_K_M file one by one with 8-bit activations (the engine's
 default): decode GB/s per matrix over enough distinct copies to stream ~160 MB (the output matrix alone is 191 MB),
-and prefill GMAC/s of 128 tokens through the integer GEMM.
+and prefill GMAC/s of 128 tokens through the integer GEMM (--activations q8,q8-fast: the two-pass and the one-pass
+GEMM side by side; --no-decode skips the decode figures).
 """
 
 from __future__ import annotations
@@ -94,21 +95,29 @@ QWEN_1_5B_MATRICES = [
 ]
 
 
-def bench_qwen_matrices(threads: int, rng: np.random.Generator) -> None:
-    """Per-matrix decode GB/s and 128-token prefill GMAC/s, 8-bit activations."""
-    print("| matrix | type | n_in x n_out | decode GB/s | prefill GMAC/s (128 tokens) |")
-    print("|---|---|---|---|---|")
+def bench_qwen_matrices(
+    threads: int, rng: np.random.Generator, activations: list[str], decode: bool = True, repeats: int = 2
+) -> None:
+    """Per-matrix decode GB/s (8-bit activations) and 128-token prefill GMAC/s with each of `activations`."""
+    cols = " | ".join(f"prefill GMAC/s {a} (128 tokens)" for a in activations)
+    print(f"| matrix | type | n_in x n_out | decode GB/s | {cols} |")
+    print("|---|---|---|---|" + "---|" * len(activations))
     for what, name, n_in, n_out in QWEN_1_5B_MATRICES:
         qtype = TYPES[name]
         w = make_weight(qtype, n_out, n_in, rng)
-        copies = max(1, int(160e6 // len(w)))
-        weights = [w] + [make_weight(qtype, n_out, n_in, rng) for _ in range(copies - 1)]
-        x1 = rng.standard_normal((1, n_in)).astype(np.float32)
-        sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x1, threads, 6, "q8"), threads)
-        dec = len(w) * copies / sec / 1e9
+        dec = float("nan")
+        if decode:
+            copies = max(1, int(160e6 // len(w)))
+            weights = [w] + [make_weight(qtype, n_out, n_in, rng) for _ in range(copies - 1)]
+            x1 = rng.standard_normal((1, n_in)).astype(np.float32)
+            sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x1, threads, 6, "q8"), threads)
+            dec = len(w) * copies / sec / 1e9
         x = rng.standard_normal((128, n_in)).astype(np.float32)
-        sec = pick(testing.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, 2, "q8"), threads)
-        print(f"| {what} | {name.upper()} | {n_in} x {n_out} | {dec:.1f} | {128 * n_in * n_out / sec / 1e9:.1f} |")
+        gmac = []
+        for act in activations:
+            sec = pick(testing.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, repeats, act), threads)
+            gmac.append(f"{128 * n_in * n_out / sec / 1e9:.1f}")
+        print(f"| {what} | {name.upper()} | {n_in} x {n_out} | {dec:.1f} | {' | '.join(gmac)} |")
 
 
 def main() -> None:
@@ -118,11 +127,16 @@ def main() -> None:
     parser.add_argument("--n-tok", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=1, help="rows per decode-shaped product")
     parser.add_argument("--qwen-1.5b", dest="qwen", action="store_true", help="per-matrix figures of Qwen2.5-1.5B")
+    parser.add_argument(
+        "--activations", default="q8", help="--qwen-1.5b: prefill activations to time, comma-separated (q8,q8-fast)"
+    )
+    parser.add_argument("--no-decode", action="store_true", help="--qwen-1.5b: prefill figures only")
+    parser.add_argument("--repeats", type=int, default=2, help="--qwen-1.5b: best of this many prefill runs")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"cpu features: {core.cpu_features()}, threads: {args.threads}")
     if args.qwen:
-        bench_qwen_matrices(args.threads, rng)
+        bench_qwen_matrices(args.threads, rng, args.activations.split(","), not args.no_decode, args.repeats)
         return
     for name in args.types.split(","):
         qtype = TYPES[name]

@@ -195,6 +195,38 @@ def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("n_tok", [17, 40])
+def test_matmul_q8_fast_prefill_one_pass_path(n_tok: int) -> None:
+    """activations="q8-fast" on the CPU backend: a Qwen2.5 layer's Q/K/V mix (Q4_K, Q4_K, Q6_K) and a Q5_K matrix
+    through matmul_multi and matmul equal numpy's dequantize(w)·x̂ for the one-pass x̂ = d·q (AVX512-VNNI or AVX2;
+    elsewhere q8's) to f32 rounding, matmul_multi gives the bits of separate matmuls, and 1, 2
+    and 3 threads the same bits."""
+    from helpers.quants import min_part, quantize_q8, quantize_q8_one_pass
+
+    one_pass = bool(core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2"))
+    rng = np.random.default_rng(zlib.crc32(f"q8-fast/{n_tok}".encode()))
+    n_in, outs, types = 1536, [256, 37, 100, 64], ["Q4_K", "Q4_K", "Q6_K", "Q5_K"]
+    parts = [_weight(rng, t, n_in, n) for t, n in zip(types, outs, strict=True)]
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    x[:, 7] *= 40.0
+    xq, _ = quantize_q8_one_pass(x) if one_pass else quantize_q8(x)
+    first = None
+    for n_threads in (1, 2, 3):
+        ops = testing.BackendOps("cpu", n_threads)
+        ops.set_activations("q8-fast")
+        got = ops.matmul_multi(0, [p[0] for p in parts], n_in, outs, x, type_ids=[p[2] for p in parts])
+        for (raw, w, type_id), n_out, y in zip(parts, outs, got, strict=True):
+            np.testing.assert_array_equal(y, ops.matmul(type_id, raw, n_in, n_out, x))
+            mins = min_part(raw, gguf.GGMLQuantizationType(type_id), n_out, n_in)
+            ref = xq @ (w - mins).T + x.astype(np.float64) @ mins.T
+            scale = np.abs(xq) @ np.abs(w - mins).T + np.abs(x).astype(np.float64) @ np.abs(mins).T
+            assert np.all(np.abs(y - ref) <= 1e-5 * scale), types
+        if first is None:
+            first = got
+        for a, b in zip(first, got, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("type_name", WEIGHT_TYPES)
 def test_embed_rows(ops, type_name: str) -> None:
     rng = np.random.default_rng(3)

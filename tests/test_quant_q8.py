@@ -211,7 +211,7 @@ def test_no_qgemm_turns_the_integer_prefill_off(tmp_path: Path) -> None:
 
 def test_activations_option_is_checked() -> None:
     raw, _ = make_weight(QT.Q4_0, 4, 32, np.random.default_rng(0))
-    with pytest.raises(kc.KvcmasError, match="activations must be 'q8' or 'f32'"):
+    with pytest.raises(kc.KvcmasError, match="activations must be 'q8', 'q8-fast' or 'f32'"):
         testing.matmul(int(QT.Q4_0), raw, 32, 4, np.zeros((1, 32), np.float32), 1, "int8")
 
 

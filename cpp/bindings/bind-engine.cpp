@@ -249,8 +249,7 @@ void bind_engine(nb::module_ & m) {
         .def("kv_trim", &Model::kv_trim,
              "Returns the memory of free KV blocks to the system; returns the bytes released.")
         .def_prop_ro("kv_type", [](const Model & m) { return m.kv_type() == cpu::KvType::F16 ? "f16" : "f32"; })
-        .def_prop_ro("activations",
-                     [](const Model & m) { return m.activations() == cpu::Activations::Q8 ? "q8" : "f32"; })
+        .def_prop_ro("activations", [](const Model & m) { return activations_name(m.activations()); })
         // Sequence bookkeeping is cheap: the model takes its lock without the GIL being released.
         .def("seq_new", &Model::seq_new)
         .def("seq_fork", &Model::seq_fork, nb::arg("src"))

@@ -18,6 +18,7 @@ void bind_correction(nanobind::module_ & m);
 
 // "q8" | "f32" -> how decode matmuls take their activations; anything else is an error naming the option.
 cpu::Activations parse_activations(const std::string & name);  // common.cpp
+const char *     activations_name(cpu::Activations act);       // common.cpp: parse_activations' inverse
 
 // common.cpp: kvcmas::Error raised in this module's bindings reaches Python as `error_type` (an exception class),
 // its message decoded with replacement characters where it quotes bytes that are not UTF-8.

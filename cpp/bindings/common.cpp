@@ -12,8 +12,15 @@ cpu::Activations parse_activations(const std::string & name) {
     if (name == "q8") {
         return cpu::Activations::Q8;
     }
-    KC_CHECK(name == "f32", "activations must be 'q8' or 'f32', got '%s'", name.c_str());
+    if (name == "q8-fast") {
+        return cpu::Activations::Q8Fast;
+    }
+    KC_CHECK(name == "f32", "activations must be 'q8', 'q8-fast' or 'f32', got '%s'", name.c_str());
     return cpu::Activations::F32;
+}
+
+const char * activations_name(cpu::Activations act) {
+    return act == cpu::Activations::Q8 ? "q8" : act == cpu::Activations::Q8Fast ? "q8-fast" : "f32";
 }
 
 void translate_errors(nb::handle error_type) {

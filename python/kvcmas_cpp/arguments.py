@@ -99,9 +99,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), or cuda / cuda:N on a build with the CUDA backend")
     p.add_argument(
         "--activations",
-        choices=("q8", "f32"),
+        choices=("q8", "q8-fast", "f32"),
         default="q8",
-        help="activations of decode matmuls over quantized weights: q8 (fast, llama.cpp's way) or f32 (exact)",
+        help="activations of matmuls over quantized weights: q8 (two 8-bit passes), q8-fast (K-quant prefill in "
+        "one 8-bit pass, llama.cpp's accuracy) or f32 (exact)",
     )
 
 

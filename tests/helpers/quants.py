@@ -80,6 +80,16 @@ def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xq.reshape(x.shape), step
 
 
+def quantize_q8_one_pass(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first pass of quantize_q8 alone (llama.cpp's Q8_0 rounding, activations="q8-fast"'s K-quant prefill):
+    (x̂ = d·q in float64 [n_tok, n_in], d per block [n_tok, n_in / 32]); |x - x̂| <= d / 2."""
+    xb = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None])
+    return (q * d[..., None].astype(np.float64)).reshape(x.shape), d.astype(np.float64)
+
+
 def min_part(raw: bytes, qtype: QT, n_out: int, n_in: int) -> np.ndarray:
     """The per-block min term of every weight (m for Q4_1/Q5_1, -dmin·m_j for Q4_K/Q5_K, 0 otherwise): the weights
     dequantized with their scale d set to zero."""

@@ -310,7 +310,7 @@ thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and the
 // The integer kernel of `type` when act asks for 8-bit activations and the CPU runs it; nullptr otherwise.
 RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 #if defined(KC_X86)
-    if (act == Activations::Q8 && cpu_features().avx2_fma_f16c) {
+    if (act != Activations::F32 && cpu_features().avx2_fma_f16c) {
 #    if defined(KC_AVXVNNI)
         if (cpu_features().avx_vnni) {
             return row_dot_q8_fn_avxvnni(type);
@@ -346,20 +346,20 @@ Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
     return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
 }
 
-// The integer GEMM (backend/cpu/qgemm.h) that runs the prefill of `type` with 8-bit activations on this CPU, or
-// nullptr: the f32 prefill.
-QgemmFn integer_prefill(GgmlType type) {
+// The integer GEMM (backend/cpu/qgemm.h) that runs the prefill of `type` with 8-bit activations (act) on this CPU,
+// or nullptr: the f32 prefill.
+QgemmFn integer_prefill(GgmlType type, Activations act) {
     if (!qgemm_type(type)) {
         return nullptr;
     }
 #if defined(KC_AVX512VNNI)
     if (cpu_features().avx512_vnni) {
-        return qgemm_avx512vnni;
+        return act == Activations::Q8Fast && qgemm_onepass_type(type) ? qgemm_onepass_avx512vnni : qgemm_avx512vnni;
     }
 #endif
 #if defined(KC_X86)
     if (cpu_features().qgemm_avx2) {
-        return qgemm_avx2;
+        return act == Activations::Q8Fast && qgemm_onepass_type(type) ? qgemm_onepass_avx2 : qgemm_avx2;
     }
 #endif
     return nullptr;
@@ -596,7 +596,7 @@ void matmul(const WeightView & w, const float * x, float * y, int64_t n_tok, Thr
     if (n_tok < decode_max_tokens(w.type, q8 != nullptr)) {
         const DecodeTarget m{ &w, k, y, q8 };
         matmul_decode(&m, 1, x, n_tok, pool);
-    } else if (const QgemmFn qgemm = q8 != nullptr ? integer_prefill(w.type) : nullptr; qgemm != nullptr) {
+    } else if (const QgemmFn qgemm = q8 != nullptr ? integer_prefill(w.type, act) : nullptr; qgemm != nullptr) {
         qgemm(&w, &y, 1, x, n_tok, pool);
     } else {
 #if defined(KC_AVX512)
@@ -626,11 +626,11 @@ void matmul_multi(const WeightView * w, float * const * y, int n_mats, const flo
                  ggml_type_name(static_cast<uint32_t>(w[i].type)));
         decode = decode && n_tok < decode_max_tokens(w[i].type, mats[i].q8 != nullptr) && w[i].n_out > 0;
     }
-    // Prefill of them all by the integer GEMM: one quantization of x, one parallel job (every type takes the same
-    // GEMM: the CPU picks it).
-    QgemmFn integer = n_tok > 0 ? integer_prefill(w[0].type) : nullptr;
+    // Prefill of them all by the integer GEMM: one quantization of x, one parallel job (where every type takes the
+    // same GEMM: the CPU picks it, and Q8Fast's one-pass GEMM takes only the K-quants).
+    QgemmFn integer = n_tok > 0 ? integer_prefill(w[0].type, act) : nullptr;
     for (int i = 0; i < n_mats; ++i) {
-        if (mats[i].q8 == nullptr || integer_prefill(w[i].type) == nullptr || w[i].n_out == 0 ||
+        if (mats[i].q8 == nullptr || integer_prefill(w[i].type, act) != integer || w[i].n_out == 0 ||
             n_tok < decode_max_tokens(w[i].type, true)) {
             integer = nullptr;
         }

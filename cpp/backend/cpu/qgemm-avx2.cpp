@@ -163,6 +163,9 @@ inline void transpose8(__m256i r[8]) {
     }
 }
 
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min);
+
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q, factors at scale / min (missing rows: zero
 // quants and factors).
 template <typename Q>
@@ -192,9 +195,17 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
             }
         }
     }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+// A panel's f32 factors (layout: Panels) of rows [r0, r0 + nr) of w.
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min) {
+    const auto *  base      = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
     std::memset(scale, 0, static_cast<size_t>(16 * (w.n_in / Q::kGroup)) * sizeof(float));
     if (Q::kHasMin) {
-        std::memset(min, 0, static_cast<size_t>(16 * nb) * sizeof(float));
+        std::memset(min, 0, static_cast<size_t>(16 * (w.n_in / 32)) * sizeof(float));
     }
     for (int k = 0; k < nr; ++k) {
         Q::factors(base + k * row_bytes, w.n_in, scale + k, min + k, 16);
@@ -202,6 +213,47 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
 }
 
 // ---- the micro tile -------------------------------------------------------------------------------------------------
+
+// One group's sums into a micro tile: acc[t][u] += cvt(s[t][u])·(factor_u·step[t·ld]), the factors of the panel's
+// rows 8u .. 8u + 7 at scale + 8u.
+template <int T>
+inline void add_group(__m256 (&acc)[T][2], const __m256i (&s)[T][2], const float * scale, const float * step,
+                      int64_t ld) {
+    for (int t = 0; t < T; ++t) {
+        const __m256 st = _mm256_set1_ps(step[t * ld]);
+        for (int u = 0; u < 2; ++u) {
+            const __m256 f = _mm256_mul_ps(_mm256_load_ps(scale + 8 * u), st);
+            acc[t][u]      = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][u]), f, acc[t][u]);
+        }
+    }
+}
+
+// One 32-block's min term: acc[t][u] -= min_u·sums[t·ld] (the exact sums of x).
+template <int T>
+inline void subtract_mins(__m256 (&acc)[T][2], const float * min, const float * sums, int64_t ld) {
+    for (int t = 0; t < T; ++t) {
+        const __m256 sum = _mm256_set1_ps(sums[t * ld]);
+        for (int u = 0; u < 2; ++u) {
+            acc[t][u] = _mm256_fnmadd_ps(_mm256_load_ps(min + 8 * u), sum, acc[t][u]);
+        }
+    }
+}
+
+// A micro tile's results: token t's rows r < nr (<= 16) of one panel at y[t·ldy + r].
+template <int T>
+inline void store_tile(const __m256 (&acc)[T][2], float * y, int64_t ldy, int nr) {
+    for (int t = 0; t < T; ++t) {
+        if (nr >= 16) {
+            _mm256_storeu_ps(y + t * ldy, acc[t][0]);
+            _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
+        } else {
+            alignas(32) float out[16];
+            _mm256_store_ps(out, acc[t][0]);
+            _mm256_store_ps(out + 8, acc[t][1]);
+            std::memcpy(y + t * ldy, out, static_cast<size_t>(nr) * sizeof(float));
+        }
+    }
+}
 
 inline __m256i bcast_pair(const int16_t * v) {
     int32_t pair;
@@ -239,34 +291,13 @@ void micro(const int16_t * wq, const float * scale, const float * min, const Act
                 }
             }
             const int64_t gi = b * (32 / G) + g;
-            for (int t = 0; t < T; ++t) {
-                const __m256 step = _mm256_set1_ps(a.step[t * a.ld_blocks + b]);
-                for (int u = 0; u < 2; ++u) {
-                    const __m256 f = _mm256_mul_ps(_mm256_load_ps(scale + 16 * gi + 8 * u), step);
-                    acc[t][u]      = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][u]), f, acc[t][u]);
-                }
-            }
+            add_group<T>(acc, s, scale + 16 * gi, a.step + b, a.ld_blocks);
         }
         if constexpr (Q::kHasMin) {
-            for (int t = 0; t < T; ++t) {
-                const __m256 sum = _mm256_set1_ps(a.sums[t * a.ld_blocks + b]);
-                for (int u = 0; u < 2; ++u) {
-                    acc[t][u] = _mm256_fnmadd_ps(_mm256_load_ps(min + 16 * b + 8 * u), sum, acc[t][u]);
-                }
-            }
+            subtract_mins<T>(acc, min + 16 * b, a.sums + b, a.ld_blocks);
         }
     }
-    for (int t = 0; t < T; ++t) {
-        if (nr >= 16) {
-            _mm256_storeu_ps(y + t * ldy, acc[t][0]);
-            _mm256_storeu_ps(y + t * ldy + 8, acc[t][1]);
-        } else {
-            alignas(32) float out[16];
-            _mm256_store_ps(out, acc[t][0]);
-            _mm256_store_ps(out + 8, acc[t][1]);
-            std::memcpy(y + t * ldy, out, static_cast<size_t>(nr) * sizeof(float));
-        }
-    }
+    store_tile<T>(acc, y, ldy, nr);
 }
 
 template <typename Q>
@@ -303,11 +334,113 @@ struct Kernels {
     }
 };
 
+// ---- the one-pass GEMM (qgemm.h: qgemm_onepass_avx2; qgemm-impl.h: Acts8, Panels8) --------------------------------
+// vpmaddubsw (unsigned weight byte x signed activation byte, adjacent pairs summed to int16: |Σ| <= 2·63·127, no
+// saturation) over two quads, the two int16 sums added (<= 32004) and widened by vpmaddwd with ones: the exact int32
+// sums of the AVX-512 file's vpdpbusd, then its f32 steps: the same bits.
+
+constexpr int kMicroT8 = 2;  // tokens per one-pass micro tile: 4 int32 + 4 f32 accumulators, 4 weight vectors
+
+// Rows [r0, r0 + nr) (nr <= 16) of w as one one-pass panel (qgemm-impl.h: pack_panel8).
+template <typename Q>
+void pack_panel8(const WeightView & w, int64_t r0, int nr, uint8_t * q, float * scale, float * min) {
+    const auto *  base      = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
+    for (int64_t b = 0; b < w.n_in / 32; ++b) {
+        for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7: r[j] becomes their quad j of the block
+            __m256i r[8];
+            for (int i = 0; i < 8; ++i) {
+                const int row = 8 * h + i;
+                r[i]          = row < nr ? Bytes<Q>::get(base + row * row_bytes, b) : _mm256_setzero_si256();
+            }
+            transpose8(r);
+            for (int j = 0; j < 8; ++j) {
+                _mm256_store_si256(reinterpret_cast<__m256i *>(q + 64 * (8 * b + j) + 32 * h), r[j]);
+            }
+        }
+    }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+inline __m256i bcast_quad(const int8_t * v) {
+    int32_t quad;
+    std::memcpy(&quad, v, 4);
+    return _mm256_set1_epi32(quad);
+}
+
+// As micro() for one one-pass panel (wq: its quads) and T tokens.
+template <typename Q, int T>
+void micro8(const uint8_t * wq, const float * scale, const float * min, const Acts8 & a, int64_t n, float * y,
+            int64_t ldy, int nr) {
+    constexpr int G = Q::kGroup, kOffset = Bytes<Q>::kOffset;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256        acc[T][2];
+    for (int t = 0; t < T; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    for (int64_t gi = 0; gi < n / G; ++gi) {
+        const int64_t b = gi * G / 32;
+        __m256i       s[T][2];
+        for (int t = 0; t < T; ++t) {
+            s[t][0] = s[t][1] =
+                kOffset == 0 ? _mm256_setzero_si256() : _mm256_set1_epi32(kOffset * a.start[2 * a.ld_blocks * t + gi]);
+        }
+        for (int k = static_cast<int>(gi * G); k < (gi + 1) * G; k += 8) {  // two quads
+            const __m256i w00 = _mm256_load_si256(reinterpret_cast<const __m256i *>(wq + 16 * k));
+            const __m256i w01 = _mm256_load_si256(reinterpret_cast<const __m256i *>(wq + 16 * k + 32));
+            const __m256i w10 = _mm256_load_si256(reinterpret_cast<const __m256i *>(wq + 16 * k + 64));
+            const __m256i w11 = _mm256_load_si256(reinterpret_cast<const __m256i *>(wq + 16 * k + 96));
+            for (int t = 0; t < T; ++t) {
+                const __m256i x0 = bcast_quad(a.v + t * a.ldv + k), x1 = bcast_quad(a.v + t * a.ldv + k + 4);
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(w00, x0), _mm256_maddubs_epi16(w10, x1));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(w01, x0), _mm256_maddubs_epi16(w11, x1));
+                s[t][0]          = _mm256_add_epi32(s[t][0], _mm256_madd_epi16(p0, ones));
+                s[t][1]          = _mm256_add_epi32(s[t][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        add_group<T>(acc, s, scale + 16 * gi, a.d + b, a.ld_blocks);
+        if constexpr (Q::kHasMin) {  // G == 32: one min per group
+            subtract_mins<T>(acc, min + 16 * b, a.sums + b, a.ld_blocks);
+        }
+    }
+    store_tile<T>(acc, y, ldy, nr);
+}
+
+template <typename Q>
+using Micro8Fn = void (*)(const uint8_t *, const float *, const float *, const Acts8 &, int64_t, float *, int64_t, int);
+
+template <typename Q>
+struct Micro8Table {
+    static constexpr Micro8Fn<Q> fn[kMicroT8 + 1] = { nullptr, micro8<Q, 1>, micro8<Q, 2> };
+};
+static_assert(kMicroT8 == 2, "one-pass micro tiles of up to 2 tokens");
+
+// The one-pass kernel set of qgemm-impl.h: panel by panel, kMicroT8 tokens at a time.
+struct Kernels8 {
+    template <typename Q>
+    static void tiles(const Panels8 & p, int np, const Acts8 & a, int64_t n, float * y, int64_t ldy, int nr,
+                      int64_t n_tok) {
+        for (int u = 0; u < np; ++u) {
+            const int rn = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
+            for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT8) {
+                const int nt = static_cast<int>(n_tok - t0 < kMicroT8 ? n_tok - t0 : kMicroT8);
+                Micro8Table<Q>::fn[nt](p.q[u], p.scale[u], p.min[u], a.from(t0), n, y + t0 * ldy + kPanelRows * u, ldy,
+                                       rn);
+            }
+        }
+    }
+};
+
 }  // namespace avx2
 
 void qgemm_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                 ThreadPool & pool) {
     avx2::qgemm<avx2::Kernels>(w, y, n_mats, x, n_tok, pool);
+}
+
+void qgemm_onepass_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                        ThreadPool & pool) {
+    avx2::qgemm_onepass<avx2::Kernels8>(w, y, n_mats, x, n_tok, pool);
 }
 
 }  // namespace kvcmas::cpu::detail

@@ -140,6 +140,9 @@ struct Block32 {
     }
 };
 
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min);
+
 // Unpacks rows [r0, r0 + nr) (nr <= 16) of w into one panel: quants at q (n / 2 vectors), factors at scale / min
 // (missing rows: zero quants and factors).
 template <typename Q>
@@ -156,6 +159,14 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
             _mm512_store_si512(q + 32 * (16 * b + i), r[i]);
         }
     }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+// A panel's f32 factors (layout: Panels) of rows [r0, r0 + nr) of w.
+template <typename Q>
+void pack_factors(const WeightView & w, int64_t r0, int nr, float * scale, float * min) {
+    const auto *  base      = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    const int64_t nb        = w.n_in / 32;
     const int64_t row_bytes = static_cast<int64_t>(w.row_bytes);
     if constexpr (Q::kSuper) {  // the 16 factors of each row's super-block, transposed like the quants
         for (int64_t i = 0; i < w.n_in / 256; ++i) {
@@ -180,6 +191,29 @@ void pack_panel(const WeightView & w, int64_t r0, int nr, int16_t * q, float * s
 }
 
 // ---- the micro tile -------------------------------------------------------------------------------------------------
+
+// acc[t][u] -= min_u(block b)·sums[t·ld] (the min term of one 32-block, from the exact sums of x).
+template <int T, int NP>
+inline void subtract_mins(__m512 (&acc)[T][NP], const float * const * min, const float * sums, int64_t ld, int64_t b) {
+    for (int t = 0; t < T; ++t) {
+        const __m512 sum = _mm512_set1_ps(sums[t * ld]);
+        for (int u = 0; u < NP; ++u) {
+            acc[t][u] = _mm512_fnmadd_ps(_mm512_load_ps(min[u] + 16 * b), sum, acc[t][u]);
+        }
+    }
+}
+
+// A micro tile's results: token t, panel u's rows r < nr at y[t·ldy + 16u + r].
+template <int T, int NP>
+inline void store_tile(const __m512 (&acc)[T][NP], float * y, int64_t ldy, int nr) {
+    for (int u = 0; u < NP; ++u) {
+        const int       rn   = nr - kPanelRows * u;
+        const __mmask16 mask = rn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rn) - 1);
+        for (int t = 0; t < T; ++t) {
+            _mm512_mask_storeu_ps(y + t * ldy + kPanelRows * u, mask, acc[t][u]);
+        }
+    }
+}
 
 inline __m512i bcast_pair(const int16_t * v) {
     int32_t pair;
@@ -232,21 +266,10 @@ void micro(const Panels & p, const Acts16 & a, int64_t n, float * y, int64_t ldy
             }
         }
         if constexpr (Q::kHasMin) {
-            for (int t = 0; t < T; ++t) {
-                const __m512 sum = _mm512_set1_ps(a.sums[t * a.ld_blocks + b]);
-                for (int u = 0; u < NP; ++u) {
-                    acc[t][u] = _mm512_fnmadd_ps(_mm512_load_ps(p.min[u] + 16 * b), sum, acc[t][u]);
-                }
-            }
+            subtract_mins<T, NP>(acc, p.min, a.sums + b, a.ld_blocks, b);
         }
     }
-    for (int u = 0; u < NP; ++u) {
-        const int       rn   = nr - kPanelRows * u;
-        const __mmask16 mask = rn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << rn) - 1);
-        for (int t = 0; t < T; ++t) {
-            _mm512_mask_storeu_ps(y + t * ldy + kPanelRows * u, mask, acc[t][u]);
-        }
-    }
+    store_tile<T, NP>(acc, y, ldy, nr);
 }
 
 template <typename Q, int NP>
@@ -284,11 +307,117 @@ struct Kernels {
     }
 };
 
+// ---- the one-pass prefill (qgemm.h: qgemm_onepass_avx512vnni; qgemm-impl.h: Acts8, Panels8) ----------------------
+// Rows [r0, r0 + nr) (nr <= 16) of w as one one-pass panel (two 32-element blocks per transpose).
+template <typename Q>
+void pack_panel8(const WeightView & w, int64_t r0, int nr, uint8_t * q, float * scale, float * min) {
+    const auto * base = static_cast<const char *>(w.data) + r0 * static_cast<int64_t>(w.row_bytes);
+    for (int64_t b = 0; b < w.n_in / 32; b += 2) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+            const char * row = base + i * static_cast<int64_t>(w.row_bytes);
+            r[i] = i < nr
+                       ? _mm512_inserti64x4(_mm512_castsi256_si512(Bytes<Q>::get(row, b)), Bytes<Q>::get(row, b + 1), 1)
+                       : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) {
+            _mm512_store_si512(q + 64 * (8 * b + j), r[j]);
+        }
+    }
+    pack_factors<Q>(w, r0, nr, scale, min);
+}
+
+inline __m512i bcast_quad(const int8_t * v) {
+    int32_t quad;
+    std::memcpy(&quad, v, 4);
+    return _mm512_set1_epi32(quad);
+}
+
+// As micro() for the one-pass panels and activations.
+template <typename Q, int T, int NP>
+void micro8(const Panels8 & p, const Acts8 & a, int64_t n, float * y, int64_t ldy, int nr) {
+    constexpr int G = Q::kGroup, kOffset = Bytes<Q>::kOffset;
+    __m512        acc[T][NP];
+    for (int t = 0; t < T; ++t) {
+        for (int u = 0; u < NP; ++u) {
+            acc[t][u] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t gi = 0; gi < n / G; ++gi) {
+        const int64_t b = gi * G / 32;
+        __m512i       s[T][NP];
+        for (int t = 0; t < T; ++t) {
+            for (int u = 0; u < NP; ++u) {
+                s[t][u] = kOffset == 0 ? _mm512_setzero_si512()
+                                       : _mm512_set1_epi32(kOffset * a.start[2 * a.ld_blocks * t + gi]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int kq = 0; kq < G / 4; ++kq) {
+            const int64_t k = gi * G + 4 * kq;
+            __m512i       wq[NP];
+            for (int u = 0; u < NP; ++u) {
+                wq[u] = _mm512_load_si512(p.q[u] + 16 * k);
+            }
+#pragma GCC unroll 6
+            for (int t = 0; t < T; ++t) {
+                const __m512i x = bcast_quad(a.v + t * a.ldv + k);
+                for (int u = 0; u < NP; ++u) {
+                    s[t][u] = _mm512_dpbusd_epi32(s[t][u], wq[u], x);
+                }
+            }
+        }
+        for (int t = 0; t < T; ++t) {
+            const __m512 d = _mm512_set1_ps(a.d[t * a.ld_blocks + b]);
+            for (int u = 0; u < NP; ++u) {
+                const __m512 f = _mm512_mul_ps(_mm512_load_ps(p.scale[u] + 16 * gi), d);
+                acc[t][u]      = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t][u]), f, acc[t][u]);
+            }
+        }
+        if constexpr (Q::kHasMin) {  // G == 32: one min per group
+            subtract_mins<T, NP>(acc, p.min, a.sums + b, a.ld_blocks, b);
+        }
+    }
+    store_tile<T, NP>(acc, y, ldy, nr);
+}
+
+template <typename Q, int NP>
+using Micro8Fn = void (*)(const Panels8 &, const Acts8 &, int64_t, float *, int64_t, int);
+
+template <typename Q, int NP>
+struct Micro8Table {
+    static constexpr Micro8Fn<Q, NP> fn[kMicroT + 1] = { nullptr,          micro8<Q, 1, NP>, micro8<Q, 2, NP>,
+                                                         micro8<Q, 3, NP>, micro8<Q, 4, NP>, micro8<Q, 5, NP>,
+                                                         micro8<Q, 6, NP> };
+};
+// The one-pass kernel set of qgemm-impl.h: every token against a unit's panels, kMicroT tokens x both panels at a time.
+struct Kernels8 {
+    template <typename Q>
+    static void tiles(const Panels8 & p, int np, const Acts8 & a, int64_t n, float * y, int64_t ldy, int nr,
+                      int64_t n_tok) {
+        for (int64_t t0 = 0; t0 < n_tok; t0 += kMicroT) {
+            const int   nt = static_cast<int>(n_tok - t0 < kMicroT ? n_tok - t0 : kMicroT);
+            const Acts8 at = a.from(t0);
+            if (np == 2) {
+                Micro8Table<Q, 2>::fn[nt](p, at, n, y + t0 * ldy, ldy, nr);
+            } else {
+                Micro8Table<Q, 1>::fn[nt](p, at, n, y + t0 * ldy, ldy, nr);
+            }
+        }
+    }
+};
+
 }  // namespace avx512vnni
 
 void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                       ThreadPool & pool) {
     avx512vnni::qgemm<avx512vnni::Kernels>(w, y, n_mats, x, n_tok, pool);
+}
+
+void qgemm_onepass_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                              ThreadPool & pool) {
+    avx512vnni::qgemm_onepass<avx512vnni::Kernels8>(w, y, n_mats, x, n_tok, pool);
 }
 
 }  // namespace kvcmas::cpu::detail

@@ -185,17 +185,13 @@ UnitKernel select_unit(GgmlType type, int64_t n) {
     }
 }
 
-// The contract of qgemm_avx512vnni / qgemm_avx2 (qgemm.h) with kernel set K.
-template <typename K>
-void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
-    const Acts16 a = quantize_acts16<K>(x, w[0].n_in, n_tok, pool);
-    UnitKernel   k[kMaxMatmulMulti];
-    int64_t      first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
-    size_t       buf_bytes = 0;
-    first_unit[0]          = 0;
+// The 32-row work units of n_mats matrices handed out to the pool's threads from a counter: run(m, unit, buf) for
+// each unit of matrix m, buf a thread's buf_bytes of scratch for the unit's unpacked panels.
+template <typename Run>
+void run_units(const WeightView * w, int n_mats, ThreadPool & pool, size_t buf_bytes, const Run & run) {
+    int64_t first_unit[kMaxMatmulMulti + 1];  // global number of each matrix's first unit; [n_mats] = total
+    first_unit[0] = 0;
     for (int i = 0; i < n_mats; ++i) {
-        k[i]              = select_unit<K>(w[i].type, w[i].n_in);
-        buf_bytes         = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
         first_unit[i + 1] = first_unit[i] + (w[i].n_out + kUnitRows - 1) / kUnitRows;
     }
     std::atomic<int64_t> next{ 0 };
@@ -210,9 +206,156 @@ void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x,
             while (unit >= first_unit[m + 1]) {
                 ++m;
             }
-            k[m].run(w[m], a, y[m], n_tok, unit - first_unit[m], buf);
+            run(m, unit - first_unit[m], buf);
         }
     });
+}
+
+// The contract of qgemm_avx512vnni / qgemm_avx2 (qgemm.h) with kernel set K.
+template <typename K>
+void qgemm(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool) {
+    const Acts16 a = quantize_acts16<K>(x, w[0].n_in, n_tok, pool);
+    UnitKernel   k[kMaxMatmulMulti];
+    size_t       buf_bytes = 0;
+    for (int i = 0; i < n_mats; ++i) {
+        k[i]      = select_unit<K>(w[i].type, w[i].n_in);
+        buf_bytes = k[i].panel_bytes * kUnitPanels > buf_bytes ? k[i].panel_bytes * kUnitPanels : buf_bytes;
+    }
+    run_units(w, n_mats, pool, buf_bytes,
+              [&](int m, int64_t unit, char * buf) { k[m].run(w[m], a, y[m], n_tok, unit, buf); });
+}
+
+// ---- the one-pass GEMM (qgemm.h: Activations::Q8Fast) -------------------------------------------------------------
+// Activations in one 8-bit pass, x̂ = d·q (d = max|x| / 127 per 32, decode's first pass), weights as unsigned bytes,
+// vpdpbusd (4 byte products summed into an int32 lane). A panel's quad kq holds elements 4kq .. 4kq + 3 of its 16
+// rows (row r at bytes 4r ..); Q6_K's -32 is taken out with the activations' sums per 16 (the int32 sums start at
+// -32·Σq), Q4_K / Q5_K's min as on the 16-bit path, from the exact sums of x.
+
+struct Acts8 {
+    const int8_t *  v;      // v[t·ldv + k] = q
+    const float *   d;      // per 32 elements (t·ld_blocks + b): x̂ = d·q
+    const float *   sums;   // per 32 elements: the exact Σx (min term)
+    const int32_t * start;  // per 16 elements (t·2·ld_blocks + g): -Offset·Σq, the group's int32 sums' start
+    int64_t         ldv;
+    int64_t         ld_blocks;
+
+    Acts8 from(int64_t t0) const {  // the activations of tokens t0 ..
+        return { v + t0 * ldv, d + t0 * ld_blocks, sums + t0 * ld_blocks, start + 2 * t0 * ld_blocks, ldv, ld_blocks };
+    }
+};
+
+// The K-quant types' unsigned quants of 32-element block b (as bytes), and their offset (w = factor·(q - Offset)).
+template <typename Q>
+struct Bytes;
+template <>
+struct Bytes<Q4K> {
+    static constexpr int kOffset = 0;
+    static __m256i       get(const void * row, int64_t b) {
+        return k4_nibbles(static_cast<const BlockQ4_K *>(row)[b / 8].qs, static_cast<int>(b % 8));
+    }
+};
+template <>
+struct Bytes<Q5K> {
+    static constexpr int kOffset = 0;
+    static __m256i       get(const void * row, int64_t b) {
+        return q5k_bytes(static_cast<const BlockQ5_K *>(row)[b / 8], static_cast<int>(b % 8));
+    }
+};
+template <>
+struct Bytes<Q6K> {
+    static constexpr int kOffset = 32;
+    static __m256i       get(const void * row, int64_t b) {
+        return q6k_bytes(static_cast<const BlockQ6_K *>(row)[b / 8], static_cast<int>(b % 8));
+    }
+};
+
+inline thread_local ScratchBuffer tl_acts8;
+
+inline Acts8 quantize_acts8(const float * x, int64_t n_in, int64_t n_tok, ThreadPool & pool) {
+    const int64_t nb     = n_in / 32;
+    const size_t  vbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
+    char *        buf    = static_cast<char *>(tl_acts8.get(vbytes + 4 * static_cast<size_t>(n_tok * nb) * 4));
+    auto *        v      = reinterpret_cast<int8_t *>(buf);
+    auto *        d      = reinterpret_cast<float *>(buf + vbytes);
+    float *       sums   = d + n_tok * nb;
+    auto *        start  = reinterpret_cast<int32_t *>(sums + n_tok * nb);
+    pool.run([&](int ith, int nth) {
+        char * scratch = static_cast<char *>(tl_quant.get(static_cast<size_t>(n_in) + 2 * sizeof(float) * nb));
+        auto * qr      = reinterpret_cast<int8_t *>(scratch);
+        auto * groups  = reinterpret_cast<float *>(scratch + n_in);  // unused: the sums per 16 of x̂ of two passes
+        for (int64_t t = ith; t < n_tok; t += nth) {
+            int8_t * q = v + t * n_in;
+            quantize_q8_avx2(x + t * n_in, n_in, q, qr, d + t * nb, sums + t * nb, groups);
+            for (int64_t b = 0; b < nb; ++b) {
+                d[t * nb + b] *= 256;  // the step of 256·q + qr -> of q (exact: a power of two)
+            }
+            for (int64_t g = 0; g < 2 * nb; ++g) {
+                int32_t s = 0;
+                for (int e = 0; e < 16; ++e) {
+                    s += q[16 * g + e];
+                }
+                start[2 * nb * t + g] = -s;  // times the offset in the tile
+            }
+        }
+    });
+    return Acts8{ v, d, sums, start, n_in, nb };
+}
+
+// A one-pass panel: quants (16 bytes per element), factors and mins as on the 16-bit path.
+template <typename Q>
+size_t panel8_bytes(int64_t n) {
+    return static_cast<size_t>(16 * n) + static_cast<size_t>(16 * (n / Q::kGroup + n / 32)) * sizeof(float);
+}
+
+struct Panels8 {
+    const uint8_t * q[kUnitPanels];
+    const float *   scale[kUnitPanels];
+    const float *   min[kUnitPanels];
+};
+
+// Unit `unit` of w (rows 32·unit ..): its panels unpacked into buf, then every token against them.
+// The including file's one-pass kernel set K8 gives K8::tiles<Q>(p, np, a, n, y, ldy, nr, n_tok) (as K::tiles), and
+// it defines pack_panel8<Q>(w, r0, nr, q, scale, min): a panel's quad kq at q + 64·kq holds elements 4kq .. 4kq + 3
+// of rows 0..15 (row r at bytes 4r ..), its factors as on the 16-bit path.
+template <typename Q>
+void pack_panel8(const WeightView & w, int64_t r0, int nr, uint8_t * q, float * scale, float * min);
+
+template <typename K8, typename Q>
+void run_unit8(const WeightView & w, const Acts8 & a, float * y, int64_t n_tok, int64_t unit, char * buf) {
+    const int64_t n = w.n_in, r0 = unit * kUnitRows;
+    const int     nr = static_cast<int>(w.n_out - r0 < kUnitRows ? w.n_out - r0 : kUnitRows);
+    const int     np = (nr + kPanelRows - 1) / kPanelRows;
+    Panels8       p{};
+    for (int u = 0; u < np; ++u) {
+        char *    at    = buf + u * panel8_bytes<Q>(n);
+        auto *    q     = reinterpret_cast<uint8_t *>(at);
+        auto *    scale = reinterpret_cast<float *>(at + 16 * n);
+        float *   min   = scale + 16 * (n / Q::kGroup);
+        const int rn    = nr - kPanelRows * u < kPanelRows ? nr - kPanelRows * u : kPanelRows;
+        pack_panel8<Q>(w, r0 + kPanelRows * u, rn, q, scale, min);
+        p.q[u]     = q;
+        p.scale[u] = scale;
+        p.min[u]   = min;
+    }
+    K8::template tiles<Q>(p, np, a, n, y + r0, w.n_out, nr, n_tok);
+}
+
+using Unit8Fn = void (*)(const WeightView &, const Acts8 &, float *, int64_t, int64_t, char *);
+
+// The contract of qgemm_onepass_avx512vnni / qgemm_onepass_avx2 (qgemm.h) with kernel set K8.
+template <typename K8>
+void qgemm_onepass(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                   ThreadPool & pool) {
+    const Acts8 a = quantize_acts8(x, w[0].n_in, n_tok, pool);
+    Unit8Fn     run[kMaxMatmulMulti];
+    for (int i = 0; i < n_mats; ++i) {
+        run[i] = w[i].type == GgmlType::Q6_K   ? run_unit8<K8, Q6K>
+                 : w[i].type == GgmlType::Q5_K ? run_unit8<K8, Q5K>
+                                               : run_unit8<K8, Q4K>;
+    }
+    const size_t buf_bytes = kUnitPanels * panel8_bytes<Q6K>(w[0].n_in);  // the largest of the three types'
+    run_units(w, n_mats, pool, buf_bytes,
+              [&](int m, int64_t unit, char * buf) { run[m](w[m], a, y[m], n_tok, unit, buf); });
 }
 
 }  // namespace KC_QGEMM_NS

@@ -45,14 +45,29 @@ inline bool qgemm_type(GgmlType type) {
 using QgemmFn = void (*)(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                          ThreadPool & pool);
 
+// Whether the one-pass GEMM (Activations::Q8Fast: qgemm_onepass_avx512vnni, qgemm_onepass_avx2) handles `type`.
+inline bool qgemm_onepass_type(GgmlType type) {
+    return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
+}
+
 #if defined(KC_AVX512VNNI)
 // With AVX512-VNNI: only once cpu_features().avx512_vnni.
 void qgemm_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
                       ThreadPool & pool);
+// The one-pass variant of Activations::Q8Fast, for the types qgemm_onepass_type accepts: the activations take only
+// the decode path's first 8-bit pass, x̂ = d·q per 32 (d = max|x| / 127, llama.cpp's Q8_0 rounding: |x - x̂| <= d/2),
+// against unsigned 8-bit weight quants with vpdpbusd (4 products per int32 lane, twice vpdpwssd's); Q6_K's -32 is
+// taken out of the int32 sums with the activations' sums per 16. The result is dequantize(w)·x̂ to f32 rounding;
+// each output is one thread's, in a fixed order: the bits do not depend on the thread count.
+void qgemm_onepass_avx512vnni(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                              ThreadPool & pool);
 #endif
 #if defined(KC_X86)
 // With AVX2 (vpmaddwd): only once cpu_features().qgemm_avx2. The same bits as qgemm_avx512vnni.
 void qgemm_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok, ThreadPool & pool);
+// qgemm_onepass_avx512vnni's AVX2 twin (vpmaddubsw + vpmaddwd): the same bits. Only once cpu_features().qgemm_avx2.
+void qgemm_onepass_avx2(const WeightView * w, float * const * y, int n_mats, const float * x, int64_t n_tok,
+                        ThreadPool & pool);
 #endif
 
 }  // namespace kvcmas::cpu::detail

@@ -318,14 +318,16 @@ void bind_backend(nb::module_ & m) {
             "y [n_tok, n_out] = x [n_tok, n_in] · Wᵀ for a weight W of GGUF type type_id (raw row bytes).")
         .def(
             "matmul_multi",
-            [](Ops & o, uint32_t type_id, std::vector<U8> datas, int64_t n_in, std::vector<int64_t> n_outs, F2 x) {
+            [](Ops & o, uint32_t type_id, std::vector<U8> datas, int64_t n_in, std::vector<int64_t> n_outs, F2 x,
+               std::vector<uint32_t> type_ids) {
                 KC_CHECK(datas.size() == n_outs.size() && !datas.empty() && datas.size() <= 7, "1-7 matrices");
+                KC_CHECK(type_ids.empty() || type_ids.size() == datas.size(), "type_ids: one per matrix");
                 const int64_t                n = static_cast<int64_t>(x.shape(0));
                 std::vector<backend::Weight> w;
                 std::vector<backend::Buffer> ys;
                 std::vector<float *>         yp;
                 for (size_t i = 0; i < datas.size(); ++i) {
-                    w.push_back(weight_of(o, type_id, datas[i], n_in, n_outs[i]));
+                    w.push_back(weight_of(o, type_ids.empty() ? type_id : type_ids[i], datas[i], n_in, n_outs[i]));
                     ys.emplace_back(*o.be, static_cast<size_t>(n * n_outs[i]) * sizeof(float));
                     yp.push_back(ys.back().f32());
                 }
@@ -339,7 +341,9 @@ void bind_backend(nb::module_ & m) {
                 }
                 return out;
             },
-            nb::arg("type_id"), nb::arg("datas"), nb::arg("n_in"), nb::arg("n_outs"), nb::arg("x"))
+            nb::arg("type_id"), nb::arg("datas"), nb::arg("n_in"), nb::arg("n_outs"), nb::arg("x"),
+            nb::arg("type_ids") = std::vector<uint32_t>{},
+            "[y_i = x · W_iᵀ] for weights of type type_id, or of type_ids[i] (a layer's mix of types).")
         .def(
             "matmul_experts",
             [](Ops & o, uint32_t type_id, std::vector<U8> datas, int64_t n_in, std::vector<int64_t> n_outs,

@@ -38,8 +38,10 @@ class Model:
             multiply with: "q8" (default) quantizes the activations per 32 elements in two 8-bit passes for
             integer dot products, like llama.cpp (fast; logits within a stated bound of the exact ones, 100% top-1
             agreement on real text, docs/quant-kernels.md);
-            "f32" keeps them exact (the logits transformers computes, to f32 rounding). F16/BF16/F32 weights,
-            prefill and the CUDA backend always use f32 activations.
+            "f32" keeps them exact (the logits transformers computes, to f32 rounding); "q8-fast" is "q8" except
+            for the prefill of Q4_K/Q5_K/Q6_K weights on CPUs with AVX2, which takes one 8-bit pass
+            (llama.cpp's accuracy, faster; docs/prefill-kernels.md). F16/BF16/F32 weights and the CUDA backend
+            always use f32 activations.
     """
 
     def __init__(
@@ -50,7 +52,7 @@ class Model:
         kv_budget: int | None = None,
         kv_type: Literal["f32", "f16"] = "f32",
         device: str = "cpu",
-        activations: Literal["q8", "f32"] = "q8",
+        activations: Literal["q8", "q8-fast", "f32"] = "q8",
     ) -> None:
         """device: "cpu", or "cuda" / "cuda:N" on a build with the CUDA backend (see `kvcmas_cpp.backends()`)."""
         self.path = default_model_path() if path is None else os.fspath(path)
@@ -80,8 +82,8 @@ class Model:
             core_args += (kv_type,)
         if device != "cpu":  # likewise: cores built before the backend seam have no device argument
             core_args = (*core_args[:4], kv_type, device)
-        if activations not in ("q8", "f32"):
-            raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
+        if activations not in ("q8", "q8-fast", "f32"):
+            raise ValueError(f"activations must be 'q8', 'q8-fast' or 'f32', got {activations!r}")
         if activations != "q8":  # likewise: cores built before the option run q8's place with f32
             core_args = (*core_args[:4], kv_type, device, activations)
         self._core = core.Model(*core_args)
@@ -100,7 +102,7 @@ class Model:
     arch = property(lambda self: self._core.arch, doc="architecture name from the file ('llama', 'qwen2')")
     device = property(lambda self: getattr(self._core, "device", "cpu"), doc="backend it runs on: 'cpu' or 'cuda'")
     activations = property(
-        lambda self: getattr(self._core, "activations", "f32"), doc="'q8' or 'f32' (see the constructor)"
+        lambda self: getattr(self._core, "activations", "f32"), doc="'q8', 'q8-fast' or 'f32' (see the constructor)"
     )
     n_vocab = property(lambda self: self._core.n_vocab, doc="vocabulary size")
     n_ctx_train = property(lambda self: self._core.n_ctx_train, doc="context length the model was trained for")
