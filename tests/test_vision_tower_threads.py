@@ -26,10 +26,7 @@ from kvcmas_cpp.vision import VisionEncoder  # noqa: E402
 def test_tower_features_same_bits_at_one_and_two_threads(tmp_path: Path, family: str, layers: int) -> None:
     torch.manual_seed(0)
     model, _, processor = vt.BUILDERS[family](layers)
-    with torch.no_grad():  # matrices transformers initialises to zero (Gemma 3's input projection) get values
-        for p in model.parameters():
-            if p.dim() >= 2 and not p.any():
-                p.normal_(0.0, 0.02)
+    vt.fill_zero_matrices(model)
     folder = tmp_path / family
     model.save_pretrained(folder)
     (folder / vt.PROCESSOR_FILES[family]).write_text(json.dumps(processor))

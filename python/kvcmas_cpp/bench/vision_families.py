@@ -145,6 +145,8 @@ def build_family(
     from kvcmas_convert.convert import convert
     from kvcmas_convert.vision import convert_llava_text, convert_mmproj
 
+    from .vision_towers import fill_zero_matrices
+
     if family not in BUILDERS:
         raise ValueError(f"family {family!r}: a random checkpoint is built for {', '.join(BUILDERS)}")
     if size not in ("real", "tiny"):
@@ -160,10 +162,7 @@ def build_family(
     model, processor, label = BUILDERS[family](size, layers, len(tok), ids)
     for cfg in (model.config, model.config.text_config):  # the tokenizer's, not the family's vocabulary's
         cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    with torch.no_grad():  # matrices transformers initialises to zero (Gemma 3's input projection) get values
-        for p in model.parameters():
-            if p.dim() >= 2 and not p.any():
-                p.normal_(0.0, 0.02)
+    fill_zero_matrices(model)
     ck = folder / family
     model.save_pretrained(ck)
     del model

@@ -207,6 +207,17 @@ def _max_delta(a: np.ndarray, b: np.ndarray) -> tuple[float | None, str]:
     return d, f"{d:.1e} (|ref| <= {float(np.abs(b).max()):.2g})"
 
 
+def fill_zero_matrices(model: Any) -> None:
+    """Draws N(0, 0.02) values into the matrices transformers initialises to zero (Gemma 3's input projection), so a
+    random checkpoint's every matrix is used."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():
+                p.normal_(0.0, 0.02)
+
+
 def bench_family(fam: Family, args: argparse.Namespace, image: Any, tmp: Path) -> dict[str, Any]:
     import torch
 
@@ -216,10 +227,7 @@ def bench_family(fam: Family, args: argparse.Namespace, image: Any, tmp: Path) -
     torch.manual_seed(0)
     print(f"building {fam.name} ({layers} blocks) with transformers ...", file=sys.stderr)
     model, ip, processor = BUILDERS[fam.name](layers)
-    with torch.no_grad():  # matrices transformers initialises to zero (Gemma 3's input projection) get values
-        for p in model.parameters():
-            if p.dim() >= 2 and not p.any():
-                p.normal_(0.0, 0.02)
+    fill_zero_matrices(model)
     folder = tmp / fam.name
     model.save_pretrained(folder)
     (folder / PROCESSOR_FILES[fam.name]).write_text(json.dumps(processor))
