@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/activation.h"
 #include "backend/cpu/attention.h"  // KvType, AttentionShape, kMaxCorrectionRank (plain descriptions)
 #include "backend/cpu/matmul.h"     // Activations
 #include "backend/cpu/ops.h"        // Rope: the rotation's parameters and its host reference math
@@ -257,6 +258,30 @@ class Backend {
                          const RunTable & table, int r0, int r1, const int64_t * shifts, const KvSlotRef * slots) = 0;
     // Ridge map products (see RidgeJob), the jobs independent of each other.
     virtual void ridge_rows(const KvStore & store, int layer, const RidgeJob * jobs, int n_jobs, int rank) = 0;
+
+    // ---- vision-tower ops (vision/: CLIP / SigLIP / Qwen2.5-VL ViTs and their projectors).
+    // y[i] = (x[i] - mean) / sqrt(var + eps) * w + b for n_rows rows of width n (biased variance, as torch's
+    // LayerNorm); w, b [n]. y may alias x.
+    virtual void layer_norm(const float * x, const float * w, const float * b, float * y, int64_t n_rows, int64_t n,
+                            float eps) = 0;
+    // x [n_rows][n] = act(x) in place, then times mul [n_rows][n] element-wise when mul is not null (a gated MLP:
+    // silu(gate) · up).
+    virtual void activate(Activation act, float * x, const float * mul, int64_t n_rows, int64_t n) = 0;
+    // Bidirectional multi-head attention within segments of rows: for each segment [host_seg[s], host_seg[s + 1])
+    // (s < n_seg, host_seg ascending from 0 to n_rows) and head h (columns [h·hd, (h + 1)·hd), hd = E / H):
+    // out[t] = softmax(q[t]·Kᵀ / sqrt(hd)) · V over the segment's rows. q, k, v, out [n_rows][E]. A segment is an
+    // image (a batch of tiles), one of Qwen2.5-VL's windows, or a whole image of up to 16,384 rows.
+    virtual void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t n_rows,
+                                   int64_t E, int64_t H, const int64_t * host_seg, int n_seg) = 0;
+    // x [n_rows][H·hd] in place: pair (i, i + hd/2) of each head of row t rotated by angle (cos_t, sin_t)[t][i]
+    // (tables [n_rows][hd/2]): the rotate-half RoPE with per-row angles (Qwen2.5-VL's 2D rotary of the patches).
+    virtual void rotate_half_rows(float * x, const float * cos_t, const float * sin_t, int64_t n_rows, int64_t H,
+                                  int64_t hd) = 0;
+    // Gemma 3's soft tokens: for each of n_img images of G x G rows x [n_img·G·G][E] (row-major grid), the k x k
+    // average pooling (G % k == 0) to (G / k)² rows, each RMS-normalised with w [E]:
+    // y [n_img·(G / k)²][E], image after image.
+    virtual void avg_pool_rms_norm(const float * x, const float * w, float * y, int64_t n_img, int64_t G, int64_t k,
+                                   int64_t E, float eps) = 0;
 };
 
 // A buffer of backend memory, freed when it goes.

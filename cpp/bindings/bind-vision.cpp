@@ -1,4 +1,4 @@
-// Python view of the vision encoder: `_core.VisionEncoder(path, n_threads)` with its hyper-parameters, the
+// Python view of the vision encoder: `_core.VisionEncoder(path, n_threads, backend)` with its hyper-parameters, the
 // preprocessing settings recorded in the file, and `encode(pixels) -> [n_tokens, n_embd_out]`.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -71,13 +71,16 @@ static void bind_qwen_vision(nb::module_ & m) {
     using vision::QwenVisionEncoder;
     nb::class_<QwenVisionEncoder>(m, "QwenVisionEncoder",
                                   "Qwen2.5-VL's vision tower and patch merger, loaded from an mmproj GGUF.")
-        .def(nb::init<const std::string &, int>(), nb::arg("path"), nb::arg("n_threads") = 0,
-             nb::call_guard<nb::gil_scoped_release>())
+        .def(nb::init<const std::string &, int, const std::string &>(), nb::arg("path"), nb::arg("n_threads") = 0,
+             nb::arg("backend") = "cpu", nb::call_guard<nb::gil_scoped_release>(),
+             "backend: the backend that runs the tower ('cpu', 'cuda', 'cuda:N'); one this build or machine cannot "
+             "run is refused naming it")
         .def("encode", &encode_patches, nb::arg("patches"), nb::arg("grid_h"), nb::arg("grid_w"),
              "patches: float32 [grid_h * grid_w, 3 * 2 * P * P] in the processor's order -> float32 "
              "[grid_h * grid_w / merge^2, n_embd_out]")
         .def_prop_ro("path", [](const QwenVisionEncoder & e) { return e.file().path(); })
         .def_prop_ro("n_threads", &QwenVisionEncoder::n_threads)
+        .def_prop_ro("backend", &QwenVisionEncoder::backend_name)
         .def_prop_ro("patch_size", [](const QwenVisionEncoder & e) { return e.params().patch_size; })
         .def_prop_ro("temporal_patch_size", [](const QwenVisionEncoder & e) { return e.params().temporal_patch_size; })
         .def_prop_ro("merge_size", [](const QwenVisionEncoder & e) { return e.params().merge_size; })
@@ -113,8 +116,10 @@ void bind_vision(nb::module_ & m) {
     nb::class_<VisionEncoder>(
         m, "VisionEncoder",
         "A CLIP / SigLIP vision tower with its LLaVA or Gemma 3 projector, loaded from an mmproj GGUF.")
-        .def(nb::init<const std::string &, int>(), nb::arg("path"), nb::arg("n_threads") = 0,
-             nb::call_guard<nb::gil_scoped_release>())
+        .def(nb::init<const std::string &, int, const std::string &>(), nb::arg("path"), nb::arg("n_threads") = 0,
+             nb::arg("backend") = "cpu", nb::call_guard<nb::gil_scoped_release>(),
+             "backend: the backend that runs the tower ('cpu', 'cuda', 'cuda:N'); one this build or machine cannot "
+             "run is refused naming it")
         .def("encode", &encode, nb::arg("pixels"),
              "pixels: float32 [3, image_size, image_size] (preprocessed) -> float32 [n_tokens, n_embd_out]")
         .def("encode_batch", &encode_batch, nb::arg("pixels"),
@@ -123,6 +128,7 @@ void bind_vision(nb::module_ & m) {
         .def_prop_ro("max_batch", [](const VisionEncoder &) { return VisionEncoder::kMaxBatch; })
         .def_prop_ro("path", [](const VisionEncoder & e) { return e.file().path(); })
         .def_prop_ro("n_threads", &VisionEncoder::n_threads)
+        .def_prop_ro("backend", &VisionEncoder::backend_name)
         .def_prop_ro("image_size", [](const VisionEncoder & e) { return e.params().image_size; })
         .def_prop_ro("patch_size", [](const VisionEncoder & e) { return e.params().patch_size; })
         .def_prop_ro("n_embd", [](const VisionEncoder & e) { return e.params().n_embd; })

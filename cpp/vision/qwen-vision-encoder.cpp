@@ -4,18 +4,17 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/cpu/ops.h"
 #include "common/error.h"
 #include "engine/tensor-loader.h"
+#include "vision/tower-weights.h"
 #include "vision/vision-names.h"
-#include "vision/vision-ops.h"
 
 namespace kvcmas::vision {
 
 namespace names = vision_names;
 
-QwenVisionEncoder::QwenVisionEncoder(const std::string & path, int n_threads)
-    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(encoder_threads(n_threads)) {
+QwenVisionEncoder::QwenVisionEncoder(const std::string & path, int n_threads, const std::string & backend_name)
+    : file_(std::make_unique<gguf::GgufFile>(path)), be_(make_tower_backend(path, backend_name, n_threads)) {
     load_params();
     load_weights();
 }
@@ -127,91 +126,61 @@ void QwenVisionEncoder::load_weights() {
             }
         }
     }
-    patch_w_ = cpu::WeightView{ GgmlType::F32, patch_w_data_.data(), p_.patch_dim(), E,
-                                static_cast<size_t>(p_.patch_dim()) * sizeof(float) };
+    patch_cols_ = patch_columns(*be_, p_.patch_dim());
+    patch_w_    = upload_f32_matrix(*be_, std::move(patch_w_data_), p_.patch_dim(), E, patch_cols_, patch_w_data_);
+    const auto matrix = [&](const std::string & name, int64_t n_in, int64_t n_out) {
+        return upload_matrix(*be_, loader, name, n_in, n_out);
+    };
+    const auto vector = [&](const std::string & name, int64_t n) { return upload_vector(*be_, loader, name, n, true); };
 
     layers_.resize(static_cast<size_t>(p_.n_layer));
     for (int64_t il = 0; il < p_.n_layer; ++il) {
         Layer &           L  = layers_[static_cast<size_t>(il)];
         const std::string bl = names::kBlockPrefix + std::to_string(il) + ".";
-        L.ln1                = loader.vector_f32(w(bl + names::kBlkLn1), E, true);
-        L.ln2                = loader.vector_f32(w(bl + names::kBlkLn2), E, true);
-        L.wq                 = loader.matrix(w(bl + names::kBlkAttnQ), E, E);
-        L.wk                 = loader.matrix(w(bl + names::kBlkAttnK), E, E);
-        L.wv                 = loader.matrix(w(bl + names::kBlkAttnV), E, E);
-        L.wo                 = loader.matrix(w(bl + names::kBlkAttnOut), E, E);
-        L.w_gate             = loader.matrix(w(bl + names::kBlkFfnGate), E, F);
-        L.w_up               = loader.matrix(w(bl + names::kBlkFfnUp), E, F);
-        L.w_down             = loader.matrix(w(bl + names::kBlkFfnDown), F, E);
-        L.bq                 = loader.vector_f32(b(bl + names::kBlkAttnQ), E, true);
-        L.bk                 = loader.vector_f32(b(bl + names::kBlkAttnK), E, true);
-        L.bv                 = loader.vector_f32(b(bl + names::kBlkAttnV), E, true);
-        L.bo                 = loader.vector_f32(b(bl + names::kBlkAttnOut), E, true);
-        L.b_gate             = loader.vector_f32(b(bl + names::kBlkFfnGate), F, true);
-        L.b_up               = loader.vector_f32(b(bl + names::kBlkFfnUp), F, true);
-        L.b_down             = loader.vector_f32(b(bl + names::kBlkFfnDown), E, true);
+        L.ln1                = vector(w(bl + names::kBlkLn1), E);
+        L.ln2                = vector(w(bl + names::kBlkLn2), E);
+        L.wq                 = matrix(w(bl + names::kBlkAttnQ), E, E);
+        L.wk                 = matrix(w(bl + names::kBlkAttnK), E, E);
+        L.wv                 = matrix(w(bl + names::kBlkAttnV), E, E);
+        L.wo                 = matrix(w(bl + names::kBlkAttnOut), E, E);
+        L.w_gate             = matrix(w(bl + names::kBlkFfnGate), E, F);
+        L.w_up               = matrix(w(bl + names::kBlkFfnUp), E, F);
+        L.w_down             = matrix(w(bl + names::kBlkFfnDown), F, E);
+        L.bq                 = vector(b(bl + names::kBlkAttnQ), E);
+        L.bk                 = vector(b(bl + names::kBlkAttnK), E);
+        L.bv                 = vector(b(bl + names::kBlkAttnV), E);
+        L.bo                 = vector(b(bl + names::kBlkAttnOut), E);
+        L.b_gate             = vector(b(bl + names::kBlkFfnGate), F);
+        L.b_up               = vector(b(bl + names::kBlkFfnUp), F);
+        L.b_down             = vector(b(bl + names::kBlkFfnDown), E);
     }
     KC_CHECK(
         file_->find_tensor(w(names::kBlockPrefix + std::to_string(p_.n_layer) + "." + names::kBlkAttnQ)) == nullptr,
         "%s: holds more blocks than clip.vision.block_count = %lld", path, static_cast<long long>(p_.n_layer));
-    merger_ln_                   = loader.vector_f32(w(names::kTensorPostLn), E, true);
-    mm0_                         = loader.matrix(w(names::kTensorMm0), M * E, M * E);
-    mm0_b_                       = loader.vector_f32(b(names::kTensorMm0), M * E, true);
+    merger_ln_                   = vector(w(names::kTensorPostLn), E);
+    mm0_                         = matrix(w(names::kTensorMm0), M * E, M * E);
+    mm0_b_                       = vector(b(names::kTensorMm0), M * E);
     const gguf::TensorInfo * mm2 = file_->find_tensor(w(names::kTensorMm2));
     KC_CHECK(mm2 != nullptr && mm2->ne.size() == 2 && mm2->ne[1] > 0 && mm2->ne[1] <= 65536,
              "%s: tensor '%s' is missing or not a matrix of at most 65536 rows", path, w(names::kTensorMm2).c_str());
     p_.n_embd_out = mm2->ne[1];
-    mm2_          = loader.matrix(w(names::kTensorMm2), M * E, p_.n_embd_out);
-    mm2_b_        = loader.vector_f32(b(names::kTensorMm2), p_.n_embd_out, true);
+    mm2_          = matrix(w(names::kTensorMm2), M * E, p_.n_embd_out);
+    mm2_b_        = vector(b(names::kTensorMm2), p_.n_embd_out);
 }
 
-void QwenVisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
+void QwenVisionEncoder::linear(const backend::Weight & w, const backend::Buffer & b, const float * x, float * y,
                                int64_t n_tok) {
-    vision::linear(w, b, x, y, n_tok, pool_);
-}
-
-void QwenVisionEncoder::rms_rows(const std::vector<float> & w, const float * x, float * y, int64_t n_tok, int64_t n) {
-    pool_.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(n_tok, ith, nth, t0, t1);
-        for (long long t = t0; t < t1; ++t) {
-            cpu::rms_norm(x + t * n, w.data(), y + t * n, n, p_.eps);
-        }
-    });
-}
-
-// Rotates the heads of rows [N][E] in place: pair (i, i + hd/2) of each head by the row's angle i.
-static void rotate_rows(float * x, const float * cos_t, const float * sin_t, int64_t N, int64_t H, int64_t hd,
-                        cpu::ThreadPool & pool) {
-    const int64_t half = hd / 2;
-    pool.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(N, ith, nth, t0, t1);
-        for (long long t = t0; t < t1; ++t) {
-            const float * c = cos_t + t * half;
-            const float * s = sin_t + t * half;
-            for (int64_t h = 0; h < H; ++h) {
-                float * v = x + (t * H + h) * hd;
-                for (int64_t i = 0; i < half; ++i) {
-                    const float a = v[i], bb = v[i + half];
-                    v[i]        = a * c[i] - bb * s[i];
-                    v[i + half] = bb * c[i] + a * s[i];
-                }
-            }
-        }
-    });
+    vision::linear(*be_, w, b, x, y, n_tok);
 }
 
 void QwenVisionEncoder::attention(const Layer & L, const float * xn, const std::vector<int64_t> & seg,
                                   const float * cos_t, const float * sin_t, float * out, int64_t N) {
-    const int64_t      E = p_.n_embd, H = p_.n_head, hd = E / H;
-    std::vector<float> q(static_cast<size_t>(N * E)), k(q.size()), v(q.size());
-    linear(L.wq, L.bq, xn, q.data(), N);
-    linear(L.wk, L.bk, xn, k.data(), N);
-    linear(L.wv, L.bv, xn, v.data(), N);
-    rotate_rows(q.data(), cos_t, sin_t, N, H, hd, pool_);
-    rotate_rows(k.data(), cos_t, sin_t, N, H, hd, pool_);
-    segment_attention(q.data(), k.data(), v.data(), out, E, H, seg, scratch_, pool_);
+    const int64_t E = p_.n_embd, H = p_.n_head, hd = E / H;
+    qkv_.project(*be_, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, xn, N, E);
+    float *q = qkv_.q.f32(), *k = qkv_.k.f32(), *v = qkv_.v.f32();
+    be_->rotate_half_rows(q, cos_t, sin_t, N, H, hd);
+    be_->rotate_half_rows(k, cos_t, sin_t, N, H, hd);
+    be_->segment_attention(q, k, v, out, N, E, H, seg.data(), static_cast<int>(seg.size()) - 1);
 }
 
 std::vector<float> QwenVisionEncoder::encode(const float * patches, int64_t n_patches, int64_t dim, int64_t grid_h,
@@ -247,15 +216,22 @@ std::vector<float> QwenVisionEncoder::encode(const float * patches, int64_t n_pa
     }
     const std::vector<int64_t> whole{ 0, N };
 
-    // Rows in window order; each row's 2D RoPE angles (its patch row, then its column).
-    std::vector<float> x(static_cast<size_t>(N * E));
+    // Rows in window order (gathered from the patch rows); each row's 2D RoPE angles (its patch row, then its
+    // column).
+    backend::Backend & be     = *be_;
+    const auto         floats = [&](int64_t n) { return backend::Buffer(be, static_cast<size_t>(n) * sizeof(float)); };
+    backend::Buffer    x      = floats(N * E);
     {
-        std::vector<float> embd(x.size());
-        linear(patch_w_, {}, patches, embd.data(), N);
+        const backend::Buffer d_patches = upload_padded_rows(be, patches, N, dim, patch_cols_);
+        backend::Buffer       embd      = floats(N * E);
+        linear(patch_w_, {}, d_patches.f32(), embd.f32(), N);
+        std::vector<int32_t> rows(static_cast<size_t>(N));
         for (int64_t i = 0; i < units; ++i) {
-            std::memcpy(&x[static_cast<size_t>(i * M * E)], &embd[static_cast<size_t>(order[i] * M * E)],
-                        static_cast<size_t>(M * E) * sizeof(float));
+            for (int64_t j = 0; j < M; ++j) {
+                rows[static_cast<size_t>(i * M + j)] = static_cast<int32_t>(order[i] * M + j);
+            }
         }
+        be.gather_rows(embd.f32(), rows.data(), N, E, x.f32());
     }
     const int64_t      quarter = hd / 4, half = hd / 2;
     std::vector<float> cos_t(static_cast<size_t>(N * half)), sin_t(cos_t.size());
@@ -275,48 +251,39 @@ std::vector<float> QwenVisionEncoder::encode(const float * patches, int64_t n_pa
             }
         }
     }
+    const backend::Buffer d_cos = backend::upload_floats(be, cos_t), d_sin = backend::upload_floats(be, sin_t);
 
-    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size());
-    std::vector<float> g(static_cast<size_t>(N * F)), u(g.size());
+    backend::Buffer xn = floats(N * E), att = floats(N * E), tmp = floats(N * E);
+    backend::Buffer g = floats(N * F), u = floats(N * F);
     for (int64_t il = 0; il < p_.n_layer; ++il) {
         const Layer & L = layers_[static_cast<size_t>(il)];
-        rms_rows(L.ln1, x.data(), xn.data(), N, E);
-        attention(L, xn.data(), p_.full_attention[static_cast<size_t>(il)] ? whole : windows, cos_t.data(),
-                  sin_t.data(), att.data(), N);
-        linear(L.wo, L.bo, att.data(), tmp.data(), N);
-        for (size_t i = 0; i < x.size(); ++i) {
-            x[i] += tmp[i];
-        }
-        rms_rows(L.ln2, x.data(), xn.data(), N, E);
-        linear(L.w_gate, L.b_gate, xn.data(), g.data(), N);
-        linear(L.w_up, L.b_up, xn.data(), u.data(), N);
-        pool_.run([&](int ith, int nth) {
-            long long t0, t1;
-            cpu::split_range(N, ith, nth, t0, t1);
-            activate(Activation::Silu, &g[static_cast<size_t>(t0 * F)], (t1 - t0) * F);
-            for (long long i = t0 * F; i < t1 * F; ++i) {
-                g[static_cast<size_t>(i)] *= u[static_cast<size_t>(i)];
-            }
-        });
-        linear(L.w_down, L.b_down, g.data(), tmp.data(), N);
-        for (size_t i = 0; i < x.size(); ++i) {
-            x[i] += tmp[i];
-        }
+        be.rms_norm(x.f32(), L.ln1.f32(), xn.f32(), N, E, p_.eps);
+        attention(L, xn.f32(), p_.full_attention[static_cast<size_t>(il)] ? whole : windows, d_cos.f32(), d_sin.f32(),
+                  att.f32(), N);
+        linear(L.wo, L.bo, att.f32(), tmp.f32(), N);
+        be.add(x.f32(), tmp.f32(), N * E);
+        be.rms_norm(x.f32(), L.ln2.f32(), xn.f32(), N, E, p_.eps);
+        linear(L.w_gate, L.b_gate, xn.f32(), g.f32(), N);
+        linear(L.w_up, L.b_up, xn.f32(), u.f32(), N);
+        be.activate(Activation::Silu, g.f32(), u.f32(), N, F);
+        linear(L.w_down, L.b_down, g.f32(), tmp.f32(), N);
+        be.add(x.f32(), tmp.f32(), N * E);
     }
 
     // Merger: each merge block's M rows side by side, then the MLP; output rows back in prompt order.
-    rms_rows(merger_ln_, x.data(), xn.data(), N, E);
-    std::vector<float> hidden(static_cast<size_t>(units * M * E));
-    linear(mm0_, mm0_b_, xn.data(), hidden.data(), units);
-    activate(Activation::GeluErf, hidden.data(), static_cast<int64_t>(hidden.size()));
-    std::vector<float> merged(static_cast<size_t>(units * p_.n_embd_out));
-    linear(mm2_, mm2_b_, hidden.data(), merged.data(), units);
-    std::vector<float> out(merged.size());
+    be.rms_norm(x.f32(), merger_ln_.f32(), xn.f32(), N, E, p_.eps);
+    backend::Buffer hidden = floats(units * M * E);
+    linear(mm0_, mm0_b_, xn.f32(), hidden.f32(), units);
+    be.activate(Activation::GeluErf, hidden.f32(), nullptr, units, M * E);
+    backend::Buffer merged = floats(units * p_.n_embd_out), ordered = floats(units * p_.n_embd_out);
+    linear(mm2_, mm2_b_, hidden.f32(), merged.f32(), units);
+    std::vector<int32_t> back(static_cast<size_t>(units));  // output row order[i] is merged row i
     for (int64_t i = 0; i < units; ++i) {
-        std::memcpy(&out[static_cast<size_t>(order[i] * p_.n_embd_out)],
-                    &merged[static_cast<size_t>(i * p_.n_embd_out)],
-                    static_cast<size_t>(p_.n_embd_out) * sizeof(float));
+        back[static_cast<size_t>(order[i])] = static_cast<int32_t>(i);
     }
+    be.gather_rows(merged.f32(), back.data(), units, p_.n_embd_out, ordered.f32());
+    std::vector<float> out(static_cast<size_t>(units * p_.n_embd_out));
+    be.download(out.data(), ordered.data(), out.size() * sizeof(float));
     return out;
 }
 

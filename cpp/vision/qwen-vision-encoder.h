@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/matmul.h"
-#include "backend/cpu/threadpool.h"
+#include "backend/backend.h"
 #include "gguf/gguf-file.h"
+#include "vision/tower-weights.h"
 
 namespace kvcmas::vision {
 
@@ -47,16 +47,19 @@ struct QwenVisionParams {
 
 class QwenVisionEncoder {
   public:
-    // Loads and validates the file (keys' ranges, every tensor's presence and shape). Throws kvcmas::Error naming
-    // the file and the problem. n_threads <= 0: all cores (at most 64).
-    QwenVisionEncoder(const std::string & path, int n_threads);
+    // Loads and validates the file (keys' ranges, every tensor's presence and shape) and uploads the weights to a
+    // backend made by name ("cpu", "cuda", "cuda:N") that runs every op of the tower. Throws kvcmas::Error naming
+    // the file and the problem, or the backend this build does not know or cannot run. n_threads <= 0: all cores
+    // (at most 64; the CPU backend's threads).
+    QwenVisionEncoder(const std::string & path, int n_threads, const std::string & backend_name = "cpu");
     ~QwenVisionEncoder();
     QwenVisionEncoder(const QwenVisionEncoder &)             = delete;
     QwenVisionEncoder & operator=(const QwenVisionEncoder &) = delete;
 
     const QwenVisionParams & params() const { return p_; }
     const gguf::GgufFile &   file() const { return *file_; }
-    int                      n_threads() const { return pool_.size(); }
+    int                      n_threads() const { return be_->n_threads(); }
+    std::string              backend_name() const { return be_->name(); }
 
     // patches [grid_h·grid_w][patch_dim()] as above -> [grid_h·grid_w / merge²][n_embd_out] row-major. Throws on
     // a grid that is not a positive multiple of the merge size or non-finite inputs. Thread-safe (serialised).
@@ -64,31 +67,31 @@ class QwenVisionEncoder {
 
   private:
     struct Layer {
-        std::vector<float> ln1, ln2;              // RMSNorm weights [E]
-        cpu::WeightView    wq, wk, wv, wo;        // [E, E] as (n_in, n_out)
-        cpu::WeightView    w_gate, w_up, w_down;  // [E, F] x2, [F, E]
-        std::vector<float> bq, bk, bv, bo, b_gate, b_up, b_down;
+        backend::Buffer ln1, ln2;              // RMSNorm weights [E]
+        backend::Weight wq, wk, wv, wo;        // [E, E] as (n_in, n_out)
+        backend::Weight w_gate, w_up, w_down;  // [E, F] x2, [F, E]
+        backend::Buffer bq, bk, bv, bo, b_gate, b_up, b_down;
     };
 
     void load_params();
     void load_weights();
-    void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
-    void rms_rows(const std::vector<float> & w, const float * x, float * y, int64_t n_tok, int64_t n);
+    void linear(const backend::Weight & w, const backend::Buffer & b, const float * x, float * y, int64_t n_tok);
     // Attention of every segment [seg[s], seg[s + 1]) on its own (rows in window order); out [N, E].
     void attention(const Layer & L, const float * xn, const std::vector<int64_t> & seg, const float * cos_t,
                    const float * sin_t, float * out, int64_t N);
 
-    std::unique_ptr<gguf::GgufFile> file_;
-    QwenVisionParams                p_;
-    std::vector<float>              patch_w_data_;  // [E][3][T][P][P]: the two temporal kernels interleaved
-    cpu::WeightView                 patch_w_{};
-    std::vector<Layer>              layers_;
-    std::vector<float>              merger_ln_;
-    cpu::WeightView                 mm0_{}, mm2_{};
-    std::vector<float>              mm0_b_, mm2_b_;
-    cpu::ThreadPool                 pool_;
-    std::vector<float>              scratch_;  // attention's, kept across layers and calls (serialised)
-    std::mutex                      mutex_;
+    std::unique_ptr<gguf::GgufFile>   file_;
+    QwenVisionParams                  p_;
+    std::unique_ptr<backend::Backend> be_;            // before every buffer: they go first
+    std::vector<float>                patch_w_data_;  // [E][3][T][P][P]: the two temporal kernels interleaved
+    backend::Weight                   patch_w_{};
+    int64_t                           patch_cols_ = 0;  // patch_w_.n_in: patch_dim(), padded with zeros for a device
+    std::vector<Layer>                layers_;
+    backend::Buffer                   merger_ln_;
+    backend::Weight                   mm0_{}, mm2_{};
+    backend::Buffer                   mm0_b_, mm2_b_;
+    QkvRows                           qkv_;  // attention's [N, E] x3
+    std::mutex                        mutex_;
 };
 
 }  // namespace kvcmas::vision

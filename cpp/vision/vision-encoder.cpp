@@ -4,17 +4,17 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/cpu/quants.h"
 #include "common/error.h"
 #include "engine/tensor-loader.h"
+#include "vision/tower-weights.h"
 #include "vision/vision-names.h"
 
 namespace kvcmas::vision {
 
 namespace names = vision_names;
 
-VisionEncoder::VisionEncoder(const std::string & path, int n_threads)
-    : file_(std::make_unique<gguf::GgufFile>(path)), pool_(encoder_threads(n_threads)) {
+VisionEncoder::VisionEncoder(const std::string & path, int n_threads, const std::string & backend_name)
+    : file_(std::make_unique<gguf::GgufFile>(path)), be_(make_tower_backend(path, backend_name, n_threads)) {
     load_params();
     load_weights();
 }
@@ -129,26 +129,32 @@ void VisionEncoder::load_params() {
 void VisionEncoder::load_weights() {
     const TensorLoader loader(*file_);
     const auto         weight = [&](const std::string & name, int64_t n_in, int64_t n_out) {
-        return loader.matrix(name, n_in, n_out);
+        return upload_matrix(*be_, loader, name, n_in, n_out);
     };
     const auto vector_f32 = [&](const std::string & name, int64_t n, bool required) {
-        return loader.vector_f32(name, n, required);
+        return upload_vector(*be_, loader, name, n, required);
     };
-    const int64_t E = p_.n_embd, F = p_.n_ff, P = p_.patch_size;
+    const int64_t E = p_.n_embd, F = p_.n_ff, P = p_.patch_size, C = 3 * P * P;
     const char *  path = file_->path().c_str();
     auto          w    = [](const std::string & base) { return base + ".weight"; };
     auto          b    = [](const std::string & base) { return base + ".bias"; };
 
-    patch_w_       = weight(w(names::kTensorPatchEmbd), 3 * P * P, E);
+    patch_cols_ = patch_columns(*be_, C);
+    if (patch_cols_ == C) {
+        patch_w_ = weight(w(names::kTensorPatchEmbd), C, E);
+    } else {
+        patch_w_ = upload_f32_matrix(*be_, loader.vector_f32(w(names::kTensorPatchEmbd), C * E, true), C, E,
+                                     patch_cols_, patch_w_host_);
+    }
     patch_b_       = vector_f32(b(names::kTensorPatchEmbd), E, false);
-    class_embd_    = vector_f32(names::kTensorClassEmbd, E, false);
+    class_embd_    = loader.vector_f32(names::kTensorClassEmbd, E, false);
     p_.class_token = !class_embd_.empty();
     pos_embd_      = vector_f32(w(names::kTensorPosEmbd), p_.n_positions() * E, true);
     pre_ln_w_      = vector_f32(w(names::kTensorPreLn), E, false);
-    p_.pre_ln      = !pre_ln_w_.empty();
+    p_.pre_ln      = pre_ln_w_.data() != nullptr;
     pre_ln_b_      = vector_f32(b(names::kTensorPreLn), E, p_.pre_ln);
     post_ln_w_     = vector_f32(w(names::kTensorPostLn), E, false);
-    p_.post_ln     = !post_ln_w_.empty();
+    p_.post_ln     = post_ln_w_.data() != nullptr;
     post_ln_b_     = vector_f32(b(names::kTensorPostLn), E, p_.post_ln);
 
     layers_.resize(static_cast<size_t>(p_.n_layer));
@@ -231,72 +237,29 @@ void VisionEncoder::load_gemma3_projector() {
             input_proj_t_[static_cast<size_t>(o * E + e)] = w[static_cast<size_t>(e * n_out + o)];
         }
     }
-    input_proj_         = cpu::WeightView{ GgmlType::F32, input_proj_t_.data(), E, n_out, sizeof(float) * E };
-    soft_emb_norm_      = loader.vector_f32(names::kTensorMmSoftEmbNorm, E, true);
+    input_proj_         = be_->upload_weight(GgmlType::F32, input_proj_t_.data(), E, n_out, sizeof(float) * E);
+    soft_emb_norm_      = upload_vector(*be_, loader, names::kTensorMmSoftEmbNorm, E, true);
     p_.projector        = true;
     p_.gemma3_projector = true;
     p_.n_embd_proj      = E;
 }
 
-std::vector<float> VisionEncoder::gemma3_project(const float * x) {
-    const int64_t      E = p_.n_embd, G = p_.image_size / p_.patch_size, k = p_.pool_kernel, side = G / k;
-    const int64_t      n_out = side * side;
-    std::vector<float> pooled(static_cast<size_t>(n_out * E));
-    // AvgPool2d(k, k) over the G x G grid (patch n at row n / G, column n % G), row-major output; each window is
-    // summed in float and divided by k², then each row is RMS-normalised (Gemma3RMSNorm: the stored 1 + w).
-    pool_.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(n_out, ith, nth, t0, t1);
-        for (long long t = t0; t < t1; ++t) {
-            const int64_t oy = t / side, ox = t % side;
-            float *       dst = &pooled[static_cast<size_t>(t * E)];
-            for (int64_t ky = 0; ky < k; ++ky) {
-                for (int64_t kx = 0; kx < k; ++kx) {
-                    const float * src = x + ((oy * k + ky) * G + ox * k + kx) * E;
-                    for (int64_t e = 0; e < E; ++e) {
-                        dst[e] += src[e];
-                    }
-                }
-            }
-            const float inv = 1.0f / static_cast<float>(k * k);
-            double      ss  = 0.0;
-            for (int64_t e = 0; e < E; ++e) {
-                dst[e] *= inv;
-                ss += static_cast<double>(dst[e]) * dst[e];
-            }
-            const float r = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(E)) + p_.eps);
-            for (int64_t e = 0; e < E; ++e) {
-                dst[e] = dst[e] * r * soft_emb_norm_[static_cast<size_t>(e)];
-            }
-        }
-    });
-    std::vector<float> out(static_cast<size_t>(n_out * input_proj_.n_out));
-    linear(input_proj_, {}, pooled.data(), out.data(), n_out);
-    return out;
-}
-
-void VisionEncoder::linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y,
+void VisionEncoder::linear(const backend::Weight & w, const backend::Buffer & b, const float * x, float * y,
                            int64_t n_tok) {
-    vision::linear(w, b, x, y, n_tok, pool_);
+    vision::linear(*be_, w, b, x, y, n_tok);
 }
 
 // Multi-head attention without a mask, within each of n_img images of T rows (rows of different images never see
-// each other): vision-ops.h's segment_attention with one segment per image.
+// each other): the backend's segment_attention with one segment per image.
 void VisionEncoder::attention(const Layer & L, const float * xn, float * out, int64_t T, int64_t n_img) {
     const int64_t E = p_.n_embd, H = p_.n_head, R = T * n_img;
-    // Buffers live in the encoder (calls are serialised): fresh ones per layer cost page faults on every encode.
-    AttentionScratch & sc = scratch_;
-    for (std::vector<float> * buf : { &sc.q, &sc.k, &sc.v }) {
-        buf->resize(static_cast<size_t>(R * E));
-    }
-    linear(L.wq, L.bq, xn, sc.q.data(), R);
-    linear(L.wk, L.bk, xn, sc.k.data(), R);
-    linear(L.wv, L.bv, xn, sc.v.data(), R);
+    qkv_.project(*be_, L.wq, L.bq, L.wk, L.bk, L.wv, L.bv, xn, R, E);
     std::vector<int64_t> segments(static_cast<size_t>(n_img + 1));
     for (int64_t img = 0; img <= n_img; ++img) {
         segments[static_cast<size_t>(img)] = img * T;
     }
-    segment_attention(sc.q.data(), sc.k.data(), sc.v.data(), out, E, H, segments, sc.rest, pool_);
+    be_->segment_attention(qkv_.q.f32(), qkv_.k.f32(), qkv_.v.f32(), out, R, E, H, segments.data(),
+                           static_cast<int>(n_img));
 }
 
 std::vector<float> VisionEncoder::encode(const float * pixels, int64_t channels, int64_t height, int64_t width) {
@@ -328,110 +291,110 @@ std::vector<float> VisionEncoder::encode_batch(const float * pixels, int64_t n_i
 }
 
 std::vector<float> VisionEncoder::encode_locked(const float * pixels, int64_t n_img) {
-    const int64_t S = p_.image_size, P = p_.patch_size, G = S / P, N = p_.n_patches(), T = p_.n_positions();
-    const int64_t E = p_.n_embd, F = p_.n_ff, C = 3 * P * P, R = n_img * T;
+    const int64_t      S = p_.image_size, P = p_.patch_size, G = S / P, N = p_.n_patches(), T = p_.n_positions();
+    const int64_t      E = p_.n_embd, F = p_.n_ff, R = n_img * T, Cp = patch_cols_;
+    backend::Backend & be = *be_;
+    using backend::Buffer;
+    const auto floats = [&](int64_t n) { return Buffer(be, static_cast<size_t>(n) * sizeof(float)); };
 
-    // Patches as rows [n_img·N][3·P·P] in the convolution weight's (channel, y, x) order.
-    std::vector<float> patches(static_cast<size_t>(n_img * N * C));
-    pool_.run([&](int ith, int nth) {
-        long long n0, n1;
-        cpu::split_range(n_img * N, ith, nth, n0, n1);
-        for (long long n = n0; n < n1; ++n) {
-            const int64_t img = n / N, gy = (n % N) / G, gx = (n % N) % G;
-            float *       row = &patches[static_cast<size_t>(n * C)];
-            for (int64_t c = 0; c < 3; ++c) {
-                for (int64_t ky = 0; ky < P; ++ky) {
-                    const float * src = pixels + img * 3 * S * S + (c * S + gy * P + ky) * S + gx * P;
-                    std::memcpy(row + (c * P + ky) * P, src, static_cast<size_t>(P) * sizeof(float));
-                }
+    // Patches as rows [n_img·N][3·P·P] in the convolution weight's (channel, y, x) order (host preprocessing),
+    // zero-padded to the weight's columns.
+    std::vector<float> patches(static_cast<size_t>(n_img * N * Cp), 0.0f);
+    for (int64_t n = 0; n < n_img * N; ++n) {
+        const int64_t img = n / N, gy = (n % N) / G, gx = (n % N) % G;
+        float *       row = &patches[static_cast<size_t>(n * Cp)];
+        for (int64_t c = 0; c < 3; ++c) {
+            for (int64_t ky = 0; ky < P; ++ky) {
+                const float * src = pixels + img * 3 * S * S + (c * S + gy * P + ky) * S + gx * P;
+                std::memcpy(row + (c * P + ky) * P, src, static_cast<size_t>(P) * sizeof(float));
             }
         }
-    });
-    const int64_t      first = p_.class_token ? 1 : 0;
-    std::vector<float> x(static_cast<size_t>(R * E));
+    }
+    const Buffer  d_patches = upload_floats(be, patches);
+    const int64_t first     = p_.class_token ? 1 : 0;
+    Buffer        x         = floats(R * E);
     if (first == 0) {
-        linear(patch_w_, patch_b_, patches.data(), x.data(), n_img * N);
+        linear(patch_w_, patch_b_, d_patches.f32(), x.f32(), n_img * N);
     } else {
-        std::vector<float> embedded(static_cast<size_t>(n_img * N * E));
-        linear(patch_w_, patch_b_, patches.data(), embedded.data(), n_img * N);
+        // [class_embd; the patch rows of every image], then each image's class row and its patch rows gathered.
+        Buffer embedded = floats((1 + n_img * N) * E);
+        be.upload(embedded.data(), class_embd_.data(), static_cast<size_t>(E) * sizeof(float));
+        linear(patch_w_, patch_b_, d_patches.f32(), embedded.f32() + E, n_img * N);
+        std::vector<int32_t> rows(static_cast<size_t>(R));
         for (int64_t img = 0; img < n_img; ++img) {
-            float * dst = &x[static_cast<size_t>(img * T * E)];
-            std::copy(class_embd_.begin(), class_embd_.end(), dst);
-            std::copy(embedded.begin() + img * N * E, embedded.begin() + (img + 1) * N * E, dst + E);
+            rows[static_cast<size_t>(img * T)] = 0;
+            for (int64_t n = 0; n < N; ++n) {
+                rows[static_cast<size_t>(img * T + 1 + n)] = static_cast<int32_t>(1 + img * N + n);
+            }
         }
+        be.gather_rows(embedded.f32(), rows.data(), R, E, x.f32());
     }
     for (int64_t img = 0; img < n_img; ++img) {
-        float * dst = &x[static_cast<size_t>(img * T * E)];
-        for (size_t i = 0; i < pos_embd_.size(); ++i) {
-            dst[i] += pos_embd_[i];
-        }
+        be.add(x.f32() + img * T * E, pos_embd_.f32(), T * E);
     }
 
-    auto norm_rows = [&](const std::vector<float> & w, const std::vector<float> & b, const float * src, float * dst) {
-        pool_.run([&](int ith, int nth) {
-            long long t0, t1;
-            cpu::split_range(R, ith, nth, t0, t1);
-            for (long long t = t0; t < t1; ++t) {
-                layer_norm(src + t * E, w.data(), b.data(), dst + t * E, E, p_.eps);
-            }
-        });
-    };
-    auto add_into = [&](float * dst, const float * src, int64_t n) {
-        for (int64_t i = 0; i < n; ++i) {
-            dst[i] += src[i];
-        }
-    };
     if (p_.pre_ln) {
-        norm_rows(pre_ln_w_, pre_ln_b_, x.data(), x.data());
+        be.layer_norm(x.f32(), pre_ln_w_.f32(), pre_ln_b_.f32(), x.f32(), R, E, p_.eps);
     }
-    std::vector<float> xn(x.size()), att(x.size()), tmp(x.size()), ff(static_cast<size_t>(R * F));
+    Buffer xn = floats(R * E), att = floats(R * E), tmp = floats(R * E), ff = floats(R * F);
     for (const Layer & L : layers_) {
-        norm_rows(L.ln1_w, L.ln1_b, x.data(), xn.data());
-        attention(L, xn.data(), att.data(), T, n_img);
-        linear(L.wo, L.bo, att.data(), tmp.data(), R);
-        add_into(x.data(), tmp.data(), R * E);
-        norm_rows(L.ln2_w, L.ln2_b, x.data(), xn.data());
-        linear(L.w_up, L.b_up, xn.data(), ff.data(), R);
-        pool_.run([&](int ith, int nth) {
-            long long t0, t1;
-            cpu::split_range(R, ith, nth, t0, t1);
-            activate(p_.act, &ff[static_cast<size_t>(t0 * F)], (t1 - t0) * F);
-        });
-        linear(L.w_down, L.b_down, ff.data(), tmp.data(), R);
-        add_into(x.data(), tmp.data(), R * E);
+        be.layer_norm(x.f32(), L.ln1_w.f32(), L.ln1_b.f32(), xn.f32(), R, E, p_.eps);
+        attention(L, xn.f32(), att.f32(), T, n_img);
+        linear(L.wo, L.bo, att.f32(), tmp.f32(), R);
+        be.add(x.f32(), tmp.f32(), R * E);
+        be.layer_norm(x.f32(), L.ln2_w.f32(), L.ln2_b.f32(), xn.f32(), R, E, p_.eps);
+        linear(L.w_up, L.b_up, xn.f32(), ff.f32(), R);
+        be.activate(p_.act, ff.f32(), nullptr, R, F);
+        linear(L.w_down, L.b_down, ff.f32(), tmp.f32(), R);
+        be.add(x.f32(), tmp.f32(), R * E);
     }
     if (p_.post_ln) {
-        norm_rows(post_ln_w_, post_ln_b_, x.data(), x.data());
+        be.layer_norm(x.f32(), post_ln_w_.f32(), post_ln_b_.f32(), x.f32(), R, E, p_.eps);
     }
 
+    const int64_t      n_embd_out = n_output_embd();
+    std::vector<float> out;
     if (p_.gemma3_projector) {
-        std::vector<float> out;
+        // k x k average pooling of each image's G x G grid, RMSNorm (Gemma3RMSNorm: the stored 1 + w), projection
+        // (image by image, as one image's rows are multiplied alone).
+        const int64_t side = G / p_.pool_kernel, n_rows = side * side;
+        Buffer        pooled = floats(n_img * n_rows * E), proj = floats(n_img * n_rows * n_embd_out);
+        be.avg_pool_rms_norm(x.f32(), soft_emb_norm_.f32(), pooled.f32(), n_img, G, p_.pool_kernel, E, p_.eps);
         for (int64_t img = 0; img < n_img; ++img) {
-            const std::vector<float> rows = gemma3_project(&x[static_cast<size_t>(img * T * E)]);
-            out.insert(out.end(), rows.begin(), rows.end());
+            be.matmul(input_proj_, pooled.f32() + img * n_rows * E, proj.f32() + img * n_rows * n_embd_out, n_rows);
         }
+        out.resize(static_cast<size_t>(n_img * n_rows * n_embd_out));
+        be.download(out.data(), proj.data(), out.size() * sizeof(float));
         return out;
     }
     // The rows each image feeds the projector (its class token row dropped for select strategy "default").
-    const int64_t      skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
-    const int64_t      n_out = T - skip, M = n_img * n_out;
-    std::vector<float> feats(static_cast<size_t>(M * E));
-    for (int64_t img = 0; img < n_img; ++img) {
-        const auto src = x.begin() + (img * T + skip) * E;
-        std::copy(src, src + n_out * E, feats.begin() + img * n_out * E);
+    const int64_t skip  = p_.class_token && !p_.keep_class_token ? 1 : 0;
+    const int64_t n_out = T - skip, M = n_img * n_out;
+    Buffer        feats;
+    if (skip != 0) {
+        std::vector<int32_t> rows;
+        for (int64_t img = 0; img < n_img; ++img) {
+            for (int64_t t = skip; t < T; ++t) {
+                rows.push_back(static_cast<int32_t>(img * T + t));
+            }
+        }
+        feats = floats(M * E);
+        be.gather_rows(x.f32(), rows.data(), M, E, feats.f32());
+    } else {
+        feats = std::move(x);
     }
-    if (!p_.projector) {
-        return feats;
+    const Buffer * result = &feats;
+    Buffer         hidden, projected;
+    if (p_.projector) {
+        hidden = floats(M * p_.n_embd_proj);
+        linear(mm0_, mm0_b_, feats.f32(), hidden.f32(), M);
+        be.activate(p_.projector_act, hidden.f32(), nullptr, M, p_.n_embd_proj);
+        projected = floats(M * mm2_.n_out);
+        linear(mm2_, mm2_b_, hidden.f32(), projected.f32(), M);
+        result = &projected;
     }
-    std::vector<float> hidden(static_cast<size_t>(M * p_.n_embd_proj));
-    linear(mm0_, mm0_b_, feats.data(), hidden.data(), M);
-    pool_.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(M, ith, nth, t0, t1);
-        activate(p_.projector_act, &hidden[static_cast<size_t>(t0 * p_.n_embd_proj)], (t1 - t0) * p_.n_embd_proj);
-    });
-    std::vector<float> out(static_cast<size_t>(M * mm2_.n_out));
-    linear(mm2_, mm2_b_, hidden.data(), out.data(), M);
+    out.resize(static_cast<size_t>(M * n_embd_out));
+    be.download(out.data(), result->data(), out.size() * sizeof(float));
     return out;
 }
 

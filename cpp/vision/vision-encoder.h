@@ -20,12 +20,15 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/matmul.h"
-#include "backend/cpu/threadpool.h"
+#include "backend/activation.h"
+#include "backend/backend.h"
 #include "gguf/gguf-file.h"
-#include "vision/vision-ops.h"
+#include "vision/tower-weights.h"
 
 namespace kvcmas::vision {
+
+using kvcmas::Activation;
+using kvcmas::parse_activation;
 
 struct VisionParams {
     int64_t    image_size       = 0;  // S: the square input the tower expects
@@ -67,22 +70,25 @@ struct VisionParams {
 
 class VisionEncoder {
   public:
-    // Loads and validates an mmproj file: every key's range and every tensor's presence, shape and type.
-    // Throws kvcmas::Error naming the file and the problem. n_threads <= 0: all cores (at most 64).
-    VisionEncoder(const std::string & path, int n_threads);
+    // Loads and validates an mmproj file: every key's range and every tensor's presence, shape and type, and
+    // uploads the weights to a backend made by name (backend::make_backend: "cpu", "cuda", "cuda:N") that runs
+    // every op of the tower. Throws kvcmas::Error naming the file and the problem, or the backend that this build
+    // does not know or cannot run. n_threads <= 0: all cores (at most 64; the CPU backend's threads).
+    VisionEncoder(const std::string & path, int n_threads, const std::string & backend_name = "cpu");
     ~VisionEncoder();
     VisionEncoder(const VisionEncoder &)             = delete;
     VisionEncoder & operator=(const VisionEncoder &) = delete;
 
     const VisionParams &   params() const { return p_; }
     const gguf::GgufFile & file() const { return *file_; }
-    int                    n_threads() const { return pool_.size(); }
+    int                    n_threads() const { return be_->n_threads(); }
+    std::string            backend_name() const { return be_->name(); }
     // Width of encode()'s rows: the projector's output (the text model's n_embd), or E without a projector.
     int64_t n_output_embd() const;
 
     // Encodes one preprocessed image: pixels [3][image_size][image_size] f32, channel-major (the layout of a
     // Hugging Face processor's pixel_values). Returns [n_output_tokens()][n_output_embd()] row-major. Thread-safe
-    // (calls are serialised on the encoder's pool).
+    // (calls are serialised on the encoder's backend).
     std::vector<float> encode(const float * pixels, int64_t channels, int64_t height, int64_t width);
     // Encodes n_images preprocessed images at once: pixels [n_images][3][image_size][image_size] f32 (AnyRes's
     // base view and tiles). Returns [n_images·n_output_tokens()][n_output_embd()], image after image: the same
@@ -94,39 +100,37 @@ class VisionEncoder {
 
   private:
     struct Layer {
-        std::vector<float> ln1_w, ln1_b, ln2_w, ln2_b;
-        cpu::WeightView    wq, wk, wv, wo, w_up, w_down;  // [E, E] x4, [E, F], [F, E] as (n_in, n_out)
-        std::vector<float> bq, bk, bv, bo, b_up, b_down;  // empty when the file has no bias
+        backend::Buffer ln1_w, ln1_b, ln2_w, ln2_b;
+        backend::Weight wq, wk, wv, wo, w_up, w_down;  // [E, E] x4, [E, F], [F, E] as (n_in, n_out)
+        backend::Buffer bq, bk, bv, bo, b_up, b_down;  // empty when the file has no bias
     };
 
     void load_params();
     void load_weights();
-    // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty).
-    void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok);
+    // y [n_tok, w.n_out] = x · wᵀ + b (b may be empty), backend addresses.
+    void linear(const backend::Weight & w, const backend::Buffer & b, const float * x, float * y, int64_t n_tok);
     // Attention within each of n_img images of T rows: xn, out [n_img·T, E].
     void attention(const Layer & L, const float * xn, float * out, int64_t T, int64_t n_img);
     // The tower (and projector) on n_img validated images, the mutex held.
     std::vector<float> encode_locked(const float * pixels, int64_t n_img);
     void               load_gemma3_projector();
-    // Gemma 3's projector on the tower's output x [G·G, E] -> [n_output_tokens()][n_output_embd()].
-    std::vector<float> gemma3_project(const float * x);
 
-    std::unique_ptr<gguf::GgufFile> file_;
-    VisionParams                    p_;
-    cpu::WeightView                 patch_w_{};
-    std::vector<float>              patch_b_, class_embd_, pos_embd_, pre_ln_w_, pre_ln_b_, post_ln_w_, post_ln_b_;
-    std::vector<Layer>              layers_;
-    cpu::WeightView                 mm0_{}, mm2_{};
-    std::vector<float>              mm0_b_, mm2_b_;
-    std::vector<float>              soft_emb_norm_;  // gemma3: [E], (1 + w) as stored
-    std::vector<float>              input_proj_t_;   // gemma3: the projection transposed to [n_embd_out][E]
-    cpu::WeightView                 input_proj_{};   // a view of input_proj_t_
-    cpu::ThreadPool                 pool_;
-    struct AttentionScratch {
-        std::vector<float> q, k, v, rest;  // [n_img·T, E] x3, segment_attention's scratch
-    };
-    AttentionScratch scratch_;
-    std::mutex       mutex_;  // one encode at a time (the pool and the scratch are shared)
+    std::unique_ptr<gguf::GgufFile>   file_;
+    VisionParams                      p_;
+    std::unique_ptr<backend::Backend> be_;  // before every buffer: they go first
+    backend::Weight                   patch_w_{};
+    int64_t                           patch_cols_ = 0;  // patch_w_.n_in: 3·P·P, padded with zeros for a device
+    std::vector<float>                patch_w_host_;    // the padded copy a device backend uploads
+    std::vector<float>                class_embd_;      // host: uploaded in front of the patch rows
+    backend::Buffer                   patch_b_, pos_embd_, pre_ln_w_, pre_ln_b_, post_ln_w_, post_ln_b_;
+    std::vector<Layer>                layers_;
+    backend::Weight                   mm0_{}, mm2_{};
+    backend::Buffer                   mm0_b_, mm2_b_;
+    backend::Buffer                   soft_emb_norm_;  // gemma3: [E], (1 + w) as stored
+    std::vector<float>                input_proj_t_;   // gemma3: the projection transposed to [n_embd_out][E]
+    backend::Weight                   input_proj_{};   // input_proj_t_ in backend memory
+    QkvRows                           qkv_;            // attention's [n_img·T, E] x3
+    std::mutex                        mutex_;          // one encode at a time (the backend and buffers are shared)
 };
 
 }  // namespace kvcmas::vision

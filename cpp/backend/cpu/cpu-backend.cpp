@@ -21,6 +21,7 @@
 #include "backend/cpu/quants.h"
 #include "backend/cpu/swiglu-oai.h"
 #include "backend/cpu/threadpool.h"
+#include "backend/cpu/vision-kernels.h"
 #include "backend/moe-route.h"
 #include "common/error.h"
 
@@ -188,8 +189,15 @@ class CpuBackend final : public Backend {
     }
 
     void add_bias(float * y, const float * b, int64_t n_rows, int64_t n) override {
-        for (int64_t i = 0; i < n_rows; ++i) {
-            add(y + i * n, b, n);
+        const auto rows = [&](int64_t r0, int64_t r1) {
+            for (int64_t i = r0; i < r1; ++i) {
+                add(y + i * n, b, n);
+            }
+        };
+        if (n_rows < pool_.size() * 4) {  // a decode step's few rows are not worth a pool round
+            rows(0, n_rows);
+        } else {  // rows are independent: the same bits at any thread count
+            rows_on_pool(n_rows, rows);
         }
     }
 
@@ -556,6 +564,63 @@ class CpuBackend final : public Backend {
                 v[d] += av[c] * bv[d];
             }
         }
+    }
+
+    // ---- vision-tower ops: rows shared out over the pool (each row's bits do not depend on the split, except
+    // activate's, whose AVX2 loop runs 8 values at a time over a thread's rows and leaves a tail of fewer than 8
+    // to the portable code: rows of a multiple of 8 values, as every tower's, give the same bits at any count).
+    template <typename F>
+    void rows_on_pool(int64_t n_rows, const F & f) {
+        pool_.run([&](int ith, int nth) {
+            long long b, e;
+            cpu::split_range(n_rows, ith, nth, b, e);
+            if (b < e) {
+                f(static_cast<int64_t>(b), static_cast<int64_t>(e));
+            }
+        });
+    }
+
+    void layer_norm(const float * x, const float * w, const float * b, float * y, int64_t n_rows, int64_t n,
+                    float eps) override {
+        rows_on_pool(n_rows, [&](int64_t r0, int64_t r1) {
+            for (int64_t t = r0; t < r1; ++t) {
+                cpu::layer_norm(x + t * n, w, b, y + t * n, n, eps);
+            }
+        });
+    }
+
+    void activate(Activation act, float * x, const float * mul, int64_t n_rows, int64_t n) override {
+        rows_on_pool(n_rows, [&](int64_t r0, int64_t r1) {
+            cpu::activate(act, x + r0 * n, (r1 - r0) * n);
+            if (mul != nullptr) {
+                for (int64_t i = r0 * n; i < r1 * n; ++i) {
+                    x[i] *= mul[i];
+                }
+            }
+        });
+    }
+
+    void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t n_rows, int64_t E,
+                           int64_t H, const int64_t * host_seg, int n_seg) override {
+        KC_CHECK(n_seg >= 1 && host_seg[0] == 0 && host_seg[n_seg] == n_rows && H > 0 && E % H == 0,
+                 "segment_attention: %d segments of %lld rows, %lld heads of a %lld-wide row", n_seg,
+                 static_cast<long long>(n_rows), static_cast<long long>(H), static_cast<long long>(E));
+        cpu::segment_attention(q, k, v, out, E, H, host_seg, n_seg, scratch_, pool_);
+    }
+
+    void rotate_half_rows(float * x, const float * cos_t, const float * sin_t, int64_t n_rows, int64_t H,
+                          int64_t hd) override {
+        rows_on_pool(n_rows, [&](int64_t r0, int64_t r1) { cpu::rotate_half_rows(x, cos_t, sin_t, r0, r1, H, hd); });
+    }
+
+    void avg_pool_rms_norm(const float * x, const float * w, float * y, int64_t n_img, int64_t G, int64_t k, int64_t E,
+                           float eps) override {
+        const int64_t per_image = (G / k) * (G / k);
+        rows_on_pool(n_img * per_image, [&](int64_t r0, int64_t r1) {
+            for (int64_t t = r0; t < r1; ++t) {
+                cpu::avg_pool_rms_row(x + (t / per_image) * G * G * E, w, y + t * E, t % per_image, G, k, E, eps);
+            }
+        });
     }
 
     static uint8_t * row(const KvStore & store, int layer, int32_t block, int32_t r) {

@@ -17,7 +17,9 @@
 
 #include "backend/cuda/cuda-backend.h"
 #include "backend/cuda/quants.cuh"
+#include "backend/cuda/reduce.cuh"
 #include "backend/cuda/swiglu-oai.cuh"
+#include "backend/cuda/vision-kernels.cuh"
 #include "backend/moe-route.h"
 #include "common/error.h"
 
@@ -165,22 +167,6 @@ __global__ void embed_kernel(const uint8_t * table, size_t row_bytes, int64_t n_
             x[blockIdx.x * n_in + k0 + i] = v[i];
         }
     }
-}
-
-__device__ double block_sum(double v, double * shared) {  // blockDim.x a multiple of 32, <= 1024
-    for (int off = 16; off > 0; off /= 2) {
-        v += __shfl_down_sync(0xFFFFFFFFu, v, off);
-    }
-    if (threadIdx.x % 32 == 0) {
-        shared[threadIdx.x / 32] = v;
-    }
-    __syncthreads();
-    double s = 0.0;
-    for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) {
-        s += shared[i];
-    }
-    __syncthreads();
-    return s;
 }
 
 __global__ void rms_norm_kernel(const float * x, const float * w, float * y, int64_t n, float eps) {
@@ -1076,6 +1062,31 @@ class CudaBackend final : public Backend {
             s.n_head_kv, s.head_dim, rope.n_rot, rope.neox, static_cast<const float *>(d_inv.data()),
             slots != nullptr ? static_cast<uint8_t * const *>(d_dst.data()) : nullptr, k_out, v_out);
         check_launch("materialize");
+    }
+
+    // ---- vision-tower ops (backend/cuda/vision-kernels.cu).
+    void layer_norm(const float * x, const float * w, const float * b, float * y, int64_t n_rows, int64_t n,
+                    float eps) override {
+        cuda::layer_norm(x, w, b, y, n_rows, n, eps);
+    }
+    void activate(Activation act, float * x, const float * mul, int64_t n_rows, int64_t n) override {
+        cuda::activate(act, x, mul, n_rows * n);
+    }
+    void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t n_rows, int64_t E,
+                           int64_t H, const int64_t * host_seg, int n_seg) override {
+        KC_CHECK(n_seg >= 1 && host_seg[0] == 0 && host_seg[n_seg] == n_rows && H > 0 && E % H == 0,
+                 "segment_attention: %d segments of %lld rows, %lld heads of a %lld-wide row", n_seg,
+                 static_cast<long long>(n_rows), static_cast<long long>(H), static_cast<long long>(E));
+        Buffer seg = put(host_seg, n_seg + 1);
+        cuda::segment_attention(q, k, v, out, n_rows, E, H, static_cast<const int64_t *>(seg.data()), n_seg);
+    }
+    void rotate_half_rows(float * x, const float * cos_t, const float * sin_t, int64_t n_rows, int64_t H,
+                          int64_t hd) override {
+        cuda::rotate_half_rows(x, cos_t, sin_t, n_rows, H, hd);
+    }
+    void avg_pool_rms_norm(const float * x, const float * w, float * y, int64_t n_img, int64_t G, int64_t k, int64_t E,
+                           float eps) override {
+        cuda::avg_pool_rms_norm(x, w, y, n_img, G, k, E, eps);
     }
 
     void release_cache() {

@@ -684,7 +684,78 @@ void bind_backend(nb::module_ & m) {
             },
             nb::arg("kv_type"), nb::arg("k"), nb::arg("v"), nb::arg("run"), nb::arg("corrs"), nb::arg("values"),
             nb::arg("j0"), nb::arg("j1"), nb::arg("mu"), nb::arg("proj"), nb::arg("m"),
-            "[(x_i - mu)·proj + a_i·m, 1] for rows [j0, j1) of one run's K (or V) side.");
+            "[(x_i - mu)·proj + a_i·m, 1] for rows [j0, j1) of one run's K (or V) side.")
+        // ---- the vision towers' ops
+        .def(
+            "layer_norm",
+            [](Ops & o, F2 x, F1 w, F1 b, float eps) {
+                const size_t r = x.shape(0), n = x.shape(1);
+                KC_CHECK(w.shape(0) == n && b.shape(0) == n, "w and b must have x's width");
+                backend::Buffer bx = o.put(x.data(), r * n), bw = o.put(w.data(), n), bb = o.put(b.data(), n);
+                o.be->layer_norm(bx.f32(), bw.f32(), bb.f32(), bx.f32(), static_cast<int64_t>(r),
+                                 static_cast<int64_t>(n), eps);
+                return out2(o.get(bx, r * n), r, n);
+            },
+            nb::arg("x"), nb::arg("w"), nb::arg("b"), nb::arg("eps"), "LayerNorm of each row (in place on the device).")
+        .def(
+            "activate",
+            [](Ops & o, const std::string & act, F2 x, std::optional<F2> mul) {
+                Activation a;
+                KC_CHECK(parse_activation(act.c_str(), a), "unknown activation '%s'", act.c_str());
+                const size_t r = x.shape(0), n = x.shape(1);
+                KC_CHECK(!mul || (mul->shape(0) == r && mul->shape(1) == n), "mul must have x's shape");
+                backend::Buffer bx = o.put(x.data(), r * n);
+                backend::Buffer bm = mul ? o.put(mul->data(), r * n) : backend::Buffer();
+                o.be->activate(a, bx.f32(), mul ? bm.f32() : nullptr, static_cast<int64_t>(r), static_cast<int64_t>(n));
+                return out2(o.get(bx, r * n), r, n);
+            },
+            nb::arg("act"), nb::arg("x"), nb::arg("mul") = nb::none(),
+            "act(x) (times mul) element-wise; act a Hugging Face name (gelu, gelu_pytorch_tanh, quick_gelu, silu).")
+        .def(
+            "segment_attention",
+            [](Ops & o, F2 q, F2 k, F2 v, int64_t n_head, std::vector<int64_t> seg) {
+                const size_t r = q.shape(0), e = q.shape(1);
+                KC_CHECK(k.shape(0) == r && k.shape(1) == e && v.shape(0) == r && v.shape(1) == e,
+                         "q, k, v must have one shape");
+                KC_CHECK(seg.size() >= 2, "seg: at least one segment");
+                backend::Buffer bq = o.put(q.data(), r * e), bk = o.put(k.data(), r * e), bv = o.put(v.data(), r * e);
+                backend::Buffer bo(*o.be, r * e * sizeof(float));
+                o.be->segment_attention(bq.f32(), bk.f32(), bv.f32(), bo.f32(), static_cast<int64_t>(r),
+                                        static_cast<int64_t>(e), n_head, seg.data(), static_cast<int>(seg.size()) - 1);
+                return out2(o.get(bo, r * e), r, e);
+            },
+            nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("n_head"), nb::arg("seg"),
+            "Bidirectional attention within the segments [seg[s], seg[s + 1]) of the rows.")
+        .def(
+            "rotate_half_rows",
+            [](Ops & o, F2 x, F2 cos_t, F2 sin_t, int64_t n_head) {
+                const size_t r = x.shape(0), e = x.shape(1), half = cos_t.shape(1);
+                KC_CHECK(cos_t.shape(0) == r && sin_t.shape(0) == r && sin_t.shape(1) == half &&
+                             e == static_cast<size_t>(n_head) * 2 * half,
+                         "cos_t, sin_t must be [rows, head_dim / 2]");
+                backend::Buffer bx = o.put(x.data(), r * e), bc = o.put(cos_t.data(), r * half);
+                backend::Buffer bs = o.put(sin_t.data(), r * half);
+                o.be->rotate_half_rows(bx.f32(), bc.f32(), bs.f32(), static_cast<int64_t>(r), n_head,
+                                       static_cast<int64_t>(2 * half));
+                return out2(o.get(bx, r * e), r, e);
+            },
+            nb::arg("x"), nb::arg("cos_t"), nb::arg("sin_t"), nb::arg("n_head"),
+            "Pairs (i, i + hd/2) of each head rotated by the row's angles.")
+        .def(
+            "avg_pool_rms_norm",
+            [](Ops & o, F2 x, F1 w, int64_t n_img, int64_t grid, int64_t k, float eps) {
+                const size_t e = x.shape(1);
+                KC_CHECK(
+                    k > 0 && grid % k == 0 && x.shape(0) == static_cast<size_t>(n_img * grid * grid) && w.shape(0) == e,
+                    "x must be [n_img * grid * grid, E], k divide grid, w [E]");
+                const size_t    n_out = static_cast<size_t>(n_img * (grid / k) * (grid / k));
+                backend::Buffer bx = o.put(x.data(), x.shape(0) * e), bw = o.put(w.data(), e);
+                backend::Buffer by(*o.be, n_out * e * sizeof(float));
+                o.be->avg_pool_rms_norm(bx.f32(), bw.f32(), by.f32(), n_img, grid, k, static_cast<int64_t>(e), eps);
+                return out2(o.get(by, n_out * e), n_out, e);
+            },
+            nb::arg("x"), nb::arg("w"), nb::arg("n_img"), nb::arg("grid"), nb::arg("k"), nb::arg("eps"),
+            "k x k average pooling of each image's grid of rows, then RMSNorm.");
 }
 
 }  // namespace kvcmas::py

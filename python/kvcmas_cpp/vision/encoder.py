@@ -100,6 +100,8 @@ class VisionEncoder:
     Args:
         mmproj_path: the mmproj GGUF (written by ``kvcmas_convert.vision.convert_mmproj`` or llama.cpp).
         n_threads: compute threads (default: all cores).
+        backend: the backend that runs the tower: "cpu" (default), "cuda" or "cuda:N" where the build and the
+            machine have one (one they cannot run is refused, naming it).
         cache_size: most images whose features are kept (least recently used dropped first); 0 disables caching.
         max_pixels, max_bytes, max_decode_bytes: limits for images loaded from paths / bytes (see ``load_image``).
     """
@@ -118,13 +120,16 @@ class VisionEncoder:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_decode_bytes: int = DEFAULT_MAX_DECODE_BYTES,
+        backend: str = "cpu",
     ) -> None:
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads <= 0):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0, got {cache_size}")
         self.path = os.fspath(mmproj_path)
-        self._open(n_threads or 0)
+        if not isinstance(backend, str):
+            raise ValueError(f"backend must be a backend name such as 'cpu' or 'cuda', got {backend!r}")
+        self._open(n_threads or 0, backend)
         self.cache_size = cache_size
         self.max_pixels = max_pixels
         self.max_bytes = max_bytes
@@ -133,9 +138,9 @@ class VisionEncoder:
         self._cache: OrderedDict[tuple[str, str | None], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # cache + encode: concurrent readers of one image wait for one encode
 
-    def _open(self, n_threads: int) -> None:
-        """Loads the tower (self._core) and the preprocessing settings of the file."""
-        self._core: Any = core.VisionEncoder(self.path, n_threads)
+    def _open(self, n_threads: int, backend: str) -> None:
+        """Loads the tower (self._core) on `backend` and the preprocessing settings of the file."""
+        self._core: Any = core.VisionEncoder(self.path, n_threads, backend)
         self.config = PreprocessConfig.from_encoder(self._core)
         # float64 of the file's float32 mean: the processor's int(mean x 255) for the single view's padding
         self.anyres, self.image_newline, self.multi_image_single = _read_anyres(
@@ -144,6 +149,7 @@ class VisionEncoder:
         if self.anyres is not None and (self.config.resize_size != self.image_size or not self.has_projector):
             raise ValueError(f"{self.path}: AnyRes needs a projector and a resize size equal to the tile size")
 
+    backend = property(lambda self: str(self._core.backend), doc="the backend that runs the tower ('cpu', 'cuda')")
     n_tokens = property(lambda self: int(self._core.n_tokens), doc="tower rows per tower input (the base view's)")
     max_batch = property(
         lambda self: int(self._core.max_batch), doc="most tower inputs one batched pass runs (encode_pixels splits)"

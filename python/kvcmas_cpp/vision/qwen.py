@@ -105,8 +105,8 @@ class QwenVisionEncoder(VisionEncoder):
         lambda self: list(self._core.full_attention), doc="per tower block: full attention (True) or windowed"
     )
 
-    def _open(self, n_threads: int) -> None:
-        self._core: Any = core.QwenVisionEncoder(self.path, n_threads)
+    def _open(self, n_threads: int, backend: str) -> None:
+        self._core: Any = core.QwenVisionEncoder(self.path, n_threads, backend)
         c = self._core
         mean, std = tuple(float(x) for x in c.image_mean), tuple(float(x) for x in c.image_std)
         self.qwen = QwenImageConfig(

@@ -4,11 +4,11 @@
 #include <cstdint>
 
 #include "backend/cpu/simd-avx2.h"
-#include "vision/vision-ops.h"
+#include "backend/cpu/vision-kernels.h"
 
-namespace kvcmas::vision {
+namespace kvcmas::cpu {
 
-// softmax() of vision-ops.h with the vectorized exp (about 1e-7 relative error); the sum in f32 lanes.
+// softmax() of vision-kernels.h with the vectorized exp (about 1e-7 relative error); the sum in f32 lanes.
 void softmax_avx2(float * x, int64_t n) {
     __m256  vmax = _mm256_set1_ps(x[0]);
     int64_t i    = 0;
@@ -27,7 +27,7 @@ void softmax_avx2(float * x, int64_t n) {
     const __m256 vm   = _mm256_set1_ps(mx);
     __m256       vsum = _mm256_setzero_ps();
     for (i = 0; i + 8 <= n; i += 8) {
-        const __m256 e = cpu::exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
         _mm256_storeu_ps(x + i, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -38,7 +38,7 @@ void softmax_avx2(float * x, int64_t n) {
     }
     for (int64_t j = i; j < n; ++j) {
         alignas(32) float one[8] = { x[j] - mx };
-        _mm256_store_ps(one, cpu::exp_avx2(_mm256_load_ps(one)));
+        _mm256_store_ps(one, exp_avx2(_mm256_load_ps(one)));
         x[j] = one[0];
         sum += one[0];
     }
@@ -51,7 +51,7 @@ void softmax_avx2(float * x, int64_t n) {
     }
 }
 
-// activate() of vision-ops.h for the activations made of one exp (GeluTanh, QuickGelu, Silu: x / (1 + e^(-g(x)))),
+// activate() of vision-kernels.h for the activations made of one exp (GeluTanh, QuickGelu, Silu: x / (1 + e^(-g(x)))),
 // with the vectorized exp; false (nothing done) for the others.
 bool activate_avx2(Activation act, float * x, int64_t n) {
     if (act != Activation::GeluTanh && act != Activation::QuickGelu && act != Activation::Silu) {
@@ -72,7 +72,7 @@ bool activate_avx2(Activation act, float * x, int64_t n) {
         } else {
             g = v;
         }
-        const __m256 e = cpu::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
         _mm256_storeu_ps(x + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
     }
     if (i < n) {
@@ -81,4 +81,4 @@ bool activate_avx2(Activation act, float * x, int64_t n) {
     return true;
 }
 
-}  // namespace kvcmas::vision
+}  // namespace kvcmas::cpu

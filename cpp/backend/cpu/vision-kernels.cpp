@@ -1,34 +1,15 @@
-#include "vision/vision-ops.h"
+#include "backend/cpu/vision-kernels.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
+#include "backend/cpu/attention.h"
 #include "backend/cpu/cpu-features.h"
+#include "backend/cpu/matmul.h"
 
-namespace kvcmas::vision {
-
-bool parse_activation(const char * name, Activation & out) {
-    struct Entry {
-        const char * name;
-        Activation   act;
-    };
-    static const Entry kEntries[] = {
-        { "gelu", Activation::GeluErf },         { "gelu_pytorch_tanh", Activation::GeluTanh },
-        { "gelu_new", Activation::GeluTanh },    { "gelu_fast", Activation::GeluTanh },
-        { "quick_gelu", Activation::QuickGelu }, { "silu", Activation::Silu },
-        { "swish", Activation::Silu },
-    };
-    for (const Entry & e : kEntries) {
-        if (std::strcmp(name, e.name) == 0) {
-            out = e.act;
-            return true;
-        }
-    }
-    return false;
-}
+namespace kvcmas::cpu {
 
 void layer_norm(const float * x, const float * w, const float * b, float * y, int64_t n, float eps) {
     // Two passes in double: features of a ViT reach magnitudes where a one-pass f32 variance loses digits.
@@ -50,12 +31,12 @@ void layer_norm(const float * x, const float * w, const float * b, float * y, in
 }
 
 #ifdef KC_X86
-bool activate_avx2(Activation act, float * x, int64_t n);  // vision-ops-avx2.cpp
+bool activate_avx2(Activation act, float * x, int64_t n);  // vision-kernels-avx2.cpp
 #endif
 
 void activate(Activation act, float * x, int64_t n) {
 #ifdef KC_X86
-    if (cpu::cpu_features().avx2_fma_f16c && activate_avx2(act, x, n)) {
+    if (cpu_features().avx2_fma_f16c && activate_avx2(act, x, n)) {
         return;
     }
 #endif
@@ -107,41 +88,22 @@ void softmax(float * x, int64_t n) {
     }
 }
 
-void linear(const cpu::WeightView & w, const std::vector<float> & b, const float * x, float * y, int64_t n_tok,
-            cpu::ThreadPool & pool) {
-    cpu::matmul(w, x, y, n_tok, pool);
-    if (b.empty()) {
-        return;
-    }
-    const int64_t n = w.n_out;
-    pool.run([&](int ith, int nth) {
-        long long t0, t1;
-        cpu::split_range(n_tok, ith, nth, t0, t1);
-        for (long long t = t0; t < t1; ++t) {
-            float * row = y + t * n;
-            for (int64_t i = 0; i < n; ++i) {
-                row[i] += b[static_cast<size_t>(i)];
-            }
-        }
-    });
-}
-
 // Segments up to this length run the fused kernel: their keys and values stay in cache across a query block.
 constexpr int64_t kFusedSegmentMax = 512;
 
 #ifdef KC_X86
-void softmax_avx2(float * x, int64_t n);  // vision-ops-avx2.cpp
+void softmax_avx2(float * x, int64_t n);  // vision-kernels-avx2.cpp
 #endif
 
-static void softmax_rows(float * x, int64_t n_rows, int64_t n, cpu::ThreadPool & pool) {
+static void softmax_rows(float * x, int64_t n_rows, int64_t n, ThreadPool & pool) {
 #ifdef KC_X86
-    const bool avx2 = cpu::cpu_features().avx2_fma_f16c;
+    const bool avx2 = cpu_features().avx2_fma_f16c;
 #else
     const bool avx2 = false;
 #endif
     pool.run([&](int ith, int nth) {
         long long t0, t1;
-        cpu::split_range(n_rows, ith, nth, t0, t1);
+        split_range(n_rows, ith, nth, t0, t1);
         for (long long t = t0; t < t1; ++t) {
 #ifdef KC_X86
             if (avx2) {
@@ -156,7 +118,7 @@ static void softmax_rows(float * x, int64_t n_rows, int64_t n, cpu::ThreadPool &
 
 // One segment of n rows from row a, head by head through the GEMM (K and Vᵀ as f32 weight views).
 static void gemm_attention(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
-                           int64_t a, int64_t n, std::vector<float> & scratch, cpu::ThreadPool & pool) {
+                           int64_t a, int64_t n, std::vector<float> & scratch, ThreadPool & pool) {
     const int64_t hd = E / H;
     scratch.resize(static_cast<size_t>(n * n + 3 * n * hd));
     float *     scores = scratch.data();
@@ -165,7 +127,7 @@ static void gemm_attention(const float * q, const float * k, const float * v, fl
     for (int64_t h = 0; h < H; ++h) {
         pool.run([&](int ith, int nth) {
             long long t0, t1;
-            cpu::split_range(n, ith, nth, t0, t1);
+            split_range(n, ith, nth, t0, t1);
             for (long long t = t0; t < t1; ++t) {
                 for (int64_t d = 0; d < hd; ++d) {
                     qh[t * hd + d] = q[(a + t) * E + h * hd + d] * scale;
@@ -173,14 +135,14 @@ static void gemm_attention(const float * q, const float * k, const float * v, fl
                 }
             }
         });
-        const cpu::WeightView kview{ GgmlType::F32, k + a * E + h * hd, hd, n, static_cast<size_t>(E) * sizeof(float) };
-        cpu::matmul(kview, qh, scores, n, pool);
+        const WeightView kview{ GgmlType::F32, k + a * E + h * hd, hd, n, static_cast<size_t>(E) * sizeof(float) };
+        matmul(kview, qh, scores, n, pool);
         softmax_rows(scores, n, n, pool);
-        const cpu::WeightView vview{ GgmlType::F32, vt, n, hd, static_cast<size_t>(n) * sizeof(float) };
-        cpu::matmul(vview, scores, oh, n, pool);
+        const WeightView vview{ GgmlType::F32, vt, n, hd, static_cast<size_t>(n) * sizeof(float) };
+        matmul(vview, scores, oh, n, pool);
         pool.run([&](int ith, int nth) {
             long long t0, t1;
-            cpu::split_range(n, ith, nth, t0, t1);
+            split_range(n, ith, nth, t0, t1);
             for (long long t = t0; t < t1; ++t) {
                 std::memcpy(&out[(a + t) * E + h * hd], &oh[t * hd], static_cast<size_t>(hd) * sizeof(float));
             }
@@ -189,18 +151,18 @@ static void gemm_attention(const float * q, const float * k, const float * v, fl
 }
 
 void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
-                       const std::vector<int64_t> & seg, std::vector<float> & scratch, cpu::ThreadPool & pool) {
-    const int64_t             hd = E / H;
-    const cpu::AttentionShape shape{ static_cast<int>(H), static_cast<int>(H), static_cast<int>(hd), E,
-                                     1.0f / std::sqrt(static_cast<float>(hd)) };
-    const cpu::Rope           no_rope;  // rows come rotated; every run has shift 0
-    constexpr int             kBlock = cpu::kMaxAttentionBlock;
+                       const int64_t * seg, int n_seg, std::vector<float> & scratch, ThreadPool & pool) {
+    const int64_t        hd = E / H;
+    const AttentionShape shape{ static_cast<int>(H), static_cast<int>(H), static_cast<int>(hd), E,
+                                1.0f / std::sqrt(static_cast<float>(hd)) };
+    const Rope           no_rope;  // rows come rotated; every run has shift 0
+    constexpr int        kBlock = kMaxAttentionBlock;
     struct Task {
         int64_t a, n, q0;  // segment start and length, first query of the block (in the segment)
     };
     std::vector<Task> tasks;
     int64_t           most = 0;
-    for (size_t s = 0; s + 1 < seg.size(); ++s) {
+    for (int s = 0; s < n_seg; ++s) {
         const int64_t a = seg[s], n = seg[s + 1] - seg[s];
         if (n > kFusedSegmentMax) {
             gemm_attention(q, k, v, out, E, H, a, n, scratch, pool);
@@ -214,27 +176,60 @@ void segment_attention(const float * q, const float * k, const float * v, float 
     if (tasks.empty()) {
         return;
     }
-    const int64_t        scratch_floats = cpu::attention_block_scratch_floats(shape, kBlock, most);
+    const int64_t        scratch_floats = attention_block_scratch_floats(shape, kBlock, most);
     std::atomic<int64_t> next{ 0 };  // blocks handed out one by one: threads of a loaded machine finish unevenly
     pool.run([&](int, int) {
         std::vector<float> local(static_cast<size_t>(scratch_floats));
         for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
-            const Task &     t  = tasks[static_cast<size_t>(i)];
-            const int        nq = static_cast<int>(std::min<int64_t>(kBlock, t.n - t.q0));
-            const cpu::KvRun run{ k + t.a * E, v + t.a * E, static_cast<int32_t>(t.n), 0 };
+            const Task & t  = tasks[static_cast<size_t>(i)];
+            const int    nq = static_cast<int>(std::min<int64_t>(kBlock, t.n - t.q0));
+            const KvRun  run{ k + t.a * E, v + t.a * E, static_cast<int32_t>(t.n), 0 };
             // Query j of the block sees max(n_visible0 + j, n_visible_min) = all n rows of its segment.
-            cpu::attend_block(shape, no_rope, q + (t.a + t.q0) * E, E, nq, &run, 1, t.n - nq + 1, 0,
-                              static_cast<int>(H), out + (t.a + t.q0) * E, E, local.data(), t.n);
+            attend_block(shape, no_rope, q + (t.a + t.q0) * E, E, nq, &run, 1, t.n - nq + 1, 0, static_cast<int>(H),
+                         out + (t.a + t.q0) * E, E, local.data(), t.n);
         }
     });
 }
 
-int encoder_threads(int n_threads) {
-    if (n_threads > 0) {
-        return n_threads;
+void rotate_half_rows(float * x, const float * cos_t, const float * sin_t, int64_t r0, int64_t r1, int64_t H,
+                      int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t t = r0; t < r1; ++t) {
+        const float * c = cos_t + t * half;
+        const float * s = sin_t + t * half;
+        for (int64_t h = 0; h < H; ++h) {
+            float * v = x + (t * H + h) * hd;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i]        = a * c[i] - b * s[i];
+                v[i + half] = b * c[i] + a * s[i];
+            }
+        }
     }
-    const unsigned hw = std::thread::hardware_concurrency();
-    return hw == 0 ? 1 : static_cast<int>(std::min(hw, 64u));
 }
 
-}  // namespace kvcmas::vision
+void avg_pool_rms_row(const float * x, const float * w, float * y, int64_t t, int64_t G, int64_t k, int64_t E,
+                      float eps) {
+    const int64_t side = G / k, oy = t / side, ox = t % side;
+    std::fill(y, y + E, 0.0f);
+    for (int64_t ky = 0; ky < k; ++ky) {
+        for (int64_t kx = 0; kx < k; ++kx) {
+            const float * src = x + ((oy * k + ky) * G + ox * k + kx) * E;
+            for (int64_t e = 0; e < E; ++e) {
+                y[e] += src[e];
+            }
+        }
+    }
+    const float inv = 1.0f / static_cast<float>(k * k);
+    double      ss  = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+        y[e] *= inv;
+        ss += static_cast<double>(y[e]) * y[e];
+    }
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(E)) + eps);
+    for (int64_t e = 0; e < E; ++e) {
+        y[e] = y[e] * r * w[e];
+    }
+}
+
+}  // namespace kvcmas::cpu
