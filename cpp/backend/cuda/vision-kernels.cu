@@ -113,7 +113,7 @@ __global__ void segment_attention_kernel(const float * q, const float * k, const
         for (int i = 0; i < kMaxPerLane; ++i) {
             acc[i] *= corr;
         }
-        const int n_keys = static_cast<int>(min<int64_t>(32, b - j0));
+        const int n_keys = static_cast<int>(b - j0 < 32 ? b - j0 : 32);
         for (int jj = 0; jj < n_keys; ++jj) {
             const float   pj = __shfl_sync(0xFFFFFFFFu, p, jj);
             const float * vr = v + (j0 + jj) * E + h * hd;
