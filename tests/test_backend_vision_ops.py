@@ -102,8 +102,12 @@ def test_segment_attention(ops, n_head: int, hd: int, seg: list[int]) -> None:
 
 def test_segment_attention_refuses_bad_segments(ops) -> None:
     x = np.zeros((10, 8), np.float32)
-    with pytest.raises(kc.KvcmasError, match="segment_attention"):
+    with pytest.raises(kc.KvcmasError, match="from row 0 to row 10"):
         ops.segment_attention(x, x, x, 2, [0, 5, 9])  # the segments do not end at the last row
+    with pytest.raises(kc.KvcmasError, match="segment 0 ends before it starts"):
+        ops.segment_attention(x, x, x, 2, [0, -1, 10])
+    with pytest.raises(kc.KvcmasError, match="3 heads do not divide rows of 8"):
+        ops.segment_attention(x, x, x, 3, [0, 10])
 
 
 def test_rotate_half_rows(ops) -> None:

@@ -52,6 +52,16 @@ void upload_lora_b(Backend & b, const float * b_t, int rank, int64_t n_out, Lora
     scales = row_scales.empty() ? Buffer() : upload_floats(b, row_scales);
 }
 
+void check_segments(const int64_t * host_seg, int n_seg, int64_t n_rows, int64_t E, int64_t H) {
+    KC_CHECK(H > 0 && E > 0 && E % H == 0, "segment_attention: %lld heads do not divide rows of %lld",
+             static_cast<long long>(H), static_cast<long long>(E));
+    KC_CHECK(n_seg >= 1 && host_seg[0] == 0 && host_seg[n_seg] == n_rows,
+             "segment_attention: %d segments must run from row 0 to row %lld", n_seg, static_cast<long long>(n_rows));
+    for (int s = 0; s < n_seg; ++s) {
+        KC_CHECK(host_seg[s] <= host_seg[s + 1], "segment_attention: segment %d ends before it starts", s);
+    }
+}
+
 std::vector<std::string> compiled_backends() {
 #ifdef KVCMAS_CUDA
     return { "cpu", "cuda" };

@@ -338,6 +338,10 @@ constexpr int64_t lora_b_index(int64_t c, int64_t o, int rank) {
 void upload_lora_b(Backend & b, const float * b_t, int rank, int64_t n_out, LoraFactorType type, Buffer & data,
                    Buffer & scales);
 
+// Throws kvcmas::Error unless host_seg [n_seg + 1] ascends from 0 to n_rows and H heads divide E: the arguments
+// every backend's segment_attention checks.
+void check_segments(const int64_t * host_seg, int n_seg, int64_t n_rows, int64_t E, int64_t H);
+
 // Backends compiled into this build, by name ("cpu", and "cuda" with KVCMAS_CUDA=ON).
 std::vector<std::string> compiled_backends();
 // Whether a compiled backend can run here; reason receives why not (no device, driver too old, ...).

@@ -602,9 +602,7 @@ class CpuBackend final : public Backend {
 
     void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t n_rows, int64_t E,
                            int64_t H, const int64_t * host_seg, int n_seg) override {
-        KC_CHECK(n_seg >= 1 && host_seg[0] == 0 && host_seg[n_seg] == n_rows && H > 0 && E % H == 0,
-                 "segment_attention: %d segments of %lld rows, %lld heads of a %lld-wide row", n_seg,
-                 static_cast<long long>(n_rows), static_cast<long long>(H), static_cast<long long>(E));
+        check_segments(host_seg, n_seg, n_rows, E, H);
         cpu::segment_attention(q, k, v, out, E, H, host_seg, n_seg, scratch_, pool_);
     }
 

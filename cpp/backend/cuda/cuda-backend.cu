@@ -1074,9 +1074,7 @@ class CudaBackend final : public Backend {
     }
     void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t n_rows, int64_t E,
                            int64_t H, const int64_t * host_seg, int n_seg) override {
-        KC_CHECK(n_seg >= 1 && host_seg[0] == 0 && host_seg[n_seg] == n_rows && H > 0 && E % H == 0,
-                 "segment_attention: %d segments of %lld rows, %lld heads of a %lld-wide row", n_seg,
-                 static_cast<long long>(n_rows), static_cast<long long>(H), static_cast<long long>(E));
+        check_segments(host_seg, n_seg, n_rows, E, H);
         Buffer seg = put(host_seg, n_seg + 1);
         cuda::segment_attention(q, k, v, out, n_rows, E, H, static_cast<const int64_t *>(seg.data()), n_seg);
     }
