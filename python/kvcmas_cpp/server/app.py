@@ -80,9 +80,14 @@ class Server:
         if cfg.mmproj:
             from ..vision import VisionEncoder
 
-            # cache_size 0: the server keeps its own cache, per namespace (ImagePrompts)
+            # cache_size 0: the server keeps its own cache, per namespace (ImagePrompts); the tower runs on the
+            # text model's backend
             self.vision = VisionEncoder(
-                cfg.mmproj, n_threads=cfg.threads, cache_size=0, max_decode_bytes=cfg.max_image_memory
+                cfg.mmproj,
+                n_threads=cfg.threads,
+                cache_size=0,
+                max_decode_bytes=cfg.max_image_memory,
+                backend=model.device,
             )
             self.vision.check_text_model(model.n_embd, model.tokenizer)
         self.images = ImagePrompts(model, self.vision, self.metrics, len(self.tenants.keys), cfg.image_cache_bytes)
