@@ -10,12 +10,12 @@
 #include <thread>
 #include <vector>
 
-#include "common/error.h"
 #include "backend/cpu/cpu-features.h"
 #include "backend/cpu/matmul-impl.h"
 #include "backend/cpu/qgemm.h"
 #include "backend/cpu/quants-dot.h"
 #include "backend/cpu/quants.h"
+#include "common/error.h"
 
 namespace kvcmas::cpu {
 namespace detail {
@@ -308,42 +308,58 @@ thread_local ScratchBuffer tl_sums_buffer;  // decode: per-32 sums of the activa
 thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and their scales (caller thread)
 
 // The integer kernel of `type` when act asks for 8-bit activations and the CPU runs it; nullptr otherwise.
+// Q8Fast takes the one-pass kernels where the type has them (Q4_K, Q5_K, Q6_K).
 RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 #if defined(KC_X86)
+    if (act == Activations::Q8Fast && cpu_features().avx2_fma_f16c && qgemm_onepass_type(type)) {
+#if defined(KC_AVX512VNNI)
+        if (cpu_features().avx512_vnni) {
+            return row_dot_q8_onepass_fn_avx512vnni(type);
+        }
+#endif
+#if defined(KC_AVXVNNI)
+        if (cpu_features().avx_vnni) {
+            return row_dot_q8_onepass_fn_avxvnni(type);
+        }
+#endif
+        return row_dot_q8_onepass_fn_avx2(type);
+    }
     if (act != Activations::F32 && cpu_features().avx2_fma_f16c) {
-#    if defined(KC_AVXVNNI)
+#if defined(KC_AVXVNNI)
         if (cpu_features().avx_vnni) {
             return row_dot_q8_fn_avxvnni(type);
         }
-#    endif
+#endif
         return row_dot_q8_fn_avx2(type);
     }
 #endif
-    (void) type;
-    (void) act;
+    (void)type;
+    (void)act;
     return nullptr;
 }
 
 // x [n_tok][n_in] quantized per 32 into the caller thread's scratch buffer.
 Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
-    const int64_t nb     = n_in / kQ8Block;
-    const size_t  qbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
-    const size_t  fbytes = static_cast<size_t>(n_tok * nb) * sizeof(float);
-    char *        buf    = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 4 * fbytes));
-    auto *        q      = reinterpret_cast<int8_t *>(buf);
-    auto *        qr     = reinterpret_cast<int8_t *>(buf + qbytes);
-    auto *        d      = reinterpret_cast<float *>(buf + 2 * qbytes);
-    float *       sums   = d + n_tok * nb;
-    float *       groups = sums + n_tok * nb;  // 2·nb per token
+    const int64_t nb      = n_in / kQ8Block;
+    const size_t  qbytes  = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
+    const size_t  fbytes  = static_cast<size_t>(n_tok * nb) * sizeof(float);
+    char *        buf     = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 7 * fbytes));
+    auto *        q       = reinterpret_cast<int8_t *>(buf);
+    auto *        qr      = reinterpret_cast<int8_t *>(buf + qbytes);
+    auto *        d       = reinterpret_cast<float *>(buf + 2 * qbytes);
+    float *       sums    = d + n_tok * nb;
+    float *       groups  = sums + n_tok * nb;  // 2·nb per token
+    float *       d1      = groups + 2 * n_tok * nb;
+    float *       groups1 = d1 + n_tok * nb;  // 2·nb per token
 #if defined(KC_X86)
     for (int64_t t = 0; t < n_tok; ++t) {
         quantize_q8_avx2(x + t * n_in, n_in, q + t * n_in, qr + t * n_in, d + t * nb, sums + t * nb,
-                         groups + 2 * t * nb);
+                         groups + 2 * t * nb, d1 + t * nb, groups1 + 2 * t * nb);
     }
 #else
-    (void) x;
+    (void)x;
 #endif
-    return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
+    return Q8Acts{ q, qr, d, sums, groups, n_in, nb, d1, groups1 };
 }
 
 // The integer GEMM (backend/cpu/qgemm.h) that runs the prefill of `type` with 8-bit activations (act) on this CPU,
@@ -448,7 +464,9 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
                                     q8.block_sums + t0 * q8.ld_blocks,
                                     q8.group_sums + 2 * t0 * q8.ld_blocks,
                                     q8.ldq,
-                                    q8.ld_blocks };
+                                    q8.ld_blocks,
+                                    q8.d1 + t0 * q8.ld_blocks,
+                                    q8.group_sums1 + 2 * t0 * q8.ld_blocks };
                 m.q8(base + r * w.row_bytes, group, nt, w.n_in, m.y + t0 * w.n_out + r, w.n_out);
             }
             continue;

@@ -1,0 +1,216 @@
+// The one-pass kernels of the 8-bit decode path (Activations::Q8Fast; contract: quants-dot.h), included after
+// quants-dot-avx2-impl.h (its helpers, same KC_Q8_NS and KC_Q8_VNNI) by quants-dot-avx2.cpp, quants-dot-avxvnni.cpp
+// (KC_Q8_ZMM undefined: 256-bit) and quants-dot-avx512vnni.cpp (KC_Q8_ZMM 1: 512-bit vpdpbusd).
+//
+// Each weight byte meets one activation byte (the first pass q alone), so a 32-weight sub-block costs one vpdpbusd
+// (or maddubs + madd) per token instead of two plus a shift. The f32 steps are those of the two-pass kernels:
+// a sub-block's int32 lanes are converted and multiplied by per-lane factors d_w·scale·d1 into two accumulators (even
+// and odd sub-blocks / Q6_K chunks); the 512-bit kernels hold both in one vector (lanes 0-7 even, 8-15 odd), so
+// every lane sees the same operations in the same order and all versions give the same bits.
+#pragma once
+
+#ifndef KC_Q8_ZMM
+#define KC_Q8_ZMM 0
+#endif
+
+namespace kvcmas::cpu::detail {
+namespace KC_Q8_NS {
+
+// Σ of 4 adjacent products u·s per int32 lane (u unsigned bytes, s signed).
+inline __m256i dot_u8_i8(__m256i u, __m256i s) {
+#if KC_Q8_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+#if KC_Q8_ZMM
+inline __m512 join(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+inline __m512i join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+// The int32 sums of 64 weights (sub-blocks 2C and 2C + 1) against 64 activation bytes at x, times the per-lane
+// factors f, into acc.
+inline __m512 fma_dot64(__m512i q, const int8_t * x, __m512 f, __m512 acc) {
+    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
+}
+#endif
+
+// Per token, the two accumulators of the even and odd sub-blocks (Q6_K: chunks): two ymm, or one zmm's halves.
+template <int NT>
+struct PairAcc {
+#if KC_Q8_ZMM
+    __m512 v[NT];
+    PairAcc() {
+        for (int t = 0; t < NT; ++t) {
+            v[t] = _mm512_setzero_ps();
+        }
+    }
+    __m256 sum(int t) const { return _mm256_add_ps(_mm512_castps512_ps256(v[t]), _mm512_extractf32x8_ps(v[t], 1)); }
+#else
+    __m256 v[NT][2];
+    PairAcc() {
+        for (int t = 0; t < NT; ++t) {
+            v[t][0] = v[t][1] = _mm256_setzero_ps();
+        }
+    }
+    __m256 sum(int t) const { return _mm256_add_ps(v[t][0], v[t][1]); }
+#endif
+};
+
+// Q4_K / Q5_K (layout: quants-dot-avx2-impl.h, k4_pair): sub-block j adds (d·sc_j·d1_j)·Σq·q_x - (dmin·m_j)·Σx_j.
+template <typename Block, bool HasHigh, int NT>
+void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto *  b = static_cast<const Block *>(w_row);
+    Q8Rows<NT>    x(a);
+    const float * d1[NT];
+    __m256        corr[NT];
+    PairAcc<NT>   acc;
+    for (int t = 0; t < NT; ++t) {
+        d1[t]   = a.d1 + t * a.ld_blocks;
+        corr[t] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
+        const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+        const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
+                                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+        __m256        scale[NT];  // d·sc_j·d1_j per token
+        for (int t = 0; t < NT; ++t) {
+            scale[t] = _mm256_mul_ps(dsc, _mm256_loadu_ps(d1[t] + 8 * i));
+            corr[t]  = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x.sums[t] + 8 * i), corr[t]);
+        }
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (HasHigh) {
+            qh = load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16);
+        }
+        for (int c = 0; c < 4; ++c) {
+            const __m256i v  = load256(b[i].qs + 32 * c);
+            __m256i       lo = _mm256_and_si256(v, m4);
+            __m256i       hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if constexpr (HasHigh) {  // bit 2c (lo) and 2c + 1 (hi) of qh to 0x10
+                const __m256i bit = _mm256_set1_epi8(0x10);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c), 4), bit));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit));
+            }
+            const int64_t k = 256 * i + 64 * c;
+            for (int t = 0; t < NT; ++t) {
+                const __m256 f0 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c));
+                const __m256 f1 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c + 1));
+#if KC_Q8_ZMM
+                acc.v[t] = fma_dot64(join(lo, hi), x.q[t] + k, join(f0, f1), acc.v[t]);
+#else
+                acc.v[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.q[t] + k))), f0, acc.v[t][0]);
+                acc.v[t][1] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.q[t] + k + 32))), f1, acc.v[t][1]);
+#endif
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(_mm256_sub_ps(acc.sum(t), corr[t]));
+    }
+}
+
+// Q6_K (layout: quants-dot-avx2-impl.h, q6_chunk): chunk C of half h adds (d·scale_g·d1)·Σq·q_x per 16-group g, the
+// offset -32·Σ_g d·scale_g·Σx̂_g from the first pass's sums per 16.
+template <int NT>
+void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+    const auto *  b = static_cast<const BlockQ6_K *>(w_row);
+    Q8Rows<NT>    x(a);
+    const float * d1[NT];
+    __m256        offset[NT];
+    PairAcc<NT>   acc;
+    for (int t = 0; t < NT; ++t) {
+        d1[t]     = a.d1 + t * a.ld_blocks;
+        offset[t] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < n / 256; ++i) {
+        const float * groups[NT];
+        for (int t = 0; t < NT; ++t) {
+            groups[t] = a.group_sums1 + 2 * t * a.ld_blocks + 16 * i;
+        }
+        __m256 dsc[2];
+        q6_scales_offset<NT>(b[i], groups, dsc, offset);
+        for (int h = 0; h < 2; ++h) {
+            __m256i q[4];
+            q6_half_quants(b[i], h, q);
+            const int64_t k = 256 * i + 128 * h, kb = 8 * i + 4 * h;
+            __m256        lane[4];  // chunk c's factors: lanes 0-3 group 2c, lanes 4-7 group 2c + 1
+            for (int c = 0; c < 4; ++c) {
+                lane[c] = _mm256_permutevar8x32_ps(
+                    dsc[h], _mm256_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1));
+            }
+            for (int t = 0; t < NT; ++t) {
+                __m256 f[4];
+                for (int c = 0; c < 4; ++c) {
+                    f[c] = _mm256_mul_ps(lane[c], _mm256_broadcast_ss(d1[t] + kb + c));
+                }
+#if KC_Q8_ZMM
+                acc.v[t] = fma_dot64(join(q[0], q[1]), x.q[t] + k, join(f[0], f[1]), acc.v[t]);
+                acc.v[t] = fma_dot64(join(q[2], q[3]), x.q[t] + k + 64, join(f[2], f[3]), acc.v[t]);
+#else
+                for (int c = 0; c < 4; ++c) {
+                    const __m256 s  = _mm256_cvtepi32_ps(dot_u8_i8(q[c], load256(x.q[t] + k + 32 * c)));
+                    acc.v[t][c % 2] = _mm256_fmadd_ps(s, f[c], acc.v[t][c % 2]);
+                }
+#endif
+            }
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out[t * os] = hsum(acc.sum(t)) - 32.0f * hsum(offset[t]);
+    }
+}
+
+template <int NT>
+void dot_q4_k_1p(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4_1p<BlockQ4_K, false, NT>(w, a, n, o, os);
+}
+template <int NT>
+void dot_q5_k_1p(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4_1p<BlockQ5_K, true, NT>(w, a, n, o, os);
+}
+
+template <void (*F1)(const void *, const Q8Acts &, int64_t, float *, int64_t),
+          void (*F2)(const void *, const Q8Acts &, int64_t, float *, int64_t),
+          void (*F3)(const void *, const Q8Acts &, int64_t, float *, int64_t),
+          void (*F4)(const void *, const Q8Acts &, int64_t, float *, int64_t)>
+void rows_1p(const void * w, const Q8Acts & a, int nt, int64_t n, float * o, int64_t os) {
+    switch (nt) {
+        case 1:
+            F1(w, a, n, o, os);
+            break;
+        case 2:
+            F2(w, a, n, o, os);
+            break;
+        case 3:
+            F3(w, a, n, o, os);
+            break;
+        default:
+            F4(w, a, n, o, os);
+            break;
+    }
+}
+
+// The one-pass kernel of `type` (Q4_K, Q5_K, Q6_K), nullptr for the other types.
+inline RowDotQ8Fn row_dot_q8_onepass_fn(GgmlType type) {
+    switch (type) {
+        case GgmlType::Q4_K:
+            return rows_1p<dot_q4_k_1p<1>, dot_q4_k_1p<2>, dot_q4_k_1p<3>, dot_q4_k_1p<4>>;
+        case GgmlType::Q5_K:
+            return rows_1p<dot_q5_k_1p<1>, dot_q5_k_1p<2>, dot_q5_k_1p<3>, dot_q5_k_1p<4>>;
+        case GgmlType::Q6_K:
+            return rows_1p<dot_q6_k_1p<1>, dot_q6_k_1p<2>, dot_q6_k_1p<3>, dot_q6_k_1p<4>>;
+        default:
+            return nullptr;
+    }
+}
+
+}  // namespace KC_Q8_NS
+}  // namespace kvcmas::cpu::detail
