@@ -451,8 +451,14 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
     const int64_t      ahead          = std::max<int64_t>(0, kPrefetchBytes - row_bytes);
     const int64_t      end            = r1 * row_bytes;
     int64_t            fetched        = r0 * row_bytes;  // byte offset up to which prefetches were issued
+    // Kernels that prefetch ahead themselves (the K-quants' 8-bit ones) need only the start of the range.
+    const bool own_prefetch = m.q8 != nullptr && q8_kernel_prefetches(w.type);
+    for (; own_prefetch && fetched < std::min(end, r0 * row_bytes + kQ8KernelPrefetchBytes); fetched += 64) {
+        __builtin_prefetch(base + fetched);
+    }
     for (int64_t r = r0; r < r1; ++r) {
-        for (const int64_t want = std::min(end, (r + 1) * row_bytes + ahead); fetched < want; fetched += 64) {
+        for (const int64_t want = std::min(end, (r + 1) * row_bytes + ahead); !own_prefetch && fetched < want;
+             fetched += 64) {
             __builtin_prefetch(base + fetched);
         }
         if (m.q8 != nullptr) {

@@ -61,6 +61,19 @@ inline __m256i dot_u8_i8x2(__m256i u, __m256i s, __m256i r) {
 #endif
 }
 
+// The K-quant kernels (two-pass and one-pass; q8_kernel_prefetches) prefetch their own weights: each super-block
+// requests the lines kWeightPrefetchBytes ahead of it (into the next rows, which the same thread computes next).
+// Interleaved with the arithmetic, the requests keep the memory stream busy while the core computes; one burst per row
+// (decode_rows' prefetch for the other types) left the two one after the other (docs/prefill-kernels.md, Round 5).
+constexpr int64_t kWeightPrefetchBytes = kQ8KernelPrefetchBytes;
+template <typename Block>
+inline void prefetch_ahead(const Block * blk) {
+    const char * p = reinterpret_cast<const char *>(blk) + kWeightPrefetchBytes;
+    for (size_t o = 0; o < sizeof(Block); o += 64) {
+        __builtin_prefetch(p + o);
+    }
+}
+
 // Activation rows of one call: row t's bytes of both passes and per-32 steps.
 template <int NT>
 struct Q8Rows {
@@ -240,6 +253,7 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
         acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
+        prefetch_ahead(b + i);
         const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
         const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
         const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
@@ -326,6 +340,7 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
         for (int t = 0; t < NT; ++t) {
             groups[t] = x.groups[t] + 16 * i;
         }
+        prefetch_ahead(b + i);
         __m256 dsc[2];
         q6_scales_offset<NT>(b[i], groups, dsc, offset);
         for (int h = 0; h < 2; ++h) {

@@ -74,8 +74,8 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
         d1[t]   = a.d1 + t * a.ld_blocks;
         corr[t] = _mm256_setzero_ps();
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < n / 256; ++i) {
+        prefetch_ahead(b + i);
         const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
         const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
         const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
@@ -85,12 +85,35 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
             scale[t] = _mm256_mul_ps(dsc, _mm256_loadu_ps(d1[t] + 8 * i));
             corr[t]  = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(x.sums[t] + 8 * i), corr[t]);
         }
+#if KC_Q8_ZMM
+        // Pair c in one vector: qs[32c ..] in both halves, the upper one shifted to its high nibbles (no lane
+        // crossing, so no port-5 shuffles but the factors' one permute per token).
+        __m512i qh = _mm512_setzero_si512();
+        if constexpr (HasHigh) {
+            qh = _mm512_broadcast_i64x4(load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16));
+        }
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_broadcast_i64x4(load256(b[i].qs + 32 * c));
+            __m512i       q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), _mm512_set1_epi8(0x0F));
+            if constexpr (HasHigh) {  // bit 2c (lower half) and 2c + 1 (upper half) of qh to 0x10
+                const __m512i shift = join(_mm256_set1_epi16(static_cast<short>(2 * c)),
+                                           _mm256_set1_epi16(static_cast<short>(2 * c + 1)));
+                q                   = _mm512_or_si512(
+                    q, _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, shift), 4), _mm512_set1_epi8(0x10)));
+            }
+            const __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
+            for (int t = 0; t < NT; ++t) {
+                const __m512 f = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(scale[t]));
+                acc.v[t]       = fma_dot64(q, x.q[t] + 256 * i + 64 * c, f, acc.v[t]);
+            }
+        }
+#else
         __m256i qh = _mm256_setzero_si256();
         if constexpr (HasHigh) {
             qh = load256(reinterpret_cast<const uint8_t *>(&b[i]) + 16);
         }
         for (int c = 0; c < 4; ++c) {
-            const __m256i v  = load256(b[i].qs + 32 * c);
+            const __m256i v = load256(b[i].qs + 32 * c), m4 = _mm256_set1_epi8(0x0F);
             __m256i       lo = _mm256_and_si256(v, m4);
             __m256i       hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             if constexpr (HasHigh) {  // bit 2c (lo) and 2c + 1 (hi) of qh to 0x10
@@ -102,15 +125,12 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
             for (int t = 0; t < NT; ++t) {
                 const __m256 f0 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c));
                 const __m256 f1 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c + 1));
-#if KC_Q8_ZMM
-                acc.v[t] = fma_dot64(join(lo, hi), x.q[t] + k, join(f0, f1), acc.v[t]);
-#else
                 acc.v[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.q[t] + k))), f0, acc.v[t][0]);
                 acc.v[t][1] =
                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.q[t] + k + 32))), f1, acc.v[t][1]);
-#endif
             }
         }
+#endif
     }
     for (int t = 0; t < NT; ++t) {
         out[t * os] = hsum(_mm256_sub_ps(acc.sum(t), corr[t]));
@@ -137,6 +157,35 @@ void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, i
         }
         __m256 dsc[2];
         q6_scales_offset<NT>(b[i], groups, dsc, offset);
+        prefetch_ahead(b + i);
+#if KC_Q8_ZMM
+        // Half h's chunks 0|1 and 2|3 in one vector each: ql[64h ..] holds them in its low | high nibbles, and the
+        // high bits come from qh broadcast to both halves, shifted per half.
+        for (int h = 0; h < 2; ++h) {
+            const __m512i ql = _mm512_loadu_si512(b[i].ql + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(load256(b[i].qh + 32 * h));
+            const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+            const __m512i q01 = _mm512_or_si512(
+                _mm512_and_si512(ql, m4),
+                _mm512_and_si512(_mm512_sllv_epi16(qh, join(_mm256_set1_epi16(4), _mm256_set1_epi16(2))), m2));
+            const __m512i q23 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                _mm512_and_si512(_mm512_srlv_epi16(qh, join(_mm256_setzero_si256(), _mm256_set1_epi16(2))), m2));
+            const __m512 dsc512 = _mm512_castps256_ps512(dsc[h]);
+            const __m512 lane01 =
+                _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), dsc512);
+            const __m512 lane23 =
+                _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), dsc512);
+            const int64_t k = 256 * i + 128 * h, kb = 8 * i + 4 * h;
+            for (int t = 0; t < NT; ++t) {
+                const __m512 d4  = _mm512_castps128_ps512(_mm_loadu_ps(d1[t] + kb));
+                const __m512 d01 = _mm512_permutexvar_ps(join(_mm256_set1_epi32(0), _mm256_set1_epi32(1)), d4);
+                const __m512 d23 = _mm512_permutexvar_ps(join(_mm256_set1_epi32(2), _mm256_set1_epi32(3)), d4);
+                acc.v[t]         = fma_dot64(q01, x.q[t] + k, _mm512_mul_ps(lane01, d01), acc.v[t]);
+                acc.v[t]         = fma_dot64(q23, x.q[t] + k + 64, _mm512_mul_ps(lane23, d23), acc.v[t]);
+            }
+        }
+#else
         for (int h = 0; h < 2; ++h) {
             __m256i q[4];
             q6_half_quants(b[i], h, q);
@@ -151,17 +200,13 @@ void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, i
                 for (int c = 0; c < 4; ++c) {
                     f[c] = _mm256_mul_ps(lane[c], _mm256_broadcast_ss(d1[t] + kb + c));
                 }
-#if KC_Q8_ZMM
-                acc.v[t] = fma_dot64(join(q[0], q[1]), x.q[t] + k, join(f[0], f[1]), acc.v[t]);
-                acc.v[t] = fma_dot64(join(q[2], q[3]), x.q[t] + k + 64, join(f[2], f[3]), acc.v[t]);
-#else
                 for (int c = 0; c < 4; ++c) {
                     const __m256 s  = _mm256_cvtepi32_ps(dot_u8_i8(q[c], load256(x.q[t] + k + 32 * c)));
                     acc.v[t][c % 2] = _mm256_fmadd_ps(s, f[c], acc.v[t][c % 2]);
                 }
-#endif
             }
         }
+#endif
     }
     for (int t = 0; t < NT; ++t) {
         out[t * os] = hsum(acc.sum(t)) - 32.0f * hsum(offset[t]);

@@ -46,6 +46,13 @@ struct Q8Acts {
 // d_w·d_x·Σ q_w·q_x (+ min terms).
 using RowDotQ8Fn = void (*)(const void * w_row, const Q8Acts & act, int nt, int64_t n, float * out, int64_t out_stride);
 
+// The 8-bit kernels of these types prefetch their own weights, a fixed distance ahead of each super-block
+// (kWeightPrefetchBytes, quants-dot-avx2-impl.h): the caller requests only the first that many bytes of a row range.
+inline bool q8_kernel_prefetches(GgmlType type) {
+    return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
+}
+constexpr int64_t kQ8KernelPrefetchBytes = 2048;
+
 // Only AVX2 kernels exist: without AVX2 (or for f32 / f16 / bf16 weights) the decode path keeps f32 activations.
 #if defined(KC_X86)
 // AVX2 kernels (quants-dot-avx2.cpp); nullptr for types without an integer kernel (f32, f16, bf16).
