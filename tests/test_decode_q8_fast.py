@@ -1,7 +1,7 @@
 """activations="q8-fast" on the decode path (1..16 tokens): Q4_K, Q5_K and Q6_K weights against one 8-bit activation
 pass (backend/cpu/quants-dot.h: the one-pass kernels, AVX512-VNNI zmm, AVX-VNNI or AVX2 ymm), against numpy on the
 same quantized activations, the exact product's bound, thread counts, tokens beside a row, and the three instruction
-sets bit for bit."""
+sets bit for bit (the default q8's K-quant kernels too: its 512-bit ones against the 256-bit ones)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,10 @@ def isa_variants() -> list[dict[str, str]]:
 
 
 @pytest.mark.skipif(not isa_variants(), reason="only the AVX2 kernels run on this CPU")
-def test_one_pass_decode_same_bits_on_every_isa(tmp_path: Path) -> None:
-    """The zmm (AVX512-VNNI), AVX-VNNI and AVX2 one-pass kernels: Q4_K, Q5_K, Q6_K, 1,536 / 8,960 columns, 1..16
-    tokens, bit for bit (exact int32 sums, the same f32 steps per lane)."""
+def test_decode_same_bits_on_every_isa(tmp_path: Path) -> None:
+    """The zmm (AVX512-VNNI), AVX-VNNI and AVX2 kernels of the one-pass (q8-fast) and the two-pass (default q8)
+    decode: Q4_K, Q5_K, Q6_K, 1,536 / 8,960 columns, 1..16 tokens, bit for bit (exact int32 sums, the same f32 steps
+    per lane)."""
     require_testing()
     rng = np.random.default_rng(23000)
     cases = []
@@ -87,8 +88,9 @@ def test_one_pass_decode_same_bits_on_every_isa(tmp_path: Path) -> None:
     script = (
         "import sys, json, numpy as np; from pathlib import Path; from kvcmas_cpp._native import testing_module; "
         f"t = testing_module(); d = Path({str(tmp_path)!r}); "
-        "[np.save(d / f'{sys.argv[2]}-{n}-{k}-{m}.npy', t.matmul(q, (d / f'{n}-{k}.bin').read_bytes(), k, 37, "
-        "np.load(d / f'x-{k}.npy')[:m], 2, 'q8-fast')) for q, n, k in json.loads(sys.argv[1]) for m in (1, 3, 16)]"
+        "[np.save(d / f'{sys.argv[2]}-{n}-{k}-{m}-{a}.npy', t.matmul(q, (d / f'{n}-{k}.bin').read_bytes(), k, 37, "
+        "np.load(d / f'x-{k}.npy')[:m], 2, a)) for q, n, k in json.loads(sys.argv[1]) for m in (1, 3, 16) "
+        "for a in ('q8', 'q8-fast')]"
     )
     for i, env in enumerate(isa_variants()):
         out = subprocess.run(
@@ -98,9 +100,10 @@ def test_one_pass_decode_same_bits_on_every_isa(tmp_path: Path) -> None:
     for q, name, n_in in cases:
         raw = (tmp_path / f"{name}-{n_in}.bin").read_bytes()
         for m in (1, 3, 16):
-            want = testing.matmul(q, raw, n_in, N_OUT, np.load(tmp_path / f"x-{n_in}.npy")[:m], 2, "q8-fast")
-            for i in range(len(isa_variants())):
-                np.testing.assert_array_equal(np.load(tmp_path / f"v{i}-{name}-{n_in}-{m}.npy"), want)
+            for act in ("q8", "q8-fast"):
+                want = testing.matmul(q, raw, n_in, N_OUT, np.load(tmp_path / f"x-{n_in}.npy")[:m], 2, act)
+                for i in range(len(isa_variants())):
+                    np.testing.assert_array_equal(np.load(tmp_path / f"v{i}-{name}-{n_in}-{m}-{act}.npy"), want)
 
 
 @pytest.mark.slow

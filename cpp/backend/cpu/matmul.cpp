@@ -10,12 +10,12 @@
 #include <thread>
 #include <vector>
 
+#include "common/error.h"
 #include "backend/cpu/cpu-features.h"
 #include "backend/cpu/matmul-impl.h"
 #include "backend/cpu/qgemm.h"
 #include "backend/cpu/quants-dot.h"
 #include "backend/cpu/quants.h"
-#include "common/error.h"
 
 namespace kvcmas::cpu {
 namespace detail {
@@ -312,29 +312,34 @@ thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and the
 RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 #if defined(KC_X86)
     if (act == Activations::Q8Fast && cpu_features().avx2_fma_f16c && qgemm_onepass_type(type)) {
-#if defined(KC_AVX512VNNI)
+#    if defined(KC_AVX512VNNI)
         if (cpu_features().avx512_vnni) {
             return row_dot_q8_onepass_fn_avx512vnni(type);
         }
-#endif
-#if defined(KC_AVXVNNI)
+#    endif
+#    if defined(KC_AVXVNNI)
         if (cpu_features().avx_vnni) {
             return row_dot_q8_onepass_fn_avxvnni(type);
         }
-#endif
+#    endif
         return row_dot_q8_onepass_fn_avx2(type);
     }
     if (act != Activations::F32 && cpu_features().avx2_fma_f16c) {
-#if defined(KC_AVXVNNI)
+#    if defined(KC_AVX512VNNI)
+        if (cpu_features().avx512_vnni && q8_kernel_prefetches(type)) {  // the K-quants' 512-bit two-pass kernels
+            return row_dot_q8_kquant_fn_avx512vnni(type);
+        }
+#    endif
+#    if defined(KC_AVXVNNI)
         if (cpu_features().avx_vnni) {
             return row_dot_q8_fn_avxvnni(type);
         }
-#endif
+#    endif
         return row_dot_q8_fn_avx2(type);
     }
 #endif
-    (void)type;
-    (void)act;
+    (void) type;
+    (void) act;
     return nullptr;
 }
 
@@ -357,7 +362,7 @@ Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
                          groups + 2 * t * nb, d1 + t * nb, groups1 + 2 * t * nb);
     }
 #else
-    (void)x;
+    (void) x;
 #endif
     return Q8Acts{ q, qr, d, sums, groups, n_in, nb, d1, groups1 };
 }

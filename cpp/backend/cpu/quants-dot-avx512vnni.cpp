@@ -16,4 +16,8 @@ RowDotQ8Fn row_dot_q8_onepass_fn_avx512vnni(GgmlType type) {
     return avx512vnni::row_dot_q8_onepass_fn(type);
 }
 
+RowDotQ8Fn row_dot_q8_kquant_fn_avx512vnni(GgmlType type) {
+    return avx512vnni::row_dot_q8_vec_fn<2>(type);
+}
+
 }  // namespace kvcmas::cpu::detail

@@ -34,8 +34,13 @@ inline __m512i join(__m256i lo, __m256i hi) {
 }
 // The int32 sums of 64 weights (sub-blocks 2C and 2C + 1) against 64 activation bytes at x, times the per-lane
 // factors f, into acc.
-inline __m512 fma_dot64(__m512i q, const int8_t * x, __m512 f, __m512 acc) {
-    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x));
+// Passes 2: the two-pass sums Σ q·(256·x + xr) (x + the residual bytes xr), as dot_u8_i8x2 forms them.
+template <int Passes>
+inline __m512 fma_dot64(__m512i q, const int8_t * x, const int8_t * xr, __m512 f, __m512 acc) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x));
+    if constexpr (Passes == 2) {
+        s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), q, _mm512_loadu_si512(xr));
+    }
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc);
 }
 #endif
@@ -63,15 +68,25 @@ struct PairAcc {
 };
 
 // Q4_K / Q5_K (layout: quants-dot-avx2-impl.h, k4_pair): sub-block j adds (d·sc_j·d1_j)·Σq·q_x - (dmin·m_j)·Σx_j.
-template <typename Block, bool HasHigh, int NT>
-void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+template <int Passes>
+inline __m256i dot_passes(__m256i u, const int8_t * x, const int8_t * xr) {
+    if constexpr (Passes == 2) {
+        return dot_u8_i8x2(u, load256(x), load256(xr));
+    } else {
+        (void)xr;
+        return dot_u8_i8(u, load256(x));
+    }
+}
+
+template <typename Block, bool HasHigh, int NT, int Passes>
+void dot_k4_v(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
     const auto *  b = static_cast<const Block *>(w_row);
     Q8Rows<NT>    x(a);
     const float * d1[NT];
     __m256        corr[NT];
     PairAcc<NT>   acc;
     for (int t = 0; t < NT; ++t) {
-        d1[t]   = a.d1 + t * a.ld_blocks;
+        d1[t]   = (Passes == 1 ? a.d1 : a.d) + t * a.ld_blocks;
         corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
@@ -103,8 +118,9 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
             }
             const __m512i pick = join(_mm256_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1));
             for (int t = 0; t < NT; ++t) {
-                const __m512 f = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(scale[t]));
-                acc.v[t]       = fma_dot64(q, x.q[t] + 256 * i + 64 * c, f, acc.v[t]);
+                const __m512  f = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(scale[t]));
+                const int64_t k = 256 * i + 64 * c;
+                acc.v[t]        = fma_dot64<Passes>(q, x.q[t] + k, x.qr[t] + k, f, acc.v[t]);
             }
         }
 #else
@@ -125,9 +141,10 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
             for (int t = 0; t < NT; ++t) {
                 const __m256 f0 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c));
                 const __m256 f1 = _mm256_permutevar8x32_ps(scale[t], _mm256_set1_epi32(2 * c + 1));
-                acc.v[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(lo, load256(x.q[t] + k))), f0, acc.v[t][0]);
-                acc.v[t][1] =
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_i8(hi, load256(x.q[t] + k + 32))), f1, acc.v[t][1]);
+                acc.v[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_passes<Passes>(lo, x.q[t] + k, x.qr[t] + k)), f0,
+                                              acc.v[t][0]);
+                acc.v[t][1] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot_passes<Passes>(hi, x.q[t] + k + 32, x.qr[t] + k + 32)), f1, acc.v[t][1]);
             }
         }
 #endif
@@ -139,21 +156,21 @@ void dot_k4_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int
 
 // Q6_K (layout: quants-dot-avx2-impl.h, q6_chunk): chunk C of half h adds (d·scale_g·d1)·Σq·q_x per 16-group g, the
 // offset -32·Σ_g d·scale_g·Σx̂_g from the first pass's sums per 16.
-template <int NT>
-void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
+template <int NT, int Passes>
+void dot_q6_k_v(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
     const auto *  b = static_cast<const BlockQ6_K *>(w_row);
     Q8Rows<NT>    x(a);
     const float * d1[NT];
     __m256        offset[NT];
     PairAcc<NT>   acc;
     for (int t = 0; t < NT; ++t) {
-        d1[t]     = a.d1 + t * a.ld_blocks;
+        d1[t]     = (Passes == 1 ? a.d1 : a.d) + t * a.ld_blocks;
         offset[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
         const float * groups[NT];
         for (int t = 0; t < NT; ++t) {
-            groups[t] = a.group_sums1 + 2 * t * a.ld_blocks + 16 * i;
+            groups[t] = (Passes == 1 ? a.group_sums1 : a.group_sums) + 2 * t * a.ld_blocks + 16 * i;
         }
         __m256 dsc[2];
         q6_scales_offset<NT>(b[i], groups, dsc, offset);
@@ -181,8 +198,9 @@ void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, i
                 const __m512 d4  = _mm512_castps128_ps512(_mm_loadu_ps(d1[t] + kb));
                 const __m512 d01 = _mm512_permutexvar_ps(join(_mm256_set1_epi32(0), _mm256_set1_epi32(1)), d4);
                 const __m512 d23 = _mm512_permutexvar_ps(join(_mm256_set1_epi32(2), _mm256_set1_epi32(3)), d4);
-                acc.v[t]         = fma_dot64(q01, x.q[t] + k, _mm512_mul_ps(lane01, d01), acc.v[t]);
-                acc.v[t]         = fma_dot64(q23, x.q[t] + k + 64, _mm512_mul_ps(lane23, d23), acc.v[t]);
+                acc.v[t] = fma_dot64<Passes>(q01, x.q[t] + k, x.qr[t] + k, _mm512_mul_ps(lane01, d01), acc.v[t]);
+                acc.v[t] =
+                    fma_dot64<Passes>(q23, x.q[t] + k + 64, x.qr[t] + k + 64, _mm512_mul_ps(lane23, d23), acc.v[t]);
             }
         }
 #else
@@ -201,7 +219,8 @@ void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, i
                     f[c] = _mm256_mul_ps(lane[c], _mm256_broadcast_ss(d1[t] + kb + c));
                 }
                 for (int c = 0; c < 4; ++c) {
-                    const __m256 s  = _mm256_cvtepi32_ps(dot_u8_i8(q[c], load256(x.q[t] + k + 32 * c)));
+                    const __m256 s =
+                        _mm256_cvtepi32_ps(dot_passes<Passes>(q[c], x.q[t] + k + 32 * c, x.qr[t] + k + 32 * c));
                     acc.v[t][c % 2] = _mm256_fmadd_ps(s, f[c], acc.v[t][c % 2]);
                 }
             }
@@ -213,48 +232,46 @@ void dot_q6_k_1p(const void * w_row, const Q8Acts & a, int64_t n, float * out, i
     }
 }
 
-template <int NT>
-void dot_q4_k_1p(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
-    dot_k4_1p<BlockQ4_K, false, NT>(w, a, n, o, os);
+template <int Passes, int NT>
+void dot_q4_k_v(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4_v<BlockQ4_K, false, NT, Passes>(w, a, n, o, os);
 }
-template <int NT>
-void dot_q5_k_1p(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
-    dot_k4_1p<BlockQ5_K, true, NT>(w, a, n, o, os);
+template <int Passes, int NT>
+void dot_q5_k_v(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_k4_v<BlockQ5_K, true, NT, Passes>(w, a, n, o, os);
 }
-
-template <void (*F1)(const void *, const Q8Acts &, int64_t, float *, int64_t),
-          void (*F2)(const void *, const Q8Acts &, int64_t, float *, int64_t),
-          void (*F3)(const void *, const Q8Acts &, int64_t, float *, int64_t),
-          void (*F4)(const void *, const Q8Acts &, int64_t, float *, int64_t)>
-void rows_1p(const void * w, const Q8Acts & a, int nt, int64_t n, float * o, int64_t os) {
-    switch (nt) {
-        case 1:
-            F1(w, a, n, o, os);
-            break;
-        case 2:
-            F2(w, a, n, o, os);
-            break;
-        case 3:
-            F3(w, a, n, o, os);
-            break;
-        default:
-            F4(w, a, n, o, os);
-            break;
-    }
+template <int Passes, int NT>
+void dot_q6_k_vp(const void * w, const Q8Acts & a, int64_t n, float * o, int64_t os) {
+    dot_q6_k_v<NT, Passes>(w, a, n, o, os);
 }
 
-// The one-pass kernel of `type` (Q4_K, Q5_K, Q6_K), nullptr for the other types.
-inline RowDotQ8Fn row_dot_q8_onepass_fn(GgmlType type) {
+using DotQ8Fn = void (*)(const void *, const Q8Acts &, int64_t, float *, int64_t);
+
+// K<1..4> by the token count nt (1..4).
+template <DotQ8Fn K1, DotQ8Fn K2, DotQ8Fn K3, DotQ8Fn K4>
+void rows_v(const void * w, const Q8Acts & a, int nt, int64_t n, float * o, int64_t os) {
+    (nt == 1 ? K1 : nt == 2 ? K2 : nt == 3 ? K3 : K4)(w, a, n, o, os);
+}
+
+// The kernel of `type` (Q4_K, Q5_K, Q6_K) with 1 or 2 activation passes, nullptr for the other types.
+template <int Passes>
+RowDotQ8Fn row_dot_q8_vec_fn(GgmlType type) {
     switch (type) {
         case GgmlType::Q4_K:
-            return rows_1p<dot_q4_k_1p<1>, dot_q4_k_1p<2>, dot_q4_k_1p<3>, dot_q4_k_1p<4>>;
+            return rows_v<dot_q4_k_v<Passes, 1>, dot_q4_k_v<Passes, 2>, dot_q4_k_v<Passes, 3>, dot_q4_k_v<Passes, 4>>;
         case GgmlType::Q5_K:
-            return rows_1p<dot_q5_k_1p<1>, dot_q5_k_1p<2>, dot_q5_k_1p<3>, dot_q5_k_1p<4>>;
+            return rows_v<dot_q5_k_v<Passes, 1>, dot_q5_k_v<Passes, 2>, dot_q5_k_v<Passes, 3>, dot_q5_k_v<Passes, 4>>;
         case GgmlType::Q6_K:
-            return rows_1p<dot_q6_k_1p<1>, dot_q6_k_1p<2>, dot_q6_k_1p<3>, dot_q6_k_1p<4>>;
+            return rows_v<dot_q6_k_vp<Passes, 1>, dot_q6_k_vp<Passes, 2>, dot_q6_k_vp<Passes, 3>,
+                          dot_q6_k_vp<Passes, 4>>;
         default:
             return nullptr;
     }
+}
+
+// The one-pass kernels (quants-dot.h: row_dot_q8_onepass_fn_*).
+inline RowDotQ8Fn row_dot_q8_onepass_fn(GgmlType type) {
+    return row_dot_q8_vec_fn<1>(type);
 }
 
 }  // namespace KC_Q8_NS

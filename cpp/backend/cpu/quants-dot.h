@@ -71,6 +71,9 @@ RowDotQ8Fn row_dot_q8_onepass_fn_avxvnni(GgmlType type);
 #if defined(KC_AVX512VNNI)
 // The one-pass kernels on 512-bit vectors (quants-dot-avx512vnni.cpp); only once cpu_features().avx512_vnni.
 RowDotQ8Fn row_dot_q8_onepass_fn_avx512vnni(GgmlType type);
+// The two-pass (default q8) kernels of Q4_K, Q5_K and Q6_K on 512-bit vectors, nullptr for the other types: the
+// same bits as the AVX-VNNI / AVX2 ones (exact int32 sums, the same f32 steps per lane in the same order).
+RowDotQ8Fn row_dot_q8_kquant_fn_avx512vnni(GgmlType type);
 #endif
 // Quantizes n (a multiple of 32) f32 values x into q[n], the residual qr[n], the combined step d[n/32] (d_x / 256),
 // sums[n/32] (Σ of the f32 values) and group_sums[n/16] (Σ of the quantized values per 16: step·Σ(256·q + qr), the
