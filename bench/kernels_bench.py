@@ -11,8 +11,8 @@ Run: PYTHONPATH=python [KVCMAS_CORE_PATH=...] python bench/kernels_bench.py [--t
 
 --qwen-1.5b instead times the matrices of a Qwen2.5-1.5B Q4_K_M file one by one with 8-bit activations (the engine's
 default): decode GB/s per matrix over enough distinct copies to stream ~160 MB (the output matrix alone is 191 MB),
-and prefill GMAC/s of 128 tokens through the integer GEMM (--activations q8,q8-fast: the two-pass and the one-pass
-GEMM side by side; --no-decode skips the decode figures).
+and prefill GMAC/s of 128 tokens through the integer GEMM, for each of --activations (q8,q8-fast: the two-pass and
+the one-pass kernels side by side; --no-decode skips the decode figures).
 """
 
 from __future__ import annotations
@@ -99,25 +99,29 @@ def bench_qwen_matrices(
     threads: int, rng: np.random.Generator, activations: list[str], decode: bool = True, repeats: int = 2
 ) -> None:
     """Per-matrix decode GB/s (8-bit activations) and 128-token prefill GMAC/s with each of `activations`."""
-    cols = " | ".join(f"prefill GMAC/s {a} (128 tokens)" for a in activations)
-    print(f"| matrix | type | n_in x n_out | decode GB/s | {cols} |")
-    print("|---|---|---|---|" + "---|" * len(activations))
+    cols = " | ".join(
+        [f"decode GB/s {a}" for a in activations] + [f"prefill GMAC/s {a} (128 tokens)" for a in activations]
+    )
+    print(f"| matrix | type | n_in x n_out | {cols} |")
+    print("|---|---|---|" + "---|" * 2 * len(activations))
     for what, name, n_in, n_out in QWEN_1_5B_MATRICES:
         qtype = TYPES[name]
         w = make_weight(qtype, n_out, n_in, rng)
-        dec = float("nan")
+        dec = [float("nan")] * len(activations)
         if decode:
             copies = max(1, int(160e6 // len(w)))
             weights = [w] + [make_weight(qtype, n_out, n_in, rng) for _ in range(copies - 1)]
             x1 = rng.standard_normal((1, n_in)).astype(np.float32)
-            sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x1, threads, 6, "q8"), threads)
-            dec = len(w) * copies / sec / 1e9
+            for i, act in enumerate(activations):
+                sec = pick(testing.matmul_bench(int(qtype), weights, n_in, n_out, x1, threads, 6, act), threads)
+                dec[i] = len(w) * copies / sec / 1e9
         x = rng.standard_normal((128, n_in)).astype(np.float32)
         gmac = []
         for act in activations:
             sec = pick(testing.matmul_bench(int(qtype), [w], n_in, n_out, x, threads, repeats, act), threads)
             gmac.append(f"{128 * n_in * n_out / sec / 1e9:.1f}")
-        print(f"| {what} | {name.upper()} | {n_in} x {n_out} | {dec:.1f} | {' | '.join(gmac)} |")
+        figures = " | ".join([f"{v:.1f}" for v in dec] + gmac)
+        print(f"| {what} | {name.upper()} | {n_in} x {n_out} | {figures} |")
 
 
 def main() -> None:

@@ -195,15 +195,17 @@ def test_matmul_q8_prefill_integer_path(type_name: str, n_tok: int) -> None:
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("n_tok", [17, 40])
+@pytest.mark.parametrize("n_tok", [3, 17, 40])
 def test_matmul_q8_fast_prefill_one_pass_path(n_tok: int) -> None:
     """activations="q8-fast" on the CPU backend: a Qwen2.5 layer's Q/K/V mix (Q4_K, Q4_K, Q6_K) and a Q5_K matrix
-    through matmul_multi and matmul equal numpy's dequantize(w)·x̂ for the one-pass x̂ = d·q (AVX512-VNNI or AVX2;
-    elsewhere q8's) to f32 rounding, matmul_multi gives the bits of separate matmuls, and 1, 2
-    and 3 threads the same bits."""
+    through matmul_multi and matmul (prefill, and 3 tokens: decode) equal numpy's dequantize(w)·x̂ for the one-pass
+    x̂ = d·q (AVX512-VNNI or AVX2; elsewhere q8's) to f32 rounding, matmul_multi gives the bits of separate matmuls,
+    and 1, 2 and 3 threads the same bits."""
     from helpers.quants import min_part, quantize_q8, quantize_q8_one_pass
 
     one_pass = bool(core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2"))
+    if n_tok < 17:  # the decode path: one-pass kernels wherever the AVX2 ones run
+        one_pass = bool(core.cpu_features()["avx2_fma_f16c"])
     rng = np.random.default_rng(zlib.crc32(f"q8-fast/{n_tok}".encode()))
     n_in, outs, types = 1536, [256, 37, 100, 64], ["Q4_K", "Q4_K", "Q6_K", "Q5_K"]
     parts = [_weight(rng, t, n_in, n) for t, n in zip(types, outs, strict=True)]

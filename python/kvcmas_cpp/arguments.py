@@ -101,7 +101,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--activations",
         choices=("q8", "q8-fast", "f32"),
         default="q8",
-        help="activations of matmuls over quantized weights: q8 (two 8-bit passes), q8-fast (K-quant prefill in "
+        help="activations of matmuls over quantized weights: q8 (two 8-bit passes), q8-fast (K-quant matmuls in "
         "one 8-bit pass, llama.cpp's accuracy) or f32 (exact)",
     )
 

@@ -308,9 +308,28 @@ thread_local ScratchBuffer tl_sums_buffer;  // decode: per-32 sums of the activa
 thread_local ScratchBuffer tl_q8_buffer;    // decode: 8-bit activations and their scales (caller thread)
 
 // The integer kernel of `type` when act asks for 8-bit activations and the CPU runs it; nullptr otherwise.
+// Q8Fast takes the one-pass kernels where the type has them (Q4_K, Q5_K, Q6_K).
 RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 #if defined(KC_X86)
+    if (act == Activations::Q8Fast && cpu_features().avx2_fma_f16c && qgemm_onepass_type(type)) {
+#    if defined(KC_AVX512VNNI)
+        if (cpu_features().avx512_vnni) {
+            return row_dot_q8_onepass_fn_avx512vnni(type);
+        }
+#    endif
+#    if defined(KC_AVXVNNI)
+        if (cpu_features().avx_vnni) {
+            return row_dot_q8_onepass_fn_avxvnni(type);
+        }
+#    endif
+        return row_dot_q8_onepass_fn_avx2(type);
+    }
     if (act != Activations::F32 && cpu_features().avx2_fma_f16c) {
+#    if defined(KC_AVX512VNNI)
+        if (cpu_features().avx512_vnni && q8_kernel_prefetches(type)) {  // the K-quants' 512-bit two-pass kernels
+            return row_dot_q8_kquant_fn_avx512vnni(type);
+        }
+#    endif
 #    if defined(KC_AVXVNNI)
         if (cpu_features().avx_vnni) {
             return row_dot_q8_fn_avxvnni(type);
@@ -326,24 +345,26 @@ RowDotQ8Fn select_q8_kernel(GgmlType type, Activations act) {
 
 // x [n_tok][n_in] quantized per 32 into the caller thread's scratch buffer.
 Q8Acts quantize_acts(int64_t n_in, const float * x, int64_t n_tok) {
-    const int64_t nb     = n_in / kQ8Block;
-    const size_t  qbytes = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
-    const size_t  fbytes = static_cast<size_t>(n_tok * nb) * sizeof(float);
-    char *        buf    = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 4 * fbytes));
-    auto *        q      = reinterpret_cast<int8_t *>(buf);
-    auto *        qr     = reinterpret_cast<int8_t *>(buf + qbytes);
-    auto *        d      = reinterpret_cast<float *>(buf + 2 * qbytes);
-    float *       sums   = d + n_tok * nb;
-    float *       groups = sums + n_tok * nb;  // 2·nb per token
+    const int64_t nb      = n_in / kQ8Block;
+    const size_t  qbytes  = (static_cast<size_t>(n_tok * n_in) + 63) & ~size_t(63);
+    const size_t  fbytes  = static_cast<size_t>(n_tok * nb) * sizeof(float);
+    char *        buf     = static_cast<char *>(tl_q8_buffer.get(2 * qbytes + 7 * fbytes));
+    auto *        q       = reinterpret_cast<int8_t *>(buf);
+    auto *        qr      = reinterpret_cast<int8_t *>(buf + qbytes);
+    auto *        d       = reinterpret_cast<float *>(buf + 2 * qbytes);
+    float *       sums    = d + n_tok * nb;
+    float *       groups  = sums + n_tok * nb;  // 2·nb per token
+    float *       d1      = groups + 2 * n_tok * nb;
+    float *       groups1 = d1 + n_tok * nb;  // 2·nb per token
 #if defined(KC_X86)
     for (int64_t t = 0; t < n_tok; ++t) {
         quantize_q8_avx2(x + t * n_in, n_in, q + t * n_in, qr + t * n_in, d + t * nb, sums + t * nb,
-                         groups + 2 * t * nb);
+                         groups + 2 * t * nb, d1 + t * nb, groups1 + 2 * t * nb);
     }
 #else
     (void) x;
 #endif
-    return Q8Acts{ q, qr, d, sums, groups, n_in, nb };
+    return Q8Acts{ q, qr, d, sums, groups, n_in, nb, d1, groups1 };
 }
 
 // The integer GEMM (backend/cpu/qgemm.h) that runs the prefill of `type` with 8-bit activations (act) on this CPU,
@@ -435,8 +456,14 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
     const int64_t      ahead          = std::max<int64_t>(0, kPrefetchBytes - row_bytes);
     const int64_t      end            = r1 * row_bytes;
     int64_t            fetched        = r0 * row_bytes;  // byte offset up to which prefetches were issued
+    // Kernels that prefetch ahead themselves (the K-quants' 8-bit ones) need only the start of the range.
+    const bool own_prefetch = m.q8 != nullptr && q8_kernel_prefetches(w.type);
+    for (; own_prefetch && fetched < std::min(end, r0 * row_bytes + kQ8KernelPrefetchBytes); fetched += 64) {
+        __builtin_prefetch(base + fetched);
+    }
     for (int64_t r = r0; r < r1; ++r) {
-        for (const int64_t want = std::min(end, (r + 1) * row_bytes + ahead); fetched < want; fetched += 64) {
+        for (const int64_t want = std::min(end, (r + 1) * row_bytes + ahead); !own_prefetch && fetched < want;
+             fetched += 64) {
             __builtin_prefetch(base + fetched);
         }
         if (m.q8 != nullptr) {
@@ -448,7 +475,9 @@ void decode_rows(const DecodeTarget & m, const DecodeActs & act, const Q8Acts & 
                                     q8.block_sums + t0 * q8.ld_blocks,
                                     q8.group_sums + 2 * t0 * q8.ld_blocks,
                                     q8.ldq,
-                                    q8.ld_blocks };
+                                    q8.ld_blocks,
+                                    q8.d1 + t0 * q8.ld_blocks,
+                                    q8.group_sums1 + 2 * t0 * q8.ld_blocks };
                 m.q8(base + r * w.row_bytes, group, nt, w.n_in, m.y + t0 * w.n_out + r, w.n_out);
             }
             continue;

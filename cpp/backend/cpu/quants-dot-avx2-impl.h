@@ -61,6 +61,19 @@ inline __m256i dot_u8_i8x2(__m256i u, __m256i s, __m256i r) {
 #endif
 }
 
+// The K-quant kernels (two-pass and one-pass; q8_kernel_prefetches) prefetch their own weights: each super-block
+// requests the lines kWeightPrefetchBytes ahead of it (into the next rows, which the same thread computes next).
+// Interleaved with the arithmetic, the requests keep the memory stream busy while the core computes; one burst per row
+// (decode_rows' prefetch for the other types) left the two one after the other (docs/prefill-kernels.md, Round 5).
+constexpr int64_t kWeightPrefetchBytes = kQ8KernelPrefetchBytes;
+template <typename Block>
+inline void prefetch_ahead(const Block * blk) {
+    const char * p = reinterpret_cast<const char *>(blk) + kWeightPrefetchBytes;
+    for (size_t o = 0; o < sizeof(Block); o += 64) {
+        __builtin_prefetch(p + o);
+    }
+}
+
 // Activation rows of one call: row t's bytes of both passes and per-32 steps.
 template <int NT>
 struct Q8Rows {
@@ -240,6 +253,7 @@ void dot_k4(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_
         acc[t][0] = acc[t][1] = corr[t] = _mm256_setzero_ps();
     }
     for (int64_t i = 0; i < n / 256; ++i) {
+        prefetch_ahead(b + i);
         const __m128i sm  = load128(k4_scales_mins(b[i].scales).b);
         const __m256  dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].d)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
         const __m256  dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(b[i].dmin)),
@@ -287,6 +301,32 @@ inline void q6_chunk(__m256i q, __m256 dsc, const Q8Rows<NT> & x, int64_t k, int
     }
 }
 
+// Q6_K block blk's factors d·scale_g (dsc[0]: groups 0-7, dsc[1]: 8-15), and offset[t] += Σ_g d·scale_g·Σx̂_g from
+// the activations' sums per 16 of this block, groups[t] (16 per token).
+template <int NT>
+inline void q6_scales_offset(const BlockQ6_K & blk, const float * const * groups, __m256 dsc[2], __m256 offset[NT]) {
+    const __m256  d   = _mm256_set1_ps(h2f(blk.d));
+    const __m128i sc8 = load128(blk.scales);
+    dsc[0]            = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    dsc[1]            = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    for (int t = 0; t < NT; ++t) {
+        offset[t] = _mm256_fmadd_ps(dsc[0], _mm256_loadu_ps(groups[t]), offset[t]);
+        offset[t] = _mm256_fmadd_ps(dsc[1], _mm256_loadu_ps(groups[t] + 8), offset[t]);
+    }
+}
+
+// Q6_K block blk, half h: the unsigned quants (0..63) of its chunks 0..3.
+inline void q6_half_quants(const BlockQ6_K & blk, int h, __m256i q[4]) {
+    const __m256i   m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const uint8_t * ql  = blk.ql + 64 * h;
+    const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(blk.qh + 32 * h);
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
+}
+
 template <int NT>
 void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int64_t os) {
     const auto * b = static_cast<const BlockQ6_K *>(w_row);
@@ -295,32 +335,22 @@ void dot_q6_k(const void * w_row, const Q8Acts & a, int64_t n, float * out, int6
     for (int t = 0; t < NT; ++t) {
         acc[t][0] = acc[t][1] = offset[t] = _mm256_setzero_ps();
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     for (int64_t i = 0; i < n / 256; ++i) {
-        const __m256  d      = _mm256_set1_ps(h2f(b[i].d));
-        const __m128i sc8    = load128(b[i].scales);
-        const __m256  dsc[2] = { _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
-                                 _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)))) };
-        for (int t = 0; t < NT; ++t) {  // Σ_g d·scale_g·Σx̂_g
-            offset[t] = _mm256_fmadd_ps(dsc[0], _mm256_loadu_ps(x.groups[t] + 16 * i), offset[t]);
-            offset[t] = _mm256_fmadd_ps(dsc[1], _mm256_loadu_ps(x.groups[t] + 16 * i + 8), offset[t]);
+        const float * groups[NT];
+        for (int t = 0; t < NT; ++t) {
+            groups[t] = x.groups[t] + 16 * i;
         }
+        prefetch_ahead(b + i);
+        __m256 dsc[2];
+        q6_scales_offset<NT>(b[i], groups, dsc, offset);
         for (int h = 0; h < 2; ++h) {
-            const uint8_t * ql  = b[i].ql + 64 * h;
-            const __m256i   ql0 = load256(ql), ql1 = load256(ql + 32), qh = load256(b[i].qh + 32 * h);
-            const int64_t   k = 256 * i + 128 * h, kb = 8 * i + 4 * h;
-            const __m256i   q0 =
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m2));
-            const __m256i q1 =
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m2));
-            const __m256i q2 =
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m2));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                               _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2));
-            q6_chunk<NT, 0>(q0, dsc[h], x, k, kb, acc);
-            q6_chunk<NT, 1>(q1, dsc[h], x, k, kb, acc);
-            q6_chunk<NT, 2>(q2, dsc[h], x, k, kb, acc);
-            q6_chunk<NT, 3>(q3, dsc[h], x, k, kb, acc);
+            __m256i q[4];
+            q6_half_quants(b[i], h, q);
+            const int64_t k = 256 * i + 128 * h, kb = 8 * i + 4 * h;
+            q6_chunk<NT, 0>(q[0], dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 1>(q[1], dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 2>(q[2], dsc[h], x, k, kb, acc);
+            q6_chunk<NT, 3>(q[3], dsc[h], x, k, kb, acc);
         }
     }
     for (int t = 0; t < NT; ++t) {

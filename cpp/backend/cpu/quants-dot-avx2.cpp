@@ -3,6 +3,7 @@
 #define KC_Q8_VNNI 0
 #define KC_Q8_NS avx2
 #include "backend/cpu/quants-dot-avx2-impl.h"
+#include "backend/cpu/quants-dot-onepass-impl.h"
 
 namespace kvcmas::cpu::detail {
 using avx2::hmax;
@@ -34,8 +35,8 @@ inline float abs_max(const __m256 v[4]) {
 
 }  // namespace
 
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums,
-                      float * group_sums) {
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums, float * group_sums,
+                      float * d1, float * group_sums1) {
     for (int64_t b = 0; b < n / kQ8Block; ++b) {
         __m256 v[4], r[4];
         for (int p = 0; p < 4; ++p) {
@@ -45,6 +46,11 @@ void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float
         const float dx  = abs_max(v) / 127.0f;
         const float inv = dx != 0.0f ? 1.0f / dx : 0.0f;
         round_to_i8(v, inv, q + 32 * b, r);
+        if (d1 != nullptr) {  // |Σq| <= 16·127: exact in f32
+            d1[b]                  = dx;
+            group_sums1[2 * b]     = hsum(_mm256_add_ps(r[0], r[1])) * dx;
+            group_sums1[2 * b + 1] = hsum(_mm256_add_ps(r[2], r[3])) * dx;
+        }
         // Integer sums of each 16: exact in f32 (|256·Σq + Σqr| < 2^20).
         __m256 sum16[2] = { _mm256_mul_ps(_mm256_add_ps(r[0], r[1]), _mm256_set1_ps(256.0f)),
                             _mm256_mul_ps(_mm256_add_ps(r[2], r[3]), _mm256_set1_ps(256.0f)) };
@@ -66,6 +72,10 @@ void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float
 
 RowDotQ8Fn row_dot_q8_fn_avx2(GgmlType type) {
     return avx2::row_dot_q8_fn(type);
+}
+
+RowDotQ8Fn row_dot_q8_onepass_fn_avx2(GgmlType type) {
+    return avx2::row_dot_q8_onepass_fn(type);
 }
 
 }  // namespace kvcmas::cpu::detail

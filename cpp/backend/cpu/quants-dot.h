@@ -28,6 +28,8 @@ constexpr int kQ8Block = 32;  // activation elements per scale
 // sums of its original values per 32, block_sums + t·ld_blocks (for weights with a per-block min, whose min term m·Σx
 // is taken from the exact sums), and the sums of the quantized values x̂ per 16 elements, group_sums + 2t·ld_blocks
 // (Q6_K's offset: Σ(q - 32)·x̂ = Σq·x̂ - 32·Σx̂ lets its unsigned quants go straight into maddubs / vpdpbusd).
+// The one-pass kernels (Activations::Q8Fast) read only the first pass q with its own step, d1 + t·ld_blocks
+// (max|x| / 127), and the sums per 16 of that pass's values, group_sums1 + 2t·ld_blocks.
 struct Q8Acts {
     const int8_t * q;
     const int8_t * qr;
@@ -36,25 +38,50 @@ struct Q8Acts {
     const float *  group_sums;
     int64_t        ldq;
     int64_t        ld_blocks;
+    const float *  d1;
+    const float *  group_sums1;
 };
 
 // One weight row of n elements against nt (1..4) quantized activation rows: out[t·out_stride] = Σ_blocks
 // d_w·d_x·Σ q_w·q_x (+ min terms).
 using RowDotQ8Fn = void (*)(const void * w_row, const Q8Acts & act, int nt, int64_t n, float * out, int64_t out_stride);
 
+// The 8-bit kernels of these types prefetch their own weights, a fixed distance ahead of each super-block
+// (kWeightPrefetchBytes, quants-dot-avx2-impl.h): the caller requests only the first that many bytes of a row range.
+inline bool q8_kernel_prefetches(GgmlType type) {
+    return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
+}
+constexpr int64_t kQ8KernelPrefetchBytes = 2048;
+
 // Only AVX2 kernels exist: without AVX2 (or for f32 / f16 / bf16 weights) the decode path keeps f32 activations.
 #if defined(KC_X86)
 // AVX2 kernels (quants-dot-avx2.cpp); nullptr for types without an integer kernel (f32, f16, bf16).
 RowDotQ8Fn row_dot_q8_fn_avx2(GgmlType type);
+// One-pass kernels (Activations::Q8Fast's decode): Σ_blocks d_w·d1·Σ q_w·q (+ min terms), x̂ = d1·q per 32
+// (|x - x̂| <= d1 / 2, llama.cpp's Q8_0 rounding), one vpdpbusd / maddubs per 32 weights and token instead of two.
+// Only Q4_K, Q5_K and Q6_K (nullptr for the other types). The AVX2, AVX-VNNI and AVX512-VNNI versions give the same
+// bits: their int32 sums are exact and their f32 steps per output the same, in the same order (the zmm kernel's
+// lanes 0-7 / 8-15 are the ymm kernels' two accumulators).
+RowDotQ8Fn row_dot_q8_onepass_fn_avx2(GgmlType type);
 #if defined(KC_AVXVNNI)
 // The same kernels with AVX-VNNI (quants-dot-avxvnni.cpp); only once cpu_features().avx_vnni is true.
 RowDotQ8Fn row_dot_q8_fn_avxvnni(GgmlType type);
+RowDotQ8Fn row_dot_q8_onepass_fn_avxvnni(GgmlType type);
+#endif
+#if defined(KC_AVX512VNNI)
+// The one-pass kernels on 512-bit vectors (quants-dot-avx512vnni.cpp); only once cpu_features().avx512_vnni.
+RowDotQ8Fn row_dot_q8_onepass_fn_avx512vnni(GgmlType type);
+// The two-pass (default q8) kernels of Q4_K, Q5_K and Q6_K on 512-bit vectors, nullptr for the other types: the
+// same bits as the AVX-VNNI / AVX2 ones (exact int32 sums, the same f32 steps per lane in the same order).
+RowDotQ8Fn row_dot_q8_kquant_fn_avx512vnni(GgmlType type);
 #endif
 // Quantizes n (a multiple of 32) f32 values x into q[n], the residual qr[n], the combined step d[n/32] (d_x / 256),
 // sums[n/32] (Σ of the f32 values) and group_sums[n/16] (Σ of the quantized values per 16: step·Σ(256·q + qr), the
 // integer sum exact, one rounding). Rounding: x·(1/d_x) in f32 to nearest, ties to even; the residual x - d_x·q is
-// rounded once to f32, then (x - d_x·q)·(256/d_x) to nearest and saturated to ±127.
-void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums, float * group_sums);
+// rounded once to f32, then (x - d_x·q)·(256/d_x) to nearest and saturated to ±127. Where d1 is given, also the
+// first pass's step d1[n/32] (d_x) and group_sums1[n/16] (d_x·Σq per 16, the integer sum exact, one rounding).
+void quantize_q8_avx2(const float * x, int64_t n, int8_t * q, int8_t * qr, float * d, float * sums, float * group_sums,
+                      float * d1 = nullptr, float * group_sums1 = nullptr);
 #endif
 
 }  // namespace kvcmas::cpu::detail

@@ -362,7 +362,7 @@ def add_core_arguments(p: argparse.ArgumentParser) -> None:
         "--activations",
         default="q8",
         choices=["q8", "q8-fast", "f32"],
-        help="kvcmas matmul activations (default q8: two 8-bit passes; q8-fast: K-quant prefill in one 8-bit pass, "
+        help="kvcmas matmul activations (default q8: two 8-bit passes; q8-fast: K-quant matmuls in one 8-bit pass, "
         "as llama.cpp; f32: the exact path)",
     )
     p.add_argument(

@@ -39,7 +39,7 @@ class Model:
             integer dot products, like llama.cpp (fast; logits within a stated bound of the exact ones, 100% top-1
             agreement on real text, docs/quant-kernels.md);
             "f32" keeps them exact (the logits transformers computes, to f32 rounding); "q8-fast" is "q8" except
-            for the prefill of Q4_K/Q5_K/Q6_K weights on CPUs with AVX2, which takes one 8-bit pass
+            for Q4_K/Q5_K/Q6_K weights on CPUs with AVX2, whose prefill and decode take one 8-bit pass
             (llama.cpp's accuracy, faster; docs/prefill-kernels.md). F16/BF16/F32 weights and the CUDA backend
             always use f32 activations.
     """
