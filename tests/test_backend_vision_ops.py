@@ -89,6 +89,8 @@ def _segment_reference(q, k, v, n_head, seg):
         (3, 24, [0, 5, 70, 71, 600]),  # one row alone, short segments (fused kernel), one of 529 (the GEMM path)
         (2, 80, [0, 64, 128, 192]),  # Qwen2.5-VL's head size, its 8 x 8-patch windows
         (1, 8, [0, 1]),
+        (2, 72, [0, 1000]),  # Gemma 3's head size: a long segment over a partial key panel and query block
+        (2, 80, [0, 20, 1043]),  # Qwen2.5-VL's head size in a full-attention block (a partial value panel)
     ],
 )
 def test_segment_attention(ops, n_head: int, hd: int, seg: list[int]) -> None:
@@ -98,6 +100,15 @@ def test_segment_attention(ops, n_head: int, hd: int, seg: list[int]) -> None:
     got = ops.segment_attention(q * 2, k, v, n_head, seg)
     ref = _segment_reference(q * 2, k, v, n_head, seg)
     np.testing.assert_allclose(got, ref, rtol=ATTN_TOL[ops.name], atol=ATTN_TOL[ops.name])
+
+
+def test_segment_attention_bits_do_not_depend_on_threads() -> None:
+    """A long segment (the CPU's blocked attention on AVX-512 machines, else its GEMMs) gives the same bits at 1
+    and 2 threads: every output is one fixed order of operations, whichever thread computes it."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((700, 3 * 72)).astype(np.float32) for _ in range(3))
+    one, two = (testing.BackendOps("cpu", t).segment_attention(q, k, v, 3, [0, 3, 700]) for t in (1, 2))
+    np.testing.assert_array_equal(one, two)
 
 
 def test_segment_attention_refuses_bad_segments(ops) -> None:

@@ -8,15 +8,20 @@
 //   broadcasts of the activations feed 28 FMAs.
 // Every output is Σ over k blocks in order of the block's FMA chain: the bits do not depend on the unit, the thread
 // or n_tok.
+// The same panels and micro kernel serve the vision towers' attention over long segments (attention_packed_avx512):
+// keys and values packed once per head, then per block of 56 query rows the scores, their exp and P·V while the
+// block's scores stay in L2.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 
 #include "backend/cpu/matmul-impl.h"
 
-// GCC 12 reports the intrinsics' internal _mm512_undefined_* operands as maybe uninitialized (a false positive).
+// GCC 12 reports the intrinsics' internal _mm512_undefined_* operands as (maybe) uninitialized (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace kvcmas::cpu::detail {
 namespace {
@@ -28,6 +33,13 @@ constexpr int64_t kBlockN = 256;  // weight rows per unit: the packed k block is
 constexpr int64_t kMaxM   = 512;  // token rows per unit at most (the unit's activations k block: 512 KiB, L2)
 
 thread_local ScratchBuffer tl_packed;
+thread_local ScratchBuffer tl_scores;  // attention: one query block's scores and scaled queries
+thread_local ScratchBuffer tl_heads;   // attention (the calling thread's): every head's packed keys and values
+
+// The first n lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 first_lanes(int n) {
+    return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << n) - 1);
+}
 
 // 16x16 f32 transpose in registers: r[i] holds row i on entry, column i on return.
 inline void transpose16(__m512 r[16]) {
@@ -60,7 +72,7 @@ inline void transpose16(__m512 r[16]) {
 // Elements [k, k + kn) (kn <= 16) of a stored row as f32, zero past kn.
 template <GgmlType T>
 inline __m512 load_row16(const char * row, int64_t k, int kn) {
-    const __mmask16 m = kn >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << kn) - 1);
+    const __mmask16 m = first_lanes(kn);
     if constexpr (T == GgmlType::F32) {
         return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float *>(row) + k);
     } else if constexpr (T == GgmlType::F16) {
@@ -127,8 +139,7 @@ void micro(const float * x, int64_t ldx, const float * panel, int64_t kn, float 
     }
     __mmask16 mask[NV];
     for (int v = 0; v < NV; ++v) {
-        const int n = nc - 16 * v;
-        mask[v]     = n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << n) - 1);
+        mask[v] = first_lanes(nc - 16 * v);
     }
 #pragma GCC unroll 14
     for (int m = 0; m < MR; ++m) {
@@ -211,6 +222,137 @@ void gemm_packed_avx512(const WeightView & w, const float * x, float * y, int64_
                             x + t0 * K + k0, K, packed + static_cast<int64_t>(p) * kPanelN * kn, kn,
                             y + t0 * N + r0 + p * kPanelN, N, nc, k0 > 0);
                     }
+                }
+            }
+        }
+    });
+}
+
+// e^x per lane for x <= 0 (clamped below -87, where it is 0 to f32's precision): the range reduction and degree-6
+// polynomial of exp_avx2 (simd-avx2.h), the power of two applied by scalef; about 1e-7 relative error.
+inline __m512 exp_nonpositive(__m512 x) {
+    x        = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 f = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    f        = _mm512_roundscale_ps(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x        = _mm512_fnmadd_ps(f, _mm512_set1_ps(0.693359375f), x);
+    x        = _mm512_fnmadd_ps(f, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y        = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y        = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y        = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y        = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y        = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y        = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, f);
+}
+
+// x[i] = e^(x[i] - max(x)) over one row of n scores; returns 1 / Σ x[i] (the sum over 16 f32 lanes, then in f64),
+// the softmax's division left to the caller.
+float exp_shifted_row(float * x, int64_t n) {
+    __m512  vmax = _mm512_set1_ps(x[0]);
+    int64_t i    = 0;
+    for (; i + 16 <= n; i += 16) {
+        vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(x + i));
+    }
+    const __mmask16 tail = first_lanes(static_cast<int>(n - i));
+    vmax                 = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, x + i));
+    const __m512 vm      = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512       vsum    = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+        _mm512_storeu_ps(x + i, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), vm));
+    _mm512_mask_storeu_ps(x + i, tail, e);
+    vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, vsum);
+    double sum = 0.0;
+    for (float l : lanes) {
+        sum += l;
+    }
+    return static_cast<float>(1.0 / sum);
+}
+
+// Query rows per attention task: their scores (56 x n floats, 896 KiB at n = 4096) stay in L2 from Q·Kᵀ through
+// the softmax to P·V.
+constexpr int64_t kQueryBlock = 4 * kMicroM;
+
+void attention_packed_avx512(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
+                             int64_t a, int64_t n, ThreadPool & pool) {
+    const int64_t hd = E / H, n_kpan = (n + kPanelN - 1) / kPanelN, n_vpan = (hd + kPanelN - 1) / kPanelN;
+    // Per head: keys as 32-key panels over all hd (element [d][key] at d·32 + key), then values as panels of 32
+    // columns over all n keys (element [key][c] at key·32 + c, zero past hd).
+    const int64_t        k_floats = n_kpan * kPanelN * hd, per_head = k_floats + n_vpan * kPanelN * n;
+    auto *               packed = static_cast<float *>(tl_heads.get(static_cast<size_t>(H * per_head) * sizeof(float)));
+    constexpr int64_t    kChunk = 8 * kPanelN;  // keys per packing unit
+    const int64_t        n_chunks = (n + kChunk - 1) / kChunk;
+    std::atomic<int64_t> next{ 0 };
+    pool.run([&](int, int) {
+        for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < H * n_chunks;
+             u         = next.fetch_add(1, std::memory_order_relaxed)) {
+            const int64_t    h = u / n_chunks, r0 = (u % n_chunks) * kChunk;
+            const int        nr = static_cast<int>(std::min(kChunk, n - r0));
+            float *          kp = packed + h * per_head, *vp = kp + k_floats;
+            const WeightView keys{ GgmlType::F32, k + a * E + h * hd, hd, n, static_cast<size_t>(E) * sizeof(float) };
+            pack_weights<GgmlType::F32>(keys, r0, nr, 0, hd, kp + r0 * hd);
+            for (int64_t t = r0; t < r0 + nr; ++t) {
+                const float * src = v + (a + t) * E + h * hd;
+                for (int64_t p = 0; p < n_vpan; ++p) {
+                    const int nc  = static_cast<int>(std::min<int64_t>(kPanelN, hd - p * kPanelN));
+                    float *   dst = vp + p * kPanelN * n + t * kPanelN;
+                    _mm512_store_ps(dst, _mm512_maskz_loadu_ps(first_lanes(nc), src + p * kPanelN));
+                    _mm512_store_ps(dst + 16, _mm512_maskz_loadu_ps(first_lanes(nc - 16), src + p * kPanelN + 16));
+                }
+            }
+        }
+    });
+    const int64_t n_qb  = (n + kQueryBlock - 1) / kQueryBlock;
+    const float   scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    next                = 0;
+    pool.run([&](int, int) {
+        auto *  s  = static_cast<float *>(tl_scores.get(static_cast<size_t>(kQueryBlock * (n + hd)) * sizeof(float)));
+        float * qs = s + kQueryBlock * n;
+        for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < H * n_qb;
+             u         = next.fetch_add(1, std::memory_order_relaxed)) {
+            const int64_t h = u / n_qb, q0 = (u % n_qb) * kQueryBlock, nq = std::min(kQueryBlock, n - q0);
+            const float * kp = packed + h * per_head, *vp = kp + k_floats;
+            for (int64_t t = 0; t < nq; ++t) {
+                for (int64_t d = 0; d < hd; ++d) {
+                    qs[t * hd + d] = q[(a + q0 + t) * E + h * hd + d] * scale;
+                }
+            }
+            // Scores: each key panel stays in L1 across the block's micro tiles.
+            for (int64_t p = 0; p < n_kpan; ++p) {
+                const int nc = static_cast<int>(std::min<int64_t>(kPanelN, n - p * kPanelN));
+                for (int64_t t0 = 0; t0 < nq; t0 += kMicroM) {
+                    const int tn = static_cast<int>(std::min<int64_t>(kMicroM, nq - t0));
+                    (nc > 16 ? MicroTable<2>::fn : MicroTable<1>::fn)[tn](qs + t0 * hd, hd, kp + p * kPanelN * hd, hd,
+                                                                          s + t0 * n + p * kPanelN, n, nc, false);
+                }
+            }
+            float inv_sum[kQueryBlock];
+            for (int64_t t = 0; t < nq; ++t) {
+                inv_sum[t] = exp_shifted_row(s + t * n, n);
+            }
+            // Probabilities times values, k blocks of kBlockK keys added in order, straight into the output rows.
+            for (int64_t k0 = 0; k0 < n; k0 += kBlockK) {
+                const int64_t kn = std::min(kBlockK, n - k0);
+                for (int64_t t0 = 0; t0 < nq; t0 += kMicroM) {
+                    const int tn = static_cast<int>(std::min<int64_t>(kMicroM, nq - t0));
+                    for (int64_t p = 0; p < n_vpan; ++p) {
+                        const int nc = static_cast<int>(std::min<int64_t>(kPanelN, hd - p * kPanelN));
+                        (nc > 16 ? MicroTable<2>::fn : MicroTable<1>::fn)[tn](
+                            s + t0 * n + k0, n, vp + p * kPanelN * n + k0 * kPanelN, kn,
+                            out + (a + q0 + t0) * E + h * hd + p * kPanelN, E, nc, k0 > 0);
+                    }
+                }
+            }
+            for (int64_t t = 0; t < nq; ++t) {  // the softmax's division, on hd outputs instead of n scores
+                float * o = out + (a + q0 + t) * E + h * hd;
+                for (int64_t d = 0; d < hd; ++d) {
+                    o[d] *= inv_sum[t];
                 }
             }
         }

@@ -94,6 +94,14 @@ constexpr int64_t kFusedSegmentMax = 512;
 #ifdef KC_X86
 void softmax_avx2(float * x, int64_t n);  // vision-kernels-avx2.cpp
 #endif
+#ifdef KC_AVX512
+namespace detail {
+// One segment of n rows from row a, all heads, as blocks of query rows whose scores stay in cache
+// (matmul-packed-avx512.cpp; AVX-512 CPUs only).
+void attention_packed_avx512(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
+                             int64_t a, int64_t n, ThreadPool & pool);
+}  // namespace detail
+#endif
 
 static void softmax_rows(float * x, int64_t n_rows, int64_t n, ThreadPool & pool) {
 #ifdef KC_X86
@@ -165,6 +173,12 @@ void segment_attention(const float * q, const float * k, const float * v, float 
     for (int s = 0; s < n_seg; ++s) {
         const int64_t a = seg[s], n = seg[s + 1] - seg[s];
         if (n > kFusedSegmentMax) {
+#ifdef KC_AVX512
+            if (cpu_features().avx512) {
+                detail::attention_packed_avx512(q, k, v, out, E, H, a, n, pool);
+                continue;
+            }
+#endif
             gemm_attention(q, k, v, out, E, H, a, n, scratch, pool);
             continue;
         }

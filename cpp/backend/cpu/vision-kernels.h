@@ -28,7 +28,9 @@ void softmax(float * x, int64_t n);
 // each head h (columns [h·hd, (h + 1)·hd), hd = E / H), out[t] = softmax(q[t]·Kᵀ / sqrt(hd)) V over the
 // segment's rows. q, k, v, out are [N][E] row-major, seg (n_seg + 1 entries) ascending from 0 to N. Short segments
 // (Qwen's windows) run the fused kernel (attend_block), all segments' query blocks in one parallel job; long ones
-// run head by head as two GEMMs (scores = q·Kᵀ, out = softmax(scores)·V) through scratch (n² + 3·n·hd floats).
+// run, on AVX-512 CPUs, as blocks of query rows whose scores stay in cache (matmul-packed-avx512.cpp), elsewhere
+// head by head as two GEMMs (scores = q·Kᵀ, out = softmax(scores)·V) through scratch (n² + 3·n·hd floats). The
+// bits do not depend on the thread count.
 void segment_attention(const float * q, const float * k, const float * v, float * out, int64_t E, int64_t H,
                        const int64_t * seg, int n_seg, std::vector<float> & scratch, ThreadPool & pool);
 
