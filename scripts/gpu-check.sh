@@ -59,8 +59,8 @@ MODELS=/tmp/kvcmas-bench-models
 timeout 180 "$PY" models/make_bench_models.py "$MODELS" smollm2-135m qwen2-0.5b llama3-8b 2>&1 | tee -a "$REPORT" &
 MODELS_PID=$!
 
-step "GPU tests (tests/test_backend_ops.py)"
-timeout 150 "$PY" -m pytest -q -x tests/test_backend_ops.py -rs -p no:cacheprovider 2>&1 | tail -25 | tee -a "$REPORT"
+step "GPU tests (tests/test_backend_ops.py, tests/test_backend_vision_ops.py)"
+timeout 150 "$PY" -m pytest -q -x tests/test_backend_ops.py tests/test_backend_vision_ops.py -rs -p no:cacheprovider 2>&1 | tail -25 | tee -a "$REPORT"
 wait "$MODELS_PID"
 
 step "benchmarks (scripts/gpu_bench.py; kvcmas and PyTorch, fp16 weights, f16 KV)"

@@ -17,10 +17,9 @@ from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
 from helpers.native import require_testing, testing
-from helpers.quants import K_TYPES, make_weight
+from helpers.quants import K_TYPES, activations, assert_one_pass_product, make_weight, write_k_quant_cases
+from helpers.real_text import REAL_K_QUANT_MODEL, chunked_logits, real_text_ids
 from kvcmas_cpp._native import core
-from test_qgemm_onepass import REAL_K_QUANT_MODEL, activations, assert_one_pass_product
-from test_quant_q8 import chunked_logits, real_text_ids
 
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
@@ -78,13 +77,7 @@ def test_decode_same_bits_on_every_isa(tmp_path: Path) -> None:
     per lane)."""
     require_testing()
     rng = np.random.default_rng(23000)
-    cases = []
-    for qtype in K_TYPES:
-        for n_in in (1536, 8960):
-            raw, _ = make_weight(qtype, N_OUT, n_in, rng)
-            (tmp_path / f"{qtype.name}-{n_in}.bin").write_bytes(raw)
-            np.save(tmp_path / f"x-{n_in}.npy", activations(np.random.default_rng(n_in), 16, n_in))
-            cases.append((int(qtype), qtype.name, n_in))
+    cases = write_k_quant_cases(tmp_path, rng, N_OUT, 16)
     script = (
         "import sys, json, numpy as np; from pathlib import Path; from kvcmas_cpp._native import testing_module; "
         f"t = testing_module(); d = Path({str(tmp_path)!r}); "

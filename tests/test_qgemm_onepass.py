@@ -13,39 +13,15 @@ from gguf import GGMLQuantizationType as QT
 
 import kvcmas_cpp as kc
 from helpers.native import require_testing, testing
-from helpers.quants import K_TYPES, exact_product, make_weight, max_scaled_err, min_part, quantize_q8_one_pass
+from helpers.quants import K_TYPES, activations, assert_one_pass_product, make_weight, write_k_quant_cases
+from helpers.real_text import REAL_K_QUANT_MODEL, chunked_logits, real_text_ids
 from kvcmas_cpp._native import core
-from test_quant_q8 import chunked_logits, real_text_ids
 
 # With AVX512-VNNI or AVX2 the one-pass GEMM runs (the same bits); else q8-fast is q8 everywhere.
 ONE_PASS = bool(core.cpu_features().get("avx512_vnni") or core.cpu_features().get("qgemm_avx2"))
 pytestmark = pytest.mark.skipif(
     not core.cpu_features()["avx2_fma_f16c"], reason="the 8-bit activation kernels are AVX2 kernels"
 )
-
-
-def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
-    """Normal activations with an outlier channel (coarse steps in its blocks) and one all-zero block."""
-    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-    x[:, 5] = np.where(np.arange(n_tok) % 2 == 0, 50.0, -50.0)
-    x[0, -32:] = 0.0
-    return x
-
-
-def assert_one_pass_product(one: np.ndarray, qtype: QT, raw: bytes, w: np.ndarray, x: np.ndarray) -> None:
-    """one = numpy's dequantize(w)·x̂ for x̂ = d·q (one pass) to f32 rounding, within |Δy| <= Σ_blocks (d/2)·Σ|w - m|
-    of the exact product, and not q8's two passes (whose error is 256 times smaller)."""
-    n_out, n_in = w.shape
-    mins = min_part(raw, qtype, n_out, n_in)
-    xq, d = quantize_q8_one_pass(x)
-    ref = xq @ (w - mins).T + x.astype(np.float64) @ mins.T
-    magnitude = np.abs(xq) @ np.abs(w - mins).T + np.abs(x) @ np.abs(mins).T
-    assert max_scaled_err(one, ref, magnitude) < 1e-5
-    exact, exact_magnitude = exact_product(x, w)
-    bound = (d / 2) @ np.abs(w - mins).reshape(n_out, -1, 32).sum(axis=-1).T
-    assert (np.abs(one - exact) <= bound * (1 + 1e-6) + 1e-5 * exact_magnitude).all()
-    two = testing.matmul(int(qtype), raw, n_in, n_out, x, 1, "q8")
-    assert np.abs(one - exact).mean() > 10 * np.abs(two - exact).mean()
 
 
 @pytest.mark.parametrize(("n_in", "n_tok"), [(1536, 17), (2048, 64), (8960, 23)])
@@ -99,9 +75,6 @@ def test_tiny_model_one_pass_prefill_close_to_exact(tiny_models, type_name: str)
     assert np.array_equal(logits["q8-fast"], logits["q8"]) != ONE_PASS
 
 
-REAL_K_QUANT_MODEL = Path(os.path.expanduser("~/.cache/kvcmas/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf"))
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not REAL_K_QUANT_MODEL.exists(), reason="kvcmas models pull qwen2.5-coder-0.5b")
 def test_real_model_one_pass_prefill_agrees_with_exact_path() -> None:
@@ -127,13 +100,7 @@ def test_one_pass_avx2_gives_the_bits_of_avx512_vnni(tmp_path: Path) -> None:
 
     require_testing()  # the child process loads it
     rng = np.random.default_rng(13000)
-    cases = []
-    for qtype in K_TYPES:
-        for n_in in (1536, 8960):
-            raw, _ = make_weight(qtype, 37, n_in, rng)
-            (tmp_path / f"{qtype.name}-{n_in}.bin").write_bytes(raw)
-            np.save(tmp_path / f"x-{n_in}.npy", activations(np.random.default_rng(n_in), 23, n_in))
-            cases.append((int(qtype), qtype.name, n_in))
+    cases = write_k_quant_cases(tmp_path, rng, 37, 23)
     script = (
         "import sys, json, numpy as np; from pathlib import Path; from kvcmas_cpp._native import core, testing_module; "
         f"t = testing_module(); d = Path({str(tmp_path)!r}); "

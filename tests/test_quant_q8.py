@@ -23,6 +23,7 @@ from helpers.native import require_testing, testing
 from helpers.quants import (
     BLOCK32_TYPES,
     K_TYPES,
+    activations,
     block_size,
     exact_product,
     make_weight,
@@ -30,6 +31,7 @@ from helpers.quants import (
     min_part,
     quantize_q8,
 )
+from helpers.real_text import agreement, chunked_logits, real_text_ids
 from kvcmas_cpp._native import core
 
 Q8_TYPES = BLOCK32_TYPES + K_TYPES + [QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.IQ4_XS]  # the types with 8-bit kernels
@@ -50,15 +52,6 @@ pytestmark = pytest.mark.skipif(
 
 def shapes_for(qtype: QT) -> list[tuple[int, int]]:
     return [(256, 7), (768, 97)] if block_size(qtype) == 256 else [(32, 7), (96, 97), (576, 20)]
-
-
-def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
-    """Normal activations with an outlier channel (as hidden states have: it makes its block's steps coarse) and one
-    all-zero block (scale 0)."""
-    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
-    x[:, 5] = np.where(np.arange(n_tok) % 2 == 0, 50.0, -50.0)
-    x[0, -32:] = 0.0
-    return x
 
 
 N_TOKS = [1, 2, 3, 4, 5, 8, 13, 16]
@@ -216,34 +209,6 @@ def test_activations_option_is_checked() -> None:
 
 
 # ---- whole models -------------------------------------------------------------------------------------------------
-
-
-def real_text_ids(model: kc.Model, n: int) -> list[int]:
-    """n tokens of real text: GSM8K questions (shipped with the package), one after another."""
-    ids: list[int] = []
-    with open(kc.sharing.gsm8k_path(), encoding="utf-8") as f:
-        for line in f:
-            ids += model.tokenize(json.loads(line)["question"] + "\n")
-            if len(ids) >= n:
-                return ids[:n]
-    raise AssertionError("GSM8K ran out of text")
-
-
-def chunked_logits(model: kc.Model, ids: Sequence[int], chunk: int) -> np.ndarray:
-    """Logits at every position, appending `chunk` tokens per call (the decode path for chunk <= 16)."""
-    rows = []
-    with model.new_sequence() as seq:
-        for i in range(0, len(ids), chunk):
-            out = seq.append(ids[i : i + chunk], logits="all")
-            assert out is not None
-            rows.append(out)
-    return np.concatenate(rows)
-
-
-def agreement(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """(top-1 agreement, rms difference / std of b)."""
-    top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
-    return top1, float(np.sqrt(np.mean((a - b) ** 2)) / b.std())
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+
+from helpers.native import testing
 
 FLOAT_TYPES = [QT.F32, QT.F16, QT.BF16]
 BLOCK32_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
@@ -98,3 +102,42 @@ def min_part(raw: bytes, qtype: QT, n_out: int, n_in: int) -> np.ndarray:
     blocks = np.frombuffer(raw, dtype=np.uint8).reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1]).copy()
     blocks[:, 0:2] = 0  # d (f16 +0); the min (Q4_1/Q5_1 m, K-quant dmin) follows it
     return gguf.quants.dequantize(blocks, qtype).astype(np.float64).reshape(n_out, n_in)
+
+
+def activations(rng: np.random.Generator, n_tok: int, n_in: int) -> np.ndarray:
+    """Normal activations with an outlier channel (as hidden states have: it makes its block's steps coarse) and one
+    all-zero block (scale 0)."""
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    x[:, 5] = np.where(np.arange(n_tok) % 2 == 0, 50.0, -50.0)
+    x[0, -32:] = 0.0
+    return x
+
+
+def assert_one_pass_product(one: np.ndarray, qtype: QT, raw: bytes, w: np.ndarray, x: np.ndarray) -> None:
+    """one = numpy's dequantize(w)·x̂ for x̂ = d·q (one pass) to f32 rounding, within |Δy| <= Σ_blocks (d/2)·Σ|w - m|
+    of the exact product, and not q8's two passes (whose error is 256 times smaller)."""
+    n_out, n_in = w.shape
+    mins = min_part(raw, qtype, n_out, n_in)
+    xq, d = quantize_q8_one_pass(x)
+    ref = xq @ (w - mins).T + x.astype(np.float64) @ mins.T
+    magnitude = np.abs(xq) @ np.abs(w - mins).T + np.abs(x) @ np.abs(mins).T
+    assert max_scaled_err(one, ref, magnitude) < 1e-5
+    exact, exact_magnitude = exact_product(x, w)
+    bound = (d / 2) @ np.abs(w - mins).reshape(n_out, -1, 32).sum(axis=-1).T
+    assert (np.abs(one - exact) <= bound * (1 + 1e-6) + 1e-5 * exact_magnitude).all()
+    two = testing.matmul(int(qtype), raw, n_in, n_out, x, 1, "q8")
+    assert np.abs(one - exact).mean() > 10 * np.abs(two - exact).mean()
+
+
+def write_k_quant_cases(folder: Path, rng: np.random.Generator, n_out: int, n_tok: int) -> list[tuple[int, str, int]]:
+    """Q4_K, Q5_K and Q6_K weights of n_out rows at 1,536 and 8,960 columns written to folder/{type}-{n_in}.bin and
+    n_tok activation rows per width to folder/x-{n_in}.npy, for a child process (another instruction set) to
+    multiply: returns the cases as (type, type name, n_in)."""
+    cases = []
+    for qtype in K_TYPES:
+        for n_in in (1536, 8960):
+            raw, _ = make_weight(qtype, n_out, n_in, rng)
+            (folder / f"{qtype.name}-{n_in}.bin").write_bytes(raw)
+            np.save(folder / f"x-{n_in}.npy", activations(np.random.default_rng(n_in), n_tok, n_in))
+            cases.append((int(qtype), qtype.name, n_in))
+    return cases
