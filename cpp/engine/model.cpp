@@ -250,9 +250,18 @@ void Model::load_weights() {
     tok_embd_    = load(loader.matrix(names::kTensorTokenEmbd, E, p_.n_vocab));
     output_      = p_.tied_output ? tok_embd_ : load(loader.matrix(names::kTensorOutput, E, p_.n_vocab));
     output_norm_ = backend::upload_floats(*backend_, loader.vector_f32(names::kTensorOutputNorm, E, true));
+    // A backend that copies the weights (the CPU one, onto huge pages) no longer reads the mapping's pages: they are
+    // dropped after every layer, so the process never holds both copies of the whole file.
+    const bool copied = tok_embd_.data != loader.matrix(names::kTensorTokenEmbd, E, p_.n_vocab).data;
     layers_.resize(static_cast<size_t>(p_.n_layer));
     for (int64_t il = 0; il < p_.n_layer; ++il) {
+        if (copied) {
+            file_->release_resident();
+        }
         arch_->load_layer(loader, *backend_, p_, static_cast<int>(il), layers_[static_cast<size_t>(il)]);
+    }
+    if (copied) {
+        file_->release_resident();
     }
 }
 

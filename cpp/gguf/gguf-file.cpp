@@ -537,6 +537,12 @@ GgufFile::~GgufFile() {
     }
 }
 
+void GgufFile::release_resident() const {
+    if (map_ != nullptr) {
+        ::madvise(map_, size_, MADV_DONTNEED);
+    }
+}
+
 const Value * GgufFile::find(const std::string & key) const {
     const auto it = kv_index_.find(key);
     return it == kv_index_.end() ? nullptr : &kv_[it->second].second;

@@ -98,6 +98,10 @@ class GgufFile {
     const std::vector<TensorInfo> & tensors() const { return tensors_; }
     const TensorInfo *              find_tensor(const std::string & name) const;  // nullptr if absent
 
+    // Drops this process's page mappings of the file (MADV_DONTNEED): every pointer stays valid and a later read maps
+    // its page again from the page cache. For a caller that copied the tensors it reads (no doubled resident size).
+    void release_resident() const;
+
   private:
     std::string                                path_;
     uint32_t                                   version_     = 0;

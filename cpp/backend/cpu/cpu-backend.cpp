@@ -4,8 +4,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <new>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -94,11 +96,30 @@ class CpuBackend final : public Backend {
     void   upload(void * dst, const void * src, size_t bytes) override { std::memcpy(dst, src, bytes); }
     void   download(void * dst, const void * src, size_t bytes) override { std::memcpy(dst, src, bytes); }
 
+    // Weights are copied into anonymous memory on 2 MiB pages: decode streams every weight once per token, and
+    // read from the file's mapping (4 KiB page-cache pages) it ran at ~3/4 of that speed on this VM (issue 45,
+    // docs/prefill-kernels.md Round 6). KVCMAS_WEIGHTS_IN_PLACE=1 reads the host data in place instead.
     Weight upload_weight(GgmlType type, const void * host, int64_t n_in, int64_t n_out, size_t row_bytes) override {
-        return Weight{ type, host, n_in, n_out, row_bytes };
+        static const bool in_place = std::getenv("KVCMAS_WEIGHTS_IN_PLACE") != nullptr;
+        const size_t      bytes    = row_bytes * static_cast<size_t>(n_out);
+        const void *      copy     = in_place || bytes == 0 ? nullptr : copy_on_huge_pages(host, bytes);
+        return Weight{ type, copy != nullptr ? copy : host, n_in, n_out, row_bytes };
     }
 
-    void free_weight(const Weight &) override {}  // the file's mapping: nothing was copied
+    void free_weight(const Weight & w) override {
+        const std::lock_guard<std::mutex> lock(copies_mutex_);
+        const auto                        it = copies_.find(w.data);
+        if (it != copies_.end()) {
+            unmap_copy(it->first, it->second);
+            copies_.erase(it);
+        }
+    }
+
+    ~CpuBackend() override {
+        for (const auto & c : copies_) {
+            unmap_copy(c.first, c.second);
+        }
+    }
 
     std::shared_ptr<const Factors> upload_factors(int rank, int32_t n_rows, int64_t, const float * a_k,
                                                   const float * b_k, const float * a_v, const float * b_v) override {
@@ -442,6 +463,44 @@ class CpuBackend final : public Backend {
     }
 
   private:
+    // A copy of `bytes` bytes of host at a 2 MiB-aligned address with MADV_HUGEPAGE, or nullptr when no memory
+    // could be mapped (the caller then reads host in place).
+    const void * copy_on_huge_pages(const void * host, size_t bytes) {
+#if defined(__linux__)
+        constexpr size_t kHuge = size_t(1) << 21;
+        const size_t     len   = (bytes + 4095) & ~size_t(4095);
+        void *           p     = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            return nullptr;
+        }
+        auto *       base = static_cast<char *>(p);
+        char *       a    = reinterpret_cast<char *>((reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~(kHuge - 1));
+        const size_t head = static_cast<size_t>(a - base);
+        if (head > 0) {
+            munmap(base, head);  // the slack around the aligned range goes back at once
+        }
+        if (kHuge - head > 0) {
+            munmap(a + len, kHuge - head);
+        }
+        madvise(a, len, MADV_HUGEPAGE);
+        std::memcpy(a, host, bytes);
+        mprotect(a, len, PROT_READ);
+        const std::lock_guard<std::mutex> lock(copies_mutex_);
+        copies_.emplace(a, len);
+        return a;
+#else
+        (void)host;
+        (void)bytes;
+        return nullptr;
+#endif
+    }
+    static void unmap_copy(const void * p, size_t len) {
+#if defined(__linux__)
+        munmap(const_cast<void *>(p), len);
+#endif
+    }
+    std::mutex                               copies_mutex_;
+    std::unordered_map<const void *, size_t> copies_;  // weight copies: address -> mapped length
     // Corrected runs that enough queries of this call read are corrected once into copy_ (K + A_k·B_k, V + A_v·B_v,
     // f32, in the stored frame) and read as plain runs: the fused correction costs each query O(rank) per key and head,
     // a copy O(rank·kd) per key once, so a copy is cheaper when the queries that see the run times n_head reach kd
