@@ -17,6 +17,7 @@ VisionEncoder::VisionEncoder(const std::string & path, int n_threads, const std:
     : file_(std::make_unique<gguf::GgufFile>(path)), be_(make_tower_backend(path, backend_name, n_threads)) {
     load_params();
     load_weights();
+    file_->release_resident();  // the backend copied the weights (CPU: onto huge pages); no doubled resident size
 }
 
 VisionEncoder::~VisionEncoder() = default;
