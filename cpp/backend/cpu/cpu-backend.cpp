@@ -13,6 +13,9 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/mman.h>
 #endif
+#if defined(__linux__)
+#include <sys/sysinfo.h>
+#endif
 
 #include "backend/cpu/attention.h"
 #include "backend/cpu/cpu-features.h"
@@ -464,12 +467,19 @@ class CpuBackend final : public Backend {
 
   private:
     // A copy of `bytes` bytes of host at a 2 MiB-aligned address with MADV_HUGEPAGE, or nullptr when no memory
-    // could be mapped (the caller then reads host in place).
+    // could be mapped or the copy would leave less than kKeepFree of free memory (the caller then reads host in
+    // place: a file larger than the free memory still loads, its later weights read from the page cache).
     const void * copy_on_huge_pages(const void * host, size_t bytes) {
 #if defined(__linux__)
-        constexpr size_t kHuge = size_t(1) << 21;
-        const size_t     len   = (bytes + 4095) & ~size_t(4095);
-        void *           p     = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        constexpr size_t kHuge     = size_t(1) << 21;
+        constexpr size_t kKeepFree = size_t(1) << 30;
+        const size_t     len       = (bytes + 4095) & ~size_t(4095);
+        struct sysinfo   mem{};
+        if (sysinfo(&mem) == 0 &&
+            (static_cast<uint64_t>(mem.freeram) + mem.bufferram) * mem.mem_unit < uint64_t(len) + kKeepFree) {
+            return nullptr;
+        }
+        void * p = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             return nullptr;
         }
